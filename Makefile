@@ -1,0 +1,29 @@
+# Two commands for a newcomer:  `make demo` (the main job)  and  `make test`.
+# Both create .venv on first use. torch is pinned to the CPU wheel (pyproject.toml).
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+
+.PHONY: demo test lint unit venv bench clean
+
+$(BIN)/pagedkv: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $(BIN)/pagedkv
+
+venv: $(BIN)/pagedkv
+
+demo: venv
+	$(BIN)/pagedkv demo
+
+lint: venv
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check cache_node/engine.py
+	$(BIN)/mypy cache_node protos
+
+test: lint
+	$(BIN)/python -m pytest -q --timeout=300
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,63 @@
+"""pagedkv's adapter for the shared peer benchmark (../shared/peers/kvbench).
+
+Drives the cache node's full bookkeeping -- KVCacheManager with its device and
+host BlockPools, chained blake2b block keys, the eviction policy, integrity-
+relevant refcounts and the stored/removed event queue a node streams to the
+coordinator -- exactly as the node server calls it, minus the tensor copies
+(a NullMover), which is what the peers' block managers measure too.
+
+    python -m kvbench.bench --adapters vllm-blockpool,bench.kvbench_adapter:PagedKVAdapter
+"""
+
+from __future__ import annotations
+
+from kvbench.adapter import Adapter  # type: ignore[import-not-found]
+
+from pagedkv.cache_node.kv_manager import KVCacheManager
+from pagedkv.protos.errors import CapacityExceeded
+
+
+class PagedKVAdapter(Adapter):
+    name = "pagedkv"
+    policy = "lru"
+
+    def versions(self) -> dict:
+        import pagedkv
+
+        return {"pagedkv": pagedkv.__version__, "policy": self.policy, "prefix_hash": "blake2b-128"}
+
+    def setup(self, *, num_blocks, block_size, prefix_caching, max_running, max_model_len):
+        self.mgr = KVCacheManager(
+            num_blocks,
+            block_size,
+            policy=self.policy,
+            enable_prefix_caching=prefix_caching,
+            record_events=True,
+        )
+        self.num_events = 0
+
+    def start(self, rid, prompt):
+        mgr = self.mgr
+        cached = mgr.open(rid, prompt).num_cached_tokens
+        try:
+            mgr.append(rid, prompt[cached:])
+        except CapacityExceeded:
+            mgr.free(rid)
+            return None
+        return cached
+
+    def decode(self, batch):
+        self.mgr.append_tokens([rid for rid, _ in batch], [token for _, token in batch])
+        self.num_events += len(self.mgr.take_events())  # the node drains these every step
+
+    def finish(self, rid):
+        self.mgr.free(rid)
+
+    def stats(self):
+        s = self.mgr.stats()
+        return {"free_blocks": s["free_blocks"], "cached_blocks": s["cached_blocks"], "events": self.num_events}
+
+
+class PagedKVLFUAdapter(PagedKVAdapter):
+    name = "pagedkv-lfu"
+    policy = "lfu"

@@ -1,0 +1,227 @@
+"""BlockPool: the bookkeeping of one tier of blocks (device or host).
+
+Pure Python, no tensors: it decides which block ids hold what; the engine
+moves the bytes. One structure serves as free list and cache (lazy eviction):
+
+    state of a block     refcount   key      where it is listed
+    ---------------------------------------------------------------
+    free                 0          None     _free (a stack)
+    cached, evictable    0          set      the eviction policy
+    cached, pinned       0          set      _pins (and nowhere else)
+    used                 > 0        any      the block tables of its owners
+
+A freed block that has a key stays cached and can be revived by a later
+prefix hit until the policy evicts it. Allocation takes never-keyed blocks
+first, then evicts. Every operation is O(1) (O(log n) for heap policies).
+
+Not thread-safe by itself: the engine holds one lock around every call.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from ..protos.errors import CapacityExceeded, IntegrityError, InvalidArgument
+from .eviction import EvictionPolicy, LRUPolicy
+
+
+class Evicted(NamedTuple):
+    block: int
+    key: bytes
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, policy: EvictionPolicy | None = None, *, tier: str = "device"):
+        if num_blocks < 0:
+            raise InvalidArgument(f"{tier} pool size must be >= 0, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.tier = tier
+        self.policy = policy if policy is not None else LRUPolicy()
+        self.refcount = [0] * num_blocks
+        self.key_of: list[bytes | None] = [None] * num_blocks
+        self.block_of_key: dict[bytes, int] = {}
+        self.pins: dict[int, int] = {}  # block -> pin count
+        # Pop from the end: block 0 is handed out first, which keeps tests' ids readable.
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))
+        self.num_evictions = 0
+
+    # -- queries (never mutate) -------------------------------------------------
+
+    @property
+    def num_free(self) -> int:
+        """Blocks with no key and no reference."""
+        return len(self._free)
+
+    @property
+    def num_evictable(self) -> int:
+        return len(self.policy)
+
+    @property
+    def num_available(self) -> int:
+        """Blocks an allocation can take now: free ones plus evictable cached ones."""
+        return len(self._free) + len(self.policy)
+
+    @property
+    def num_cached(self) -> int:
+        """Keyed blocks nobody references (evictable or pinned)."""
+        return len(self.policy) + sum(1 for b in self.pins if self.refcount[b] == 0)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - self.num_free - self.num_cached
+
+    def lookup(self, key: bytes) -> int | None:
+        return self.block_of_key.get(key)
+
+    # -- allocation -------------------------------------------------------------
+
+    def allocate(self, n: int) -> tuple[list[int], list[Evicted]]:
+        """Take `n` blocks, each with refcount 1 and no key.
+
+        Returns the blocks and the cached blocks evicted to make room (their keys
+        are gone from this pool when this returns; a caller with a lower tier can
+        copy their bytes there before writing the new ones). Raises
+        CapacityExceeded, changing nothing, when fewer than `n` are available.
+        """
+        if n > len(self._free) + len(self.policy):
+            raise CapacityExceeded(f"{self.tier} pool", n, len(self._free) + len(self.policy))
+        free, refcount = self._free, self.refcount
+        out: list[int] = []
+        evicted: list[Evicted] = []
+        for _ in range(n):
+            if free:
+                block = free.pop()
+            else:
+                block = self.policy.pop_victim()
+                key = self.key_of[block]
+                assert key is not None
+                del self.block_of_key[key]
+                self.key_of[block] = None
+                self.policy.forget(block)
+                self.num_evictions += 1
+                evicted.append(Evicted(block, key))
+            refcount[block] = 1
+            out.append(block)
+        return out, evicted
+
+    def allocate_one(self) -> tuple[int, Evicted | None]:
+        """allocate(1) without the lists, for the decode path."""
+        if self._free:
+            block = self._free.pop()
+            self.refcount[block] = 1
+            return block, None
+        blocks, evicted = self.allocate(1)
+        return blocks[0], evicted[0]
+
+    def incref(self, block: int) -> None:
+        """Add a reference; revives a cached block (it stops being evictable)."""
+        if self.refcount[block] == 0 and block in self.policy:
+            self.policy.remove(block)
+        self.refcount[block] += 1
+
+    def free(self, blocks: list[int]) -> None:
+        """Drop one reference from each block, in order. A block that reaches 0
+        becomes cached (if keyed) or free. Callers pass a sequence's blocks
+        tail-first, so with LRU its deepest blocks are evicted before its prefix."""
+        refcount, key_of = self.refcount, self.key_of
+        for block in blocks:
+            rc = refcount[block] - 1
+            if rc < 0:
+                raise IntegrityError(f"{self.tier} block {block} freed more often than referenced")
+            refcount[block] = rc
+            if rc == 0:
+                if key_of[block] is None:
+                    self.policy.forget(block)
+                    self._free.append(block)
+                elif block not in self.pins:
+                    self.policy.add(block)
+
+    # -- keys -------------------------------------------------------------------
+
+    def publish(self, block: int, key: bytes) -> bool:
+        """Give a full block its key so later prefixes can hit it. Returns False
+        (and changes nothing) when the block already has a key or another block
+        holds this key: that block keeps serving hits, this one stays private."""
+        if self.key_of[block] is not None or key in self.block_of_key:
+            return False
+        self.key_of[block] = key
+        self.block_of_key[key] = block
+        return True
+
+    def drop(self, block: int) -> bytes | None:
+        """Remove an unreferenced cached block's key and make it free (e.g. it
+        moved to another tier). Returns the key it had. Unpinned blocks only."""
+        if self.refcount[block] != 0 or block in self.pins:
+            raise IntegrityError(f"{self.tier} block {block} is referenced or pinned; cannot drop")
+        key = self.key_of[block]
+        if key is not None:
+            if block in self.policy:
+                self.policy.remove(block)
+            del self.block_of_key[key]
+            self.key_of[block] = None
+            self.policy.forget(block)
+            self._free.append(block)
+        return key
+
+    # -- pins -------------------------------------------------------------------
+
+    def pin(self, block: int) -> None:
+        """Keyed blocks only. A pinned block is never evicted, referenced or not."""
+        if self.key_of[block] is None:
+            raise InvalidArgument(f"{self.tier} block {block} has no key; only cached prefixes can be pinned")
+        count = self.pins.get(block, 0)
+        if count == 0 and block in self.policy:
+            self.policy.remove(block)
+        self.pins[block] = count + 1
+
+    def unpin(self, block: int) -> None:
+        count = self.pins.get(block, 0)
+        if count == 0:
+            raise InvalidArgument(f"{self.tier} block {block} is not pinned")
+        if count == 1:
+            del self.pins[block]
+            if self.refcount[block] == 0:
+                self.policy.add(block)
+        else:
+            self.pins[block] = count - 1
+
+    # -- invariants -------------------------------------------------------------
+
+    def check_integrity(self, references: dict[int, int]) -> None:
+        """Raise IntegrityError naming the numbers that disagree.
+
+        `references` counts, per block, the block-table entries that point at it
+        (the pool cannot see tables; the engine counts them).
+        """
+        problems: list[str] = []
+        free_set = set(self._free)
+        if len(free_set) != len(self._free):
+            problems.append(f"free list has duplicates ({len(self._free)} entries, {len(free_set)} distinct)")
+        used = [b for b in range(self.num_blocks) if self.refcount[b] > 0]
+        cached = [b for b in range(self.num_blocks) if self.refcount[b] == 0 and self.key_of[b] is not None]
+        if len(free_set) + len(cached) + len(used) != self.num_blocks:
+            problems.append(
+                f"free {len(free_set)} + cached {len(cached)} + used {len(used)} != total {self.num_blocks}"
+            )
+        for b in range(self.num_blocks):
+            rc, refs = self.refcount[b], references.get(b, 0)
+            if rc != refs:
+                problems.append(f"block {b}: refcount {rc} != {refs} block-table references")
+            if rc == 0 and self.key_of[b] is None and b not in free_set:
+                problems.append(f"block {b}: unreferenced, unkeyed, but not on the free list")
+            if b in free_set and (rc != 0 or self.key_of[b] is not None):
+                problems.append(f"block {b}: on the free list but refcount {rc}, key {self.key_of[b]!r}")
+            evictable = rc == 0 and self.key_of[b] is not None and b not in self.pins
+            if evictable != (b in self.policy):
+                problems.append(f"block {b}: evictable={evictable} but in policy={b in self.policy}")
+        num_keyed = sum(1 for k in self.key_of if k is not None)
+        if len(self.block_of_key) != num_keyed:
+            problems.append(f"{len(self.block_of_key)} keys map to blocks, but {num_keyed} blocks have keys")
+        for key, b in self.block_of_key.items():
+            if self.key_of[b] != key:
+                problems.append(f"key {key.hex()} -> block {b}, whose key is {self.key_of[b]!r}")
+        for b in self.pins:
+            if self.key_of[b] is None:
+                problems.append(f"pinned block {b} has no key")
+        if problems:
+            raise IntegrityError(f"{self.tier} pool integrity: " + "; ".join(problems[:10]))

@@ -1,0 +1,456 @@
+"""CacheEngine: one node's KV memory -- the block pool tensors, the bookkeeping
+(KVCacheManager) and paged attention -- behind one validated, thread-safe API.
+
+Memory layout (one tensor per tier, preallocated at start):
+
+    kv[layer, 0 or 1 (K or V), block, kv_head, offset_in_block, head_dim]
+
+A block id names the same slot in every layer, so one block-table entry serves
+the whole model, and copying a block (copy-on-write, swap, host tier) is one
+index_copy over dim 2.
+
+The decode data path is append-and-attend: `attend_decode(..., layer=0,
+token_ids=...)` reserves the new tokens' slots and writes layer 0's K/V; the
+calls for layers 1..L-1 write into the same slots. So a decode step is
+num_layers calls for a whole batch, with no other round trip.
+
+Thread safety: every public method holds one lock for its whole duration (the
+bookkeeping is not reentrant-safe and attention must not read blocks another
+thread is reallocating); torch ops inside parallelise across cores themselves.
+Every method validates its input before changing anything: a bad request raises
+a domain error (pagedkv.protos.errors) and leaves the engine exactly as it was.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..protos.errors import InvalidArgument
+from ..protos.spec import ModelSpec
+from .attention import AttentionOutput, paged_decode, paged_prefill
+from .eviction import POLICIES, ScorePolicy
+from .kv_manager import DEVICE, HOST, BlockEvent, Budget, KVCacheManager, OpenResult, Slots
+
+TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+MAX_TOKEN_ID = 2**63 - 1
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    spec: ModelSpec
+    num_blocks: int
+    num_host_blocks: int = 0
+    policy: str = "lru"
+    device: str = ""  # "" picks CUDA when present, else CPU
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.spec, ModelSpec):
+            raise InvalidArgument(f"EngineConfig.spec must be a ModelSpec, got {type(self.spec).__name__}")
+        if self.num_blocks <= 0:
+            raise InvalidArgument(f"EngineConfig.num_blocks must be positive, got {self.num_blocks}")
+        if self.num_host_blocks < 0:
+            raise InvalidArgument(f"EngineConfig.num_host_blocks must be >= 0, got {self.num_host_blocks}")
+        if self.policy not in POLICIES:
+            raise InvalidArgument(
+                f"unknown eviction policy {self.policy!r}; choose one of {sorted(POLICIES)}"
+            )
+
+
+class TensorMover:
+    """Copies whole blocks between the device and host pool tensors."""
+
+    def __init__(self, pools: dict[str, torch.Tensor]) -> None:
+        self.pools = pools
+
+    def copy_blocks(self, src_tier: str, src: list[int], dst_tier: str, dst: list[int]) -> None:
+        if not src:
+            return
+        src_pool, dst_pool = self.pools[src_tier], self.pools[dst_tier]
+        src_idx = torch.tensor(src, dtype=torch.long, device=src_pool.device)
+        dst_idx = torch.tensor(dst, dtype=torch.long, device=dst_pool.device)
+        data = src_pool.index_select(2, src_idx).to(dst_pool.device, non_blocking=False)
+        dst_pool.index_copy_(2, dst_idx, data)
+
+
+def _token_list(token_ids: Any, what: str) -> list[int]:
+    """Token ids as a list of Python ints, or InvalidArgument naming the problem."""
+    if isinstance(token_ids, torch.Tensor):
+        token_ids = token_ids.numpy(force=True)
+    if isinstance(token_ids, np.ndarray):
+        if token_ids.ndim != 1 or token_ids.dtype.kind not in "iu":
+            raise InvalidArgument(f"{what}: token ids must be a 1-D integer array, got {token_ids.dtype}")
+        token_ids = token_ids.tolist()
+    if not isinstance(token_ids, list | tuple):
+        raise InvalidArgument(f"{what}: token ids must be a list of ints, got {type(token_ids).__name__}")
+    for t in token_ids:
+        if type(t) is not int or not 0 <= t <= MAX_TOKEN_ID:
+            raise InvalidArgument(f"{what}: token id {t!r} is not an int in [0, 2**63)")
+    return list(token_ids)
+
+
+def _seq_id(seq_id: Any) -> str:
+    if not isinstance(seq_id, str) or not seq_id:
+        raise InvalidArgument(f"sequence id must be a non-empty string, got {seq_id!r}")
+    return seq_id
+
+
+class CacheEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.spec = spec = config.spec
+        self.device = torch.device(config.device or default_device())
+        self.dtype = TORCH_DTYPES[spec.dtype]
+        shape = (spec.num_layers, 2, config.num_blocks, spec.num_kv_heads, spec.block_size, spec.head_dim)
+        self.kv = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        host_shape = (*shape[:2], config.num_host_blocks, *shape[3:])
+        self.host_kv = torch.zeros(host_shape, dtype=self.dtype, pin_memory=self.device.type == "cuda")
+        self.manager = KVCacheManager(
+            config.num_blocks,
+            spec.block_size,
+            num_host_blocks=config.num_host_blocks,
+            policy=config.policy,
+            enable_prefix_caching=config.enable_prefix_caching,
+            mover=TensorMover({DEVICE: self.kv, HOST: self.host_kv}),
+            record_events=True,
+        )
+        # Token-major views for scattering tokens: [block, offset, layer, 2, head, dim].
+        self._by_token = self.kv.permute(2, 4, 0, 1, 3, 5)
+        self._lock = threading.RLock()
+
+    # -- validation -------------------------------------------------------------
+
+    def _tensor(self, name: str, t: Any, shape: tuple[int, ...]) -> torch.Tensor:
+        if isinstance(t, np.ndarray):
+            t = torch.from_numpy(t)
+        if not isinstance(t, torch.Tensor):
+            raise InvalidArgument(f"{name} must be a tensor, got {type(t).__name__}")
+        if t.dtype != self.dtype:
+            raise InvalidArgument(
+                f"{name} has dtype {str(t.dtype).removeprefix('torch.')}, this node serves {self.spec.dtype}"
+            )
+        if tuple(t.shape) != shape:
+            raise InvalidArgument(f"{name} has shape {tuple(t.shape)}, expected {shape}")
+        return t.to(self.device)
+
+    def _layer(self, layer: Any) -> int:
+        if type(layer) is not int or not 0 <= layer < self.spec.num_layers:
+            raise InvalidArgument(f"layer {layer!r} out of range [0, {self.spec.num_layers})")
+        return layer
+
+    # -- sequences --------------------------------------------------------------
+
+    def open(
+        self, seq_id: str, token_ids: Seq[int], salt: bytes = b"", max_cached_tokens: int | None = None
+    ) -> OpenResult:
+        """Create a sequence starting with the longest cached prefix of `token_ids`
+        (see KVCacheManager.open). The caller appends the remaining tokens' KV."""
+        seq_id = _seq_id(seq_id)
+        tokens = _token_list(token_ids, f"open {seq_id!r}")
+        if max_cached_tokens is not None and (type(max_cached_tokens) is not int or max_cached_tokens < 0):
+            raise InvalidArgument(f"max_cached_tokens must be a non-negative int, got {max_cached_tokens!r}")
+        with self._lock:
+            return self.manager.open(seq_id, tokens, bytes(salt), max_cached_tokens)
+
+    def lookup(self, token_ids: Seq[int], salt: bytes = b"") -> int:
+        """Tokens of this prompt cached on the node (device or host). Changes nothing."""
+        tokens = _token_list(token_ids, "lookup")
+        with self._lock:
+            return self.manager.num_cached_tokens(tokens, bytes(salt))
+
+    def append(self, seq_id: str, token_ids: Seq[int], k: Any, v: Any) -> None:
+        """Append n tokens with their K and V for every layer: k, v [num_layers, n, kv_heads, head_dim]."""
+        seq_id = _seq_id(seq_id)
+        tokens = _token_list(token_ids, f"append to {seq_id!r}")
+        s = self.spec
+        shape = (s.num_layers, len(tokens), s.num_kv_heads, s.head_dim)
+        k = self._tensor("k", k, shape)
+        v = self._tensor("v", v, shape)
+        if not tokens:
+            return
+        with self._lock:
+            slots = self.manager.append(seq_id, tokens)
+            kv = torch.stack((k, v), dim=1).permute(2, 0, 1, 3, 4)  # [n, layer, 2, head, dim]
+            self._by_token.index_put_(self._slot_index(slots), kv)
+
+    def _slot_index(self, slots: Slots) -> tuple[torch.Tensor, torch.Tensor]:
+        return (
+            torch.tensor(slots.blocks, dtype=torch.long, device=self.device),
+            torch.tensor(slots.offsets, dtype=torch.long, device=self.device),
+        )
+
+    def _tail_slots(self, seq_ids: list[str], n: int) -> Slots:
+        """The slots of each sequence's last n tokens (written at layer 0 of this step)."""
+        bs = self.spec.block_size
+        blocks: list[int] = []
+        offsets: list[int] = []
+        for sid in seq_ids:
+            seq = self.manager._active(sid)
+            if seq.cache_len < n:
+                raise InvalidArgument(
+                    f"sequence {sid!r} holds {seq.cache_len} tokens; cannot write the last {n}"
+                )
+            for p in range(seq.cache_len - n, seq.cache_len):
+                blocks.append(seq.table[p // bs])
+                offsets.append(p % bs)
+        return Slots(blocks, offsets)
+
+    def _write_layer(self, layer: int, slots: Slots, k: torch.Tensor, v: torch.Tensor) -> None:
+        b, o = self._slot_index(slots)
+        self.kv[layer, 0].transpose(1, 2).index_put_((b, o), k)
+        self.kv[layer, 1].transpose(1, 2).index_put_((b, o), v)
+
+    def attend_decode(
+        self,
+        seq_ids: Seq[str],
+        layer: int,
+        q: Any,
+        k: Any = None,
+        v: Any = None,
+        token_ids: Seq[int] | None = None,
+        *,
+        return_block_mass: bool = False,
+    ) -> AttentionOutput:
+        """One decode step of one layer for a batch: q [B, q_heads, head_dim].
+
+        With k, v [B, kv_heads, head_dim] the new token is appended first: at
+        layer 0 `token_ids` (one per sequence) reserves its slot; later layers
+        write into that slot and take no token_ids. Without k, v it only attends.
+        Returns out [B, q_heads, head_dim], lse [B, q_heads] and, if asked, the
+        attention mass per block.
+        """
+        ids = [_seq_id(s) for s in seq_ids]
+        layer = self._layer(layer)
+        s = self.spec
+        if not ids:
+            raise InvalidArgument("attend_decode needs at least one sequence")
+        if len(set(ids)) != len(ids):
+            raise InvalidArgument("a decode batch lists a sequence more than once")
+        q = self._query("q", q, (len(ids), None, s.head_dim))
+        tokens = self._step_tokens(layer, k, v, token_ids, len(ids))
+        if k is not None:
+            k = self._tensor("k", k, (len(ids), s.num_kv_heads, s.head_dim))
+            v = self._tensor("v", v, (len(ids), s.num_kv_heads, s.head_dim))
+        with self._lock:
+            for sid in ids:
+                self.manager._active(sid)
+            if k is not None:
+                slots = (
+                    self.manager.append_tokens(ids, tokens)
+                    if tokens is not None
+                    else self._tail_slots(ids, 1)
+                )
+                self._write_layer(layer, slots, k, v)
+            seqs = [self.manager.seqs[sid] for sid in ids]
+            width = max(len(seq.table) for seq in seqs)
+            if width == 0:
+                raise InvalidArgument("the sequences hold no tokens to attend to")
+            tables = torch.tensor(
+                [seq.table + [0] * (width - len(seq.table)) for seq in seqs], dtype=torch.int32
+            )
+            lens = torch.tensor([seq.cache_len for seq in seqs], dtype=torch.int32)
+            if (lens == 0).any():
+                empty = [sid for sid, seq in zip(ids, seqs, strict=True) if seq.cache_len == 0]
+                raise InvalidArgument(f"sequences {empty} hold no tokens to attend to")
+            want_mass = return_block_mass or self._tracks_mass(seqs)
+            out = paged_decode(
+                q,
+                self.kv[layer, 0],
+                self.kv[layer, 1],
+                tables.to(self.device),
+                lens.to(self.device),
+                return_block_mass=want_mass,
+            )
+            if want_mass and out.block_mass is not None:
+                self._credit_mass(seqs, out.block_mass)
+            return out
+
+    def attend_prefill(
+        self,
+        seq_id: str,
+        layer: int,
+        q: Any,
+        k: Any = None,
+        v: Any = None,
+        token_ids: Seq[int] | None = None,
+        *,
+        return_block_mass: bool = False,
+    ) -> AttentionOutput:
+        """n query tokens of one sequence (q [n, q_heads, head_dim]) attending
+        causally to its cached prefix and to themselves. With k, v [n, kv_heads,
+        head_dim] the n tokens are appended first (token_ids at layer 0, as in
+        attend_decode); without them q stands for the sequence's last n tokens."""
+        seq_id = _seq_id(seq_id)
+        layer = self._layer(layer)
+        s = self.spec
+        q = self._query("q", q, (None, None, s.head_dim))
+        n = q.shape[0]
+        if n == 0:
+            raise InvalidArgument("attend_prefill needs at least one query token")
+        tokens = self._step_tokens(layer, k, v, token_ids, n)
+        if k is not None:
+            k = self._tensor("k", k, (n, s.num_kv_heads, s.head_dim))
+            v = self._tensor("v", v, (n, s.num_kv_heads, s.head_dim))
+        with self._lock:
+            seq = self.manager._active(seq_id)
+            if k is not None:
+                slots = (
+                    self.manager.append(seq_id, tokens)
+                    if tokens is not None
+                    else self._tail_slots([seq_id], n)
+                )
+                self._write_layer(layer, slots, k, v)
+            if seq.cache_len < n:
+                raise InvalidArgument(
+                    f"sequence {seq_id!r} holds {seq.cache_len} tokens, fewer than {n} queries"
+                )
+            want_mass = return_block_mass or self._tracks_mass([seq])
+            table = torch.tensor(seq.table, dtype=torch.int32, device=self.device)
+            out = paged_prefill(
+                q, self.kv[layer, 0], self.kv[layer, 1], table, seq.cache_len, return_block_mass=want_mass
+            )
+            if want_mass and out.block_mass is not None:
+                self._credit_mass([seq], out.block_mass.unsqueeze(0))
+            return out
+
+    def _query(self, name: str, q: Any, shape: tuple[int | None, ...]) -> torch.Tensor:
+        if isinstance(q, np.ndarray):
+            q = torch.from_numpy(q)
+        if not isinstance(q, torch.Tensor):
+            raise InvalidArgument(f"{name} must be a tensor, got {type(q).__name__}")
+        if q.dtype != self.dtype:
+            raise InvalidArgument(
+                f"{name} has dtype {str(q.dtype).removeprefix('torch.')}, this node serves {self.spec.dtype}"
+            )
+        ok = q.ndim == len(shape) and all(
+            want is None or got == want for got, want in zip(q.shape, shape, strict=True)
+        )
+        hq = q.shape[1] if q.ndim == 3 else 0
+        if not ok or hq == 0 or hq % self.spec.num_kv_heads:
+            raise InvalidArgument(
+                f"{name} has shape {tuple(q.shape)}, "
+                f"expected {tuple('*' if d is None else d for d in shape)} "
+                f"with query heads a multiple of {self.spec.num_kv_heads} kv heads"
+            )
+        return q.to(self.device)
+
+    def _step_tokens(self, layer: int, k: Any, v: Any, token_ids: Any, n: int) -> list[int] | None:
+        if (k is None) != (v is None):
+            raise InvalidArgument("k and v must be given together")
+        if k is None:
+            if token_ids is not None:
+                raise InvalidArgument("token_ids given without k and v")
+            return None
+        if layer == 0:
+            if token_ids is None:
+                raise InvalidArgument("layer 0 appends new tokens: token_ids are required")
+            tokens = _token_list(token_ids, "attend")
+            if len(tokens) != n:
+                raise InvalidArgument(f"{len(tokens)} token ids for {n} new tokens")
+            return tokens
+        if token_ids is not None:
+            raise InvalidArgument(f"token_ids are taken at layer 0 only (got them at layer {layer})")
+        return None
+
+    def _tracks_mass(self, seqs: list[Any]) -> bool:
+        return isinstance(self.manager.device.policy, ScorePolicy) or any(s.budget is not None for s in seqs)
+
+    def _credit_mass(self, seqs: list[Any], block_mass: torch.Tensor) -> None:
+        mass = block_mass.detach().to("cpu", torch.float64).numpy()
+        policy = self.manager.device.policy
+        if isinstance(policy, ScorePolicy):
+            for row, seq in zip(mass, seqs, strict=True):
+                n = len(seq.table)
+                policy.add_mass_many(np.asarray(seq.table, dtype=np.int64), row[:n])
+        for row, seq in zip(mass, seqs, strict=True):
+            if seq.budget is not None:
+                for i in range(len(seq.table)):
+                    seq.scores[i] += float(row[i])
+
+    def read_kv(
+        self, seq_id: str, start: int = 0, end: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of cache positions [start, end), each [num_layers, n, kv_heads, head_dim].
+        Changes nothing."""
+        seq_id = _seq_id(seq_id)
+        with self._lock:
+            seq = self.manager._active(seq_id)
+            stop = seq.cache_len if end is None else end
+            if type(start) is not int or type(stop) is not int or not 0 <= start <= stop <= seq.cache_len:
+                raise InvalidArgument(
+                    f"range [{start}, {end}) outside sequence {seq_id!r} of {seq.cache_len} tokens"
+                )
+            bs = self.spec.block_size
+            slots = Slots(
+                [seq.table[p // bs] for p in range(start, stop)], [p % bs for p in range(start, stop)]
+            )
+            data = self._by_token[self._slot_index(slots)]  # [n, layer, 2, head, dim]
+            return data[:, :, 0].transpose(0, 1).contiguous(), data[:, :, 1].transpose(0, 1).contiguous()
+
+    def fork(self, parent_id: str, child_id: str) -> None:
+        with self._lock:
+            self.manager.fork(_seq_id(parent_id), _seq_id(child_id))
+
+    def free(self, seq_id: str) -> None:
+        with self._lock:
+            self.manager.free(_seq_id(seq_id))
+
+    def swap_out(self, seq_id: str) -> int:
+        with self._lock:
+            return self.manager.swap_out(_seq_id(seq_id))
+
+    def swap_in(self, seq_id: str) -> int:
+        with self._lock:
+            return self.manager.swap_in(_seq_id(seq_id))
+
+    def pin(self, token_ids: Seq[int], salt: bytes = b"") -> int:
+        tokens = _token_list(token_ids, "pin")
+        with self._lock:
+            return self.manager.pin(tokens, bytes(salt))
+
+    def unpin(self, token_ids: Seq[int], salt: bytes = b"") -> int:
+        tokens = _token_list(token_ids, "unpin")
+        with self._lock:
+            return self.manager.unpin(tokens, bytes(salt))
+
+    def set_budget(
+        self, seq_id: str, max_tokens: int | None, sink_blocks: int = 1, recent_blocks: int = 4
+    ) -> None:
+        """Opt a sequence into a lossy token budget (None turns it off)."""
+        seq_id = _seq_id(seq_id)
+        budget = None if max_tokens is None else Budget(max_tokens, sink_blocks, recent_blocks)
+        with self._lock:
+            self.manager.set_budget(seq_id, budget)
+
+    # -- introspection ----------------------------------------------------------
+
+    def sequence_length(self, seq_id: str) -> int:
+        """Logical length (tokens appended, including any dropped by a budget)."""
+        with self._lock:
+            return self.manager.get(_seq_id(seq_id)).num_tokens
+
+    def block_table(self, seq_id: str) -> list[int]:
+        with self._lock:
+            return list(self.manager.get(_seq_id(seq_id)).table)
+
+    def take_events(self) -> list[BlockEvent]:
+        with self._lock:
+            return self.manager.take_events()
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return self.manager.stats()
+
+    def check_integrity(self) -> None:
+        with self._lock:
+            self.manager.check_integrity()

@@ -1,0 +1,99 @@
+"""One error hierarchy for every role.
+
+Each error names the gRPC status code it travels as (`status_name`), so the
+server side and the client side each translate in one function and agree on the
+mapping. Errors carry the ids they are about, so a message names what was wrong.
+Builtins (ConnectionError, TimeoutError) are never shadowed.
+"""
+
+from __future__ import annotations
+
+
+class PagedKVError(Exception):
+    """Root of every pagedkv error."""
+
+    status_name = "UNKNOWN"
+
+
+class InvalidArgument(PagedKVError):
+    """The request itself is malformed: wrong shape, dtype, size or value."""
+
+    status_name = "INVALID_ARGUMENT"
+
+
+class SpecMismatch(InvalidArgument):
+    """A request was made for a model shape this node does not serve."""
+
+
+class NotFound(PagedKVError):
+    status_name = "NOT_FOUND"
+
+
+class SequenceNotFound(NotFound):
+    def __init__(self, seq_id: str | int, detail: str = "") -> None:
+        self.seq_id = seq_id
+        super().__init__(f"unknown sequence {seq_id!r}" + (f": {detail}" if detail else ""))
+
+
+class CapacityExceeded(PagedKVError):
+    """Not enough free blocks (device or host) for the request; nothing was changed."""
+
+    status_name = "RESOURCE_EXHAUSTED"
+
+    def __init__(self, what: str, requested: int, available: int) -> None:
+        self.what = what
+        self.requested = requested
+        self.available = available
+        super().__init__(f"{what}: requested {requested} blocks, only {available} available")
+
+
+class QuotaExceeded(PagedKVError):
+    status_name = "RESOURCE_EXHAUSTED"
+
+    def __init__(self, tenant: str, requested: int, quota: int, used: int) -> None:
+        self.tenant = tenant
+        self.requested = requested
+        self.quota = quota
+        self.used = used
+        super().__init__(
+            f"tenant {tenant!r} over quota: {used} blocks used + {requested} requested > quota {quota}"
+        )
+
+
+class FailedPrecondition(PagedKVError):
+    """The request is well formed but the target is in the wrong state (e.g. swapped out)."""
+
+    status_name = "FAILED_PRECONDITION"
+
+
+class Unavailable(PagedKVError):
+    """A node, the coordinator or Redis cannot be reached; the call may succeed later."""
+
+    status_name = "UNAVAILABLE"
+
+
+class Unauthenticated(PagedKVError):
+    status_name = "UNAUTHENTICATED"
+
+
+class PermissionDenied(PagedKVError):
+    status_name = "PERMISSION_DENIED"
+
+
+class IntegrityError(PagedKVError):
+    """An internal invariant does not hold (a bug, never bad input)."""
+
+    status_name = "INTERNAL"
+
+
+# status name -> the class a client raises for it (most specific generic class).
+ERROR_FOR_STATUS: dict[str, type[PagedKVError]] = {
+    "INVALID_ARGUMENT": InvalidArgument,
+    "NOT_FOUND": NotFound,
+    "RESOURCE_EXHAUSTED": CapacityExceeded,
+    "FAILED_PRECONDITION": FailedPrecondition,
+    "UNAVAILABLE": Unavailable,
+    "UNAUTHENTICATED": Unauthenticated,
+    "PERMISSION_DENIED": PermissionDenied,
+    "INTERNAL": IntegrityError,
+}
