@@ -1,0 +1,32 @@
+"""`pagedkv health HOST:PORT`: exit 0 when the server's gRPC health service
+reports SERVING (for docker healthchecks and scripts), 1 otherwise."""
+
+from __future__ import annotations
+
+import argparse
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+
+def check(address: str, service: str = "", timeout_s: float = 2.0) -> str:
+    """The serving status name, or 'UNREACHABLE'."""
+    with grpc.insecure_channel(address) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=timeout_s
+            )
+        except grpc.RpcError:
+            return "UNREACHABLE"
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="pagedkv health", description=__doc__)
+    parser.add_argument("address", help="host:port of a pagedkv node or coordinator")
+    parser.add_argument("--service", default="", help="service name to ask about ('' = the whole server)")
+    parser.add_argument("--timeout-s", type=float, default=2.0, help="deadline of the check (default 2)")
+    args = parser.parse_args(argv)
+    status = check(args.address, args.service, args.timeout_s)
+    print(status)
+    raise SystemExit(0 if status == "SERVING" else 1)
