@@ -115,15 +115,7 @@ class CacheEngine:
         self.kv = torch.zeros(shape, dtype=self.dtype, device=self.device)
         host_shape = (*shape[:2], config.num_host_blocks, *shape[3:])
         self.host_kv = torch.zeros(host_shape, dtype=self.dtype, pin_memory=self.device.type == "cuda")
-        self.manager = KVCacheManager(
-            config.num_blocks,
-            spec.block_size,
-            num_host_blocks=config.num_host_blocks,
-            policy=config.policy,
-            enable_prefix_caching=config.enable_prefix_caching,
-            mover=TensorMover({DEVICE: self.kv, HOST: self.host_kv}),
-            record_events=True,
-        )
+        self.manager = self._new_manager()
         # Token-major views for scattering tokens: [block, offset, layer, 2, head, dim].
         self._by_token = self.kv.permute(2, 4, 0, 1, 3, 5)
         self._lock = threading.RLock()
@@ -431,6 +423,25 @@ class CacheEngine:
         budget = None if max_tokens is None else Budget(max_tokens, sink_blocks, recent_blocks)
         with self._lock:
             self.manager.set_budget(seq_id, budget)
+
+    def reset(self) -> None:
+        """Forget every sequence and cached block (the node re-registered after its
+        lease lapsed: the coordinator already marked its sequences lost and purged
+        its keys, so it must come back empty). The tensors are kept, not zeroed."""
+        with self._lock:
+            self.manager = self._new_manager()
+
+    def _new_manager(self) -> KVCacheManager:
+        c = self.config
+        return KVCacheManager(
+            c.num_blocks,
+            c.spec.block_size,
+            num_host_blocks=c.num_host_blocks,
+            policy=c.policy,
+            enable_prefix_caching=c.enable_prefix_caching,
+            mover=TensorMover({DEVICE: self.kv, HOST: self.host_kv}),
+            record_events=True,
+        )
 
     # -- introspection ----------------------------------------------------------
 

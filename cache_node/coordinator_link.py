@@ -1,0 +1,155 @@
+"""CoordinatorLink: how a node takes part in a cluster, over the protos stubs
+only (a node works with any control plane that speaks the contract).
+
+A background thread registers the node, then loops:
+- every `event_interval_s`, drains the engine's stored/removed block events and
+  reports them with the node's load (in recorded order; a batch that fails to
+  send is kept and sent again, so the coordinator's prefix index stays exact);
+- every `heartbeat_interval_s` (half the lease TTL the coordinator hands out,
+  tooz-style), renews the lease.
+When the coordinator says the lease lapsed (heartbeat is_registered=false, or
+NOT_FOUND on a report), the node has already been declared dead: its sequences
+are marked lost and its keys purged. So it resets its engine and registers
+again, empty. While the coordinator is unreachable it keeps serving data calls
+and retries with capped backoff.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import grpc
+
+from ..protos import pagedkv_pb2 as pb
+from ..protos import pagedkv_pb2_grpc as pb_grpc
+from .engine import CacheEngine
+from .kv_manager import STORED
+
+log = logging.getLogger("pagedkv.node.link")
+_KIND = {STORED: pb.BlockEvent.STORED}
+
+
+def node_load(engine: CacheEngine) -> pb.NodeLoad:
+    s = engine.stats()
+    return pb.NodeLoad(
+        free_blocks=s["free_blocks"],
+        cached_blocks=s["cached_blocks"],
+        used_blocks=s["used_blocks"],
+        num_blocks=s["num_blocks"],
+        host_free_blocks=s["host_free_blocks"],
+        num_sequences=s["num_sequences"],
+    )
+
+
+class CoordinatorLink:
+    def __init__(
+        self,
+        engine: CacheEngine,
+        coordinator_address: str,
+        node_id: str,
+        advertise_address: str,
+        *,
+        metrics_address: str = "",
+        event_interval_s: float = 0.05,
+        rpc_timeout_s: float = 2.0,
+    ) -> None:
+        self.engine = engine
+        self.node_id = node_id
+        self.advertise_address = advertise_address
+        self.metrics_address = metrics_address
+        self.event_interval_s = event_interval_s
+        self.rpc_timeout_s = rpc_timeout_s
+        self._channel = grpc.insecure_channel(coordinator_address)
+        self._stub = pb_grpc.CoordinatorStub(self._channel)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"coordinator-link-{node_id}", daemon=True)
+        self._pending: list[pb.BlockEvent] = []
+        self.heartbeat_interval_s = 1.0
+        self.is_registered = threading.Event()
+        self.num_registrations = 0
+
+    def start(self) -> CoordinatorLink:
+        self._thread.start()
+        return self
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._stop.set()
+        self._thread.join(timeout_s)
+        self._channel.close()
+
+    def _register(self) -> None:
+        spec = self.engine.spec
+        reply = self._stub.Register(
+            pb.RegisterRequest(
+                node_id=self.node_id,
+                address=self.advertise_address,
+                spec=pb.ModelSpec(**spec.to_dict()),
+                num_blocks=self.engine.config.num_blocks,
+                num_host_blocks=self.engine.config.num_host_blocks,
+                metrics_address=self.metrics_address,
+            ),
+            timeout=self.rpc_timeout_s,
+        )
+        self.heartbeat_interval_s = reply.heartbeat_interval_s or self.heartbeat_interval_s
+        self.num_registrations += 1
+        self.is_registered.set()
+        log.info("node %s registered (lease %.1fs)", self.node_id, reply.lease_ttl_s)
+
+    def _rejoin(self) -> None:
+        """The coordinator declared this node dead: come back empty."""
+        log.warning("node %s lost its lease; resetting and registering again", self.node_id)
+        self.is_registered.clear()
+        self.engine.reset()
+        self.engine.take_events()
+        self._pending.clear()
+        self._register()
+
+    def _report(self) -> None:
+        removed = pb.BlockEvent.REMOVED
+        self._pending += [pb.BlockEvent(kind=_KIND.get(e.kind, removed), key=e.key) for e in self.engine.take_events()]
+        if not self._pending:
+            return
+        batch = self._pending
+        try:
+            self._stub.ReportEvents(
+                pb.ReportEventsRequest(node_id=self.node_id, events=batch, load=node_load(self.engine)),
+                timeout=self.rpc_timeout_s,
+            )
+        except grpc.RpcError as err:
+            if err.code() == grpc.StatusCode.NOT_FOUND:
+                self._rejoin()
+                return
+            raise
+        del self._pending[: len(batch)]
+
+    def _heartbeat(self) -> None:
+        reply = self._stub.Heartbeat(
+            pb.HeartbeatRequest(node_id=self.node_id, load=node_load(self.engine)), timeout=self.rpc_timeout_s
+        )
+        if not reply.is_registered:
+            self._rejoin()
+
+    def _run(self) -> None:
+        backoff = 0.1
+        next_beat = 0.0
+        while not self._stop.is_set():
+            try:
+                if not self.is_registered.is_set():
+                    self._register()
+                    next_beat = time.monotonic() + self.heartbeat_interval_s
+                self._report()
+                if time.monotonic() >= next_beat:
+                    self._heartbeat()
+                    next_beat = time.monotonic() + self.heartbeat_interval_s
+                backoff = 0.1
+                self._stop.wait(self.event_interval_s)
+            except grpc.RpcError as err:
+                log.warning("coordinator unreachable from node %s: %s", self.node_id, err.code())
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, 2.0)
+            except Exception:  # never let the link thread die silently
+                log.exception("coordinator link of node %s failed; retrying", self.node_id)
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, 2.0)
