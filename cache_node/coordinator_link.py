@@ -107,8 +107,8 @@ class CoordinatorLink:
         self._register()
 
     def _report(self) -> None:
-        removed = pb.BlockEvent.REMOVED
-        self._pending += [pb.BlockEvent(kind=_KIND.get(e.kind, removed), key=e.key) for e in self.engine.take_events()]
+        for event in self.engine.take_events():
+            self._pending.append(pb.BlockEvent(kind=_KIND.get(event.kind, pb.BlockEvent.REMOVED), key=event.key))
         if not self._pending:
             return
         batch = self._pending
