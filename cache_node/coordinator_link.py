@@ -28,7 +28,10 @@ from .engine import CacheEngine
 from .kv_manager import STORED
 
 log = logging.getLogger("pagedkv.node.link")
-_KIND = {STORED: pb.BlockEvent.STORED}
+
+
+def _event_kind(kind: str) -> int:
+    return pb.BlockEvent.STORED if kind == STORED else pb.BlockEvent.REMOVED
 
 
 def node_load(engine: CacheEngine) -> pb.NodeLoad:
@@ -108,7 +111,7 @@ class CoordinatorLink:
 
     def _report(self) -> None:
         for event in self.engine.take_events():
-            self._pending.append(pb.BlockEvent(kind=_KIND.get(event.kind, pb.BlockEvent.REMOVED), key=event.key))
+            self._pending.append(pb.BlockEvent(kind=_event_kind(event.kind), key=event.key))
         if not self._pending:
             return
         batch = self._pending
