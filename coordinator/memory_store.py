@@ -1,0 +1,275 @@
+"""MemoryStore: the embedded, in-process Store (no Redis).
+
+Same contract as RedisStore (one contract suite runs both). One lock makes every
+method atomic, which is the in-process counterpart of one Lua script per call.
+TTLs run on a monotonic clock, injectable so tests can move time by hand.
+State dies with the process: this backend is for a single coordinator
+(`pagedkv up` without Redis) and tests, never for replicas.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
+from typing import Any
+
+from pagedkv.protos.errors import FailedPrecondition, InvalidArgument, QuotaExceeded, SequenceNotFound
+
+from .records import (
+    NodeInfo,
+    NodeNotLive,
+    PurgeResult,
+    SequenceExists,
+    SequenceRecord,
+    check_count,
+    check_events,
+    check_key,
+    check_keys,
+    check_load,
+    check_name,
+    check_sequence_fields,
+    check_ttl,
+)
+from .store import Store
+
+SALT_BYTES = 16
+
+
+class MemoryStore(Store):
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._nodes: dict[str, NodeInfo] = {}
+        self._deadline_s: dict[str, float] = {}  # node -> clock() value its TTL lapses at
+        self._holders: dict[bytes, set[str]] = {}  # block key -> nodes
+        self._keys: dict[str, set[bytes]] = {}  # node -> block keys (reverse index, for purges)
+        self._seqs: dict[str, SequenceRecord] = {}
+        self._node_seqs: dict[str, set[str]] = {}  # node -> seq ids with an extent there
+        self._salts: dict[str, bytes] = {}
+        self._usage: dict[str, int] = {}
+
+    # ---- membership ---------------------------------------------------------------------------
+
+    def _is_live(self, node_id: str) -> bool:
+        return node_id in self._nodes and self._clock() < self._deadline_s[node_id]
+
+    def _purge(self, node_id: str, reason: str) -> PurgeResult:
+        """Drop the node's keys and mark its sequences lost; the caller holds the lock."""
+        was_registered = node_id in self._nodes
+        keys = self._keys.pop(node_id, set())
+        for key in keys:
+            holders = self._holders[key]
+            holders.discard(node_id)
+            if not holders:
+                del self._holders[key]
+        lost: list[str] = []
+        for seq_id in sorted(self._node_seqs.pop(node_id, set())):
+            record = self._seqs.get(seq_id)
+            if record is None:
+                continue
+            if record.state != "lost":
+                self._seqs[seq_id] = replace(record, state="lost", lost_reason=reason)
+            lost.append(seq_id)
+        return PurgeResult(node_id, was_registered, len(keys), tuple(lost))
+
+    def register_node(
+        self, node_id: str, address: str, spec: Mapping[str, Any], num_blocks: int, ttl_s: float
+    ) -> PurgeResult:
+        check_name("node_id", node_id)
+        check_name("address", address)
+        check_count("num_blocks", num_blocks)
+        ttl_s = check_ttl(ttl_s)
+        with self._lock:
+            result = self._purge(node_id, f"node {node_id} re-registered (restarted; its blocks are gone)")
+            self._nodes[node_id] = NodeInfo(node_id, address, dict(spec), num_blocks, {})
+            self._deadline_s[node_id] = self._clock() + ttl_s
+            return result
+
+    def heartbeat(self, node_id: str, load: Mapping[str, int], ttl_s: float) -> bool:
+        check_name("node_id", node_id)
+        load = check_load(load)
+        ttl_s = check_ttl(ttl_s)
+        with self._lock:
+            if not self._is_live(node_id):
+                return False
+            self._deadline_s[node_id] = self._clock() + ttl_s
+            self._nodes[node_id] = replace(self._nodes[node_id], load=load)
+            return True
+
+    def live_nodes(self) -> list[NodeInfo]:
+        with self._lock:
+            # Copies: the records' dicts must not alias the store's own.
+            return [
+                replace(info, spec=dict(info.spec), load=dict(info.load))
+                for n, info in sorted(self._nodes.items())
+                if self._is_live(n)
+            ]
+
+    def expired_nodes(self) -> list[str]:
+        with self._lock:
+            return [n for n in sorted(self._nodes) if not self._is_live(n)]
+
+    def remove_node(self, node_id: str, *, require_expired: bool = False) -> PurgeResult:
+        check_name("node_id", node_id)
+        with self._lock:
+            if node_id not in self._nodes:
+                return PurgeResult(node_id, False, 0, ())
+            if require_expired and self._is_live(node_id):
+                raise FailedPrecondition(f"node {node_id!r} is live (heartbeat renewed); not removed")
+            result = self._purge(node_id, f"node {node_id} died")
+            del self._nodes[node_id], self._deadline_s[node_id]
+            return result
+
+    # ---- prefix index -------------------------------------------------------------------------
+
+    def apply_events(self, node_id: str, stored: Sequence[bytes], removed: Sequence[bytes]) -> None:
+        check_name("node_id", node_id)
+        stored, removed = check_events(stored, removed)
+        with self._lock:
+            if not self._is_live(node_id):
+                raise NodeNotLive(node_id, "events ignored; register again")
+            held = self._keys.setdefault(node_id, set())
+            for key in stored:
+                held.add(key)
+                self._holders.setdefault(key, set()).add(node_id)
+            for key in removed:
+                if key in held:
+                    held.discard(key)
+                    holders = self._holders[key]
+                    holders.discard(node_id)
+                    if not holders:
+                        del self._holders[key]
+            if not held:
+                del self._keys[node_id]
+
+    def match_prefix(self, keys: Sequence[bytes]) -> dict[str, int]:
+        keys = check_keys(keys)
+        with self._lock:
+            active = [n for n in sorted(self._nodes) if self._is_live(n)]
+            counts: dict[str, int] = {}
+            for i, key in enumerate(keys):
+                holders = self._holders.get(key, set())
+                for node_id in active:
+                    if node_id not in holders:
+                        counts[node_id] = i
+                active = [n for n in active if n in holders]
+                if not active:
+                    break
+            for node_id in active:
+                counts[node_id] = len(keys)
+            return counts
+
+    def nodes_holding(self, key: bytes) -> set[str]:
+        check_key(key)
+        with self._lock:
+            return set(self._holders.get(key, ()))
+
+    def keys_of(self, node_id: str) -> set[bytes]:
+        check_name("node_id", node_id)
+        with self._lock:
+            return set(self._keys.get(node_id, ()))
+
+    # ---- page tables --------------------------------------------------------------------------
+
+    def _check_live_nodes(self, record: SequenceRecord) -> None:
+        for node_id in record.node_ids:
+            if not self._is_live(node_id):
+                raise NodeNotLive(node_id, f"cannot place sequence {record.seq_id!r} there")
+
+    def create_sequence(self, record: SequenceRecord) -> None:
+        if not isinstance(record, SequenceRecord):
+            raise InvalidArgument(f"expected a SequenceRecord, got {type(record).__name__}")
+        with self._lock:
+            if record.seq_id in self._seqs:
+                raise SequenceExists(record.seq_id)
+            self._check_live_nodes(record)
+            self._seqs[record.seq_id] = record
+            for node_id in record.node_ids:
+                self._node_seqs.setdefault(node_id, set()).add(record.seq_id)
+
+    def get_sequence(self, seq_id: str) -> SequenceRecord:
+        check_name("seq_id", seq_id)
+        with self._lock:
+            if seq_id not in self._seqs:
+                raise SequenceNotFound(seq_id)
+            return self._seqs[seq_id]
+
+    def update_sequence(self, seq_id: str, **fields: Any) -> SequenceRecord:
+        check_name("seq_id", seq_id)
+        fields = check_sequence_fields(fields)
+        with self._lock:
+            old = self._seqs.get(seq_id)
+            if old is None:
+                raise SequenceNotFound(seq_id)
+            new = replace(old, **fields)
+            if "extents" in fields:
+                self._check_live_nodes(new)
+                self._unlink(old)
+                for node_id in new.node_ids:
+                    self._node_seqs.setdefault(node_id, set()).add(seq_id)
+            self._seqs[seq_id] = new
+            return new
+
+    def _unlink(self, record: SequenceRecord) -> None:
+        for node_id in record.node_ids:
+            seqs = self._node_seqs.get(node_id)
+            if seqs is not None:
+                seqs.discard(record.seq_id)
+                if not seqs:
+                    del self._node_seqs[node_id]
+
+    def delete_sequence(self, seq_id: str) -> SequenceRecord:
+        check_name("seq_id", seq_id)
+        with self._lock:
+            record = self._seqs.pop(seq_id, None)
+            if record is None:
+                raise SequenceNotFound(seq_id)
+            self._unlink(record)
+            return record
+
+    def sequences_of_node(self, node_id: str) -> list[SequenceRecord]:
+        check_name("node_id", node_id)
+        with self._lock:
+            return [self._seqs[s] for s in sorted(self._node_seqs.get(node_id, ()))]
+
+    # ---- tenants ------------------------------------------------------------------------------
+
+    def tenant_salt(self, tenant: str) -> bytes:
+        check_name("tenant", tenant)
+        with self._lock:
+            return self._salts.setdefault(tenant, os.urandom(SALT_BYTES))
+
+    def reserve_blocks(self, tenant: str, n: int, quota: int) -> int:
+        check_name("tenant", tenant)
+        check_count("n", n)
+        check_count("quota", quota)
+        with self._lock:
+            used = self._usage.get(tenant, 0)
+            if used + n > quota:
+                raise QuotaExceeded(tenant, requested=n, quota=quota, used=used)
+            self._usage[tenant] = used + n
+            return used + n
+
+    def release_blocks(self, tenant: str, n: int) -> int:
+        check_name("tenant", tenant)
+        check_count("n", n)
+        with self._lock:
+            used = self._usage.get(tenant, 0)
+            if n > used:
+                raise InvalidArgument(f"tenant {tenant!r}: cannot release {n} blocks, only {used} reserved")
+            if used == n:
+                self._usage.pop(tenant, None)
+            else:
+                self._usage[tenant] = used - n
+            return used - n
+
+    def tenant_usage(self, tenant: str) -> int:
+        check_name("tenant", tenant)
+        with self._lock:
+            return self._usage.get(tenant, 0)
+
+    def ping(self) -> None:
+        return None

@@ -1,0 +1,207 @@
+"""The coordinator's records: what a Store keeps and returns.
+
+Small frozen dataclasses, validated on construction, so a bad record is refused
+before it reaches a backend (bad input raises InvalidArgument, never assert).
+Both backends share the validators below, so they refuse exactly the same input.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+from pagedkv.protos.errors import FailedPrecondition, InvalidArgument
+from pagedkv.protos.keys import KEY_BYTES
+
+SEQUENCE_STATES = ("active", "swapped", "lost")
+UPDATABLE_SEQUENCE_FIELDS = ("extents", "num_tokens", "state", "lost_reason")
+
+
+class SequenceExists(FailedPrecondition):
+    """create_sequence was given an id that is already taken (nothing was changed).
+
+    A FailedPrecondition until protos/errors.py grows an ALREADY_EXISTS class."""
+
+    def __init__(self, seq_id: str) -> None:
+        self.seq_id = seq_id
+        super().__init__(f"sequence {seq_id!r} already exists")
+
+
+class NodeNotLive(FailedPrecondition):
+    """The call needs a live node (registered, heartbeat not lapsed) and this one is not."""
+
+    def __init__(self, node_id: str, what: str) -> None:
+        self.node_id = node_id
+        super().__init__(f"node {node_id!r} is not live (unknown or heartbeat lapsed): {what}")
+
+
+class Extent(NamedTuple):
+    """Logical blocks [first_logical_block, first_logical_block + num_blocks) live on node_id."""
+
+    node_id: str
+    first_logical_block: int
+    num_blocks: int
+
+
+@dataclass(frozen=True)
+class SequenceRecord:
+    """A sequence's page-table entry.
+
+    Extents tile the logical blocks from 0 with no gap or overlap, in order;
+    most sequences have exactly one::
+
+        logical block  0 1 2 3 4 5 6 7 8
+                       [ n1: 0,6   ][n2: 6,3]
+    """
+
+    seq_id: str
+    tenant: str
+    extents: tuple[Extent, ...]
+    num_tokens: int = 0
+    state: str = "active"
+    lost_reason: str = ""
+
+    def __post_init__(self) -> None:
+        check_name("seq_id", self.seq_id)
+        check_name("tenant", self.tenant)
+        object.__setattr__(self, "extents", check_extents(self.extents))
+        check_count("num_tokens", self.num_tokens)
+        if self.state not in SEQUENCE_STATES:
+            raise InvalidArgument(f"state must be one of {SEQUENCE_STATES}, got {self.state!r}")
+        if not isinstance(self.lost_reason, str):
+            raise InvalidArgument(f"lost_reason must be a str, got {self.lost_reason!r}")
+
+    @property
+    def num_blocks(self) -> int:
+        return sum(e.num_blocks for e in self.extents)
+
+    @property
+    def node_ids(self) -> tuple[str, ...]:
+        """The distinct nodes holding this sequence, in extent order."""
+        return tuple(dict.fromkeys(e.node_id for e in self.extents))
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    """A registered node as the store knows it (load is what its last heartbeat said)."""
+
+    node_id: str
+    address: str
+    spec: dict[str, Any]
+    num_blocks: int
+    load: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class PurgeResult:
+    """What removing (or re-registering) a node wiped.
+
+    was_registered: the node had a previous record (False: nothing to purge).
+    num_keys_purged: its block keys dropped from the prefix index.
+    lost_seq_ids: sequences with an extent on it, now in state "lost" (sorted).
+    """
+
+    node_id: str
+    was_registered: bool
+    num_keys_purged: int
+    lost_seq_ids: tuple[str, ...]
+
+
+# ---- validators shared by every backend -------------------------------------------------------
+
+
+def check_name(what: str, value: object) -> str:
+    if not isinstance(value, str) or not value:
+        raise InvalidArgument(f"{what} must be a non-empty str, got {value!r}")
+    return value
+
+
+def check_count(what: str, value: object) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise InvalidArgument(f"{what} must be an int >= 0, got {value!r}")
+    return value
+
+
+def check_ttl(ttl_s: object) -> float:
+    if (
+        not isinstance(ttl_s, int | float)
+        or isinstance(ttl_s, bool)
+        or not math.isfinite(ttl_s)
+        or ttl_s < 0.001
+    ):
+        raise InvalidArgument(f"ttl_s must be a finite number >= 0.001, got {ttl_s!r}")
+    return float(ttl_s)
+
+
+def check_key(key: object) -> bytes:
+    if not isinstance(key, bytes) or len(key) != KEY_BYTES:
+        raise InvalidArgument(f"a block key must be {KEY_BYTES} bytes, got {key!r}")
+    return key
+
+
+def check_keys(keys: Sequence[bytes]) -> list[bytes]:
+    if isinstance(keys, bytes | str):
+        raise InvalidArgument("keys must be a sequence of block keys, not one bytes/str")
+    return [check_key(k) for k in keys]
+
+
+def check_events(stored: Sequence[bytes], removed: Sequence[bytes]) -> tuple[list[bytes], list[bytes]]:
+    """Both lists validated; a key in both is refused (the node must send the net effect)."""
+    stored_keys, removed_keys = check_keys(stored), check_keys(removed)
+    both = set(stored_keys) & set(removed_keys)
+    if both:
+        raise InvalidArgument(
+            f"{len(both)} key(s) both stored and removed in one batch (e.g. {min(both).hex()}): "
+            "send each key's net effect (its last event) only"
+        )
+    return stored_keys, removed_keys
+
+
+def check_load(load: Mapping[str, int]) -> dict[str, int]:
+    if not isinstance(load, Mapping):
+        raise InvalidArgument(f"load must be a mapping of counters, got {load!r}")
+    return {check_name("load field", k): check_count(f"load[{k!r}]", v) for k, v in load.items()}
+
+
+def check_extents(extents: object) -> tuple[Extent, ...]:
+    if isinstance(extents, str | bytes) or not isinstance(extents, Sequence | tuple):
+        raise InvalidArgument(f"extents must be a sequence of (node_id, first, num_blocks), got {extents!r}")
+    out: list[Extent] = []
+    next_block = 0
+    for raw in extents:
+        if not isinstance(raw, Sequence) or isinstance(raw, str | bytes) or len(raw) != 3:
+            raise InvalidArgument(
+                f"an extent must be (node_id, first_logical_block, num_blocks), got {raw!r}"
+            )
+        ext = Extent(check_name("extent node_id", raw[0]), *(check_count("extent field", v) for v in raw[1:]))
+        if ext.first_logical_block != next_block:
+            raise InvalidArgument(
+                f"extents must tile logical blocks from 0 in order: {ext} starts at "
+                f"{ext.first_logical_block}, expected {next_block}"
+            )
+        next_block += ext.num_blocks
+        out.append(ext)
+    if not out:
+        raise InvalidArgument("a sequence needs at least one extent")
+    return tuple(out)
+
+
+def check_sequence_fields(fields: Mapping[str, Any]) -> dict[str, Any]:
+    """Validate update_sequence(**fields); returns them normalised (extents as a tuple of Extent)."""
+    unknown = sorted(set(fields) - set(UPDATABLE_SEQUENCE_FIELDS))
+    if unknown:
+        raise InvalidArgument(f"cannot update {unknown}; updatable fields: {UPDATABLE_SEQUENCE_FIELDS}")
+    if not fields:
+        raise InvalidArgument("update_sequence needs at least one field")
+    out = dict(fields)
+    if "extents" in out:
+        out["extents"] = check_extents(out["extents"])
+    if "num_tokens" in out:
+        check_count("num_tokens", out["num_tokens"])
+    if "state" in out and out["state"] not in SEQUENCE_STATES:
+        raise InvalidArgument(f"state must be one of {SEQUENCE_STATES}, got {out['state']!r}")
+    if "lost_reason" in out and not isinstance(out["lost_reason"], str):
+        raise InvalidArgument(f"lost_reason must be a str, got {out['lost_reason']!r}")
+    return out

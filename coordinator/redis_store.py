@@ -1,0 +1,535 @@
+"""RedisStore: the Store on Redis (redis-py, bytes in and out).
+
+Layout, every key under a configurable prefix P (default "pkv:"):
+
+    P nodes            set   registered node ids
+    P node:<id>        hash  address, spec (JSON), num_blocks, load (JSON)
+    P alive:<id>       str   liveness; PX TTL renewed by heartbeats (tooz style)
+    P nkeys:<id>       set   block keys the node holds   (reverse index: purges)
+    P idx:<key16>      set   node ids holding the key    (the global prefix index)
+    P nseqs:<id>       set   seq ids with an extent on the node
+    P seq:<seq_id>     hash  tenant, extents (JSON), num_tokens, state, lost_reason
+    P salt:<tenant>    str   16 random bytes, SET NX (first writer wins)
+    P usage:<tenant>   int   blocks reserved
+
+Every multi-key update is one Lua script (atomic; one round trip). Scripts build
+key names from P inside Redis, so this targets a single Redis (or a primary with
+replicas), not Redis Cluster. A purge of a node with many keys runs in one script
+and blocks Redis for its duration (~1 ms per 10k keys).
+
+Errors: connection failures and timeouts become Unavailable. The client retries
+(one Retry value, set below) on ConnectionError only: that covers a pooled
+connection that died while Redis restarted; a timeout is not retried, because
+the command may have run and not every call (reserve_blocks) is idempotent.
+EVALSHA's NOSCRIPT after a Redis restart is handled by redis-py's Script (it
+reloads and retries), so a store survives an outage without being recreated.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+from pagedkv.protos.errors import (
+    FailedPrecondition,
+    IntegrityError,
+    InvalidArgument,
+    QuotaExceeded,
+    SequenceNotFound,
+    Unavailable,
+)
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
+
+from .records import (
+    Extent,
+    NodeInfo,
+    NodeNotLive,
+    PurgeResult,
+    SequenceExists,
+    SequenceRecord,
+    check_count,
+    check_events,
+    check_key,
+    check_keys,
+    check_load,
+    check_name,
+    check_sequence_fields,
+    check_ttl,
+)
+from .store import Store
+
+SALT_BYTES = 16
+
+
+@dataclass(frozen=True)
+class RedisStoreConfig:
+    """Connection settings. Timeouts bound how long a call can hang when Redis is gone."""
+
+    prefix: str = "pkv:"
+    socket_timeout_s: float = 1.0
+    socket_connect_timeout_s: float = 0.5
+    retries: int = 2
+    max_connections: int = 64
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.prefix, str) or not self.prefix:
+            raise InvalidArgument(f"prefix must be a non-empty str, got {self.prefix!r}")
+        for name in ("socket_timeout_s", "socket_connect_timeout_s"):
+            if not isinstance(getattr(self, name), int | float) or getattr(self, name) <= 0:
+                raise InvalidArgument(f"{name} must be > 0, got {getattr(self, name)!r}")
+        check_count("retries", self.retries)
+        if self.max_connections < 1:
+            raise InvalidArgument(f"max_connections must be >= 1, got {self.max_connections!r}")
+
+
+# Shared by register_node and remove_node: drop the node's keys from the index and
+# mark its sequences lost. Returns {number of keys purged, {lost seq ids}}.
+_PURGE = """
+local function purge(P, id, reason)
+  local nk = P .. 'nkeys:' .. id
+  local keys = redis.call('SMEMBERS', nk)
+  for _, k in ipairs(keys) do redis.call('SREM', P .. 'idx:' .. k, id) end
+  redis.call('DEL', nk)
+  local ns = P .. 'nseqs:' .. id
+  local lost = {}
+  for _, s in ipairs(redis.call('SMEMBERS', ns)) do
+    local sk = P .. 'seq:' .. s
+    local state = redis.call('HGET', sk, 'state')
+    if state then
+      if state ~= 'lost' then redis.call('HSET', sk, 'state', 'lost', 'lost_reason', reason) end
+      lost[#lost + 1] = s
+    end
+  end
+  redis.call('DEL', ns)
+  return {#keys, lost}
+end
+"""
+
+# ARGV: P, id, address, spec_json, num_blocks, ttl_ms, reason
+_REGISTER = (
+    _PURGE
+    + """
+local P, id = ARGV[1], ARGV[2]
+local was = redis.call('SISMEMBER', P .. 'nodes', id)
+local r = purge(P, id, ARGV[7])
+local nk = P .. 'node:' .. id
+redis.call('DEL', nk)
+redis.call('HSET', nk, 'address', ARGV[3], 'spec', ARGV[4], 'num_blocks', ARGV[5], 'load', '{}')
+redis.call('SADD', P .. 'nodes', id)
+redis.call('SET', P .. 'alive:' .. id, '1', 'PX', ARGV[6])
+return {was, r[1], r[2]}
+"""
+)
+
+# ARGV: P, id, require_expired ('1'/'0'), reason.  Returns {-1} if live and required expired.
+_REMOVE = (
+    _PURGE
+    + """
+local P, id = ARGV[1], ARGV[2]
+if redis.call('SISMEMBER', P .. 'nodes', id) == 0 then return {0, 0, {}} end
+if ARGV[3] == '1' and redis.call('EXISTS', P .. 'alive:' .. id) == 1 then return {-1, 0, {}} end
+local r = purge(P, id, ARGV[4])
+redis.call('DEL', P .. 'node:' .. id, P .. 'alive:' .. id)
+redis.call('SREM', P .. 'nodes', id)
+return {1, r[1], r[2]}
+"""
+)
+
+# ARGV: P, id, load_json, ttl_ms
+_HEARTBEAT = """
+local P, id = ARGV[1], ARGV[2]
+if redis.call('PEXPIRE', P .. 'alive:' .. id, ARGV[4]) == 0 then return 0 end
+redis.call('HSET', P .. 'node:' .. id, 'load', ARGV[3])
+return 1
+"""
+
+# ARGV: P, want_live ('1'/'0'). Live: {{id, address, spec, num_blocks, load}, ...}; else {id, ...}
+_LIST_NODES = """
+local P = ARGV[1]
+local out = {}
+for _, id in ipairs(redis.call('SMEMBERS', P .. 'nodes')) do
+  local live = redis.call('EXISTS', P .. 'alive:' .. id) == 1
+  if ARGV[2] == '1' and live then
+    local h = redis.call('HMGET', P .. 'node:' .. id, 'address', 'spec', 'num_blocks', 'load')
+    out[#out + 1] = {id, h[1], h[2], h[3], h[4]}
+  elseif ARGV[2] == '0' and not live then
+    out[#out + 1] = id
+  end
+end
+return out
+"""
+
+# ARGV: P, id, num_stored, stored..., removed...
+_APPLY_EVENTS = """
+local P, id = ARGV[1], ARGV[2]
+if redis.call('EXISTS', P .. 'alive:' .. id) == 0 then return 0 end
+local n = tonumber(ARGV[3])
+local nk = P .. 'nkeys:' .. id
+for i = 4, 3 + n do
+  redis.call('SADD', P .. 'idx:' .. ARGV[i], id)
+  redis.call('SADD', nk, ARGV[i])
+end
+for i = 4 + n, #ARGV do
+  if redis.call('SREM', nk, ARGV[i]) == 1 then redis.call('SREM', P .. 'idx:' .. ARGV[i], id) end
+end
+return 1
+"""
+
+# ARGV: P, key1, key2, ...  Returns a flat {node, count, node, count, ...} over live nodes.
+# Nodes still matching shrink key by key (one SMISMEMBER per key); a node drops out at the
+# first key it lacks.
+_MATCH_PREFIX = """
+local P = ARGV[1]
+local active = {}
+for _, id in ipairs(redis.call('SMEMBERS', P .. 'nodes')) do
+  if redis.call('EXISTS', P .. 'alive:' .. id) == 1 then active[#active + 1] = id end
+end
+local out = {}
+for i = 2, #ARGV do
+  if #active == 0 then break end
+  local held = redis.call('SMISMEMBER', P .. 'idx:' .. ARGV[i], unpack(active))
+  local still = {}
+  for j, id in ipairs(active) do
+    if held[j] == 1 then still[#still + 1] = id
+    else out[#out + 1] = id; out[#out + 1] = i - 2 end
+  end
+  active = still
+end
+for _, id in ipairs(active) do out[#out + 1] = id; out[#out + 1] = #ARGV - 1 end
+return out
+"""
+
+# ARGV: P, seq_id, tenant, extents_json, num_tokens, state, lost_reason, node ids...
+# Returns {1} | {0} (exists) | {-1, node} (node not live)
+_CREATE_SEQ = """
+local P, s = ARGV[1], ARGV[2]
+local sk = P .. 'seq:' .. s
+if redis.call('EXISTS', sk) == 1 then return {0} end
+for i = 8, #ARGV do
+  if redis.call('EXISTS', P .. 'alive:' .. ARGV[i]) == 0 then return {-1, ARGV[i]} end
+end
+redis.call('HSET', sk, 'tenant', ARGV[3], 'extents', ARGV[4], 'num_tokens', ARGV[5],
+           'state', ARGV[6], 'lost_reason', ARGV[7])
+for i = 8, #ARGV do redis.call('SADD', P .. 'nseqs:' .. ARGV[i], s) end
+return {1}
+"""
+
+# ARGV: P, seq_id, num_field_args (2 per field), field, value, ..., new node ids (when extents set)
+# Returns {1, hgetall} | {0} (missing) | {-1, node} (node not live)
+_UPDATE_SEQ = """
+local P, s = ARGV[1], ARGV[2]
+local sk = P .. 'seq:' .. s
+if redis.call('EXISTS', sk) == 0 then return {0} end
+local m = tonumber(ARGV[3])
+local moves = false
+for i = 4, 3 + m, 2 do if ARGV[i] == 'extents' then moves = true end end
+if moves then
+  for i = 4 + m, #ARGV do
+    if redis.call('EXISTS', P .. 'alive:' .. ARGV[i]) == 0 then return {-1, ARGV[i]} end
+  end
+  for _, e in ipairs(cjson.decode(redis.call('HGET', sk, 'extents'))) do
+    redis.call('SREM', P .. 'nseqs:' .. e[1], s)
+  end
+  for i = 4 + m, #ARGV do redis.call('SADD', P .. 'nseqs:' .. ARGV[i], s) end
+end
+for i = 4, 3 + m, 2 do redis.call('HSET', sk, ARGV[i], ARGV[i + 1]) end
+return {1, redis.call('HGETALL', sk)}
+"""
+
+# ARGV: P, seq_id. Returns the deleted hash (flat), or {} if missing.
+_DELETE_SEQ = """
+local P, s = ARGV[1], ARGV[2]
+local sk = P .. 'seq:' .. s
+local h = redis.call('HGETALL', sk)
+if #h == 0 then return h end
+for _, e in ipairs(cjson.decode(redis.call('HGET', sk, 'extents'))) do
+  redis.call('SREM', P .. 'nseqs:' .. e[1], s)
+end
+redis.call('DEL', sk)
+return h
+"""
+
+# ARGV: P, node_id. Returns {seq_id, hgetall, seq_id, hgetall, ...}
+_SEQS_OF_NODE = """
+local P = ARGV[1]
+local out = {}
+for _, s in ipairs(redis.call('SMEMBERS', P .. 'nseqs:' .. ARGV[2])) do
+  local h = redis.call('HGETALL', P .. 'seq:' .. s)
+  if #h > 0 then out[#out + 1] = s; out[#out + 1] = h end
+end
+return out
+"""
+
+# KEYS: usage key. ARGV: n, quota. Returns {1, new_used} | {0, used}
+_RESERVE = """
+local used = tonumber(redis.call('GET', KEYS[1]) or '0')
+local n, quota = tonumber(ARGV[1]), tonumber(ARGV[2])
+if used + n > quota then return {0, used} end
+return {1, redis.call('INCRBY', KEYS[1], n)}
+"""
+
+# KEYS: usage key. ARGV: n. Returns {1, new_used} | {0, used}
+_RELEASE = """
+local used = tonumber(redis.call('GET', KEYS[1]) or '0')
+local n = tonumber(ARGV[1])
+if n > used then return {0, used} end
+local left = redis.call('DECRBY', KEYS[1], n)
+if left == 0 then redis.call('DEL', KEYS[1]) end
+return {1, left}
+"""
+
+
+def _s(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _record(seq_id: str, flat: Sequence[bytes]) -> SequenceRecord:
+    h = {_s(flat[i]): flat[i + 1] for i in range(0, len(flat), 2)}
+    return SequenceRecord(
+        seq_id=seq_id,
+        tenant=_s(h["tenant"]),
+        extents=tuple(Extent(n, f, b) for n, f, b in json.loads(h["extents"])),
+        num_tokens=int(h["num_tokens"]),
+        state=_s(h["state"]),
+        lost_reason=_s(h.get("lost_reason", b"")),
+    )
+
+
+def _purge_result(node_id: str, reply: Sequence[Any]) -> PurgeResult:
+    return PurgeResult(node_id, bool(reply[0]), int(reply[1]), tuple(sorted(_s(s) for s in reply[2])))
+
+
+def _encode_field(name: str, value: Any) -> str | int:
+    if name == "extents":
+        return json.dumps([list(e) for e in value])
+    return value  # type: ignore[no-any-return]
+
+
+class RedisStore(Store):
+    def __init__(self, url: str, config: RedisStoreConfig | None = None, **options: Any) -> None:
+        """url: redis://host:port/db. options: RedisStoreConfig fields (prefix=..., ...)."""
+        self.config = config or RedisStoreConfig(**options)
+        self._url = url
+        self._prefix = self.config.prefix
+        # The one place transient failures are retried (see the module docstring).
+        retry = Retry(
+            ExponentialBackoff(cap=0.2, base=0.02),
+            self.config.retries,
+            supported_errors=(redis.ConnectionError,),
+        )
+        try:
+            self._redis = redis.Redis.from_url(
+                url,
+                decode_responses=False,
+                socket_timeout=self.config.socket_timeout_s,
+                socket_connect_timeout=self.config.socket_connect_timeout_s,
+                retry=retry,
+                retry_on_error=[redis.ConnectionError],
+                max_connections=self.config.max_connections,
+            )
+        except ValueError as e:
+            raise InvalidArgument(f"bad redis URL {url!r}: {e}") from e
+        reg = self._redis.register_script
+        self._register = reg(_REGISTER)
+        self._remove = reg(_REMOVE)
+        self._heartbeat = reg(_HEARTBEAT)
+        self._list_nodes = reg(_LIST_NODES)
+        self._apply_events = reg(_APPLY_EVENTS)
+        self._match_prefix = reg(_MATCH_PREFIX)
+        self._create_seq = reg(_CREATE_SEQ)
+        self._update_seq = reg(_UPDATE_SEQ)
+        self._delete_seq = reg(_DELETE_SEQ)
+        self._seqs_of_node = reg(_SEQS_OF_NODE)
+        self._reserve = reg(_RESERVE)
+        self._release = reg(_RELEASE)
+
+    def __repr__(self) -> str:
+        return f"RedisStore({self._redis.connection_pool!r}, prefix={self._prefix!r})"
+
+    def _call(self, what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run one Redis call, translating redis-py's errors into the pagedkv hierarchy.
+
+        Returns Any: redis-py's reply types are too loose to be useful here."""
+        try:
+            return fn(*args, **kwargs)
+        except (redis.ConnectionError, redis.TimeoutError) as e:
+            raise Unavailable(f"redis unreachable during {what}: {e}") from e
+        except (redis.ReadOnlyError, redis.exceptions.OutOfMemoryError) as e:
+            raise Unavailable(f"redis refused {what}: {e}") from e
+        except redis.ResponseError as e:
+            if str(e).startswith(("BUSY", "LOADING", "MASTERDOWN", "TRYAGAIN")):
+                raise Unavailable(f"redis busy during {what}: {e}") from e
+            raise IntegrityError(f"redis rejected {what} (a pagedkv bug): {e}") from e
+        except redis.RedisError as e:
+            raise Unavailable(f"redis error during {what}: {e}") from e
+
+    def _key(self, *parts: str | bytes) -> bytes:
+        return self._prefix.encode() + b"".join(p.encode() if isinstance(p, str) else p for p in parts)
+
+    # ---- membership ---------------------------------------------------------------------------
+
+    def register_node(
+        self, node_id: str, address: str, spec: Mapping[str, Any], num_blocks: int, ttl_s: float
+    ) -> PurgeResult:
+        check_name("node_id", node_id)
+        check_name("address", address)
+        check_count("num_blocks", num_blocks)
+        ttl_ms = max(1, round(check_ttl(ttl_s) * 1000))
+        try:
+            spec_json = json.dumps(dict(spec), sort_keys=True)
+        except (TypeError, ValueError) as e:
+            raise InvalidArgument(f"spec must be a JSON-able mapping: {e}") from e
+        reason = f"node {node_id} re-registered (restarted; its blocks are gone)"
+        args = [self._prefix, node_id, address, spec_json, num_blocks, ttl_ms, reason]
+        reply = self._call("register_node", self._register, args=args)
+        return _purge_result(node_id, reply)
+
+    def heartbeat(self, node_id: str, load: Mapping[str, int], ttl_s: float) -> bool:
+        check_name("node_id", node_id)
+        load_json = json.dumps(check_load(load), sort_keys=True)
+        ttl_ms = max(1, round(check_ttl(ttl_s) * 1000))
+        args = [self._prefix, node_id, load_json, ttl_ms]
+        return bool(self._call("heartbeat", self._heartbeat, args=args))
+
+    def live_nodes(self) -> list[NodeInfo]:
+        rows = self._call("live_nodes", self._list_nodes, args=[self._prefix, "1"])
+        nodes = [
+            NodeInfo(_s(i), _s(addr), json.loads(spec), int(nb), json.loads(load))
+            for i, addr, spec, nb, load in rows
+        ]
+        return sorted(nodes, key=lambda n: n.node_id)
+
+    def expired_nodes(self) -> list[str]:
+        rows = self._call("expired_nodes", self._list_nodes, args=[self._prefix, "0"])
+        return sorted(_s(i) for i in rows)
+
+    def remove_node(self, node_id: str, *, require_expired: bool = False) -> PurgeResult:
+        check_name("node_id", node_id)
+        args = [self._prefix, node_id, "1" if require_expired else "0", f"node {node_id} died"]
+        reply = self._call("remove_node", self._remove, args=args)
+        if reply[0] == -1:
+            raise FailedPrecondition(f"node {node_id!r} is live (heartbeat renewed); not removed")
+        return _purge_result(node_id, reply)
+
+    # ---- prefix index -------------------------------------------------------------------------
+
+    def apply_events(self, node_id: str, stored: Sequence[bytes], removed: Sequence[bytes]) -> None:
+        check_name("node_id", node_id)
+        stored, removed = check_events(stored, removed)
+        args = [self._prefix, node_id, len(stored), *stored, *removed]
+        if not self._call("apply_events", self._apply_events, args=args):
+            raise NodeNotLive(node_id, "events ignored; register again")
+
+    def match_prefix(self, keys: Sequence[bytes]) -> dict[str, int]:
+        keys = check_keys(keys)
+        flat = self._call("match_prefix", self._match_prefix, args=[self._prefix, *keys])
+        return {_s(flat[i]): int(flat[i + 1]) for i in range(0, len(flat), 2)}
+
+    def nodes_holding(self, key: bytes) -> set[str]:
+        members = self._call("nodes_holding", self._redis.smembers, self._key("idx:", check_key(key)))
+        return {_s(m) for m in members}
+
+    def keys_of(self, node_id: str) -> set[bytes]:
+        check_name("node_id", node_id)
+        return set(self._call("keys_of", self._redis.smembers, self._key("nkeys:", node_id)))
+
+    # ---- page tables --------------------------------------------------------------------------
+
+    def create_sequence(self, record: SequenceRecord) -> None:
+        if not isinstance(record, SequenceRecord):
+            raise InvalidArgument(f"expected a SequenceRecord, got {type(record).__name__}")
+        args = [
+            self._prefix,
+            record.seq_id,
+            record.tenant,
+            _encode_field("extents", record.extents),
+            record.num_tokens,
+            record.state,
+            record.lost_reason,
+            *record.node_ids,
+        ]
+        reply = self._call("create_sequence", self._create_seq, args=args)
+        if reply[0] == 0:
+            raise SequenceExists(record.seq_id)
+        if reply[0] == -1:
+            raise NodeNotLive(_s(reply[1]), f"cannot place sequence {record.seq_id!r} there")
+
+    def get_sequence(self, seq_id: str) -> SequenceRecord:
+        check_name("seq_id", seq_id)
+        h = self._call("get_sequence", self._redis.hgetall, self._key("seq:", seq_id))
+        if not h:
+            raise SequenceNotFound(seq_id)
+        return _record(seq_id, [x for kv in h.items() for x in kv])
+
+    def update_sequence(self, seq_id: str, **fields: Any) -> SequenceRecord:
+        check_name("seq_id", seq_id)
+        fields = check_sequence_fields(fields)
+        flat = [x for name, value in fields.items() for x in (name, _encode_field(name, value))]
+        nodes = list(dict.fromkeys(e.node_id for e in fields.get("extents", ())))
+        reply = self._call(
+            "update_sequence", self._update_seq, args=[self._prefix, seq_id, len(flat), *flat, *nodes]
+        )
+        if reply[0] == 0:
+            raise SequenceNotFound(seq_id)
+        if reply[0] == -1:
+            raise NodeNotLive(_s(reply[1]), f"cannot move sequence {seq_id!r} there")
+        return _record(seq_id, reply[1])
+
+    def delete_sequence(self, seq_id: str) -> SequenceRecord:
+        check_name("seq_id", seq_id)
+        flat = self._call("delete_sequence", self._delete_seq, args=[self._prefix, seq_id])
+        if not flat:
+            raise SequenceNotFound(seq_id)
+        return _record(seq_id, flat)
+
+    def sequences_of_node(self, node_id: str) -> list[SequenceRecord]:
+        check_name("node_id", node_id)
+        flat = self._call("sequences_of_node", self._seqs_of_node, args=[self._prefix, node_id])
+        records = [_record(_s(flat[i]), flat[i + 1]) for i in range(0, len(flat), 2)]
+        return sorted(records, key=lambda r: r.seq_id)
+
+    # ---- tenants ------------------------------------------------------------------------------
+
+    def tenant_salt(self, tenant: str) -> bytes:
+        check_name("tenant", tenant)
+        fresh = os.urandom(SALT_BYTES)
+        # SET NX GET (Redis >= 7.0): one round trip; returns the old salt, or None if ours won.
+        old = self._call("tenant_salt", self._redis.set, self._key("salt:", tenant), fresh, nx=True, get=True)
+        return fresh if old is None else bytes(old)
+
+    def reserve_blocks(self, tenant: str, n: int, quota: int) -> int:
+        check_name("tenant", tenant)
+        check_count("n", n)
+        check_count("quota", quota)
+        ok, used = self._call(
+            "reserve_blocks", self._reserve, keys=[self._key("usage:", tenant)], args=[n, quota]
+        )
+        if not ok:
+            raise QuotaExceeded(tenant, requested=n, quota=quota, used=int(used))
+        return int(used)
+
+    def release_blocks(self, tenant: str, n: int) -> int:
+        check_name("tenant", tenant)
+        check_count("n", n)
+        ok, used = self._call("release_blocks", self._release, keys=[self._key("usage:", tenant)], args=[n])
+        if not ok:
+            raise InvalidArgument(f"tenant {tenant!r}: cannot release {n} blocks, only {used} reserved")
+        return int(used)
+
+    def tenant_usage(self, tenant: str) -> int:
+        check_name("tenant", tenant)
+        value = self._call("tenant_usage", self._redis.get, self._key("usage:", tenant))
+        return int(value) if value is not None else 0
+
+    # ---- operations ---------------------------------------------------------------------------
+
+    def ping(self) -> None:
+        self._call("ping", self._redis.ping)
+
+    def close(self) -> None:
+        self._redis.close()

@@ -1,0 +1,193 @@
+"""The Store: every piece of coordinator state, behind one interface.
+
+A coordinator keeps nothing in its own memory that it cannot lose: membership,
+the global prefix index, page tables and tenants live in a Store, so a
+coordinator can restart, or run as several replicas, without losing anything.
+
+Two backends implement the same contract and run one contract suite
+(tests/contract/test_store_contract.py):
+
+- RedisStore (redis_store.py): the production backend. Every method is at most
+  2 round trips (most are 1) and every multi-key update is one Lua script, so
+  it is atomic against other coordinator replicas.
+- MemoryStore (memory_store.py): embedded, in-process, one lock; for `pagedkv up`
+  on a machine without Redis, and for tests.
+
+Liveness is tooz-style: a registered node has a TTL key; each heartbeat pushes
+its deadline ttl_s ahead (the node beats at half the TTL). A node whose TTL
+lapsed is "expired": still registered, invisible to placement (live_nodes,
+match_prefix), until a reaper calls remove_node(node_id, require_expired=True).
+
+Errors (protos.errors): InvalidArgument for bad input (checked before any state
+is touched), SequenceNotFound, QuotaExceeded, FailedPrecondition subclasses
+(SequenceExists, NodeNotLive) for valid calls on the wrong state, and
+Unavailable when the backend cannot be reached: the call may or may not have
+been applied, so callers retry only idempotent calls blindly.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from .records import NodeInfo, PurgeResult, SequenceRecord
+
+
+class Store(ABC):
+    """Coordinator state. Thread-safe: one Store object may serve many threads."""
+
+    # ---- membership ---------------------------------------------------------------------------
+
+    @abstractmethod
+    def register_node(
+        self, node_id: str, address: str, spec: Mapping[str, Any], num_blocks: int, ttl_s: float
+    ) -> PurgeResult:
+        """(Re-)register a node; it is live for ttl_s seconds.
+
+        A node that registers again comes back EMPTY (it restarted, its blocks are
+        gone): atomically with the new record, its old keys leave the prefix index
+        and its old sequences are marked lost ("node X re-registered"); the result
+        says what was purged (was_registered=False on a first registration).
+        Load starts empty. One round trip (one script).
+        """
+
+    @abstractmethod
+    def heartbeat(self, node_id: str, load: Mapping[str, int], ttl_s: float) -> bool:
+        """Push the node's deadline ttl_s ahead and record its load counters
+        (free_blocks, used_blocks, num_sequences, ...; ints >= 0).
+
+        Returns False, changing nothing, if the node is unknown or its TTL already
+        lapsed: the node must register again (and comes back empty). One round trip.
+        """
+
+    @abstractmethod
+    def live_nodes(self) -> list[NodeInfo]:
+        """Registered nodes whose TTL has not lapsed, sorted by node_id. Read-only; one round trip."""
+
+    @abstractmethod
+    def expired_nodes(self) -> list[str]:
+        """Ids of registered nodes whose TTL lapsed (sorted): what a reaper removes. Read-only;
+        one round trip."""
+
+    @abstractmethod
+    def remove_node(self, node_id: str, *, require_expired: bool = False) -> PurgeResult:
+        """Atomically purge the node's keys from the prefix index, mark its sequences
+        lost ("node X died"), and drop its record.
+
+        Idempotent: an unknown node gives was_registered=False and changes nothing.
+        With require_expired=True a node that is still live raises FailedPrecondition
+        and changes nothing (checked atomically), so a reaper racing a re-registration
+        never drops a fresh node. One round trip.
+        """
+
+    # ---- global prefix index (exact) ----------------------------------------------------------
+
+    @abstractmethod
+    def apply_events(self, node_id: str, stored: Sequence[bytes], removed: Sequence[bytes]) -> None:
+        """Record that the node now holds `stored` and no longer holds `removed` (16-byte keys).
+
+        Set semantics: storing a held key or removing an absent one is a no-op.
+        A key in both lists raises InvalidArgument (the node sends each key's net
+        effect). If the node is not live, raises NodeNotLive and changes nothing:
+        its events are stale (it will re-register and come back empty), and the
+        error tells it so at once. Atomic; one round trip.
+        """
+
+    @abstractmethod
+    def match_prefix(self, keys: Sequence[bytes]) -> dict[str, int]:
+        """For every live node, how many LEADING keys of `keys` it holds (keys[0],
+        keys[1], ... consecutively; the first key it lacks stops its count). Live
+        nodes holding nothing map to 0; expired nodes are absent. Read-only; one
+        round trip (one script), a consistent snapshot.
+        """
+
+    @abstractmethod
+    def nodes_holding(self, key: bytes) -> set[str]:
+        """The nodes the index says hold `key`, exactly as stored (expired nodes included
+        until removed). Read-only; one round trip."""
+
+    @abstractmethod
+    def keys_of(self, node_id: str) -> set[bytes]:
+        """Every key the index says `node_id` holds (empty if unknown). Read-only; one round trip."""
+
+    # ---- page tables --------------------------------------------------------------------------
+
+    @abstractmethod
+    def create_sequence(self, record: SequenceRecord) -> None:
+        """Insert a page-table entry. Raises SequenceExists if the id is taken, NodeNotLive
+        if an extent names a node that is not live; nothing changes then. One round trip."""
+
+    @abstractmethod
+    def get_sequence(self, seq_id: str) -> SequenceRecord:
+        """The entry, or SequenceNotFound. Read-only; one round trip."""
+
+    @abstractmethod
+    def update_sequence(self, seq_id: str, **fields: Any) -> SequenceRecord:
+        """Set some of extents, num_tokens, state, lost_reason; returns the updated record.
+
+        Unknown or invalid fields raise InvalidArgument; a missing id raises
+        SequenceNotFound; new extents on a node that is not live raise NodeNotLive;
+        nothing changes then. Atomic (node->sequences links move with the extents);
+        one round trip.
+        """
+
+    @abstractmethod
+    def delete_sequence(self, seq_id: str) -> SequenceRecord:
+        """Remove the entry and return what it was; SequenceNotFound if absent. One round trip.
+        (Quota is not released here: the caller releases what it reserved.)"""
+
+    @abstractmethod
+    def sequences_of_node(self, node_id: str) -> list[SequenceRecord]:
+        """Sequences with an extent on the node, sorted by seq_id. After the node is removed
+        or re-registered this is empty (its sequences are lost, their records kept until
+        deleted). Read-only; one round trip."""
+
+    # ---- tenants ------------------------------------------------------------------------------
+
+    @abstractmethod
+    def tenant_salt(self, tenant: str) -> bytes:
+        """The tenant's 16-byte key salt: created server-side (os.urandom) on first use,
+        the same forever after; concurrent first uses (any replicas) agree. One round trip."""
+
+    @abstractmethod
+    def reserve_blocks(self, tenant: str, n: int, quota: int) -> int:
+        """Atomically add n blocks to the tenant's usage if usage + n <= quota; returns the
+        new usage. Otherwise raises QuotaExceeded(tenant, requested=n, quota, used) and
+        changes nothing. One round trip."""
+
+    @abstractmethod
+    def release_blocks(self, tenant: str, n: int) -> int:
+        """Subtract n from the tenant's usage; returns the new usage. Releasing more than
+        is used raises InvalidArgument and changes nothing. One round trip."""
+
+    @abstractmethod
+    def tenant_usage(self, tenant: str) -> int:
+        """Blocks the tenant has reserved (0 if never seen). Read-only; one round trip."""
+
+    # ---- operations ---------------------------------------------------------------------------
+
+    @abstractmethod
+    def ping(self) -> None:
+        """Return if the backend answers; raise Unavailable otherwise."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release connections. The store must not be used afterwards."""
+
+
+def open_store(url: str, **options: Any) -> Store:
+    """A Store from a URL (tooz style): "memory://" or "redis://host:port/db" (rediss:// too).
+
+    Options go to the backend (e.g. prefix="pkv:" for Redis, clock=... for memory).
+    """
+    from pagedkv.protos.errors import InvalidArgument
+
+    if url == "memory://" or url.startswith("memory://"):
+        from .memory_store import MemoryStore
+
+        return MemoryStore(**options)
+    if url.startswith(("redis://", "rediss://", "unix://")):
+        from .redis_store import RedisStore
+
+        return RedisStore(url, **options)
+    raise InvalidArgument(f"unknown store URL {url!r}: use memory:// or redis://host:port")

@@ -1,0 +1,86 @@
+"""Round trips per control call, counted on the wire.
+
+Every request redis-py sends goes through Connection.send_packed_command (a
+pipeline sends once), so counting its calls counts round trips. Scripts are
+warmed first: the very first EVALSHA against a fresh server costs 3 (EVALSHA,
+NOSCRIPT, SCRIPT LOAD, EVALSHA), every later one costs 1.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import redis.connection
+from pagedkv.coordinator.records import Extent, SequenceRecord
+from pagedkv.coordinator.redis_store import RedisStore
+
+SPEC = {"num_layers": 1, "num_kv_heads": 1, "head_dim": 8}
+
+
+def count_round_trips(monkeypatch: pytest.MonkeyPatch, fn: Callable[[], object]) -> int:
+    sent = [0]
+    original = redis.connection.Connection.send_packed_command
+
+    def counting(self, command, check_health=True):  # type: ignore[no-untyped-def]
+        sent[0] += 1
+        return original(self, command, check_health)
+
+    with monkeypatch.context() as m:
+        m.setattr(redis.connection.Connection, "send_packed_command", counting)
+        fn()
+    return sent[0]
+
+
+@pytest.fixture
+def store(redis_url: str):  # type: ignore[no-untyped-def]
+    s = RedisStore(redis_url)
+    s.register_node("n0", "a:0", SPEC, 100, 30.0)  # warm the pool and the scripts used below
+    s.apply_events("n0", [bytes(16)], [])
+    s.match_prefix([bytes(16)])
+    s.create_sequence(SequenceRecord("warm", "t", (Extent("n0", 0, 1),)))
+    yield s
+    s.close()
+
+
+def test_open_costs_two_round_trips(store: RedisStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    keys = [i.to_bytes(16, "big") for i in range(64)]
+    store.register_node("n1", "a:1", SPEC, 100, 30.0)
+    store.apply_events("n1", keys[:40], [])
+
+    def open_sequence() -> None:
+        counts = store.match_prefix(keys)
+        best = max(sorted(counts), key=lambda n: counts[n])
+        store.create_sequence(SequenceRecord("s1", "t", (Extent(best, 0, 64),)))
+
+    assert count_round_trips(monkeypatch, open_sequence) == 2
+    assert store.get_sequence("s1").extents == (Extent("n1", 0, 64),)
+
+
+def test_every_control_call_is_one_round_trip(store: RedisStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    k = bytes(16)
+    calls: dict[str, Callable[[], object]] = {
+        "register_node": lambda: store.register_node("n1", "a:1", SPEC, 100, 30.0),
+        "heartbeat": lambda: store.heartbeat("n1", {"free_blocks": 3}, 30.0),
+        "live_nodes": store.live_nodes,
+        "expired_nodes": store.expired_nodes,
+        "apply_events": lambda: store.apply_events("n1", [k], []),
+        "match_prefix": lambda: store.match_prefix([k]),
+        "nodes_holding": lambda: store.nodes_holding(k),
+        "keys_of": lambda: store.keys_of("n1"),
+        "create_sequence": lambda: store.create_sequence(SequenceRecord("s", "t", (Extent("n1", 0, 1),))),
+        "get_sequence": lambda: store.get_sequence("s"),
+        "update_sequence": lambda: store.update_sequence("s", num_tokens=9),
+        "sequences_of_node": lambda: store.sequences_of_node("n1"),
+        "delete_sequence": lambda: store.delete_sequence("s"),
+        "tenant_salt": lambda: store.tenant_salt("t"),
+        "reserve_blocks": lambda: store.reserve_blocks("t", 1, 10),
+        "release_blocks": lambda: store.release_blocks("t", 1),
+        "tenant_usage": lambda: store.tenant_usage("t"),
+        "remove_node": lambda: store.remove_node("n1"),
+        "ping": store.ping,
+    }
+    for call in calls.values():  # one full cycle (it ends where it started) loads every script
+        call()
+    measured = {name: count_round_trips(monkeypatch, call) for name, call in calls.items()}
+    assert measured == {name: 1 for name in calls}
