@@ -1,0 +1,75 @@
+"""Domain errors <-> gRPC status codes, both directions, for every role.
+
+Server side: `status_for(exc)` gives the code, details and error class name of a
+raised exception; `abort_details` also puts the class name in the trailing
+metadata (ERROR_CLASS_KEY) and logs unexpected exceptions, which become INTERNAL
+while the process keeps serving.
+
+Client side: `error_from_rpc(rpc_error)` re-raises the same class when the
+metadata names one of pagedkv.protos.errors that fits the status code (so
+`except SequenceNotFound` works across the wire), else the generic class for
+the code. DEADLINE_EXCEEDED and CANCELLED become Unavailable (may succeed later).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+
+from . import errors
+from .errors import ERROR_FOR_STATUS, PagedKVError, Unavailable
+
+ERROR_CLASS_KEY = "pagedkv-error-class"
+_TRANSIENT = {"DEADLINE_EXCEEDED", "CANCELLED"}
+logger = logging.getLogger("pagedkv.status")
+
+
+def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str, str]:
+    """(status code, details, error class name) for an exception raised by a handler."""
+    if isinstance(exc, PagedKVError):
+        code = getattr(grpc.StatusCode, exc.status_name, grpc.StatusCode.UNKNOWN)
+        return code, str(exc) or type(exc).__name__, type(exc).__name__
+    return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}", ""
+
+
+def abort_details(
+    context: grpc.ServicerContext, method: str, exc: BaseException
+) -> tuple[grpc.StatusCode, str]:
+    """The (code, details) to abort the call with; sets the error-class trailing
+    metadata and logs unexpected exceptions with their traceback."""
+    code, details, cls = status_for(exc)
+    if code == grpc.StatusCode.INTERNAL:
+        logger.error("%s failed", method, exc_info=exc)
+    if cls:
+        context.set_trailing_metadata(((ERROR_CLASS_KEY, cls),))
+    return code, details
+
+
+def _metadata_value(exc: grpc.RpcError, key: str) -> str:
+    trailing = getattr(exc, "trailing_metadata", None)
+    for k, v in (trailing() if callable(trailing) else None) or ():
+        if k == key:
+            return v if isinstance(v, str) else v.decode()
+    return ""
+
+
+def error_from_rpc(exc: grpc.RpcError, context: str = "") -> PagedKVError:
+    """The domain error a failed call stands for (sync or asyncio RpcError).
+    `context` (e.g. "node n1") is prefixed to the server's message."""
+    code = exc.code()  # type: ignore[attr-defined]
+    name = code.name if code is not None else "UNKNOWN"
+    details = exc.details() or name  # type: ignore[attr-defined]
+    base = ERROR_FOR_STATUS.get(name, Unavailable if name in _TRANSIENT else PagedKVError)
+    cls = getattr(errors, _metadata_value(exc, ERROR_CLASS_KEY), None)
+    if not (isinstance(cls, type) and issubclass(cls, base)):
+        cls = base
+    message = details if name not in _TRANSIENT else f"{name}: {details}"
+    if context:
+        message = f"{context}: {message}"
+    # Bypass subclass constructors (they take ids, not a message): the server
+    # already formatted the message.
+    err = cls.__new__(cls)
+    Exception.__init__(err, message)
+    err.grpc_status = name  # type: ignore[attr-defined]
+    return err
