@@ -1,0 +1,369 @@
+"""Coordinator: the control plane's domain logic (no gRPC servicer code here).
+
+It places sequences, keeps their page tables and the global prefix index in a
+Store, tracks membership, and drives the nodes' control rpcs (Open, Fork, Free,
+SwapOut/In, Pin) over the protos stubs. It never touches KV bytes or torch.
+
+An open, in round trips to the store (Redis):
+
+    salt        tenant_salt      0 (cached in process: a salt never changes)
+    index       match_prefix     1 (one script: every live node's leading hit count)
+    placement   place(...)       0 (pure; node loads come from a cache refreshed
+                                    by the reaper tick, addresses never change)
+    quota       reserve_blocks   1, only for tenants with a quota
+    node        CacheNode.Open   (gRPC to the chosen node, which reports the real hit)
+    page table  create_sequence  1
+
+A reaper thread expires nodes whose lease lapsed (remove_node marks their
+sequences lost and purges their keys) and refreshes the node cache. Every
+coordinator replica can run one: remove_node(require_expired=True) is idempotent.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from ..protos import pagedkv_pb2 as pb
+from ..protos import pagedkv_pb2_grpc as pb_grpc
+from ..protos.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    PagedKVError,
+    PermissionDenied,
+    Unavailable,
+)
+from ..protos.keys import chain_keys, root_key
+from ..protos.status import error_from_rpc
+from .placement import NodeCandidate, Placement, place
+from .records import Extent, NodeInfo, SequenceRecord
+from .store import Store
+
+log = logging.getLogger("pagedkv.coordinator")
+STORED_KIND = 1  # pb.BlockEvent.STORED
+
+
+@dataclass(frozen=True)
+class CoordinatorConfig:
+    lease_ttl_s: float = 3.0
+    node_rpc_timeout_s: float = 5.0
+    quotas: Mapping[str, int] = field(default_factory=dict)  # tenant -> max blocks; absent = unlimited
+
+    def __post_init__(self) -> None:
+        if not self.lease_ttl_s > 0:
+            raise InvalidArgument(f"lease_ttl_s must be > 0, got {self.lease_ttl_s}")
+
+    @property
+    def heartbeat_interval_s(self) -> float:
+        return self.lease_ttl_s / 2
+
+
+@dataclass(frozen=True)
+class OpenResult:
+    seq_id: str
+    node_id: str
+    address: str
+    num_cached_tokens: int
+    placement: Placement
+
+
+class NodeLost(FailedPrecondition):
+    """A sequence's node died (or restarted): its KV is gone."""
+
+    def __init__(self, seq_id: str, reason: str) -> None:
+        self.seq_id = seq_id
+        super().__init__(f"sequence {seq_id!r} was lost: {reason}")
+
+
+class Coordinator:
+    def __init__(self, store: Store, config: CoordinatorConfig | None = None) -> None:
+        self.store = store
+        self.config = config or CoordinatorConfig()
+        self._salts: dict[str, bytes] = {}
+        self._nodes: dict[str, NodeInfo] = {}
+        self._stubs: dict[str, tuple[grpc.Channel, pb_grpc.CacheNodeStub]] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._reaper: threading.Thread | None = None
+        self.counters = {"opens": 0, "cached_tokens": 0, "prompt_tokens": 0, "nodes_reaped": 0}
+
+    # -- lifecycle ----------------------------------------------------------------
+
+    def start(self, interval_s: float | None = None) -> Coordinator:
+        interval = interval_s if interval_s is not None else self.config.lease_ttl_s / 4
+        self._reaper = threading.Thread(target=self._reap_loop, args=(interval,), name="reaper", daemon=True)
+        self._reaper.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._reaper is not None:
+            self._reaper.join(5)
+        for channel, _ in self._stubs.values():
+            channel.close()
+
+    def _reap_loop(self, interval_s: float) -> None:
+        while not self._stop.wait(interval_s):
+            try:
+                self.reap()
+            except PagedKVError as exc:  # the store is down: try again next tick
+                log.warning("reaper: %s", exc)
+
+    def reap(self) -> list[str]:
+        """Remove nodes whose lease lapsed; refresh the node cache. Returns the removed ids."""
+        removed = []
+        for node_id in self.store.expired_nodes():
+            result = self.store.remove_node(node_id, require_expired=True)
+            if result.was_registered:
+                removed.append(node_id)
+                self.counters["nodes_reaped"] += 1
+                log.warning(
+                    "node %s expired: %d sequences lost, %d keys purged",
+                    node_id,
+                    len(result.lost_seq_ids),
+                    result.num_keys_purged,
+                )
+        self.refresh_nodes()
+        return removed
+
+    def num_live_nodes(self) -> int:
+        with self._lock:
+            return len(self._nodes)
+
+    def refresh_nodes(self) -> list[NodeInfo]:
+        nodes = self.store.live_nodes()
+        with self._lock:
+            self._nodes = {n.node_id: n for n in nodes}
+        return nodes
+
+    # -- membership ---------------------------------------------------------------
+
+    def register(self, node_id: str, address: str, spec: Mapping[str, Any], num_blocks: int) -> None:
+        result = self.store.register_node(node_id, address, dict(spec), num_blocks, self.config.lease_ttl_s)
+        if result.was_registered and (result.lost_seq_ids or result.num_keys_purged):
+            log.warning("node %s re-registered empty: %d sequences lost", node_id, len(result.lost_seq_ids))
+        self.refresh_nodes()
+
+    def heartbeat(self, node_id: str, load: Mapping[str, int]) -> bool:
+        ok = self.store.heartbeat(node_id, dict(load), self.config.lease_ttl_s)
+        if ok:
+            with self._lock:
+                node = self._nodes.get(node_id)
+                if node is not None:
+                    self._nodes[node_id] = NodeInfo(
+                        node.node_id, node.address, node.spec, node.num_blocks, dict(load)
+                    )
+        return ok
+
+    def report_events(self, node_id: str, events: Sequence[tuple[int, bytes]]) -> int:
+        """Apply a node's ordered stored/removed events; each key's last event wins."""
+        final: dict[bytes, bool] = {}
+        for kind, key in events:
+            final[key] = kind == STORED_KIND
+        stored = [k for k, held in final.items() if held]
+        removed = [k for k, held in final.items() if not held]
+        self.store.apply_events(node_id, stored, removed)
+        return len(events)
+
+    # -- helpers ------------------------------------------------------------------
+
+    def _salt(self, tenant: str) -> bytes:
+        salt = self._salts.get(tenant)
+        if salt is None:
+            salt = self._salts[tenant] = self.store.tenant_salt(tenant)
+        return salt
+
+    def _stub(self, address: str) -> pb_grpc.CacheNodeStub:
+        with self._lock:
+            entry = self._stubs.get(address)
+            if entry is None:
+                channel = grpc.insecure_channel(address)
+                entry = self._stubs[address] = (channel, pb_grpc.CacheNodeStub(channel))
+            return entry[1]
+
+    def _call(self, node: NodeInfo, method: str, request: Any) -> Any:
+        try:
+            return getattr(self._stub(node.address), method)(request, timeout=self.config.node_rpc_timeout_s)
+        except grpc.RpcError as err:
+            raise error_from_rpc(err, f"node {node.node_id} ({node.address})") from None
+
+    def _nodes_for(self, spec: Mapping[str, Any] | None) -> dict[str, NodeInfo]:
+        with self._lock:
+            nodes = dict(self._nodes)
+        if not nodes:
+            nodes = {n.node_id: n for n in self.refresh_nodes()}
+        if spec:
+            nodes = {k: n for k, n in nodes.items() if n.spec == dict(spec)}
+        return nodes
+
+    def _block_size(self, nodes: Mapping[str, NodeInfo], spec: Mapping[str, Any] | None) -> int:
+        if spec:
+            return int(spec["block_size"])
+        sizes = {int(n.spec["block_size"]) for n in nodes.values()}
+        if len(sizes) > 1:
+            raise InvalidArgument(f"nodes serve several block sizes {sorted(sizes)}: name the model spec")
+        return sizes.pop() if sizes else 16
+
+    def _record(self, tenant: str, seq_id: str) -> SequenceRecord:
+        record = self.store.get_sequence(seq_id)
+        if record.tenant != tenant:
+            raise PermissionDenied(f"sequence {seq_id!r} belongs to another tenant")
+        return record
+
+    def _live_node_of(self, record: SequenceRecord) -> NodeInfo:
+        if record.state == "lost":
+            raise NodeLost(record.seq_id, record.lost_reason or "its node died")
+        node_id = record.extents[0].node_id
+        node = self._nodes_for(None).get(node_id)
+        if node is None:
+            raise NodeLost(record.seq_id, f"node {node_id} is not live")
+        return node
+
+    # -- control calls ------------------------------------------------------------
+
+    def lookup(
+        self, tenant: str, token_ids: Sequence[int], spec: Mapping[str, Any] | None = None
+    ) -> tuple[int, str]:
+        """(cached tokens on the best node, that node's id). Changes nothing."""
+        nodes = self._nodes_for(spec)
+        bs = self._block_size(nodes, spec)
+        keys = chain_keys(root_key(self._salt(tenant)), list(token_ids), bs)
+        counts = {k: v for k, v in self.store.match_prefix(keys).items() if k in nodes}
+        if not counts:
+            return 0, ""
+        best = min(counts, key=lambda k: (-counts[k], k))
+        return counts[best] * bs, best if counts[best] else ""
+
+    def open(
+        self,
+        tenant: str,
+        token_ids: Sequence[int],
+        *,
+        seq_id: str = "",
+        max_cached_tokens: int | None = None,
+        spec: Mapping[str, Any] | None = None,
+    ) -> OpenResult:
+        tokens = list(token_ids)
+        seq_id = seq_id or uuid.uuid4().hex
+        nodes = self._nodes_for(spec)
+        if not nodes:
+            raise Unavailable("no live cache node" + (f" serves model spec {dict(spec)}" if spec else ""))
+        bs = self._block_size(nodes, spec)
+        salt = self._salt(tenant)
+        limit = len(tokens) - 1 if max_cached_tokens is None else min(max_cached_tokens, len(tokens))
+        keys = chain_keys(root_key(salt), tokens[: max(limit, 0) // bs * bs], bs)
+        counts = self.store.match_prefix(keys)
+        num_blocks = max(1, -(-len(tokens) // bs))
+        candidates = []
+        for node_id, node in nodes.items():
+            if node_id not in counts:  # expired since the cache was refreshed
+                continue
+            load = node.load
+            free = load.get("free_blocks", node.num_blocks) + load.get("cached_blocks", 0)
+            candidates.append(
+                NodeCandidate(node_id, counts[node_id], min(free, node.num_blocks), node.num_blocks)
+            )
+        placement = place(candidates, num_blocks, bs)
+        quota = self.config.quotas.get(tenant)
+        if quota is not None:
+            self.store.reserve_blocks(tenant, num_blocks, quota)
+        node = nodes[placement.node_id]
+        try:
+            request = pb.OpenRequest(seq_id=seq_id, token_ids=tokens, tenant_salt=salt)
+            if max_cached_tokens is not None:
+                request.max_cached_tokens = max_cached_tokens
+            reply = self._call(node, "Open", request)
+            record = SequenceRecord(seq_id, tenant, (Extent(node.node_id, 0, num_blocks),), len(tokens))
+            try:
+                self.store.create_sequence(record)
+            except PagedKVError:
+                self._call(node, "Free", pb.SeqRequest(seq_id=seq_id))
+                raise
+        except PagedKVError:
+            if quota is not None:
+                self.store.release_blocks(tenant, num_blocks)
+            raise
+        self.counters["opens"] += 1
+        self.counters["prompt_tokens"] += len(tokens)
+        self.counters["cached_tokens"] += reply.num_cached_tokens
+        return OpenResult(seq_id, node.node_id, node.address, reply.num_cached_tokens, placement)
+
+    def fork(self, tenant: str, parent_id: str, child_id: str = "") -> OpenResult:
+        parent = self._record(tenant, parent_id)
+        node = self._live_node_of(parent)
+        child_id = child_id or uuid.uuid4().hex
+        self._call(node, "Fork", pb.ForkRequest(parent_id=parent_id, child_id=child_id))
+        record = SequenceRecord(child_id, tenant, parent.extents, parent.num_tokens, parent.state)
+        try:
+            self.store.create_sequence(record)
+        except PagedKVError:
+            self._call(node, "Free", pb.SeqRequest(seq_id=child_id))
+            raise
+        placement = Placement(node.node_id, 0, 0, 0)
+        return OpenResult(child_id, node.node_id, node.address, 0, placement)
+
+    def close(self, tenant: str, seq_id: str) -> None:
+        """Free the sequence on its node (if that node still lives) and drop its page table."""
+        record = self._record(tenant, seq_id)
+        if record.state != "lost":
+            node = self._nodes_for(None).get(record.extents[0].node_id)
+            if node is not None:
+                try:
+                    self._call(node, "Free", pb.SeqRequest(seq_id=seq_id))
+                except PagedKVError as exc:
+                    if exc.status_name != "NOT_FOUND":  # already gone on the node: fine
+                        raise
+        self.store.delete_sequence(seq_id)
+        if tenant in self.config.quotas:
+            self.store.release_blocks(tenant, record.num_blocks)
+
+    def swap_out(self, tenant: str, seq_id: str) -> int:
+        record = self._record(tenant, seq_id)
+        reply = self._call(self._live_node_of(record), "SwapOut", pb.SeqRequest(seq_id=seq_id))
+        self.store.update_sequence(seq_id, state="swapped")
+        return int(reply.num_blocks)
+
+    def swap_in(self, tenant: str, seq_id: str) -> OpenResult:
+        record = self._record(tenant, seq_id)
+        node = self._live_node_of(record)
+        self._call(node, "SwapIn", pb.SeqRequest(seq_id=seq_id))
+        self.store.update_sequence(seq_id, state="active")
+        return OpenResult(seq_id, node.node_id, node.address, 0, Placement(node.node_id, 0, 0, 0))
+
+    def describe(self, tenant: str, seq_id: str) -> tuple[SequenceRecord, NodeInfo]:
+        """The page table and the live node of a sequence (any worker can find it by id).
+        Raises NodeLost when its node died."""
+        record = self._record(tenant, seq_id)
+        return record, self._live_node_of(record)
+
+    def pin(self, tenant: str, token_ids: Sequence[int], spec: Mapping[str, Any] | None = None) -> int:
+        """Pin the prefix on every node caching part of it. Returns the most tokens pinned on one node."""
+        return self._pin_call("Pin", tenant, token_ids, spec)
+
+    def unpin(self, tenant: str, token_ids: Sequence[int], spec: Mapping[str, Any] | None = None) -> int:
+        return self._pin_call("Unpin", tenant, token_ids, spec)
+
+    def _pin_call(
+        self, method: str, tenant: str, token_ids: Sequence[int], spec: Mapping[str, Any] | None
+    ) -> int:
+        nodes = self._nodes_for(spec)
+        bs = self._block_size(nodes, spec)
+        salt = self._salt(tenant)
+        counts = self.store.match_prefix(chain_keys(root_key(salt), list(token_ids), bs))
+        holders = [nodes[n] for n, c in counts.items() if c and n in nodes]
+        if not holders:
+            raise InvalidArgument("no node caches any block of this prefix")
+        request = pb.PinRequest(token_ids=list(token_ids), tenant_salt=salt)
+        return max(int(self._call(node, method, request).num_tokens) for node in holders)
+
+    def stats(self) -> tuple[dict[str, int], list[NodeInfo]]:
+        nodes = self.refresh_nodes()
+        counters = dict(self.counters)
+        counters["nodes_live"] = len(nodes)
+        return counters, nodes

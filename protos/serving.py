@@ -1,0 +1,91 @@
+"""Server plumbing shared by the node and the coordinator: a gRPC server with
+health checking and reflection, a graceful stop, and a timed, error-mapping
+wrapper for handlers. Role-neutral: it knows services by name only."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from concurrent import futures
+from typing import Any, TypeVar
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from .status import abort_details
+
+T = TypeVar("T")
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+class GrpcServer:
+    """A built (not yet started) gRPC server with its health servicer."""
+
+    def __init__(self, server: grpc.Server, health_servicer: health.HealthServicer, services: Iterable[str]):
+        self.grpc_server = server
+        self.health = health_servicer
+        self.services = ("", *services)
+
+    def start(self) -> GrpcServer:
+        self.grpc_server.start()
+        for name in self.services:
+            self.health.set(name, SERVING)
+        return self
+
+    def stop(self, grace_s: float | None = 5.0) -> None:
+        """Flip health to NOT_SERVING, refuse new calls, let running ones finish
+        for up to grace_s seconds, then cancel the rest. Blocks until stopped."""
+        self.health.enter_graceful_shutdown()
+        self.grpc_server.stop(grace_s).wait()
+
+    def wait_for_termination(self, timeout_s: float | None = None) -> bool:
+        return self.grpc_server.wait_for_termination(timeout_s)
+
+
+def build_server(
+    add_servicers: Callable[[grpc.Server], None],
+    service_names: Iterable[str],
+    address: str,
+    *,
+    max_workers: int = 16,
+    options: Iterable[tuple[str, Any]] = (),
+) -> tuple[grpc.Server, health.HealthServicer, int]:
+    """A server bound to `address` (port 0 = any free port) with health (NOT_SERVING
+    until started) and reflection on. Returns (server, health servicer, port)."""
+    names = tuple(service_names)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=list(options))
+    add_servicers(server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    for name in ("", *names):
+        health_servicer.set(name, NOT_SERVING)
+    health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+    reflection.enable_server_reflection((*names, health_name, reflection.SERVICE_NAME), server)
+    port = server.add_insecure_port(address)
+    if port == 0:
+        raise OSError(f"could not bind a gRPC server to {address}")
+    return server, health_servicer, port
+
+
+def observe(
+    method: str,
+    context: grpc.ServicerContext,
+    fn: Callable[[], T],
+    on_done: Callable[[str, float, str], None] | None = None,
+) -> T | None:
+    """Run a handler body: on a raised error, abort the call with its mapped
+    status (the server keeps serving); report (method, seconds, code name)."""
+    start = time.perf_counter()
+    code = "OK"
+    try:
+        return fn()
+    except Exception as exc:  # every failure becomes a status
+        status, details = abort_details(context, method, exc)
+        code = status.name
+        context.abort(status, details)
+        return None  # unreachable: abort raises
+    finally:
+        if on_done is not None:
+            on_done(method, time.perf_counter() - start, code)
