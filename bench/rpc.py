@@ -1,0 +1,264 @@
+"""RPC overhead and KV transfer throughput of the cache node, side by side, in one run.
+
+    python -m bench.rpc            # ~1-2 min on CPU; writes bench/results/rpc.{json,md}
+
+The node runs in a child process (as in production: the client and the server do
+not share a GIL). Measured in the same run:
+
+- attend latency p50/p99 for decode batches of 1 and 32 sequences of L tokens,
+  one layer, over gRPC (the client's `attend_batch`);
+- the same engine call in the server process, without gRPC (`engine.attend_decode`);
+- a no-op Ping RPC on the same server and channel: the latency floor.
+
+Overhead is defined as `rpc_p50 - engine_p50` (encode, transport, decode, server
+dispatch) and compared with the Ping floor: the goal is overhead <= 1.3 x ping_p50.
+
+KV upload (Append, client-streaming) and download (ReadKV, server-streaming) of a
+256 MiB range are timed end to end through the client API (tensors in, tensors
+out) and compared with a plain loopback TCP socket moving the same bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import platform
+import socket
+import statistics
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SPEC = {"num_layers": 1, "num_kv_heads": 8, "head_dim": 128, "dtype": "float32", "block_size": 16}
+NUM_Q_HEADS = 32
+CONTEXT_LEN = 2048
+BATCHES = (1, 32)
+TRANSFER_BYTES = 256 << 20
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def _pcts(samples_s: list[float]) -> dict[str, float]:
+    ms = sorted(s * 1e3 for s in samples_s)
+    p99 = ms[min(len(ms) - 1, round(0.99 * (len(ms) - 1)))]
+    return {"p50_ms": statistics.median(ms), "p99_ms": p99, "n": len(ms)}
+
+
+def _iters(batch: int, quick: bool) -> int:
+    n = 300 if batch == 1 else 40
+    return max(10, n // 5) if quick else n
+
+
+def _node_process(conn: Any, quick: bool) -> None:
+    """Child: build the engine, fill the batch sequences, time the in-process
+    engine call, then serve until the parent says stop."""
+    from pagedkv.cache_node.engine import CacheEngine, EngineConfig
+    from pagedkv.cache_node.server import create_server
+    from pagedkv.protos.spec import ModelSpec
+
+    spec = ModelSpec(**SPEC)
+    per_seq = CONTEXT_LEN // spec.block_size
+    transfer_blocks = TRANSFER_BYTES // spec.bytes_per_block + 1
+    engine = CacheEngine(EngineConfig(spec, max(BATCHES) * per_seq + transfer_blocks + 16, device="cpu"))
+    g = torch.Generator().manual_seed(0)
+    shape = (1, CONTEXT_LEN, spec.num_kv_heads, spec.head_dim)
+    for i in range(max(BATCHES)):
+        toks = list(range(i * 10**6, i * 10**6 + CONTEXT_LEN))  # distinct: no prefix sharing
+        engine.open(f"s{i}", toks)
+        engine.append(f"s{i}", toks, torch.randn(shape, generator=g), torch.randn(shape, generator=g))
+    server, port = create_server(engine, "127.0.0.1:0")
+    server.start()
+    conn.send(port)
+    # Time the engine on request, between the RPC runs, so both see the same warm
+    # state. The call runs on a worker thread like a gRPC handler does (OpenMP
+    # keeps per-calling-thread teams, so the main thread would not be comparable).
+    pool = ThreadPoolExecutor(1)
+    while (cmd := conn.recv()) != "stop":
+        b, iters = cmd
+        q = torch.randn(b, NUM_Q_HEADS, spec.head_dim)
+        ids = [f"s{i}" for i in range(b)]
+
+        def run(ids: list[str] = ids, q: torch.Tensor = q, iters: int = iters) -> list[float]:
+            for _ in range(3):
+                engine.attend_decode(ids, 0, q)
+            samples = []
+            for _ in range(iters):
+                t0 = time.perf_counter()
+                engine.attend_decode(ids, 0, q)
+                samples.append(time.perf_counter() - t0)
+            return samples
+
+        conn.send(_pcts(pool.submit(run).result()))
+    server.stop(1)
+
+
+def _loopback_socket_gbps(data: memoryview, chunk: int) -> float:
+    """Seconds to move `data` over a loopback TCP socket (sendall / recv_into), as GB/s."""
+    srv = socket.create_server(("127.0.0.1", 0))
+    port = srv.getsockname()[1]
+    sink = bytearray(len(data))
+
+    def receive() -> None:
+        conn, _ = srv.accept()
+        with conn:
+            view, got = memoryview(sink), 0
+            while got < len(sink):
+                got += conn.recv_into(view[got:], min(chunk, len(sink) - got))
+
+    t = threading.Thread(target=receive)
+    t.start()
+    with socket.create_connection(("127.0.0.1", port)) as c:
+        t0 = time.perf_counter()
+        for off in range(0, len(data), chunk):
+            c.sendall(data[off : off + chunk])
+        t.join()
+        elapsed = time.perf_counter() - t0
+    srv.close()
+    return len(data) / elapsed / 1e9
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="fewer iterations (smoke run)")
+    parser.add_argument("--repeats", type=int, default=3, help="transfers per direction (median reported)")
+    args = parser.parse_args(argv)
+    from pagedkv.client import CacheClient, ClientConfig
+
+    t_start = time.perf_counter()
+    print(f"starting node (spec {SPEC}, {max(BATCHES)} x {CONTEXT_LEN} tokens) ...", flush=True)
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_node_process, args=(child, args.quick), daemon=True)
+    proc.start()
+    port = parent.recv()
+    address = f"127.0.0.1:{port}"
+    print(f"node on {address}", flush=True)
+    results: dict[str, Any] = {
+        "spec": SPEC,
+        "num_q_heads": NUM_Q_HEADS,
+        "context_len": CONTEXT_LEN,
+        "host": {"cpus": mp.cpu_count(), "machine": platform.machine(), "torch": torch.__version__},
+        "latency": {},
+        "transfer": {},
+    }
+    try:
+        with CacheClient(address) as client:
+            for _ in range(20):
+                client.ping()
+            samples = []
+            for _ in range(_iters(1, args.quick) * 2):
+                t0 = time.perf_counter()
+                client.ping()
+                samples.append(time.perf_counter() - t0)
+            ping = _pcts(samples)
+            results["latency"]["ping"] = ping
+            print(f"ping: {ping}", flush=True)
+            for b in BATCHES:
+                q = torch.randn(b, NUM_Q_HEADS, SPEC["head_dim"])
+                ids = [f"s{i}" for i in range(b)]
+                for _ in range(3):
+                    client.attend_batch(ids, 0, q)
+                samples = []
+                for _ in range(_iters(b, args.quick)):
+                    t0 = time.perf_counter()
+                    client.attend_batch(ids, 0, q)
+                    samples.append(time.perf_counter() - t0)
+                parent.send((b, _iters(b, args.quick)))
+                rpc, eng = _pcts(samples), parent.recv()
+                overhead = rpc["p50_ms"] - eng["p50_ms"]
+                results["latency"][f"attend_b{b}"] = {
+                    "rpc": rpc,
+                    "engine": eng,
+                    "overhead_p50_ms": overhead,
+                    "overhead_over_ping_p50": overhead / ping["p50_ms"],
+                    "q_bytes": q.numel() * 4,
+                }
+                print(f"attend batch {b}: rpc {rpc} engine {eng} overhead {overhead:.3f} ms", flush=True)
+
+            n_tokens = TRANSFER_BYTES // (2 * 8 * 128 * 4)
+            shape = (1, n_tokens, 8, 128)
+            k, v = torch.randn(shape), torch.randn(shape)
+            toks = list(range(7 * 10**8, 7 * 10**8 + n_tokens))
+            raw = memoryview(torch.cat([k.flatten(), v.flatten()]).numpy()).cast("B")
+            for chunk in (1 << 20, 4 << 20):
+                cfg = ClientConfig(chunk_bytes=chunk)
+                up, down, sock = [], [], []
+                with CacheClient(address, cfg) as c:
+                    for r in range(args.repeats):
+                        seq = c.open(f"up{chunk}-{r}", toks[:1])  # nothing cached: distinct ids
+                        t0 = time.perf_counter()
+                        seq.append(toks, k, v)
+                        up.append(TRANSFER_BYTES / (time.perf_counter() - t0) / 1e9)
+                        t0 = time.perf_counter()
+                        rk, rv = seq.read_kv()
+                        down.append(TRANSFER_BYTES / (time.perf_counter() - t0) / 1e9)
+                        assert rk.shape == k.shape
+                        del rk, rv
+                        seq.close()
+                        sock.append(_loopback_socket_gbps(raw, chunk))
+                row = {
+                    "upload_gbps": statistics.median(up),
+                    "download_gbps": statistics.median(down),
+                    "loopback_socket_gbps": statistics.median(sock),
+                    "bytes": TRANSFER_BYTES,
+                    "repeats": args.repeats,
+                }
+                results["transfer"][f"chunk_{chunk >> 20}MiB"] = row
+                print(f"transfer, {chunk >> 20} MiB chunks: {row}", flush=True)
+    finally:
+        parent.send("stop")
+        proc.join(10)
+    results["runtime_s"] = time.perf_counter() - t_start
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "rpc.json").write_text(json.dumps(results, indent=2) + "\n")
+    (RESULTS / "rpc.md").write_text(render(results))
+    print(render(results))
+
+
+def render(r: dict[str, Any]) -> str:
+    lat = r["latency"]
+    lines = [
+        "# RPC overhead and KV transfer (bench/rpc.py)",
+        "",
+        f"Spec {r['spec']}, {r['num_q_heads']} query heads, L = {r['context_len']} tokens per sequence, "
+        f"one layer; node in a child process on the same host ({r['host']['cpus']} CPUs, "
+        f"{r['host']['machine']}, torch {r['host']['torch']}). Medians of one run.",
+        "",
+        "| call | p50 ms | p99 ms | engine p50 ms | overhead p50 ms | overhead / ping p50 |",
+        "|---|---:|---:|---:|---:|---:|",
+        f"| Ping (no-op floor) | {lat['ping']['p50_ms']:.3f} | {lat['ping']['p99_ms']:.3f} | - | - | - |",
+    ]
+    for b in BATCHES:
+        a = lat[f"attend_b{b}"]
+        lines.append(
+            f"| Attend batch {b} | {a['rpc']['p50_ms']:.3f} | {a['rpc']['p99_ms']:.3f} | "
+            f"{a['engine']['p50_ms']:.3f} | {a['overhead_p50_ms']:.3f} | {a['overhead_over_ping_p50']:.2f}x |"
+        )
+    lines += [
+        "",
+        "Overhead = RPC p50 - in-process engine p50 (goal: <= 1.3 x the Ping p50).",
+        "",
+        "| chunk | upload GB/s (Append) | download GB/s (ReadKV) | loopback socket GB/s |",
+        "|---|---:|---:|---:|",
+    ]
+    for name, t in r["transfer"].items():
+        lines.append(
+            f"| {name.removeprefix('chunk_')} | {t['upload_gbps']:.2f} | {t['download_gbps']:.2f} | "
+            f"{t['loopback_socket_gbps']:.2f} |"
+        )
+    lines += [
+        "",
+        f"256 MiB per transfer, end to end through the client API (tensors in / tensors out), median of "
+        f"{next(iter(r['transfer'].values()))['repeats']}. Goal: >= 0.8 GB/s both ways.",
+        f"Runtime {r['runtime_s']:.0f} s.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

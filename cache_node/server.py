@@ -1,0 +1,324 @@
+"""The cache node's gRPC server: CacheEngine on the wire.
+
+`create_server(engine, address)` builds a server bound to `address` (port 0
+picks a free port, for tests) and returns it with the bound port. The servicer
+is thin -- decode the request, call the engine, encode the result -- and every
+handler runs inside `_observe`, which times it, maps a raised error to its
+status code (status.py, the one translation) and counts failures. A bad
+request never takes the server down; an unexpected exception becomes INTERNAL.
+
+Health checking (grpc.health.v1) and server reflection are on, so grpcurl and
+grpc_health_probe work against a node. `NodeServer.stop(grace)` flips health to
+NOT_SERVING first, so load balancers stop routing, then drains.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Iterator
+from concurrent import futures
+from typing import Any, NoReturn, TypeVar
+
+import grpc
+import torch
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from ..protos import pagedkv_pb2 as pb
+from ..protos import pagedkv_pb2_grpc as pb_grpc
+from ..protos import tensors
+from ..protos.errors import CapacityExceeded, IntegrityError, InvalidArgument
+from .engine import CacheEngine
+from .metrics import NodeMetrics
+from .status import abort_details
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["CacheNode"].full_name
+SERVER_OPTIONS = [*tensors.MESSAGE_SIZE_OPTIONS, ("grpc.so_reuseport", 0)]
+T = TypeVar("T")
+
+
+class CacheNodeServicer(pb_grpc.CacheNodeServicer):
+    def __init__(self, engine: CacheEngine, metrics: NodeMetrics) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self._spec = engine.spec
+
+    # -- plumbing ---------------------------------------------------------------
+
+    def _observe(self, method: str, context: grpc.ServicerContext, fn: Callable[[], T]) -> T:
+        start = time.perf_counter()
+        try:
+            return fn()
+        except Exception as exc:  # every failure becomes a status; the server keeps serving
+            self._fail(method, context, exc)
+        finally:
+            self.metrics.rpc_latency.labels(method).observe(time.perf_counter() - start)
+
+    def _stream(self, method: str, context: grpc.ServicerContext, gen: Iterable[T]) -> Iterator[T]:
+        start = time.perf_counter()
+        try:
+            yield from gen
+        except Exception as exc:
+            self._fail(method, context, exc)
+        finally:
+            self.metrics.rpc_latency.labels(method).observe(time.perf_counter() - start)
+
+    def _fail(self, method: str, context: grpc.ServicerContext, exc: Exception) -> NoReturn:
+        code, details = abort_details(context, method, exc)
+        self.metrics.rpc_errors.labels(method, code.name).inc()
+        context.abort(code, details)
+        raise AssertionError("unreachable: context.abort raises")
+
+    @staticmethod
+    def _optional_tensor(msg: Any, field: str) -> torch.Tensor | None:
+        return tensors.decode(getattr(msg, field), field, copy=False) if msg.HasField(field) else None
+
+    @staticmethod
+    def _attention_response(out: Any, want_mass: bool) -> pb.AttendResponse:
+        resp = pb.AttendResponse(out=tensors.encode(out.out, "out"), lse=tensors.encode(out.lse, "lse"))
+        if want_mass and out.block_mass is not None:
+            resp.block_mass.CopyFrom(tensors.encode(out.block_mass, "block_mass"))
+        return resp
+
+    # -- sequences --------------------------------------------------------------
+
+    def Open(self, request: pb.OpenRequest, context: grpc.ServicerContext) -> pb.OpenResponse:
+        def run() -> pb.OpenResponse:
+            limit = request.max_cached_tokens if request.HasField("max_cached_tokens") else None
+            res = self.engine.open(request.seq_id, list(request.token_ids), request.tenant_salt, limit)
+            return pb.OpenResponse(
+                num_cached_tokens=res.num_cached_tokens, num_host_hit_tokens=res.num_host_hit_tokens
+            )
+
+        return self._observe("Open", context, run)
+
+    def Lookup(self, request: pb.LookupRequest, context: grpc.ServicerContext) -> pb.LookupResponse:
+        return self._observe(
+            "Lookup",
+            context,
+            lambda: pb.LookupResponse(
+                num_cached_tokens=self.engine.lookup(list(request.token_ids), request.tenant_salt)
+            ),
+        )
+
+    def Append(self, request_iterator: Iterator[pb.AppendChunk], context: grpc.ServicerContext) -> Any:
+        def run() -> pb.AppendResponse:
+            first = next(request_iterator, None)
+            if first is None or not first.HasField("header"):
+                raise InvalidArgument("Append: the first message must carry the header")
+            head = first.header
+            tokens = list(head.token_ids)
+            self._check_kv_header(head.kv, len(tokens))
+            acc = tensors.ChunkAssembler(head.kv.dtype, head.kv.shape, "kv")
+            acc.add(first.data)
+            for chunk in request_iterator:
+                if chunk.HasField("header"):
+                    raise InvalidArgument("Append: only the first message may carry a header")
+                acc.add(chunk.data)
+            kv = acc.tensor()
+            self.engine.append(head.seq_id, tokens, kv[0], kv[1])
+            return pb.AppendResponse(num_tokens=self.engine.sequence_length(head.seq_id))
+
+        return self._observe("Append", context, run)
+
+    def _check_kv_header(self, header: pb.TensorHeader, num_tokens: int) -> None:
+        """Refuse a wrong or oversized payload from its header, before buffering it."""
+        s = self._spec
+        want = [2, s.num_layers, num_tokens, s.num_kv_heads, s.head_dim]
+        if header.dtype != s.dtype:
+            raise InvalidArgument(f"kv has dtype {header.dtype!r}, this node serves {s.dtype}")
+        if list(header.shape) != want:
+            raise InvalidArgument(f"kv has shape {list(header.shape)}, expected {want} (2, layers, n, ...)")
+        need = -(-num_tokens // s.block_size)
+        total = self.engine.config.num_blocks
+        if need > total:
+            raise CapacityExceeded(f"append {num_tokens} tokens (more than the whole pool)", need, total)
+
+    def Attend(self, request: pb.AttendRequest, context: grpc.ServicerContext) -> pb.AttendResponse:
+        def run() -> pb.AttendResponse:
+            out = self.engine.attend_decode(
+                list(request.seq_ids),
+                request.layer,
+                tensors.decode(request.q, "q", copy=False),
+                self._optional_tensor(request, "k"),
+                self._optional_tensor(request, "v"),
+                list(request.token_ids) or None,
+                return_block_mass=request.return_block_mass,
+            )
+            return self._attention_response(out, request.return_block_mass)
+
+        return self._observe("Attend", context, run)
+
+    def AttendPrefill(
+        self, request: pb.AttendPrefillRequest, context: grpc.ServicerContext
+    ) -> pb.AttendResponse:
+        def run() -> pb.AttendResponse:
+            out = self.engine.attend_prefill(
+                request.seq_id,
+                request.layer,
+                tensors.decode(request.q, "q", copy=False),
+                self._optional_tensor(request, "k"),
+                self._optional_tensor(request, "v"),
+                list(request.token_ids) or None,
+                return_block_mass=request.return_block_mass,
+            )
+            return self._attention_response(out, request.return_block_mass)
+
+        return self._observe("AttendPrefill", context, run)
+
+    def Fork(self, request: pb.ForkRequest, context: grpc.ServicerContext) -> pb.Empty:
+        def run() -> pb.Empty:
+            self.engine.fork(request.parent_id, request.child_id)
+            return pb.Empty()
+
+        return self._observe("Fork", context, run)
+
+    def Free(self, request: pb.SeqRequest, context: grpc.ServicerContext) -> pb.Empty:
+        def run() -> pb.Empty:
+            self.engine.free(request.seq_id)
+            return pb.Empty()
+
+        return self._observe("Free", context, run)
+
+    def SwapOut(self, request: pb.SeqRequest, context: grpc.ServicerContext) -> pb.SwapResponse:
+        return self._observe(
+            "SwapOut", context, lambda: pb.SwapResponse(num_blocks=self.engine.swap_out(request.seq_id))
+        )
+
+    def SwapIn(self, request: pb.SeqRequest, context: grpc.ServicerContext) -> pb.SwapResponse:
+        return self._observe(
+            "SwapIn", context, lambda: pb.SwapResponse(num_blocks=self.engine.swap_in(request.seq_id))
+        )
+
+    def ReadKV(self, request: pb.ReadKVRequest, context: grpc.ServicerContext) -> Iterator[pb.KVChunk]:
+        def gen() -> Iterator[pb.KVChunk]:
+            end = request.end if request.HasField("end") else None
+            chunk_bytes = request.chunk_bytes or tensors.CHUNK_BYTES
+            if not 0 < chunk_bytes <= tensors.MAX_MESSAGE_BYTES // 2:
+                raise InvalidArgument(
+                    f"chunk_bytes {chunk_bytes} outside (0, {tensors.MAX_MESSAGE_BYTES // 2}]"
+                )
+            k, v = self.engine.read_kv(request.seq_id, request.start, end)
+            dtype, shape, data = tensors.byte_view(torch.stack((k, v)), "kv")
+            header = pb.TensorHeader(dtype=dtype, shape=shape)
+            for i, piece in enumerate(tensors.iter_chunks(data, chunk_bytes)):
+                yield pb.KVChunk(header=header, data=piece) if i == 0 else pb.KVChunk(data=piece)
+
+        return self._stream("ReadKV", context, gen())
+
+    # -- prefixes, budgets ------------------------------------------------------
+
+    def Pin(self, request: pb.PinRequest, context: grpc.ServicerContext) -> pb.PinResponse:
+        return self._observe(
+            "Pin",
+            context,
+            lambda: pb.PinResponse(num_tokens=self.engine.pin(list(request.token_ids), request.tenant_salt)),
+        )
+
+    def Unpin(self, request: pb.PinRequest, context: grpc.ServicerContext) -> pb.PinResponse:
+        return self._observe(
+            "Unpin",
+            context,
+            lambda: pb.PinResponse(
+                num_tokens=self.engine.unpin(list(request.token_ids), request.tenant_salt)
+            ),
+        )
+
+    def SetBudget(self, request: pb.SetBudgetRequest, context: grpc.ServicerContext) -> pb.Empty:
+        def run() -> pb.Empty:
+            self.engine.set_budget(
+                request.seq_id,
+                request.max_tokens if request.HasField("max_tokens") else None,
+                request.sink_blocks if request.HasField("sink_blocks") else 1,
+                request.recent_blocks if request.HasField("recent_blocks") else 4,
+            )
+            return pb.Empty()
+
+        return self._observe("SetBudget", context, run)
+
+    # -- introspection ----------------------------------------------------------
+
+    def Stats(self, request: pb.Empty, context: grpc.ServicerContext) -> pb.StatsResponse:
+        def run() -> pb.StatsResponse:
+            s = self._spec
+            return pb.StatsResponse(
+                counters=self.engine.stats(),
+                spec=pb.ModelSpec(
+                    num_layers=s.num_layers,
+                    num_kv_heads=s.num_kv_heads,
+                    head_dim=s.head_dim,
+                    dtype=s.dtype,
+                    block_size=s.block_size,
+                ),
+                device=str(self.engine.device),
+                policy=self.engine.config.policy,
+            )
+
+        return self._observe("Stats", context, run)
+
+    def CheckIntegrity(self, request: pb.Empty, context: grpc.ServicerContext) -> pb.CheckIntegrityResponse:
+        def run() -> pb.CheckIntegrityResponse:
+            try:
+                self.engine.check_integrity()
+            except IntegrityError as exc:
+                return pb.CheckIntegrityResponse(ok=False, message=str(exc))
+            return pb.CheckIntegrityResponse(ok=True)
+
+        return self._observe("CheckIntegrity", context, run)
+
+    def Ping(self, request: pb.Empty, context: grpc.ServicerContext) -> pb.Empty:
+        return self._observe("Ping", context, pb.Empty)
+
+
+class NodeServer:
+    """A started-or-not gRPC server with its health servicer, for graceful stops."""
+
+    def __init__(self, server: grpc.Server, health_servicer: health.HealthServicer, metrics: NodeMetrics):
+        self.grpc_server = server
+        self.health = health_servicer
+        self.metrics = metrics
+
+    def start(self) -> NodeServer:
+        self.grpc_server.start()
+        for name in ("", SERVICE_NAME):
+            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        return self
+
+    def stop(self, grace_s: float | None = 5.0) -> None:
+        """Flip health to NOT_SERVING, refuse new calls, let running ones finish
+        for up to grace_s seconds, then cancel the rest. Blocks until stopped."""
+        self.health.enter_graceful_shutdown()
+        self.grpc_server.stop(grace_s).wait()
+
+    def wait_for_termination(self, timeout_s: float | None = None) -> bool:
+        return self.grpc_server.wait_for_termination(timeout_s)
+
+
+def create_server(
+    engine: CacheEngine,
+    address: str = "127.0.0.1:0",
+    *,
+    max_workers: int = 16,
+    metrics: NodeMetrics | None = None,
+) -> tuple[NodeServer, int]:
+    """A node server for `engine` bound to `address` (not yet started) and its port.
+
+    `metrics` collects RPC latency/errors and derives block metrics from
+    engine.stats(); a private registry is made when none is given."""
+    if metrics is None:
+        metrics = NodeMetrics()
+    metrics.attach_engine(engine.stats, engine.config.policy)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=SERVER_OPTIONS)
+    pb_grpc.add_CacheNodeServicer_to_server(CacheNodeServicer(engine, metrics), server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    for name in ("", SERVICE_NAME):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+        server,
+    )
+    port = server.add_insecure_port(address)
+    if port == 0:
+        raise OSError(f"could not bind the node server to {address}")
+    return NodeServer(server, health_servicer, metrics), port

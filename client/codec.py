@@ -1,0 +1,142 @@
+"""Request builders and response decoders shared by the sync and asyncio clients.
+
+Pure functions: python/numpy/torch values <-> protobuf messages. Tensors go
+through pagedkv.protos.tensors, the one wire encoding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..protos import pagedkv_pb2 as pb
+from ..protos import tensors
+from ..protos.errors import InvalidArgument
+from ..protos.spec import ModelSpec
+from .types import AttentionResult, NodeStats, OpenResult
+
+TokenIds = Sequence[int] | np.ndarray | torch.Tensor
+
+
+def token_list(token_ids: TokenIds | None) -> list[int]:
+    if token_ids is None:
+        return []
+    if isinstance(token_ids, torch.Tensor):
+        token_ids = token_ids.numpy(force=True)
+    if isinstance(token_ids, np.ndarray):
+        return [int(t) for t in token_ids.reshape(-1).tolist()]
+    return [int(t) for t in token_ids]
+
+
+def _set_tensor(msg: Any, field: str, t: Any) -> None:
+    if t is not None:
+        getattr(msg, field).CopyFrom(tensors.encode(t, field))
+
+
+def attend_request(
+    seq_ids: Sequence[str], layer: int, q: Any, k: Any, v: Any, token_ids: TokenIds | None, mass: bool
+) -> pb.AttendRequest:
+    req = pb.AttendRequest(
+        seq_ids=list(seq_ids), layer=layer, token_ids=token_list(token_ids), return_block_mass=mass
+    )
+    _set_tensor(req, "q", q)
+    _set_tensor(req, "k", k)
+    _set_tensor(req, "v", v)
+    return req
+
+
+def prefill_request(
+    seq_id: str, layer: int, q: Any, k: Any, v: Any, token_ids: TokenIds | None, mass: bool
+) -> pb.AttendPrefillRequest:
+    req = pb.AttendPrefillRequest(
+        seq_id=seq_id, layer=layer, token_ids=token_list(token_ids), return_block_mass=mass
+    )
+    _set_tensor(req, "q", q)
+    _set_tensor(req, "k", k)
+    _set_tensor(req, "v", v)
+    return req
+
+
+def attention_result(resp: pb.AttendResponse) -> AttentionResult:
+    mass = tensors.decode(resp.block_mass, "block_mass") if resp.HasField("block_mass") else None
+    return AttentionResult(tensors.decode(resp.out, "out"), tensors.decode(resp.lse, "lse"), mass)
+
+
+def append_chunks(
+    seq_id: str, token_ids: TokenIds, k: Any, v: Any, chunk_bytes: int
+) -> Iterator[pb.AppendChunk]:
+    """The Append stream: header + first piece, then ~chunk_bytes pieces of stack(k, v)."""
+    k, v = tensors.as_torch(k, "k"), tensors.as_torch(v, "v")
+    if k.shape != v.shape or k.dtype != v.dtype:
+        raise InvalidArgument(f"k {tuple(k.shape)} {k.dtype} and v {tuple(v.shape)} {v.dtype} differ")
+    dtype, shape, data = tensors.byte_view(torch.stack((k, v)), "kv")
+    header = pb.AppendHeader(
+        seq_id=seq_id, token_ids=token_list(token_ids), kv=pb.TensorHeader(dtype=dtype, shape=shape)
+    )
+    for i, piece in enumerate(tensors.iter_chunks(data, chunk_bytes)):
+        yield pb.AppendChunk(header=header, data=piece) if i == 0 else pb.AppendChunk(data=piece)
+
+
+class KVReader:
+    """Reassembles a ReadKV stream into (k, v), each [num_layers, n, kv_heads, head_dim]."""
+
+    def __init__(self) -> None:
+        self._acc: tensors.ChunkAssembler | None = None
+
+    def add(self, chunk: pb.KVChunk) -> None:
+        if self._acc is None:
+            if not chunk.HasField("header"):
+                raise InvalidArgument("ReadKV: the first chunk carries no header")
+            self._acc = tensors.ChunkAssembler(chunk.header.dtype, chunk.header.shape, "kv")
+        self._acc.add(chunk.data)
+
+    def result(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._acc is None:
+            raise InvalidArgument("ReadKV: empty stream")
+        kv = self._acc.tensor()
+        return kv[0], kv[1]
+
+
+def read_kv_request(seq_id: str, start: int, end: int | None, chunk_bytes: int) -> pb.ReadKVRequest:
+    req = pb.ReadKVRequest(seq_id=seq_id, start=start, chunk_bytes=chunk_bytes)
+    if end is not None:
+        req.end = end
+    return req
+
+
+def kv_from_chunks(chunks: Iterable[pb.KVChunk]) -> tuple[torch.Tensor, torch.Tensor]:
+    reader = KVReader()
+    for c in chunks:
+        reader.add(c)
+    return reader.result()
+
+
+def open_request(
+    seq_id: str, token_ids: TokenIds, salt: bytes, max_cached_tokens: int | None
+) -> pb.OpenRequest:
+    req = pb.OpenRequest(seq_id=seq_id, token_ids=token_list(token_ids), tenant_salt=salt)
+    if max_cached_tokens is not None:
+        req.max_cached_tokens = max_cached_tokens
+    return req
+
+
+def open_result(resp: pb.OpenResponse) -> OpenResult:
+    return OpenResult(resp.num_cached_tokens, resp.num_host_hit_tokens)
+
+
+def budget_request(
+    seq_id: str, max_tokens: int | None, sink_blocks: int, recent_blocks: int
+) -> pb.SetBudgetRequest:
+    req = pb.SetBudgetRequest(seq_id=seq_id, sink_blocks=sink_blocks, recent_blocks=recent_blocks)
+    if max_tokens is not None:
+        req.max_tokens = max_tokens
+    return req
+
+
+def stats_result(resp: pb.StatsResponse) -> NodeStats:
+    s = resp.spec
+    spec = ModelSpec(s.num_layers, s.num_kv_heads, s.head_dim, s.dtype, s.block_size)
+    return NodeStats(dict(resp.counters), spec, resp.device, resp.policy)

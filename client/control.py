@@ -1,0 +1,159 @@
+"""Control calls: sequence lifecycle, prefix lookups, pins, swaps, stats.
+
+Today they go straight to the node. When the coordinator lands, these classes
+are what changes (they will call the Coordinator service, which places the
+sequence and returns the node address for the data calls); the user-facing
+CacheClient / Sequence API stays the same.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+
+from ..protos import pagedkv_pb2 as pb
+from ..protos import pagedkv_pb2_grpc as pb_grpc
+from ..protos.errors import IntegrityError
+from . import codec
+from .config import ClientConfig
+from .status import error_from_rpc
+from .types import NodeStats, OpenResult
+
+_EMPTY = pb.Empty()
+
+
+def call(rpc: Any, request: Any, timeout_s: float) -> Any:
+    """One unary call with a deadline; failures raise the domain error."""
+    try:
+        return rpc(request, timeout=timeout_s)
+    except grpc.RpcError as exc:
+        raise error_from_rpc(exc) from exc
+
+
+async def acall(rpc: Any, request: Any, timeout_s: float) -> Any:
+    try:
+        return await rpc(request, timeout=timeout_s)
+    except grpc.RpcError as exc:
+        raise error_from_rpc(exc) from exc
+
+
+class NodeControl:
+    def __init__(self, stub: pb_grpc.CacheNodeStub, config: ClientConfig) -> None:
+        self.stub, self.config = stub, config
+
+    def _t(self, timeout_s: float | None) -> float:
+        return self.config.deadline_s if timeout_s is None else timeout_s
+
+    def open(
+        self, seq_id: str, token_ids: codec.TokenIds, max_cached_tokens: int | None, timeout_s: float | None
+    ) -> OpenResult:
+        req = codec.open_request(seq_id, token_ids, self.config.tenant_salt, max_cached_tokens)
+        return codec.open_result(call(self.stub.Open, req, self._t(timeout_s)))
+
+    def lookup(self, token_ids: codec.TokenIds, timeout_s: float | None = None) -> int:
+        req = pb.LookupRequest(token_ids=codec.token_list(token_ids), tenant_salt=self.config.tenant_salt)
+        return call(self.stub.Lookup, req, self._t(timeout_s)).num_cached_tokens
+
+    def fork(self, parent_id: str, child_id: str, timeout_s: float | None = None) -> None:
+        call(self.stub.Fork, pb.ForkRequest(parent_id=parent_id, child_id=child_id), self._t(timeout_s))
+
+    def free(self, seq_id: str, timeout_s: float | None = None) -> None:
+        call(self.stub.Free, pb.SeqRequest(seq_id=seq_id), self._t(timeout_s))
+
+    def swap_out(self, seq_id: str, timeout_s: float | None = None) -> int:
+        return call(self.stub.SwapOut, pb.SeqRequest(seq_id=seq_id), self._t(timeout_s)).num_blocks
+
+    def swap_in(self, seq_id: str, timeout_s: float | None = None) -> int:
+        return call(self.stub.SwapIn, pb.SeqRequest(seq_id=seq_id), self._t(timeout_s)).num_blocks
+
+    def pin(self, token_ids: codec.TokenIds, timeout_s: float | None = None) -> int:
+        req = pb.PinRequest(token_ids=codec.token_list(token_ids), tenant_salt=self.config.tenant_salt)
+        return call(self.stub.Pin, req, self._t(timeout_s)).num_tokens
+
+    def unpin(self, token_ids: codec.TokenIds, timeout_s: float | None = None) -> int:
+        req = pb.PinRequest(token_ids=codec.token_list(token_ids), tenant_salt=self.config.tenant_salt)
+        return call(self.stub.Unpin, req, self._t(timeout_s)).num_tokens
+
+    def set_budget(
+        self,
+        seq_id: str,
+        max_tokens: int | None,
+        sink_blocks: int,
+        recent_blocks: int,
+        timeout_s: float | None,
+    ) -> None:
+        req = codec.budget_request(seq_id, max_tokens, sink_blocks, recent_blocks)
+        call(self.stub.SetBudget, req, self._t(timeout_s))
+
+    def stats(self, timeout_s: float | None = None) -> NodeStats:
+        return codec.stats_result(call(self.stub.Stats, _EMPTY, self._t(timeout_s)))
+
+    def check_integrity(self, timeout_s: float | None = None) -> None:
+        resp = call(self.stub.CheckIntegrity, _EMPTY, self._t(timeout_s))
+        if not resp.ok:
+            raise IntegrityError(resp.message)
+
+    def ping(self, timeout_s: float | None = None) -> None:
+        call(self.stub.Ping, _EMPTY, self._t(timeout_s))
+
+
+class AsyncNodeControl:
+    def __init__(self, stub: pb_grpc.CacheNodeStub, config: ClientConfig) -> None:
+        self.stub, self.config = stub, config
+
+    def _t(self, timeout_s: float | None) -> float:
+        return self.config.deadline_s if timeout_s is None else timeout_s
+
+    async def open(
+        self, seq_id: str, token_ids: codec.TokenIds, max_cached_tokens: int | None, timeout_s: float | None
+    ) -> OpenResult:
+        req = codec.open_request(seq_id, token_ids, self.config.tenant_salt, max_cached_tokens)
+        return codec.open_result(await acall(self.stub.Open, req, self._t(timeout_s)))
+
+    async def lookup(self, token_ids: codec.TokenIds, timeout_s: float | None = None) -> int:
+        req = pb.LookupRequest(token_ids=codec.token_list(token_ids), tenant_salt=self.config.tenant_salt)
+        return (await acall(self.stub.Lookup, req, self._t(timeout_s))).num_cached_tokens
+
+    async def fork(self, parent_id: str, child_id: str, timeout_s: float | None = None) -> None:
+        req = pb.ForkRequest(parent_id=parent_id, child_id=child_id)
+        await acall(self.stub.Fork, req, self._t(timeout_s))
+
+    async def free(self, seq_id: str, timeout_s: float | None = None) -> None:
+        await acall(self.stub.Free, pb.SeqRequest(seq_id=seq_id), self._t(timeout_s))
+
+    async def swap_out(self, seq_id: str, timeout_s: float | None = None) -> int:
+        return (await acall(self.stub.SwapOut, pb.SeqRequest(seq_id=seq_id), self._t(timeout_s))).num_blocks
+
+    async def swap_in(self, seq_id: str, timeout_s: float | None = None) -> int:
+        return (await acall(self.stub.SwapIn, pb.SeqRequest(seq_id=seq_id), self._t(timeout_s))).num_blocks
+
+    async def pin(self, token_ids: codec.TokenIds, timeout_s: float | None = None) -> int:
+        req = pb.PinRequest(token_ids=codec.token_list(token_ids), tenant_salt=self.config.tenant_salt)
+        return (await acall(self.stub.Pin, req, self._t(timeout_s))).num_tokens
+
+    async def unpin(self, token_ids: codec.TokenIds, timeout_s: float | None = None) -> int:
+        req = pb.PinRequest(token_ids=codec.token_list(token_ids), tenant_salt=self.config.tenant_salt)
+        return (await acall(self.stub.Unpin, req, self._t(timeout_s))).num_tokens
+
+    async def set_budget(
+        self,
+        seq_id: str,
+        max_tokens: int | None,
+        sink_blocks: int,
+        recent_blocks: int,
+        timeout_s: float | None,
+    ) -> None:
+        req = codec.budget_request(seq_id, max_tokens, sink_blocks, recent_blocks)
+        await acall(self.stub.SetBudget, req, self._t(timeout_s))
+
+    async def stats(self, timeout_s: float | None = None) -> NodeStats:
+        return codec.stats_result(await acall(self.stub.Stats, _EMPTY, self._t(timeout_s)))
+
+    async def check_integrity(self, timeout_s: float | None = None) -> None:
+        resp = await acall(self.stub.CheckIntegrity, _EMPTY, self._t(timeout_s))
+        if not resp.ok:
+            raise IntegrityError(resp.message)
+
+    async def ping(self, timeout_s: float | None = None) -> None:
+        await acall(self.stub.Ping, _EMPTY, self._t(timeout_s))

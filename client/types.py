@@ -1,0 +1,33 @@
+"""Small result types the client returns (torch tensors inside)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..protos.spec import ModelSpec
+
+
+@dataclass(frozen=True)
+class AttentionResult:
+    """out [B or n, q_heads, D] in q's dtype; lse [B or n, q_heads] float32 (natural
+    log, for merging partial results across nodes); block_mass only when asked."""
+
+    out: torch.Tensor
+    lse: torch.Tensor
+    block_mass: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class OpenResult:
+    num_cached_tokens: int
+    num_host_hit_tokens: int
+
+
+@dataclass(frozen=True)
+class NodeStats:
+    counters: dict[str, int]
+    spec: ModelSpec
+    device: str
+    policy: str

@@ -1,0 +1,5 @@
+"""`python -m pagedkv ...` is the `pagedkv` command."""
+
+from .cli import main
+
+main()

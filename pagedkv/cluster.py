@@ -1,0 +1,244 @@
+"""`pagedkv up`: a local cluster of real processes -- a coordinator and N cache
+nodes on free ports, with Redis when one is given or a `redis-server` is on the
+PATH (started on a free port), else the coordinator's embedded store.
+
+`LocalCluster` is also what the demo and the integration tests start, so the
+path a newcomer runs is the path the tests check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from .health import check as health_check
+from .protos import pagedkv_pb2 as pb
+from .protos import pagedkv_pb2_grpc as pb_grpc
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class NodeOptions:
+    """The model shape and pool of every node in a local cluster."""
+
+    num_layers: int = 2
+    num_kv_heads: int = 2
+    head_dim: int = 32
+    dtype: str = "float32"
+    block_size: int = 16
+    num_blocks: int = 2048
+    host_blocks: int = 1024
+    policy: str = "lru"
+
+    def args(self) -> list[str]:
+        return [
+            f"--num-layers={self.num_layers}", f"--num-kv-heads={self.num_kv_heads}",
+            f"--head-dim={self.head_dim}", f"--dtype={self.dtype}", f"--block-size={self.block_size}",
+            f"--num-blocks={self.num_blocks}", f"--host-blocks={self.host_blocks}", f"--policy={self.policy}",
+        ]  # fmt: skip
+
+    def spec(self) -> dict:
+        return {
+            "num_layers": self.num_layers, "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim,
+            "dtype": self.dtype, "block_size": self.block_size,
+        }  # fmt: skip
+
+
+@dataclass
+class LocalCluster:
+    num_nodes: int = 2
+    node: NodeOptions = field(default_factory=NodeOptions)
+    redis_url: str = ""  # "" = start redis-server if on PATH (use_redis), else embedded
+    use_redis: bool = True
+    lease_ttl_s: float = 3.0
+    host: str = "127.0.0.1"
+    log_dir: str = ""
+    tenants_file: str = ""
+    coordinator_address: str = ""
+    node_addresses: list[str] = field(default_factory=list)
+    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    store: str = "embedded"
+
+    # -- processes ----------------------------------------------------------------
+
+    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
+        log = open(Path(self.log_dir) / f"{name}.log", "ab")  # noqa: SIM115 - lives as long as the process
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        self.procs[name] = proc
+        return proc
+
+    def _pagedkv(self, name: str, args: list[str]) -> subprocess.Popen:
+        return self._spawn(name, [sys.executable, "-m", "pagedkv", *args])
+
+    def _wait_healthy(self, name: str, address: str, timeout_s: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            proc = self.procs[name]
+            if proc.poll() is not None:
+                raise RuntimeError(f"{name} exited with {proc.returncode}; see {self.log_dir}/{name}.log")
+            if health_check(address, timeout_s=1.0) == "SERVING":
+                return
+            time.sleep(0.05)
+        raise TimeoutError(
+            f"{name} at {address} not healthy after {timeout_s}s; see {self.log_dir}/{name}.log"
+        )
+
+    def start(self) -> LocalCluster:
+        if not self.log_dir:
+            self.log_dir = tempfile.mkdtemp(prefix="pagedkv-cluster-")
+        redis_bin = shutil.which("redis-server")
+        if not self.redis_url and self.use_redis and redis_bin:
+            port = free_port(self.host)
+            self._spawn("redis", [redis_bin, "--port", str(port), "--bind", self.host, "--save", "",
+                                  "--appendonly", "no"])  # fmt: skip
+            self.redis_url = f"redis://{self.host}:{port}/0"
+            self._wait_redis()
+        self.store = self.redis_url or "embedded"
+        self.start_coordinator()
+        for i in range(self.num_nodes):
+            self.start_node(i)
+        self.wait_registered(self.num_nodes)
+        return self
+
+    def _wait_redis(self, timeout_s: float = 10.0) -> None:
+        host, port = self.redis_url.split("//")[1].split("/")[0].rsplit(":", 1)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with contextlib.suppress(OSError), socket.create_connection((host, int(port)), timeout=0.5) as s:
+                s.sendall(b"PING\r\n")
+                if s.recv(16).startswith(b"+PONG"):
+                    return
+            time.sleep(0.05)
+        raise TimeoutError(f"redis-server at {self.redis_url} did not answer PING")
+
+    def start_coordinator(self) -> None:
+        port = int(self.coordinator_address.rsplit(":", 1)[1]) if self.coordinator_address else free_port()
+        self.coordinator_address = f"{self.host}:{port}"
+        args = ["coordinator", f"--listen={self.coordinator_address}", f"--lease-ttl-s={self.lease_ttl_s}"]
+        if self.redis_url:
+            args.append(f"--redis={self.redis_url}")
+        if self.tenants_file:
+            args.append(f"--tenants={self.tenants_file}")
+        self._pagedkv("coordinator", args)
+        self._wait_healthy("coordinator", self.coordinator_address)
+
+    def start_node(self, i: int) -> str:
+        name = f"node-{i}"
+        if i < len(self.node_addresses):
+            address = self.node_addresses[i]
+        else:
+            address = f"{self.host}:{free_port()}"
+            self.node_addresses.append(address)
+        args = ["node", f"--listen={address}", f"--node-id={name}", f"--advertise={address}",
+                f"--coordinator={self.coordinator_address}", "--metrics-port=0"]  # fmt: skip
+        args += self.node.args()
+        self._pagedkv(name, args)
+        self._wait_healthy(name, address)
+        return address
+
+    def wait_registered(self, num_nodes: int, timeout_s: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if len(self.stats().nodes) >= num_nodes:
+                return
+            time.sleep(0.05)
+        raise TimeoutError(f"{num_nodes} nodes did not register within {timeout_s}s")
+
+    def stats(self) -> pb.CoordStatsResponse:
+        with grpc.insecure_channel(self.coordinator_address) as channel:
+            return pb_grpc.CoordinatorStub(channel).Stats(pb.Empty(), timeout=5)
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        proc = self.procs[name]
+        if proc.poll() is None:
+            proc.send_signal(sig)
+            proc.wait(10)
+
+    def stop(self) -> None:
+        """SIGTERM everything (nodes first, Redis last), then SIGKILL what lingers."""
+        order = sorted(self.procs, key=lambda n: (n == "redis", n == "coordinator", n))
+        for name in order:
+            if self.procs[name].poll() is None:
+                self.procs[name].send_signal(signal.SIGTERM)
+        for name in order:
+            try:
+                self.procs[name].wait(15)
+            except subprocess.TimeoutExpired:
+                self.procs[name].kill()
+                self.procs[name].wait(5)
+
+    def __enter__(self) -> LocalCluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def describe(self) -> str:
+        lines = [f"coordinator  {self.coordinator_address}   (store: {self.store})"]
+        lines += [f"node-{i}       {a}" for i, a in enumerate(self.node_addresses)]
+        lines.append(f"logs         {self.log_dir}")
+        return "\n".join(lines)
+
+
+def add_cluster_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--nodes", type=int, default=2, help="cache nodes to start (default 2)")
+    p.add_argument(
+        "--redis", default="", help="use this Redis (redis://host:port/db) instead of starting one"
+    )
+    p.add_argument(
+        "--embedded",
+        action="store_true",
+        help="use the coordinator's embedded store even when redis-server is on the PATH",
+    )
+    p.add_argument("--num-blocks", type=int, default=2048, help="device blocks per node (default 2048)")
+    p.add_argument("--host-blocks", type=int, default=1024, help="host-tier blocks per node (default 1024)")
+    p.add_argument("--policy", choices=["lru", "lfu", "score"], default="lru", help="eviction policy")
+    p.add_argument("--lease-ttl-s", type=float, default=3.0, help="node lease (default 3 s)")  # fmt: skip
+
+
+def cluster_from_args(args: argparse.Namespace, node: NodeOptions | None = None) -> LocalCluster:
+    node = node or NodeOptions()
+    node.num_blocks, node.host_blocks, node.policy = args.num_blocks, args.host_blocks, args.policy
+    return LocalCluster(args.nodes, node, redis_url=args.redis, use_redis=not args.embedded,
+                        lease_ttl_s=args.lease_ttl_s)  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="pagedkv up", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    add_cluster_args(p)
+    args = p.parse_args(argv)
+    cluster = cluster_from_args(args)
+    print("starting a local pagedkv cluster ...", flush=True)
+    try:
+        cluster.start()
+        print(cluster.describe(), flush=True)
+        print("Ctrl-C stops everything. `pagedkv status --coordinator "
+              f"{cluster.coordinator_address}` shows usage.", flush=True)  # fmt: skip
+        signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+        while all(p.poll() is None for p in cluster.procs.values()):
+            time.sleep(0.5)
+        dead = [n for n, p in cluster.procs.items() if p.poll() is not None]
+        print(f"process(es) exited: {dead}; stopping", flush=True)
+    except KeyboardInterrupt:
+        print("\nstopping ...", flush=True)
+    finally:
+        cluster.stop()

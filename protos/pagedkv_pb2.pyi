@@ -1,0 +1,410 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Tensor(_message.Message):
+    __slots__ = ("dtype", "shape", "data")
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    data: bytes
+    def __init__(self, dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class TensorHeader(_message.Message):
+    __slots__ = ("dtype", "shape")
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ModelSpec(_message.Message):
+    __slots__ = ("num_layers", "num_kv_heads", "head_dim", "dtype", "block_size")
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    block_size: int
+    def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ...) -> None: ...
+
+class Empty(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class OpenRequest(_message.Message):
+    __slots__ = ("seq_id", "token_ids", "max_cached_tokens", "tenant_salt")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TENANT_SALT_FIELD_NUMBER: _ClassVar[int]
+    seq_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    max_cached_tokens: int
+    tenant_salt: bytes
+    def __init__(self, seq_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., max_cached_tokens: _Optional[int] = ..., tenant_salt: _Optional[bytes] = ...) -> None: ...
+
+class OpenResponse(_message.Message):
+    __slots__ = ("num_cached_tokens", "num_host_hit_tokens")
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_HOST_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    num_cached_tokens: int
+    num_host_hit_tokens: int
+    def __init__(self, num_cached_tokens: _Optional[int] = ..., num_host_hit_tokens: _Optional[int] = ...) -> None: ...
+
+class LookupRequest(_message.Message):
+    __slots__ = ("token_ids", "tenant_salt")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TENANT_SALT_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    tenant_salt: bytes
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., tenant_salt: _Optional[bytes] = ...) -> None: ...
+
+class LookupResponse(_message.Message):
+    __slots__ = ("num_cached_tokens",)
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    num_cached_tokens: int
+    def __init__(self, num_cached_tokens: _Optional[int] = ...) -> None: ...
+
+class AppendChunk(_message.Message):
+    __slots__ = ("header", "data")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    header: AppendHeader
+    data: bytes
+    def __init__(self, header: _Optional[_Union[AppendHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class AppendHeader(_message.Message):
+    __slots__ = ("seq_id", "token_ids", "kv")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    KV_FIELD_NUMBER: _ClassVar[int]
+    seq_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    kv: TensorHeader
+    def __init__(self, seq_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., kv: _Optional[_Union[TensorHeader, _Mapping]] = ...) -> None: ...
+
+class AppendResponse(_message.Message):
+    __slots__ = ("num_tokens",)
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    num_tokens: int
+    def __init__(self, num_tokens: _Optional[int] = ...) -> None: ...
+
+class AttendRequest(_message.Message):
+    __slots__ = ("seq_ids", "layer", "q", "k", "v", "token_ids", "return_block_mass")
+    SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    Q_FIELD_NUMBER: _ClassVar[int]
+    K_FIELD_NUMBER: _ClassVar[int]
+    V_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    RETURN_BLOCK_MASS_FIELD_NUMBER: _ClassVar[int]
+    seq_ids: _containers.RepeatedScalarFieldContainer[str]
+    layer: int
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    return_block_mass: bool
+    def __init__(self, seq_ids: _Optional[_Iterable[str]] = ..., layer: _Optional[int] = ..., q: _Optional[_Union[Tensor, _Mapping]] = ..., k: _Optional[_Union[Tensor, _Mapping]] = ..., v: _Optional[_Union[Tensor, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ..., return_block_mass: _Optional[bool] = ...) -> None: ...
+
+class AttendPrefillRequest(_message.Message):
+    __slots__ = ("seq_id", "layer", "q", "k", "v", "token_ids", "return_block_mass")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    Q_FIELD_NUMBER: _ClassVar[int]
+    K_FIELD_NUMBER: _ClassVar[int]
+    V_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    RETURN_BLOCK_MASS_FIELD_NUMBER: _ClassVar[int]
+    seq_id: str
+    layer: int
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    return_block_mass: bool
+    def __init__(self, seq_id: _Optional[str] = ..., layer: _Optional[int] = ..., q: _Optional[_Union[Tensor, _Mapping]] = ..., k: _Optional[_Union[Tensor, _Mapping]] = ..., v: _Optional[_Union[Tensor, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ..., return_block_mass: _Optional[bool] = ...) -> None: ...
+
+class AttendResponse(_message.Message):
+    __slots__ = ("out", "lse", "block_mass")
+    OUT_FIELD_NUMBER: _ClassVar[int]
+    LSE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_MASS_FIELD_NUMBER: _ClassVar[int]
+    out: Tensor
+    lse: Tensor
+    block_mass: Tensor
+    def __init__(self, out: _Optional[_Union[Tensor, _Mapping]] = ..., lse: _Optional[_Union[Tensor, _Mapping]] = ..., block_mass: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class ForkRequest(_message.Message):
+    __slots__ = ("parent_id", "child_id")
+    PARENT_ID_FIELD_NUMBER: _ClassVar[int]
+    CHILD_ID_FIELD_NUMBER: _ClassVar[int]
+    parent_id: str
+    child_id: str
+    def __init__(self, parent_id: _Optional[str] = ..., child_id: _Optional[str] = ...) -> None: ...
+
+class SeqRequest(_message.Message):
+    __slots__ = ("seq_id",)
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    seq_id: str
+    def __init__(self, seq_id: _Optional[str] = ...) -> None: ...
+
+class SwapResponse(_message.Message):
+    __slots__ = ("num_blocks",)
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    num_blocks: int
+    def __init__(self, num_blocks: _Optional[int] = ...) -> None: ...
+
+class ReadKVRequest(_message.Message):
+    __slots__ = ("seq_id", "start", "end", "chunk_bytes")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    seq_id: str
+    start: int
+    end: int
+    chunk_bytes: int
+    def __init__(self, seq_id: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
+
+class KVChunk(_message.Message):
+    __slots__ = ("header", "data")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    header: TensorHeader
+    data: bytes
+    def __init__(self, header: _Optional[_Union[TensorHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class PinRequest(_message.Message):
+    __slots__ = ("token_ids", "tenant_salt")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TENANT_SALT_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    tenant_salt: bytes
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., tenant_salt: _Optional[bytes] = ...) -> None: ...
+
+class PinResponse(_message.Message):
+    __slots__ = ("num_tokens",)
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    num_tokens: int
+    def __init__(self, num_tokens: _Optional[int] = ...) -> None: ...
+
+class SetBudgetRequest(_message.Message):
+    __slots__ = ("seq_id", "max_tokens", "sink_blocks", "recent_blocks")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SINK_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    RECENT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    seq_id: str
+    max_tokens: int
+    sink_blocks: int
+    recent_blocks: int
+    def __init__(self, seq_id: _Optional[str] = ..., max_tokens: _Optional[int] = ..., sink_blocks: _Optional[int] = ..., recent_blocks: _Optional[int] = ...) -> None: ...
+
+class StatsResponse(_message.Message):
+    __slots__ = ("counters", "spec", "device", "policy")
+    class CountersEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    COUNTERS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    counters: _containers.ScalarMap[str, int]
+    spec: ModelSpec
+    device: str
+    policy: str
+    def __init__(self, counters: _Optional[_Mapping[str, int]] = ..., spec: _Optional[_Union[ModelSpec, _Mapping]] = ..., device: _Optional[str] = ..., policy: _Optional[str] = ...) -> None: ...
+
+class CheckIntegrityResponse(_message.Message):
+    __slots__ = ("ok", "message")
+    OK_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    ok: bool
+    message: str
+    def __init__(self, ok: _Optional[bool] = ..., message: _Optional[str] = ...) -> None: ...
+
+class NodeLoad(_message.Message):
+    __slots__ = ("free_blocks", "cached_blocks", "used_blocks", "num_blocks", "host_free_blocks", "num_sequences")
+    FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    HOST_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    free_blocks: int
+    cached_blocks: int
+    used_blocks: int
+    num_blocks: int
+    host_free_blocks: int
+    num_sequences: int
+    def __init__(self, free_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., host_free_blocks: _Optional[int] = ..., num_sequences: _Optional[int] = ...) -> None: ...
+
+class RegisterRequest(_message.Message):
+    __slots__ = ("node_id", "address", "spec", "num_blocks", "num_host_blocks", "metrics_address")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_HOST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    address: str
+    spec: ModelSpec
+    num_blocks: int
+    num_host_blocks: int
+    metrics_address: str
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., spec: _Optional[_Union[ModelSpec, _Mapping]] = ..., num_blocks: _Optional[int] = ..., num_host_blocks: _Optional[int] = ..., metrics_address: _Optional[str] = ...) -> None: ...
+
+class RegisterResponse(_message.Message):
+    __slots__ = ("lease_ttl_s", "heartbeat_interval_s")
+    LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    lease_ttl_s: float
+    heartbeat_interval_s: float
+    def __init__(self, lease_ttl_s: _Optional[float] = ..., heartbeat_interval_s: _Optional[float] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("node_id", "load")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    load: NodeLoad
+    def __init__(self, node_id: _Optional[str] = ..., load: _Optional[_Union[NodeLoad, _Mapping]] = ...) -> None: ...
+
+class HeartbeatResponse(_message.Message):
+    __slots__ = ("is_registered",)
+    IS_REGISTERED_FIELD_NUMBER: _ClassVar[int]
+    is_registered: bool
+    def __init__(self, is_registered: _Optional[bool] = ...) -> None: ...
+
+class BlockEvent(_message.Message):
+    __slots__ = ("kind", "key")
+    class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        KIND_UNSPECIFIED: _ClassVar[BlockEvent.Kind]
+        STORED: _ClassVar[BlockEvent.Kind]
+        REMOVED: _ClassVar[BlockEvent.Kind]
+    KIND_UNSPECIFIED: BlockEvent.Kind
+    STORED: BlockEvent.Kind
+    REMOVED: BlockEvent.Kind
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    kind: BlockEvent.Kind
+    key: bytes
+    def __init__(self, kind: _Optional[_Union[BlockEvent.Kind, str]] = ..., key: _Optional[bytes] = ...) -> None: ...
+
+class ReportEventsRequest(_message.Message):
+    __slots__ = ("node_id", "events", "load")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    events: _containers.RepeatedCompositeFieldContainer[BlockEvent]
+    load: NodeLoad
+    def __init__(self, node_id: _Optional[str] = ..., events: _Optional[_Iterable[_Union[BlockEvent, _Mapping]]] = ..., load: _Optional[_Union[NodeLoad, _Mapping]] = ...) -> None: ...
+
+class ReportEventsResponse(_message.Message):
+    __slots__ = ("num_events",)
+    NUM_EVENTS_FIELD_NUMBER: _ClassVar[int]
+    num_events: int
+    def __init__(self, num_events: _Optional[int] = ...) -> None: ...
+
+class Placement(_message.Message):
+    __slots__ = ("node_id", "address", "first_token")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    address: str
+    first_token: int
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., first_token: _Optional[int] = ...) -> None: ...
+
+class CoordOpenRequest(_message.Message):
+    __slots__ = ("seq_id", "token_ids", "max_cached_tokens", "spec")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    seq_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    max_cached_tokens: int
+    spec: ModelSpec
+    def __init__(self, seq_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., max_cached_tokens: _Optional[int] = ..., spec: _Optional[_Union[ModelSpec, _Mapping]] = ...) -> None: ...
+
+class CoordOpenResponse(_message.Message):
+    __slots__ = ("extents", "num_cached_tokens")
+    EXTENTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    extents: _containers.RepeatedCompositeFieldContainer[Placement]
+    num_cached_tokens: int
+    def __init__(self, extents: _Optional[_Iterable[_Union[Placement, _Mapping]]] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
+
+class CoordLookupRequest(_message.Message):
+    __slots__ = ("token_ids", "spec")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    spec: ModelSpec
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., spec: _Optional[_Union[ModelSpec, _Mapping]] = ...) -> None: ...
+
+class CoordLookupResponse(_message.Message):
+    __slots__ = ("num_cached_tokens", "node_id")
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    num_cached_tokens: int
+    node_id: str
+    def __init__(self, num_cached_tokens: _Optional[int] = ..., node_id: _Optional[str] = ...) -> None: ...
+
+class CoordSeqRequest(_message.Message):
+    __slots__ = ("seq_id",)
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    seq_id: str
+    def __init__(self, seq_id: _Optional[str] = ...) -> None: ...
+
+class CoordForkRequest(_message.Message):
+    __slots__ = ("parent_id", "child_id")
+    PARENT_ID_FIELD_NUMBER: _ClassVar[int]
+    CHILD_ID_FIELD_NUMBER: _ClassVar[int]
+    parent_id: str
+    child_id: str
+    def __init__(self, parent_id: _Optional[str] = ..., child_id: _Optional[str] = ...) -> None: ...
+
+class CoordPinRequest(_message.Message):
+    __slots__ = ("token_ids", "spec")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    spec: ModelSpec
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., spec: _Optional[_Union[ModelSpec, _Mapping]] = ...) -> None: ...
+
+class CoordStatsResponse(_message.Message):
+    __slots__ = ("counters", "nodes")
+    class CountersEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    COUNTERS_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    counters: _containers.ScalarMap[str, int]
+    nodes: _containers.RepeatedCompositeFieldContainer[RegisterRequest]
+    def __init__(self, counters: _Optional[_Mapping[str, int]] = ..., nodes: _Optional[_Iterable[_Union[RegisterRequest, _Mapping]]] = ...) -> None: ...

@@ -1,0 +1,186 @@
+"""Tensors on the wire: raw little-endian bytes plus a dtype name and a shape.
+
+One encoding for every side (client and node): `Tensor {dtype, shape, data}`,
+row-major, no per-element encoding. bfloat16 has no numpy dtype, so its bytes
+are taken through an int16 view. Decoding validates before it touches the bytes:
+an unknown dtype, a negative dimension or `len(data) != prod(shape) * itemsize`
+raises InvalidArgument naming the field.
+
+Payloads above STREAM_THRESHOLD_BYTES travel as a stream of ~CHUNK_BYTES pieces
+(`iter_chunks` / `ChunkAssembler`); unary messages are capped at
+MAX_MESSAGE_BYTES on both ends (`MESSAGE_SIZE_OPTIONS`).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import warnings
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import pagedkv_pb2 as pb
+from .errors import InvalidArgument
+
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+STREAM_THRESHOLD_BYTES = 4 * 1024 * 1024
+CHUNK_BYTES = 1024 * 1024
+MESSAGE_SIZE_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "int16": torch.int16,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "bool": torch.bool,
+}
+DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
+# torch dtypes numpy cannot hold, carried as a same-width integer view.
+_BIT_VIEWS = {torch.bfloat16: torch.int16}
+
+if sys.byteorder != "little":  # pragma: no cover - every supported platform is little-endian
+    raise ImportError("pagedkv's wire encoding assumes a little-endian host")
+
+# Decoding without a copy wraps an immutable `bytes`; torch warns once per process
+# that the tensor is read-only. The node only reads request tensors, so consume
+# that one warning here instead of printing it on the first request.
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    torch.frombuffer(b"\0\0\0\0", dtype=torch.uint8)
+
+
+def itemsize(dtype: str) -> int:
+    if dtype not in TORCH_DTYPES:
+        raise InvalidArgument(f"unknown dtype {dtype!r}; one of {sorted(TORCH_DTYPES)}")
+    return TORCH_DTYPES[dtype].itemsize
+
+
+def as_torch(t: Any, what: str = "tensor") -> torch.Tensor:
+    """A contiguous CPU torch tensor from a torch tensor or numpy array."""
+    if isinstance(t, np.ndarray):
+        t = torch.from_numpy(np.ascontiguousarray(t))
+    if not isinstance(t, torch.Tensor):
+        raise InvalidArgument(f"{what} must be a torch tensor or numpy array, got {type(t).__name__}")
+    if t.dtype not in DTYPE_NAMES:
+        raise InvalidArgument(f"{what} has unsupported dtype {t.dtype}")
+    return t.detach().to("cpu").contiguous()
+
+
+def byte_view(t: Any, what: str = "tensor") -> tuple[str, list[int], memoryview]:
+    """(dtype name, shape, a flat byte view) of a tensor: no copy when it is
+    already a contiguous CPU tensor. The view keeps the tensor alive."""
+    t = as_torch(t, what)
+    name = DTYPE_NAMES[t.dtype]
+    view = t.view(_BIT_VIEWS[t.dtype]) if t.dtype in _BIT_VIEWS else t
+    return name, list(t.shape), memoryview(view.numpy().reshape(-1).view(np.uint8))
+
+
+def to_bytes(t: Any, what: str = "tensor") -> tuple[str, list[int], bytes]:
+    """(dtype name, shape, raw little-endian bytes) of a tensor. One copy."""
+    name, shape, view = byte_view(t, what)
+    return name, shape, view.tobytes()
+
+
+def encode(t: Any, what: str = "tensor") -> pb.Tensor:
+    dtype, shape, data = to_bytes(t, what)
+    return pb.Tensor(dtype=dtype, shape=shape, data=data)
+
+
+def _check_shape(shape: Sequence[int], what: str) -> tuple[int, ...]:
+    dims = tuple(int(d) for d in shape)
+    if any(d < 0 for d in dims):
+        raise InvalidArgument(f"{what}: negative dimension in shape {dims}")
+    return dims
+
+
+def expected_bytes(dtype: str, shape: Sequence[int], what: str = "tensor") -> int:
+    dims = _check_shape(shape, what)
+    return math.prod(dims) * itemsize(dtype)
+
+
+def from_bytes(
+    dtype: str, shape: Sequence[int], data: bytes | bytearray, what: str = "tensor", *, copy: bool = True
+) -> torch.Tensor:
+    """The tensor held by `data`. Raises InvalidArgument when the bytes do not
+    match dtype and shape. copy=False wraps `data` without copying: the result
+    is read-only in spirit when `data` is an immutable `bytes` (do not write it)."""
+    if dtype not in TORCH_DTYPES:
+        raise InvalidArgument(f"{what}: unknown dtype {dtype!r}; one of {sorted(TORCH_DTYPES)}")
+    dims = _check_shape(shape, what)
+    tdtype = TORCH_DTYPES[dtype]
+    want = math.prod(dims) * tdtype.itemsize
+    if len(data) != want:
+        raise InvalidArgument(
+            f"{what}: {len(data)} data bytes for dtype {dtype} and shape {list(dims)} (expected {want})"
+        )
+    if want == 0:
+        return torch.empty(dims, dtype=tdtype)
+    t = torch.frombuffer(data, dtype=tdtype).view(dims)
+    return t.clone() if copy else t
+
+
+def decode(msg: pb.Tensor, what: str = "tensor", *, copy: bool = True) -> torch.Tensor:
+    return from_bytes(msg.dtype, msg.shape, msg.data, what, copy=copy)
+
+
+def iter_chunks(data: bytes | memoryview, chunk_bytes: int = CHUNK_BYTES) -> Iterator[bytes]:
+    """`data` in pieces of at most chunk_bytes (at least one piece, possibly empty)."""
+    if chunk_bytes <= 0:
+        raise InvalidArgument(f"chunk_bytes must be positive, got {chunk_bytes}")
+    if len(data) <= chunk_bytes:
+        yield bytes(data)
+        return
+    view = memoryview(data)
+    for off in range(0, len(data), chunk_bytes):
+        yield bytes(view[off : off + chunk_bytes])
+
+
+class ChunkAssembler:
+    """Joins streamed pieces into one preallocated, writable buffer.
+
+    The declared size is known from the header, so the buffer is allocated once
+    and a stream that sends more (or fewer) bytes than declared is refused
+    before it can grow memory."""
+
+    def __init__(self, dtype: str, shape: Sequence[int], what: str, max_bytes: int | None = None) -> None:
+        self.dtype, self.shape, self.what = dtype, list(shape), what
+        self.size = expected_bytes(dtype, shape, what)
+        if max_bytes is not None and self.size > max_bytes:
+            raise InvalidArgument(f"{what}: {self.size} bytes declared, more than the limit {max_bytes}")
+        self.buffer = bytearray(self.size)
+        self.filled = 0
+
+    def add(self, piece: bytes) -> None:
+        end = self.filled + len(piece)
+        if end > self.size:
+            raise InvalidArgument(
+                f"{self.what}: stream sent more than the {self.size} bytes its header declared"
+            )
+        self.buffer[self.filled : end] = piece
+        self.filled = end
+
+    def tensor(self) -> torch.Tensor:
+        """The assembled tensor (wraps the buffer, no copy)."""
+        if self.filled != self.size:
+            raise InvalidArgument(
+                f"{self.what}: stream sent {self.filled} bytes, its header declared {self.size}"
+            )
+        return from_bytes(self.dtype, self.shape, self.buffer, self.what, copy=False)
+
+
+def assemble(header: pb.TensorHeader, pieces: Iterable[bytes], what: str) -> torch.Tensor:
+    acc = ChunkAssembler(header.dtype, header.shape, what)
+    for p in pieces:
+        acc.add(p)
+    return acc.tensor()
