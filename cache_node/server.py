@@ -16,21 +16,19 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Iterator
-from concurrent import futures
 from typing import Any, NoReturn, TypeVar
 
 import grpc
 import torch
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from ..protos import pagedkv_pb2 as pb
 from ..protos import pagedkv_pb2_grpc as pb_grpc
 from ..protos import tensors
 from ..protos.errors import CapacityExceeded, IntegrityError, InvalidArgument
+from ..protos.serving import GrpcServer, build_server
+from ..protos.status import abort_details
 from .engine import CacheEngine
 from .metrics import NodeMetrics
-from .status import abort_details
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["CacheNode"].full_name
 SERVER_OPTIONS = [*tensors.MESSAGE_SIZE_OPTIONS, ("grpc.so_reuseport", 0)]
@@ -270,28 +268,12 @@ class CacheNodeServicer(pb_grpc.CacheNodeServicer):
         return self._observe("Ping", context, pb.Empty)
 
 
-class NodeServer:
-    """A started-or-not gRPC server with its health servicer, for graceful stops."""
+class NodeServer(GrpcServer):
+    """A started-or-not node server with its health servicer and metrics."""
 
-    def __init__(self, server: grpc.Server, health_servicer: health.HealthServicer, metrics: NodeMetrics):
-        self.grpc_server = server
-        self.health = health_servicer
+    def __init__(self, server: grpc.Server, health_servicer: Any, metrics: NodeMetrics) -> None:
+        super().__init__(server, health_servicer, [SERVICE_NAME])
         self.metrics = metrics
-
-    def start(self) -> NodeServer:
-        self.grpc_server.start()
-        for name in ("", SERVICE_NAME):
-            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        return self
-
-    def stop(self, grace_s: float | None = 5.0) -> None:
-        """Flip health to NOT_SERVING, refuse new calls, let running ones finish
-        for up to grace_s seconds, then cancel the rest. Blocks until stopped."""
-        self.health.enter_graceful_shutdown()
-        self.grpc_server.stop(grace_s).wait()
-
-    def wait_for_termination(self, timeout_s: float | None = None) -> bool:
-        return self.grpc_server.wait_for_termination(timeout_s)
 
 
 def create_server(
@@ -308,17 +290,12 @@ def create_server(
     if metrics is None:
         metrics = NodeMetrics()
     metrics.attach_engine(engine.stats, engine.config.policy)
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=SERVER_OPTIONS)
-    pb_grpc.add_CacheNodeServicer_to_server(CacheNodeServicer(engine, metrics), server)
-    health_servicer = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    for name in ("", SERVICE_NAME):
-        health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-    reflection.enable_server_reflection(
-        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
-        server,
+    servicer = CacheNodeServicer(engine, metrics)
+    server, health_servicer, port = build_server(
+        lambda s: pb_grpc.add_CacheNodeServicer_to_server(servicer, s),
+        [SERVICE_NAME],
+        address,
+        max_workers=max_workers,
+        options=SERVER_OPTIONS,
     )
-    port = server.add_insecure_port(address)
-    if port == 0:
-        raise OSError(f"could not bind the node server to {address}")
     return NodeServer(server, health_servicer, metrics), port

@@ -15,9 +15,9 @@ import grpc
 from ..protos import pagedkv_pb2 as pb
 from ..protos import pagedkv_pb2_grpc as pb_grpc
 from ..protos.errors import IntegrityError
+from ..protos.status import error_from_rpc
 from . import codec
 from .config import ClientConfig
-from .status import error_from_rpc
 from .types import NodeStats, OpenResult
 
 _EMPTY = pb.Empty()

@@ -12,10 +12,10 @@ import grpc
 import torch
 
 from ..protos import pagedkv_pb2_grpc as pb_grpc
+from ..protos.status import error_from_rpc
 from . import codec
 from .config import ClientConfig
 from .control import acall, call
-from .status import error_from_rpc
 from .types import AttentionResult
 
 
