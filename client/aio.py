@@ -1,16 +1,18 @@
 """AsyncCacheClient: the asyncio twin of CacheClient (grpc.aio), same surface.
 
-    async with AsyncCacheClient(address) as client:
+    async with AsyncCacheClient(coordinator="coord:50050", token="...") as client:
         async with client.open("req-1", prompt_ids) as seq:
             await seq.append(rest_ids, k, v)
             out = await seq.attend(layer, q, k_new, v_new, token_id)
 
 `client.open(...)` is both awaitable (`seq = await client.open(...)`) and an
-async context manager that closes the sequence on exit.
+async context manager that closes the sequence on exit. Create the client
+inside the running event loop (grpc.aio channels belong to their loop).
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Generator
 from collections.abc import Sequence as Seq
 from typing import Any
@@ -18,31 +20,50 @@ from typing import Any
 import torch
 
 from ..protos import pagedkv_pb2_grpc as pb_grpc
+from ..protos.errors import InvalidArgument
+from ..protos.spec import ModelSpec
 from . import channels, codec
 from .config import ClientConfig
 from .control import AsyncNodeControl
 from .data import AsyncNodeData
-from .sync import _as_batch, _squeeze
-from .types import AttentionResult, NodeStats
+from .routing import AsyncCoordinatorRouting, AsyncDirectRouting
+from .sync import _as_batch, _gather_rows, _squeeze
+from .types import AttentionResult, ClusterStats, NodeStats, Route
+
+
+class AsyncNodeHandle:
+    def __init__(self, address: str, config: ClientConfig) -> None:
+        self.address = address
+        stub = pb_grpc.CacheNodeStub(channels.acquire_aio(address, config))
+        self.control = AsyncNodeControl(stub, config)
+        self.data = AsyncNodeData(stub, config, where=f"node {address}")
 
 
 class AsyncSequence:
     def __init__(
-        self, client: AsyncCacheClient, seq_id: str, num_cached_tokens: int = 0, num_host_hit_tokens: int = 0
+        self,
+        client: AsyncCacheClient,
+        seq_id: str,
+        route: Route,
+        num_cached_tokens: int = 0,
+        num_host_hit_tokens: int = 0,
     ) -> None:
         self.client = client
         self.seq_id = seq_id
+        self.route = route
+        self.node = client.node(route.address)
         self.num_cached_tokens = num_cached_tokens
         self.num_host_hit_tokens = num_host_hit_tokens
         self.is_closed = False
 
     def __repr__(self) -> str:
-        return f"AsyncSequence({self.seq_id!r}, cached={self.num_cached_tokens})"
+        where = self.route.node_id or self.route.address
+        return f"AsyncSequence({self.seq_id!r}, node={where}, cached={self.num_cached_tokens})"
 
     async def append(
         self, token_ids: codec.TokenIds, k: Any, v: Any, *, timeout_s: float | None = None
     ) -> int:
-        return await self.client.data.append(self.seq_id, token_ids, k, v, timeout_s)
+        return await self.node.data.append(self.seq_id, token_ids, k, v, timeout_s)
 
     async def attend(
         self,
@@ -59,7 +80,7 @@ class AsyncSequence:
         k, _ = _as_batch(k, 3)
         v, _ = _as_batch(v, 3)
         tokens = None if token_id is None else [token_id]
-        res = await self.client.data.attend(
+        res = await self.node.data.attend(
             [self.seq_id], layer, q, k, v, tokens, return_block_mass=return_block_mass, timeout_s=timeout_s
         )
         return _squeeze(res, squeeze)
@@ -75,24 +96,27 @@ class AsyncSequence:
         return_block_mass: bool = False,
         timeout_s: float | None = None,
     ) -> AttentionResult:
-        return await self.client.data.attend_prefill(
+        return await self.node.data.attend_prefill(
             self.seq_id, layer, q, k, v, token_ids, return_block_mass=return_block_mass, timeout_s=timeout_s
         )
 
     async def fork(self, child_id: str, *, timeout_s: float | None = None) -> AsyncSequence:
-        await self.client.control.fork(self.seq_id, child_id, timeout_s)
-        return AsyncSequence(self.client, child_id)
+        route = await self.client.routing.fork(self.seq_id, child_id, timeout_s)
+        return AsyncSequence(self.client, child_id, route)
 
     async def read_kv(
         self, start: int = 0, end: int | None = None, *, timeout_s: float | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return await self.client.data.read_kv(self.seq_id, start, end, timeout_s)
+        return await self.node.data.read_kv(self.seq_id, start, end, timeout_s)
 
     async def swap_out(self, *, timeout_s: float | None = None) -> int:
-        return await self.client.control.swap_out(self.seq_id, timeout_s)
+        return await self.client.routing.swap_out(self.seq_id, timeout_s)
 
     async def swap_in(self, *, timeout_s: float | None = None) -> int:
-        return await self.client.control.swap_in(self.seq_id, timeout_s)
+        num_blocks, route = await self.client.routing.swap_in(self.seq_id, timeout_s)
+        if route != self.route:
+            self.route, self.node = route, self.client.node(route.address)
+        return num_blocks
 
     async def set_budget(
         self,
@@ -102,11 +126,11 @@ class AsyncSequence:
         *,
         timeout_s: float | None = None,
     ) -> None:
-        await self.client.control.set_budget(self.seq_id, max_tokens, sink_blocks, recent_blocks, timeout_s)
+        await self.node.control.set_budget(self.seq_id, max_tokens, sink_blocks, recent_blocks, timeout_s)
 
     async def close(self, *, timeout_s: float | None = None) -> None:
         if not self.is_closed:
-            await self.client.control.free(self.seq_id, timeout_s)
+            await self.client.routing.close(self.seq_id, timeout_s)
             self.is_closed = True
 
     async def __aenter__(self) -> AsyncSequence:
@@ -132,8 +156,8 @@ class _Opening:
 
     async def _open(self) -> AsyncSequence:
         client, seq_id, token_ids, max_cached, timeout_s = self._args
-        res = await client.control.open(seq_id, token_ids, max_cached, timeout_s)
-        return AsyncSequence(client, seq_id, res.num_cached_tokens, res.num_host_hit_tokens)
+        res, route = await client.routing.open(seq_id, token_ids, max_cached, timeout_s)
+        return AsyncSequence(client, seq_id, route, res.num_cached_tokens, res.num_host_hit_tokens)
 
     def __await__(self) -> Generator[Any, None, AsyncSequence]:
         return self._open().__await__()
@@ -148,16 +172,38 @@ class _Opening:
 
 
 class AsyncCacheClient:
-    """asyncio client of one cache node. Create it inside the running event loop."""
+    """asyncio client of a pagedkv cluster (`coordinator=`) or one node (`address`);
+    see CacheClient. Create it inside the running event loop."""
 
-    def __init__(self, address: str, config: ClientConfig | None = None) -> None:
-        self.address = address
+    def __init__(
+        self,
+        address: str | None = None,
+        config: ClientConfig | None = None,
+        *,
+        coordinator: str | None = None,
+        token: str | None = None,
+        spec: ModelSpec | None = None,
+    ) -> None:
+        if (address is None) == (coordinator is None):
+            raise InvalidArgument("AsyncCacheClient needs a node address or coordinator=, not both")
         self.config = config if config is not None else ClientConfig()
-        self._channel = channels.acquire_aio(address, self.config)
-        stub = pb_grpc.CacheNodeStub(self._channel)
-        self.control = AsyncNodeControl(stub, self.config)
-        self.data = AsyncNodeData(stub, self.config)
+        self._nodes: dict[str, AsyncNodeHandle] = {}
+        self.address = address or coordinator or ""
+        self.routing: AsyncDirectRouting | AsyncCoordinatorRouting
+        if coordinator is not None:
+            channel = channels.acquire_aio(coordinator, self.config)
+            self.routing = AsyncCoordinatorRouting(pb_grpc.CoordinatorStub(channel), self.config, token, spec)
+        else:
+            node = self.node(self.address)
+            self.routing = AsyncDirectRouting(node.control, self.address)
+            self.control, self.data = node.control, node.data
         self._is_closed = False
+
+    def node(self, address: str) -> AsyncNodeHandle:
+        handle = self._nodes.get(address)
+        if handle is None:
+            handle = self._nodes[address] = AsyncNodeHandle(address, self.config)
+        return handle
 
     def open(
         self,
@@ -169,8 +215,8 @@ class AsyncCacheClient:
     ) -> _Opening:
         return _Opening(self, seq_id, token_ids, max_cached_tokens, timeout_s)
 
-    def sequence(self, seq_id: str) -> AsyncSequence:
-        return AsyncSequence(self, seq_id)
+    async def sequence(self, seq_id: str, *, timeout_s: float | None = None) -> AsyncSequence:
+        return AsyncSequence(self, seq_id, await self.routing.describe(seq_id, timeout_s))
 
     async def attend_batch(
         self,
@@ -184,33 +230,69 @@ class AsyncCacheClient:
         return_block_mass: bool = False,
         timeout_s: float | None = None,
     ) -> AttentionResult:
-        ids = [s.seq_id if isinstance(s, AsyncSequence) else s for s in seqs]
-        return await self.data.attend(
-            ids, layer, q, k, v, token_ids, return_block_mass=return_block_mass, timeout_s=timeout_s
-        )
+        """One decode step of one layer for a batch; one RPC per node, all nodes concurrently."""
+        handles = [s if isinstance(s, AsyncSequence) else await self.sequence(s) for s in seqs]
+        groups: dict[str, list[int]] = {}
+        for i, h in enumerate(handles):
+            groups.setdefault(h.route.address, []).append(i)
+        kw = {"return_block_mass": return_block_mass, "timeout_s": timeout_s}
+        if len(groups) == 1:
+            ids = [h.seq_id for h in handles]
+            return await handles[0].node.data.attend(ids, layer, q, k, v, token_ids, **kw)
+
+        async def one(address: str, rows: list[int]) -> tuple[list[int], AttentionResult]:
+            pick = torch.tensor(rows)
+            sub = [token_ids[i] for i in rows] if token_ids is not None else None
+            ks = k[pick] if k is not None else None
+            vs = v[pick] if v is not None else None
+            ids = [handles[i].seq_id for i in rows]
+            return rows, await self.node(address).data.attend(ids, layer, q[pick], ks, vs, sub, **kw)
+
+        parts = await asyncio.gather(*(one(a, rows) for a, rows in groups.items()))
+        return _gather_rows(list(parts), len(handles))
 
     async def lookup(self, token_ids: codec.TokenIds, *, timeout_s: float | None = None) -> int:
-        return await self.control.lookup(token_ids, timeout_s)
+        return await self.routing.lookup(token_ids, timeout_s)
 
     async def pin(self, token_ids: codec.TokenIds, *, timeout_s: float | None = None) -> int:
-        return await self.control.pin(token_ids, timeout_s)
+        return await self.routing.pin(token_ids, timeout_s)
 
     async def unpin(self, token_ids: codec.TokenIds, *, timeout_s: float | None = None) -> int:
-        return await self.control.unpin(token_ids, timeout_s)
+        return await self.routing.unpin(token_ids, timeout_s)
 
     async def stats(self, *, timeout_s: float | None = None) -> NodeStats:
+        if isinstance(self.routing, AsyncCoordinatorRouting):
+            raise InvalidArgument("stats() is per node: use cluster_stats() or node_stats(address)")
         return await self.control.stats(timeout_s)
 
+    async def cluster_stats(self, *, timeout_s: float | None = None) -> ClusterStats:
+        if not isinstance(self.routing, AsyncCoordinatorRouting):
+            raise InvalidArgument("cluster_stats() needs a client made with coordinator=")
+        return await self.routing.stats(timeout_s)
+
+    async def node_stats(self, address: str, *, timeout_s: float | None = None) -> NodeStats:
+        return await self.node(address).control.stats(timeout_s)
+
+    async def _addresses(self, timeout_s: float | None) -> list[str]:
+        if isinstance(self.routing, AsyncCoordinatorRouting):
+            return [n.address for n in (await self.routing.stats(timeout_s)).nodes]
+        return [self.address]
+
     async def check_integrity(self, *, timeout_s: float | None = None) -> None:
-        await self.control.check_integrity(timeout_s)
+        for address in await self._addresses(timeout_s):
+            await self.node(address).control.check_integrity(timeout_s)
 
     async def ping(self, *, timeout_s: float | None = None) -> None:
-        await self.control.ping(timeout_s)
+        for address in await self._addresses(timeout_s):
+            await self.node(address).control.ping(timeout_s)
 
     async def close(self) -> None:
         if not self._is_closed:
             self._is_closed = True
-            await channels.release_aio(self.address, self.config)
+            if isinstance(self.routing, AsyncCoordinatorRouting):
+                await channels.release_aio(self.address, self.config)
+            for address in self._nodes:
+                await channels.release_aio(address, self.config)
 
     async def __aenter__(self) -> AsyncCacheClient:
         return self

@@ -1,8 +1,8 @@
 """Client configuration: deadlines, retries and message limits, as one value.
 
 Retries are applied in ONE layer: the gRPC channel's service config
-(`retryPolicy`), and only for the idempotent rpcs (Lookup, Stats, ReadKV,
-Ping) on UNAVAILABLE. Everything else fails fast and the caller decides.
+(`retryPolicy`), and only for the idempotent rpcs (node: Lookup, Stats, ReadKV,
+Ping; coordinator: Lookup, Stats, Describe) on UNAVAILABLE. Everything else fails fast and the caller decides.
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ from ..protos.tensors import CHUNK_BYTES, MESSAGE_SIZE_OPTIONS
 
 NODE_SERVICE = "pagedkv.v1.CacheNode"
 IDEMPOTENT_METHODS = ("Lookup", "Stats", "ReadKV", "Ping")
+COORDINATOR_SERVICE = "pagedkv.v1.Coordinator"
+IDEMPOTENT_COORDINATOR_METHODS = ("Lookup", "Stats", "Describe")
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,7 @@ class ClientConfig:
             "retryableStatusCodes": ["UNAVAILABLE"],
         }
         names = [{"service": NODE_SERVICE, "method": m} for m in IDEMPOTENT_METHODS]
+        names += [{"service": COORDINATOR_SERVICE, "method": m} for m in IDEMPOTENT_COORDINATOR_METHODS]
         if self.max_attempts == 1:  # gRPC refuses a retryPolicy with fewer than 2 attempts
             return json.dumps({"methodConfig": [{"name": names}]})
         return json.dumps({"methodConfig": [{"name": names, "retryPolicy": policy}]})

@@ -23,19 +23,20 @@ from .types import NodeStats, OpenResult
 _EMPTY = pb.Empty()
 
 
-def call(rpc: Any, request: Any, timeout_s: float) -> Any:
-    """One unary call with a deadline; failures raise the domain error."""
+def call(rpc: Any, request: Any, timeout_s: float, metadata: Any = None, where: str = "") -> Any:
+    """One unary call with a deadline; failures raise the domain error
+    (`where`, e.g. "node 127.0.0.1:5000", prefixes its message)."""
     try:
-        return rpc(request, timeout=timeout_s)
+        return rpc(request, timeout=timeout_s, metadata=metadata)
     except grpc.RpcError as exc:
-        raise error_from_rpc(exc) from exc
+        raise error_from_rpc(exc, where) from exc
 
 
-async def acall(rpc: Any, request: Any, timeout_s: float) -> Any:
+async def acall(rpc: Any, request: Any, timeout_s: float, metadata: Any = None, where: str = "") -> Any:
     try:
-        return await rpc(request, timeout=timeout_s)
+        return await rpc(request, timeout=timeout_s, metadata=metadata)
     except grpc.RpcError as exc:
-        raise error_from_rpc(exc) from exc
+        raise error_from_rpc(exc, where) from exc
 
 
 class NodeControl:

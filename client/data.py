@@ -20,8 +20,9 @@ from .types import AttentionResult
 
 
 class NodeData:
-    def __init__(self, stub: pb_grpc.CacheNodeStub, config: ClientConfig) -> None:
+    def __init__(self, stub: pb_grpc.CacheNodeStub, config: ClientConfig, where: str = "") -> None:
         self.stub, self.config = stub, config
+        self.where = where  # names the node in error messages
 
     def _t(self, timeout_s: float | None) -> float:
         return self.config.deadline_s if timeout_s is None else timeout_s
@@ -30,7 +31,7 @@ class NodeData:
         self, seq_id: str, token_ids: codec.TokenIds, k: Any, v: Any, timeout_s: float | None = None
     ) -> int:
         chunks = codec.append_chunks(seq_id, token_ids, k, v, self.config.chunk_bytes)
-        return call(self.stub.Append, chunks, self._t(timeout_s)).num_tokens
+        return call(self.stub.Append, chunks, self._t(timeout_s), where=self.where).num_tokens
 
     def attend(
         self,
@@ -45,7 +46,7 @@ class NodeData:
         timeout_s: float | None = None,
     ) -> AttentionResult:
         req = codec.attend_request(seq_ids, layer, q, k, v, token_ids, return_block_mass)
-        return codec.attention_result(call(self.stub.Attend, req, self._t(timeout_s)))
+        return codec.attention_result(call(self.stub.Attend, req, self._t(timeout_s), where=self.where))
 
     def attend_prefill(
         self,
@@ -60,7 +61,9 @@ class NodeData:
         timeout_s: float | None = None,
     ) -> AttentionResult:
         req = codec.prefill_request(seq_id, layer, q, k, v, token_ids, return_block_mass)
-        return codec.attention_result(call(self.stub.AttendPrefill, req, self._t(timeout_s)))
+        return codec.attention_result(
+            call(self.stub.AttendPrefill, req, self._t(timeout_s), where=self.where)
+        )
 
     def read_kv(
         self, seq_id: str, start: int = 0, end: int | None = None, timeout_s: float | None = None
@@ -69,12 +72,13 @@ class NodeData:
         try:
             return codec.kv_from_chunks(self.stub.ReadKV(req, timeout=self._t(timeout_s)))
         except grpc.RpcError as exc:
-            raise error_from_rpc(exc) from exc
+            raise error_from_rpc(exc, self.where) from exc
 
 
 class AsyncNodeData:
-    def __init__(self, stub: pb_grpc.CacheNodeStub, config: ClientConfig) -> None:
+    def __init__(self, stub: pb_grpc.CacheNodeStub, config: ClientConfig, where: str = "") -> None:
         self.stub, self.config = stub, config
+        self.where = where  # names the node in error messages
 
     def _t(self, timeout_s: float | None) -> float:
         return self.config.deadline_s if timeout_s is None else timeout_s
@@ -83,7 +87,7 @@ class AsyncNodeData:
         self, seq_id: str, token_ids: codec.TokenIds, k: Any, v: Any, timeout_s: float | None = None
     ) -> int:
         chunks = codec.append_chunks(seq_id, token_ids, k, v, self.config.chunk_bytes)
-        return (await acall(self.stub.Append, chunks, self._t(timeout_s))).num_tokens
+        return (await acall(self.stub.Append, chunks, self._t(timeout_s), where=self.where)).num_tokens
 
     async def attend(
         self,
@@ -98,7 +102,9 @@ class AsyncNodeData:
         timeout_s: float | None = None,
     ) -> AttentionResult:
         req = codec.attend_request(seq_ids, layer, q, k, v, token_ids, return_block_mass)
-        return codec.attention_result(await acall(self.stub.Attend, req, self._t(timeout_s)))
+        return codec.attention_result(
+            await acall(self.stub.Attend, req, self._t(timeout_s), where=self.where)
+        )
 
     async def attend_prefill(
         self,
@@ -113,7 +119,9 @@ class AsyncNodeData:
         timeout_s: float | None = None,
     ) -> AttentionResult:
         req = codec.prefill_request(seq_id, layer, q, k, v, token_ids, return_block_mass)
-        return codec.attention_result(await acall(self.stub.AttendPrefill, req, self._t(timeout_s)))
+        return codec.attention_result(
+            await acall(self.stub.AttendPrefill, req, self._t(timeout_s), where=self.where)
+        )
 
     async def read_kv(
         self, seq_id: str, start: int = 0, end: int | None = None, timeout_s: float | None = None
@@ -124,5 +132,5 @@ class AsyncNodeData:
             async for chunk in self.stub.ReadKV(req, timeout=self._t(timeout_s)):
                 reader.add(chunk)
         except grpc.RpcError as exc:
-            raise error_from_rpc(exc) from exc
+            raise error_from_rpc(exc, self.where) from exc
         return reader.result()

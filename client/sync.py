@@ -1,6 +1,7 @@
 """CacheClient: the synchronous user-facing API, and its Sequence handle.
 
-    with CacheClient("node:50051") as client:
+    with CacheClient(coordinator="coord:50050", token="...") as client:   # a cluster
+    # or CacheClient("node:50051")                                          # one node, no coordinator
         with client.open("req-1", prompt_ids) as seq:      # reuses the cached prefix
             seq.append(prompt_ids[seq.num_cached_tokens:], k, v)  # [layers, n, kv_heads, D]
             out = seq.attend(layer, q, k_new, v_new, token_id)     # one decode step, one layer
@@ -9,8 +10,9 @@
 A decode step for many sequences on one node is one RPC per layer:
 `client.attend_batch(seqs, layer, q, k, v, token_ids)`.
 
-Control calls (NodeControl) and data calls (NodeData) are separate objects, so
-the coordinator can take over the control path without changing this API.
+Control calls go through a routing plane (routing.py: the coordinator, or the
+one node in direct mode); data calls go straight to the node each sequence
+lives on (NodeData), never through the coordinator.
 """
 
 from __future__ import annotations
@@ -21,11 +23,24 @@ from typing import Any
 import torch
 
 from ..protos import pagedkv_pb2_grpc as pb_grpc
+from ..protos.errors import InvalidArgument
+from ..protos.spec import ModelSpec
 from . import channels, codec
 from .config import ClientConfig
 from .control import NodeControl
 from .data import NodeData
-from .types import AttentionResult, NodeStats
+from .routing import CoordinatorRouting, DirectRouting
+from .types import AttentionResult, ClusterStats, NodeStats, Route
+
+
+class NodeHandle:
+    """Control and data calls to one node, over a shared channel."""
+
+    def __init__(self, address: str, config: ClientConfig) -> None:
+        self.address = address
+        stub = pb_grpc.CacheNodeStub(channels.acquire(address, config))
+        self.control = NodeControl(stub, config)
+        self.data = NodeData(stub, config, where=f"node {address}")
 
 
 def _squeeze(res: AttentionResult, squeeze: bool) -> AttentionResult:
@@ -33,6 +48,24 @@ def _squeeze(res: AttentionResult, squeeze: bool) -> AttentionResult:
         return res
     mass = res.block_mass[0] if res.block_mass is not None else None
     return AttentionResult(res.out[0], res.lse[0], mass)
+
+
+def _gather_rows(parts: list[tuple[list[int], AttentionResult]], n: int) -> AttentionResult:
+    """Reassemble per-node results into the batch's row order."""
+    first = parts[0][1]
+    out = first.out.new_empty((n, *first.out.shape[1:]))
+    lse = first.lse.new_empty((n, *first.lse.shape[1:]))
+    for rows, res in parts:
+        out[rows] = res.out
+        lse[rows] = res.lse
+    if first.block_mass is None:
+        return AttentionResult(out, lse)
+    width = max(res.block_mass.shape[1] for _, res in parts if res.block_mass is not None)
+    mass = first.block_mass.new_zeros((n, width))
+    for rows, res in parts:
+        assert res.block_mass is not None
+        mass[rows, : res.block_mass.shape[1]] = res.block_mass
+    return AttentionResult(out, lse, mass)
 
 
 def _as_batch(t: Any, ndim: int) -> tuple[Any, bool]:
@@ -46,20 +79,28 @@ class Sequence:
     """A handle on one sequence of the node; close() (or `with`) frees it."""
 
     def __init__(
-        self, client: CacheClient, seq_id: str, num_cached_tokens: int = 0, num_host_hit_tokens: int = 0
+        self,
+        client: CacheClient,
+        seq_id: str,
+        route: Route,
+        num_cached_tokens: int = 0,
+        num_host_hit_tokens: int = 0,
     ) -> None:
         self.client = client
         self.seq_id = seq_id
+        self.route = route
+        self.node = client.node(route.address)
         self.num_cached_tokens = num_cached_tokens
         self.num_host_hit_tokens = num_host_hit_tokens
         self.is_closed = False
 
     def __repr__(self) -> str:
-        return f"Sequence({self.seq_id!r}, cached={self.num_cached_tokens})"
+        where = self.route.node_id or self.route.address
+        return f"Sequence({self.seq_id!r}, node={where}, cached={self.num_cached_tokens})"
 
     def append(self, token_ids: codec.TokenIds, k: Any, v: Any, *, timeout_s: float | None = None) -> int:
         """Append tokens with K/V of every layer ([num_layers, n, kv_heads, D]); returns the new length."""
-        return self.client.data.append(self.seq_id, token_ids, k, v, timeout_s)
+        return self.node.data.append(self.seq_id, token_ids, k, v, timeout_s)
 
     def attend(
         self,
@@ -78,7 +119,7 @@ class Sequence:
         k, _ = _as_batch(k, 3)
         v, _ = _as_batch(v, 3)
         tokens = None if token_id is None else [token_id]
-        res = self.client.data.attend(
+        res = self.node.data.attend(
             [self.seq_id], layer, q, k, v, tokens, return_block_mass=return_block_mass, timeout_s=timeout_s
         )
         return _squeeze(res, squeeze)
@@ -95,26 +136,31 @@ class Sequence:
         timeout_s: float | None = None,
     ) -> AttentionResult:
         """n query tokens (q [n, q_heads, D]) attending causally to the cache and themselves."""
-        return self.client.data.attend_prefill(
+        return self.node.data.attend_prefill(
             self.seq_id, layer, q, k, v, token_ids, return_block_mass=return_block_mass, timeout_s=timeout_s
         )
 
     def fork(self, child_id: str, *, timeout_s: float | None = None) -> Sequence:
         """A new sequence sharing every block (copy-on-write of the partial last block)."""
-        self.client.control.fork(self.seq_id, child_id, timeout_s)
-        return Sequence(self.client, child_id)
+        route = self.client.routing.fork(self.seq_id, child_id, timeout_s)
+        return Sequence(self.client, child_id, route)
 
     def read_kv(
         self, start: int = 0, end: int | None = None, *, timeout_s: float | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of positions [start, end): each [num_layers, n, kv_heads, D] (streamed)."""
-        return self.client.data.read_kv(self.seq_id, start, end, timeout_s)
+        return self.node.data.read_kv(self.seq_id, start, end, timeout_s)
 
     def swap_out(self, *, timeout_s: float | None = None) -> int:
-        return self.client.control.swap_out(self.seq_id, timeout_s)
+        """Move the sequence to its node's host memory; returns blocks moved."""
+        return self.client.routing.swap_out(self.seq_id, timeout_s)
 
     def swap_in(self, *, timeout_s: float | None = None) -> int:
-        return self.client.control.swap_in(self.seq_id, timeout_s)
+        """Bring it back, byte-exact; returns blocks copied."""
+        num_blocks, route = self.client.routing.swap_in(self.seq_id, timeout_s)
+        if route != self.route:
+            self.route, self.node = route, self.client.node(route.address)
+        return num_blocks
 
     def set_budget(
         self,
@@ -124,12 +170,12 @@ class Sequence:
         *,
         timeout_s: float | None = None,
     ) -> None:
-        self.client.control.set_budget(self.seq_id, max_tokens, sink_blocks, recent_blocks, timeout_s)
+        self.node.control.set_budget(self.seq_id, max_tokens, sink_blocks, recent_blocks, timeout_s)
 
     def close(self, *, timeout_s: float | None = None) -> None:
-        """Free the sequence on the node. Idempotent on this handle."""
+        """Free the sequence (and, in a cluster, its page table). Idempotent on this handle."""
         if not self.is_closed:
-            self.client.control.free(self.seq_id, timeout_s)
+            self.client.routing.close(self.seq_id, timeout_s)
             self.is_closed = True
 
     def __enter__(self) -> Sequence:
@@ -140,16 +186,47 @@ class Sequence:
 
 
 class CacheClient:
-    """Synchronous client of one cache node (until the coordinator exists)."""
+    """Synchronous client of a pagedkv cluster (`coordinator=`) or of one node (`address`).
 
-    def __init__(self, address: str, config: ClientConfig | None = None) -> None:
-        self.address = address
+    In a cluster the coordinator authenticates `token` (its tenant salts the
+    block keys) and places each sequence; `spec` restricts placement to nodes
+    serving that model shape. With one node and no coordinator the client's
+    `config.tenant_salt` is used as is (a trusted caller)."""
+
+    def __init__(
+        self,
+        address: str | None = None,
+        config: ClientConfig | None = None,
+        *,
+        coordinator: str | None = None,
+        token: str | None = None,
+        spec: ModelSpec | None = None,
+    ) -> None:
+        if (address is None) == (coordinator is None):
+            raise InvalidArgument("CacheClient needs a node address or coordinator=, not both")
         self.config = config if config is not None else ClientConfig()
-        self._channel = channels.acquire(address, self.config)
-        stub = pb_grpc.CacheNodeStub(self._channel)
-        self.control = NodeControl(stub, self.config)
-        self.data = NodeData(stub, self.config)
+        self._nodes: dict[str, NodeHandle] = {}
+        self.address = address or coordinator or ""
+        self.routing: DirectRouting | CoordinatorRouting
+        if coordinator is not None:
+            channel = channels.acquire(coordinator, self.config)
+            self.routing = CoordinatorRouting(pb_grpc.CoordinatorStub(channel), self.config, token, spec)
+        else:
+            node = self.node(self.address)
+            self.routing = DirectRouting(node.control, self.address)
+            self.control, self.data = node.control, node.data  # direct mode: the one node
         self._is_closed = False
+
+    @property
+    def is_cluster(self) -> bool:
+        return isinstance(self.routing, CoordinatorRouting)
+
+    def node(self, address: str) -> NodeHandle:
+        """The (cached) handle for data calls to the node at `address`."""
+        handle = self._nodes.get(address)
+        if handle is None:
+            handle = self._nodes[address] = NodeHandle(address, self.config)
+        return handle
 
     def open(
         self,
@@ -161,12 +238,14 @@ class CacheClient:
     ) -> Sequence:
         """Open a sequence reusing the longest cached prefix of the prompt
         (seq.num_cached_tokens); append the rest's KV next."""
-        res = self.control.open(seq_id, token_ids, max_cached_tokens, timeout_s)
-        return Sequence(self, seq_id, res.num_cached_tokens, res.num_host_hit_tokens)
+        res, route = self.routing.open(seq_id, token_ids, max_cached_tokens, timeout_s)
+        return Sequence(self, seq_id, route, res.num_cached_tokens, res.num_host_hit_tokens)
 
-    def sequence(self, seq_id: str) -> Sequence:
-        """A handle on an existing sequence (no call)."""
-        return Sequence(self, seq_id)
+    def sequence(self, seq_id: str, *, timeout_s: float | None = None) -> Sequence:
+        """A handle on an existing sequence, opened by any worker (in a cluster the
+        coordinator says where it lives; raises FailedPrecondition naming the node
+        if that node died)."""
+        return Sequence(self, seq_id, self.routing.describe(seq_id, timeout_s))
 
     def attend_batch(
         self,
@@ -180,37 +259,72 @@ class CacheClient:
         return_block_mass: bool = False,
         timeout_s: float | None = None,
     ) -> AttentionResult:
-        """One decode step of one layer for a batch on this node, in one RPC:
-        q [B, q_heads, D]; k, v [B, kv_heads, D]; token_ids [B] at layer 0."""
-        ids = [s.seq_id if isinstance(s, Sequence) else s for s in seqs]
-        return self.data.attend(
-            ids, layer, q, k, v, token_ids, return_block_mass=return_block_mass, timeout_s=timeout_s
-        )
+        """One decode step of one layer for a batch: q [B, q_heads, D]; k, v
+        [B, kv_heads, D]; token_ids [B] at layer 0. One RPC per node the batch
+        spans (usually one); rows come back in the batch's order."""
+        handles = [s if isinstance(s, Sequence) else self.sequence(s) for s in seqs]
+        groups: dict[str, list[int]] = {}
+        for i, h in enumerate(handles):
+            groups.setdefault(h.route.address, []).append(i)
+        kw = {"return_block_mass": return_block_mass, "timeout_s": timeout_s}
+        if len(groups) == 1:
+            return handles[0].node.data.attend([h.seq_id for h in handles], layer, q, k, v, token_ids, **kw)
+        parts = []
+        for address, rows in groups.items():
+            pick = torch.tensor(rows)
+            sub = [token_ids[i] for i in rows] if token_ids is not None else None
+            ks = k[pick] if k is not None else None
+            vs = v[pick] if v is not None else None
+            parts.append((rows, self.node(address).data.attend([handles[i].seq_id for i in rows], layer,
+                                                                q[pick], ks, vs, sub, **kw)))  # fmt: skip
+        return _gather_rows(parts, len(handles))
 
     def lookup(self, token_ids: codec.TokenIds, *, timeout_s: float | None = None) -> int:
-        return self.control.lookup(token_ids, timeout_s)
+        """Leading tokens of this prompt cached (on the best node, in a cluster). Changes nothing."""
+        return self.routing.lookup(token_ids, timeout_s)
 
     def pin(self, token_ids: codec.TokenIds, *, timeout_s: float | None = None) -> int:
-        return self.control.pin(token_ids, timeout_s)
+        return self.routing.pin(token_ids, timeout_s)
 
     def unpin(self, token_ids: codec.TokenIds, *, timeout_s: float | None = None) -> int:
-        return self.control.unpin(token_ids, timeout_s)
+        return self.routing.unpin(token_ids, timeout_s)
 
     def stats(self, *, timeout_s: float | None = None) -> NodeStats:
+        """The node's stats (direct mode). In a cluster see cluster_stats() and node_stats()."""
+        if isinstance(self.routing, CoordinatorRouting):
+            raise InvalidArgument("stats() is per node: use cluster_stats() or node_stats(address)")
         return self.control.stats(timeout_s)
 
+    def cluster_stats(self, *, timeout_s: float | None = None) -> ClusterStats:
+        if not isinstance(self.routing, CoordinatorRouting):
+            raise InvalidArgument("cluster_stats() needs a client made with coordinator=")
+        return self.routing.stats(timeout_s)
+
+    def node_stats(self, address: str, *, timeout_s: float | None = None) -> NodeStats:
+        return self.node(address).control.stats(timeout_s)
+
+    def _addresses(self, timeout_s: float | None) -> list[str]:
+        if isinstance(self.routing, CoordinatorRouting):
+            return [n.address for n in self.routing.stats(timeout_s).nodes]
+        return [self.address]
+
     def check_integrity(self, *, timeout_s: float | None = None) -> None:
-        """Raise IntegrityError with the node's message when an invariant fails."""
-        self.control.check_integrity(timeout_s)
+        """Raise IntegrityError with a node's message when one of its invariants fails (every node)."""
+        for address in self._addresses(timeout_s):
+            self.node(address).control.check_integrity(timeout_s)
 
     def ping(self, *, timeout_s: float | None = None) -> None:
-        self.control.ping(timeout_s)
+        for address in self._addresses(timeout_s):
+            self.node(address).control.ping(timeout_s)
 
     def close(self) -> None:
-        """Give the shared channel back (closed when its last user closes)."""
+        """Give the shared channels back (each closed when its last user closes)."""
         if not self._is_closed:
             self._is_closed = True
-            channels.release(self.address, self.config)
+            if isinstance(self.routing, CoordinatorRouting):
+                channels.release(self.address, self.config)
+            for address in self._nodes:
+                channels.release(address, self.config)
 
     def __enter__(self) -> CacheClient:
         return self

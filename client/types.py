@@ -31,3 +31,25 @@ class NodeStats:
     spec: ModelSpec
     device: str
     policy: str
+
+
+@dataclass(frozen=True)
+class Route:
+    """Where a sequence's blocks live: the node its data calls go to."""
+
+    node_id: str
+    address: str
+
+
+@dataclass(frozen=True)
+class NodeEntry:
+    node_id: str
+    address: str
+    spec: ModelSpec
+    num_blocks: int
+
+
+@dataclass(frozen=True)
+class ClusterStats:
+    counters: dict[str, int]  # opens, prompt/cached tokens, nodes_live, nodes_reaped
+    nodes: list[NodeEntry]

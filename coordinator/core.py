@@ -71,6 +71,8 @@ class OpenResult:
     address: str
     num_cached_tokens: int
     placement: Placement
+    num_host_hit_tokens: int = 0
+    num_blocks: int = 0  # swap_in: blocks copied back
 
 
 class NodeLost(FailedPrecondition):
@@ -292,7 +294,9 @@ class Coordinator:
         self.counters["opens"] += 1
         self.counters["prompt_tokens"] += len(tokens)
         self.counters["cached_tokens"] += reply.num_cached_tokens
-        return OpenResult(seq_id, node.node_id, node.address, reply.num_cached_tokens, placement)
+        return OpenResult(
+            seq_id, node.node_id, node.address, reply.num_cached_tokens, placement, reply.num_host_hit_tokens
+        )
 
     def fork(self, tenant: str, parent_id: str, child_id: str = "") -> OpenResult:
         parent = self._record(tenant, parent_id)
@@ -332,9 +336,10 @@ class Coordinator:
     def swap_in(self, tenant: str, seq_id: str) -> OpenResult:
         record = self._record(tenant, seq_id)
         node = self._live_node_of(record)
-        self._call(node, "SwapIn", pb.SeqRequest(seq_id=seq_id))
+        reply = self._call(node, "SwapIn", pb.SeqRequest(seq_id=seq_id))
         self.store.update_sequence(seq_id, state="active")
-        return OpenResult(seq_id, node.node_id, node.address, 0, Placement(node.node_id, 0, 0, 0))
+        placement = Placement(node.node_id, 0, 0, 0)
+        return OpenResult(seq_id, node.node_id, node.address, 0, placement, num_blocks=int(reply.num_blocks))
 
     def describe(self, tenant: str, seq_id: str) -> tuple[SequenceRecord, NodeInfo]:
         """The page table and the live node of a sequence (any worker can find it by id).

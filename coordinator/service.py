@@ -37,6 +37,8 @@ def _open_response(result: OpenResult) -> pb.CoordOpenResponse:
     return pb.CoordOpenResponse(
         extents=[pb.Placement(node_id=result.node_id, address=result.address, first_token=0)],
         num_cached_tokens=result.num_cached_tokens,
+        num_host_hit_tokens=result.num_host_hit_tokens,
+        num_blocks=result.num_blocks,
     )
 
 
@@ -142,6 +144,15 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             return _open_response(self.coordinator.swap_in(self._tenant(context), request.seq_id))
 
         return self._run("SwapIn", context, run)
+
+    def Describe(self, request: pb.CoordSeqRequest, context: grpc.ServicerContext) -> Any:
+        def run() -> pb.CoordOpenResponse:
+            _, node = self.coordinator.describe(self._tenant(context), request.seq_id)
+            return pb.CoordOpenResponse(
+                extents=[pb.Placement(node_id=node.node_id, address=node.address, first_token=0)]
+            )
+
+        return self._run("Describe", context, run)
 
     def Pin(self, request: pb.CoordPinRequest, context: grpc.ServicerContext) -> Any:
         def run() -> pb.PinResponse:

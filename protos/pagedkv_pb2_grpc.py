@@ -865,6 +865,11 @@ class CoordinatorStub:
                 request_serializer=pagedkv__pb2.CoordPinRequest.SerializeToString,
                 response_deserializer=pagedkv__pb2.PinResponse.FromString,
                 _registered_method=True)
+        self.Describe = channel.unary_unary(
+                '/pagedkv.v1.Coordinator/Describe',
+                request_serializer=pagedkv__pb2.CoordSeqRequest.SerializeToString,
+                response_deserializer=pagedkv__pb2.CoordOpenResponse.FromString,
+                _registered_method=True)
         self.Stats = channel.unary_unary(
                 '/pagedkv.v1.Coordinator/Stats',
                 request_serializer=pagedkv__pb2.Empty.SerializeToString,
@@ -969,6 +974,16 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Describe(self, request, context):
+        """Where an existing sequence lives (its page table's node), so a worker other
+        than the one that opened it can find it by id. Changes nothing. Codes: OK,
+        NOT_FOUND, FAILED_PRECONDITION (the sequence was lost: its node died; the
+        message names the node), UNAVAILABLE, PERMISSION_DENIED.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Stats(self, request, context):
         """Cluster counters and the node registry. Changes nothing; idempotent. Codes:
         OK, UNAVAILABLE.
@@ -1034,6 +1049,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.Unpin,
                     request_deserializer=pagedkv__pb2.CoordPinRequest.FromString,
                     response_serializer=pagedkv__pb2.PinResponse.SerializeToString,
+            ),
+            'Describe': grpc.unary_unary_rpc_method_handler(
+                    servicer.Describe,
+                    request_deserializer=pagedkv__pb2.CoordSeqRequest.FromString,
+                    response_serializer=pagedkv__pb2.CoordOpenResponse.SerializeToString,
             ),
             'Stats': grpc.unary_unary_rpc_method_handler(
                     servicer.Stats,
@@ -1342,6 +1362,33 @@ class Coordinator:
             '/pagedkv.v1.Coordinator/Unpin',
             pagedkv__pb2.CoordPinRequest.SerializeToString,
             pagedkv__pb2.PinResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Describe(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedkv.v1.Coordinator/Describe',
+            pagedkv__pb2.CoordSeqRequest.SerializeToString,
+            pagedkv__pb2.CoordOpenResponse.FromString,
             options,
             channel_credentials,
             insecure,

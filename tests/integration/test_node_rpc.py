@@ -17,6 +17,7 @@ from pagedkv.client import (
     InvalidArgument,
     SequenceNotFound,
     Unavailable,
+    channels,
 )
 from pagedkv.protos import pagedkv_pb2 as pb
 
@@ -321,7 +322,9 @@ def test_graceful_shutdown_flips_health(make_node) -> None:
 
 def test_channels_are_shared_per_address(node) -> None:
     a, b = CacheClient(node.address), CacheClient(node.address)
-    assert a._channel is b._channel
+    assert channels.acquire(node.address, a.config) is channels.acquire(node.address, b.config)
+    channels.release(node.address, a.config)
+    channels.release(node.address, a.config)
     a.close()
     b.ping()  # still open: b holds it
     b.close()

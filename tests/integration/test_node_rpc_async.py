@@ -60,7 +60,7 @@ def test_async_every_rpc(node) -> None:
                 with pytest.raises(InvalidArgument, match="dtype"):
                     await seq.attend(1, rand_q(1, 1).double())
                 with pytest.raises(SequenceNotFound):
-                    await client.sequence("nope").swap_out()
+                    await (await client.sequence("nope")).swap_out()
                 with pytest.raises(CapacityExceeded):
                     await seq.append(list(range(1000)), *rand_kv(1000, 1))
             counters = (await client.stats()).counters

@@ -1,0 +1,232 @@
+"""The seam between the transformers integration and a cache node: the few calls it makes.
+
+`KVBackend` is what `PagedKVCache` needs from a node, and nothing more. Two thin adapters implement it:
+
+- `GrpcBackend` -- the product path: a worker process talking gRPC to a node (`NodeControl` for the
+  sequence lifecycle, `NodeData` for the per-layer data calls).
+- `EngineBackend` -- an in-process `CacheEngine`, for fast unit tests and single-process demos. It
+  is duck-typed (it never imports `cache_node`: the client package must not depend on it).
+
+Data calls per forward (B rows, L layers):
+
+    decode (1 new token per row)   L calls  -- `attend_decode`, one per layer for the whole batch
+    prefill (n_b new tokens)       L calls  -- `attend_prefill_batch`, one per layer; today the node
+                                               has a single-sequence AttendPrefill rpc, so the gRPC
+                                               adapter sends B of them (prefill happens once)
+    gathered-KV mode               B `read_kv` + B `append` per forward (K/V cross the wire)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import torch
+
+from ..protos.spec import ModelSpec
+from .config import ClientConfig
+
+
+class KVBackend(Protocol):
+    """One cache node, as the transformers integration sees it.
+
+    Every method may raise a pagedkv domain error (pagedkv.protos.errors); a failed call leaves the
+    node as it was. `token_ids` are Python ints; tensors are on the CPU in the node's dtype.
+    """
+
+    spec: ModelSpec
+
+    def open(self, seq_id: str, token_ids: Sequence[int], max_cached_tokens: int) -> int:
+        """Create `seq_id` holding the longest cached prefix of `token_ids` (whole blocks, at most
+        `max_cached_tokens`). Returns the number of tokens it starts with."""
+        ...
+
+    def lookup(self, token_ids: Sequence[int]) -> int:
+        """Leading tokens of `token_ids` cached on the node. Changes nothing."""
+        ...
+
+    def fork(self, parent_id: str, child_id: str) -> None:
+        """`child_id` shares every block of `parent_id` (copy-on-write)."""
+        ...
+
+    def free(self, seq_id: str) -> None:
+        """Release `seq_id`; its full blocks stay cached for later prefix hits."""
+        ...
+
+    def attend_decode(
+        self,
+        seq_ids: Sequence[str],
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        token_ids: Sequence[int] | None,
+    ) -> torch.Tensor:
+        """Append one token per sequence (k, v [B, Hk, D]; `token_ids` at layer 0 only) and attend
+        q [B, Hq, D] over each whole sequence. Returns out [B, Hq, D]."""
+        ...
+
+    def attend_prefill_batch(
+        self,
+        seq_ids: Sequence[str],
+        layer: int,
+        qs: Sequence[torch.Tensor],
+        ks: Sequence[torch.Tensor],
+        vs: Sequence[torch.Tensor],
+        token_ids: Sequence[Sequence[int]] | None,
+    ) -> list[torch.Tensor]:
+        """For each sequence i: append n_i tokens (ks[i], vs[i] [n_i, Hk, D]; token ids at layer 0
+        only) and attend qs[i] [n_i, Hq, D] causally. Returns the outputs [n_i, Hq, D]."""
+        ...
+
+    def append(self, seq_id: str, token_ids: Sequence[int], k: torch.Tensor, v: torch.Tensor) -> None:
+        """Append n tokens with K, V for every layer: [num_layers, n, Hk, D]."""
+        ...
+
+    def read_kv(self, seq_id: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V of the whole sequence, each [num_layers, len, Hk, D]. Changes nothing."""
+        ...
+
+
+class EngineBackend:
+    """KVBackend over an in-process CacheEngine (anything with its methods)."""
+
+    def __init__(self, engine: Any, salt: bytes = b"") -> None:
+        self.engine = engine
+        self.spec: ModelSpec = engine.spec
+        self.salt = salt
+
+    def open(self, seq_id: str, token_ids: Sequence[int], max_cached_tokens: int) -> int:
+        return self.engine.open(seq_id, list(token_ids), self.salt, max_cached_tokens).num_cached_tokens
+
+    def lookup(self, token_ids: Sequence[int]) -> int:
+        return self.engine.lookup(list(token_ids), self.salt)
+
+    def fork(self, parent_id: str, child_id: str) -> None:
+        self.engine.fork(parent_id, child_id)
+
+    def free(self, seq_id: str) -> None:
+        self.engine.free(seq_id)
+
+    def attend_decode(
+        self,
+        seq_ids: Sequence[str],
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        token_ids: Sequence[int] | None,
+    ) -> torch.Tensor:
+        return self.engine.attend_decode(list(seq_ids), layer, q, k, v, token_ids).out
+
+    def attend_prefill_batch(
+        self,
+        seq_ids: Sequence[str],
+        layer: int,
+        qs: Sequence[torch.Tensor],
+        ks: Sequence[torch.Tensor],
+        vs: Sequence[torch.Tensor],
+        token_ids: Sequence[Sequence[int]] | None,
+    ) -> list[torch.Tensor]:
+        return [
+            self.engine.attend_prefill(sid, layer, q, k, v, None if token_ids is None else token_ids[i]).out
+            for i, (sid, q, k, v) in enumerate(zip(seq_ids, qs, ks, vs, strict=True))
+        ]
+
+    def append(self, seq_id: str, token_ids: Sequence[int], k: torch.Tensor, v: torch.Tensor) -> None:
+        self.engine.append(seq_id, list(token_ids), k, v)
+
+    def read_kv(self, seq_id: str) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.engine.read_kv(seq_id)
+
+    def stats(self) -> dict[str, int]:
+        return self.engine.stats()
+
+    def check_integrity(self) -> None:
+        self.engine.check_integrity()
+
+    def close(self) -> None:
+        """Nothing to release: the engine belongs to the caller."""
+
+
+class GrpcBackend:
+    """KVBackend over gRPC to one node at `address` (direct-to-node mode, until the coordinator
+    places sequences). Borrows a shared channel; `close()` gives it back."""
+
+    def __init__(self, address: str, config: ClientConfig | None = None) -> None:
+        # Imported here so the in-process path never needs grpc's stubs loaded.
+        from ..protos import pagedkv_pb2_grpc as pb_grpc
+        from . import channels
+        from .control import NodeControl
+        from .data import NodeData
+
+        self.address = address
+        self.config = config or ClientConfig()
+        self._channels = channels
+        channel = channels.acquire(address, self.config)
+        stub = pb_grpc.CacheNodeStub(channel)
+        self.control = NodeControl(stub, self.config)
+        self.data = NodeData(stub, self.config)
+        self.spec = self.control.stats().spec
+        self._closed = False
+
+    def open(self, seq_id: str, token_ids: Sequence[int], max_cached_tokens: int) -> int:
+        return self.control.open(seq_id, list(token_ids), max_cached_tokens, None).num_cached_tokens
+
+    def lookup(self, token_ids: Sequence[int]) -> int:
+        return self.control.lookup(list(token_ids))
+
+    def fork(self, parent_id: str, child_id: str) -> None:
+        self.control.fork(parent_id, child_id)
+
+    def free(self, seq_id: str) -> None:
+        self.control.free(seq_id)
+
+    def attend_decode(
+        self,
+        seq_ids: Sequence[str],
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        token_ids: Sequence[int] | None,
+    ) -> torch.Tensor:
+        return self.data.attend(list(seq_ids), layer, q, k, v, token_ids).out
+
+    def attend_prefill_batch(
+        self,
+        seq_ids: Sequence[str],
+        layer: int,
+        qs: Sequence[torch.Tensor],
+        ks: Sequence[torch.Tensor],
+        vs: Sequence[torch.Tensor],
+        token_ids: Sequence[Sequence[int]] | None,
+    ) -> list[torch.Tensor]:
+        # The node's AttendPrefill takes one sequence; a batched rpc would make this one call.
+        return [
+            self.data.attend_prefill(sid, layer, q, k, v, None if token_ids is None else token_ids[i]).out
+            for i, (sid, q, k, v) in enumerate(zip(seq_ids, qs, ks, vs, strict=True))
+        ]
+
+    def append(self, seq_id: str, token_ids: Sequence[int], k: torch.Tensor, v: torch.Tensor) -> None:
+        self.data.append(seq_id, list(token_ids), k, v)
+
+    def read_kv(self, seq_id: str) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.data.read_kv(seq_id)
+
+    def stats(self) -> dict[str, int]:
+        return self.control.stats().counters
+
+    def check_integrity(self) -> None:
+        self.control.check_integrity()
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._channels.release(self.address, self.config)
+
+    def __enter__(self) -> GrpcBackend:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,227 @@
+"""Where control calls go, and where each sequence lives.
+
+Two planes with one surface, sync and asyncio:
+- Direct*: one node is the whole cache (no coordinator); its address is every
+  sequence's route; the tenant salt is the client's own (trusted callers only).
+- Coordinator*: the coordinator places sequences, keeps their page tables and
+  sets the tenant salt from the bearer token; data calls then go straight to
+  the node it names (Route), never through it.
+
+Every method takes a deadline; errors come back as pagedkv.protos.errors.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..protos import pagedkv_pb2 as pb
+from ..protos import pagedkv_pb2_grpc as pb_grpc
+from ..protos.spec import ModelSpec
+from . import codec
+from .config import ClientConfig
+from .control import AsyncNodeControl, NodeControl, acall, call
+from .types import ClusterStats, NodeEntry, OpenResult, Route
+
+_EMPTY = pb.Empty()
+
+
+class DirectRouting:
+    def __init__(self, node: NodeControl, address: str) -> None:
+        self.node = node
+        self.route = Route("", address)
+
+    def open(
+        self, seq_id: str, token_ids: codec.TokenIds, max_cached_tokens: int | None, timeout_s: float | None
+    ) -> tuple[OpenResult, Route]:
+        return self.node.open(seq_id, token_ids, max_cached_tokens, timeout_s), self.route
+
+    def describe(self, seq_id: str, timeout_s: float | None = None) -> Route:
+        return self.route
+
+    def fork(self, parent_id: str, child_id: str, timeout_s: float | None = None) -> Route:
+        self.node.fork(parent_id, child_id, timeout_s)
+        return self.route
+
+    def close(self, seq_id: str, timeout_s: float | None = None) -> None:
+        self.node.free(seq_id, timeout_s)
+
+    def swap_out(self, seq_id: str, timeout_s: float | None = None) -> int:
+        return self.node.swap_out(seq_id, timeout_s)
+
+    def swap_in(self, seq_id: str, timeout_s: float | None = None) -> tuple[int, Route]:
+        return self.node.swap_in(seq_id, timeout_s), self.route
+
+    def lookup(self, token_ids: codec.TokenIds, timeout_s: float | None = None) -> int:
+        return self.node.lookup(token_ids, timeout_s)
+
+    def pin(self, token_ids: codec.TokenIds, timeout_s: float | None = None) -> int:
+        return self.node.pin(token_ids, timeout_s)
+
+    def unpin(self, token_ids: codec.TokenIds, timeout_s: float | None = None) -> int:
+        return self.node.unpin(token_ids, timeout_s)
+
+
+def _metadata(token: str | None) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {token}"),) if token else ()
+
+
+def _spec(spec: ModelSpec | None) -> pb.ModelSpec | None:
+    return pb.ModelSpec(**spec.to_dict()) if spec is not None else None
+
+
+def _route(resp: pb.CoordOpenResponse) -> Route:
+    first = resp.extents[0]
+    return Route(first.node_id, first.address)
+
+
+def cluster_stats(resp: pb.CoordStatsResponse) -> ClusterStats:
+    nodes = [
+        NodeEntry(
+            n.node_id, n.address, ModelSpec(**{f.name: v for f, v in n.spec.ListFields()}), n.num_blocks
+        )
+        for n in resp.nodes
+    ]
+    return ClusterStats(dict(resp.counters), nodes)
+
+
+class _CoordinatorBase:
+    def __init__(
+        self, stub: pb_grpc.CoordinatorStub, config: ClientConfig, token: str | None, spec: ModelSpec | None
+    ):
+        self.stub, self.config, self.spec = stub, config, spec
+        self.metadata = _metadata(token)
+
+    def _t(self, timeout_s: float | None) -> float:
+        return self.config.deadline_s if timeout_s is None else timeout_s
+
+    def _open_request(
+        self, seq_id: str, token_ids: codec.TokenIds, max_cached: int | None
+    ) -> pb.CoordOpenRequest:
+        req = pb.CoordOpenRequest(seq_id=seq_id, token_ids=codec.token_list(token_ids), spec=_spec(self.spec))
+        if max_cached is not None:
+            req.max_cached_tokens = max_cached
+        return req
+
+    def _pin_request(self, token_ids: codec.TokenIds) -> pb.CoordPinRequest:
+        return pb.CoordPinRequest(token_ids=codec.token_list(token_ids), spec=_spec(self.spec))
+
+
+class CoordinatorRouting(_CoordinatorBase):
+    def _call(self, method: str, request: Any, timeout_s: float | None) -> Any:
+        return call(getattr(self.stub, method), request, self._t(timeout_s), self.metadata, "coordinator")
+
+    def open(
+        self, seq_id: str, token_ids: codec.TokenIds, max_cached_tokens: int | None, timeout_s: float | None
+    ) -> tuple[OpenResult, Route]:
+        resp = self._call("Open", self._open_request(seq_id, token_ids, max_cached_tokens), timeout_s)
+        return OpenResult(resp.num_cached_tokens, resp.num_host_hit_tokens), _route(resp)
+
+    def describe(self, seq_id: str, timeout_s: float | None = None) -> Route:
+        return _route(self._call("Describe", pb.CoordSeqRequest(seq_id=seq_id), timeout_s))
+
+    def fork(self, parent_id: str, child_id: str, timeout_s: float | None = None) -> Route:
+        return _route(
+            self._call("Fork", pb.CoordForkRequest(parent_id=parent_id, child_id=child_id), timeout_s)
+        )
+
+    def close(self, seq_id: str, timeout_s: float | None = None) -> None:
+        self._call("Close", pb.CoordSeqRequest(seq_id=seq_id), timeout_s)
+
+    def swap_out(self, seq_id: str, timeout_s: float | None = None) -> int:
+        return self._call("SwapOut", pb.CoordSeqRequest(seq_id=seq_id), timeout_s).num_blocks
+
+    def swap_in(self, seq_id: str, timeout_s: float | None = None) -> tuple[int, Route]:
+        resp = self._call("SwapIn", pb.CoordSeqRequest(seq_id=seq_id), timeout_s)
+        return resp.num_blocks, _route(resp)
+
+    def lookup(self, token_ids: codec.TokenIds, timeout_s: float | None = None) -> int:
+        req = pb.CoordLookupRequest(token_ids=codec.token_list(token_ids), spec=_spec(self.spec))
+        return self._call("Lookup", req, timeout_s).num_cached_tokens
+
+    def pin(self, token_ids: codec.TokenIds, timeout_s: float | None = None) -> int:
+        return self._call("Pin", self._pin_request(token_ids), timeout_s).num_tokens
+
+    def unpin(self, token_ids: codec.TokenIds, timeout_s: float | None = None) -> int:
+        return self._call("Unpin", self._pin_request(token_ids), timeout_s).num_tokens
+
+    def stats(self, timeout_s: float | None = None) -> ClusterStats:
+        return cluster_stats(self._call("Stats", _EMPTY, timeout_s))
+
+
+class AsyncDirectRouting:
+    def __init__(self, node: AsyncNodeControl, address: str) -> None:
+        self.node = node
+        self.route = Route("", address)
+
+    async def open(
+        self, seq_id: str, token_ids: codec.TokenIds, max_cached_tokens: int | None, timeout_s: float | None
+    ) -> tuple[OpenResult, Route]:
+        return await self.node.open(seq_id, token_ids, max_cached_tokens, timeout_s), self.route
+
+    async def describe(self, seq_id: str, timeout_s: float | None = None) -> Route:
+        return self.route
+
+    async def fork(self, parent_id: str, child_id: str, timeout_s: float | None = None) -> Route:
+        await self.node.fork(parent_id, child_id, timeout_s)
+        return self.route
+
+    async def close(self, seq_id: str, timeout_s: float | None = None) -> None:
+        await self.node.free(seq_id, timeout_s)
+
+    async def swap_out(self, seq_id: str, timeout_s: float | None = None) -> int:
+        return await self.node.swap_out(seq_id, timeout_s)
+
+    async def swap_in(self, seq_id: str, timeout_s: float | None = None) -> tuple[int, Route]:
+        return await self.node.swap_in(seq_id, timeout_s), self.route
+
+    async def lookup(self, token_ids: codec.TokenIds, timeout_s: float | None = None) -> int:
+        return await self.node.lookup(token_ids, timeout_s)
+
+    async def pin(self, token_ids: codec.TokenIds, timeout_s: float | None = None) -> int:
+        return await self.node.pin(token_ids, timeout_s)
+
+    async def unpin(self, token_ids: codec.TokenIds, timeout_s: float | None = None) -> int:
+        return await self.node.unpin(token_ids, timeout_s)
+
+
+class AsyncCoordinatorRouting(_CoordinatorBase):
+    async def _call(self, method: str, request: Any, timeout_s: float | None) -> Any:
+        return await acall(
+            getattr(self.stub, method), request, self._t(timeout_s), self.metadata, "coordinator"
+        )
+
+    async def open(
+        self, seq_id: str, token_ids: codec.TokenIds, max_cached_tokens: int | None, timeout_s: float | None
+    ) -> tuple[OpenResult, Route]:
+        resp = await self._call("Open", self._open_request(seq_id, token_ids, max_cached_tokens), timeout_s)
+        return OpenResult(resp.num_cached_tokens, resp.num_host_hit_tokens), _route(resp)
+
+    async def describe(self, seq_id: str, timeout_s: float | None = None) -> Route:
+        return _route(await self._call("Describe", pb.CoordSeqRequest(seq_id=seq_id), timeout_s))
+
+    async def fork(self, parent_id: str, child_id: str, timeout_s: float | None = None) -> Route:
+        req = pb.CoordForkRequest(parent_id=parent_id, child_id=child_id)
+        return _route(await self._call("Fork", req, timeout_s))
+
+    async def close(self, seq_id: str, timeout_s: float | None = None) -> None:
+        await self._call("Close", pb.CoordSeqRequest(seq_id=seq_id), timeout_s)
+
+    async def swap_out(self, seq_id: str, timeout_s: float | None = None) -> int:
+        return (await self._call("SwapOut", pb.CoordSeqRequest(seq_id=seq_id), timeout_s)).num_blocks
+
+    async def swap_in(self, seq_id: str, timeout_s: float | None = None) -> tuple[int, Route]:
+        resp = await self._call("SwapIn", pb.CoordSeqRequest(seq_id=seq_id), timeout_s)
+        return resp.num_blocks, _route(resp)
+
+    async def lookup(self, token_ids: codec.TokenIds, timeout_s: float | None = None) -> int:
+        req = pb.CoordLookupRequest(token_ids=codec.token_list(token_ids), spec=_spec(self.spec))
+        return (await self._call("Lookup", req, timeout_s)).num_cached_tokens
+
+    async def pin(self, token_ids: codec.TokenIds, timeout_s: float | None = None) -> int:
+        return (await self._call("Pin", self._pin_request(token_ids), timeout_s)).num_tokens
+
+    async def unpin(self, token_ids: codec.TokenIds, timeout_s: float | None = None) -> int:
+        return (await self._call("Unpin", self._pin_request(token_ids), timeout_s)).num_tokens
+
+    async def stats(self, timeout_s: float | None = None) -> ClusterStats:
+        return cluster_stats(await self._call("Stats", _EMPTY, timeout_s))
