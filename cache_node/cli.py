@@ -110,6 +110,18 @@ def build_parser() -> argparse.ArgumentParser:
         default=int(_env("METRICS_PORT", "9400") or 9400),
         help="HTTP port for Prometheus /metrics (0: any free port, -1: off)",
     )
+    cluster = p.add_argument_group("cluster (leave --coordinator empty for a standalone node)")
+    cluster.add_argument(
+        "--coordinator", default=_env("COORDINATOR", ""), help="coordinator host:port to register with"
+    )
+    cluster.add_argument(
+        "--advertise",
+        default=_env("ADVERTISE", ""),
+        help="host:port workers reach this node at (default: the --listen address, with the bound port)",
+    )
+    cluster.add_argument(
+        "--node-id", default=_env("NODE_ID", ""), help="stable node name (default: the advertised address)"
+    )
     p.add_argument(
         "--max-workers", type=int, default=int(_env("MAX_WORKERS", "16") or 16), help="gRPC handler threads"
     )
@@ -138,7 +150,13 @@ def main(argv: list[str] | None = None) -> None:
             int(args.host_blocks) if args.host_blocks is not None else spec.blocks_for_bytes(args.host_bytes)
         )
         engine = CacheEngine(
-            EngineConfig(spec, num_blocks, host_blocks, policy=args.policy, device=args.device)
+            EngineConfig(
+                spec,
+                num_blocks,
+                host_blocks,
+                policy=args.policy,
+                device="" if args.device == "auto" else args.device,
+            )
         )
     except InvalidArgument as exc:
         raise SystemExit(f"pagedkv node: {exc}") from None
@@ -152,6 +170,14 @@ def main(argv: list[str] | None = None) -> None:
         http, _ = metrics.serve(args.metrics_port)
         print(f"metrics on http://{host}:{http.server_address[1]}/metrics", flush=True)
 
+    link = None
+    if args.coordinator:
+        from .coordinator_link import CoordinatorLink
+
+        advertise = args.advertise or f"{host}:{port}"
+        link = CoordinatorLink(engine, args.coordinator, args.node_id or advertise, advertise).start()
+        print(f"joining coordinator {args.coordinator} as {args.node_id or advertise}", flush=True)
+
     stopping = threading.Event()
 
     def on_signal(signum: int, _frame: object) -> None:
@@ -163,6 +189,8 @@ def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     server.wait_for_termination()
+    if link is not None:
+        link.stop()
     print("pagedkv node stopped", flush=True)
 
 

@@ -7,10 +7,10 @@ A background thread registers the node, then loops:
   send is kept and sent again, so the coordinator's prefix index stays exact);
 - every `heartbeat_interval_s` (half the lease TTL the coordinator hands out,
   tooz-style), renews the lease.
-When the coordinator says the lease lapsed (heartbeat is_registered=false, or
-NOT_FOUND on a report), the node has already been declared dead: its sequences
-are marked lost and its keys purged. So it resets its engine and registers
-again, empty. While the coordinator is unreachable it keeps serving data calls
+A lapsed lease only makes the node a suspect (NOT_FOUND on a report): the next
+heartbeat revives it. When the heartbeat says is_registered=false, the node was
+declared dead -- its sequences marked lost, its keys purged -- so it resets its
+engine and registers again, empty. While the coordinator is unreachable it keeps serving data calls
 and retries with capped backoff.
 """
 
@@ -121,10 +121,12 @@ class CoordinatorLink:
                 timeout=self.rpc_timeout_s,
             )
         except grpc.RpcError as err:
-            if err.code() == grpc.StatusCode.NOT_FOUND:
-                self._rejoin()
-                return
-            raise
+            if err.code() != grpc.StatusCode.NOT_FOUND:
+                raise
+            # Our lease lapsed. A heartbeat revives a suspect node (events kept,
+            # sent next tick) or tells us we were removed (then we rejoin empty).
+            self._heartbeat()
+            return
         del self._pending[: len(batch)]
 
     def _heartbeat(self) -> None:

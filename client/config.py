@@ -55,5 +55,10 @@ class ClientConfig:
         return [
             *MESSAGE_SIZE_OPTIONS,
             ("grpc.enable_retries", 1),
+            # Reconnect quickly after a node or coordinator restart (gRPC's default
+            # backoff grows to 120 s, failing calls fast all that time).
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.min_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 1000),
             ("grpc.service_config", self.service_config()),
         ]

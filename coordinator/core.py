@@ -15,8 +15,10 @@ An open, in round trips to the store (Redis):
     page table  create_sequence  1
 
 A reaper thread expires nodes whose lease lapsed (remove_node marks their
-sequences lost and purges their keys) and refreshes the node cache. Every
-coordinator replica can run one: remove_node(require_expired=True) is idempotent.
+sequences lost and purges their keys) and refreshes the node cache. It starts
+one lease after the coordinator does, so nodes that could not beat while it was
+down get to beat first. Every coordinator replica can run one:
+remove_node(require_expired=True) is idempotent and refuses revived nodes.
 """
 
 from __future__ import annotations
@@ -111,6 +113,10 @@ class Coordinator:
             channel.close()
 
     def _reap_loop(self, interval_s: float) -> None:
+        # Grace: after a (re)start every node gets one lease to beat before any
+        # is declared dead (a lapse during our own downtime is not a death).
+        if self._stop.wait(self.config.lease_ttl_s):
+            return
         while not self._stop.wait(interval_s):
             try:
                 self.reap()

@@ -93,7 +93,7 @@ class MemoryStore(Store):
         load = check_load(load)
         ttl_s = check_ttl(ttl_s)
         with self._lock:
-            if not self._is_live(node_id):
+            if node_id not in self._nodes:  # a lapsed but unremoved node is revived
                 return False
             self._deadline_s[node_id] = self._clock() + ttl_s
             self._nodes[node_id] = replace(self._nodes[node_id], load=load)

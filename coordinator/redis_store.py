@@ -143,7 +143,8 @@ return {1, r[1], r[2]}
 # ARGV: P, id, load_json, ttl_ms
 _HEARTBEAT = """
 local P, id = ARGV[1], ARGV[2]
-if redis.call('PEXPIRE', P .. 'alive:' .. id, ARGV[4]) == 0 then return 0 end
+if redis.call('SISMEMBER', P .. 'nodes', id) == 0 then return 0 end
+redis.call('SET', P .. 'alive:' .. id, '1', 'PX', ARGV[4])
 redis.call('HSET', P .. 'node:' .. id, 'load', ARGV[3])
 return 1
 """

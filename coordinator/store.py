@@ -57,8 +57,12 @@ class Store(ABC):
         """Push the node's deadline ttl_s ahead and record its load counters
         (free_blocks, used_blocks, num_sequences, ...; ints >= 0).
 
-        Returns False, changing nothing, if the node is unknown or its TTL already
-        lapsed: the node must register again (and comes back empty). One round trip.
+        A node whose TTL lapsed but that no reaper has removed yet is revived: a
+        lapse only makes a node a suspect (invisible to placement); removal is
+        what declares it dead. So a coordinator (or Redis) outage longer than the
+        TTL does not kill every healthy node. Returns False, changing nothing, if
+        the node is unknown or was removed: it must register again (and comes back
+        empty). One round trip.
         """
 
     @abstractmethod

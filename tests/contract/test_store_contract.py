@@ -105,10 +105,16 @@ def test_ttl_lapses_without_heartbeat_and_node_must_reregister(store: Store) -> 
     wait_until(lambda: store.expired_nodes() == ["n1"])
     assert [n.node_id for n in store.live_nodes()] == ["n2"]
     assert store.match_prefix([key(1)]) == {"n2": 0}  # expired nodes are never candidates
-    assert store.heartbeat("n1", {}, SHORT_TTL_S) is False  # a late beat does not revive it
     with pytest.raises(NodeNotLive, match="n1"):
         store.apply_events("n1", [key(2)], [])
     assert store.keys_of("n1") == {key(1)}  # unchanged until removed / re-registered
+    # A lapse makes a suspect, not a corpse: a late beat before any removal revives it, keys intact.
+    assert store.heartbeat("n1", {}, TTL_S) is True
+    assert store.expired_nodes() == [] and store.match_prefix([key(1)]) == {"n1": 1, "n2": 0}
+    register(store, "n3", ttl_s=SHORT_TTL_S)
+    wait_until(lambda: store.expired_nodes() == ["n3"])
+    assert store.remove_node("n3", require_expired=True).was_registered
+    assert store.heartbeat("n3", {}, TTL_S) is False  # removed: it must register again
     assert store.register_node("n1", "n1.local:50051", SPEC, 1000, TTL_S).num_keys_purged == 1
     assert store.expired_nodes() == []
 
@@ -449,4 +455,5 @@ def test_memory_store_ttl_follows_the_injected_clock() -> None:
     assert store.expired_nodes() == []
     now[0] = 109.9
     assert store.expired_nodes() == ["n1"]
+    store.remove_node("n1", require_expired=True)
     assert store.heartbeat("n1", {}, ttl_s=5.0) is False

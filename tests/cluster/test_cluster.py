@@ -1,0 +1,185 @@
+"""The distributed system, with real processes: redis-server, a coordinator and
+cache nodes on free ports, and worker processes talking to them over gRPC.
+
+Leases are 3 s here (heartbeat every 1.5 s, reaper every 0.75 s), so a dead
+node must be noticed within 6 s (2x the TTL). Shorter leases make a busy
+2-core machine declare live nodes dead."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+import torch
+from conftest import TOKENS, make_cluster, run_worker
+from pagedkv.client import CacheClient, FailedPrecondition, Unavailable
+from pagedkv.protos.errors import PagedKVError, PermissionDenied, Unauthenticated
+from worker import SPEC, expected_kv
+
+SYSTEM = list(range(1000, 1000 + 96))  # six full blocks
+
+
+def client(cluster, tenant="alpha") -> CacheClient:
+    return CacheClient(coordinator=cluster.coordinator_address, token=TOKENS[tenant], spec=SPEC)
+
+
+def wait_until(predicate, timeout_s: float, what: str) -> float:
+    start = time.monotonic()
+    while time.monotonic() - start < timeout_s:
+        if predicate():
+            return time.monotonic() - start
+        time.sleep(0.05)
+    raise AssertionError(f"{what} not within {timeout_s}s")
+
+
+def _reachable(c: CacheClient) -> bool:
+    try:
+        c.cluster_stats()
+        return True
+    except Unavailable:
+        return False
+
+
+def all_nodes_clean(c: CacheClient) -> None:
+    for node in c.cluster_stats().nodes:
+        c.node(node.address).control.check_integrity()
+        counters = c.node_stats(node.address).counters
+        assert counters["used_blocks"] == 0 and counters["num_sequences"] == 0, (node.node_id, counters)
+
+
+def test_second_worker_process_reuses_the_first_ones_system_prompt(cluster):
+    first = run_worker(cluster, "w1", SYSTEM + [1, 2, 3])
+    assert first["cached"] == 0 and first["max_rel_err"] < 1e-5
+    time.sleep(0.3)  # the node reports its new blocks to the coordinator every 50 ms
+    second = run_worker(cluster, "w2", SYSTEM + [9, 9, 9, 9])
+    assert second["cached"] == len(SYSTEM)  # six whole blocks, served from the first worker's KV
+    assert second["node"] == first["node"]  # placement followed the prefix
+    assert second["reused_ok"] and second["max_rel_err"] < 1e-5
+    with client(cluster) as c:
+        assert c.lookup(SYSTEM + [5]) == len(SYSTEM)
+        stats = c.cluster_stats().counters
+        assert stats["cached_tokens"] >= len(SYSTEM)
+        all_nodes_clean(c)
+
+
+def test_tenants_never_hit_each_others_cache(cluster):
+    prompt = list(range(5000, 5000 + 64)) + [1]
+    run_worker(cluster, "t-alpha", prompt, tenant="alpha")
+    time.sleep(0.3)
+    beta = run_worker(cluster, "t-beta", prompt, tenant="beta", keep=True)
+    assert beta["cached"] == 0  # same tokens, other tenant: no hit
+    with client(cluster, "beta") as c:
+        assert c.lookup(prompt) == 64  # beta's own copy is cached now
+    with client(cluster, "alpha") as c:
+        assert c.lookup(prompt) == 64
+        with pytest.raises(PermissionDenied, match="another tenant"):
+            c.sequence("t-beta")
+    with client(cluster, "beta") as c:
+        c.sequence("t-beta").close()
+    with pytest.raises(Unauthenticated, match="unknown bearer token"):
+        CacheClient(coordinator=cluster.coordinator_address, token="forged", spec=SPEC).lookup(prompt)
+
+
+def test_a_sequence_is_found_by_id_from_another_worker(cluster):
+    run_worker(cluster, "shared-seq", SYSTEM + [4, 4], keep=True)
+    with client(cluster) as c:
+        seq = c.sequence("shared-seq")
+        k, v = expected_kv(SYSTEM + [4, 4, 7])
+        got_k, _ = seq.read_kv()
+        assert torch.equal(got_k, k)  # 98 prompt tokens + the decoded one
+        seq.close()
+        with client(cluster, "beta") as other, pytest.raises(PagedKVError):
+            other.sequence("shared-seq")
+        all_nodes_clean(c)
+
+
+def test_killed_node_is_detected_and_its_sequences_are_lost(tmp_path, redis_url):
+    with make_cluster(tmp_path, redis_url=redis_url) as cluster, client(cluster) as c:
+        # One sequence per node: the second open avoids the (equally loaded) first by load.
+        a = c.open("on-a", SYSTEM + [1])
+        a.append(SYSTEM + [1], *expected_kv(SYSTEM + [1]))
+        time.sleep(0.3)
+        b = c.open("on-b", list(range(7000, 7100)))
+        victim = a.route
+        name = victim.node_id
+        survivor = next(n for n in c.cluster_stats().nodes if n.node_id != name)
+        cluster.kill(name, signal.SIGKILL)
+        detected = wait_until(lambda: len(c.cluster_stats().nodes) == 1, 8.0, "node death")
+        assert detected < 2 * cluster.lease_ttl_s
+        with pytest.raises(FailedPrecondition, match=f"lost: .*{name}"):
+            c.sequence("on-a")
+        with pytest.raises(Unavailable, match=f"node {victim.address}"):
+            a.attend(0, torch.zeros(4, SPEC.head_dim))
+        # New opens, even of the prefix the dead node held, go to the survivor.
+        fresh = c.open("after", SYSTEM + [2])
+        assert fresh.route.node_id == survivor.node_id and fresh.num_cached_tokens == 0
+        a.close()  # dropping a lost sequence's page table works
+        fresh.close()
+        if b.route.node_id == survivor.node_id:
+            b.close()
+        else:
+            b.close()  # lost too
+        all_nodes_clean(c)
+
+
+def test_restarted_node_comes_back_empty(tmp_path, redis_url):
+    with make_cluster(tmp_path, redis_url=redis_url, num_nodes=1) as cluster, client(cluster) as c:
+        seq = c.open("before", SYSTEM + [1])
+        seq.append(SYSTEM + [1], *expected_kv(SYSTEM + [1]))
+        time.sleep(0.3)
+        assert c.lookup(SYSTEM + [1]) == len(SYSTEM)
+        cluster.kill("node-0")
+        wait_until(lambda: not c.cluster_stats().nodes, 8.0, "node death")
+        cluster.start_node(0)  # same address, same id
+        wait_until(lambda: len(c.cluster_stats().nodes) == 1, 10.0, "re-registration")
+        assert c.lookup(SYSTEM + [1]) == 0  # its index entries were purged
+        with pytest.raises(FailedPrecondition, match="lost"):
+            c.sequence("before")
+        seq.close()
+        again = c.open("after", SYSTEM + [1])
+        assert again.num_cached_tokens == 0
+        again.close()
+        all_nodes_clean(c)
+
+
+def test_coordinator_restart_keeps_sequences_and_index(tmp_path, redis_url):
+    with make_cluster(tmp_path, redis_url=redis_url) as cluster, client(cluster) as c:
+        seq = c.open("long-lived", SYSTEM + [3])
+        seq.append(SYSTEM + [3], *expected_kv(SYSTEM + [3]))
+        time.sleep(0.3)
+        cluster.kill("coordinator", signal.SIGTERM)
+        with pytest.raises(Unavailable):
+            c.lookup(SYSTEM)
+        # Data calls never touch the coordinator: the worker keeps decoding meanwhile.
+        out = seq.attend(0, torch.randn(4, SPEC.head_dim))
+        assert out.out.shape == (4, SPEC.head_dim)
+        cluster.start_coordinator()  # same address, same Redis
+        wait_until(lambda: _reachable(c), 5.0, "the client reconnecting")
+        assert c.sequence("long-lived").route == seq.route
+        assert c.lookup(SYSTEM + [3]) == len(SYSTEM)
+        hit = c.open("hit", SYSTEM + [4])
+        assert hit.num_cached_tokens == len(SYSTEM) and hit.route == seq.route
+        hit.close()
+        seq.close()
+        all_nodes_clean(c)
+
+
+def test_redis_outage_gives_unavailable_then_recovers(tmp_path, redis_server, redis_url):
+    with make_cluster(tmp_path, redis_url=redis_url) as cluster, client(cluster) as c:
+        seq = c.open("survives", SYSTEM + [5])
+        seq.append(SYSTEM + [5], *expected_kv(SYSTEM + [5]))
+        redis_server.stop()
+        try:
+            with pytest.raises(Unavailable):
+                c.open("during", SYSTEM + [6])
+            with pytest.raises(Unavailable):
+                c.lookup(SYSTEM)
+        finally:
+            redis_server.start()
+        # The test server keeps nothing on disk: the state is gone, but the
+        # coordinator and the nodes reconnect and the cluster serves again.
+        wait_until(lambda: len(c.cluster_stats().nodes) == 2, 10.0, "nodes re-registering")
+        again = c.open("after", SYSTEM + [6])
+        assert again.route.node_id in {"node-0", "node-1"}
+        again.close()
