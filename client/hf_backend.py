@@ -23,6 +23,7 @@ from typing import Any, Protocol
 
 import torch
 
+from ..protos.errors import Unavailable
 from ..protos.spec import ModelSpec
 from .config import ClientConfig
 
@@ -150,37 +151,47 @@ class EngineBackend:
 
 
 class GrpcBackend:
-    """KVBackend over gRPC to one node at `address` (direct-to-node mode, until the coordinator
-    places sequences). Borrows a shared channel; `close()` gives it back."""
+    """KVBackend over gRPC, through a CacheClient: a cluster (`coordinator=`, the coordinator
+    places each row's sequence and the data calls go to its node; a decode batch spanning nodes
+    is one RPC per node) or one node (`address`). `close()` gives the channels back."""
 
-    def __init__(self, address: str, config: ClientConfig | None = None) -> None:
-        # Imported here so the in-process path never needs grpc's stubs loaded.
-        from ..protos import pagedkv_pb2_grpc as pb_grpc
-        from . import channels
-        from .control import NodeControl
-        from .data import NodeData
+    def __init__(
+        self,
+        address: str | None = None,
+        config: ClientConfig | None = None,
+        *,
+        coordinator: str | None = None,
+        token: str | None = None,
+        spec: ModelSpec | None = None,
+    ) -> None:
+        from .sync import CacheClient  # the in-process path never loads the gRPC stubs
 
-        self.address = address
-        self.config = config or ClientConfig()
-        self._channels = channels
-        channel = channels.acquire(address, self.config)
-        stub = pb_grpc.CacheNodeStub(channel)
-        self.control = NodeControl(stub, self.config)
-        self.data = NodeData(stub, self.config)
-        self.spec = self.control.stats().spec
+        self.client = CacheClient(address, config, coordinator=coordinator, token=token, spec=spec)
+        if spec is None:
+            if self.client.is_cluster:
+                nodes = self.client.cluster_stats().nodes
+                if not nodes:
+                    raise Unavailable(f"no live cache node behind coordinator {coordinator}")
+                spec = nodes[0].spec
+            else:
+                spec = self.client.stats().spec
+        self.spec = spec
+        self._seqs: dict[str, Any] = {}
         self._closed = False
 
     def open(self, seq_id: str, token_ids: Sequence[int], max_cached_tokens: int) -> int:
-        return self.control.open(seq_id, list(token_ids), max_cached_tokens, None).num_cached_tokens
+        seq = self.client.open(seq_id, list(token_ids), max_cached_tokens=max_cached_tokens)
+        self._seqs[seq_id] = seq
+        return seq.num_cached_tokens
 
     def lookup(self, token_ids: Sequence[int]) -> int:
-        return self.control.lookup(list(token_ids))
+        return self.client.lookup(list(token_ids))
 
     def fork(self, parent_id: str, child_id: str) -> None:
-        self.control.fork(parent_id, child_id)
+        self._seqs[child_id] = self._seqs[parent_id].fork(child_id)
 
     def free(self, seq_id: str) -> None:
-        self.control.free(seq_id)
+        self._seqs.pop(seq_id).close()
 
     def attend_decode(
         self,
@@ -191,7 +202,7 @@ class GrpcBackend:
         v: torch.Tensor,
         token_ids: Sequence[int] | None,
     ) -> torch.Tensor:
-        return self.data.attend(list(seq_ids), layer, q, k, v, token_ids).out
+        return self.client.attend_batch([self._seqs[s] for s in seq_ids], layer, q, k, v, token_ids).out
 
     def attend_prefill_batch(
         self,
@@ -204,26 +215,33 @@ class GrpcBackend:
     ) -> list[torch.Tensor]:
         # The node's AttendPrefill takes one sequence; a batched rpc would make this one call.
         return [
-            self.data.attend_prefill(sid, layer, q, k, v, None if token_ids is None else token_ids[i]).out
+            self._seqs[sid].attend_prefill(layer, q, k, v, None if token_ids is None else token_ids[i]).out
             for i, (sid, q, k, v) in enumerate(zip(seq_ids, qs, ks, vs, strict=True))
         ]
 
     def append(self, seq_id: str, token_ids: Sequence[int], k: torch.Tensor, v: torch.Tensor) -> None:
-        self.data.append(seq_id, list(token_ids), k, v)
+        self._seqs[seq_id].append(list(token_ids), k, v)
 
     def read_kv(self, seq_id: str) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.data.read_kv(seq_id)
+        return self._seqs[seq_id].read_kv()
 
     def stats(self) -> dict[str, int]:
-        return self.control.stats().counters
+        """The node's counters; in a cluster, summed over every live node."""
+        if not self.client.is_cluster:
+            return self.client.stats().counters
+        total: dict[str, int] = {}
+        for node in self.client.cluster_stats().nodes:
+            for key, value in self.client.node_stats(node.address).counters.items():
+                total[key] = total.get(key, 0) + value
+        return total
 
     def check_integrity(self) -> None:
-        self.control.check_integrity()
+        self.client.check_integrity()
 
     def close(self) -> None:
         if not self._closed:
             self._closed = True
-            self._channels.release(self.address, self.config)
+            self.client.close()
 
     def __enter__(self) -> GrpcBackend:
         return self

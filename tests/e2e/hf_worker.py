@@ -2,6 +2,8 @@
 talk gRPC to the node, generate with prefix reuse, print the results as one JSON line.
 
     python tests/e2e/hf_worker.py ADDRESS MODEL_DIR TOKEN_IDS_JSON NEW_TOKENS
+
+ADDRESS is a node's host:port, or coordinator=host:port for a cluster.
 """
 
 from __future__ import annotations
@@ -18,7 +20,11 @@ def main(address: str, model_dir: str, token_ids: str, new_tokens: str) -> None:
     model = load_model(model_dir)
     ids = torch.tensor(json.loads(token_ids))[None]
     n = int(new_tokens)
-    with GrpcBackend(address) as backend, PagedKVCache(model, backend) as cache, torch.no_grad():
+    if address.startswith("coordinator="):
+        backend = GrpcBackend(coordinator=address.removeprefix("coordinator="))
+    else:
+        backend = GrpcBackend(address)
+    with backend, PagedKVCache(model, backend) as cache, torch.no_grad():
         out, hit = generate_with_prefix_cache(
             model, cache, ids, max_new_tokens=n, min_new_tokens=n, do_sample=False,
             output_logits=True, return_dict_in_generate=True,
