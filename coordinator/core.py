@@ -233,6 +233,21 @@ class Coordinator:
             raise NodeLost(record.seq_id, f"node {node_id} is not live")
         return node
 
+    def _account(self, node_id: str, new_blocks: int) -> None:
+        """Count a placement against the node's cached load until its next heartbeat
+        brings the truth, so a burst of cold opens spreads instead of piling onto
+        the node that looked emptiest at the last beat."""
+        with self._lock:
+            node = self._nodes.get(node_id)
+            if node is None:
+                return
+            load = dict(node.load)
+            free = load.get("free_blocks", node.num_blocks)
+            taken = min(new_blocks, free)
+            load["free_blocks"] = free - taken
+            load["used_blocks"] = load.get("used_blocks", 0) + taken
+            self._nodes[node_id] = NodeInfo(node.node_id, node.address, node.spec, node.num_blocks, load)
+
     # -- control calls ------------------------------------------------------------
 
     def lookup(
@@ -297,6 +312,7 @@ class Coordinator:
             if quota is not None:
                 self.store.release_blocks(tenant, num_blocks)
             raise
+        self._account(node.node_id, placement.new_blocks)
         self.counters["opens"] += 1
         self.counters["prompt_tokens"] += len(tokens)
         self.counters["cached_tokens"] += reply.num_cached_tokens

@@ -1,0 +1,73 @@
+"""The coordinator's domain logic with the embedded store and real in-process
+cache nodes (gRPC servers on port 0): placement spreads cold prompts and
+follows cached prefixes; the index follows the nodes' events."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedkv.cache_node.engine import CacheEngine, EngineConfig
+from pagedkv.cache_node.server import create_server
+from pagedkv.coordinator.core import Coordinator, CoordinatorConfig, NodeLost
+from pagedkv.coordinator.memory_store import MemoryStore
+from pagedkv.protos.errors import PermissionDenied
+from pagedkv.protos.spec import ModelSpec
+
+SPEC = ModelSpec(num_layers=1, num_kv_heads=1, head_dim=8, dtype="float32", block_size=4)
+
+
+@pytest.fixture
+def cluster():
+    engines, servers = {}, []
+    coordinator = Coordinator(MemoryStore(), CoordinatorConfig(lease_ttl_s=30))
+    for name in ("n1", "n2"):
+        engine = CacheEngine(EngineConfig(SPEC, 64, device="cpu"))
+        server, port = create_server(engine, "127.0.0.1:0")
+        server.start()
+        servers.append(server)
+        engines[name] = engine
+        coordinator.register(name, f"127.0.0.1:{port}", SPEC.to_dict(), 64)
+        coordinator.heartbeat(name, {"free_blocks": 64, "used_blocks": 0})
+    yield coordinator, engines
+    coordinator.stop()
+    for server in servers:
+        server.stop(0)
+
+
+def publish(coordinator, engines, name):
+    """What the node's CoordinatorLink does every 50 ms."""
+    events = engines[name].take_events()
+    coordinator.report_events(name, [(1 if e.kind == "stored" else 2, e.key) for e in events])
+
+
+def test_cold_opens_spread_and_hits_follow_the_prefix(cluster):
+    coordinator, engines = cluster
+    a = coordinator.open("t", list(range(40)), seq_id="a")  # 10 blocks on n1 (tie -> smaller id)
+    b = coordinator.open("t", list(range(100, 140)), seq_id="b")  # n1 now looks busier -> n2
+    assert (a.node_id, b.node_id) == ("n1", "n2")
+    engine = engines["n1"]
+    k = torch.randn(1, 40, 1, 8)
+    engine.append("a", list(range(40)), k, k)
+    publish(coordinator, engines, "n1")
+    assert coordinator.lookup("t", list(range(40)) + [5]) == (40, "n1")
+    assert coordinator.lookup("other-tenant", list(range(40)) + [5]) == (0, "")
+    c = coordinator.open("t", list(range(40)) + [7], seq_id="c")
+    assert (c.node_id, c.num_cached_tokens) == ("n1", 40)
+    with pytest.raises(PermissionDenied):
+        coordinator.close("someone-else", "c")
+    for seq_id in ("a", "b", "c"):
+        coordinator.close("t", seq_id)
+    for e in engines.values():
+        e.check_integrity()
+        assert e.stats()["used_blocks"] == 0
+
+
+def test_a_removed_nodes_sequences_are_lost_with_its_name(cluster):
+    coordinator, engines = cluster
+    coordinator.open("t", list(range(8)), seq_id="x")
+    coordinator.store.remove_node("n1")
+    coordinator.refresh_nodes()
+    with pytest.raises(NodeLost, match="'x' was lost: .*n1"):
+        coordinator.describe("t", "x")
+    coordinator.close("t", "x")  # the page table of a lost sequence can still be dropped
