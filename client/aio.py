@@ -27,7 +27,7 @@ from .config import ClientConfig
 from .control import AsyncNodeControl
 from .data import AsyncNodeData
 from .routing import AsyncCoordinatorRouting, AsyncDirectRouting
-from .sync import _as_batch, _gather_rows, _squeeze
+from .sync import BatchPart, _as_batch, _gather_rows, _squeeze, split_batch
 from .types import AttentionResult, ClusterStats, NodeStats, Route
 
 
@@ -232,24 +232,16 @@ class AsyncCacheClient:
     ) -> AttentionResult:
         """One decode step of one layer for a batch; one RPC per node, all nodes concurrently."""
         handles = [s if isinstance(s, AsyncSequence) else await self.sequence(s) for s in seqs]
-        groups: dict[str, list[int]] = {}
-        for i, h in enumerate(handles):
-            groups.setdefault(h.route.address, []).append(i)
-        kw = {"return_block_mass": return_block_mass, "timeout_s": timeout_s}
-        if len(groups) == 1:
-            ids = [h.seq_id for h in handles]
-            return await handles[0].node.data.attend(ids, layer, q, k, v, token_ids, **kw)
+        split = split_batch([(h.route.address, h.seq_id) for h in handles], q, k, v, token_ids)
 
-        async def one(address: str, rows: list[int]) -> tuple[list[int], AttentionResult]:
-            pick = torch.tensor(rows)
-            sub = [token_ids[i] for i in rows] if token_ids is not None else None
-            ks = k[pick] if k is not None else None
-            vs = v[pick] if v is not None else None
-            ids = [handles[i].seq_id for i in rows]
-            return rows, await self.node(address).data.attend(ids, layer, q[pick], ks, vs, sub, **kw)
+        async def one(p: BatchPart) -> tuple[list[int], AttentionResult]:
+            data = self.node(p.address).data
+            res = await data.attend(p.seq_ids, layer, p.q, p.k, p.v, p.token_ids,
+                                    return_block_mass=return_block_mass, timeout_s=timeout_s)  # fmt: skip
+            return p.rows, res
 
-        parts = await asyncio.gather(*(one(a, rows) for a, rows in groups.items()))
-        return _gather_rows(list(parts), len(handles))
+        parts = await asyncio.gather(*(one(p) for p in split))
+        return parts[0][1] if len(parts) == 1 else _gather_rows(list(parts), len(handles))
 
     async def lookup(self, token_ids: codec.TokenIds, *, timeout_s: float | None = None) -> int:
         return await self.routing.lookup(token_ids, timeout_s)

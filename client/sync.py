@@ -18,6 +18,7 @@ lives on (NodeData), never through the coordinator.
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -48,6 +49,40 @@ def _squeeze(res: AttentionResult, squeeze: bool) -> AttentionResult:
         return res
     mass = res.block_mass[0] if res.block_mass is not None else None
     return AttentionResult(res.out[0], res.lse[0], mass)
+
+
+@dataclass(frozen=True)
+class BatchPart:
+    """The rows of a decode batch that live on one node."""
+
+    address: str
+    rows: list[int]
+    seq_ids: list[str]
+    q: Any
+    k: Any
+    v: Any
+    token_ids: list[int] | None
+
+
+def split_batch(
+    where: list[tuple[str, str]], q: Any, k: Any, v: Any, token_ids: codec.TokenIds | None
+) -> list[BatchPart]:
+    """Group a batch's rows ((address, seq_id) each) by node; one part (no copies) when all share one."""
+    groups: dict[str, list[int]] = {}
+    for i, (address, _) in enumerate(where):
+        groups.setdefault(address, []).append(i)
+    tokens = None if token_ids is None else codec.token_list(token_ids)
+    if len(groups) == 1:
+        return [BatchPart(where[0][0], list(range(len(where))), [s for _, s in where], q, k, v, tokens)]
+    parts = []
+    for address, rows in groups.items():
+        pick = torch.tensor(rows)
+        parts.append(BatchPart(
+            address, rows, [where[i][1] for i in rows], q[pick],
+            None if k is None else k[pick], None if v is None else v[pick],
+            None if tokens is None else [tokens[i] for i in rows],
+        ))  # fmt: skip
+    return parts
 
 
 def _gather_rows(parts: list[tuple[list[int], AttentionResult]], n: int) -> AttentionResult:
@@ -263,21 +298,13 @@ class CacheClient:
         [B, kv_heads, D]; token_ids [B] at layer 0. One RPC per node the batch
         spans (usually one); rows come back in the batch's order."""
         handles = [s if isinstance(s, Sequence) else self.sequence(s) for s in seqs]
-        groups: dict[str, list[int]] = {}
-        for i, h in enumerate(handles):
-            groups.setdefault(h.route.address, []).append(i)
-        kw = {"return_block_mass": return_block_mass, "timeout_s": timeout_s}
-        if len(groups) == 1:
-            return handles[0].node.data.attend([h.seq_id for h in handles], layer, q, k, v, token_ids, **kw)
         parts = []
-        for address, rows in groups.items():
-            pick = torch.tensor(rows)
-            sub = [token_ids[i] for i in rows] if token_ids is not None else None
-            ks = k[pick] if k is not None else None
-            vs = v[pick] if v is not None else None
-            parts.append((rows, self.node(address).data.attend([handles[i].seq_id for i in rows], layer,
-                                                                q[pick], ks, vs, sub, **kw)))  # fmt: skip
-        return _gather_rows(parts, len(handles))
+        for p in split_batch([(h.route.address, h.seq_id) for h in handles], q, k, v, token_ids):
+            data = self.node(p.address).data
+            res = data.attend(p.seq_ids, layer, p.q, p.k, p.v, p.token_ids,
+                              return_block_mass=return_block_mass, timeout_s=timeout_s)  # fmt: skip
+            parts.append((p.rows, res))
+        return parts[0][1] if len(parts) == 1 else _gather_rows(parts, len(handles))
 
     def lookup(self, token_ids: codec.TokenIds, *, timeout_s: float | None = None) -> int:
         """Leading tokens of this prompt cached (on the best node, in a cluster). Changes nothing."""

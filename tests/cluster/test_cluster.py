@@ -183,3 +183,25 @@ def test_redis_outage_gives_unavailable_then_recovers(tmp_path, redis_server, re
         again = c.open("after", SYSTEM + [6])
         assert again.route.node_id in {"node-0", "node-1"}
         again.close()
+
+
+def test_a_decode_batch_spanning_two_nodes_is_split_and_reassembled(cluster):
+    with client(cluster) as c:
+        seqs = []
+        for i in range(8):  # cold opens spread over the nodes
+            prompt = list(range(20_000 + 100 * i, 20_000 + 100 * i + 40))
+            seq = c.open(f"span-{i}", prompt)
+            seq.append(prompt, *expected_kv(prompt))
+            seqs.append(seq)
+            if len({s.route.node_id for s in seqs}) == 2 and len(seqs) >= 3:
+                break
+        assert len({s.route.node_id for s in seqs}) == 2, [s.route for s in seqs]
+        q = torch.randn(len(seqs), 4, SPEC.head_dim)
+        batch = c.attend_batch(seqs, 1, q)  # attend only: no new token, nothing changes
+        for i, seq in enumerate(seqs):
+            alone = seq.attend(1, q[i])
+            torch.testing.assert_close(batch.out[i], alone.out)
+            torch.testing.assert_close(batch.lse[i], alone.lse)
+        for seq in seqs:
+            seq.close()
+        all_nodes_clean(c)
