@@ -28,6 +28,11 @@ from .engine import CacheEngine
 from .kv_manager import STORED
 
 log = logging.getLogger("pagedkv.node.link")
+RECONNECT_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
 
 
 def _event_kind(kind: str) -> int:
@@ -64,7 +69,9 @@ class CoordinatorLink:
         self.metrics_address = metrics_address
         self.event_interval_s = event_interval_s
         self.rpc_timeout_s = rpc_timeout_s
-        self._channel = grpc.insecure_channel(coordinator_address)
+        # Reconnect within a second after a coordinator restart (gRPC's default backoff
+        # grows to 120 s, which could outlast our lease and get us declared dead).
+        self._channel = grpc.insecure_channel(coordinator_address, options=RECONNECT_OPTIONS)
         self._stub = pb_grpc.CoordinatorStub(self._channel)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"coordinator-link-{node_id}", daemon=True)

@@ -44,7 +44,7 @@ from ..protos.errors import (
 from ..protos.keys import chain_keys, root_key
 from ..protos.status import error_from_rpc
 from .placement import NodeCandidate, Placement, place
-from .records import Extent, NodeInfo, SequenceRecord
+from .records import Extent, NodeInfo, NodeNotLive, SequenceRecord
 from .store import Store
 
 log = logging.getLogger("pagedkv.coordinator")
@@ -305,8 +305,10 @@ class Coordinator:
             record = SequenceRecord(seq_id, tenant, (Extent(node.node_id, 0, num_blocks),), len(tokens))
             try:
                 self.store.create_sequence(record)
-            except PagedKVError:
+            except PagedKVError as exc:
                 self._call(node, "Free", pb.SeqRequest(seq_id=seq_id))
+                if isinstance(exc, NodeNotLive):  # its lease lapsed mid-open: transient, retry
+                    raise Unavailable(f"node {node.node_id} lost its lease during the open; retry") from exc
                 raise
         except PagedKVError:
             if quota is not None:
