@@ -107,14 +107,14 @@ class CacheNodeServicer(pb_grpc.CacheNodeServicer):
             head = first.header
             tokens = list(head.token_ids)
             self._check_kv_header(head.kv, len(tokens))
-            acc = tensors.ChunkAssembler(head.kv.dtype, head.kv.shape, "kv")
-            acc.add(first.data)
+            reader = tensors.SlabReader(head.kv.dtype, head.kv.shape, "kv")
+            slabs = [reader.add(first.num_tokens, first.data)]
             for chunk in request_iterator:
                 if chunk.HasField("header"):
                     raise InvalidArgument("Append: only the first message may carry a header")
-                acc.add(chunk.data)
-            kv = acc.tensor()
-            self.engine.append(head.seq_id, tokens, kv[0], kv[1])
+                slabs.append(reader.add(chunk.num_tokens, chunk.data))
+            reader.finish()
+            self.engine.append_slabs(head.seq_id, tokens, [(slab[0], slab[1]) for slab in slabs])
             return pb.AppendResponse(num_tokens=self.engine.sequence_length(head.seq_id))
 
         return self._observe("Append", context, run)
@@ -196,11 +196,33 @@ class CacheNodeServicer(pb_grpc.CacheNodeServicer):
                 raise InvalidArgument(
                     f"chunk_bytes {chunk_bytes} outside (0, {tensors.MAX_MESSAGE_BYTES // 2}]"
                 )
-            k, v = self.engine.read_kv(request.seq_id, request.start, end)
-            dtype, shape, data = tensors.byte_view(torch.stack((k, v)), "kv")
-            header = pb.TensorHeader(dtype=dtype, shape=shape)
-            for i, piece in enumerate(tensors.iter_chunks(data, chunk_bytes)):
-                yield pb.KVChunk(header=header, data=piece) if i == 0 else pb.KVChunk(data=piece)
+            # One slab of whole tokens per message, read as it is sent: the node never
+            # builds the whole range (nor does the client). Positions are append-only,
+            # so the range read stays valid across slabs unless the sequence is freed.
+            seq_id, start = request.seq_id, request.start
+            length = self.engine.cache_length(seq_id)
+            stop = length if end is None else end
+            if not 0 <= start <= stop <= length:
+                raise InvalidArgument(
+                    f"range [{start}, {end}) outside sequence {seq_id!r} of {length} tokens"
+                )
+            s = self._spec
+            header = pb.TensorHeader(
+                dtype=s.dtype, shape=[2, s.num_layers, stop - start, s.num_kv_heads, s.head_dim]
+            )
+            step = tensors.tokens_per_chunk(s.bytes_per_token, chunk_bytes)
+            pos = start
+            while True:
+                upto = min(stop, pos + step)
+                k, v = self.engine.read_kv(seq_id, pos, upto)
+                data = tensors.byte_view(torch.stack((k, v)), "kv")[2].tobytes()
+                msg = pb.KVChunk(data=data, num_tokens=upto - pos)
+                if pos == start:
+                    msg.header.CopyFrom(header)
+                yield msg
+                pos = upto
+                if pos >= stop:
+                    break
 
         return self._stream("ReadKV", context, gen())
 

@@ -68,36 +68,57 @@ def attention_result(resp: pb.AttendResponse) -> AttentionResult:
 def append_chunks(
     seq_id: str, token_ids: TokenIds, k: Any, v: Any, chunk_bytes: int
 ) -> Iterator[pb.AppendChunk]:
-    """The Append stream: header + first piece, then ~chunk_bytes pieces of stack(k, v)."""
+    """The Append stream: the header with the first slab, then slabs of whole tokens
+    (~chunk_bytes each) of stack(k, v)[:, :, a:b] -- never one payload-sized buffer."""
     k, v = tensors.as_torch(k, "k"), tensors.as_torch(v, "v")
     if k.shape != v.shape or k.dtype != v.dtype:
         raise InvalidArgument(f"k {tuple(k.shape)} {k.dtype} and v {tuple(v.shape)} {v.dtype} differ")
-    dtype, shape, data = tensors.byte_view(torch.stack((k, v)), "kv")
+    if k.dim() != 4:
+        raise InvalidArgument(f"k must be [num_layers, n, kv_heads, head_dim], got shape {tuple(k.shape)}")
+    if k.dtype not in tensors.DTYPE_NAMES:
+        raise InvalidArgument(f"k has unsupported dtype {k.dtype}")
     header = pb.AppendHeader(
-        seq_id=seq_id, token_ids=token_list(token_ids), kv=pb.TensorHeader(dtype=dtype, shape=shape)
+        seq_id=seq_id,
+        token_ids=token_list(token_ids),
+        kv=pb.TensorHeader(dtype=tensors.DTYPE_NAMES[k.dtype], shape=[2, *k.shape]),
     )
-    for i, piece in enumerate(tensors.iter_chunks(data, chunk_bytes)):
-        yield pb.AppendChunk(header=header, data=piece) if i == 0 else pb.AppendChunk(data=piece)
+    for i, (num_tokens, data) in enumerate(tensors.kv_slabs(k, v, chunk_bytes)):
+        chunk = pb.AppendChunk(data=data, num_tokens=num_tokens)
+        if i == 0:
+            chunk.header.CopyFrom(header)
+        yield chunk
 
 
 class KVReader:
-    """Reassembles a ReadKV stream into (k, v), each [num_layers, n, kv_heads, head_dim]."""
+    """Reassembles a ReadKV stream into (k, v), each [num_layers, n, kv_heads, head_dim],
+    allocated once from the header and filled slab by slab."""
 
     def __init__(self) -> None:
-        self._acc: tensors.ChunkAssembler | None = None
+        self._reader: tensors.SlabReader | None = None
+        self._k: torch.Tensor | None = None
+        self._v: torch.Tensor | None = None
 
     def add(self, chunk: pb.KVChunk) -> None:
-        if self._acc is None:
+        if self._reader is None:
             if not chunk.HasField("header"):
                 raise InvalidArgument("ReadKV: the first chunk carries no header")
-            self._acc = tensors.ChunkAssembler(chunk.header.dtype, chunk.header.shape, "kv")
-        self._acc.add(chunk.data)
+            h = chunk.header
+            self._reader = tensors.SlabReader(h.dtype, h.shape, "kv")
+            _, layers, n, heads, dim = (int(d) for d in h.shape)
+            dtype = tensors.TORCH_DTYPES[h.dtype]
+            self._k = torch.empty((layers, n, heads, dim), dtype=dtype)
+            self._v = torch.empty((layers, n, heads, dim), dtype=dtype)
+        at = self._reader.received
+        slab = self._reader.add(chunk.num_tokens, chunk.data)
+        assert self._k is not None and self._v is not None
+        self._k[:, at : at + chunk.num_tokens].copy_(slab[0])
+        self._v[:, at : at + chunk.num_tokens].copy_(slab[1])
 
     def result(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._acc is None:
+        if self._reader is None or self._k is None or self._v is None:
             raise InvalidArgument("ReadKV: empty stream")
-        kv = self._acc.tensor()
-        return kv[0], kv[1]
+        self._reader.finish()
+        return self._k, self._v
 
 
 def read_kv_request(seq_id: str, start: int, end: int | None, chunk_bytes: int) -> pb.ReadKVRequest:

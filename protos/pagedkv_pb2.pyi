@@ -78,12 +78,14 @@ class LookupResponse(_message.Message):
     def __init__(self, num_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class AppendChunk(_message.Message):
-    __slots__ = ("header", "data")
+    __slots__ = ("header", "data", "num_tokens")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     header: AppendHeader
     data: bytes
-    def __init__(self, header: _Optional[_Union[AppendHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+    num_tokens: int
+    def __init__(self, header: _Optional[_Union[AppendHeader, _Mapping]] = ..., data: _Optional[bytes] = ..., num_tokens: _Optional[int] = ...) -> None: ...
 
 class AppendHeader(_message.Message):
     __slots__ = ("seq_id", "token_ids", "kv")
@@ -180,12 +182,14 @@ class ReadKVRequest(_message.Message):
     def __init__(self, seq_id: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
 
 class KVChunk(_message.Message):
-    __slots__ = ("header", "data")
+    __slots__ = ("header", "data", "num_tokens")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     header: TensorHeader
     data: bytes
-    def __init__(self, header: _Optional[_Union[TensorHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+    num_tokens: int
+    def __init__(self, header: _Optional[_Union[TensorHeader, _Mapping]] = ..., data: _Optional[bytes] = ..., num_tokens: _Optional[int] = ...) -> None: ...
 
 class PinRequest(_message.Message):
     __slots__ = ("token_ids", "tenant_salt")

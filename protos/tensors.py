@@ -6,9 +6,9 @@ are taken through an int16 view. Decoding validates before it touches the bytes:
 an unknown dtype, a negative dimension or `len(data) != prod(shape) * itemsize`
 raises InvalidArgument naming the field.
 
-Payloads above STREAM_THRESHOLD_BYTES travel as a stream of ~CHUNK_BYTES pieces
-(`iter_chunks` / `ChunkAssembler`); unary messages are capped at
-MAX_MESSAGE_BYTES on both ends (`MESSAGE_SIZE_OPTIONS`).
+KV ranges (Append, ReadKV) travel as streams of whole-token slabs of ~CHUNK_BYTES
+(`kv_slabs` / `SlabReader`); unary messages are capped at MAX_MESSAGE_BYTES on
+both ends (`MESSAGE_SIZE_OPTIONS`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import sys
 import warnings
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -134,53 +134,56 @@ def decode(msg: pb.Tensor, what: str = "tensor", *, copy: bool = True) -> torch.
     return from_bytes(msg.dtype, msg.shape, msg.data, what, copy=copy)
 
 
-def iter_chunks(data: bytes | memoryview, chunk_bytes: int = CHUNK_BYTES) -> Iterator[bytes]:
-    """`data` in pieces of at most chunk_bytes (at least one piece, possibly empty)."""
+def tokens_per_chunk(bytes_per_token: int, chunk_bytes: int = CHUNK_BYTES) -> int:
+    """Whole tokens per streamed message (at least one)."""
     if chunk_bytes <= 0:
         raise InvalidArgument(f"chunk_bytes must be positive, got {chunk_bytes}")
-    if len(data) <= chunk_bytes:
-        yield bytes(data)
-        return
-    view = memoryview(data)
-    for off in range(0, len(data), chunk_bytes):
-        yield bytes(view[off : off + chunk_bytes])
+    return max(1, chunk_bytes // max(1, bytes_per_token))
 
 
-class ChunkAssembler:
-    """Joins streamed pieces into one preallocated, writable buffer.
+def kv_slabs(k: torch.Tensor, v: torch.Tensor, chunk_bytes: int = CHUNK_BYTES) -> Iterator[tuple[int, bytes]]:
+    """(num_tokens, bytes of stack(k, v)[:, :, a:b]) for consecutive token ranges of
+    k, v [num_layers, n, kv_heads, head_dim]: ~chunk_bytes each, whole tokens, at
+    least one slab. Only slab-sized buffers are made."""
+    n = k.shape[1]
+    per_token = 2 * k[:, :1].numel() * k.element_size()
+    step = tokens_per_chunk(per_token, chunk_bytes)
+    for a in range(0, max(n, 1), step):
+        b = min(n, a + step)
+        yield b - a, byte_view(torch.stack((k[:, a:b], v[:, a:b])), "kv")[2].tobytes()
 
-    The declared size is known from the header, so the buffer is allocated once
-    and a stream that sends more (or fewer) bytes than declared is refused
-    before it can grow memory."""
 
-    def __init__(self, dtype: str, shape: Sequence[int], what: str, max_bytes: int | None = None) -> None:
-        self.dtype, self.shape, self.what = dtype, list(shape), what
-        self.size = expected_bytes(dtype, shape, what)
-        if max_bytes is not None and self.size > max_bytes:
-            raise InvalidArgument(f"{what}: {self.size} bytes declared, more than the limit {max_bytes}")
-        self.buffer = bytearray(self.size)
-        self.filled = 0
+class SlabReader:
+    """Checks a token-slab stream against its header ([2, layers, n, heads, dim])
+    and wraps each slab without copying. A stream that sends more tokens than
+    declared, a slab whose byte count does not match its token count, or a
+    stream that ends early raises InvalidArgument naming the numbers."""
 
-    def add(self, piece: bytes) -> None:
-        end = self.filled + len(piece)
-        if end > self.size:
+    def __init__(self, dtype: str, shape: Sequence[int], what: str = "kv") -> None:
+        dims = _check_shape(shape, what)
+        if len(dims) != 5 or dims[0] != 2:
+            raise InvalidArgument(f"{what}: shape {list(dims)} is not [2, layers, tokens, heads, dim]")
+        self.dtype, self.what = dtype, what
+        self.num_tokens = dims[2]
+        self.token_shape = (dims[1], dims[3], dims[4])
+        itemsize(dtype)
+        self.received = 0
+
+    def add(self, num_tokens: int, data: bytes) -> torch.Tensor:
+        """The slab [2, layers, num_tokens, heads, dim] (wrapping `data`)."""
+        if num_tokens <= 0 and self.num_tokens:
+            raise InvalidArgument(f"{self.what}: a slab must carry at least one token, got {num_tokens}")
+        if self.received + num_tokens > self.num_tokens:
             raise InvalidArgument(
-                f"{self.what}: stream sent more than the {self.size} bytes its header declared"
+                f"{self.what}: stream sent more than the {self.num_tokens} tokens its header declared"
             )
-        self.buffer[self.filled : end] = piece
-        self.filled = end
+        layers, heads, dim = self.token_shape
+        slab = from_bytes(self.dtype, [2, layers, num_tokens, heads, dim], data, self.what, copy=False)
+        self.received += num_tokens
+        return slab
 
-    def tensor(self) -> torch.Tensor:
-        """The assembled tensor (wraps the buffer, no copy)."""
-        if self.filled != self.size:
+    def finish(self) -> None:
+        if self.received != self.num_tokens:
             raise InvalidArgument(
-                f"{self.what}: stream sent {self.filled} bytes, its header declared {self.size}"
+                f"{self.what}: stream sent {self.received} tokens, its header declared {self.num_tokens}"
             )
-        return from_bytes(self.dtype, self.shape, self.buffer, self.what, copy=False)
-
-
-def assemble(header: pb.TensorHeader, pieces: Iterable[bytes], what: str) -> torch.Tensor:
-    acc = ChunkAssembler(header.dtype, header.shape, what)
-    for p in pieces:
-        acc.add(p)
-    return acc.tensor()

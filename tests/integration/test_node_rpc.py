@@ -259,12 +259,29 @@ def test_bad_input_gets_the_right_status_and_leaves_the_node_healthy(make_node) 
             head = pb.AppendHeader(
                 seq_id="ok", token_ids=[6], kv=pb.TensorHeader(dtype="float32", shape=[2, 2, 1, 2, 8])
             )
-            chunks = [pb.AppendChunk(header=head, data=bytes(200)), pb.AppendChunk(data=bytes(100))]
-            with pytest.raises(grpc.RpcError) as info:
-                stub.Append(iter(chunks), timeout=5)
-            assert (
-                info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "more than" in info.value.details()
-            )
+            one_token = 2 * 2 * 1 * 2 * 8 * 4  # [2, layers, 1, kv_heads, head_dim] float32
+            streams = {
+                "more than the 1 tokens": [
+                    pb.AppendChunk(header=head, data=bytes(one_token), num_tokens=1),
+                    pb.AppendChunk(data=bytes(one_token), num_tokens=1),
+                ],
+                "200 data bytes": [pb.AppendChunk(header=head, data=bytes(200), num_tokens=1)],
+                "sent 1 tokens, its header declared 2": [  # ends early
+                    pb.AppendChunk(
+                        header=pb.AppendHeader(
+                            seq_id="ok", token_ids=[6, 7],
+                            kv=pb.TensorHeader(dtype="float32", shape=[2, 2, 2, 2, 8]),
+                        ),
+                        data=bytes(one_token), num_tokens=1,
+                    )
+                ],
+                "at least one token": [pb.AppendChunk(header=head, data=b"", num_tokens=0)],
+            }  # fmt: skip
+            for message, chunks in streams.items():
+                with pytest.raises(grpc.RpcError) as info:
+                    stub.Append(iter(chunks), timeout=5)
+                assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, message
+                assert message in info.value.details()
             with pytest.raises(grpc.RpcError) as info:
                 stub.Append(iter([pb.AppendChunk(data=b"x")]), timeout=5)
             assert "header" in info.value.details()

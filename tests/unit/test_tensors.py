@@ -54,23 +54,28 @@ def test_bad_bytes_raise_invalid_argument(dtype: str, shape: list[int], nbytes: 
         tensors.from_bytes(dtype, shape, bytes(nbytes), "q")
 
 
-def test_chunks_reassemble_exactly() -> None:
-    t = torch.randn(2, 3, 1000)
-    dtype, shape, data = tensors.to_bytes(t)
-    pieces = list(tensors.iter_chunks(data, 1000))
-    assert len(pieces) == -(-len(data) // 1000) and all(len(p) <= 1000 for p in pieces)
-    acc = tensors.ChunkAssembler(dtype, shape, "kv")
-    for p in pieces:
-        acc.add(p)
-    assert torch.equal(acc.tensor(), t)
+@pytest.mark.parametrize("chunk_bytes", [1, 999, 1000, 10**6])
+def test_kv_slabs_carry_whole_tokens_and_reassemble_exactly(chunk_bytes: int) -> None:
+    k, v = torch.randn(3, 37, 2, 8), torch.randn(3, 37, 2, 8)  # 384 bytes per token (K and V)
+    slabs = list(tensors.kv_slabs(k, v, chunk_bytes))
+    per_slab = max(1, chunk_bytes // 384)
+    assert [t for t, _ in slabs] == [min(per_slab, 37 - a) for a in range(0, 37, per_slab)]
+    reader = tensors.SlabReader("float32", [2, 3, 37, 2, 8])
+    got = [reader.add(t, data) for t, data in slabs]
+    reader.finish()
+    assert torch.equal(torch.cat([g[0] for g in got], 1), k) and torch.equal(
+        torch.cat([g[1] for g in got], 1), v
+    )
 
 
-def test_assembler_refuses_too_many_or_too_few_bytes() -> None:
-    acc = tensors.ChunkAssembler("float32", [4], "kv")
-    acc.add(bytes(8))
-    with pytest.raises(InvalidArgument, match="declared 16"):
-        acc.tensor()
-    with pytest.raises(InvalidArgument, match="more than"):
-        acc.add(bytes(12))
-    with pytest.raises(InvalidArgument, match="limit"):
-        tensors.ChunkAssembler("float32", [1000], "kv", max_bytes=100)
+def test_slab_reader_refuses_wrong_counts() -> None:
+    reader = tensors.SlabReader("float32", [2, 1, 2, 1, 4])  # 32 bytes per token
+    with pytest.raises(InvalidArgument, match="31 data bytes"):
+        reader.add(1, bytes(31))
+    reader.add(1, bytes(32))
+    with pytest.raises(InvalidArgument, match="sent 1 tokens, its header declared 2"):
+        reader.finish()
+    with pytest.raises(InvalidArgument, match="more than the 2 tokens"):
+        reader.add(2, bytes(64))
+    with pytest.raises(InvalidArgument, match="not \\[2, layers"):
+        tensors.SlabReader("float32", [3, 1, 2, 1, 4])
