@@ -1,0 +1,634 @@
+"""Paged attention over one layer of the node's block pool.
+
+The pool is `kv[num_layers, 2, num_blocks, Hk, block_size, D]`; these functions take one layer's
+`k_cache = kv[layer, 0]` and `v_cache = kv[layer, 1]` ([num_blocks, Hk, block_size, D], contiguous)
+after the engine has appended the new tokens (append-then-attend). Token t of a sequence lives in
+physical block `table[t // block_size]` at offset `t % block_size`:
+
+    logical blocks   | 0            | 1            | 2       ...  |
+    block table      | 7            | 2            | 9            |   (any order, may be shared)
+    tokens           | 0 .. bs-1    | bs .. 2bs-1  | 2bs .. len-1 |   (last block may be partial)
+
+Every result carries the natural-log LSE of the scaled scores, so attention computed by several nodes
+over disjoint key sets merges exactly (`merge_partials`, the flash-decoding merge), and optionally the
+attention mass per logical block, which feeds the attention-score-aware eviction policy.
+
+Decode has two backends with one contract:
+- "kernel": `csrc/paged_attention.cpp`, a C++/OpenMP kernel that walks the blocks in place (no
+  gather), built on first use with the system C++ compiler and cached on disk, called via ctypes.
+- "torch": gather the blocks into [B, Hk, L, D] with one index_select, then matmuls with the query
+  heads of each KV head folded together. Used on CUDA tensors and whenever the kernel cannot build.
+Pick one per call (`backend=`) or process-wide with PAGEDKV_ATTENTION_BACKEND=auto|kernel|torch.
+Prefill is compute-bound and always uses torch matmuls.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import math
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from pagedkv.protos.errors import FailedPrecondition, InvalidArgument
+from torch import Tensor
+
+__all__ = [
+    "AttentionOutput",
+    "KernelInfo",
+    "kernel_info",
+    "merge_partials",
+    "paged_decode",
+    "paged_prefill",
+    "release_workspace",
+]
+
+logger = logging.getLogger(__name__)
+
+Backend = Literal["auto", "kernel", "torch"]
+BACKEND_ENV = "PAGEDKV_ATTENTION_BACKEND"
+_DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+# Prefill materializes scores for a chunk of queries at a time; this bounds that chunk (floats).
+_PREFILL_SCORE_BUDGET = 1 << 24
+
+
+@dataclass(frozen=True)
+class AttentionOutput:
+    """out: decode [B, Hq, D] / prefill [n, Hq, D], in q's dtype.
+    lse: decode [B, Hq] / prefill [n, Hq], float32, natural log of sum(exp(scaled scores)).
+    block_mass: decode [B, max_blocks] / prefill [len(block_table)], float32, probability mass each
+    logical block received summed over query heads (and query tokens for prefill); padding is 0.
+    None unless asked for."""
+
+    out: Tensor
+    lse: Tensor
+    block_mass: Tensor | None = None
+
+
+# --------------------------------------------------------------------------- the C++ kernel
+
+
+@dataclass(frozen=True)
+class KernelInfo:
+    """Whether the C++ decode kernel is usable in this process, and why not if it is not."""
+
+    is_available: bool
+    detail: str  # library path, or the reason it could not be built / loaded
+    build_s: float  # seconds spent compiling in this process (0.0 when loaded from the disk cache)
+
+
+_SOURCE = Path(__file__).with_name("csrc") / "paged_attention.cpp"
+_CXX_FLAGS = (
+    "-O3",
+    "-ffp-contract=fast",
+    "-fno-math-errno",
+    "-fno-trapping-math",
+    "-std=c++17",
+    "-shared",
+    "-fPIC",
+)
+# Tried in order: a compiler without -march=native support or without OpenMP (Apple clang) still
+# gets a kernel, portable or single-threaded, rather than none.
+_CXX_OPTIONAL_FLAGS = (("-march=native", "-fopenmp"), ("-fopenmp",), ())
+_ABI_VERSION = 1
+_DecodeFn = Callable[..., int]  # the ctypes function pagedkv_paged_decode
+_kernel_lock = threading.Lock()
+_kernel: tuple[_DecodeFn | None, KernelInfo] | None = None  # built once, read-only afterwards
+
+
+def _cache_dir() -> Path:
+    if "PAGEDKV_KERNEL_DIR" in os.environ:
+        return Path(os.environ["PAGEDKV_KERNEL_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "pagedkv" / "kernels"
+
+
+def _cpu_identity() -> str:
+    # -march=native code must not be reused on a different CPU (a shared home directory, say).
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        return platform.processor()
+
+
+def _compile(cxx: str, library: Path) -> str:
+    """Compile the kernel to `library`; returns the flags used. Raises OSError with the compiler's
+    complaint when no flag set works."""
+    library.parent.mkdir(parents=True, exist_ok=True)
+    # Compile to a private name, then rename: concurrent builders (pytest-xdist, several nodes on one
+    # host) never load a half-written library.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=library.parent)
+    os.close(fd)
+    errors = []
+    try:
+        for optional in _CXX_OPTIONAL_FLAGS:
+            flags = [*_CXX_FLAGS, *optional]
+            try:
+                proc = subprocess.run(
+                    [cxx, *flags, str(_SOURCE), "-o", tmp], capture_output=True, text=True, timeout=300
+                )
+            except subprocess.SubprocessError as exc:
+                raise OSError(f"{cxx}: {exc}") from exc
+            if proc.returncode == 0:
+                os.replace(tmp, library)
+                return " ".join(flags)
+            errors.append(" | ".join(proc.stderr.strip().splitlines()[-3:]))
+        raise OSError(f"{cxx} failed: {errors[0]}")
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _build_kernel() -> tuple[_DecodeFn | None, KernelInfo]:
+    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+    if cxx is None:
+        return None, KernelInfo(False, "no C++ compiler found (set CXX)", 0.0)
+    key = [
+        _SOURCE.read_bytes(),
+        repr((_CXX_FLAGS, _CXX_OPTIONAL_FLAGS)).encode(),
+        cxx.encode(),
+        _cpu_identity().encode(),
+        sys.platform.encode(),
+    ]
+    digest = hashlib.sha256(b"\0".join(key)).hexdigest()[:16]
+    library = _cache_dir() / f"paged_attention_{digest}.so"
+    build_s, detail = 0.0, str(library)
+    if not library.exists():
+        start = time.perf_counter()
+        try:
+            flags = _compile(cxx, library)
+        except OSError as exc:
+            return None, KernelInfo(
+                False, f"{exc} (cache directory {library.parent}; PAGEDKV_KERNEL_DIR)", 0.0
+            )
+        build_s = time.perf_counter() - start
+        detail = f"{library} (built with {flags})"
+    try:
+        lib = ctypes.CDLL(str(library))  # CDLL releases the GIL during calls
+        if lib.pagedkv_abi_version() != _ABI_VERSION:
+            return None, KernelInfo(False, f"{library}: ABI version mismatch", build_s)
+        fn = lib.pagedkv_paged_decode
+    except (OSError, AttributeError) as exc:
+        return None, KernelInfo(False, f"cannot load {library}: {exc}", build_s)
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    argtypes: list[Any] = (
+        [i64, ptr, ptr, ptr, ptr, ptr] + [i64] * 8 + [ctypes.c_float, ptr, ptr, ptr, i64, ptr]
+    )
+    fn.argtypes = argtypes
+    fn.restype = i64
+    return fn, KernelInfo(True, detail, build_s)
+
+
+def _get_kernel() -> tuple[_DecodeFn | None, KernelInfo]:
+    global _kernel
+    if _kernel is None:
+        with _kernel_lock:
+            if _kernel is None:
+                built = _build_kernel()
+                if built[0] is None:
+                    logger.warning(
+                        "paged attention: C++ kernel unavailable, using torch: %s", built[1].detail
+                    )
+                _kernel = built
+    return _kernel
+
+
+def kernel_info() -> KernelInfo:
+    """Build (or load from the disk cache) the C++ decode kernel if not done yet, and report on it."""
+    return _get_kernel()[1]
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _as_index_tensor(value: Tensor | Sequence[int], name: str) -> Tensor:
+    try:
+        tensor = value if isinstance(value, Tensor) else torch.as_tensor(value)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise InvalidArgument(f"{name} must be an integer tensor: {exc}") from exc
+    if tensor.dtype not in (torch.int32, torch.int64):
+        raise InvalidArgument(f"{name} must be int32 or int64, got {tensor.dtype}")
+    return tensor
+
+
+def _check_q_and_cache(q: Tensor, k_cache: Tensor, v_cache: Tensor) -> tuple[int, int]:
+    """Returns (Hk, block_size) after checking everything q and the caches must agree on."""
+    for name, value in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if not isinstance(value, Tensor):
+            raise InvalidArgument(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    if q.dim() != 3:
+        raise InvalidArgument(f"q must be 3-d, got shape {tuple(q.shape)}")
+    if q.dtype not in _DTYPE_CODES:
+        raise InvalidArgument(f"q dtype must be float32, float16 or bfloat16, got {q.dtype}")
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise InvalidArgument(
+            "k_cache and v_cache must both be [num_blocks, num_kv_heads, block_size, head_dim], got "
+            f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+        )
+    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise InvalidArgument(
+            f"dtype mismatch: q {q.dtype}, k_cache {k_cache.dtype}, v_cache {v_cache.dtype}"
+        )
+    if k_cache.device != q.device or v_cache.device != q.device:
+        raise InvalidArgument(
+            f"device mismatch: q {q.device}, k_cache {k_cache.device}, v_cache {v_cache.device}"
+        )
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise InvalidArgument("k_cache and v_cache must be contiguous (views kv[layer, 0] and kv[layer, 1])")
+    _, num_kv_heads, block_size, head_dim = k_cache.shape
+    num_q_heads = q.shape[1]
+    if q.shape[2] != head_dim:
+        raise InvalidArgument(f"head_dim mismatch: q has {q.shape[2]}, the cache has {head_dim}")
+    if min(num_q_heads, num_kv_heads, head_dim, block_size) == 0:
+        raise InvalidArgument(
+            f"empty dimension: {num_q_heads} query heads, {num_kv_heads} kv heads, head_dim {head_dim}, "
+            f"block_size {block_size}"
+        )
+    if num_q_heads % num_kv_heads != 0:
+        raise InvalidArgument(
+            f"query heads ({num_q_heads}) must be a positive multiple of kv heads ({num_kv_heads})"
+        )
+    return num_kv_heads, block_size
+
+
+def _resolve_scale(scale: float | None, head_dim: int) -> float:
+    if scale is None:
+        return head_dim**-0.5
+    if isinstance(scale, bool) or not isinstance(scale, int | float) or not math.isfinite(scale):
+        raise InvalidArgument(f"scale must be a finite number, got {scale!r}")
+    return float(scale)
+
+
+def _check_block_ids(table: Tensor, used: Tensor, num_blocks: int, what: str) -> None:
+    """table[used] must be valid physical block ids; names the first offender."""
+    bad = used & ((table < 0) | (table >= num_blocks))
+    if bool(bad.any()):
+        where = tuple(int(i) for i in bad.nonzero()[0])
+        raise InvalidArgument(
+            f"{what}{list(where)} = {int(table[where])} is not a physical block id in [0, {num_blocks})"
+        )
+
+
+def _pick_backend(backend: Backend | None, device: torch.device) -> str:
+    choice = backend or os.environ.get(BACKEND_ENV, "auto")
+    if choice not in ("auto", "kernel", "torch"):
+        raise InvalidArgument(f"backend must be 'auto', 'kernel' or 'torch', got {choice!r}")
+    if choice == "torch":
+        return "torch"
+    if device.type != "cpu":
+        if choice == "kernel":
+            raise InvalidArgument(f"the C++ kernel runs on CPU tensors only, got {device}")
+        return "torch"
+    fn, info = _get_kernel()
+    if fn is None:
+        if choice == "kernel":
+            raise FailedPrecondition(f"paged attention kernel unavailable: {info.detail}")
+        return "torch"
+    return "kernel"
+
+
+# --------------------------------------------------------------------------- decode
+
+
+def paged_decode(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    block_tables: Tensor,
+    seq_lens: Tensor,
+    *,
+    scale: float | None = None,
+    return_block_mass: bool = False,
+    backend: Backend | None = None,
+) -> AttentionOutput:
+    """One decode step for a batch: query b attends to all seq_lens[b] tokens of its sequence.
+
+    q [B, Hq, D]; block_tables int32/int64 [B, max_blocks], entries past a sequence's
+    ceil(seq_len / block_size) blocks are ignored (any value); seq_lens [B], >= 1, counting the new
+    token. GQA when Hq is a multiple of Hk. Pure: reads the caches, writes nothing shared, thread-safe.
+    Raises InvalidArgument on malformed input (including an out-of-range physical block id), and
+    FailedPrecondition when backend="kernel" is forced but the kernel cannot be built.
+    """
+    num_kv_heads, block_size = _check_q_and_cache(q, k_cache, v_cache)
+    batch, num_q_heads, head_dim = q.shape
+    scale = _resolve_scale(scale, head_dim)
+    tables = _as_index_tensor(block_tables, "block_tables")
+    lens = _as_index_tensor(seq_lens, "seq_lens")
+    if tables.dim() != 2 or tables.shape[0] != batch:
+        raise InvalidArgument(f"block_tables must be [B={batch}, max_blocks], got {tuple(tables.shape)}")
+    if lens.shape != (batch,):
+        raise InvalidArgument(f"seq_lens must be [B={batch}], got {tuple(lens.shape)}")
+    capacity = tables.shape[1] * block_size
+    if batch > 0:
+        lo, hi = int(lens.min()), int(lens.max())
+        if lo < 1 or hi > capacity:
+            b = int(torch.argmin(lens)) if lo < 1 else int(torch.argmax(lens))
+            raise InvalidArgument(
+                f"seq_lens[{b}] = {int(lens[b])} outside [1, {capacity}] "
+                f"(block_tables hold {tables.shape[1]} blocks of {block_size})"
+            )
+    if batch == 0:
+        empty = AttentionOutput(q.new_empty(0, num_q_heads, head_dim), q.new_empty(0, num_q_heads).float())
+        if return_block_mass:
+            empty = AttentionOutput(empty.out, empty.lse, torch.zeros(0, tables.shape[1], device=q.device))
+        return empty
+    if _pick_backend(backend, q.device) == "kernel":
+        return _decode_kernel(q, k_cache, v_cache, tables, lens, scale, return_block_mass)
+    return _decode_torch(q, k_cache, v_cache, tables, lens, scale, return_block_mass)
+
+
+def _decode_kernel(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    tables: Tensor,
+    lens: Tensor,
+    scale: float,
+    with_mass: bool,
+    num_partitions: int | None = None,  # tests force the split; None picks from the thread count
+) -> AttentionOutput:
+    fn = _get_kernel()[0]
+    assert fn is not None
+    batch, num_q_heads, head_dim = q.shape
+    num_blocks, num_kv_heads, block_size, _ = k_cache.shape
+    tables = tables.to(device="cpu", dtype=torch.int64).contiguous()
+    lens = lens.to(device="cpu", dtype=torch.int64).contiguous()
+    q32 = q.to(torch.float32).contiguous()
+    out = torch.empty(batch, num_q_heads, head_dim, dtype=torch.float32)
+    lse = torch.empty(batch, num_q_heads, dtype=torch.float32)
+    block_lse = None
+    if with_mass:  # blocks the kernel never visits (padding) keep -inf, so their mass is 0
+        block_lse = torch.full((batch, num_q_heads, tables.shape[1]), -math.inf, dtype=torch.float32)
+    # Split long sequences across threads when there are too few (sequence, kv head) pairs to go round.
+    num_threads = torch.get_num_threads()
+    if num_partitions is None:
+        num_partitions = 1
+        if batch * num_kv_heads < 2 * num_threads:
+            max_logical = -(-int(lens.max()) // block_size)
+            num_partitions = max(1, min(-(-4 * num_threads // (batch * num_kv_heads)), max_logical // 8))
+    bad = (ctypes.c_int64 * 3)()
+    status = fn(
+        _DTYPE_CODES[q.dtype],
+        q32.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        tables.data_ptr(),
+        lens.data_ptr(),
+        batch,
+        num_q_heads,
+        num_kv_heads,
+        head_dim,
+        block_size,
+        num_blocks,
+        tables.shape[1],
+        num_partitions,
+        scale,
+        out.data_ptr(),
+        lse.data_ptr(),
+        0 if block_lse is None else block_lse.data_ptr(),
+        num_threads,
+        bad,
+    )
+    if status == 1:
+        raise InvalidArgument(
+            f"block_tables[{bad[0]}, {bad[1]}] = {bad[2]} is not a physical block id in [0, {num_blocks})"
+        )
+    if status != 0:
+        raise RuntimeError(f"paged attention kernel failed with status {status}")
+    mass = None
+    if block_lse is not None:
+        mass = torch.exp(block_lse - lse.unsqueeze(-1)).sum(dim=1)
+    return AttentionOutput(out.to(q.dtype), lse, mass)
+
+
+class _Workspace:
+    """Pooled gather buffers for the torch path on CPU.
+
+    A fresh 100+ MB tensor per call costs more than the gather itself (first-touch page faults: at
+    B=8, Hk=32, L=512 index_select takes 29 ms into a new tensor, 5 ms into a reused one), so buffers
+    are reused. The lock guards only the free list; a buffer belongs to one call at a time, so
+    concurrent calls stay safe. Holds at most `max_pooled` buffers and `max_bytes` (2 GiB) in all;
+    `release_workspace()` drops them.
+    """
+
+    def __init__(self, max_pooled: int = 4, max_bytes: int = 2 << 30) -> None:
+        self._free: list[Tensor] = []
+        self._lock = threading.Lock()
+        self._max_pooled = max_pooled
+        self._max_bytes = max_bytes
+
+    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+        """A 1-d buffer of at least numel elements, owned by the caller until given back."""
+        if device.type == "cpu":  # (the CUDA caching allocator already reuses memory)
+            with self._lock:  # best fit: the free list is largest first
+                for i in reversed(range(len(self._free))):
+                    if self._free[i].dtype == dtype and self._free[i].numel() >= numel:
+                        return self._free.pop(i)
+        return torch.empty(numel, dtype=dtype, device=device)
+
+    def give(self, bufs: list[Tensor]) -> None:
+        with self._lock:
+            self._free.extend(buf for buf in bufs if buf.device.type == "cpu")
+            self._free.sort(key=lambda buf: buf.nbytes, reverse=True)  # prefer keeping the largest
+            kept: list[Tensor] = []
+            total = 0
+            for buf in self._free:
+                if len(kept) < self._max_pooled and total + buf.nbytes <= self._max_bytes:
+                    kept.append(buf)
+                    total += buf.nbytes
+            self._free = kept
+
+    def clear(self) -> None:
+        with self._lock:
+            self._free.clear()
+
+
+_workspace = _Workspace()
+
+
+def release_workspace() -> None:
+    """Drop the pooled buffers of the torch path (memory pressure); the next call reallocates."""
+    _workspace.clear()
+
+
+def _gather_float(cache: Tensor, rows: Tensor, taken: list[Tensor]) -> Tensor:
+    """The (block, head) slabs of a [num_blocks, Hk, bs, D] cache listed in rows, as float32
+    [len(rows), bs * D], in pooled buffers that are appended to `taken` for the caller to give back."""
+    num_blocks, num_kv_heads, block_size, head_dim = cache.shape
+    flat = cache.view(num_blocks * num_kv_heads, block_size * head_dim)
+    numel = rows.numel() * block_size * head_dim
+    taken.append(_workspace.take(numel, cache.dtype, cache.device))
+    gathered = torch.index_select(flat, 0, rows, out=taken[-1][:numel].view(rows.numel(), -1))
+    if cache.dtype == torch.float32:
+        return gathered
+    taken.append(_workspace.take(numel, torch.float32, cache.device))
+    return taken[-1][:numel].view(rows.numel(), -1).copy_(gathered)
+
+
+def _decode_torch(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, tables: Tensor, lens: Tensor, scale: float, with_mass: bool
+) -> AttentionOutput:
+    batch, num_q_heads, head_dim = q.shape
+    num_blocks, num_kv_heads, block_size, _ = k_cache.shape
+    group = num_q_heads // num_kv_heads
+    device = q.device
+    tables = tables.to(device=device, dtype=torch.int64)
+    lens = lens.to(device=device, dtype=torch.int64)
+    num_logical = -(-int(lens.max()) // block_size)  # only as many blocks as the longest sequence uses
+    table = tables[:, :num_logical]
+    used = torch.arange(num_logical, device=device) < ((lens + block_size - 1) // block_size).unsqueeze(1)
+    _check_block_ids(table, used, num_blocks, "block_tables")
+    ids = torch.where(used, table, 0)  # padding reads block 0; masked out of the softmax below
+    heads = torch.arange(num_kv_heads, device=device)
+    rows = (ids.unsqueeze(1) * num_kv_heads + heads.view(1, -1, 1)).reshape(-1)  # [B, Hk, blocks]
+    length = num_logical * block_size
+    taken: list[Tensor] = []
+    try:
+        k = _gather_float(k_cache, rows, taken).view(batch * num_kv_heads, length, head_dim)
+        v = _gather_float(v_cache, rows, taken).view(batch * num_kv_heads, length, head_dim)
+        # Fold the G query heads of each KV head into the matmul's M dimension: K/V are read once
+        # per group. bmm on 3-d views: 4-d matmul takes a slower path for M = 1 (~2x on p @ v).
+        qf = q.float().view(batch * num_kv_heads, group, head_dim)
+        scores = torch.bmm(qf, k.transpose(1, 2)).mul_(scale).view(batch, num_kv_heads, group, length)
+        beyond = torch.arange(length, device=device) >= lens.unsqueeze(1)  # [B, L]
+        scores.masked_fill_(beyond.view(batch, 1, 1, length), -math.inf)
+        # Slots past a sequence's end hold whatever the pool had (maybe NaN) and 0 * NaN = NaN:
+        # zero those V rows (few: the tails and the padding blocks).
+        tail_b, tail_pos = beyond.nonzero(as_tuple=True)
+        v.view(batch, num_kv_heads, length, head_dim)[tail_b, :, tail_pos] = 0.0
+        lse = torch.logsumexp(scores, dim=-1)
+        probs = scores.sub_(lse.unsqueeze(-1)).exp_()
+        out = torch.bmm(probs.view(batch * num_kv_heads, group, length), v)
+    finally:
+        _workspace.give(taken)
+    out = out.view(batch, num_q_heads, head_dim)
+    mass = None
+    if with_mass:
+        mass = torch.zeros(batch, tables.shape[1], dtype=torch.float32, device=device)
+        mass[:, :num_logical] = probs.sum(dim=(1, 2)).view(batch, num_logical, block_size).sum(-1)
+    return AttentionOutput(out.to(q.dtype), lse.view(batch, num_q_heads), mass)
+
+
+# --------------------------------------------------------------------------- prefill
+
+
+def paged_prefill(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    block_table: Tensor,
+    context_len: int,
+    *,
+    scale: float | None = None,
+    return_block_mass: bool = False,
+) -> AttentionOutput:
+    """Causal attention for the last n tokens of one sequence of context_len tokens.
+
+        positions  0 ............ context_len - n ........ context_len
+                   | cached prefix | q[0] ... q[n-1] (already appended) |
+        q[i] attends to positions 0 .. context_len - n + i
+
+    q [n, Hq, D] with 1 <= n <= context_len; block_table [num_blocks_of_seq] with at least
+    ceil(context_len / block_size) entries (the rest ignored; their block_mass is 0). Pure, thread-safe.
+    Raises InvalidArgument on malformed input.
+    """
+    num_kv_heads, block_size = _check_q_and_cache(q, k_cache, v_cache)
+    num_queries, num_q_heads, head_dim = q.shape
+    scale = _resolve_scale(scale, head_dim)
+    table = _as_index_tensor(block_table, "block_table")
+    if table.dim() != 1:
+        raise InvalidArgument(f"block_table must be 1-d, got shape {tuple(table.shape)}")
+    if isinstance(context_len, bool) or not isinstance(context_len, int):
+        raise InvalidArgument(f"context_len must be an int, got {context_len!r}")
+    if not 1 <= num_queries <= context_len <= table.shape[0] * block_size:
+        raise InvalidArgument(
+            f"need 1 <= n ({num_queries}) <= context_len ({context_len}) <= block_table capacity "
+            f"({table.shape[0]} blocks of {block_size})"
+        )
+    device = q.device
+    num_blocks = k_cache.shape[0]
+    num_logical = -(-context_len // block_size)
+    ids = table[:num_logical].to(device=device, dtype=torch.int64)
+    _check_block_ids(ids, torch.ones_like(ids, dtype=torch.bool), num_blocks, "block_table")
+    group = num_q_heads // num_kv_heads
+
+    heads = torch.arange(num_kv_heads, device=device)
+    rows = (ids.unsqueeze(0) * num_kv_heads + heads.unsqueeze(1)).reshape(-1)  # [Hk, blocks]
+    padded = num_logical * block_size
+    qf = q.float().view(num_queries, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)  # [Hk, G, n, D]
+    out = torch.empty(num_kv_heads, group, num_queries, head_dim, dtype=torch.float32, device=device)
+    lse = torch.empty(num_kv_heads, group, num_queries, dtype=torch.float32, device=device)
+    mass = torch.zeros(padded, dtype=torch.float32, device=device) if return_block_mass else None
+    first_pos = context_len - num_queries
+    # Chunk the queries so the score tensor stays bounded; query i needs keys [0, first_pos + i].
+    chunk = max(1, _PREFILL_SCORE_BUDGET // (num_q_heads * context_len))
+    taken: list[Tensor] = []
+    try:
+        k = _gather_float(k_cache, rows, taken).view(num_kv_heads, padded, head_dim)
+        v = _gather_float(v_cache, rows, taken).view(num_kv_heads, padded, head_dim)
+        for start in range(0, num_queries, chunk):
+            stop = min(num_queries, start + chunk)
+            num_keys = first_pos + stop
+            rows_q = group * (stop - start)  # the G heads of a KV head folded into one matmul
+            q_chunk = qf[:, :, start:stop].reshape(num_kv_heads, rows_q, head_dim)
+            scores = torch.bmm(q_chunk, k[:, :num_keys].transpose(1, 2)).mul_(scale)
+            scores = scores.view(num_kv_heads, group, stop - start, num_keys)
+            query_pos = torch.arange(first_pos + start, first_pos + stop, device=device)
+            future = torch.arange(num_keys, device=device).unsqueeze(0) > query_pos.unsqueeze(1)
+            scores.masked_fill_(future, -math.inf)
+            chunk_lse = torch.logsumexp(scores, dim=-1)
+            probs = scores.sub_(chunk_lse.unsqueeze(-1)).exp_()
+            chunk_out = torch.bmm(probs.view(num_kv_heads, rows_q, num_keys), v[:, :num_keys])
+            out[:, :, start:stop] = chunk_out.view(num_kv_heads, group, stop - start, head_dim)
+            lse[:, :, start:stop] = chunk_lse
+            if mass is not None:
+                mass[:num_keys] += probs.sum(dim=(0, 1, 2))
+    finally:
+        _workspace.give(taken)
+    out_q = out.permute(2, 0, 1, 3).reshape(num_queries, num_q_heads, head_dim).to(q.dtype)
+    lse_q = lse.permute(2, 0, 1).reshape(num_queries, num_q_heads)
+    block_mass = None
+    if mass is not None:
+        block_mass = torch.zeros(table.shape[0], dtype=torch.float32, device=device)
+        block_mass[:num_logical] = mass.view(num_logical, block_size).sum(-1)
+    return AttentionOutput(out_q, lse_q, block_mass)
+
+
+# --------------------------------------------------------------------------- merge
+
+
+def merge_partials(outs: Sequence[Tensor], lses: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
+    """Merge attention computed over disjoint key sets of the same queries (flash-decoding merge).
+
+    outs[i] [..., D] and lses[i] [...] (natural log) as returned by paged_decode / paged_prefill on
+    each part. A part with lse = -inf (no keys) contributes nothing. Returns (out in outs[0]'s dtype,
+    lse float32). Pure.
+    """
+    if len(outs) == 0 or len(outs) != len(lses):
+        raise InvalidArgument(f"need as many outs as lses, at least one; got {len(outs)} and {len(lses)}")
+    for i, (o, s) in enumerate(zip(outs, lses, strict=True)):
+        if o.shape != outs[0].shape or s.shape != o.shape[:-1]:
+            raise InvalidArgument(
+                f"part {i}: out {tuple(o.shape)} / lse {tuple(s.shape)} do not match part 0's "
+                f"out {tuple(outs[0].shape)}"
+            )
+    stacked_lse = torch.stack([s.float() for s in lses])  # [P, ...]
+    total = torch.logsumexp(stacked_lse, dim=0)
+    # All parts empty -> total is -inf; weights 0 rather than exp(-inf - -inf) = nan.
+    weights = torch.exp(stacked_lse - total.unsqueeze(0)).nan_to_num_(0.0)
+    out = sum(w.unsqueeze(-1) * o.float() for w, o in zip(weights, outs, strict=True))
+    assert isinstance(out, Tensor)
+    return out.to(outs[0].dtype), total
