@@ -34,6 +34,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
+
 from pagedkv.protos.errors import (
     FailedPrecondition,
     IntegrityError,
@@ -42,8 +45,6 @@ from pagedkv.protos.errors import (
     SequenceNotFound,
     Unavailable,
 )
-from redis.backoff import ExponentialBackoff
-from redis.retry import Retry
 
 from .records import (
     Extent,

@@ -13,9 +13,10 @@ import time
 import pytest
 import torch
 from conftest import TOKENS, make_cluster, run_worker
+from worker import SPEC, expected_kv
+
 from pagedkv.client import CacheClient, FailedPrecondition, Unavailable
 from pagedkv.protos.errors import PagedKVError, PermissionDenied, Unauthenticated
-from worker import SPEC, expected_kv
 
 SYSTEM = list(range(1000, 1000 + 96))  # six full blocks
 

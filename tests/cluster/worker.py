@@ -17,6 +17,7 @@ import math
 import sys
 
 import torch
+
 from pagedkv.client import CacheClient
 from pagedkv.protos.spec import ModelSpec
 

@@ -15,6 +15,7 @@ import socket
 import time
 
 import pytest
+
 from pagedkv.coordinator.records import Extent, SequenceRecord
 from pagedkv.coordinator.redis_store import RedisStore
 from pagedkv.protos.errors import Unavailable

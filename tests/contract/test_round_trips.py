@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 import pytest
 import redis.connection
+
 from pagedkv.coordinator.records import Extent, SequenceRecord
 from pagedkv.coordinator.redis_store import RedisStore
 

@@ -13,6 +13,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
+
 from pagedkv.coordinator.records import (
     Extent,
     NodeInfo,

@@ -10,9 +10,10 @@ import torch
 
 pytest.importorskip("transformers")
 
+from transformers import LlamaForCausalLM  # noqa: E402
+
 from pagedkv.cache_node.engine import CacheEngine, EngineConfig  # noqa: E402
 from pagedkv.client.transformers import EngineBackend, demo_model, node_spec  # noqa: E402
-from transformers import LlamaForCausalLM  # noqa: E402
 
 torch.set_num_threads(2)
 

@@ -12,6 +12,7 @@ import json
 import sys
 
 import torch
+
 from pagedkv.client.transformers import GrpcBackend, PagedKVCache, generate_with_prefix_cache, load_model
 
 

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import torch
 from hf_helpers import LOGIT_TOL, prompt_ids
-from pagedkv.client import CacheClient
-from pagedkv.client.transformers import node_spec
 from transformers import DynamicCache
 
+from pagedkv.client import CacheClient
+from pagedkv.client.transformers import node_spec
 from pagedkv.cluster import LocalCluster, NodeOptions
 
 WORKER = Path(__file__).with_name("hf_worker.py")

@@ -7,6 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 from hf_helpers import LOGIT_TOL, assert_same_generation, left_pad, prompt_ids
+from transformers import DynamicCache
+
 from pagedkv.cache_node.engine import CacheEngine, EngineConfig
 from pagedkv.cache_node.server import create_server
 from pagedkv.client.transformers import (
@@ -18,7 +20,6 @@ from pagedkv.client.transformers import (
     node_spec,
 )
 from pagedkv.protos.errors import InvalidArgument
-from transformers import DynamicCache
 
 NEW_TOKENS = 40
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import torch
 from hf_helpers import LOGIT_TOL, assert_same_generation, left_pad, prompt_ids
-from pagedkv.client.transformers import PagedKVCache, generate_with_prefix_cache, prefill_with_prefix_cache
 from transformers import DynamicCache
+
+from pagedkv.client.transformers import PagedKVCache, generate_with_prefix_cache, prefill_with_prefix_cache
 
 SYSTEM = prompt_ids(10, 40)  # 2 full blocks of 16 + 8 tokens
 NEW_TOKENS = 12

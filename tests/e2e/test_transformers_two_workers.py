@@ -11,10 +11,11 @@ from pathlib import Path
 
 import torch
 from hf_helpers import LOGIT_TOL, prompt_ids
+from transformers import DynamicCache
+
 from pagedkv.cache_node.engine import CacheEngine, EngineConfig
 from pagedkv.cache_node.server import create_server
 from pagedkv.client.transformers import GrpcBackend, PagedKVCache, generate_with_prefix_cache, node_spec
-from transformers import DynamicCache
 
 WORKER = Path(__file__).with_name("hf_worker.py")
 SYSTEM = prompt_ids(20, 50)  # 3 full blocks of 16 + 2 tokens

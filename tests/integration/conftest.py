@@ -9,6 +9,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvref import SPEC
+
 from pagedkv.cache_node.engine import CacheEngine, EngineConfig
 from pagedkv.cache_node.metrics import NodeMetrics
 from pagedkv.cache_node.server import NodeServer, create_server

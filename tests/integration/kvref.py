@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import torch
+
 from pagedkv.protos.spec import ModelSpec
 
 SPEC = ModelSpec(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float32", block_size=4)

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+
 from pagedkv.cache_node.cli import parse_bytes
 from pagedkv.client import CacheClient
 

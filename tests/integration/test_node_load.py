@@ -11,6 +11,7 @@ import urllib.request
 
 import pytest
 from kvref import rand_kv, rand_q
+
 from pagedkv.client import CacheClient, CapacityExceeded
 
 PREFIXES = [list(range(1000 * p, 1000 * p + 16)) for p in range(3)]  # 4 full blocks each

@@ -8,6 +8,7 @@ import grpc
 import pytest
 import torch
 from kvref import SPEC, assert_attention, rand_kv, rand_q
+
 from pagedkv.client import (
     CacheClient,
     CapacityExceeded,

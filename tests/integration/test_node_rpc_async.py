@@ -7,6 +7,7 @@ import asyncio
 import pytest
 import torch
 from kvref import SPEC, assert_attention, rand_kv, rand_q
+
 from pagedkv.client import (
     AsyncCacheClient,
     CapacityExceeded,

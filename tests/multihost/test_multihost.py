@@ -30,10 +30,10 @@ from pathlib import Path
 import pytest
 import torch
 from netlab import PROXY_VARS, NetLab, probe, wait_tcp  # tests/multihost is on sys.path (rootdir import mode)
-from pagedkv.client import CacheClient, FailedPrecondition, Unavailable
-from pagedkv.protos.errors import PagedKVError
 
+from pagedkv.client import CacheClient, FailedPrecondition, Unavailable
 from pagedkv.health import check as health_check
+from pagedkv.protos.errors import PagedKVError
 
 _reason = probe()
 if _reason is not None:

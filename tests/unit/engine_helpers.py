@@ -40,7 +40,11 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first_pos
     """float64 reference: q [n, Hq, D] at positions first_pos.., k/v [L, Hk, D] -> (out, lse)."""
     n, hq, d = q.shape
     hk = k.shape[1]
-    q64, k64, v64 = q.double(), k.double().repeat_interleave(hq // hk, 1), v.double().repeat_interleave(hq // hk, 1)
+    q64, k64, v64 = (
+        q.double(),
+        k.double().repeat_interleave(hq // hk, 1),
+        v.double().repeat_interleave(hq // hk, 1),
+    )
     scores = torch.einsum("nhd,lhd->hnl", q64, k64) / math.sqrt(d)
     pos = torch.arange(k.shape[0])
     mask = pos[None, :] > (first_pos + torch.arange(n))[:, None]

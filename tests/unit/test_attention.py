@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+
 from pagedkv.cache_node import attention
 from pagedkv.cache_node.attention import (
     AttentionOutput,

@@ -28,10 +28,8 @@ def imported_roots(path: Path, role: str) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             if node.level:  # relative: level 1 = this role, level 2 = a sibling role
                 mod = (node.module or "").split(".")[0]
-                if node.level >= 2:
-                    names = [mod] if mod else [a.name for a in node.names]
-                else:
-                    names = [role]
+                sibling = [mod] if mod else [a.name for a in node.names]
+                names = sibling if node.level >= 2 else [role]
             else:
                 names = [node.module or ""]
         else:
@@ -57,5 +55,7 @@ def test_role_respects_its_boundary(role: str) -> None:
 
 def test_checker_sees_relative_and_absolute_imports(tmp_path: Path) -> None:
     f = tmp_path / "m.py"
-    f.write_text("from ..coordinator import x\nimport pagedkv.cache_node.engine\ndef g():\n    import redis\n")
+    f.write_text(
+        "from ..coordinator import x\nimport pagedkv.cache_node.engine\ndef g():\n    import redis\n"
+    )
     assert imported_roots(f, "client") >= {"coordinator", "cache_node", "redis"}

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from pagedkv.protos import codegen
 
 pytest.importorskip("grpc_tools", reason="grpcio-tools (dev dependency) regenerates the stubs")

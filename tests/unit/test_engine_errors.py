@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from engine_helpers import Q_HEADS, SPEC, assert_unchanged, fill, kv_for, make_engine, snapshot
+
 from pagedkv.cache_node.engine import EngineConfig
 from pagedkv.protos.errors import (
     CapacityExceeded,
@@ -51,7 +51,11 @@ BAD_CALLS = {
     ),
     "append unknown sequence": (lambda e: e.append("zz", [1], *kv_for(1, 0)), SequenceNotFound, "'zz'"),
     "append to swapped": (lambda e: e.append("s", [1], *kv_for(1, 0)), FailedPrecondition, "swapped out"),
-    "append not a tensor": (lambda e: e.append("a", [1], [[1.0]], [[1.0]]), InvalidArgument, "must be a tensor"),
+    "append not a tensor": (
+        lambda e: e.append("a", [1], [[1.0]], [[1.0]]),
+        InvalidArgument,
+        "must be a tensor",
+    ),
     "token id negative": (lambda e: e.append("a", [-1], *kv_for(1, 0)), InvalidArgument, "token id -1"),
     "token id float": (lambda e: e.open("n", [1.5, 2]), InvalidArgument, "token id 1.5"),
     "token ids float array": (
@@ -68,7 +72,7 @@ BAD_CALLS = {
     "swap in active": (lambda e: e.swap_in("a"), FailedPrecondition, "not swapped out"),
     "swap out swapped": (lambda e: e.swap_out("s"), FailedPrecondition, "swapped out"),
     "swap out too big for host": (
-        lambda e: (e.swap_out("b")),
+        lambda e: e.swap_out("b"),
         CapacityExceeded,
         "swap out sequence 'b' to host: requested 3 blocks, only 2 available",
     ),
@@ -108,7 +112,9 @@ BAD_CALLS = {
         "2 token ids for 1 new tokens",
     ),
     "decode with one unknown sequence": (
-        lambda e: e.attend_decode(["a", "ghost"], 0, q1(2), torch.zeros(2, HK, D), torch.zeros(2, HK, D), [1, 2]),
+        lambda e: e.attend_decode(
+            ["a", "ghost"], 0, q1(2), torch.zeros(2, HK, D), torch.zeros(2, HK, D), [1, 2]
+        ),
         SequenceNotFound,
         "ghost",
     ),

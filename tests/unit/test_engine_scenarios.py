@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from engine_helpers import Q_HEADS, SPEC, dense_attention, fill, kv_for, make_engine
+
 from pagedkv.protos.errors import FailedPrecondition
 
 PROMPT = list(range(100, 110))  # 10 tokens: blocks [0..3], [4..7], partial [8, 9]

@@ -7,8 +7,8 @@ import random
 import threading
 
 import torch
-
 from engine_helpers import Q_HEADS, SPEC, fill, make_engine
+
 from pagedkv.protos.errors import CapacityExceeded, FailedPrecondition
 
 PREFIXES = [[p] * 12 for p in range(3)]
@@ -30,7 +30,12 @@ def worker(engine, wid: int, steps: int, errors: list) -> None:
                     sid = rng.choice(mine)
                     for layer in range(SPEC.num_layers):
                         engine.attend_decode(
-                            [sid], layer, torch.randn(1, Q_HEADS, SPEC.head_dim), z, z, [1] if layer == 0 else None
+                            [sid],
+                            layer,
+                            torch.randn(1, Q_HEADS, SPEC.head_dim),
+                            z,
+                            z,
+                            [1] if layer == 0 else None,
                         )
                 elif op < 0.7:
                     child = f"w{wid}-{step}-f"

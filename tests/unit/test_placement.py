@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from pagedkv.coordinator.placement import NodeCandidate, Placement, PlacementWeights, place
 from pagedkv.protos.errors import CapacityExceeded, InvalidArgument, Unavailable
 
