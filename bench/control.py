@@ -58,8 +58,11 @@ import numpy as np
 import redis
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
+
 from pagedkv.client import channels
 from pagedkv.client.sync import CacheClient
+from pagedkv.cluster import LocalCluster, NodeOptions, free_port
 from pagedkv.coordinator import redis_store
 from pagedkv.coordinator.records import Extent, SequenceRecord
 from pagedkv.coordinator.redis_store import RedisStore
@@ -67,9 +70,6 @@ from pagedkv.protos import pagedkv_pb2 as pb
 from pagedkv.protos import pagedkv_pb2_grpc as pb_grpc
 from pagedkv.protos.keys import chain_keys, root_key
 from pagedkv.protos.spec import ModelSpec
-from prometheus_client.parser import text_string_to_metric_families
-
-from pagedkv.cluster import LocalCluster, NodeOptions, free_port
 
 RESULTS = Path(__file__).resolve().parent / "results"
 NODE = NodeOptions(num_layers=2, num_kv_heads=2, head_dim=32, dtype="float32", block_size=16,

@@ -47,7 +47,8 @@ class PagedKVAdapter(Adapter):
         return cached
 
     def decode(self, batch):
-        self.mgr.append_tokens([rid for rid, _ in batch], [token for _, token in batch])
+        rids, tokens = zip(*batch, strict=True)
+        self.mgr.append_tokens(rids, tokens)
         self.num_events += len(self.mgr.take_events())  # the node drains these every step
 
     def finish(self, rid):
@@ -55,7 +56,11 @@ class PagedKVAdapter(Adapter):
 
     def stats(self):
         s = self.mgr.stats()
-        return {"free_blocks": s["free_blocks"], "cached_blocks": s["cached_blocks"], "events": self.num_events}
+        return {
+            "free_blocks": s["free_blocks"],
+            "cached_blocks": s["cached_blocks"],
+            "events": self.num_events,
+        }
 
 
 class PagedKVLFUAdapter(PagedKVAdapter):

@@ -26,6 +26,8 @@ import time
 from pathlib import Path
 
 import torch
+from transformers import DynamicCache
+
 from pagedkv.cache_node.engine import CacheEngine, EngineConfig
 from pagedkv.cache_node.server import create_server
 from pagedkv.client.transformers import (
@@ -35,7 +37,6 @@ from pagedkv.client.transformers import (
     node_spec,
     prefill_with_prefix_cache,
 )
-from transformers import DynamicCache
 
 RESULTS = Path(__file__).with_name("results")
 MODEL = {"num_layers": 4, "hidden_size": 256, "num_heads": 4, "num_kv_heads": 2, "vocab_size": 1000}

@@ -42,8 +42,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from pagedkv.protos.errors import FailedPrecondition, InvalidArgument
 from torch import Tensor
+
+from pagedkv.protos.errors import FailedPrecondition, InvalidArgument
 
 __all__ = [
     "AttentionOutput",
