@@ -157,8 +157,12 @@ def _build_kernel() -> tuple[_DecodeFn | None, KernelInfo]:
     cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
     if cxx is None:
         return None, KernelInfo(False, "no C++ compiler found (set CXX)", 0.0)
+    try:
+        source = _SOURCE.read_bytes()
+    except OSError as exc:
+        return None, KernelInfo(False, f"kernel source missing: {exc}", 0.0)
     key = [
-        _SOURCE.read_bytes(),
+        source,
         repr((_CXX_FLAGS, _CXX_OPTIONAL_FLAGS)).encode(),
         cxx.encode(),
         _cpu_identity().encode(),

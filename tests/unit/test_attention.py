@@ -373,19 +373,18 @@ def test_merge_three_parts_and_empty_parts() -> None:
     sc = make_scenario([24], num_kv_heads=1, block_size=8, head_dim=16, seed=8)
     q = torch.randn(5, 2, 16)  # prefill-shaped partials: [n, Hq, D]
     full = paged_prefill(q, sc.k_cache, sc.v_cache, sc.tables[0], 24)
-    # keys [0, 8), [8, 16), [16, 24) as three "nodes": partial attention by the reference on each
+    # keys [0, 8), [8, 16), [16, 24) as three "nodes": float64 partial attention over each range
+    q64 = q.double()
+    keys = sc.keys[0].double().repeat_interleave(2, dim=1)
+    values = sc.values[0].double().repeat_interleave(2, dim=1)
+    future = torch.arange(24).unsqueeze(0) > (19 + torch.arange(5)).unsqueeze(1)  # queries at 19..23
     outs, lses = [], []
     for lo in (0, 8, 16):
-        keys, values = sc.keys[0].clone(), sc.values[0]
-        scores_mask = torch.zeros(24, dtype=torch.bool)
-        scores_mask[lo : lo + 8] = True
-        keys = keys.double()
-        s = torch.einsum("nhd,lhd->hnl", q.double(), keys.repeat_interleave(2, 1)) * 16**-0.5
-        causal = torch.arange(24).unsqueeze(0) > (19 + torch.arange(5)).unsqueeze(1)
-        s = s.masked_fill(causal | ~scores_mask, -math.inf)
-        lse = torch.logsumexp(s, -1)  # -inf for queries that see none of these keys
-        p = torch.exp(s - lse.unsqueeze(-1)).nan_to_num(0.0)
-        outs.append(torch.einsum("hnl,lhd->nhd", p, values.double().repeat_interleave(2, 1)).float())
+        outside = torch.ones(24, dtype=torch.bool)
+        outside[lo : lo + 8] = False
+        s = (torch.einsum("nhd,lhd->hnl", q64, keys) * 16**-0.5).masked_fill(future | outside, -math.inf)
+        lse = torch.logsumexp(s, -1)
+        outs.append(torch.einsum("hnl,lhd->nhd", torch.exp(s - lse.unsqueeze(-1)), values).float())
         lses.append(lse.T.float())
     empty_out, empty_lse = torch.zeros_like(outs[0]), torch.full_like(lses[0], -math.inf)
     out, lse = merge_partials([*outs, empty_out], [*lses, empty_lse])
