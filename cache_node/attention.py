@@ -573,6 +573,8 @@ def paged_prefill(
     heads = torch.arange(num_kv_heads, device=device)
     rows = (ids.unsqueeze(0) * num_kv_heads + heads.unsqueeze(1)).reshape(-1)  # [Hk, blocks]
     padded = num_logical * block_size
+    if not return_block_mass and device.type == "cpu":
+        return _prefill_flash(q, k_cache, v_cache, rows, context_len, scale)
     qf = q.float().view(num_queries, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)  # [Hk, G, n, D]
     out = torch.empty(num_kv_heads, group, num_queries, head_dim, dtype=torch.float32, device=device)
     lse = torch.empty(num_kv_heads, group, num_queries, dtype=torch.float32, device=device)
@@ -610,6 +612,51 @@ def paged_prefill(
         block_mass = torch.zeros(table.shape[0], dtype=torch.float32, device=device)
         block_mass[:num_logical] = mass.view(num_logical, block_size).sum(-1)
     return AttentionOutput(out_q, lse_q, block_mass)
+
+
+def _prefill_flash(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, rows: Tensor, context_len: int, scale: float
+) -> AttentionOutput:
+    """Prefill through torch's fused CPU flash kernel, which also returns the LSE:
+
+        keys      0 ........... first | first ............ context_len
+        part A    all n queries see every cached key (no mask): the G query
+                  heads of a KV head fold into one row block, K/V are not expanded
+        part B                        | the n new tokens, causal (square, so the
+                                        kernel's top-left causal mask is right)
+
+    then A and B merge by their LSEs. No [n, context_len] score matrix is built
+    (the explicit path, kept for block mass, materialises it: ~7x slower)."""
+    num_queries, num_q_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[1]
+    group = num_q_heads // num_kv_heads
+    first = context_len - num_queries
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    taken: list[Tensor] = []
+    try:
+        k = _gather_float(k_cache, rows, taken).view(num_kv_heads, -1, head_dim)
+        v = _gather_float(v_cache, rows, taken).view(num_kv_heads, -1, head_dim)
+        qf = q.float()
+        q_heads = qf.transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
+        k_new = k[:, first:context_len].repeat_interleave(group, 0).unsqueeze(0)
+        v_new = v[:, first:context_len].repeat_interleave(group, 0).unsqueeze(0)
+        out, lse = flash(q_heads, k_new, v_new, 0.0, True, attn_mask=None, scale=scale)
+        out, lse = out[0], lse[0]  # [Hq, n, D], [Hq, n]
+        if first > 0:
+            q_fold = qf.reshape(num_queries, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
+            q_fold = q_fold.reshape(1, num_kv_heads, group * num_queries, head_dim)
+            out_a, lse_a = flash(q_fold, k[None, :, :first], v[None, :, :first], 0.0, False,
+                                 attn_mask=None, scale=scale)  # fmt: skip
+            out_a = out_a.reshape(num_q_heads, num_queries, head_dim)
+            lse_a = lse_a.reshape(num_q_heads, num_queries)
+            top = torch.maximum(lse, lse_a)
+            w_a, w_b = (lse_a - top).exp_(), (lse - top).exp_()
+            total = w_a + w_b
+            out = (out_a * w_a.unsqueeze(-1) + out * w_b.unsqueeze(-1)) / total.unsqueeze(-1)
+            lse = top + total.log()
+    finally:
+        _workspace.give(taken)
+    return AttentionOutput(out.transpose(0, 1).to(q.dtype), lse.transpose(0, 1).contiguous())
 
 
 # --------------------------------------------------------------------------- merge

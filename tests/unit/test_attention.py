@@ -292,10 +292,13 @@ def test_torch_path_workspace_is_reused_and_releasable() -> None:
 # --------------------------------------------------------------------------- prefill
 
 
+@pytest.mark.parametrize("with_mass", [True, False], ids=["explicit+mass", "flash"])
 @pytest.mark.parametrize("group", [1, 4])
 @pytest.mark.parametrize("block_size", [1, 8, 16])
 @pytest.mark.parametrize(("context_len", "num_queries"), [(1, 1), (16, 16), (37, 37), (37, 9), (50, 1)])
-def test_prefill_matches_reference(group: int, block_size: int, context_len: int, num_queries: int) -> None:
+def test_prefill_matches_reference(
+    group: int, block_size: int, context_len: int, num_queries: int, with_mass: bool
+) -> None:
     num_kv_heads, head_dim = 2, 32
     sc = make_scenario(
         [context_len],
@@ -305,16 +308,30 @@ def test_prefill_matches_reference(group: int, block_size: int, context_len: int
         seed=context_len + num_queries,
     )
     q = torch.randn(num_queries, num_kv_heads * group, head_dim)
-    result = paged_prefill(q, sc.k_cache, sc.v_cache, sc.tables[0], context_len, return_block_mass=True)
+    result = paged_prefill(q, sc.k_cache, sc.v_cache, sc.tables[0], context_len, return_block_mass=with_mass)
     out, lse, mass = reference(
         q, sc.keys[0], sc.values[0], context_len - num_queries, head_dim**-0.5, block_size
     )
     torch.testing.assert_close(result.out.double(), out, **OUT_TOL[torch.float32])
     torch.testing.assert_close(result.lse.double(), lse, **LSE_TOL)
+    if not with_mass:
+        assert result.block_mass is None
+        return
     assert result.block_mass is not None and result.block_mass.shape == (sc.tables.shape[1],)
     torch.testing.assert_close(result.block_mass[: len(mass)].double(), mass, **MASS_TOL)
     assert torch.all(result.block_mass[len(mass) :] == 0)
     assert math.isclose(float(result.block_mass.sum()), num_queries * q.shape[1], rel_tol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_prefill_half_types_without_mass(dtype: torch.dtype) -> None:
+    sc = make_scenario([45], num_kv_heads=1, block_size=8, head_dim=32, dtype=dtype, seed=3)
+    q = torch.randn(20, 2, 32).to(dtype)
+    result = paged_prefill(q, sc.k_cache, sc.v_cache, sc.tables[0], 45)
+    out, lse, _ = reference(q, sc.keys[0], sc.values[0], 25, 32**-0.5, 8)
+    assert result.out.dtype == dtype
+    torch.testing.assert_close(result.out.double(), out, **OUT_TOL[dtype])
+    torch.testing.assert_close(result.lse.double(), lse, **LSE_TOL)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
