@@ -19,8 +19,8 @@ demo: venv
 
 lint: venv
 	$(BIN)/ruff check .
-	$(BIN)/ruff format --check cache_node/engine.py
-	$(BIN)/mypy cache_node protos
+	$(BIN)/ruff format --check cache_node/engine.py cache_node/attention.py
+	$(BIN)/mypy protos cache_node client coordinator pagedkv
 
 test: lint
 	$(BIN)/python -m pytest -q --timeout=300
