@@ -80,7 +80,7 @@ class LocalCluster:
 
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
         log = open(Path(self.log_dir) / f"{name}.log", "ab")  # noqa: SIM115 - lives as long as the process
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env = {"THP_MEM_ALLOC_ENABLE": "1", **os.environ, "PYTHONUNBUFFERED": "1"}
         proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         self.procs[name] = proc
         return proc
