@@ -25,26 +25,21 @@ Prefill is compute-bound and always uses torch matmuls.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import math
 import os
-import platform
-import shutil
-import subprocess
-import sys
-import tempfile
 import threading
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 from torch import Tensor
 
 from pagedkv.protos.errors import FailedPrecondition, InvalidArgument
+
+from . import attention_kernel
+from .attention_kernel import KernelInfo, kernel_info
 
 __all__ = [
     "AttentionOutput",
@@ -76,144 +71,6 @@ class AttentionOutput:
     out: Tensor
     lse: Tensor
     block_mass: Tensor | None = None
-
-
-# --------------------------------------------------------------------------- the C++ kernel
-
-
-@dataclass(frozen=True)
-class KernelInfo:
-    """Whether the C++ decode kernel is usable in this process, and why not if it is not."""
-
-    is_available: bool
-    detail: str  # library path, or the reason it could not be built / loaded
-    build_s: float  # seconds spent compiling in this process (0.0 when loaded from the disk cache)
-
-
-_SOURCE = Path(__file__).with_name("csrc") / "paged_attention.cpp"
-_CXX_FLAGS = (
-    "-O3",
-    "-ffp-contract=fast",
-    "-fno-math-errno",
-    "-fno-trapping-math",
-    "-std=c++17",
-    "-shared",
-    "-fPIC",
-)
-# Tried in order: a compiler without -march=native support or without OpenMP (Apple clang) still
-# gets a kernel, portable or single-threaded, rather than none.
-_CXX_OPTIONAL_FLAGS = (("-march=native", "-fopenmp"), ("-fopenmp",), ())
-_ABI_VERSION = 1
-_DecodeFn = Callable[..., int]  # the ctypes function pagedkv_paged_decode
-_kernel_lock = threading.Lock()
-_kernel: tuple[_DecodeFn | None, KernelInfo] | None = None  # built once, read-only afterwards
-
-
-def _cache_dir() -> Path:
-    if "PAGEDKV_KERNEL_DIR" in os.environ:
-        return Path(os.environ["PAGEDKV_KERNEL_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "pagedkv" / "kernels"
-
-
-def _cpu_identity() -> str:
-    # -march=native code must not be reused on a different CPU (a shared home directory, say).
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith(("flags", "Features"))), "")
-    except OSError:
-        return platform.processor()
-
-
-def _compile(cxx: str, library: Path) -> str:
-    """Compile the kernel to `library`; returns the flags used. Raises OSError with the compiler's
-    complaint when no flag set works."""
-    library.parent.mkdir(parents=True, exist_ok=True)
-    # Compile to a private name, then rename: concurrent builders (pytest-xdist, several nodes on one
-    # host) never load a half-written library.
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=library.parent)
-    os.close(fd)
-    errors = []
-    try:
-        for optional in _CXX_OPTIONAL_FLAGS:
-            flags = [*_CXX_FLAGS, *optional]
-            try:
-                proc = subprocess.run(
-                    [cxx, *flags, str(_SOURCE), "-o", tmp], capture_output=True, text=True, timeout=300
-                )
-            except subprocess.SubprocessError as exc:
-                raise OSError(f"{cxx}: {exc}") from exc
-            if proc.returncode == 0:
-                os.replace(tmp, library)
-                return " ".join(flags)
-            errors.append(" | ".join(proc.stderr.strip().splitlines()[-3:]))
-        raise OSError(f"{cxx} failed: {errors[0]}")
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
-def _build_kernel() -> tuple[_DecodeFn | None, KernelInfo]:
-    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
-    if cxx is None:
-        return None, KernelInfo(False, "no C++ compiler found (set CXX)", 0.0)
-    try:
-        source = _SOURCE.read_bytes()
-    except OSError as exc:
-        return None, KernelInfo(False, f"kernel source missing: {exc}", 0.0)
-    key = [
-        source,
-        repr((_CXX_FLAGS, _CXX_OPTIONAL_FLAGS)).encode(),
-        cxx.encode(),
-        _cpu_identity().encode(),
-        sys.platform.encode(),
-    ]
-    digest = hashlib.sha256(b"\0".join(key)).hexdigest()[:16]
-    library = _cache_dir() / f"paged_attention_{digest}.so"
-    build_s, detail = 0.0, str(library)
-    if not library.exists():
-        start = time.perf_counter()
-        try:
-            flags = _compile(cxx, library)
-        except OSError as exc:
-            return None, KernelInfo(
-                False, f"{exc} (cache directory {library.parent}; PAGEDKV_KERNEL_DIR)", 0.0
-            )
-        build_s = time.perf_counter() - start
-        detail = f"{library} (built with {flags})"
-    try:
-        lib = ctypes.CDLL(str(library))  # CDLL releases the GIL during calls
-        if lib.pagedkv_abi_version() != _ABI_VERSION:
-            return None, KernelInfo(False, f"{library}: ABI version mismatch", build_s)
-        fn = lib.pagedkv_paged_decode
-    except (OSError, AttributeError) as exc:
-        return None, KernelInfo(False, f"cannot load {library}: {exc}", build_s)
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    argtypes: list[Any] = (
-        [i64, ptr, ptr, ptr, ptr, ptr] + [i64] * 8 + [ctypes.c_float, ptr, ptr, ptr, i64, ptr]
-    )
-    fn.argtypes = argtypes
-    fn.restype = i64
-    return fn, KernelInfo(True, detail, build_s)
-
-
-def _get_kernel() -> tuple[_DecodeFn | None, KernelInfo]:
-    global _kernel
-    if _kernel is None:
-        with _kernel_lock:
-            if _kernel is None:
-                built = _build_kernel()
-                if built[0] is None:
-                    logger.warning(
-                        "paged attention: C++ kernel unavailable, using torch: %s", built[1].detail
-                    )
-                _kernel = built
-    return _kernel
-
-
-def kernel_info() -> KernelInfo:
-    """Build (or load from the disk cache) the C++ decode kernel if not done yet, and report on it."""
-    return _get_kernel()[1]
 
 
 # --------------------------------------------------------------------------- validation
@@ -297,7 +154,7 @@ def _pick_backend(backend: Backend | None, device: torch.device) -> str:
         if choice == "kernel":
             raise InvalidArgument(f"the C++ kernel runs on CPU tensors only, got {device}")
         return "torch"
-    fn, info = _get_kernel()
+    fn, info = attention_kernel.get_kernel()
     if fn is None:
         if choice == "kernel":
             raise FailedPrecondition(f"paged attention kernel unavailable: {info.detail}")
@@ -365,7 +222,7 @@ def _decode_kernel(
     with_mass: bool,
     num_partitions: int | None = None,  # tests force the split; None picks from the thread count
 ) -> AttentionOutput:
-    fn = _get_kernel()[0]
+    fn = attention_kernel.get_kernel()[0]
     assert fn is not None
     batch, num_q_heads, head_dim = q.shape
     num_blocks, num_kv_heads, block_size, _ = k_cache.shape

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from pagedkv.cache_node import attention
+from pagedkv.cache_node import attention, attention_kernel
 from pagedkv.cache_node.attention import (
     AttentionOutput,
     kernel_info,
@@ -522,11 +522,11 @@ def test_env_selects_torch_backend(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_failed_build_falls_back_to_torch_with_one_warning(
     monkeypatch: pytest.MonkeyPatch, tmp_path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr(attention, "_kernel", None)  # forget this process's kernel; restored after
+    monkeypatch.setattr(attention_kernel, "_kernel", None)  # forget this process's kernel; restored after
     monkeypatch.setenv("PAGEDKV_KERNEL_DIR", str(tmp_path))  # and the disk cache
     monkeypatch.setenv("CXX", "false")  # a "compiler" that always fails
     args = _decode_args()
-    with caplog.at_level(logging.WARNING, logger=attention.__name__):
+    with caplog.at_level(logging.WARNING, logger=attention_kernel.logger.name):
         info = kernel_info()
         assert not info.is_available and "failed" in info.detail
         reference_out = paged_decode(**args, backend="torch").out
@@ -541,9 +541,9 @@ def test_portable_build_without_openmp_or_native_flags(monkeypatch: pytest.Monke
     """The flag sets are tried in order; the last one (plain C++17: SSE2 only, no OpenMP, software
     fp16 conversion) is what a compiler without OpenMP gets, and it must be just as correct."""
     _require("kernel")
-    monkeypatch.setattr(attention, "_kernel", None)
+    monkeypatch.setattr(attention_kernel, "_kernel", None)
     monkeypatch.setenv("PAGEDKV_KERNEL_DIR", str(tmp_path))
-    monkeypatch.setattr(attention, "_CXX_OPTIONAL_FLAGS", (("-fno-such-flag-for-pagedkv",), ()))
+    monkeypatch.setattr(attention_kernel, "_CXX_OPTIONAL_FLAGS", (("-fno-such-flag-for-pagedkv",), ()))
     info = kernel_info()
     assert info.is_available and info.build_s > 0, info.detail
     assert "-fopenmp" not in info.detail and "-march" not in info.detail
