@@ -19,6 +19,7 @@ Not thread-safe by itself: the engine holds one lock around every call.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import NamedTuple
 
 from ..protos.errors import CapacityExceeded, IntegrityError, InvalidArgument
@@ -44,6 +45,12 @@ class BlockPool:
         # Pop from the end: block 0 is handed out first, which keeps tests' ids readable.
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
         self.num_evictions = 0
+        # With plain LRU (the default and the hot case) the pool works on the
+        # policy's OrderedDict directly: the same order, without a Python call per
+        # block. Other policies go through their methods.
+        self._lru: OrderedDict[int, None] | None = (
+            self.policy._order if type(self.policy) is LRUPolicy else None  # type: ignore[attr-defined]
+        )
 
     # -- queries (never mutate) -------------------------------------------------
 
@@ -83,35 +90,77 @@ class BlockPool:
         copy their bytes there before writing the new ones). Raises
         CapacityExceeded, changing nothing, when fewer than `n` are available.
         """
-        if n > len(self._free) + len(self.policy):
-            raise CapacityExceeded(f"{self.tier} pool", n, len(self._free) + len(self.policy))
-        free, refcount = self._free, self.refcount
-        out: list[int] = []
-        evicted: list[Evicted] = []
-        for _ in range(n):
-            if free:
-                block = free.pop()
-            else:
-                block = self.policy.pop_victim()
-                key = self.key_of[block]
+        evicted_keys: list[bytes] = []
+        blocks = self.take(n, evicted_keys)
+        victims = blocks[len(blocks) - len(evicted_keys) :]
+        return blocks, [Evicted(b, key) for b, key in zip(victims, evicted_keys, strict=True)]
+
+    def take(self, n: int, evicted_keys: list[bytes]) -> list[int]:
+        """allocate(n) for the manager's hot path: the keys of the evicted blocks
+        are appended to `evicted_keys` (those blocks are the last
+        len(evicted_keys) of the result, in eviction order), and no Evicted
+        tuple is built per block."""
+        free = self._free
+        nfree = len(free)
+        refcount = self.refcount
+        if n <= nfree:  # no eviction: the usual case
+            if n <= 0:
+                return []
+            out = free[nfree - n :]
+            del free[nfree - n :]
+            out.reverse()  # the order n pops would give
+        else:
+            policy = self.policy
+            if n > nfree + len(policy):
+                raise CapacityExceeded(f"{self.tier} pool", n, nfree + len(policy))
+            out = free[::-1]
+            del free[:]
+            key_of, block_of_key, lru = self.key_of, self.block_of_key, self._lru
+            add_key, add_block = evicted_keys.append, out.append
+            for _ in range(n - nfree):
+                if lru is not None:
+                    block = lru.popitem(last=False)[0]
+                else:
+                    block = policy.pop_victim()
+                    policy.forget(block)
+                key = key_of[block]
                 assert key is not None
-                del self.block_of_key[key]
-                self.key_of[block] = None
-                self.policy.forget(block)
-                self.num_evictions += 1
-                evicted.append(Evicted(block, key))
+                del block_of_key[key]
+                key_of[block] = None
+                add_key(key)
+                add_block(block)
+            self.num_evictions += n - nfree
+        for block in out:
             refcount[block] = 1
-            out.append(block)
-        return out, evicted
+        return out
 
     def allocate_one(self) -> tuple[int, Evicted | None]:
         """allocate(1) without the lists, for the decode path."""
-        if self._free:
-            block = self._free.pop()
+        block, key = self.take_one()
+        return block, (None if key is None else Evicted(block, key))
+
+    def take_one(self) -> tuple[int, bytes | None]:
+        """allocate(1) as (block, key it was evicted from, or None if it was free)."""
+        free = self._free
+        if free:
+            block = free.pop()
             self.refcount[block] = 1
             return block, None
-        blocks, evicted = self.allocate(1)
-        return blocks[0], evicted[0]
+        lru = self._lru
+        if lru is not None and lru:
+            block = lru.popitem(last=False)[0]
+        elif lru is None and len(self.policy):
+            block = self.policy.pop_victim()
+            self.policy.forget(block)
+        else:
+            raise CapacityExceeded(f"{self.tier} pool", 1, 0)
+        key = self.key_of[block]
+        assert key is not None
+        del self.block_of_key[key]
+        self.key_of[block] = None
+        self.num_evictions += 1
+        self.refcount[block] = 1
+        return block, key
 
     def incref(self, block: int) -> None:
         """Add a reference; revives a cached block (it stops being evictable)."""
@@ -123,18 +172,26 @@ class BlockPool:
         """Drop one reference from each block, in order. A block that reaches 0
         becomes cached (if keyed) or free. Callers pass a sequence's blocks
         tail-first, so with LRU its deepest blocks are evicted before its prefix."""
-        refcount, key_of = self.refcount, self.key_of
+        refcount, key_of, pins, free = self.refcount, self.key_of, self.pins, self._free
+        lru = self._lru
+        policy = self.policy
         for block in blocks:
             rc = refcount[block] - 1
-            if rc < 0:
-                raise IntegrityError(f"{self.tier} block {block} freed more often than referenced")
-            refcount[block] = rc
-            if rc == 0:
-                if key_of[block] is None:
-                    self.policy.forget(block)
-                    self._free.append(block)
-                elif block not in self.pins:
-                    self.policy.add(block)
+            if rc:
+                if rc < 0:
+                    raise IntegrityError(f"{self.tier} block {block} freed more often than referenced")
+                refcount[block] = rc
+                continue
+            refcount[block] = 0
+            if key_of[block] is None:
+                if lru is None:
+                    policy.forget(block)
+                free.append(block)
+            elif block not in pins:
+                if lru is not None:
+                    lru[block] = None
+                else:
+                    policy.add(block)
 
     # -- keys -------------------------------------------------------------------
 

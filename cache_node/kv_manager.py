@@ -23,7 +23,10 @@ Not thread-safe by itself: the engine holds one lock around every call.
 
 from __future__ import annotations
 
+from collections import deque
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import NamedTuple, Protocol
 
 from ..protos.errors import (
@@ -33,8 +36,8 @@ from ..protos.errors import (
     InvalidArgument,
     SequenceNotFound,
 )
-from ..protos.keys import chain_keys, root_key
-from .block_pool import BlockPool, Evicted
+from ..protos.keys import block_hasher, chain_keys, root_key
+from .block_pool import BlockPool
 from .eviction import make_policy
 
 DEVICE, HOST = "device", "host"
@@ -70,6 +73,15 @@ class BlockEvent(NamedTuple):
 
 
 STORED, REMOVED = "stored", "removed"
+# Runs an iterator of side effects to its end, in C.
+_consume: Callable[[Iterable[object]], None] = deque[object](maxlen=0).extend
+_new_tuple = tuple.__new__  # _new_tuple(BlockEvent, (kind, key)): a BlockEvent without a Python frame
+
+
+def _as_events(log: list) -> list[BlockEvent]:
+    """[kind, key, kind, key, ...] -> [BlockEvent(kind, key), ...], in one C-level pass."""
+    pairs = iter(log)
+    return list(map(_new_tuple, repeat(BlockEvent, len(log) // 2), zip(pairs, pairs, strict=True)))
 
 
 @dataclass(frozen=True)
@@ -79,7 +91,7 @@ class Budget:
     recent_blocks: int = 4
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Sequence:
     seq_id: str
     root: bytes
@@ -94,6 +106,10 @@ class Sequence:
     # Keys open() already computed for the prompt it was given, reused when the
     # appended tokens turn out to be that prompt (the usual case): no double hashing.
     hint: tuple[list[int], list[bytes]] | None = None
+    # True when appending one token needs neither copy-on-write nor a budget
+    # check (the decode fast path). fork() and set_budget() clear it; the
+    # general append path sets it again. Checked by check_integrity().
+    simple: bool = True
 
     @property
     def num_tokens(self) -> int:
@@ -139,11 +155,28 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.mover: BlockMover = mover if mover is not None else NullMover()
         self.record_events = record_events
-        self.events: list[tuple[str, bytes]] = []
+        # Recorded flat, kind then key, and turned into BlockEvents in one C-level
+        # pass by take_events(): no tuple per event on the hot paths.
+        self._event_log: list = []
         self.seqs: dict[str, Sequence] = {}
         self.counters = Counters()
         self._roots: dict[bytes, bytes] = {}
         self._pinned: dict[bytes, int] = {}  # key -> pin count held by pin()
+        # For every key the node holds (device or host tier): the sequence that
+        # first published it. seq.keys[i], while set, covers seq.tokens[i * bs :
+        # (i + 1) * bs]; after a budget drop that list holds the aligned prefix
+        # and then only None, so it stays safe to read after the sequence ends.
+        # open() verifies a prompt against these tokens and takes the keys
+        # instead of hashing the same blocks again: a prompt that shares a
+        # 1024-token system prompt with a cached sequence hashes its first block,
+        # compares lists, and hashes only what differs. Entries come with STORED
+        # and go with REMOVED (one per held key). Results are exactly
+        # chain_keys': keys are only taken for token blocks equal to those they
+        # were computed from.
+        self._origin: dict[bytes, Sequence] = {}
+        self._offsets = list(range(block_size)) * 16  # offsets of consecutive slots: p % bs
+        self._block_key = block_hasher(block_size)
+        self._num_swapped = 0  # sequences with a host_table: decode batches skip the check while 0
 
     # -- lookups ------------------------------------------------------------------
 
@@ -172,21 +205,15 @@ class KVCacheManager:
     def match(self, keys: list[bytes]) -> tuple[list[int], list[int]]:
         """The longest cached chain: device blocks first, then host blocks that
         continue it. Changes nothing."""
-        dev: list[int] = []
-        lookup = self.device.block_of_key.get
-        for key in keys:
-            b = lookup(key)
-            if b is None:
-                break
-            dev.append(b)
+        dev = list(map(self.device.block_of_key.get, keys))  # type: ignore[arg-type]
+        if None in dev:
+            del dev[dev.index(None) :]
         host: list[int] = []
-        hlookup = self.host.block_of_key.get
-        for key in keys[len(dev) :]:
-            b = hlookup(key)
-            if b is None:
-                break
-            host.append(b)
-        return dev, host
+        if len(dev) < len(keys) and self.host.block_of_key:
+            host = list(map(self.host.block_of_key.get, keys[len(dev) :]))  # type: ignore[arg-type]
+            if None in host:
+                del host[host.index(None) :]  # type: ignore[arg-type]
+        return dev, host  # type: ignore[return-value]
 
     def num_cached_tokens(self, token_ids: list[int], salt: bytes = b"") -> int:
         """How many leading tokens of `token_ids` are cached (device or host). Changes nothing."""
@@ -208,39 +235,94 @@ class KVCacheManager:
         """
         if seq_id in self.seqs:
             raise InvalidArgument(f"sequence {seq_id!r} already exists")
+        bs = self.block_size
         limit = len(token_ids) - 1 if max_cached_tokens is None else min(max_cached_tokens, len(token_ids))
         limit = max(limit, 0)
         root = self._root(salt)
-        seq = Sequence(seq_id, root, [])
         self.counters.prefix_query_tokens += len(token_ids)
         dev: list[int] = []
         host: list[int] = []
         keys: list[bytes] = []
-        if self.enable_prefix_caching and limit >= self.block_size:
-            keys = chain_keys(root, token_ids[: limit - limit % self.block_size], self.block_size)
+        hashed: list[int] = []
+        device = self.device
+        if self.enable_prefix_caching and limit >= bs:
+            hashed = token_ids[: limit - limit % bs]  # a copy: the hint must not alias the caller's list
+            keys = self._prompt_keys(root, hashed)
             dev, host = self.match(keys)
-            # Reviving evictable device hits shrinks what promotion can allocate.
-            room = self.device.num_available - sum(1 for b in dev if b in self.device.policy)
-            del host[max(room, 0) :]
-        device_pool = self.device
-        for b in dev:
-            device_pool.incref(b)
-            device_pool.policy.touch(b)
-        table = list(dev)
+            if host:
+                # Reviving evictable device hits shrinks what promotion can allocate.
+                policy = device.policy
+                room = device.num_available - sum(1 for b in dev if b in policy)
+                del host[max(room, 0) :]
+        if dev:
+            refcount, lru = device.refcount, device._lru
+            if lru is not None:  # revive: C-level pops (held or pinned hits are absent); LRU has no touch()
+                deque(map(lru.pop, dev, repeat(None, len(dev))), maxlen=0)
+                for b in dev:
+                    refcount[b] += 1
+            else:
+                touch = device.policy.touch
+                for b in dev:
+                    device.incref(b)
+                    touch(b)
+        table = dev
         if host:
-            table += self._promote(host, keys[len(dev) : len(dev) + len(host)])
+            table = dev + self._promote(host, keys[len(dev) : len(dev) + len(host)])
         n = len(table)
-        seq.table = table
-        seq.keys = list(keys[:n])
-        seq.scores = [0.0] * n
-        seq.tokens = list(token_ids[: n * self.block_size])
-        seq.cache_len = n * self.block_size
+        cache_len = n * bs
+        seq = Sequence(
+            seq_id, root, token_ids[:cache_len], table, list[bytes | None](keys[:n]), [0.0] * n, cache_len
+        )
         if len(keys) > n:
-            seq.hint = (token_ids, keys)
+            seq.hint = (hashed, keys)
         self.seqs[seq_id] = seq
-        self.counters.prefix_hit_tokens += seq.cache_len
-        self.counters.prefix_host_hit_tokens += len(host) * self.block_size
-        return OpenResult(seq.cache_len, len(host) * self.block_size)
+        counters = self.counters
+        counters.prefix_hit_tokens += cache_len
+        counters.prefix_host_hit_tokens += len(host) * bs
+        return OpenResult(cache_len, len(host) * bs)
+
+    def _prompt_keys(self, root: bytes, tokens: list[int]) -> list[bytes]:
+        """chain_keys(root, tokens): the same keys, hashing only blocks that no
+        held chain (self._origin) already covers with equal tokens."""
+        bs = self.block_size
+        nblocks = len(tokens) // bs
+        origin = self._origin
+        keys: list[bytes] = []
+        parent = root
+        i = 0
+        while i < nblocks:
+            key = self._block_key(parent, tokens[i * bs : (i + 1) * bs])
+            keys.append(key)
+            i += 1
+            run = origin.get(key)
+            if run is None:  # nobody holds this block, so no chain continues it: hash the rest
+                if i < nblocks:
+                    keys += chain_keys(key, tokens[i * bs : nblocks * bs], bs)
+                return keys
+            run_tokens, run_keys = run.tokens, run.keys
+            hi = min(nblocks, len(run_keys))
+            if i > hi or run_keys[i - 1] != key:  # not the same chain position (never, short of a collision)
+                parent = key
+                continue
+            while hi > i and run_keys[hi - 1] is None:  # the run's unfinished tail
+                hi -= 1
+            if hi > i:
+                # Blocks [i, hi) of the run continue this prompt while their tokens agree.
+                if tokens[i * bs : hi * bs] == run_tokens[i * bs : hi * bs]:
+                    same = hi
+                else:  # binary search for the first block that differs
+                    same, bad = i, hi
+                    while bad - same > 1:
+                        mid = (same + bad) // 2
+                        if tokens[same * bs : mid * bs] == run_tokens[same * bs : mid * bs]:
+                            same = mid
+                        else:
+                            bad = mid
+                if same > i:
+                    keys += run_keys[i:same]  # type: ignore[arg-type]
+                    i = same
+            parent = keys[-1]  # type: ignore[assignment]
+        return keys
 
     def _promote(self, host_blocks: list[int], keys: list[bytes]) -> list[int]:
         """Copy host-cached blocks back to new device blocks (keys move with them)."""
@@ -256,34 +338,52 @@ class KVCacheManager:
         return dev_blocks
 
     def _allocate_device(self, n: int) -> list[int]:
-        blocks, evicted = self.device.allocate(n)
-        if evicted:
-            self._offload(evicted)
+        evicted_keys: list[bytes] = []
+        blocks = self.device.take(n, evicted_keys)
+        if evicted_keys:
+            self._offload(blocks[len(blocks) - len(evicted_keys) :], evicted_keys)
         return blocks
 
-    def _offload(self, evicted: list[Evicted]) -> None:
+    def _offload(self, blocks: list[int], keys: list[bytes]) -> None:
         """Evicted device blocks go to the host tier while it has room, else out."""
         host, counters = self.host, self.counters
-        for block, key in evicted:
+        if host.num_blocks == 0:  # no host tier: every evicted key leaves the node
+            counters.evicted_device_dropped += len(keys)
+            _consume(map(self._origin.pop, keys, repeat(None, len(keys))))
+            if self.record_events:
+                flat: list[str | bytes] = [REMOVED] * (2 * len(keys))
+                flat[1::2] = keys
+                self._event_log += flat
+            return
+        for block, key in zip(blocks, keys, strict=True):
             if host.num_available == 0:
                 counters.evicted_device_dropped += 1
-                if self.record_events:
-                    self.events.append((REMOVED, key))
+                self._removed(key)
                 continue
             hb, lost = host.allocate_one()
             if lost is not None:
                 counters.evicted_host_dropped += 1
-                if self.record_events:
-                    self.events.append((REMOVED, lost.key))
+                self._removed(lost.key)
             self.mover.copy_blocks(DEVICE, [block], HOST, [hb])
             host.publish(hb, key)
             host.free([hb])
             counters.evicted_to_host += 1
 
+    def _removed(self, key: bytes) -> None:
+        """`key` left the node (no tier holds it any more)."""
+        self._origin.pop(key, None)
+        if self.record_events:
+            self._event_log += (REMOVED, key)
+
     def take_events(self) -> list[BlockEvent]:
         """Drain the stored/removed events recorded since the last call, in order."""
-        events, self.events = self.events, []
-        return [BlockEvent(kind, key) for kind, key in events]
+        log, self._event_log = self._event_log, []
+        return _as_events(log)
+
+    @property
+    def events(self) -> list[BlockEvent]:
+        """The events take_events() would drain now. Changes nothing."""
+        return _as_events(self._event_log)
 
     def append(self, seq_id: str, token_ids: list[int]) -> Slots:
         """Reserve room for `token_ids` at the end of the sequence and return
@@ -294,15 +394,26 @@ class KVCacheManager:
         n = len(token_ids)
         if n == 0:
             return Slots([], [])
-        if seq.budget is not None:
-            self._enforce_budget(seq, incoming=n)
-        bs, table, device = self.block_size, seq.table, self.device
+        bs, device = self.block_size, self.device
+        # A budget makes room before the write (the new tokens are never dropped).
+        # Whole blocks leave, so `need` is the same before and after the drop; the
+        # drop only adds room, and happens once the append is known to fit.
+        drop = self._budget_drop_plan(seq, n) if seq.budget is not None else []
+        table = seq.table
         start = seq.cache_len
         fill = start % bs
         cow = fill != 0 and device.refcount[table[-1]] > 1
         need = (start + n + bs - 1) // bs - len(table) + cow
-        if need and need > device.num_available:
-            raise CapacityExceeded(f"append {n} tokens to sequence {seq_id!r}", need, device.num_available)
+        if need:
+            room = len(device._free) + len(device.policy)
+            if drop:
+                room += self._num_released(seq, drop)
+            if need > room:
+                raise CapacityExceeded(f"append {n} tokens to sequence {seq_id!r}", need, room)
+        if drop:
+            self._drop_blocks(seq, drop)
+            start = seq.cache_len
+            table = seq.table
         if cow:
             (dst,) = self._allocate_device(1)
             src = table[-1]
@@ -317,12 +428,23 @@ class KVCacheManager:
             seq.scores += [0.0] * need
         seq.tokens += token_ids
         seq.cache_len = end = start + n
-        if n == 1:
-            slots = Slots([table[start // bs]], [fill])
+        first, last = start // bs, (end - 1) // bs
+        offsets = self._offsets
+        if fill + n > len(offsets):  # the repeating 0..bs-1 pattern, grown to the longest append seen
+            offsets += list(range(bs)) * ((fill + n - len(offsets)) // bs + 1)
+        if first == last:
+            blocks = [table[first]] * n
         else:
-            slots = Slots([table[p // bs] for p in range(start, end)], [p % bs for p in range(start, end)])
-        if end // bs > start // bs and seq.chain_intact and self.enable_prefix_caching:
-            self._publish_full(seq, start // bs, end // bs)
+            #   table[first]        table[first+1 .. last-1]     table[last]
+            #   [fill, bs)          [0, bs) each                 [0, end - last * bs)
+            blocks = [table[first]] * (bs - fill)
+            for b in table[first + 1 : last]:
+                blocks += [b] * bs
+            blocks += [table[last]] * (end - last * bs)
+        slots = Slots(blocks, offsets[fill : fill + n])
+        if end // bs > first and seq.chain_intact and self.enable_prefix_caching:
+            self._publish_full(seq, first, end // bs)
+        seq.simple = seq.budget is None  # the last block is private now (copied or fresh if it was shared)
         return slots
 
     def _publish_full(self, seq: Sequence, first: int, stop: int) -> None:
@@ -330,73 +452,156 @@ class KVCacheManager:
         bs = self.block_size
         tokens = seq.tokens
         new_keys: list[bytes] = []
-        if seq.hint is not None:  # reuse open()'s keys while the tokens agree
-            hint_tokens, hint_keys = seq.hint
-            i = first
-            while i < stop and i < len(hint_keys) and tokens[i * bs : (i + 1) * bs] == hint_tokens[
-                i * bs : (i + 1) * bs
-            ]:
-                new_keys.append(hint_keys[i])
-                i += 1
-            if i < stop:
+        hint = seq.hint
+        if hint is not None:  # reuse open()'s keys while the tokens agree
+            hint_tokens, hint_keys = hint
+            top = min(stop, len(hint_keys))
+            if top > first and tokens[first * bs : top * bs] == hint_tokens[first * bs : top * bs]:
+                new_keys = hint_keys[first:top]
+            else:
+                i = first
+                while i < top and tokens[i * bs : (i + 1) * bs] == hint_tokens[i * bs : (i + 1) * bs]:
+                    new_keys.append(hint_keys[i])
+                    i += 1
+            if first + len(new_keys) < stop:
                 seq.hint = None
         if first + len(new_keys) < stop:
             j = first + len(new_keys)
             parent = new_keys[-1] if new_keys else (seq.keys[j - 1] if j else seq.root)
             assert parent is not None
-            new_keys += chain_keys(parent, tokens[j * bs : stop * bs], bs)
-        device, host, table, keys = self.device, self.host, seq.table, seq.keys
-        for i, key in enumerate(new_keys, first):
+            if stop - j == 1:  # a decode step filled one block
+                new_keys.append(self._block_key(parent, tokens[j * bs : stop * bs]))
+            else:
+                new_keys += chain_keys(parent, tokens[j * bs : stop * bs], bs)
+        device, table, keys = self.device, seq.table, seq.keys
+        key_of, block_of_key = device.key_of, device.block_of_key
+        host_keys = self.host.block_of_key
+        events = self._event_log if self.record_events else None
+        origin = self._origin
+        i = first
+        for key in new_keys:
             keys[i] = key
-            if not device.publish(table[i], key):
+            b = table[i]
+            i += 1
+            if key_of[b] is not None or key in block_of_key:  # BlockPool.publish() refusing
                 continue
-            hb = host.block_of_key.get(key)
-            if hb is None:
-                if self.record_events:
-                    self.events.append((STORED, key))
+            key_of[b] = key
+            block_of_key[key] = b
+            hb = host_keys.get(key) if host_keys else None
+            if hb is None:  # new to the node
+                origin[key] = seq
+                if events is not None:
+                    events += (STORED, key)
             else:  # the node held it on the host already; the device copy replaces it
-                host.drop(hb)
+                self.host.drop(hb)
 
     def append_tokens(self, seq_ids: list[str], token_ids: list[int]) -> Slots:
         """One token for each of many sequences (a decode step): the batched
         form of append(seq_id, [token]), checked for room as a whole first so a
         failure changes nothing. Sequences must be distinct."""
-        if len(seq_ids) != len(token_ids):
-            raise InvalidArgument(f"a decode batch of {len(seq_ids)} sequences got {len(token_ids)} tokens")
+        n = len(seq_ids)
+        if n != len(token_ids):
+            raise InvalidArgument(f"a decode batch of {n} sequences got {len(token_ids)} tokens")
         seqs = self.seqs
-        batch: list[Sequence] = []
-        need = 0
-        bs = self.block_size
-        refcount = self.device.refcount
-        for sid in seq_ids:
-            seq = seqs.get(sid)
-            if seq is None or seq.host_table is not None:
-                self._active(sid)  # raises the precise error
-            assert seq is not None
-            fill = seq.cache_len % bs
-            need += fill == 0 or refcount[seq.table[-1]] > 1
-            batch.append(seq)
-        if len(batch) != len(set(seq_ids)):
+        try:
+            batch = [seqs[sid] for sid in seq_ids]
+        except KeyError:
+            for sid in seq_ids:  # the first bad id, in order, raises its precise error
+                self._active(sid)
+            raise
+        if self._num_swapped:
+            for sid in seq_ids:
+                self._active(sid)
+        if len(set(seq_ids)) != n:
             raise InvalidArgument("a decode batch lists a sequence more than once")
-        if need and need > self.device.num_available:
-            raise CapacityExceeded(f"decode step for {len(batch)} sequences", need, self.device.num_available)
+        device = self.device
+        free = device._free
+        if n > len(free) + len(device.policy):  # else every sequence surely finds its block
+            self._check_decode_room(batch)
+        bs = self.block_size
+        refcount = device.refcount
+        last_offset = bs - 1
+        publish = self.enable_prefix_caching
         blocks: list[int] = []
         offsets: list[int] = []
+        add_block, add_offset = blocks.append, offsets.append
         for seq, token in zip(batch, token_ids, strict=True):
             pos = seq.cache_len
             fill = pos % bs
-            if fill == 0 or refcount[seq.table[-1]] > 1 or seq.budget is not None:
-                slots = self.append(seq.seq_id, [token])  # the general path handles the rare cases
-                blocks.append(slots.blocks[0])
-                offsets.append(slots.offsets[0])
+            if not seq.simple:  # copy-on-write or a budget: the general path
+                slots = self.append(seq.seq_id, [token])
+                add_block(slots.blocks[0])
+                add_offset(slots.offsets[0])
                 continue
+            if fill:
+                block = seq.table[-1]
+            else:  # crossing into a new block: what append() does for one token
+                if free:
+                    block = free.pop()
+                    refcount[block] = 1
+                else:
+                    block, lost = device.take_one()
+                    if lost is not None:
+                        if self.host.num_blocks:
+                            self._offload([block], [lost])
+                        else:  # _offload() for one block without a host tier
+                            self.counters.evicted_device_dropped += 1
+                            self._removed(lost)
+                seq.table.append(block)
+                seq.keys.append(None)
+                seq.scores.append(0.0)
             seq.tokens.append(token)
             seq.cache_len = pos + 1
-            blocks.append(seq.table[-1])
-            offsets.append(fill)
-            if fill == bs - 1 and seq.chain_intact and self.enable_prefix_caching:
-                self._publish_full(seq, pos // bs, pos // bs + 1)
+            add_block(block)
+            add_offset(fill)
+            if fill == last_offset and publish and seq.chain_intact:
+                self._publish_one(seq, pos // bs)
         return Slots(blocks, offsets)
+
+    def _publish_one(self, seq: Sequence, i: int) -> None:
+        """_publish_full(seq, i, i + 1) for a decode step that filled block i."""
+        if seq.hint is not None:
+            self._publish_full(seq, i, i + 1)
+            return
+        bs = self.block_size
+        keys, tokens = seq.keys, seq.tokens
+        parent = keys[i - 1] if i else seq.root
+        assert parent is not None
+        key = keys[i] = self._block_key(parent, tokens[i * bs : (i + 1) * bs])
+        block = seq.table[i]
+        device = self.device
+        if device.key_of[block] is not None or key in device.block_of_key:  # BlockPool.publish() refusing
+            return
+        device.key_of[block] = key
+        device.block_of_key[key] = block
+        host_keys = self.host.block_of_key
+        hb = host_keys.get(key) if host_keys else None
+        if hb is None:  # new to the node
+            self._origin[key] = seq
+            if self.record_events:
+                self._event_log += (STORED, key)
+        else:  # the node held it on the host already; the device copy replaces it
+            self.host.drop(hb)
+
+    def _check_decode_room(self, batch: list[Sequence]) -> None:
+        """Raise CapacityExceeded unless every sequence of the batch, served in
+        order, finds its block: a budget sequence's drop only helps those after it."""
+        device = self.device
+        room = available = len(device._free) + len(device.policy)
+        need = 0
+        short = False
+        bs, refcount = self.block_size, device.refcount
+        for seq in batch:
+            if seq.budget is not None:
+                released = self._num_released(seq, self._budget_drop_plan(seq, 1))
+                room += released
+                available += released
+            if seq.cache_len % bs == 0 or refcount[seq.table[-1]] > 1:
+                need += 1
+                room -= 1
+                short = short or room < 0
+        if short:
+            raise CapacityExceeded(f"decode step for {len(batch)} sequences", need, available)
 
     def fork(self, parent_id: str, child_id: str) -> None:
         """The child shares every block of the parent; the shared partial last
@@ -406,6 +611,7 @@ class KVCacheManager:
         parent = self._active(parent_id)
         for b in parent.table:
             self.device.incref(b)
+        parent.simple = False  # the partial last block is shared now
         self.seqs[child_id] = Sequence(
             child_id,
             parent.root,
@@ -417,17 +623,21 @@ class KVCacheManager:
             None,
             parent.budget,
             parent.chain_intact,
+            None,
+            False,
         )
 
     def free(self, seq_id: str) -> None:
         """Release the sequence. Its keyed blocks stay cached; tail blocks go
         first into the eviction order so the shared prefix outlives them."""
-        seq = self.get(seq_id)
-        del self.seqs[seq_id]
+        seq = self.seqs.pop(seq_id, None)
+        if seq is None:
+            raise SequenceNotFound(seq_id)
         if seq.host_table is not None:
+            self._num_swapped -= 1
             self.host.free(seq.host_table[::-1])
         else:
-            self.device.free(seq.table[::-1])
+            self.device.free(reversed(seq.table))  # type: ignore[arg-type]
 
     # -- swapping -----------------------------------------------------------------
 
@@ -442,12 +652,12 @@ class KVCacheManager:
         host_blocks, lost = self.host.allocate(n)
         for ev in lost:
             self.counters.evicted_host_dropped += 1
-            if self.record_events:
-                self.events.append((REMOVED, ev.key))
+            self._removed(ev.key)
         self.mover.copy_blocks(DEVICE, seq.table, HOST, host_blocks)
         self.device.free(seq.table[::-1])
         seq.host_table = host_blocks
         seq.table = []
+        self._num_swapped += 1
         self.counters.swap_out_blocks += n
         return n
 
@@ -475,6 +685,7 @@ class KVCacheManager:
         self.mover.copy_blocks(HOST, copy_src, DEVICE, fresh)
         self.host.free(seq.host_table[::-1])
         seq.table, seq.host_table = table, None
+        self._num_swapped -= 1
         self.counters.swap_in_blocks += need
         return need
 
@@ -525,6 +736,7 @@ class KVCacheManager:
                     f"(sink + recent) * block_size = {floor}; got {budget}"
                 )
         seq.budget = budget
+        seq.simple = False  # the general append path re-derives it
         if budget is not None and seq.host_table is None and seq.cache_len > budget.max_tokens:
             self._enforce_budget(seq)
 
@@ -534,19 +746,36 @@ class KVCacheManager:
         append, so the tokens being written in this step are never dropped (their
         other layers' K/V may still be on the way). Shared blocks lose one
         reference; their bytes are untouched."""
+        drop = self._budget_drop_plan(seq, incoming)
+        if drop:
+            self._drop_blocks(seq, drop)
+
+    def _budget_drop_plan(self, seq: Sequence, incoming: int) -> list[int]:
+        """Table indices _enforce_budget would drop, ascending. Changes nothing."""
         budget = seq.budget
         assert budget is not None
-        bs = self.block_size
         excess = seq.cache_len + incoming - budget.max_tokens
         if excess <= 0:
-            return
-        excess_blocks = -(-excess // bs)
+            return []
+        excess_blocks = -(-excess // self.block_size)
         lo, hi = budget.sink_blocks, len(seq.table) - budget.recent_blocks
-        middle = sorted(range(lo, max(hi, lo)), key=lambda i: (seq.scores[i], i))
-        drop = sorted(middle[:excess_blocks])
-        if not drop:
-            return
+        scores = seq.scores
+        middle = sorted(range(lo, max(hi, lo)), key=lambda i: (scores[i], i))
+        return sorted(middle[:excess_blocks])
+
+    def _num_released(self, seq: Sequence, drop: list[int]) -> int:
+        """Blocks that dropping table indices `drop` would make allocatable."""
+        device = self.device
+        refcount, key_of, pins = device.refcount, device.key_of, device.pins
+        n = 0
+        for i in drop:
+            b = seq.table[i]
+            n += refcount[b] == 1 and (key_of[b] is None or b not in pins)
+        return n
+
+    def _drop_blocks(self, seq: Sequence, drop: list[int]) -> None:
         gone = set(drop)
+        bs = self.block_size
         self.device.free([seq.table[i] for i in reversed(drop)])
         seq.table = [b for i, b in enumerate(seq.table) if i not in gone]
         seq.scores = [s for i, s in enumerate(seq.scores) if i not in gone]
@@ -580,12 +809,21 @@ class KVCacheManager:
                 )
         self.device.check_integrity(dev_refs)
         self.host.check_integrity(host_refs)
+        refcount = self.device.refcount
+        for seq in self.seqs.values():
+            if seq.simple and seq.host_table is None:  # the decode fast path must be safe for it
+                shared_tail = seq.cache_len % bs != 0 and refcount[seq.table[-1]] != 1
+                if seq.budget is not None or shared_tail:
+                    problems.append(f"sequence {seq.seq_id!r}: simple, yet has a budget or shared tail")
+        num_swapped = sum(1 for s in self.seqs.values() if s.host_table is not None)
+        if num_swapped != self._num_swapped:
+            problems.append(f"{num_swapped} sequences swapped out, but {self._num_swapped} counted")
         both = self.device.block_of_key.keys() & self.host.block_of_key.keys()
         if both:
             problems.append(f"{len(both)} keys held by both tiers")
         for key, count in self._pinned.items():
-            b = self.device.block_of_key.get(key)
-            if b is None or self.device.pins.get(b, 0) < count:
+            pinned = self.device.block_of_key.get(key)
+            if pinned is None or self.device.pins.get(pinned, 0) < count:
                 problems.append(f"pinned key {key.hex()} lost its pinned device block")
         if problems:
             raise IntegrityError("; ".join(problems))
