@@ -24,7 +24,7 @@ import torch
 from ..protos import pagedkv_pb2 as pb
 from ..protos import pagedkv_pb2_grpc as pb_grpc
 from ..protos import tensors
-from ..protos.errors import CapacityExceeded, IntegrityError, InvalidArgument
+from ..protos.errors import CapacityExceeded, IntegrityError, InvalidArgument, PagedKVError
 from ..protos.serving import GrpcServer, build_server
 from ..protos.status import abort_details
 from .engine import CacheEngine
@@ -101,6 +101,17 @@ class CacheNodeServicer(pb_grpc.CacheNodeServicer):
 
     def Append(self, request_iterator: Iterator[pb.AppendChunk], context: grpc.ServicerContext) -> Any:
         def run() -> pb.AppendResponse:
+            try:
+                return receive()
+            except PagedKVError:
+                # Read the rest of the stream (discarding it) before failing: aborting
+                # while the client still sends can reach an asyncio client as a bare
+                # INTERNAL "Internal error from Core" instead of our status (seen in CI).
+                for _ in request_iterator:
+                    pass
+                raise
+
+        def receive() -> pb.AppendResponse:
             first = next(request_iterator, None)
             if first is None or not first.HasField("header"):
                 raise InvalidArgument("Append: the first message must carry the header")
