@@ -162,18 +162,16 @@ class KVCacheManager:
         self.counters = Counters()
         self._roots: dict[bytes, bytes] = {}
         self._pinned: dict[bytes, int] = {}  # key -> pin count held by pin()
-        # For every key the node holds (device or host tier): the sequence that
-        # first published it. seq.keys[i], while set, covers seq.tokens[i * bs :
-        # (i + 1) * bs]; after a budget drop that list holds the aligned prefix
-        # and then only None, so it stays safe to read after the sequence ends.
-        # open() verifies a prompt against these tokens and takes the keys
-        # instead of hashing the same blocks again: a prompt that shares a
-        # 1024-token system prompt with a cached sequence hashes its first block,
-        # compares lists, and hashes only what differs. Entries come with STORED
-        # and go with REMOVED (one per held key). Results are exactly
-        # chain_keys': keys are only taken for token blocks equal to those they
-        # were computed from.
-        self._origin: dict[bytes, Sequence] = {}
+        # Shared prefixes: for a held key (device or host tier) that a prompt hit,
+        # the (tokens, keys) lists of that prompt, so the next prompt with the
+        # same prefix takes the keys after one list comparison instead of
+        # hashing every block again (a 1024-token system prompt: 64 blake2b ->
+        # 1). Only hit chains get an entry, so prompts that share nothing (and
+        # the sequences behind them) are not retained; entries go with REMOVED.
+        # keys[i] covers tokens[i * bs : (i + 1) * bs], and keys are only taken
+        # for token blocks equal to those they were computed from, so the
+        # result is exactly chain_keys'.
+        self._origin: dict[bytes, tuple[list[int], list[bytes]]] = {}
         self._offsets = list(range(block_size)) * 16  # offsets of consecutive slots: p % bs
         self._block_key = block_hasher(block_size)
         self._num_swapped = 0  # sequences with a host_table: decode batches skip the check while 0
@@ -244,10 +242,11 @@ class KVCacheManager:
         host: list[int] = []
         keys: list[bytes] = []
         hashed: list[int] = []
+        unindexed = 0
         device = self.device
         if self.enable_prefix_caching and limit >= bs:
             hashed = token_ids[: limit - limit % bs]  # a copy: the hint must not alias the caller's list
-            keys = self._prompt_keys(root, hashed)
+            keys, unindexed = self._prompt_keys(root, hashed)
             dev, host = self.match(keys)
             if host:
                 # Reviving evictable device hits shrinks what promotion can allocate.
@@ -270,20 +269,24 @@ class KVCacheManager:
             table = dev + self._promote(host, keys[len(dev) : len(dev) + len(host)])
         n = len(table)
         cache_len = n * bs
-        seq = Sequence(
-            seq_id, root, token_ids[:cache_len], table, list[bytes | None](keys[:n]), [0.0] * n, cache_len
-        )
+        seq_keys: list[bytes | None] = list(keys[:n])
+        seq = Sequence(seq_id, root, token_ids[:cache_len], table, seq_keys, [0.0] * n, cache_len)
         if len(keys) > n:
             seq.hint = (hashed, keys)
+        if n > unindexed:  # a hit on a prefix the index does not cover yet: index it with this prompt
+            origin, run = self._origin, (hashed, keys)
+            for key in keys[unindexed:n]:
+                origin[key] = run
         self.seqs[seq_id] = seq
         counters = self.counters
         counters.prefix_hit_tokens += cache_len
         counters.prefix_host_hit_tokens += len(host) * bs
         return OpenResult(cache_len, len(host) * bs)
 
-    def _prompt_keys(self, root: bytes, tokens: list[int]) -> list[bytes]:
+    def _prompt_keys(self, root: bytes, tokens: list[int]) -> tuple[list[bytes], int]:
         """chain_keys(root, tokens): the same keys, hashing only blocks that no
-        held chain (self._origin) already covers with equal tokens."""
+        shared prefix (self._origin) already covers with equal tokens. Also
+        returns the index of the first key that has no origin entry."""
         bs = self.block_size
         nblocks = len(tokens) // bs
         origin = self._origin
@@ -295,11 +298,11 @@ class KVCacheManager:
             keys.append(key)
             i += 1
             run = origin.get(key)
-            if run is None:  # nobody holds this block, so no chain continues it: hash the rest
+            if run is None:  # no shared prefix continues from here: hash the rest
                 if i < nblocks:
                     keys += chain_keys(key, tokens[i * bs : nblocks * bs], bs)
-                return keys
-            run_tokens, run_keys = run.tokens, run.keys
+                return keys, i - 1
+            run_tokens, run_keys = run
             hi = min(nblocks, len(run_keys))
             if i > hi or run_keys[i - 1] != key:  # not the same chain position (never, short of a collision)
                 parent = key
@@ -321,8 +324,8 @@ class KVCacheManager:
                 if same > i:
                     keys += run_keys[i:same]  # type: ignore[arg-type]
                     i = same
-            parent = keys[-1]  # type: ignore[assignment]
-        return keys
+            parent = keys[-1]
+        return keys, nblocks
 
     def _promote(self, host_blocks: list[int], keys: list[bytes]) -> list[int]:
         """Copy host-cached blocks back to new device blocks (keys move with them)."""
@@ -434,6 +437,13 @@ class KVCacheManager:
             offsets += list(range(bs)) * ((fill + n - len(offsets)) // bs + 1)
         if first == last:
             blocks = [table[first]] * n
+        elif last - first >= bs // 2:  # many blocks: bs strided C-level copies beat a loop per block
+            blocks = [0] * ((last - first + 1) * bs)
+            run = table[first : last + 1]
+            for j in range(bs):
+                blocks[j::bs] = run
+            del blocks[fill + n :]
+            del blocks[:fill]
         else:
             #   table[first]        table[first+1 .. last-1]     table[last]
             #   [fill, bs)          [0, bs) each                 [0, end - last * bs)
@@ -477,7 +487,6 @@ class KVCacheManager:
         key_of, block_of_key = device.key_of, device.block_of_key
         host_keys = self.host.block_of_key
         events = self._event_log if self.record_events else None
-        origin = self._origin
         i = first
         for key in new_keys:
             keys[i] = key
@@ -489,7 +498,6 @@ class KVCacheManager:
             block_of_key[key] = b
             hb = host_keys.get(key) if host_keys else None
             if hb is None:  # new to the node
-                origin[key] = seq
                 if events is not None:
                     events += (STORED, key)
             else:  # the node held it on the host already; the device copy replaces it
@@ -504,7 +512,7 @@ class KVCacheManager:
             raise InvalidArgument(f"a decode batch of {n} sequences got {len(token_ids)} tokens")
         seqs = self.seqs
         try:
-            batch = [seqs[sid] for sid in seq_ids]
+            batch = list(map(seqs.__getitem__, seq_ids))
         except KeyError:
             for sid in seq_ids:  # the first bad id, in order, raises its precise error
                 self._active(sid)
@@ -524,14 +532,13 @@ class KVCacheManager:
         publish = self.enable_prefix_caching
         blocks: list[int] = []
         offsets: list[int] = []
-        add_block, add_offset = blocks.append, offsets.append
         for seq, token in zip(batch, token_ids, strict=True):
             pos = seq.cache_len
             fill = pos % bs
             if not seq.simple:  # copy-on-write or a budget: the general path
                 slots = self.append(seq.seq_id, [token])
-                add_block(slots.blocks[0])
-                add_offset(slots.offsets[0])
+                blocks.append(slots.blocks[0])
+                offsets.append(slots.offsets[0])
                 continue
             if fill:
                 block = seq.table[-1]
@@ -552,8 +559,8 @@ class KVCacheManager:
                 seq.scores.append(0.0)
             seq.tokens.append(token)
             seq.cache_len = pos + 1
-            add_block(block)
-            add_offset(fill)
+            blocks.append(block)
+            offsets.append(fill)
             if fill == last_offset and publish and seq.chain_intact:
                 self._publish_one(seq, pos // bs)
         return Slots(blocks, offsets)
@@ -577,7 +584,6 @@ class KVCacheManager:
         host_keys = self.host.block_of_key
         hb = host_keys.get(key) if host_keys else None
         if hb is None:  # new to the node
-            self._origin[key] = seq
             if self.record_events:
                 self._event_log += (STORED, key)
         else:  # the node held it on the host already; the device copy replaces it
@@ -781,6 +787,7 @@ class KVCacheManager:
         seq.scores = [s for i, s in enumerate(seq.scores) if i not in gone]
         first = drop[0]
         seq.keys = [k if i < first else None for i, k in enumerate(seq.keys) if i not in gone]
+
         seq.chain_intact = False
         seq.cache_len -= len(drop) * bs
         self.counters.budget_dropped_blocks += len(drop)

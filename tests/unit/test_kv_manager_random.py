@@ -475,3 +475,19 @@ def test_prompt_list_changed_by_the_caller_after_open_does_not_poison_keys() -> 
     m.free("a")
     assert m.open("b", list(range(10))).num_cached_tokens == 0
     m.check_integrity()
+
+
+def test_exact_block_ids_free_stack_and_lru_order() -> None:
+    """The ids the engine and the narrated tests rely on: block 0 first, the free
+    list is a stack, a sequence is released tail first, LRU evicts oldest first."""
+    m = KVCacheManager(6, BLOCK_SIZE, record_events=True)
+    m.open("a", list(range(9)))
+    assert m.append("a", list(range(9))).blocks == [0] * 4 + [1] * 4 + [2]
+    m.free("a")  # 2 (partial, no key) -> free stack; 1 then 0 (keyed) -> LRU
+    assert m.device.policy.victims_in_order() == [1, 0]
+    m.open("b", [100 + t for t in range(17)])
+    m.append("b", [100 + t for t in range(17)])
+    assert m.get("b").table == [2, 3, 4, 5, 1]  # the stack first, then the oldest cached block
+    removed = [e.key for e in m.take_events() if e.kind == REMOVED]
+    assert removed == m.block_keys(list(range(8)))[1:2]  # block 1 held the second key of "a"
+    m.check_integrity()
