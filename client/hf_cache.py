@@ -67,6 +67,7 @@ class _Forward:
     is_real: torch.Tensor  # [B, T] bool, CPU: not a pad
     to_store: torch.Tensor  # [B, T] bool: real and not yet on the node (see open_prompt)
     rows: list[torch.Tensor]  # per row, the indices of its to_store positions among the T
+    picks: list[slice | torch.Tensor]  # rows[b] as a slice when contiguous (no gather to pick them)
     past_k: torch.Tensor | None = None  # gather mode: [L, B, Hk, past_len, D]
     past_v: torch.Tensor | None = None
     new_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
@@ -199,7 +200,6 @@ class PagedKVCache(Cache):
         if self._seq_ids:
             raise FailedPrecondition("open_prompt: the cache already holds sequences")
         ids, mask = _ids_and_mask(input_ids, attention_mask)
-        bs = self.spec.block_size
         pads = (~mask).sum(1).tolist()
         for b, p in enumerate(pads):
             if p and (mask[b, :p].any() or not mask[b, p:].all()):
@@ -207,28 +207,19 @@ class PagedKVCache(Cache):
         real_ids = [ids[b, p:].tolist() for b, p in enumerate(pads)]
         if any(len(r) == 0 for r in real_ids):
             raise InvalidArgument("open_prompt: a row holds no real token")
-        # Never reuse the last token: the model must compute at least one position per row.
-        limits = [min(self.backend.lookup(r), len(r) - 1) // bs * bs for r in real_ids]
-        for _attempt in range(3):
-            cached = limits
-            start = min(p + c for p, c in zip(pads, cached, strict=True))
-            seq_ids = [self._new_seq_id() for _ in real_ids]
-            got: list[int] = []
-            try:
-                for sid, r, c in zip(seq_ids, real_ids, cached, strict=True):
-                    got.append(self.backend.open(sid, r, c))
-            except PagedKVError:
-                for sid in seq_ids[: len(got)]:
-                    self.backend.free(sid)
-                raise
-            if got == cached:
-                break
-            # Blocks were evicted between lookup and open: shrink to what we got and retry.
-            for sid in seq_ids:
+        # One Open per row and no Lookup first: the node reuses the longest cached prefix in
+        # whole blocks up to the limit and says how much it took. Never the last token: the
+        # model must compute at least one position per row.
+        seq_ids = [self._new_seq_id() for _ in real_ids]
+        cached: list[int] = []
+        try:
+            for sid, r in zip(seq_ids, real_ids, strict=True):
+                cached.append(self.backend.open(sid, r, len(r) - 1))
+        except PagedKVError:
+            for sid in seq_ids[: len(cached)]:
                 self.backend.free(sid)
-            limits = [min(lim, g) for lim, g in zip(limits, got, strict=True)]
-        else:
-            raise FailedPrecondition("open_prompt: the node's prefix cache kept changing under us")
+            raise
+        start = min(p + c for p, c in zip(pads, cached, strict=True))
         self._seq_ids = seq_ids
         self._real = mask[:, :start].clone()
         self._length = start
@@ -269,7 +260,7 @@ class PagedKVCache(Cache):
         positions = torch.arange(self._length, self._length + num_new)
         to_store = is_real & (positions[None, :] >= self._stored_until[:, None])
         rows = [row.nonzero().flatten() for row in to_store]
-        fwd = _Forward(ids, is_real, to_store, rows)
+        fwd = _Forward(ids, is_real, to_store, rows, [_as_slice(idx) for idx in rows])
         if self.mode == "gather":
             fwd.past_k, fwd.past_v = self._gather_past()
         self._pending = fwd
@@ -343,7 +334,7 @@ class PagedKVCache(Cache):
             result = out.unsqueeze(1)
         else:
             live = [b for b, idx in enumerate(fwd.rows) if idx.numel()]
-            pick = [fwd.rows[b] for b in live]
+            pick = [fwd.picks[b] for b in live]
             outs = self.backend.attend_prefill_batch(
                 [self._seq_ids[b] for b in live],
                 layer,
@@ -354,9 +345,12 @@ class PagedKVCache(Cache):
                 if layer == 0
                 else None,
             )
-            result = q.new_zeros(num_rows, num_new, num_q_heads, head_dim)
-            for b, idx, out in zip(live, pick, outs, strict=True):
-                result[b, idx] = out.to(result.dtype)
+            if len(live) == num_rows and all(isinstance(p, slice) and p == slice(0, num_new) for p in pick):
+                result = torch.stack(outs) if num_rows > 1 else outs[0].unsqueeze(0)  # every position
+            else:
+                result = q.new_zeros(num_rows, num_new, num_q_heads, head_dim)
+                for b, idx, out in zip(live, pick, outs, strict=True):
+                    result[b, idx] = out.to(result.dtype)
         fwd.num_layers_done += 1
         return result.to(device)
 
@@ -455,6 +449,16 @@ class PagedKVCache(Cache):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _as_slice(idx: torch.Tensor) -> slice | torch.Tensor:
+    """Sorted distinct indices as a slice when they are consecutive (the usual case: a row's new
+    positions are all real, or its left pads end before them), else unchanged."""
+    n = idx.numel()
+    if n == 0:
+        return idx
+    first, last = int(idx[0]), int(idx[-1])
+    return slice(first, last + 1) if last - first + 1 == n else idx
 
 
 def _ids_and_mask(

@@ -86,11 +86,20 @@ def paged_attention_forward(
     return cache.attend(cast(int, module.layer_idx), query, key, value), None
 
 
+def paged_attention_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
+    """The mask function registered with the attention: none in node mode (the node masks
+    causally per sequence and stores no pads, so a [B, 1, T, past + T] mask would be built for
+    nothing: ~1 ms per forward at 128 x 1,152), sdpa's otherwise (the fallback and gather mode)."""
+    cache = active_cache()
+    if cache is not None and cache.mode == "node":
+        return None
+    return sdpa_mask(*args, **kwargs)
+
+
 def register() -> None:
-    """Register the "pagedkv" attention and its mask function (sdpa's: used by the fallback and
-    the gathered-KV mode) with transformers. Idempotent."""
+    """Register the "pagedkv" attention and its mask function with transformers. Idempotent."""
     AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)
-    AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+    AttentionMaskInterface.register(ATTENTION_NAME, paged_attention_mask)
 
 
 register()
