@@ -24,6 +24,8 @@ a domain error (pagedkv.protos.errors) and leaves the engine exactly as it was.
 from __future__ import annotations
 
 import threading
+import time
+from collections import OrderedDict
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import Any
@@ -31,7 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..protos.errors import InvalidArgument
+from ..protos.errors import InvalidArgument, PagedKVError, PrefixEvicted
 from ..protos.spec import ModelSpec
 from .attention import AttentionOutput, paged_decode, paged_prefill
 from .eviction import POLICIES, ScorePolicy
@@ -53,6 +55,10 @@ class EngineConfig:
     policy: str = "lru"
     device: str = ""  # "" picks CUDA when present, else CPU
     enable_prefix_caching: bool = True
+    # A data call may overtake the coordinator's asynchronous node Open (different
+    # connections): an unknown sequence id waits this long for its open before NOT_FOUND.
+    unknown_seq_grace_s: float = 0.5
+    max_tombstones: int = 4096  # failed asynchronous opens remembered for their first data call
 
     def __post_init__(self) -> None:
         if not isinstance(self.spec, ModelSpec):
@@ -65,6 +71,10 @@ class EngineConfig:
             raise InvalidArgument(
                 f"unknown eviction policy {self.policy!r}; choose one of {sorted(POLICIES)}"
             )
+        if not 0 <= self.unknown_seq_grace_s <= 60:
+            raise InvalidArgument(f"unknown_seq_grace_s must be in [0, 60], got {self.unknown_seq_grace_s}")
+        if self.max_tombstones < 1:
+            raise InvalidArgument(f"max_tombstones must be >= 1, got {self.max_tombstones}")
 
 
 class TensorMover:
@@ -99,6 +109,15 @@ def _token_list(token_ids: Any, what: str) -> list[int]:
     return list(token_ids)
 
 
+def _fresh_copy(exc: PagedKVError) -> PagedKVError:
+    """A new instance of a stored error (same class, message and ids), so concurrent
+    callers never share one exception object and its traceback."""
+    err = PagedKVError.__new__(type(exc))
+    Exception.__init__(err, *exc.args)
+    err.__dict__.update(exc.__dict__)
+    return err
+
+
 def _seq_id(seq_id: Any) -> str:
     if not isinstance(seq_id, str) or not seq_id:
         raise InvalidArgument(f"sequence id must be a non-empty string, got {seq_id!r}")
@@ -117,6 +136,8 @@ class CacheEngine:
         self.host_kv = torch.zeros(host_shape, dtype=self.dtype, pin_memory=self.device.type == "cuda")
         self.manager = self._new_manager()
         self._lock = threading.RLock()
+        self._seq_opened = threading.Condition(self._lock)  # notified by every successful open
+        self._tombstones: OrderedDict[str, PagedKVError] = OrderedDict()  # seq id -> why its open failed
 
     # -- validation -------------------------------------------------------------
 
@@ -141,16 +162,81 @@ class CacheEngine:
     # -- sequences --------------------------------------------------------------
 
     def open(
-        self, seq_id: str, token_ids: Seq[int], salt: bytes = b"", max_cached_tokens: int | None = None
+        self,
+        seq_id: str,
+        token_ids: Seq[int],
+        salt: bytes = b"",
+        max_cached_tokens: int | None = None,
+        expect_cached_tokens: int | None = None,
     ) -> OpenResult:
         """Create a sequence starting with the longest cached prefix of `token_ids`
-        (see KVCacheManager.open). The caller appends the remaining tokens' KV."""
+        (see KVCacheManager.open). The caller appends the remaining tokens' KV.
+
+        `expect_cached_tokens` (the coordinator's asynchronous open: the client was
+        already told this many tokens are cached) makes the hit exact: the sequence
+        starts with exactly that many tokens, or is not opened (PrefixEvicted when
+        the node holds fewer, evicted since the coordinator read its index). Such a
+        failure is also kept as a tombstone, so the first data call on `seq_id`
+        raises it instead of NOT_FOUND (await_sequence)."""
         seq_id = _seq_id(seq_id)
-        tokens = _token_list(token_ids, f"open {seq_id!r}")
-        if max_cached_tokens is not None and (type(max_cached_tokens) is not int or max_cached_tokens < 0):
-            raise InvalidArgument(f"max_cached_tokens must be a non-negative int, got {max_cached_tokens!r}")
-        with self._lock:
-            return self.manager.open(seq_id, tokens, bytes(salt), max_cached_tokens)
+        if expect_cached_tokens is None:
+            tokens = _token_list(token_ids, f"open {seq_id!r}")
+            if max_cached_tokens is not None and (
+                type(max_cached_tokens) is not int or max_cached_tokens < 0
+            ):
+                raise InvalidArgument(
+                    f"max_cached_tokens must be a non-negative int, got {max_cached_tokens!r}"
+                )
+            with self._lock:
+                res = self.manager.open(seq_id, tokens, bytes(salt), max_cached_tokens)
+                self._tombstones.pop(seq_id, None)
+                self._seq_opened.notify_all()
+                return res
+        try:
+            tokens = _token_list(token_ids, f"open {seq_id!r}")
+            want = expect_cached_tokens
+            if type(want) is not int or not 0 <= want <= len(tokens):
+                raise InvalidArgument(
+                    f"expect_cached_tokens must be an int in [0, {len(tokens)}] (the prompt), got {want!r}"
+                )
+            with self._lock:
+                res = self.manager.open(seq_id, tokens, bytes(salt), want)
+                if res.num_cached_tokens != want:
+                    self.manager.free(seq_id)  # back to exactly as before: the blocks stay cached
+                    raise PrefixEvicted(seq_id, res.num_cached_tokens, want)
+                self._tombstones.pop(seq_id, None)
+                self._seq_opened.notify_all()
+                return res
+        except PagedKVError as exc:
+            with self._lock:
+                if seq_id not in self.manager.seqs:  # not a duplicate id: the live one stays reachable
+                    self._tombstones[seq_id] = exc
+                    self._tombstones.move_to_end(seq_id)
+                    while len(self._tombstones) > self.config.max_tombstones:
+                        self._tombstones.popitem(last=False)
+                    self._seq_opened.notify_all()
+            raise
+
+    def await_sequence(self, seq_id: str, timeout_s: float | None = None) -> bool:
+        """Wait (at most `timeout_s`, default config.unknown_seq_grace_s) until
+        sequence `seq_id` exists. A data call can reach the node before the
+        coordinator's asynchronous Open of the same sequence (another connection),
+        so an unknown id is given this grace before NOT_FOUND. Returns True once it
+        exists, False if it still does not; raises the open's own error (e.g.
+        PrefixEvicted) if its asynchronous open failed. Changes nothing."""
+        grace = self.config.unknown_seq_grace_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + grace
+        with self._seq_opened:
+            while True:
+                if seq_id in self.manager.seqs:
+                    return True
+                failed = self._tombstones.get(seq_id)
+                if failed is not None:
+                    raise _fresh_copy(failed)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._seq_opened.wait(left)
 
     def lookup(self, token_ids: Seq[int], salt: bytes = b"") -> int:
         """Tokens of this prompt cached on the node (device or host). Changes nothing."""
@@ -469,6 +555,7 @@ class CacheEngine:
         its keys, so it must come back empty). The tensors are kept, not zeroed."""
         with self._lock:
             self.manager = self._new_manager()
+            self._tombstones.clear()
 
     def _new_manager(self) -> KVCacheManager:
         c = self.config

@@ -24,7 +24,13 @@ import torch
 from ..protos import pagedkv_pb2 as pb
 from ..protos import pagedkv_pb2_grpc as pb_grpc
 from ..protos import tensors
-from ..protos.errors import CapacityExceeded, IntegrityError, InvalidArgument, PagedKVError
+from ..protos.errors import (
+    CapacityExceeded,
+    IntegrityError,
+    InvalidArgument,
+    PagedKVError,
+    SequenceNotFound,
+)
 from ..protos.serving import GrpcServer, build_server
 from ..protos.status import abort_details
 from .engine import CacheEngine
@@ -43,10 +49,12 @@ class CacheNodeServicer(pb_grpc.CacheNodeServicer):
 
     # -- plumbing ---------------------------------------------------------------
 
-    def _observe(self, method: str, context: grpc.ServicerContext, fn: Callable[[], T]) -> T:
+    def _observe(
+        self, method: str, context: grpc.ServicerContext, fn: Callable[[], T], *, wait_unknown: bool = True
+    ) -> T:
         start = time.perf_counter()
         try:
-            return fn()
+            return self._waiting_for_open(fn) if wait_unknown else fn()
         except Exception as exc:  # every failure becomes a status; the server keeps serving
             self._fail(method, context, exc)
         finally:
@@ -60,6 +68,19 @@ class CacheNodeServicer(pb_grpc.CacheNodeServicer):
             self._fail(method, context, exc)
         finally:
             self.metrics.rpc_latency.labels(method).observe(time.perf_counter() - start)
+
+    def _waiting_for_open(self, fn: Callable[[], T]) -> T:
+        """fn(), called again when a sequence it did not find gets opened within the
+        grace (engine.await_sequence): a data call may overtake the coordinator's
+        asynchronous Open. fn must change nothing when it raises SequenceNotFound
+        (every engine method validates first). Free when every sequence exists."""
+        for _ in range(8):  # a batch may name several sequences still being opened
+            try:
+                return fn()
+            except SequenceNotFound as exc:
+                if not (isinstance(exc.seq_id, str) and self.engine.await_sequence(exc.seq_id)):
+                    raise
+        return fn()
 
     def _fail(self, method: str, context: grpc.ServicerContext, exc: Exception) -> NoReturn:
         code, details = abort_details(context, method, exc)
@@ -83,7 +104,8 @@ class CacheNodeServicer(pb_grpc.CacheNodeServicer):
     def Open(self, request: pb.OpenRequest, context: grpc.ServicerContext) -> pb.OpenResponse:
         def run() -> pb.OpenResponse:
             limit = request.max_cached_tokens if request.HasField("max_cached_tokens") else None
-            res = self.engine.open(request.seq_id, list(request.token_ids), request.tenant_salt, limit)
+            exact = request.expect_cached_tokens if request.HasField("expect_cached_tokens") else None
+            res = self.engine.open(request.seq_id, list(request.token_ids), request.tenant_salt, limit, exact)
             return pb.OpenResponse(
                 num_cached_tokens=res.num_cached_tokens, num_host_hit_tokens=res.num_host_hit_tokens
             )
@@ -125,10 +147,11 @@ class CacheNodeServicer(pb_grpc.CacheNodeServicer):
                     raise InvalidArgument("Append: only the first message may carry a header")
                 slabs.append(reader.add(chunk.num_tokens, chunk.data))
             reader.finish()
-            self.engine.append_slabs(head.seq_id, tokens, [(slab[0], slab[1]) for slab in slabs])
+            pairs = [(slab[0], slab[1]) for slab in slabs]
+            self._waiting_for_open(lambda: self.engine.append_slabs(head.seq_id, tokens, pairs))
             return pb.AppendResponse(num_tokens=self.engine.sequence_length(head.seq_id))
 
-        return self._observe("Append", context, run)
+        return self._observe("Append", context, run, wait_unknown=False)  # run() consumes the stream
 
     def _check_kv_header(self, header: pb.TensorHeader, num_tokens: int) -> None:
         """Refuse a wrong or oversized payload from its header, before buffering it."""
@@ -211,7 +234,7 @@ class CacheNodeServicer(pb_grpc.CacheNodeServicer):
             # builds the whole range (nor does the client). Positions are append-only,
             # so the range read stays valid across slabs unless the sequence is freed.
             seq_id, start = request.seq_id, request.start
-            length = self.engine.cache_length(seq_id)
+            length = self._waiting_for_open(lambda: self.engine.cache_length(seq_id))
             stop = length if end is None else end
             if not 0 <= start <= stop <= length:
                 raise InvalidArgument(

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from ..protos import pagedkv_pb2_grpc as pb_grpc
-from ..protos.errors import InvalidArgument
+from ..protos.errors import InvalidArgument, NotFound, OpenFailed
 from ..protos.spec import ModelSpec
 from . import channels, codec
 from .config import ClientConfig
@@ -129,15 +129,24 @@ class AsyncSequence:
         await self.node.control.set_budget(self.seq_id, max_tokens, sink_blocks, recent_blocks, timeout_s)
 
     async def close(self, *, timeout_s: float | None = None) -> None:
+        """See Sequence.close."""
         if not self.is_closed:
-            await self.client.routing.close(self.seq_id, timeout_s)
+            try:
+                await self.client.routing.close(self.seq_id, timeout_s)
+            except (OpenFailed, NotFound):
+                self.is_closed = True
+                raise
             self.is_closed = True
 
     async def __aenter__(self) -> AsyncSequence:
         return self
 
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
+    async def __aexit__(self, exc_type: object, *exc: object) -> None:
+        try:
+            await self.close()
+        except (OpenFailed, NotFound):
+            if exc_type is None:  # else the body's error (e.g. the OpenFailed itself) says it
+                raise
 
 
 class _Opening:
@@ -166,9 +175,9 @@ class _Opening:
         self._seq = await self._open()
         return self._seq
 
-    async def __aexit__(self, *exc: object) -> None:
+    async def __aexit__(self, exc_type: object, *exc: object) -> None:
         if self._seq is not None:
-            await self._seq.close()
+            await self._seq.__aexit__(exc_type, *exc)
 
 
 class AsyncCacheClient:

@@ -7,6 +7,13 @@
             out = seq.attend(layer, q, k_new, v_new, token_id)     # one decode step, one layer
         # closing the sequence frees it on the node
 
+In a cluster, open() returns as soon as the coordinator has placed the sequence
+(seq.num_cached_tokens is exact: the node takes exactly that many cached tokens);
+the node opens it in the background. In the rare case the node evicted part of
+that prefix meanwhile, the first data call raises PrefixEvicted (an OpenFailed):
+the sequence does not exist, so open it again and append what the new open says
+is not cached (`except OpenFailed: seq = client.open(...)`).
+
 A decode step for many sequences on one node is one RPC per layer:
 `client.attend_batch(seqs, layer, q, k, v, token_ids)`.
 
@@ -24,7 +31,7 @@ from typing import Any
 import torch
 
 from ..protos import pagedkv_pb2_grpc as pb_grpc
-from ..protos.errors import InvalidArgument
+from ..protos.errors import InvalidArgument, NotFound, OpenFailed
 from ..protos.spec import ModelSpec
 from . import channels, codec
 from .config import ClientConfig
@@ -208,16 +215,26 @@ class Sequence:
         self.node.control.set_budget(self.seq_id, max_tokens, sink_blocks, recent_blocks, timeout_s)
 
     def close(self, *, timeout_s: float | None = None) -> None:
-        """Free the sequence (and, in a cluster, its page table). Idempotent on this handle."""
+        """Free the sequence (and, in a cluster, its page table). Idempotent on this handle.
+        In a cluster the node frees it in the background; a sequence whose open failed
+        on its node (OpenFailed) has nothing to close: that error, or NotFound, is raised."""
         if not self.is_closed:
-            self.client.routing.close(self.seq_id, timeout_s)
+            try:
+                self.client.routing.close(self.seq_id, timeout_s)
+            except (OpenFailed, NotFound):
+                self.is_closed = True
+                raise
             self.is_closed = True
 
     def __enter__(self) -> Sequence:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        try:
+            self.close()
+        except (OpenFailed, NotFound):
+            if exc_type is None:  # else the body's error (e.g. the OpenFailed itself) says it
+                raise
 
 
 class CacheClient:

@@ -11,8 +11,21 @@ An open, in round trips to the store (Redis):
     placement   place(...)       0 (pure; node loads come from a cache refreshed
                                     by the reaper tick, addresses never change)
     quota       reserve_blocks   1, only for tenants with a quota
-    node        CacheNode.Open   (gRPC to the chosen node, which reports the real hit)
+    node        CacheNode.Open   0 on the critical path: sent as a future, before the
+                                   page-table write, and never waited for
     page table  create_sequence  1
+
+So an open answers after one client RPC and two Redis round trips; the client
+gets the placement and M, the cached-token count from the exact prefix index.
+The node Open carries M as an exact expectation (expect_cached_tokens): the node
+takes exactly M cached tokens or fails (PrefixEvicted, when it evicted some since
+the index was read). A failed node open is never lost: the node keeps a tombstone
+so the client's first data call gets that error (OpenFailed), and the completion
+callback here deletes the page table and releases the quota. A data call that
+overtakes the node Open waits on the node for a short grace. Coordinator calls on
+a sequence whose node call is in flight (fork, swaps; a reopen of the same id)
+wait for it first (`_inflight`); close does not wait: it deletes the record (one
+round trip, tenant-checked in the script) and chains the node Free after the open.
 
 A reaper thread expires nodes whose lease lapsed (remove_node marks their
 sequences lost and purges their keys) and refreshes the node cache. It starts
@@ -25,8 +38,10 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,12 +52,15 @@ from ..protos import pagedkv_pb2_grpc as pb_grpc
 from ..protos.errors import (
     FailedPrecondition,
     InvalidArgument,
+    NotFound,
     PagedKVError,
     PermissionDenied,
+    SequenceNotFound,
     Unavailable,
 )
 from ..protos.keys import chain_keys, root_key
 from ..protos.status import error_from_rpc
+from .node_calls import NodeCalls
 from .placement import NodeCandidate, Placement, place
 from .records import Extent, NodeInfo, NodeNotLive, SequenceRecord
 from .store import Store
@@ -55,6 +73,7 @@ STORED_KIND = 1  # pb.BlockEvent.STORED
 class CoordinatorConfig:
     lease_ttl_s: float = 3.0
     node_rpc_timeout_s: float = 5.0
+    free_retries: int = 3  # a failed asynchronous node Free is sent again this often (then counted)
     quotas: Mapping[str, int] = field(default_factory=dict)  # tenant -> max blocks; absent = unlimited
 
     def __post_init__(self) -> None:
@@ -85,6 +104,50 @@ class NodeLost(FailedPrecondition):
         super().__init__(f"sequence {seq_id!r} was lost: {reason}")
 
 
+class NodeCall:
+    """A node rpc of one sequence sent without waiting for it (the Open of an open).
+
+    `settled` resolves once it finished and its consequences are applied (None, or
+    the node's error after the page table was dropped); `then(fn)` runs fn(error)
+    after it finishes (at once if it has). `is_recorded` says the page table was
+    written: after that, a failure is cleaned up by the completion callback, before
+    it by the open itself -- exactly one of the two, decided under the lock."""
+
+    def __init__(self, seq_id: str) -> None:
+        self.seq_id = seq_id
+        self.settled: Future[None] = Future()
+        self.error: PagedKVError | None = None
+        self.is_finished = False
+        self.is_recorded = False
+        self.host_hit_tokens = 0  # what the node reported, once finished
+        self._then: list[Callable[[PagedKVError | None], None]] = []
+        self._lock = threading.Lock()
+
+    def finish(self, error: PagedKVError | None) -> bool:
+        """Record the outcome, run the `then` callbacks; True if the failure is the
+        caller's to clean up (the page table was already written)."""
+        with self._lock:
+            self.error, self.is_finished = error, True
+            then, self._then = self._then, []
+        for fn in then:
+            fn(error)
+        return error is not None and self.is_recorded
+
+    def mark_recorded(self) -> PagedKVError | None:
+        """The page table is written; returns the node's error if the call already failed
+        (then the caller cleans up)."""
+        with self._lock:
+            self.is_recorded = True
+            return self.error if self.is_finished else None
+
+    def then(self, fn: Callable[[PagedKVError | None], None]) -> None:
+        with self._lock:
+            if not self.is_finished:
+                self._then.append(fn)
+                return
+        fn(self.error)
+
+
 class Coordinator:
     def __init__(self, store: Store, config: CoordinatorConfig | None = None) -> None:
         self.store = store
@@ -95,7 +158,19 @@ class Coordinator:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._reaper: threading.Thread | None = None
-        self.counters = {"opens": 0, "cached_tokens": 0, "prompt_tokens": 0, "nodes_reaped": 0}
+        self._inflight: dict[str, NodeCall] = {}  # seq id -> its node Open not yet settled
+        # Cleanups after failed node opens and Free retries: Redis and sleeps, never
+        # on gRPC's callback thread.
+        self._background = ThreadPoolExecutor(max_workers=2, thread_name_prefix="coord-bg")
+        self._node_calls = NodeCalls(self.config.node_rpc_timeout_s)
+        self.counters = {
+            "opens": 0,
+            "cached_tokens": 0,
+            "prompt_tokens": 0,
+            "nodes_reaped": 0,
+            "open_failures": 0,  # asynchronous node opens that failed (page table dropped)
+            "free_failures": 0,  # node Frees given up after free_retries
+        }
 
     # -- lifecycle ----------------------------------------------------------------
 
@@ -109,6 +184,8 @@ class Coordinator:
         self._stop.set()
         if self._reaper is not None:
             self._reaper.join(5)
+        self._background.shutdown(wait=True, cancel_futures=False)
+        self._node_calls.close()
         for channel, _ in self._stubs.values():
             channel.close()
 
@@ -271,9 +348,15 @@ class Coordinator:
         seq_id: str = "",
         max_cached_tokens: int | None = None,
         spec: Mapping[str, Any] | None = None,
+        wait: bool = False,
     ) -> OpenResult:
+        """Place the sequence, write its page table and send the node Open without
+        waiting for it (see the module docstring); num_cached_tokens is M, what the
+        node will take exactly. `wait=True` also waits for the node (its failure is
+        raised here, and num_host_hit_tokens is known): for tests and tools only."""
         tokens = list(token_ids)
         seq_id = seq_id or uuid.uuid4().hex
+        self._settle(seq_id, raise_error=False)  # a reopen of this id waits for its last node call
         nodes = self._nodes_for(spec)
         if not nodes:
             raise Unavailable("no live cache node" + (f" serves model spec {dict(spec)}" if spec else ""))
@@ -297,32 +380,150 @@ class Coordinator:
         if quota is not None:
             self.store.reserve_blocks(tenant, num_blocks, quota)
         node = nodes[placement.node_id]
+        num_cached = placement.cached_tokens
+        request = pb.OpenRequest(
+            seq_id=seq_id, token_ids=tokens, tenant_salt=salt, expect_cached_tokens=num_cached
+        )
+        call = self._send_open(node, request, tenant if quota is not None else None)
+        record = SequenceRecord(seq_id, tenant, (Extent(node.node_id, 0, num_blocks),), len(tokens))
         try:
-            request = pb.OpenRequest(seq_id=seq_id, token_ids=tokens, tenant_salt=salt)
-            if max_cached_tokens is not None:
-                request.max_cached_tokens = max_cached_tokens
-            reply = self._call(node, "Open", request)
-            record = SequenceRecord(seq_id, tenant, (Extent(node.node_id, 0, num_blocks),), len(tokens))
-            try:
-                self.store.create_sequence(record)
-            except PagedKVError as exc:
-                self._call(node, "Free", pb.SeqRequest(seq_id=seq_id))
-                if isinstance(exc, NodeNotLive):  # its lease lapsed mid-open: transient, retry
-                    raise Unavailable(f"node {node.node_id} lost its lease during the open; retry") from exc
-                raise
-        except PagedKVError:
+            self.store.create_sequence(record)
+        except PagedKVError as exc:
+            call.then(lambda error: None if error else self._send_free(node, seq_id))
             if quota is not None:
                 self.store.release_blocks(tenant, num_blocks)
+            if isinstance(exc, NodeNotLive):  # its lease lapsed mid-open: transient, retry
+                raise Unavailable(f"node {node.node_id} lost its lease during the open; retry") from exc
             raise
+        error = call.mark_recorded()
+        if error is not None:  # the node already refused: undo here, the caller gets the error
+            self._drop_failed_open(call, tenant if quota is not None else None)
+            raise error
         self._account(node.node_id, placement.new_blocks)
         self.counters["opens"] += 1
         self.counters["prompt_tokens"] += len(tokens)
-        self.counters["cached_tokens"] += reply.num_cached_tokens
-        return OpenResult(
-            seq_id, node.node_id, node.address, reply.num_cached_tokens, placement, reply.num_host_hit_tokens
-        )
+        self.counters["cached_tokens"] += num_cached
+        num_host_hit = 0
+        if wait:
+            call.settled.result()  # raises the node's error (the page table is gone by then)
+            num_host_hit = call.host_hit_tokens
+        return OpenResult(seq_id, node.node_id, node.address, num_cached, placement, num_host_hit)
+
+    def _send_open(self, node: NodeInfo, request: pb.OpenRequest, quota_tenant: str | None) -> NodeCall:
+        """Send the node Open as a future; its completion applies a failure (drops the
+        page table, releases the quota, counts it) once the record exists."""
+        seq_id = request.seq_id
+        call = NodeCall(seq_id)
+        with self._lock:
+            self._inflight[seq_id] = call
+
+        def done(reply: Any, error: PagedKVError | None) -> None:  # on the NodeCalls loop thread
+            if reply is not None:
+                call.host_hit_tokens = int(reply.num_host_hit_tokens)
+            if call.finish(error):  # recorded: drop the page table first, then settle
+                self._background.submit(self._drop_failed_open, call, quota_tenant)
+            else:  # success, or a failure open() itself undoes (it had not recorded yet)
+                self._settled(call)
+
+        self._node_calls.send(node.address, "Open", request, f"node {node.node_id} ({node.address})", done)
+        return call
+
+    def _drop_failed_open(self, call: NodeCall, quota_tenant: str | None) -> None:
+        """A node refused an open whose page table was written: delete it and release the
+        quota (only if we deleted it: a concurrent close that deleted it released it)."""
+        try:
+            try:
+                dropped = self.store.delete_sequence(call.seq_id)
+            except SequenceNotFound:
+                dropped = None
+            if dropped is not None and quota_tenant is not None:
+                self.store.release_blocks(quota_tenant, dropped.num_blocks)
+            self.counters["open_failures"] += 1
+            log.info("open of %s failed on its node, page table dropped: %s", call.seq_id, call.error)
+        except PagedKVError as exc:  # the store is down: the record stays, its node says why
+            log.warning("could not drop the page table of failed open %s: %s", call.seq_id, exc)
+        finally:
+            self._settled(call)
+
+    def _settled(self, call: NodeCall) -> None:
+        """Resolve `call.settled` (once) and forget it."""
+        with self._lock:
+            if self._inflight.get(call.seq_id) is call:
+                del self._inflight[call.seq_id]
+            if call.settled.done():
+                return
+            if call.error is None:
+                call.settled.set_result(None)
+            else:
+                call.settled.set_exception(call.error)
+
+    def _settle(self, seq_id: str, *, raise_error: bool = True) -> None:
+        """Wait for the in-flight node call (Open, or the Free of a close) of `seq_id` in
+        this process, if any; raises its error when it failed (unless raise_error=False)."""
+        with self._lock:
+            call = self._inflight.get(seq_id)
+        if call is None:
+            return
+        try:
+            call.settled.result(timeout=self.config.node_rpc_timeout_s * (2 + self.config.free_retries))
+        except PagedKVError:
+            if raise_error:
+                raise
+        except TimeoutError:
+            raise Unavailable(f"the node call of sequence {seq_id!r} is still in flight; retry") from None
+
+    def wait_idle(self, timeout_s: float = 10.0) -> None:
+        """Wait until no node call sent without waiting (Opens, Frees) is in flight in this
+        process, e.g. before inspecting node state in a test. Raises Unavailable on timeout."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with self._lock:
+                calls = list(self._inflight.values())
+            if not calls:
+                return
+            for call in calls:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise Unavailable(f"{len(calls)} node calls still in flight after {timeout_s} s")
+                try:
+                    call.settled.result(timeout=left)
+                except PagedKVError:
+                    pass
+                except TimeoutError:
+                    continue
+
+    def _send_free(self, node: NodeInfo, seq_id: str) -> None:
+        """Free `seq_id` on the node without waiting. A failure other than NOT_FOUND is
+        retried (free_retries, backoff) so blocks never leak on a transient error; a
+        reopen of the same id waits for it (it is in `_inflight` meanwhile)."""
+        call = NodeCall(seq_id)
+        with self._lock:
+            self._inflight[seq_id] = call
+        self._free_attempt(node, call, 0)
+
+    def _free_attempt(self, node: NodeInfo, call: NodeCall, attempt: int) -> None:
+        def done(reply: Any, error: PagedKVError | None) -> None:  # on the NodeCalls loop thread
+            if error is not None and not isinstance(error, NotFound):  # NotFound: already gone
+                if attempt < self.config.free_retries and not self._stop.is_set():
+                    self._background.submit(self._retry_free, node, call, attempt + 1)
+                    return
+                self.counters["free_failures"] += 1
+                log.warning("Free %s failed %d times: %s", call.seq_id, attempt + 1, error)
+            call.finish(None)
+            self._settled(call)
+
+        request = pb.SeqRequest(seq_id=call.seq_id)
+        self._node_calls.send(node.address, "Free", request, f"node {node.node_id} ({node.address})", done)
+
+    def _retry_free(self, node: NodeInfo, call: NodeCall, attempt: int) -> None:
+        if not self._stop.wait(0.1 * 2**attempt):
+            self._free_attempt(node, call, attempt)
+            return
+        call.finish(None)
+        self._settled(call)
 
     def fork(self, tenant: str, parent_id: str, child_id: str = "") -> OpenResult:
+        self._settle(parent_id)
         parent = self._record(tenant, parent_id)
         node = self._live_node_of(parent)
         child_id = child_id or uuid.uuid4().hex
@@ -337,27 +538,39 @@ class Coordinator:
         return OpenResult(child_id, node.node_id, node.address, 0, placement)
 
     def close(self, tenant: str, seq_id: str) -> None:
-        """Free the sequence on its node (if that node still lives) and drop its page table."""
-        record = self._record(tenant, seq_id)
-        if record.state != "lost":
-            node = self._nodes_for(None).get(record.extents[0].node_id)
-            if node is not None:
-                try:
-                    self._call(node, "Free", pb.SeqRequest(seq_id=seq_id))
-                except PagedKVError as exc:
-                    if exc.status_name != "NOT_FOUND":  # already gone on the node: fine
-                        raise
-        self.store.delete_sequence(seq_id)
+        """Drop the page table (one round trip, tenant-checked) and free the sequence on
+        its node without waiting: after its node Open when that is still in flight, with
+        retries when it fails. Closing a sequence whose node open failed raises that
+        open's error (its page table is already gone)."""
+        with self._lock:
+            call = self._inflight.get(seq_id)
+        try:
+            record = self.store.delete_sequence(seq_id, tenant=tenant)
+        except SequenceNotFound:
+            if call is not None and call.is_finished and call.error is not None:
+                raise call.error from None
+            raise
         if tenant in self.config.quotas:
             self.store.release_blocks(tenant, record.num_blocks)
+        if record.state == "lost":
+            return
+        node = self._nodes_for(None).get(record.extents[0].node_id)
+        if node is None:  # its node died: nothing to free
+            return
+        if call is None:
+            self._send_free(node, seq_id)
+        else:
+            call.then(lambda error: None if error else self._send_free(node, seq_id))
 
     def swap_out(self, tenant: str, seq_id: str) -> int:
+        self._settle(seq_id)
         record = self._record(tenant, seq_id)
         reply = self._call(self._live_node_of(record), "SwapOut", pb.SeqRequest(seq_id=seq_id))
         self.store.update_sequence(seq_id, state="swapped")
         return int(reply.num_blocks)
 
     def swap_in(self, tenant: str, seq_id: str) -> OpenResult:
+        self._settle(seq_id)
         record = self._record(tenant, seq_id)
         node = self._live_node_of(record)
         reply = self._call(node, "SwapIn", pb.SeqRequest(seq_id=seq_id))

@@ -16,7 +16,13 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
-from pagedkv.protos.errors import FailedPrecondition, InvalidArgument, QuotaExceeded, SequenceNotFound
+from pagedkv.protos.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    PermissionDenied,
+    QuotaExceeded,
+    SequenceNotFound,
+)
 
 from .records import (
     NodeInfo,
@@ -221,12 +227,17 @@ class MemoryStore(Store):
                 if not seqs:
                     del self._node_seqs[node_id]
 
-    def delete_sequence(self, seq_id: str) -> SequenceRecord:
+    def delete_sequence(self, seq_id: str, *, tenant: str | None = None) -> SequenceRecord:
         check_name("seq_id", seq_id)
+        if tenant is not None:
+            check_name("tenant", tenant)
         with self._lock:
-            record = self._seqs.pop(seq_id, None)
+            record = self._seqs.get(seq_id)
             if record is None:
                 raise SequenceNotFound(seq_id)
+            if tenant is not None and record.tenant != tenant:
+                raise PermissionDenied(f"sequence {seq_id!r} belongs to another tenant")
+            del self._seqs[seq_id]
             self._unlink(record)
             return record
 

@@ -41,6 +41,7 @@ from pagedkv.protos.errors import (
     FailedPrecondition,
     IntegrityError,
     InvalidArgument,
+    PermissionDenied,
     QuotaExceeded,
     SequenceNotFound,
     Unavailable,
@@ -183,26 +184,27 @@ return 1
 """
 
 # ARGV: P, key1, key2, ...  Returns a flat {node, count, node, count, ...} over live nodes.
-# Nodes still matching shrink key by key (one SMISMEMBER per key); a node drops out at the
-# first key it lacks.
+# One SMISMEMBER per live node over its reverse index nkeys:<id> (kept with idx:<key> by
+# apply_events and the purges), not one per key: 2.5x less server time for a W2 open
+# (bench/control.py). Keys go in slices of 4,000, below Lua's unpack() limit.
 _MATCH_PREFIX = """
 local P = ARGV[1]
-local active = {}
-for _, id in ipairs(redis.call('SMEMBERS', P .. 'nodes')) do
-  if redis.call('EXISTS', P .. 'alive:' .. id) == 1 then active[#active + 1] = id end
-end
 local out = {}
-for i = 2, #ARGV do
-  if #active == 0 then break end
-  local held = redis.call('SMISMEMBER', P .. 'idx:' .. ARGV[i], unpack(active))
-  local still = {}
-  for j, id in ipairs(active) do
-    if held[j] == 1 then still[#still + 1] = id
-    else out[#out + 1] = id; out[#out + 1] = i - 2 end
+for _, id in ipairs(redis.call('SMEMBERS', P .. 'nodes')) do
+  if redis.call('EXISTS', P .. 'alive:' .. id) == 1 then
+    local n, first = 0, 2
+    while first <= #ARGV do
+      local last = math.min(first + 3999, #ARGV)
+      local held = redis.call('SMISMEMBER', P .. 'nkeys:' .. id, unpack(ARGV, first, last))
+      local i = 1
+      while i <= #held and held[i] == 1 do i = i + 1 end
+      n = n + i - 1
+      if i <= #held then break end
+      first = last + 1
+    end
+    out[#out + 1] = id; out[#out + 1] = n
   end
-  active = still
 end
-for _, id in ipairs(active) do out[#out + 1] = id; out[#out + 1] = #ARGV - 1 end
 return out
 """
 
@@ -249,6 +251,7 @@ local P, s = ARGV[1], ARGV[2]
 local sk = P .. 'seq:' .. s
 local h = redis.call('HGETALL', sk)
 if #h == 0 then return h end
+if ARGV[3] ~= '' and redis.call('HGET', sk, 'tenant') ~= ARGV[3] then return {'!tenant'} end
 for _, e in ipairs(cjson.decode(redis.call('HGET', sk, 'extents'))) do
   redis.call('SREM', P .. 'nseqs:' .. e[1], s)
 end
@@ -482,11 +485,16 @@ class RedisStore(Store):
             raise NodeNotLive(_s(reply[1]), f"cannot move sequence {seq_id!r} there")
         return _record(seq_id, reply[1])
 
-    def delete_sequence(self, seq_id: str) -> SequenceRecord:
+    def delete_sequence(self, seq_id: str, *, tenant: str | None = None) -> SequenceRecord:
         check_name("seq_id", seq_id)
-        flat = self._call("delete_sequence", self._delete_seq, args=[self._prefix, seq_id])
+        if tenant is not None:
+            check_name("tenant", tenant)
+        args = [self._prefix, seq_id, tenant or ""]
+        flat = self._call("delete_sequence", self._delete_seq, args=args)
         if not flat:
             raise SequenceNotFound(seq_id)
+        if len(flat) == 1:
+            raise PermissionDenied(f"sequence {seq_id!r} belongs to another tenant")
         return _record(seq_id, flat)
 
     def sequences_of_node(self, node_id: str) -> list[SequenceRecord]:

@@ -137,8 +137,10 @@ class Store(ABC):
         """
 
     @abstractmethod
-    def delete_sequence(self, seq_id: str) -> SequenceRecord:
-        """Remove the entry and return what it was; SequenceNotFound if absent. One round trip.
+    def delete_sequence(self, seq_id: str, *, tenant: str | None = None) -> SequenceRecord:
+        """Remove the entry and return what it was; SequenceNotFound if absent. With
+        `tenant`, an entry of another tenant raises PermissionDenied and stays (checked
+        atomically, so a close is one round trip). One round trip.
         (Quota is not released here: the caller releases what it reserved.)"""
 
     @abstractmethod

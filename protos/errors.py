@@ -66,6 +66,34 @@ class FailedPrecondition(PagedKVError):
     status_name = "FAILED_PRECONDITION"
 
 
+class OpenFailed(FailedPrecondition):
+    """The node could not complete an open the coordinator had already answered.
+
+    A cluster open returns once the coordinator has placed the sequence and written
+    its page table; the node opens it in the background. If that fails, the
+    sequence does not exist: the first data call on it raises this error (the node
+    remembers the failure for a while) and the coordinator drops its record and
+    quota. What to do: open the sequence again (a new open re-reads the prefix
+    index), then append what it says is not cached."""
+
+    def __init__(self, seq_id: str, reason: str) -> None:
+        self.seq_id = seq_id
+        super().__init__(f"open of sequence {seq_id!r} failed on its node: {reason}; open it again")
+
+
+class PrefixEvicted(OpenFailed):
+    """The node no longer held the cached prefix the coordinator promised (evicted
+    since the prefix index was read): nothing was opened. Open the sequence again."""
+
+    def __init__(self, seq_id: str, num_held_tokens: int, num_promised_tokens: int) -> None:
+        self.num_held_tokens = num_held_tokens
+        self.num_promised_tokens = num_promised_tokens
+        super().__init__(
+            seq_id,
+            f"prefix evicted: node holds {num_held_tokens} of {num_promised_tokens} promised tokens",
+        )
+
+
 class Unavailable(PagedKVError):
     """A node, the coordinator or Redis cannot be reached; the call may succeed later."""
 

@@ -128,7 +128,11 @@ class CacheNodeServicer:
         (whole blocks, at most max_cached_tokens). Changes: a new sequence; cached
         blocks gain a reference; host hits are copied to the device. The caller then
         appends the remaining tokens. Codes: OK, INVALID_ARGUMENT (empty/duplicate
-        seq_id, bad token ids), RESOURCE_EXHAUSTED.
+        seq_id, bad token ids), RESOURCE_EXHAUSTED, FAILED_PRECONDITION (fewer than
+        expect_cached_tokens held: PrefixEvicted). Every rpc naming a sequence the node
+        does not know waits up to a grace (0.5 s by default) for its Open first, since
+        the coordinator sends Open asynchronously; a sequence whose asynchronous Open
+        failed answers that open's error (OpenFailed / PrefixEvicted) instead of NOT_FOUND.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

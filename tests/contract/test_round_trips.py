@@ -15,6 +15,7 @@ import redis.connection
 
 from pagedkv.coordinator.records import Extent, SequenceRecord
 from pagedkv.coordinator.redis_store import RedisStore
+from pagedkv.protos.errors import SequenceNotFound
 
 SPEC = {"num_layers": 1, "num_kv_heads": 1, "head_dim": 8}
 
@@ -56,6 +57,16 @@ def test_open_costs_two_round_trips(store: RedisStore, monkeypatch: pytest.Monke
 
     assert count_round_trips(monkeypatch, open_sequence) == 2
     assert store.get_sequence("s1").extents == (Extent("n1", 0, 64),)
+
+
+def test_close_costs_one_round_trip(store: RedisStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Coordinator.close: the tenant check is inside the delete script (no get first)."""
+    store.register_node("n1", "a:1", SPEC, 100, 30.0)
+    store.create_sequence(SequenceRecord("s1", "t", (Extent("n1", 0, 4),)))
+    with pytest.raises(SequenceNotFound):  # loads the script (EVALSHA's first NOSCRIPT)
+        store.delete_sequence("absent", tenant="t")
+    assert count_round_trips(monkeypatch, lambda: store.delete_sequence("s1", tenant="t")) == 1
+    assert store.sequences_of_node("n1") == []
 
 
 def test_every_control_call_is_one_round_trip(store: RedisStore, monkeypatch: pytest.MonkeyPatch) -> None:

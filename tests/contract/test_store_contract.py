@@ -26,6 +26,7 @@ from pagedkv.coordinator.store import Store, open_store
 from pagedkv.protos.errors import (
     FailedPrecondition,
     InvalidArgument,
+    PermissionDenied,
     QuotaExceeded,
     SequenceNotFound,
 )
@@ -206,6 +207,16 @@ def test_match_prefix_counts_leading_keys_and_a_gap_stops_the_count(store: Store
     assert store.match_prefix([key(99)] + keys) == {"n1": 0, "n2": 0, "n3": 0}
 
 
+def test_match_prefix_over_more_keys_than_one_script_slice(store: Store) -> None:
+    """9,001 keys: the Redis script asks in slices of 4,000 (Lua's unpack limit)."""
+    register(store, "n1", "n2", "n3")
+    keys = [key(i) for i in range(9001)]
+    store.apply_events("n1", keys, [])
+    store.apply_events("n2", keys[:4000] + keys[4001:], [])  # gap at the first key of slice 2
+    store.apply_events("n3", keys[:8500], [])
+    assert store.match_prefix(keys) == {"n1": 9001, "n2": 4000, "n3": 8500}
+
+
 def test_match_prefix_with_no_nodes_is_empty(store: Store) -> None:
     assert store.match_prefix([key(1)]) == {}
 
@@ -288,6 +299,22 @@ def test_sequence_crud(store: Store) -> None:
         store.get_sequence("s1")
     with pytest.raises(SequenceNotFound, match="s1"):
         store.delete_sequence("s1")
+
+
+def test_delete_sequence_with_a_tenant_refuses_another_tenants_and_keeps_it(store: Store) -> None:
+    register(store, "n1")
+    record = seq("s1", ("n1", 0, 2), tenant="acme")
+    store.create_sequence(record)
+    with pytest.raises(PermissionDenied, match="'s1' belongs to another tenant"):
+        store.delete_sequence("s1", tenant="other")
+    assert store.get_sequence("s1") == record
+    assert store.sequences_of_node("n1") == [record]
+    with pytest.raises(InvalidArgument):
+        store.delete_sequence("s1", tenant="")
+    assert store.delete_sequence("s1", tenant="acme") == record
+    assert store.sequences_of_node("n1") == []
+    with pytest.raises(SequenceNotFound, match="s1"):
+        store.delete_sequence("s1", tenant="acme")
 
 
 def test_sequence_errors_change_nothing(store: Store) -> None:

@@ -43,7 +43,8 @@ def publish(coordinator, engines, name):
 
 def test_cold_opens_spread_and_hits_follow_the_prefix(cluster):
     coordinator, engines = cluster
-    a = coordinator.open("t", list(range(40)), seq_id="a")  # 10 blocks on n1 (tie -> smaller id)
+    # wait=True: the node Open is asynchronous, and this test calls the engines directly
+    a = coordinator.open("t", list(range(40)), seq_id="a", wait=True)  # 10 blocks on n1 (tie -> smaller id)
     b = coordinator.open("t", list(range(100, 140)), seq_id="b")  # n1 now looks busier -> n2
     assert (a.node_id, b.node_id) == ("n1", "n2")
     engine = engines["n1"]
@@ -58,6 +59,7 @@ def test_cold_opens_spread_and_hits_follow_the_prefix(cluster):
         coordinator.close("someone-else", "c")
     for seq_id in ("a", "b", "c"):
         coordinator.close("t", seq_id)
+    coordinator.wait_idle()  # the node Frees are asynchronous too
     for e in engines.values():
         e.check_integrity()
         assert e.stats()["used_blocks"] == 0
