@@ -44,7 +44,10 @@ def ensure_venv() -> Path:
         print(f"building the peers' venv at {VENV} (a few minutes) ...", flush=True)
         env = {**os.environ, "SKIP_RUN": "1", "VENV": str(VENV)}
         subprocess.run(["bash", str(PEERS / "setup_and_run.sh")], check=True, env=env)
-    probe = subprocess.run([str(python), "-c", "import pagedkv"], capture_output=True)
+    # Probe from the peers' directory: from the repo root `pagedkv/` alone would import.
+    probe = subprocess.run(
+        [str(python), "-c", "import pagedkv.cache_node.kv_manager"], capture_output=True, cwd=PEERS
+    )
     if probe.returncode != 0:  # our package, without its dependencies (torch/numpy are there)
         subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-deps", "-e", str(ROOT)], check=True)
     return python

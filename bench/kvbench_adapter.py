@@ -40,7 +40,7 @@ class PagedKVAdapter(Adapter):
         mgr = self.mgr
         cached = mgr.open(rid, prompt).num_cached_tokens
         try:
-            mgr.append(rid, prompt[cached:])
+            mgr.reserve(rid, prompt[cached:] if cached else prompt)
         except CapacityExceeded:
             mgr.free(rid)
             return None
@@ -48,8 +48,8 @@ class PagedKVAdapter(Adapter):
 
     def decode(self, batch):
         rids, tokens = zip(*batch, strict=True)
-        self.mgr.append_tokens(rids, tokens)
-        self.num_events += len(self.mgr.take_events())  # the node drains these every step
+        self.mgr.reserve_tokens(rids, tokens)
+        self.num_events += len(self.mgr.take_event_batch().keys)  # the node drains these every step
 
     def finish(self, rid):
         self.mgr.free(rid)

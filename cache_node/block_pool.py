@@ -20,6 +20,8 @@ Not thread-safe by itself: the engine holds one lock around every call.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterable
+from itertools import islice
 from typing import NamedTuple
 
 from ..protos.errors import CapacityExceeded, IntegrityError, InvalidArgument
@@ -116,20 +118,25 @@ class BlockPool:
             out = free[::-1]
             del free[:]
             key_of, block_of_key, lru = self.key_of, self.block_of_key, self._lru
-            add_key, add_block = evicted_keys.append, out.append
-            for _ in range(n - nfree):
-                if lru is not None:
-                    block = lru.popitem(last=False)[0]
-                else:
-                    block = policy.pop_victim()
+            k = n - nfree
+            if lru is not None:  # the k oldest
+                victims = list(islice(lru, k))
+                for block in victims:
+                    del lru[block]
+            else:
+                victims = [policy.pop_victim() for _ in range(k)]
+                for block in victims:
                     policy.forget(block)
+            add_key = evicted_keys.append
+            for block in victims:
                 key = key_of[block]
                 assert key is not None
                 del block_of_key[key]
                 key_of[block] = None
                 add_key(key)
-                add_block(block)
-            self.num_evictions += n - nfree
+            out += victims
+            self.num_evictions += k
+        # A plain loop: STORE_SUBSCR beats map(refcount.__setitem__, ...) ~3x on CPython 3.11.
         for block in out:
             refcount[block] = 1
         return out
@@ -168,7 +175,7 @@ class BlockPool:
             self.policy.remove(block)
         self.refcount[block] += 1
 
-    def free(self, blocks: list[int]) -> None:
+    def free(self, blocks: Iterable[int]) -> None:
         """Drop one reference from each block, in order. A block that reaches 0
         becomes cached (if keyed) or free. Callers pass a sequence's blocks
         tail-first, so with LRU its deepest blocks are evicted before its prefix."""

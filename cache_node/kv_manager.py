@@ -25,8 +25,10 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterable
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from itertools import repeat
+from operator import attrgetter, itemgetter
 from typing import NamedTuple, Protocol
 
 from ..protos.errors import (
@@ -72,10 +74,20 @@ class BlockEvent(NamedTuple):
     key: bytes
 
 
+class EventBatch(NamedTuple):
+    """Drained events as two aligned lists: kinds[i] happened to keys[i], in order."""
+
+    kinds: list[str]
+    keys: list[bytes]
+
+
 STORED, REMOVED = "stored", "removed"
 # Runs an iterator of side effects to its end, in C.
 _consume: Callable[[Iterable[object]], None] = deque[object](maxlen=0).extend
 _new_tuple = tuple.__new__  # _new_tuple(BlockEvent, (kind, key)): a BlockEvent without a Python frame
+# C-level field reads for the batched decode step (map() over a batch, no Python frame per sequence).
+_TOKENS, _TABLE, _IS_SIMPLE = attrgetter("tokens"), attrgetter("table"), attrgetter("simple")
+_LAST = itemgetter(-1)
 
 
 def _as_events(log: list) -> list[BlockEvent]:
@@ -99,7 +111,7 @@ class Sequence:
     table: list[int] = field(default_factory=list)
     keys: list[bytes | None] = field(default_factory=list)  # aligned with table
     scores: list[float] = field(default_factory=list)  # attention mass per kept block
-    cache_len: int = 0  # tokens held in the table
+    num_dropped_tokens: int = 0  # tokens a budget dropped (whole blocks): cache_len = num_tokens - this
     host_table: list[int] | None = None  # set while swapped out
     budget: Budget | None = None
     chain_intact: bool = True  # False after a budget drop: later blocks get no keys
@@ -116,8 +128,34 @@ class Sequence:
         return len(self.tokens)
 
     @property
+    def cache_len(self) -> int:
+        """Tokens held in the table. Derived, so a decode step only appends the token."""
+        return len(self.tokens) - self.num_dropped_tokens
+
+    @property
     def is_swapped(self) -> bool:
         return self.host_table is not None
+
+
+class _DecodeGroup:
+    """The batch of the last decode step, kept so the next step with the same
+    sequences skips the lookups and checks, and knows without looking which
+    members cross a block boundary. Every member is simple and gets exactly one
+    token per step; any other change to a member (free, swap, fork, budget, a
+    reserve()) drops the group (KVCacheManager._group = None)."""
+
+    __slots__ = ("ids", "members", "batch", "token_lists", "by_fill", "num_steps")
+
+    def __init__(self, ids: tuple[str, ...], batch: list[Sequence], block_size: int) -> None:
+        self.ids = ids
+        self.members = frozenset(ids)
+        self.batch = batch
+        self.token_lists = list(map(_TOKENS, batch))
+        # by_fill[r]: indices of the members whose length % block_size was r when the group formed.
+        self.by_fill: list[list[int]] = [[] for _ in range(block_size)]
+        for i, length in enumerate(map(len, self.token_lists)):
+            self.by_fill[length % block_size].append(i)
+        self.num_steps = 0
 
 
 @dataclass
@@ -175,6 +213,7 @@ class KVCacheManager:
         self._offsets = list(range(block_size)) * 16  # offsets of consecutive slots: p % bs
         self._block_key = block_hasher(block_size)
         self._num_swapped = 0  # sequences with a host_table: decode batches skip the check while 0
+        self._group: _DecodeGroup | None = None  # the last decode step's batch, while it holds
 
     # -- lookups ------------------------------------------------------------------
 
@@ -270,7 +309,7 @@ class KVCacheManager:
         n = len(table)
         cache_len = n * bs
         seq_keys: list[bytes | None] = list(keys[:n])
-        seq = Sequence(seq_id, root, token_ids[:cache_len], table, seq_keys, [0.0] * n, cache_len)
+        seq = Sequence(seq_id, root, token_ids[:cache_len], table, seq_keys, [0.0] * n)
         if len(keys) > n:
             seq.hint = (hashed, keys)
         if n > unindexed:  # a hit on a prefix the index does not cover yet: index it with this prompt
@@ -383,20 +422,35 @@ class KVCacheManager:
         log, self._event_log = self._event_log, []
         return _as_events(log)
 
+    def take_event_batch(self) -> EventBatch:
+        """take_events() without a tuple per event (two list slices per drain),
+        for a node that streams many events per step."""
+        log, self._event_log = self._event_log, []
+        return EventBatch(log[0::2], log[1::2])
+
     @property
     def events(self) -> list[BlockEvent]:
         """The events take_events() would drain now. Changes nothing."""
         return _as_events(self._event_log)
 
     def append(self, seq_id: str, token_ids: list[int]) -> Slots:
-        """Reserve room for `token_ids` at the end of the sequence and return
-        where their K/V go. Allocates blocks as boundaries are crossed, copies a
-        shared partial last block first (copy-on-write), and publishes blocks
-        that become full. Raises (changing nothing) when the device lacks room."""
+        """reserve(), then where the appended tokens' K/V go (token i -> slot i)."""
+        start = self.reserve(seq_id, token_ids)
+        return self._slots(self.seqs[seq_id].table, start, len(token_ids))
+
+    def reserve(self, seq_id: str, token_ids: list[int]) -> int:
+        """Reserve room for `token_ids` at the end of the sequence; returns the
+        position (in the table) of the first of them. Allocates blocks as
+        boundaries are crossed, copies a shared partial last block first
+        (copy-on-write), and publishes blocks that become full. Raises
+        (changing nothing) when the device lacks room. Token ids must be ints
+        (the engine checks what comes off the wire)."""
         seq = self._active(seq_id)
         n = len(token_ids)
         if n == 0:
-            return Slots([], [])
+            return seq.cache_len
+        if self._group is not None and seq_id in self._group.members:
+            self._group = None
         bs, device = self.block_size, self.device
         # A budget makes room before the write (the new tokens are never dropped).
         # Whole blocks leave, so `need` is the same before and after the drop; the
@@ -430,7 +484,19 @@ class KVCacheManager:
             seq.keys += [None] * need
             seq.scores += [0.0] * need
         seq.tokens += token_ids
-        seq.cache_len = end = start + n
+        end = start + n
+        first = start // bs
+        if end // bs > first and seq.chain_intact and self.enable_prefix_caching:
+            self._publish_full(seq, first, end // bs)
+        seq.simple = seq.budget is None  # the last block is private now (copied or fresh if it was shared)
+        return start
+
+    def _slots(self, table: list[int], start: int, n: int) -> Slots:
+        """Slots of table positions [start, start + n)."""
+        if n == 0:
+            return Slots([], [])
+        bs = self.block_size
+        fill, end = start % bs, start + n
         first, last = start // bs, (end - 1) // bs
         offsets = self._offsets
         if fill + n > len(offsets):  # the repeating 0..bs-1 pattern, grown to the longest append seen
@@ -451,11 +517,7 @@ class KVCacheManager:
             for b in table[first + 1 : last]:
                 blocks += [b] * bs
             blocks += [table[last]] * (end - last * bs)
-        slots = Slots(blocks, offsets[fill : fill + n])
-        if end // bs > first and seq.chain_intact and self.enable_prefix_caching:
-            self._publish_full(seq, first, end // bs)
-        seq.simple = seq.budget is None  # the last block is private now (copied or fresh if it was shared)
-        return slots
+        return Slots(blocks, offsets[fill : fill + n])
 
     def _publish_full(self, seq: Sequence, first: int, stop: int) -> None:
         """Key blocks [first, stop) of the table, which just became full."""
@@ -473,7 +535,7 @@ class KVCacheManager:
                 while i < top and tokens[i * bs : (i + 1) * bs] == hint_tokens[i * bs : (i + 1) * bs]:
                     new_keys.append(hint_keys[i])
                     i += 1
-            if first + len(new_keys) < stop:
+            if first + len(new_keys) < stop or stop >= len(hint_keys):  # diverged, or used up
                 seq.hint = None
         if first + len(new_keys) < stop:
             j = first + len(new_keys)
@@ -487,11 +549,23 @@ class KVCacheManager:
         key_of, block_of_key = device.key_of, device.block_of_key
         host_keys = self.host.block_of_key
         events = self._event_log if self.record_events else None
-        i = first
-        for key in new_keys:
-            keys[i] = key
-            b = table[i]
-            i += 1
+        num_new = len(new_keys)
+        keys[first : first + num_new] = new_keys
+        blocks = table[first : first + num_new]
+        if (
+            not host_keys
+            and block_of_key.keys().isdisjoint(new_keys)
+            and [key_of[b] for b in blocks].count(None) == num_new
+        ):  # the usual case: every block takes its key, as in the loop below, with fewer checks
+            for b, key in zip(blocks, new_keys, strict=True):
+                key_of[b] = key
+            block_of_key.update(zip(new_keys, blocks, strict=True))
+            if events is not None:
+                flat: list[str | bytes] = [STORED] * (2 * num_new)
+                flat[1::2] = new_keys
+                events += flat
+            return
+        for key, b in zip(new_keys, blocks, strict=True):
             if key_of[b] is not None or key in block_of_key:  # BlockPool.publish() refusing
                 continue
             key_of[b] = key
@@ -503,67 +577,109 @@ class KVCacheManager:
             else:  # the node held it on the host already; the device copy replaces it
                 self.host.drop(hb)
 
-    def append_tokens(self, seq_ids: list[str], token_ids: list[int]) -> Slots:
-        """One token for each of many sequences (a decode step): the batched
-        form of append(seq_id, [token]), checked for room as a whole first so a
-        failure changes nothing. Sequences must be distinct."""
+    def append_tokens(self, seq_ids: Seq[str], token_ids: Seq[int]) -> Slots:
+        """reserve_tokens(), then each sequence's new slot (sequence i -> slot i)."""
+        batch = self._reserve_step(seq_ids, token_ids)
+        bs = self.block_size
+        blocks = list(map(_LAST, map(_TABLE, batch)))  # the new token is always in the last block
+        offsets = [(len(tokens) - 1) % bs for tokens in map(_TOKENS, batch)]  # budgets drop whole blocks
+        return Slots(blocks, offsets)
+
+    def reserve_tokens(self, seq_ids: Seq[str], token_ids: Seq[int]) -> None:
+        """One token for each of many sequences (a decode step): the batched form
+        of reserve(seq_id, [token]), for the whole batch in one call. The batch is
+        checked as a whole first, so an unknown or swapped-out sequence, one listed
+        twice, a token count that differs from the sequence count, or too little
+        room for the step raises and changes nothing."""
+        self._reserve_step(seq_ids, token_ids)
+
+    def _reserve_step(self, seq_ids: Seq[str], token_ids: Seq[int]) -> list[Sequence]:
         n = len(seq_ids)
         if n != len(token_ids):
             raise InvalidArgument(f"a decode batch of {n} sequences got {len(token_ids)} tokens")
+        ids = seq_ids if type(seq_ids) is tuple else tuple(seq_ids)
+        group = self._group
+        device = self.device
+        if group is not None and ids == group.ids:  # the batch of the last step (the usual case)
+            if n > len(device._free) + len(device.policy):
+                self._check_decode_room(group.batch)
+            self._step_group(group, token_ids)
+            return group.batch
         seqs = self.seqs
         try:
-            batch = list(map(seqs.__getitem__, seq_ids))
+            batch = list(map(seqs.__getitem__, ids))
         except KeyError:
-            for sid in seq_ids:  # the first bad id, in order, raises its precise error
+            for sid in ids:  # the first bad id, in order, raises its precise error
                 self._active(sid)
             raise
         if self._num_swapped:
-            for sid in seq_ids:
+            for sid in ids:
                 self._active(sid)
-        if len(set(seq_ids)) != n:
+        if len(set(ids)) != n:
             raise InvalidArgument("a decode batch lists a sequence more than once")
-        device = self.device
-        free = device._free
-        if n > len(free) + len(device.policy):  # else every sequence surely finds its block
+        if n > len(device._free) + len(device.policy):  # else every sequence surely finds its block
             self._check_decode_room(batch)
         bs = self.block_size
-        refcount = device.refcount
-        last_offset = bs - 1
-        publish = self.enable_prefix_caching
-        blocks: list[int] = []
-        offsets: list[int] = []
+        if bs > 1 and all(map(_IS_SIMPLE, batch)):
+            self._group = group = _DecodeGroup(ids, batch, bs)
+            self._step_group(group, token_ids)
+            return batch
+        self._group = None
         for seq, token in zip(batch, token_ids, strict=True):
-            pos = seq.cache_len
-            fill = pos % bs
-            if not seq.simple:  # copy-on-write or a budget: the general path
-                slots = self.append(seq.seq_id, [token])
-                blocks.append(slots.blocks[0])
-                offsets.append(slots.offsets[0])
-                continue
-            if fill:
-                block = seq.table[-1]
-            else:  # crossing into a new block: what append() does for one token
-                if free:
-                    block = free.pop()
-                    refcount[block] = 1
-                else:
-                    block, lost = device.take_one()
-                    if lost is not None:
-                        if self.host.num_blocks:
-                            self._offload([block], [lost])
-                        else:  # _offload() for one block without a host tier
-                            self.counters.evicted_device_dropped += 1
-                            self._removed(lost)
-                seq.table.append(block)
-                seq.keys.append(None)
-                seq.scores.append(0.0)
-            seq.tokens.append(token)
-            seq.cache_len = pos + 1
-            blocks.append(block)
-            offsets.append(fill)
-            if fill == last_offset and publish and seq.chain_intact:
-                self._publish_one(seq, pos // bs)
-        return Slots(blocks, offsets)
+            if seq.simple and bs > 1:
+                self._step_group(_DecodeGroup((seq.seq_id,), [seq], bs), [token])
+            else:  # copy-on-write, a budget, or one-token blocks: the general path
+                self.reserve(seq.seq_id, [token])
+        return batch
+
+    def _step_group(self, group: _DecodeGroup, token_ids: Seq[int]) -> None:
+        """A decode step for a group of simple sequences, with no Python work per
+        token: the tokens go in by one C-level pass, and only the sequences that
+        cross a block boundary (about len(batch) / block_size of them), found by
+        the group's schedule, take a Python branch. Room was checked."""
+        _consume(map(list.append, group.token_lists, token_ids))
+        group.num_steps = t = group.num_steps + 1
+        bs, batch, by_fill = self.block_size, group.batch, group.by_fill
+        # A member that had length L when the group formed has L + t now: its token
+        # opened a new block when (L + t) % bs == 1, and filled its block when it is 0.
+        opened = by_fill[(1 - t) % bs]
+        filled = by_fill[-t % bs] if self.enable_prefix_caching else ()
+        if opened and filled:  # both kinds in one step: in batch order, as one-token appends would
+            for i in sorted(opened + filled):  # type: ignore[operator]
+                if i in opened:
+                    self._open_block(batch[i])
+                elif batch[i].chain_intact:
+                    self._publish_one(batch[i], len(batch[i].tokens) // bs - 1)
+            return
+        for i in opened:
+            self._open_block(batch[i])
+        for i in filled:
+            seq = batch[i]
+            if seq.chain_intact:
+                self._publish_one(seq, len(seq.tokens) // bs - 1)
+
+    def _open_block(self, seq: Sequence) -> None:
+        """Give a decoding sequence its next block (its new token sits at offset 0)."""
+        free = self.device._free
+        if free:
+            block = free.pop()
+            self.device.refcount[block] = 1
+        else:
+            block = self._take_one_device()
+        seq.table.append(block)
+        seq.keys.append(None)
+        seq.scores.append(0.0)
+
+    def _take_one_device(self) -> int:
+        """_allocate_device(1) for the decode path: one block, evicting if needed."""
+        block, lost = self.device.take_one()
+        if lost is not None:
+            if self.host.num_blocks:
+                self._offload([block], [lost])
+            else:  # _offload() for one block without a host tier
+                self.counters.evicted_device_dropped += 1
+                self._removed(lost)
+        return block
 
     def _publish_one(self, seq: Sequence, i: int) -> None:
         """_publish_full(seq, i, i + 1) for a decode step that filled block i."""
@@ -615,6 +731,7 @@ class KVCacheManager:
         if child_id in self.seqs:
             raise InvalidArgument(f"sequence {child_id!r} already exists")
         parent = self._active(parent_id)
+        self._group = None
         for b in parent.table:
             self.device.incref(b)
         parent.simple = False  # the partial last block is shared now
@@ -625,7 +742,7 @@ class KVCacheManager:
             list(parent.table),
             list(parent.keys),
             list(parent.scores),
-            parent.cache_len,
+            parent.num_dropped_tokens,
             None,
             parent.budget,
             parent.chain_intact,
@@ -639,11 +756,12 @@ class KVCacheManager:
         seq = self.seqs.pop(seq_id, None)
         if seq is None:
             raise SequenceNotFound(seq_id)
+        self._group = None
         if seq.host_table is not None:
             self._num_swapped -= 1
             self.host.free(seq.host_table[::-1])
         else:
-            self.device.free(reversed(seq.table))  # type: ignore[arg-type]
+            self.device.free(seq.table[::-1])
 
     # -- swapping -----------------------------------------------------------------
 
@@ -655,6 +773,7 @@ class KVCacheManager:
         n = len(seq.table)
         if n > self.host.num_available:
             raise CapacityExceeded(f"swap out sequence {seq_id!r} to host", n, self.host.num_available)
+        self._group = None
         host_blocks, lost = self.host.allocate(n)
         for ev in lost:
             self.counters.evicted_host_dropped += 1
@@ -681,6 +800,7 @@ class KVCacheManager:
         room = device.num_available - sum(1 for b in revive if b is not None and b in device.policy)
         if need > room:
             raise CapacityExceeded(f"swap in sequence {seq_id!r}", need, max(room, 0))
+        self._group = None
         for b in revive:
             if b is not None:
                 device.incref(b)
@@ -742,6 +862,7 @@ class KVCacheManager:
                     f"(sink + recent) * block_size = {floor}; got {budget}"
                 )
         seq.budget = budget
+        self._group = None
         seq.simple = False  # the general append path re-derives it
         if budget is not None and seq.host_table is None and seq.cache_len > budget.max_tokens:
             self._enforce_budget(seq)
@@ -789,7 +910,7 @@ class KVCacheManager:
         seq.keys = [k if i < first else None for i, k in enumerate(seq.keys) if i not in gone]
 
         seq.chain_intact = False
-        seq.cache_len -= len(drop) * bs
+        seq.num_dropped_tokens += len(drop) * bs
         self.counters.budget_dropped_blocks += len(drop)
 
     # -- invariants ---------------------------------------------------------------
@@ -822,6 +943,17 @@ class KVCacheManager:
                 shared_tail = seq.cache_len % bs != 0 and refcount[seq.table[-1]] != 1
                 if seq.budget is not None or shared_tail:
                     problems.append(f"sequence {seq.seq_id!r}: simple, yet has a budget or shared tail")
+        group = self._group
+        if group is not None:  # the cached decode batch must still describe its members
+            for i, (sid, seq) in enumerate(zip(group.ids, group.batch, strict=True)):
+                fill = next(r for r, members in enumerate(group.by_fill) if i in members)
+                if self.seqs.get(sid) is not seq or not seq.simple or seq.host_table is not None:
+                    problems.append(f"decode group member {sid!r} is gone, swapped or not simple")
+                elif (
+                    seq.tokens is not group.token_lists[i]
+                    or (fill + group.num_steps) % bs != seq.num_tokens % bs
+                ):
+                    problems.append(f"decode group member {sid!r}: {seq.num_tokens} tokens off its schedule")
         num_swapped = sum(1 for s in self.seqs.values() if s.host_table is not None)
         if num_swapped != self._num_swapped:
             problems.append(f"{num_swapped} sequences swapped out, but {self._num_swapped} counted")

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from pagedkv.cache_node.kv_manager import DEVICE, HOST, REMOVED, STORED, Budget, KVCacheManager
+from pagedkv.cache_node.kv_manager import DEVICE, HOST, REMOVED, STORED, Budget, KVCacheManager, Slots
 from pagedkv.protos.errors import PagedKVError
 from pagedkv.protos.keys import chain_keys, root_key
 
@@ -119,6 +119,7 @@ class Harness:
         self.next_id = 0
         self.prefixes = [[self.rng.randrange(VOCAB) for _ in range(n)] for n in (6, 9, 13, 17)]
         self.counts: dict[str, int] = {}
+        self.last_batch: list[str] = []  # the last decode batch, often repeated as an engine does
 
     # -- the shadow model ---------------------------------------------------------
 
@@ -227,8 +228,18 @@ class Harness:
     def _tokens(self, n: int) -> list[int]:
         return [self.rng.randrange(VOCAB) for _ in range(n)]
 
+    def _tail_slots(self, sid: str, start: int, n: int) -> tuple[list[int], list[int]]:
+        """Slots of table positions [start, start + n), computed here from the table."""
+        table, bs = self.mgr.get(sid).table, self.bs
+        return [table[p // bs] for p in range(start, start + n)], [p % bs for p in range(start, start + n)]
+
     def _append(self, sid: str, tokens: list[int]) -> None:
-        slots = self.mgr.append(sid, tokens)  # raises before any shadow change
+        if self.rng.random() < 0.5:
+            slots = self.mgr.append(sid, tokens)  # raises before any shadow change
+        else:  # reserve() returns the first new position; the slots follow from the table
+            start = self.mgr.reserve(sid, tokens)
+            slots = Slots(*self._tail_slots(sid, start, len(tokens)))
+            assert start + len(tokens) == self.mgr.get(sid).cache_len
         if tokens:  # a budget makes room before the write, so new tokens are never dropped
             self._enforce_budget(self.shadow[sid], len(tokens))
         values = self._extend(sid, tokens)
@@ -270,10 +281,23 @@ class Harness:
         active = [s for s, sh in self.shadow.items() if not sh.swapped]
         if not active:
             return
-        batch = self.rng.sample(active, self.rng.randrange(1, len(active) + 1))
+        rng = self.rng
+        if self.last_batch and set(self.last_batch) <= set(active) and rng.random() < 0.7:
+            batch = list(self.last_batch)  # the same batch again (the manager's decode group)
+        else:
+            batch = rng.sample(active, rng.randrange(1, len(active) + 1))
         tokens = self._tokens(len(batch))
-        slots = self.mgr.append_tokens(batch, tokens)
-        assert len(slots.blocks) == len(slots.offsets) == len(batch)
+        if rng.random() < 0.5:
+            slots = self.mgr.append_tokens(batch if rng.random() < 0.5 else tuple(batch), tokens)
+            assert len(slots.blocks) == len(slots.offsets) == len(batch)
+        else:  # reserve_tokens() returns nothing: each new token is the last of its sequence
+            self.mgr.reserve_tokens(batch, tokens)
+            tails = [self._tail_slots(sid, self.mgr.get(sid).cache_len - 1, 1) for sid in batch]
+            slots = Slots([b for (b,), _ in tails], [o for _, (o,) in tails])
+        self.last_batch = batch
+        group = self.mgr._group  # white-box: count the steps the cached decode group served
+        if group is not None and group.ids == tuple(batch) and group.num_steps > 1:
+            self.counts["decode:group"] = self.counts.get("decode:group", 0) + 1
         for i, (sid, t) in enumerate(zip(batch, tokens, strict=True)):
             self._enforce_budget(self.shadow[sid], 1)
             (value,) = self._extend(sid, [t])
@@ -350,7 +374,7 @@ class Harness:
         """A request that must be refused (step() then checks that it changed nothing)."""
         rng, m = self.rng, self.mgr
         sid, swapped = self._pick(), self._pick(swapped=True)
-        choice = rng.randrange(7)
+        choice = rng.randrange(10)
         if choice == 0:
             m.append("no-such-seq", [1])
         elif sid is None:
@@ -368,8 +392,19 @@ class Harness:
                 return
             batch = [swapped] if sid == swapped else [sid, swapped]
             m.append_tokens(batch, self._tokens(len(batch)))  # a swapped sequence in the batch
-        else:
+        elif choice == 6:
             m.append_tokens([sid], [1, 2])  # more tokens than sequences
+        else:  # the last decode batch (the manager's cached group) with one bad entry
+            batch = [s for s in self.last_batch if s in self.shadow and not self.shadow[s].swapped]
+            if not batch:
+                return
+            if choice == 7:
+                batch.insert(rng.randrange(len(batch) + 1), "no-such-seq")
+                m.reserve_tokens(batch, self._tokens(len(batch)))
+            elif choice == 8:
+                m.reserve_tokens(batch, self._tokens(len(batch) - 1))  # one token short
+            else:
+                m.append_tokens(batch + [batch[0]], self._tokens(len(batch) + 1))  # listed twice
         raise AssertionError(f"bad request {choice} was accepted")
 
     OPS = {
@@ -437,6 +472,7 @@ def test_random_operations_keep_every_invariant(seed: int, policy: str, num_host
     assert s["device_evictions"] > 0 and s["cow_copies"] > 0 and s["prefix_hit_tokens"] > 0
     assert s["budget_dropped_blocks"] > 0
     assert sum(v for k, v in c.items() if k.startswith("bad:")) > 0
+    assert c.get("decode:group", 0) > 20 and c.get("bad:SequenceNotFound", 0) > 0
     if num_host_blocks:
         assert s["swap_out_blocks"] > 0 and s["swap_in_blocks"] > 0
         assert s["evicted_to_host"] > 0 and s["prefix_host_hit_tokens"] > 0
