@@ -432,6 +432,69 @@ class CacheEngine:
                 self._credit_mass([seq], out.block_mass.unsqueeze(0))
             return out
 
+    def attend_prefill_batch(
+        self,
+        seq_ids: Seq[str],
+        layer: int,
+        num_tokens: Seq[int],
+        q: Any,
+        k: Any = None,
+        v: Any = None,
+        token_ids: Seq[int] | None = None,
+    ) -> AttentionOutput:
+        """attend_prefill for B sequences at one layer in one call: sequence i owns the next
+        num_tokens[i] rows of q [N, q_heads, head_dim] (k, v [N, kv_heads, head_dim]; N token
+        ids at layer 0), N = sum(num_tokens). Returns out [N, q_heads, head_dim] and lse
+        [N, q_heads] in the same row order (no block mass).
+
+            rows   0 ........ n_0 | n_0 ........ n_0 + n_1 | ... N
+                   sequence 0     | sequence 1            | ...
+
+        The whole request (distinct known active sequences, counts, shapes, token ids, enough
+        tokens held when nothing is appended) is checked before anything changes, and the batch
+        runs under the engine lock. Only running out of room at layer 0 fails after a change:
+        the sequences before the one that did not fit keep their appended tokens."""
+        ids = [_seq_id(sid) for sid in seq_ids]
+        layer = self._layer(layer)
+        s = self.spec
+        if not ids:
+            raise InvalidArgument("attend_prefill_batch needs at least one sequence")
+        if len(set(ids)) != len(ids):
+            raise InvalidArgument("a prefill batch lists a sequence more than once")
+        counts = list(num_tokens)
+        if len(counts) != len(ids) or any(type(n) is not int or n < 1 for n in counts):
+            raise InvalidArgument(
+                f"num_tokens must hold one count >= 1 per sequence ({len(ids)}), got {counts}"
+            )
+        total = sum(counts)
+        q = self._query("q", q, (total, None, s.head_dim))
+        tokens = self._step_tokens(layer, k, v, token_ids, total)
+        if k is not None:
+            k = self._tensor("k", k, (total, s.num_kv_heads, s.head_dim))
+            v = self._tensor("v", v, (total, s.num_kv_heads, s.head_dim))
+        bounds = [0]
+        for n in counts:
+            bounds.append(bounds[-1] + n)
+        with self._lock:
+            for sid, n in zip(ids, counts, strict=True):
+                seq = self.manager._active(sid)
+                if tokens is None and seq.cache_len < n:  # nothing appended: q are its last n tokens
+                    raise InvalidArgument(
+                        f"sequence {sid!r} holds {seq.cache_len} tokens, fewer than {n} queries"
+                    )
+            outs: list[torch.Tensor] = []
+            lses: list[torch.Tensor] = []
+            for i, sid in enumerate(ids):
+                a, b = bounds[i], bounds[i + 1]
+                part = self.attend_prefill(
+                    sid, layer, q[a:b],
+                    None if k is None else k[a:b], None if v is None else v[a:b],
+                    None if tokens is None else tokens[a:b],
+                )  # fmt: skip
+                outs.append(part.out)
+                lses.append(part.lse)
+        return AttentionOutput(torch.cat(outs), torch.cat(lses), None)
+
     def _query(self, name: str, q: Any, shape: tuple[int | None, ...]) -> torch.Tensor:
         if isinstance(q, np.ndarray):
             q = torch.from_numpy(q)

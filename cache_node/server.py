@@ -198,6 +198,23 @@ class CacheNodeServicer(pb_grpc.CacheNodeServicer):
 
         return self._observe("AttendPrefill", context, run)
 
+    def AttendPrefillBatch(
+        self, request: pb.AttendPrefillBatchRequest, context: grpc.ServicerContext
+    ) -> pb.AttendResponse:
+        def run() -> pb.AttendResponse:
+            out = self.engine.attend_prefill_batch(
+                list(request.seq_ids),
+                request.layer,
+                list(request.num_tokens),
+                tensors.decode(request.q, "q", copy=False),
+                self._optional_tensor(request, "k"),
+                self._optional_tensor(request, "v"),
+                list(request.token_ids) or None,
+            )
+            return self._attention_response(out, False)
+
+        return self._observe("AttendPrefillBatch", context, run)
+
     def Fork(self, request: pb.ForkRequest, context: grpc.ServicerContext) -> pb.Empty:
         def run() -> pb.Empty:
             self.engine.fork(request.parent_id, request.child_id)

@@ -11,7 +11,9 @@ from typing import Any
 import grpc
 import torch
 
+from ..protos import pagedkv_pb2 as pb
 from ..protos import pagedkv_pb2_grpc as pb_grpc
+from ..protos import tensors
 from ..protos.status import error_from_rpc
 from . import codec
 from .config import ClientConfig
@@ -63,6 +65,23 @@ class NodeData:
         req = codec.prefill_request(seq_id, layer, q, k, v, token_ids, return_block_mass)
         return codec.attention_result(
             call(self.stub.AttendPrefill, req, self._t(timeout_s), where=self.where)
+        )
+
+    def attend_prefill_batch(
+        self,
+        seq_ids: Sequence[str],
+        layer: int,
+        num_tokens: Sequence[int],
+        q: Any,
+        k: Any = None,
+        v: Any = None,
+        token_ids: codec.TokenIds | None = None,
+        *,
+        timeout_s: float | None = None,
+    ) -> AttentionResult:
+        req = prefill_batch_request(seq_ids, layer, num_tokens, q, k, v, token_ids)
+        return codec.attention_result(
+            call(self.stub.AttendPrefillBatch, req, self._t(timeout_s), where=self.where)
         )
 
     def read_kv(
@@ -123,6 +142,23 @@ class AsyncNodeData:
             await acall(self.stub.AttendPrefill, req, self._t(timeout_s), where=self.where)
         )
 
+    async def attend_prefill_batch(
+        self,
+        seq_ids: Sequence[str],
+        layer: int,
+        num_tokens: Sequence[int],
+        q: Any,
+        k: Any = None,
+        v: Any = None,
+        token_ids: codec.TokenIds | None = None,
+        *,
+        timeout_s: float | None = None,
+    ) -> AttentionResult:
+        req = prefill_batch_request(seq_ids, layer, num_tokens, q, k, v, token_ids)
+        return codec.attention_result(
+            await acall(self.stub.AttendPrefillBatch, req, self._t(timeout_s), where=self.where)
+        )
+
     async def read_kv(
         self, seq_id: str, start: int = 0, end: int | None = None, timeout_s: float | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -134,3 +170,25 @@ class AsyncNodeData:
         except grpc.RpcError as exc:
             raise error_from_rpc(exc, self.where) from exc
         return reader.result()
+
+
+def prefill_batch_request(
+    seq_ids: Sequence[str],
+    layer: int,
+    num_tokens: Sequence[int],
+    q: Any,
+    k: Any,
+    v: Any,
+    token_ids: codec.TokenIds | None,
+) -> pb.AttendPrefillBatchRequest:
+    """AttendPrefillBatch: sequence i owns the next num_tokens[i] rows of q, k, v, token_ids."""
+    req = pb.AttendPrefillBatchRequest(
+        seq_ids=list(seq_ids),
+        layer=layer,
+        num_tokens=[int(n) for n in num_tokens],
+        token_ids=codec.token_list(token_ids),
+    )
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t is not None:
+            getattr(req, name).CopyFrom(tensors.encode(t, name))
+    return req

@@ -10,9 +10,8 @@
 Data calls per forward (B rows, L layers):
 
     decode (1 new token per row)   L calls  -- `attend_decode`, one per layer for the whole batch
-    prefill (n_b new tokens)       L calls  -- `attend_prefill_batch`, one per layer; today the node
-                                               has a single-sequence AttendPrefill rpc, so the gRPC
-                                               adapter sends B of them (prefill happens once)
+    prefill (n_b new tokens)       L calls  -- `attend_prefill_batch`, one AttendPrefillBatch rpc
+                                               per layer for all B rows (per node the rows span)
     gathered-KV mode               B `read_kv` + B `append` per forward (K/V cross the wire)
 """
 
@@ -129,10 +128,9 @@ class EngineBackend:
         vs: Sequence[torch.Tensor],
         token_ids: Sequence[Sequence[int]] | None,
     ) -> list[torch.Tensor]:
-        return [
-            self.engine.attend_prefill(sid, layer, q, k, v, None if token_ids is None else token_ids[i]).out
-            for i, (sid, q, k, v) in enumerate(zip(seq_ids, qs, ks, vs, strict=True))
-        ]
+        counts, q, k, v, tokens = _concat_rows(qs, ks, vs, token_ids)
+        out = self.engine.attend_prefill_batch(list(seq_ids), layer, counts, q, k, v, tokens).out
+        return list(out.split(counts))
 
     def append(self, seq_id: str, token_ids: Sequence[int], k: torch.Tensor, v: torch.Tensor) -> None:
         self.engine.append(seq_id, list(token_ids), k, v)
@@ -213,11 +211,10 @@ class GrpcBackend:
         vs: Sequence[torch.Tensor],
         token_ids: Sequence[Sequence[int]] | None,
     ) -> list[torch.Tensor]:
-        # The node's AttendPrefill takes one sequence; a batched rpc would make this one call.
-        return [
-            self._seqs[sid].attend_prefill(layer, q, k, v, None if token_ids is None else token_ids[i]).out
-            for i, (sid, q, k, v) in enumerate(zip(seq_ids, qs, ks, vs, strict=True))
-        ]
+        counts, q, k, v, tokens = _concat_rows(qs, ks, vs, token_ids)
+        seqs = [self._seqs[sid] for sid in seq_ids]
+        out = self.client.attend_prefill_batch(seqs, layer, counts, q, k, v, tokens).out
+        return list(out.split(counts))
 
     def append(self, seq_id: str, token_ids: Sequence[int], k: torch.Tensor, v: torch.Tensor) -> None:
         self._seqs[seq_id].append(list(token_ids), k, v)
@@ -248,3 +245,20 @@ class GrpcBackend:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _concat_rows(
+    qs: Sequence[torch.Tensor],
+    ks: Sequence[torch.Tensor],
+    vs: Sequence[torch.Tensor],
+    token_ids: Sequence[Sequence[int]] | None,
+) -> tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor, list[int] | None]:
+    """Per-sequence prefill rows -> (counts, q, k, v, token ids) concatenated in order, the
+    layout of one AttendPrefillBatch (no copy for a single sequence)."""
+    counts = [q.shape[0] for q in qs]
+    if len(qs) == 1:
+        q, k, v = qs[0], ks[0], vs[0]
+    else:
+        q, k, v = torch.cat(list(qs)), torch.cat(list(ks)), torch.cat(list(vs))
+    tokens = None if token_ids is None else [t for row in token_ids for t in row]
+    return counts, q, k, v, tokens

@@ -323,6 +323,48 @@ class CacheClient:
             parts.append((p.rows, res))
         return parts[0][1] if len(parts) == 1 else _gather_rows(parts, len(handles))
 
+    def attend_prefill_batch(
+        self,
+        seqs: Seq[Sequence | str],
+        layer: int,
+        num_tokens: Seq[int],
+        q: Any,
+        k: Any = None,
+        v: Any = None,
+        token_ids: codec.TokenIds | None = None,
+        *,
+        timeout_s: float | None = None,
+    ) -> AttentionResult:
+        """Prefill of B sequences at one layer: sequence i owns the next num_tokens[i] rows of
+        q [N, q_heads, D] (k, v [N, kv_heads, D]; N token ids at layer 0). One RPC per node
+        the batch spans (usually one); rows come back in the request's order."""
+        handles = [s if isinstance(s, Sequence) else self.sequence(s) for s in seqs]
+        counts = [int(n) for n in num_tokens]
+        if len(counts) != len(handles):
+            raise InvalidArgument(f"{len(counts)} token counts for {len(handles)} sequences")
+        tokens = None if token_ids is None else codec.token_list(token_ids)
+        groups: dict[str, list[int]] = {}
+        for i, h in enumerate(handles):
+            groups.setdefault(h.route.address, []).append(i)
+        if len(groups) == 1:
+            data = self.node(handles[0].route.address).data
+            return data.attend_prefill_batch([h.seq_id for h in handles], layer, counts, q, k, v, tokens,
+                                             timeout_s=timeout_s)  # fmt: skip
+        starts = [0]
+        for n in counts:
+            starts.append(starts[-1] + n)
+        parts = []
+        for address, members in groups.items():
+            rows = [r for i in members for r in range(starts[i], starts[i + 1])]
+            pick = torch.tensor(rows)
+            res = self.node(address).data.attend_prefill_batch(
+                [handles[i].seq_id for i in members], layer, [counts[i] for i in members], q[pick],
+                None if k is None else k[pick], None if v is None else v[pick],
+                None if tokens is None else [tokens[r] for r in rows], timeout_s=timeout_s,
+            )  # fmt: skip
+            parts.append((rows, res))
+        return _gather_rows(parts, starts[-1])
+
     def lookup(self, token_ids: codec.TokenIds, *, timeout_s: float | None = None) -> int:
         """Leading tokens of this prompt cached (on the best node, in a cluster). Changes nothing."""
         return self.routing.lookup(token_ids, timeout_s)

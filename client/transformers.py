@@ -9,11 +9,11 @@ How transformers' calls map to pagedkv calls (B rows, L layers, see hf_cache / h
     generate() / model(...)           pagedkv
     ------------------------------    -----------------------------------------------------------
     first forward (no open_prompt)    Open(row's real ids, max_cached_tokens=0) per row
-    open_prompt / *_with_prefix_cache Lookup + Open(full prompt) per row -> resume position
+    open_prompt / *_with_prefix_cache Open(full prompt) per row, the node caps the hit -> resume
     forward pre-hook                  records input_ids + which positions are real (not pads)
     cache.update(k, v, layer)         node mode: nothing; gather mode: ReadKV per row (layer 0)
     attention(q, k, v), decode        Attend(all rows, layer, q, k, v, token_ids at layer 0)
-    attention(q, k, v), prefill       AttendPrefill per row (pads skipped), one batch per layer
+    attention(q, k, v), prefill       AttendPrefillBatch(all rows, pads skipped), one per layer
     forward post-hook                 gather mode: Append per row (all layers' new K/V)
     cache.reorder_cache(beam_idx)     Fork chosen parents, Free dropped ones (CoW shares blocks)
     cache.close()                     Free every row (full blocks stay cached for prefix hits)

@@ -141,6 +141,24 @@ class AttendPrefillRequest(_message.Message):
     return_block_mass: bool
     def __init__(self, seq_id: _Optional[str] = ..., layer: _Optional[int] = ..., q: _Optional[_Union[Tensor, _Mapping]] = ..., k: _Optional[_Union[Tensor, _Mapping]] = ..., v: _Optional[_Union[Tensor, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ..., return_block_mass: _Optional[bool] = ...) -> None: ...
 
+class AttendPrefillBatchRequest(_message.Message):
+    __slots__ = ("seq_ids", "layer", "num_tokens", "q", "k", "v", "token_ids")
+    SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    Q_FIELD_NUMBER: _ClassVar[int]
+    K_FIELD_NUMBER: _ClassVar[int]
+    V_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    seq_ids: _containers.RepeatedScalarFieldContainer[str]
+    layer: int
+    num_tokens: _containers.RepeatedScalarFieldContainer[int]
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_ids: _Optional[_Iterable[str]] = ..., layer: _Optional[int] = ..., num_tokens: _Optional[_Iterable[int]] = ..., q: _Optional[_Union[Tensor, _Mapping]] = ..., k: _Optional[_Union[Tensor, _Mapping]] = ..., v: _Optional[_Union[Tensor, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class AttendResponse(_message.Message):
     __slots__ = ("out", "lse", "block_mass")
     OUT_FIELD_NUMBER: _ClassVar[int]

@@ -61,6 +61,11 @@ class CacheNodeStub:
                 request_serializer=pagedkv__pb2.AttendPrefillRequest.SerializeToString,
                 response_deserializer=pagedkv__pb2.AttendResponse.FromString,
                 _registered_method=True)
+        self.AttendPrefillBatch = channel.unary_unary(
+                '/pagedkv.v1.CacheNode/AttendPrefillBatch',
+                request_serializer=pagedkv__pb2.AttendPrefillBatchRequest.SerializeToString,
+                response_deserializer=pagedkv__pb2.AttendResponse.FromString,
+                _registered_method=True)
         self.Fork = channel.unary_unary(
                 '/pagedkv.v1.CacheNode/Fork',
                 request_serializer=pagedkv__pb2.ForkRequest.SerializeToString,
@@ -172,6 +177,20 @@ class CacheNodeServicer:
     def AttendPrefill(self, request, context):
         """n query tokens of one sequence attending causally to its cache and to
         themselves (chunked prefill); k/v as in Attend. Changes and codes as Attend.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AttendPrefillBatch(self, request, context):
+        """AttendPrefill for B sequences at one layer: one round trip per layer for a
+        whole prefill batch. Returns out [N, q_heads, D] and lse [N, q_heads], rows in
+        request order (no block mass). The whole request is checked before anything
+        changes and runs under the node's lock; only running out of room at layer 0
+        can fail after a change: the sequences before the one that did not fit keep
+        their appended tokens (the caller frees the batch, as after any failed
+        forward). Codes: OK, INVALID_ARGUMENT, NOT_FOUND, FAILED_PRECONDITION,
+        RESOURCE_EXHAUSTED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -298,6 +317,11 @@ def add_CacheNodeServicer_to_server(servicer, server):
             'AttendPrefill': grpc.unary_unary_rpc_method_handler(
                     servicer.AttendPrefill,
                     request_deserializer=pagedkv__pb2.AttendPrefillRequest.FromString,
+                    response_serializer=pagedkv__pb2.AttendResponse.SerializeToString,
+            ),
+            'AttendPrefillBatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.AttendPrefillBatch,
+                    request_deserializer=pagedkv__pb2.AttendPrefillBatchRequest.FromString,
                     response_serializer=pagedkv__pb2.AttendResponse.SerializeToString,
             ),
             'Fork': grpc.unary_unary_rpc_method_handler(
@@ -492,6 +516,33 @@ class CacheNode:
             target,
             '/pagedkv.v1.CacheNode/AttendPrefill',
             pagedkv__pb2.AttendPrefillRequest.SerializeToString,
+            pagedkv__pb2.AttendResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AttendPrefillBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedkv.v1.CacheNode/AttendPrefillBatch',
+            pagedkv__pb2.AttendPrefillBatchRequest.SerializeToString,
             pagedkv__pb2.AttendResponse.FromString,
             options,
             channel_credentials,
