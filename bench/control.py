@@ -319,6 +319,7 @@ def main() -> None:
         default="",
         help="control.json of an earlier run (e.g. before a change) to show side by side",
     )
+    ap.add_argument("--baseline-label", default="", help="what the baseline ran (default: its git hash)")
     args = ap.parse_args()
     if args.quick:
         args.rounds, args.count_ops, args.profile_s = 60, 30, 0.0
@@ -342,8 +343,8 @@ def main() -> None:
     if args.baseline:
         b = json.loads(Path(args.baseline).read_text())
         result["baseline"] = {
-            "git": b["versions"]["pagedkv_git"],
-            "note": f"run {b.get('runtime_s', 0):.0f} s on the same host, loadavg {b['loadavg_before'][0]:.2f}",
+            "git": args.baseline_label or b["versions"]["pagedkv_git"],
+            "note": f"a {b.get('runtime_s', 0):.0f} s run on the same host, loadavg {b['loadavg_before'][0]:.2f}",
             **{k: b["latency"][k]["p50_ms"] for k in ("open", "close", "open+append", "coord_health")},
         }
     result["findings"] = findings(result)
@@ -825,7 +826,7 @@ def findings(r: dict) -> str:
     base = r.get("baseline")
     if base:
         text.append(
-            f"Before this change (git {base['git']}, same bench, run {base['note']}): open p50 {base['open']:.2f} ms "
+            f"Before this change (git {base['git']}, same bench, {base['note']}): open p50 {base['open']:.2f} ms "
             f"= {base['open'] / base['coord_health']:.1f}x its no-op RPC, close {base['close']:.2f} ms, open + "
             f"first append {base['open+append']:.2f} ms (table above)."
         )
