@@ -121,14 +121,14 @@ class BlockPool:
             k = n - nfree
             if lru is not None:  # the k oldest
                 victims = list(islice(lru, k))
-                for block in victims:
-                    del lru[block]
             else:
                 victims = [policy.pop_victim() for _ in range(k)]
                 for block in victims:
                     policy.forget(block)
             add_key = evicted_keys.append
             for block in victims:
+                if lru is not None:
+                    del lru[block]
                 key = key_of[block]
                 assert key is not None
                 del block_of_key[key]

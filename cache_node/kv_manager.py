@@ -82,6 +82,7 @@ class EventBatch(NamedTuple):
 
 
 STORED, REMOVED = "stored", "removed"
+_NO_HIT = OpenResult(0, 0)
 # Runs an iterator of side effects to its end, in C.
 _consume: Callable[[Iterable[object]], None] = deque[object](maxlen=0).extend
 _new_tuple = tuple.__new__  # _new_tuple(BlockEvent, (kind, key)): a BlockEvent without a Python frame
@@ -277,6 +278,9 @@ class KVCacheManager:
         limit = max(limit, 0)
         root = self._root(salt)
         self.counters.prefix_query_tokens += len(token_ids)
+        if limit < bs or not self.enable_prefix_caching:  # nothing to look up
+            self.seqs[seq_id] = Sequence(seq_id, root, [], [], [], [])
+            return _NO_HIT
         dev: list[int] = []
         host: list[int] = []
         keys: list[bytes] = []
@@ -329,6 +333,8 @@ class KVCacheManager:
         bs = self.block_size
         nblocks = len(tokens) // bs
         origin = self._origin
+        if not origin:  # no shared prefix indexed: hash them all
+            return chain_keys(root, tokens, bs), 0
         keys: list[bytes] = []
         parent = root
         i = 0
@@ -445,7 +451,9 @@ class KVCacheManager:
         (copy-on-write), and publishes blocks that become full. Raises
         (changing nothing) when the device lacks room. Token ids must be ints
         (the engine checks what comes off the wire)."""
-        seq = self._active(seq_id)
+        seq = self.seqs.get(seq_id)
+        if seq is None or seq.host_table is not None:
+            seq = self._active(seq_id)  # raises the precise error
         n = len(token_ids)
         if n == 0:
             return seq.cache_len
@@ -528,7 +536,13 @@ class KVCacheManager:
         if hint is not None:  # reuse open()'s keys while the tokens agree
             hint_tokens, hint_keys = hint
             top = min(stop, len(hint_keys))
-            if top > first and tokens[first * bs : top * bs] == hint_tokens[first * bs : top * bs]:
+            if top <= first:
+                same = False
+            elif first == 0 and top == len(hint_keys):  # a whole prompt after a miss: one slice
+                same = tokens[: top * bs] == hint_tokens
+            else:
+                same = tokens[first * bs : top * bs] == hint_tokens[first * bs : top * bs]
+            if same:
                 new_keys = hint_keys[first:top]
             else:
                 i = first
