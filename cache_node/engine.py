@@ -271,9 +271,8 @@ class CacheEngine:
         if not tokens:
             return
         with self._lock:
-            self.manager.append(seq_id, tokens)
+            pos = self.manager.reserve(seq_id, tokens)  # after any budget drop; no slot list per token
             seq = self.manager.seqs[seq_id]
-            pos = seq.cache_len - len(tokens)  # after any budget drop, the new tokens are the last n
             for k, v in checked:
                 self._write_range(seq.table, pos, k, v)
                 pos += k.shape[1]
