@@ -13,9 +13,11 @@ not share a GIL). Measured in the same run:
 Overhead is defined as `rpc_p50 - engine_p50` (encode, transport, decode, server
 dispatch) and compared with the Ping floor: the goal is overhead <= 1.3 x ping_p50.
 
-KV upload (Append, client-streaming) and download (ReadKV, server-streaming) of a
-256 MiB range are timed end to end through the client API (tensors in, tensors
-out) and compared with a plain loopback TCP socket moving the same bytes.
+KV upload and download of a 256 MiB range are timed end to end through the
+client API (tensors in, tensors out, checked byte-exact) over each path -- the
+gRPC rpcs (Append client-streaming, ReadKV server-streaming) and the bulk TCP
+channel (protos/bulk.py) -- and compared with a plain loopback TCP socket moving
+the same bytes in the same loop.
 """
 
 from __future__ import annotations
@@ -124,12 +126,60 @@ def _loopback_socket_gbps(data: memoryview, chunk: int) -> float:
     return len(data) / elapsed / 1e9
 
 
+def _transfers(address: str, results: dict[str, Any], repeats: int) -> None:
+    """Upload and download TRANSFER_BYTES over each path, next to a loopback socket."""
+    from pagedkv.client import CacheClient, ClientConfig
+
+    n_tokens = TRANSFER_BYTES // (2 * 8 * 128 * 4)
+    shape = (1, n_tokens, 8, 128)
+    k, v = torch.randn(shape), torch.randn(shape)
+    toks = list(range(7 * 10**8, 7 * 10**8 + n_tokens))
+    raw = memoryview(torch.cat([k.flatten(), v.flatten()]).numpy()).cast("B")
+    paths = {  # name -> client config; the gRPC rows are the contract for small calls
+        "gRPC, 1 MiB chunks": ClientConfig(chunk_bytes=1 << 20, bulk_min_bytes=None),
+        "gRPC, 4 MiB chunks": ClientConfig(chunk_bytes=4 << 20, bulk_min_bytes=None),
+        "bulk TCP channel": ClientConfig(),
+    }
+    for name, cfg in paths.items():
+        up, down, sock = [], [], []
+        with CacheClient(address, cfg) as c:
+            for r in range(repeats):
+                seq = c.open(f"up{len(results['transfer'])}-{r}", toks[:1])  # distinct ids
+                t0 = time.perf_counter()
+                seq.append(toks, k, v)
+                up.append(TRANSFER_BYTES / (time.perf_counter() - t0) / 1e9)
+                t0 = time.perf_counter()
+                rk, rv = seq.read_kv()
+                down.append(TRANSFER_BYTES / (time.perf_counter() - t0) / 1e9)
+                if not (torch.equal(rk, k) and torch.equal(rv, v)):
+                    raise AssertionError(f"{name}: read_kv returned other bytes than appended")
+                del rk, rv
+                seq.close()
+                sock.append(_loopback_socket_gbps(raw, cfg.chunk_bytes))
+            bulk = c.data.route.bulk
+            used_bulk = bulk is not None and bool(bulk.port)
+        if used_bulk != (cfg.bulk_min_bytes is not None):
+            raise AssertionError(f"{name}: bulk channel used = {used_bulk}")
+        row = {
+            "upload_gbps": statistics.median(up),
+            "download_gbps": statistics.median(down),
+            "loopback_socket_gbps": statistics.median(sock),
+            "upload_runs_gbps": up,
+            "download_runs_gbps": down,
+            "bytes": TRANSFER_BYTES,
+            "repeats": repeats,
+        }
+        results["transfer"][name] = row
+        print(f"transfer, {name}: {row}", flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer iterations (smoke run)")
     parser.add_argument("--repeats", type=int, default=3, help="transfers per direction (median reported)")
+    parser.add_argument("--no-transfer", action="store_true", help="latency only (no KV transfers)")
     args = parser.parse_args(argv)
-    from pagedkv.client import CacheClient, ClientConfig
+    from pagedkv.client import CacheClient
 
     t_start = time.perf_counter()
     print(f"starting node (spec {SPEC}, {max(BATCHES)} x {CONTEXT_LEN} tokens) ...", flush=True)
@@ -182,40 +232,14 @@ def main(argv: list[str] | None = None) -> None:
                 }
                 print(f"attend batch {b}: rpc {rpc} engine {eng} overhead {overhead:.3f} ms", flush=True)
 
-            n_tokens = TRANSFER_BYTES // (2 * 8 * 128 * 4)
-            shape = (1, n_tokens, 8, 128)
-            k, v = torch.randn(shape), torch.randn(shape)
-            toks = list(range(7 * 10**8, 7 * 10**8 + n_tokens))
-            raw = memoryview(torch.cat([k.flatten(), v.flatten()]).numpy()).cast("B")
-            for chunk in (1 << 20, 4 << 20):
-                cfg = ClientConfig(chunk_bytes=chunk)
-                up, down, sock = [], [], []
-                with CacheClient(address, cfg) as c:
-                    for r in range(args.repeats):
-                        seq = c.open(f"up{chunk}-{r}", toks[:1])  # nothing cached: distinct ids
-                        t0 = time.perf_counter()
-                        seq.append(toks, k, v)
-                        up.append(TRANSFER_BYTES / (time.perf_counter() - t0) / 1e9)
-                        t0 = time.perf_counter()
-                        rk, rv = seq.read_kv()
-                        down.append(TRANSFER_BYTES / (time.perf_counter() - t0) / 1e9)
-                        assert rk.shape == k.shape
-                        del rk, rv
-                        seq.close()
-                        sock.append(_loopback_socket_gbps(raw, chunk))
-                row = {
-                    "upload_gbps": statistics.median(up),
-                    "download_gbps": statistics.median(down),
-                    "loopback_socket_gbps": statistics.median(sock),
-                    "bytes": TRANSFER_BYTES,
-                    "repeats": args.repeats,
-                }
-                results["transfer"][f"chunk_{chunk >> 20}MiB"] = row
-                print(f"transfer, {chunk >> 20} MiB chunks: {row}", flush=True)
+            if not args.no_transfer:
+                _transfers(address, results, args.repeats)
     finally:
         parent.send("stop")
         proc.join(10)
     results["runtime_s"] = time.perf_counter() - t_start
+    if args.no_transfer:
+        return
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "rpc.json").write_text(json.dumps(results, indent=2) + "\n")
     (RESULTS / "rpc.md").write_text(render(results))
@@ -245,12 +269,12 @@ def render(r: dict[str, Any]) -> str:
         "",
         "Overhead = RPC p50 - in-process engine p50 (goal: <= 1.3 x the Ping p50).",
         "",
-        "| chunk | upload GB/s (Append) | download GB/s (ReadKV) | loopback socket GB/s |",
+        "| path | upload GB/s (append) | download GB/s (read_kv) | loopback socket GB/s (same loop) |",
         "|---|---:|---:|---:|",
     ]
     for name, t in r["transfer"].items():
         lines.append(
-            f"| {name.removeprefix('chunk_')} | {t['upload_gbps']:.2f} | {t['download_gbps']:.2f} | "
+            f"| {name} | {t['upload_gbps']:.2f} | {t['download_gbps']:.2f} | "
             f"{t['loopback_socket_gbps']:.2f} |"
         )
     lines += [

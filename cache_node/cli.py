@@ -35,6 +35,21 @@ def _env(name: str, default: str | None) -> str | None:
     return os.environ.get(f"PAGEDKV_{name}", default)
 
 
+def _bulk_port(value: str) -> int | None:
+    """--bulk-port: "auto" -> 0 (any free port), "0"/"off" -> None (no bulk channel), else the port."""
+    if value in ("auto", ""):
+        return 0
+    if value in ("0", "off"):
+        return None
+    try:
+        port = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--bulk-port {value!r}: a port, 'auto' or 'off'") from None
+    if not 0 < port < 65536:
+        raise argparse.ArgumentTypeError(f"--bulk-port {port} outside 1..65535")
+    return port
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="pagedkv node",
@@ -110,6 +125,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=int(_env("METRICS_PORT", "9400") or 9400),
         help="HTTP port for Prometheus /metrics (0: any free port, -1: off)",
     )
+    p.add_argument(
+        "--bulk-port",
+        type=_bulk_port,
+        default=_env("BULK_PORT", "auto"),
+        help="raw TCP port for large KV transfers, on the --listen host (auto: any free port; "
+        "0 or off: none, clients use gRPC); advertised in the node's Stats",
+    )
     cluster = p.add_argument_group("cluster (leave --coordinator empty for a standalone node)")
     cluster.add_argument(
         "--coordinator", default=_env("COORDINATOR", ""), help="coordinator host:port to register with"
@@ -161,11 +183,15 @@ def main(argv: list[str] | None = None) -> None:
     except InvalidArgument as exc:
         raise SystemExit(f"pagedkv node: {exc}") from None
     metrics = NodeMetrics()
-    server, port = create_server(engine, args.listen, max_workers=args.max_workers, metrics=metrics)
+    server, port = create_server(
+        engine, args.listen, max_workers=args.max_workers, metrics=metrics, bulk_port=args.bulk_port
+    )
     server.start()
     host = args.listen.rsplit(":", 1)[0]
     print(f"pagedkv node listening on {host}:{port} ({num_blocks} blocks of {spec.bytes_per_block} B, "
           f"{host_blocks} host blocks, {engine.device}, policy {args.policy})", flush=True)  # fmt: skip
+    if server.bulk is not None:
+        print(f"bulk KV channel on {host}:{server.bulk.port}", flush=True)
     if args.metrics_port >= 0:
         http, _ = metrics.serve(args.metrics_port)
         print(f"metrics on http://{host}:{http.server_address[1]}/metrics", flush=True)

@@ -553,28 +553,51 @@ class CacheEngine:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of cache positions [start, end), each [num_layers, n, kv_heads, head_dim].
         Changes nothing."""
-        seq_id = _seq_id(seq_id)
+        s = self.spec
         with self._lock:
-            seq = self.manager._active(seq_id)
-            stop = seq.cache_len if end is None else end
-            if type(start) is not int or type(stop) is not int or not 0 <= start <= stop <= seq.cache_len:
-                raise InvalidArgument(
-                    f"range [{start}, {end}) outside sequence {seq_id!r} of {seq.cache_len} tokens"
-                )
-            s, bs, kv = self.spec, self.spec.block_size, self.kv
+            stop = self._read_range(_seq_id(seq_id), start, end)
             shape = (s.num_layers, stop - start, s.num_kv_heads, s.head_dim)
             out_k = torch.empty(shape, dtype=self.dtype, device=self.device)
             out_v = torch.empty(shape, dtype=self.dtype, device=self.device)
+            self.read_kv_into(seq_id, start, stop, out_k, out_v)
+            return out_k.cpu(), out_v.cpu()  # one transfer on a GPU node; a no-op on CPU
+
+    def _read_range(self, seq_id: str, start: int, end: int | None) -> int:
+        """The validated end of [start, end) within the sequence (lock held)."""
+        seq = self.manager._active(seq_id)
+        stop = seq.cache_len if end is None else end
+        if type(start) is not int or type(stop) is not int or not 0 <= start <= stop <= seq.cache_len:
+            raise InvalidArgument(
+                f"range [{start}, {end}) outside sequence {seq_id!r} of {seq.cache_len} tokens"
+            )
+        return stop
+
+    def read_kv_into(
+        self, seq_id: str, start: int, end: int, out_k: torch.Tensor, out_v: torch.Tensor
+    ) -> None:
+        """read_kv() into caller-owned tensors (the bulk channel's reused staging
+        buffer, any device): out_k, out_v [num_layers, end - start, kv_heads, head_dim]
+        of the node's dtype. Changes nothing in the engine."""
+        seq_id = _seq_id(seq_id)
+        s, bs, kv = self.spec, self.spec.block_size, self.kv
+        shape = (s.num_layers, end - start, s.num_kv_heads, s.head_dim)
+        for name, out in (("out_k", out_k), ("out_v", out_v)):
+            if tuple(out.shape) != shape or out.dtype != self.dtype:
+                raise InvalidArgument(
+                    f"{name} is {tuple(out.shape)} {out.dtype}, expected {shape} {self.dtype}"
+                )
+        with self._lock:
+            stop = self._read_range(seq_id, start, end)
+            table = self.manager.seqs[seq_id].table
             pos = start
             while pos < stop:  # per block and layer: contiguous destinations copy fastest
-                block, lo = seq.table[pos // bs], pos % bs
+                block, lo = table[pos // bs], pos % bs
                 c = min(bs - lo, stop - pos)
                 p = pos - start
                 for layer in range(s.num_layers):
                     out_k[layer, p : p + c].copy_(kv[layer, 0, block, :, lo : lo + c].transpose(0, 1))
                     out_v[layer, p : p + c].copy_(kv[layer, 1, block, :, lo : lo + c].transpose(0, 1))
                 pos += c
-            return out_k.cpu(), out_v.cpu()  # one transfer on a GPU node; a no-op on CPU
 
     def fork(self, parent_id: str, child_id: str) -> None:
         with self._lock:

@@ -33,6 +33,7 @@ from ..protos.errors import (
 )
 from ..protos.serving import GrpcServer, build_server
 from ..protos.status import abort_details
+from .bulk import BulkServer, bulk_host
 from .engine import CacheEngine
 from .metrics import NodeMetrics
 
@@ -46,6 +47,7 @@ class CacheNodeServicer(pb_grpc.CacheNodeServicer):
         self.engine = engine
         self.metrics = metrics
         self._spec = engine.spec
+        self.bulk_port = 0  # advertised in Stats; set by create_server when the bulk channel is on
 
     # -- plumbing ---------------------------------------------------------------
 
@@ -323,6 +325,7 @@ class CacheNodeServicer(pb_grpc.CacheNodeServicer):
                 ),
                 device=str(self.engine.device),
                 policy=self.engine.config.policy,
+                bulk_port=self.bulk_port,
             )
 
         return self._observe("Stats", context, run)
@@ -342,11 +345,27 @@ class CacheNodeServicer(pb_grpc.CacheNodeServicer):
 
 
 class NodeServer(GrpcServer):
-    """A started-or-not node server with its health servicer and metrics."""
+    """A started-or-not node server with its health servicer, metrics and bulk
+    KV listener (None when off)."""
 
-    def __init__(self, server: grpc.Server, health_servicer: Any, metrics: NodeMetrics) -> None:
+    def __init__(
+        self, server: grpc.Server, health_servicer: Any, metrics: NodeMetrics, bulk: BulkServer | None = None
+    ) -> None:
         super().__init__(server, health_servicer, [SERVICE_NAME])
         self.metrics = metrics
+        self.bulk = bulk
+
+    def start(self) -> NodeServer:
+        if self.bulk is not None:
+            self.bulk.start()
+        super().start()
+        return self
+
+    def stop(self, grace_s: float | None = 5.0) -> None:
+        """As GrpcServer.stop; the bulk listener closes after the gRPC drain."""
+        super().stop(grace_s)
+        if self.bulk is not None:
+            self.bulk.stop()
 
 
 def create_server(
@@ -355,11 +374,14 @@ def create_server(
     *,
     max_workers: int = 16,
     metrics: NodeMetrics | None = None,
+    bulk_port: int | None = 0,
 ) -> tuple[NodeServer, int]:
     """A node server for `engine` bound to `address` (not yet started) and its port.
 
     `metrics` collects RPC latency/errors and derives block metrics from
-    engine.stats(); a private registry is made when none is given."""
+    engine.stats(); a private registry is made when none is given. `bulk_port`:
+    the bulk KV listener's port on the same host (0: any free port, None: off),
+    advertised in Stats."""
     if metrics is None:
         metrics = NodeMetrics()
     metrics.attach_engine(engine.stats, engine.config.policy)
@@ -371,4 +393,6 @@ def create_server(
         max_workers=max_workers,
         options=SERVER_OPTIONS,
     )
-    return NodeServer(server, health_servicer, metrics), port
+    bulk = None if bulk_port is None else BulkServer(engine, bulk_host(address), bulk_port)
+    servicer.bulk_port = 0 if bulk is None else bulk.port
+    return NodeServer(server, health_servicer, metrics, bulk), port

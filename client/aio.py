@@ -36,7 +36,7 @@ class AsyncNodeHandle:
         self.address = address
         stub = pb_grpc.CacheNodeStub(channels.acquire_aio(address, config))
         self.control = AsyncNodeControl(stub, config)
-        self.data = AsyncNodeData(stub, config, where=f"node {address}")
+        self.data = AsyncNodeData(stub, config, where=f"node {address}", address=address)
 
 
 class AsyncSequence:
@@ -292,7 +292,8 @@ class AsyncCacheClient:
             self._is_closed = True
             if isinstance(self.routing, AsyncCoordinatorRouting):
                 await channels.release_aio(self.address, self.config)
-            for address in self._nodes:
+            for address, handle in self._nodes.items():
+                handle.data.close()  # its bulk connections
                 await channels.release_aio(address, self.config)
 
     async def __aenter__(self) -> AsyncCacheClient:

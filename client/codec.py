@@ -157,6 +157,21 @@ def budget_request(
     return req
 
 
+def kv_bytes(k: Any, v: Any) -> int:
+    """Bytes of a K/V pair as sent (0 when they are not tensors: the rpc path says why)."""
+    try:
+        return int(k.nbytes) + int(v.nbytes)
+    except (AttributeError, TypeError):
+        return 0
+
+
+def bulk_info(resp: pb.StatsResponse) -> tuple[int, int]:
+    """(bulk port, 0 when off; bytes per token) from a node's Stats reply."""
+    s = resp.spec
+    spec = ModelSpec(s.num_layers, s.num_kv_heads, s.head_dim, s.dtype, s.block_size)
+    return resp.bulk_port, spec.bytes_per_token
+
+
 def stats_result(resp: pb.StatsResponse) -> NodeStats:
     s = resp.spec
     spec = ModelSpec(s.num_layers, s.num_kv_heads, s.head_dim, s.dtype, s.block_size)

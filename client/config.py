@@ -28,6 +28,9 @@ class ClientConfig:
     backoff_multiplier: float = 2.0
     chunk_bytes: int = CHUNK_BYTES  # streamed payload pieces (Append, ReadKV)
     tenant_salt: bytes = b""  # direct-to-node mode only: a trusted caller's salt (see the .proto)
+    # KV ranges of at least this many bytes take the node's bulk TCP channel
+    # (client/bulk.py) when it has one; None: always the Append/ReadKV rpcs.
+    bulk_min_bytes: int | None = 1 << 20
 
     def __post_init__(self) -> None:
         if self.deadline_s <= 0:
@@ -36,6 +39,8 @@ class ClientConfig:
             raise InvalidArgument(f"max_attempts must be in [1, 5], got {self.max_attempts}")
         if self.chunk_bytes <= 0:
             raise InvalidArgument(f"chunk_bytes must be positive, got {self.chunk_bytes}")
+        if self.bulk_min_bytes is not None and self.bulk_min_bytes < 0:
+            raise InvalidArgument(f"bulk_min_bytes must be >= 0 or None, got {self.bulk_min_bytes}")
 
     def service_config(self) -> str:
         policy = {

@@ -1,10 +1,16 @@
 """Data calls, straight to the node that holds the blocks: append KV, attend,
 read KV. Many per token, so they stay lean: one RPC per layer per decode step
 for a whole batch, tensors as raw bytes, big payloads streamed in chunks.
+
+KV ranges of at least `config.bulk_min_bytes` go over the node's bulk TCP
+channel (client/bulk.py) when the node advertises one (Stats.bulk_port, asked
+once per node); otherwise, or when it cannot be reached, over the Append /
+ReadKV rpcs. The asyncio client runs a bulk transfer in a worker thread.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from typing import Any
 
@@ -14,17 +20,67 @@ import torch
 from ..protos import pagedkv_pb2 as pb
 from ..protos import pagedkv_pb2_grpc as pb_grpc
 from ..protos import tensors
+from ..protos.errors import PagedKVError
 from ..protos.status import error_from_rpc
 from . import codec
+from .bulk import BulkChannel, BulkUnavailable
 from .config import ClientConfig
 from .control import acall, call
 from .types import AttentionResult
 
+_EMPTY = pb.Empty()
+
+
+class _BulkRoute:
+    """Which transfers take the bulk channel of one node (`address`: its gRPC host:port)."""
+
+    def __init__(self, config: ClientConfig, where: str, address: str) -> None:
+        use = bool(address) and config.bulk_min_bytes is not None
+        self.bulk = BulkChannel(address, where) if use else None
+        self.min_bytes = config.bulk_min_bytes or 0
+        self.bytes_per_token = 0
+
+    def learn(self, resp: pb.StatsResponse) -> None:
+        assert self.bulk is not None
+        self.bulk.port, self.bytes_per_token = codec.bulk_info(resp)
+
+    def wants(self, num_bytes: int | None) -> bool:
+        """True when a transfer of num_bytes (None: unknown, a read to the end)
+        should try the bulk channel, once the port is known."""
+        return bool(
+            self.bulk is not None and self.bulk.port and (num_bytes is None or num_bytes >= self.min_bytes)
+        )
+
+    def read_bytes(self, start: int, end: int | None) -> int | None:
+        return None if end is None else max(0, end - start) * self.bytes_per_token
+
+    def close(self) -> None:
+        if self.bulk is not None:
+            self.bulk.close()
+
 
 class NodeData:
-    def __init__(self, stub: pb_grpc.CacheNodeStub, config: ClientConfig, where: str = "") -> None:
+    def __init__(
+        self, stub: pb_grpc.CacheNodeStub, config: ClientConfig, where: str = "", address: str = ""
+    ) -> None:
         self.stub, self.config = stub, config
         self.where = where  # names the node in error messages
+        self.route = _BulkRoute(config, where, address)
+
+    def _bulk(self, num_bytes: int | None, timeout_s: float) -> BulkChannel | None:
+        """The bulk channel for a transfer of num_bytes, or None (use gRPC)."""
+        r = self.route
+        if r.bulk is None or (num_bytes is not None and num_bytes < r.min_bytes):
+            return None
+        if r.bulk.port is None:
+            try:
+                r.learn(call(self.stub.Stats, _EMPTY, timeout_s, where=self.where))
+            except PagedKVError:
+                return None  # the rpc path will say what is wrong
+        return r.bulk if r.wants(num_bytes) else None
+
+    def close(self) -> None:
+        self.route.close()
 
     def _t(self, timeout_s: float | None) -> float:
         return self.config.deadline_s if timeout_s is None else timeout_s
@@ -32,6 +88,12 @@ class NodeData:
     def append(
         self, seq_id: str, token_ids: codec.TokenIds, k: Any, v: Any, timeout_s: float | None = None
     ) -> int:
+        bulk = self._bulk(codec.kv_bytes(k, v), self._t(timeout_s))
+        if bulk is not None:
+            try:
+                return bulk.append(seq_id, token_ids, k, v, self._t(timeout_s))
+            except BulkUnavailable:
+                pass
         chunks = codec.append_chunks(seq_id, token_ids, k, v, self.config.chunk_bytes)
         return call(self.stub.Append, chunks, self._t(timeout_s), where=self.where).num_tokens
 
@@ -87,6 +149,13 @@ class NodeData:
     def read_kv(
         self, seq_id: str, start: int = 0, end: int | None = None, timeout_s: float | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.route.bulk is not None:
+            bulk = self._bulk(None, self._t(timeout_s))
+            if bulk is not None and self.route.wants(self.route.read_bytes(start, end)):
+                try:
+                    return bulk.read_kv(seq_id, start, end, self._t(timeout_s))
+                except BulkUnavailable:
+                    pass
         req = codec.read_kv_request(seq_id, start, end, self.config.chunk_bytes)
         try:
             return codec.kv_from_chunks(self.stub.ReadKV(req, timeout=self._t(timeout_s)))
@@ -95,9 +164,26 @@ class NodeData:
 
 
 class AsyncNodeData:
-    def __init__(self, stub: pb_grpc.CacheNodeStub, config: ClientConfig, where: str = "") -> None:
+    def __init__(
+        self, stub: pb_grpc.CacheNodeStub, config: ClientConfig, where: str = "", address: str = ""
+    ) -> None:
         self.stub, self.config = stub, config
         self.where = where  # names the node in error messages
+        self.route = _BulkRoute(config, where, address)
+
+    async def _bulk(self, num_bytes: int | None, timeout_s: float) -> BulkChannel | None:
+        r = self.route
+        if r.bulk is None or (num_bytes is not None and num_bytes < r.min_bytes):
+            return None
+        if r.bulk.port is None:
+            try:
+                r.learn(await acall(self.stub.Stats, _EMPTY, timeout_s, where=self.where))
+            except PagedKVError:
+                return None
+        return r.bulk if r.wants(num_bytes) else None
+
+    def close(self) -> None:
+        self.route.close()
 
     def _t(self, timeout_s: float | None) -> float:
         return self.config.deadline_s if timeout_s is None else timeout_s
@@ -105,6 +191,12 @@ class AsyncNodeData:
     async def append(
         self, seq_id: str, token_ids: codec.TokenIds, k: Any, v: Any, timeout_s: float | None = None
     ) -> int:
+        bulk = await self._bulk(codec.kv_bytes(k, v), self._t(timeout_s))
+        if bulk is not None:
+            try:
+                return await asyncio.to_thread(bulk.append, seq_id, token_ids, k, v, self._t(timeout_s))
+            except BulkUnavailable:
+                pass
         chunks = codec.append_chunks(seq_id, token_ids, k, v, self.config.chunk_bytes)
         return (await acall(self.stub.Append, chunks, self._t(timeout_s), where=self.where)).num_tokens
 
@@ -162,6 +254,13 @@ class AsyncNodeData:
     async def read_kv(
         self, seq_id: str, start: int = 0, end: int | None = None, timeout_s: float | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.route.bulk is not None:
+            bulk = await self._bulk(None, self._t(timeout_s))
+            if bulk is not None and self.route.wants(self.route.read_bytes(start, end)):
+                try:
+                    return await asyncio.to_thread(bulk.read_kv, seq_id, start, end, self._t(timeout_s))
+                except BulkUnavailable:
+                    pass
         req = codec.read_kv_request(seq_id, start, end, self.config.chunk_bytes)
         reader = codec.KVReader()
         try:

@@ -48,7 +48,7 @@ class NodeHandle:
         self.address = address
         stub = pb_grpc.CacheNodeStub(channels.acquire(address, config))
         self.control = NodeControl(stub, config)
-        self.data = NodeData(stub, config, where=f"node {address}")
+        self.data = NodeData(stub, config, where=f"node {address}", address=address)
 
 
 def _squeeze(res: AttentionResult, squeeze: bool) -> AttentionResult:
@@ -409,7 +409,8 @@ class CacheClient:
             self._is_closed = True
             if isinstance(self.routing, CoordinatorRouting):
                 channels.release(self.address, self.config)
-            for address in self._nodes:
+            for address, handle in self._nodes.items():
+                handle.data.close()  # its bulk connections
                 channels.release(address, self.config)
 
     def __enter__(self) -> CacheClient:

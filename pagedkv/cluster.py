@@ -46,12 +46,14 @@ class NodeOptions:
     num_blocks: int = 2048
     host_blocks: int = 1024
     policy: str = "lru"
+    bulk_port: str = "auto"  # each node's bulk KV port: auto (a free one) or off
 
     def args(self) -> list[str]:
         return [
             f"--num-layers={self.num_layers}", f"--num-kv-heads={self.num_kv_heads}",
             f"--head-dim={self.head_dim}", f"--dtype={self.dtype}", f"--block-size={self.block_size}",
             f"--num-blocks={self.num_blocks}", f"--host-blocks={self.host_blocks}", f"--policy={self.policy}",
+            f"--bulk-port={self.bulk_port}",
         ]  # fmt: skip
 
     def spec(self) -> dict:
@@ -212,11 +214,14 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host-blocks", type=int, default=1024, help="host-tier blocks per node (default 1024)")
     p.add_argument("--policy", choices=["lru", "lfu", "score"], default="lru", help="eviction policy")
     p.add_argument("--lease-ttl-s", type=float, default=3.0, help="node lease (default 3 s)")  # fmt: skip
+    p.add_argument("--bulk-port", choices=["auto", "off"], default="auto",
+                   help="each node's bulk KV port for large transfers (default: a free one)")  # fmt: skip
 
 
 def cluster_from_args(args: argparse.Namespace, node: NodeOptions | None = None) -> LocalCluster:
     node = node or NodeOptions()
     node.num_blocks, node.host_blocks, node.policy = args.num_blocks, args.host_blocks, args.policy
+    node.bulk_port = getattr(args, "bulk_port", "auto")
     return LocalCluster(args.nodes, node, redis_url=args.redis, use_redis=not args.embedded,
                         lease_ttl_s=args.lease_ttl_s)  # fmt: skip
 

@@ -238,7 +238,7 @@ class SetBudgetRequest(_message.Message):
     def __init__(self, seq_id: _Optional[str] = ..., max_tokens: _Optional[int] = ..., sink_blocks: _Optional[int] = ..., recent_blocks: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("counters", "spec", "device", "policy")
+    __slots__ = ("counters", "spec", "device", "policy", "bulk_port")
     class CountersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -250,11 +250,13 @@ class StatsResponse(_message.Message):
     SPEC_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
+    BULK_PORT_FIELD_NUMBER: _ClassVar[int]
     counters: _containers.ScalarMap[str, int]
     spec: ModelSpec
     device: str
     policy: str
-    def __init__(self, counters: _Optional[_Mapping[str, int]] = ..., spec: _Optional[_Union[ModelSpec, _Mapping]] = ..., device: _Optional[str] = ..., policy: _Optional[str] = ...) -> None: ...
+    bulk_port: int
+    def __init__(self, counters: _Optional[_Mapping[str, int]] = ..., spec: _Optional[_Union[ModelSpec, _Mapping]] = ..., device: _Optional[str] = ..., policy: _Optional[str] = ..., bulk_port: _Optional[int] = ...) -> None: ...
 
 class CheckIntegrityResponse(_message.Message):
     __slots__ = ("ok", "message")

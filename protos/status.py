@@ -60,8 +60,23 @@ def error_from_rpc(exc: grpc.RpcError, context: str = "") -> PagedKVError:
     code = exc.code()  # type: ignore[attr-defined]
     name = code.name if code is not None else "UNKNOWN"
     details = exc.details() or name  # type: ignore[attr-defined]
+    return error_from_status(name, details, _metadata_value(exc, ERROR_CLASS_KEY), context)
+
+
+def status_name(number: int) -> str:
+    """The gRPC status code name of its number (the bulk channel sends numbers)."""
+    for code in grpc.StatusCode:
+        if code.value[0] == number:
+            return code.name
+    return "UNKNOWN"
+
+
+def error_from_status(name: str, details: str, class_name: str = "", context: str = "") -> PagedKVError:
+    """The domain error for a status code name, its details and the error class
+    name the server sent (gRPC trailing metadata or a bulk-channel frame)."""
+    details = details or name
     base = ERROR_FOR_STATUS.get(name, Unavailable if name in _TRANSIENT else PagedKVError)
-    cls = getattr(errors, _metadata_value(exc, ERROR_CLASS_KEY), None)
+    cls = getattr(errors, class_name, None) if class_name else None
     if not (isinstance(cls, type) and issubclass(cls, base)):
         cls = base
     message = details if name not in _TRANSIENT else f"{name}: {details}"

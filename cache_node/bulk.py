@@ -1,0 +1,325 @@
+"""The node's bulk KV listener: large Append / ReadKV ranges over raw TCP.
+
+The protocol is documented in pagedkv.protos.bulk. This side owns the sockets:
+one thread accepts, one thread serves each connection (at most
+`max_connections`; a connection over the limit is closed at once and the
+client falls back to gRPC). Requests on a connection run one at a time.
+
+Bytes move without payload-sized Python objects: an upload is received with
+`recv_into` straight into a pooled staging tensor and written into the block
+pool by the engine's per-block strided copies (`append_slabs`); a read copies
+one slab at a time from the pool into a reused slab-sized staging tensor
+(`read_kv_into`) and sends it with `sendall`.
+
+Validation and errors are the gRPC path's: the header is checked against the
+node's ModelSpec before the payload is read, engine errors are mapped by
+protos.status.status_for, and the engine changes nothing unless the whole
+request arrived. A bad request gets its error after its payload is drained
+(the connection stays usable); a truncated request or a client that goes away
+mid-transfer closes the connection and changes nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import threading
+from collections.abc import Callable
+from typing import TypeVar
+
+import numpy as np
+import torch
+
+from ..protos import bulk
+from ..protos.bulk import Frame, ProtocolError
+from ..protos.errors import CapacityExceeded, InvalidArgument, PagedKVError, SequenceNotFound
+from ..protos.status import status_for
+from ..protos.tensors import TORCH_DTYPES, tokens_per_chunk
+from .engine import CacheEngine
+
+logger = logging.getLogger("pagedkv.cache_node.bulk")
+DRAIN_BYTES = 4 << 20  # scratch for discarding the payload of a refused request
+READ_SLAB_BYTES = 8 << 20  # default read slab when the client names none
+T = TypeVar("T")
+
+
+def _byte_view(t: torch.Tensor) -> memoryview:
+    """A writable flat byte view of a contiguous CPU tensor (any dtype, bfloat16 too)."""
+    return t.reshape(-1).view(torch.uint8).numpy().data
+
+
+class _StagingPool:
+    """Reused receive buffers: a fresh 256 MiB tensor costs ~65k first-touch page
+    faults per upload. Keeps at most `max_bytes` of idle buffers in all."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self._free: list[torch.Tensor] = []
+        self._lock = threading.Lock()
+        self._max_bytes = max_bytes
+
+    def take(self, num_bytes: int) -> torch.Tensor:
+        with self._lock:
+            fits = [i for i, b in enumerate(self._free) if b.numel() >= num_bytes]
+            if fits:  # the free list is largest first: the last fit is the smallest
+                return self._free.pop(fits[-1])[:num_bytes]
+        return torch.empty(num_bytes, dtype=torch.uint8)
+
+    def give(self, buf: torch.Tensor) -> None:
+        base = buf._base if buf._base is not None else buf
+        with self._lock:
+            self._free.append(base)
+            self._free.sort(key=lambda b: -b.numel())
+            while self._free and sum(b.numel() for b in self._free) > self._max_bytes:
+                del self._free[0]  # drop the largest first
+
+
+class BulkServer:
+    """The bulk listener of one node. `start()` binds nothing (the constructor
+    does: `port` is known before start); `stop()` closes the listener and every
+    connection and joins their threads. Counters: requests served, requests
+    refused with an error reply, connections dropped mid-request."""
+
+    def __init__(
+        self,
+        engine: CacheEngine,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        max_connections: int = 16,
+        max_staging_bytes: int = 1 << 30,
+    ) -> None:
+        self.engine = engine
+        self._sock = socket.create_server((host, port), family=_family(host), backlog=max_connections)
+        self.port: int = self._sock.getsockname()[1]
+        self._max_connections = max_connections
+        self._staging = _StagingPool(max_staging_bytes)
+        self._conns: dict[socket.socket, threading.Thread] = {}
+        self._lock = threading.Lock()
+        self._accepter: threading.Thread | None = None
+        self._is_stopping = False
+        self.num_requests = 0
+        self.num_errors = 0
+        self.num_dropped = 0
+
+    def start(self) -> BulkServer:
+        self._accepter = threading.Thread(target=self._accept_loop, name="pagedkv-bulk-accept", daemon=True)
+        self._accepter.start()
+        return self
+
+    def stop(self) -> None:
+        """Close the listener and every connection (a transfer in progress fails
+        on the client as Unavailable and changes nothing on the node)."""
+        with self._lock:
+            self._is_stopping = True
+            conns = list(self._conns.items())
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)  # wakes accept() on Linux
+        self._sock.close()
+        for conn, _ in conns:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+        for _, thread in conns:
+            thread.join(5)
+        if self._accepter is not None:
+            self._accepter.join(5)
+
+    # -- connections ------------------------------------------------------------
+
+    def _accept_loop(self) -> None:
+        while True:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return  # listener closed
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            with self._lock:
+                if self._is_stopping or len(self._conns) >= self._max_connections:
+                    conn.close()  # the client falls back to gRPC
+                    continue
+                thread = threading.Thread(target=self._serve, args=(conn,), name="pagedkv-bulk", daemon=True)
+                self._conns[conn] = thread
+            thread.start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            while (frame := bulk.read_frame(conn, eof_ok=True)) is not None:
+                if frame.op == bulk.OP_APPEND:
+                    self._append(conn, frame)
+                elif frame.op == bulk.OP_READ:
+                    self._read(conn, frame)
+                else:
+                    self._reply_error(conn, frame, InvalidArgument(f"bulk: unknown op {frame.op}"))
+                    return  # its payload's framing is unknown: close
+        except ProtocolError as exc:
+            self._bump("num_dropped")
+            logger.info("bulk connection dropped: %s", exc)
+            with contextlib.suppress(OSError):  # tell the peer why, if it still listens
+                conn.sendall(Frame(0, status=3, text=f"bulk protocol error: {exc}").pack())
+        except OSError as exc:  # reset, broken pipe, stop()
+            self._bump("num_dropped")
+            logger.info("bulk connection lost: %s", exc)
+        except Exception:  # a bug: log it, drop this connection, keep serving others
+            self._bump("num_dropped")
+            logger.exception("bulk connection failed")
+        finally:
+            conn.close()
+            with self._lock:
+                self._conns.pop(conn, None)
+
+    def _reply_error(self, conn: socket.socket, frame: Frame, exc: Exception) -> None:
+        code, details, cls = status_for(exc)
+        if not isinstance(exc, PagedKVError):
+            logger.error("bulk %s failed", frame.op, exc_info=exc)
+        self._bump("num_errors")
+        conn.sendall(Frame(frame.op, frame.request_id, status=code.value[0], text=details, extra=cls).pack())
+
+    def _waiting_for_open(self, fn: Callable[[], T]) -> T:
+        """fn(), again once an unknown sequence gets opened within the engine's grace
+        (a data call may overtake the coordinator's asynchronous Open; as in the
+        gRPC servicer). fn changes nothing when it raises SequenceNotFound."""
+        for _ in range(8):
+            try:
+                return fn()
+            except SequenceNotFound as exc:
+                if not (isinstance(exc.seq_id, str) and self.engine.await_sequence(exc.seq_id)):
+                    raise
+        return fn()
+
+    def _bump(self, counter: str) -> None:
+        with self._lock:
+            setattr(self, counter, getattr(self, counter) + 1)
+
+    def _drain(self, conn: socket.socket, num_bytes: int) -> None:
+        scratch = bytearray(min(DRAIN_BYTES, max(num_bytes, 1)))
+        view = memoryview(scratch)
+        while num_bytes > 0:
+            chunk = view[: min(len(view), num_bytes)]
+            bulk.recv_exact(conn, chunk, "a refused payload")
+            num_bytes -= len(chunk)
+
+    # -- APPEND -----------------------------------------------------------------
+
+    def _check_append(self, f: Frame) -> int:
+        """Tokens in the request, or a domain error (nothing read or changed yet)."""
+        s = self.engine.spec
+        n = f.end - f.start
+        if f.start != 0 or f.end < f.start:
+            raise InvalidArgument(f"bulk append: token range [{f.start}, {f.end}) must start at 0")
+        if f.dtype != s.dtype:
+            raise InvalidArgument(f"kv has dtype {f.dtype!r}, this node serves {s.dtype}")
+        got = [2, f.num_layers, n, f.num_kv_heads, f.head_dim]
+        want = [2, s.num_layers, n, s.num_kv_heads, s.head_dim]
+        if got != want:
+            raise InvalidArgument(f"kv has shape {got}, expected {want} (2, layers, n, ...)")
+        if n and f.slab_tokens <= 0:
+            raise InvalidArgument("bulk append: slab_tokens must be positive")
+        if f.payload_len != n * s.bytes_per_token:
+            raise InvalidArgument(
+                f"kv: {f.payload_len} payload bytes for {n} tokens (expected {n * s.bytes_per_token})"
+            )
+        need, total = -(-n // s.block_size), self.engine.config.num_blocks
+        if need > total:
+            raise CapacityExceeded(f"append {n} tokens (more than the whole pool)", need, total)
+        return n
+
+    def _append(self, conn: socket.socket, f: Frame) -> None:
+        try:
+            n = self._check_append(f)
+        except PagedKVError as exc:
+            self._drain(conn, 8 * max(0, f.end - f.start) + f.payload_len)
+            self._reply_error(conn, f, exc)
+            return
+        ids = np.empty(n, dtype="<i8")
+        bulk.recv_exact(conn, ids.data.cast("B"), "token ids")
+        staging = self._staging.take(f.payload_len)
+        try:
+            bulk.recv_exact(conn, _byte_view(staging), "kv payload")
+            try:
+                slabs = self._slabs(staging, n, f.slab_tokens)
+                tokens = ids.tolist()
+                self._waiting_for_open(lambda: self.engine.append_slabs(f.text, tokens, slabs))
+                length = self.engine.sequence_length(f.text)
+            except Exception as exc:  # every failure becomes a status; the node keeps serving
+                self._reply_error(conn, f, exc)
+                return
+        finally:
+            self._staging.give(staging)
+        self._bump("num_requests")
+        conn.sendall(Frame(f.op, f.request_id, f.dtype, end=length).pack())
+
+    def _slabs(
+        self, staging: torch.Tensor, n: int, slab_tokens: int
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(k, v) views of each [2, layers, t, heads, dim] slab of the received payload."""
+        s = self.engine.spec
+        data = staging.view(TORCH_DTYPES[s.dtype])
+        per_token = s.num_layers * s.num_kv_heads * s.head_dim * 2
+        slabs, at = [], 0
+        for a in range(0, n, slab_tokens):
+            t = min(slab_tokens, n - a)
+            slab = data[at : at + t * per_token].view(2, s.num_layers, t, s.num_kv_heads, s.head_dim)
+            slabs.append((slab[0], slab[1]))
+            at += t * per_token
+        return slabs
+
+    # -- READ -------------------------------------------------------------------
+
+    def _read(self, conn: socket.socket, f: Frame) -> None:
+        s = self.engine.spec
+        try:
+            if f.payload_len:
+                raise InvalidArgument("bulk read: the request carries no payload")
+            end = None if f.end == bulk.END_OF_SEQUENCE else f.end
+            length = self._waiting_for_open(lambda: self.engine.cache_length(f.text))
+            stop = length if end is None else end
+            if not 0 <= f.start <= stop <= length:
+                raise InvalidArgument(
+                    f"range [{f.start}, {end}) outside sequence {f.text!r} of {length} tokens"
+                )
+        except Exception as exc:
+            self._drain(conn, f.payload_len)
+            self._reply_error(conn, f, exc)
+            return
+        n = stop - f.start
+        step = f.slab_tokens or tokens_per_chunk(s.bytes_per_token, READ_SLAB_BYTES)
+        step = max(1, min(step, n, tokens_per_chunk(s.bytes_per_token, READ_SLAB_BYTES * 4)))
+        if n == 0:
+            self._bump("num_requests")  # counted before the reply's last bytes leave
+        conn.sendall(
+            Frame(f.op, f.request_id, s.dtype, start=f.start, end=stop, num_layers=s.num_layers,
+                  num_kv_heads=s.num_kv_heads, head_dim=s.head_dim, slab_tokens=step,
+                  payload_len=n * s.bytes_per_token).pack()
+        )  # fmt: skip
+        dtype = TORCH_DTYPES[s.dtype]
+        staging = self._staging.take(step * s.bytes_per_token)
+        try:
+            pos = f.start
+            while pos < stop:
+                t = min(step, stop - pos)
+                slab = staging[: t * s.bytes_per_token].view(dtype)
+                slab = slab.view(2, s.num_layers, t, s.num_kv_heads, s.head_dim)
+                try:  # positions are append-only: the range stays valid unless the sequence is freed
+                    self.engine.read_kv_into(f.text, pos, pos + t, slab[0], slab[1])
+                except Exception as exc:
+                    code, details, cls = status_for(exc)
+                    self._bump("num_errors")
+                    conn.sendall(bulk.pack_slab(0, code.value[0], details, cls))
+                    return
+                pos += t
+                if pos >= stop:
+                    self._bump("num_requests")
+                conn.sendall(bulk.pack_slab(t))
+                conn.sendall(_byte_view(slab))
+        finally:
+            self._staging.give(staging)
+
+
+def _family(host: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
+def bulk_host(address: str) -> str:
+    """The host part of a gRPC listen address ("0.0.0.0:50051", "[::]:0", "localhost:0")."""
+    host = address.rsplit(":", 1)[0] if ":" in address else address
+    return host.strip("[]") or "0.0.0.0"

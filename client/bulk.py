@@ -1,0 +1,213 @@
+"""The client side of the bulk KV channel (protocol: pagedkv.protos.bulk).
+
+NodeData sends a KV range of at least `ClientConfig.bulk_min_bytes` over the
+node's raw TCP port instead of the Append / ReadKV rpcs: the tensors' own
+memory goes to `sendall` and comes back through `recv_into`, with no
+payload-sized bytes objects. The port is learned once per node (its Stats
+reply) and cached; when it is 0, or a connection cannot be opened, the caller
+falls back to gRPC (`BulkUnavailable`). A failure after the request was sent
+raises Unavailable: an append may or may not have landed then, as with any
+rpc whose reply was lost.
+
+Connections are pooled per node (one request at a time on each), so
+concurrent transfers from several threads each get their own. The deadline
+applies to each socket operation (a transfer that stops progressing for
+`timeout_s` fails), not to the whole transfer.
+"""
+
+from __future__ import annotations
+
+import itertools
+import socket
+import threading
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..protos import bulk, tensors
+from ..protos.bulk import Frame, ProtocolError
+from ..protos.errors import InvalidArgument, PagedKVError, Unavailable
+from ..protos.status import error_from_status, status_name
+from . import codec
+
+MAX_POOLED = 4  # idle connections kept per node
+
+
+class BulkUnavailable(Exception):
+    """The bulk channel cannot be used for this call (off, or no connection):
+    nothing was sent, so the caller falls back to gRPC."""
+
+
+def _byte_view(t: torch.Tensor) -> memoryview:
+    """A flat byte view of a contiguous CPU tensor (any dtype, bfloat16 too); writable."""
+    return t.reshape(-1).view(torch.uint8).numpy().data
+
+
+def _host(address: str) -> str:
+    host = address.rsplit(":", 1)[0] if ":" in address else address
+    return host.strip("[]")
+
+
+class BulkChannel:
+    """Bulk transfers to one node at `address` (its gRPC host:port; the bulk
+    port is given by `port`, learned from the node's Stats)."""
+
+    def __init__(self, address: str, where: str = "") -> None:
+        self.host = _host(address)
+        self.where = where
+        self.port: int | None = None  # None: not learned yet; 0: the node has it off
+        self._idle: list[socket.socket] = []
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+
+    # -- connections ------------------------------------------------------------
+
+    def _take(self, timeout_s: float) -> socket.socket:
+        with self._lock:
+            while self._idle:
+                sock = self._idle.pop()
+                if _is_alive(sock):
+                    sock.settimeout(timeout_s)
+                    return sock
+                sock.close()
+        if not self.port:
+            raise BulkUnavailable("the node's bulk port is off")
+        try:
+            sock = socket.create_connection((self.host, self.port), timeout=timeout_s)
+        except OSError as exc:
+            raise BulkUnavailable(f"cannot connect to {self.host}:{self.port}: {exc}") from exc
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return sock
+
+    def _give(self, sock: socket.socket) -> None:
+        with self._lock:
+            if len(self._idle) < MAX_POOLED:
+                self._idle.append(sock)
+                return
+        sock.close()
+
+    def close(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for sock in idle:
+            sock.close()
+
+    def _error(self, f: Frame | tuple[int, str, str]) -> PagedKVError:
+        status, text, extra = (f.status, f.text, f.extra) if isinstance(f, Frame) else f
+        return error_from_status(status_name(status), text, extra, self.where)
+
+    def _run(self, timeout_s: float, body: Any) -> Any:
+        """body(sock) on a pooled connection; a broken transfer closes it and
+        raises Unavailable naming the node."""
+        sock = self._take(timeout_s)
+        try:
+            result = body(sock)
+        except PagedKVError:
+            self._give(sock)  # the node answered with an error: the connection is in sync
+            raise
+        except (OSError, ProtocolError) as exc:
+            sock.close()
+            what = "timed out (DEADLINE_EXCEEDED)" if isinstance(exc, TimeoutError) else "failed"
+            raise Unavailable(f"{self.where}: bulk transfer {what}: {exc}") from exc
+        except BaseException:
+            sock.close()
+            raise
+        self._give(sock)
+        return result
+
+    # -- transfers --------------------------------------------------------------
+
+    def append(self, seq_id: str, token_ids: codec.TokenIds, k: Any, v: Any, timeout_s: float) -> int:
+        """Append k, v [num_layers, n, kv_heads, head_dim] with their n token ids;
+        returns the sequence's new length. Validates like the gRPC path."""
+        k, v = tensors.as_torch(k, "k"), tensors.as_torch(v, "v")
+        if k.shape != v.shape or k.dtype != v.dtype:
+            raise InvalidArgument(f"k {tuple(k.shape)} {k.dtype} and v {tuple(v.shape)} {v.dtype} differ")
+        if k.dim() != 4:
+            raise InvalidArgument(
+                f"k must be [num_layers, n, kv_heads, head_dim], got shape {tuple(k.shape)}"
+            )
+        tokens = codec.token_list(token_ids)
+        n = k.shape[1]
+        if len(tokens) != n:
+            raise InvalidArgument(f"{n} tokens of K/V for {len(tokens)} token ids")
+        try:
+            ids = np.asarray(tokens, dtype="<i8")
+        except OverflowError as exc:
+            raise InvalidArgument(f"append to {seq_id!r}: a token id is not an int in [0, 2**63)") from exc
+        layers, _, heads, dim = k.shape
+        # One slab of all n tokens: stack(k, v) is k's bytes then v's (protos/bulk.py).
+        frame = Frame(
+            bulk.OP_APPEND, next(self._ids), tensors.DTYPE_NAMES[k.dtype], start=0, end=n,
+            num_layers=layers, num_kv_heads=heads, head_dim=dim, slab_tokens=max(n, 1), text=seq_id,
+            payload_len=2 * k.numel() * k.element_size(),
+        )  # fmt: skip
+
+        def body(sock: socket.socket) -> int:
+            sock.sendall(frame.pack() + ids.tobytes())
+            sock.sendall(_byte_view(k))
+            sock.sendall(_byte_view(v))
+            reply = bulk.read_frame(sock)
+            assert reply is not None
+            if reply.status != bulk.STATUS_OK:
+                raise self._error(reply)
+            return reply.end
+
+        result: int = self._run(timeout_s, body)
+        return result
+
+    def read_kv(
+        self, seq_id: str, start: int, end: int | None, timeout_s: float, slab_bytes: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of positions [start, end) (end None: to the sequence's end),
+        each [num_layers, n, kv_heads, head_dim], received in place."""
+        if start < 0 or (end is not None and end < 0):
+            raise InvalidArgument(f"range [{start}, {end}) outside the sequence {seq_id!r}")
+        frame = Frame(
+            bulk.OP_READ, next(self._ids), start=start,
+            end=bulk.END_OF_SEQUENCE if end is None else end, text=seq_id,
+        )  # fmt: skip
+
+        def body(sock: socket.socket) -> tuple[torch.Tensor, torch.Tensor]:
+            sock.sendall(frame.pack())
+            reply = bulk.read_frame(sock)
+            assert reply is not None
+            if reply.status != bulk.STATUS_OK:
+                raise self._error(reply)
+            n = reply.end - reply.start
+            shape = (reply.num_layers, n, reply.num_kv_heads, reply.head_dim)
+            dtype = tensors.TORCH_DTYPES[reply.dtype]
+            out_k, out_v = torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype)
+            if reply.payload_len != 2 * out_k.numel() * out_k.element_size():
+                raise ProtocolError(f"read reply declares {reply.payload_len} bytes for shape {shape}")
+            pos = 0
+            while pos < n:
+                t, status, text, extra = bulk.read_slab(sock)
+                if status != bulk.STATUS_OK:
+                    raise self._error((status, text, extra))
+                if not 0 < t <= n - pos:
+                    raise ProtocolError(f"slab of {t} tokens at {pos} of {n}")
+                for part in (out_k, out_v):
+                    for layer in range(reply.num_layers):
+                        bulk.recv_exact(sock, _byte_view(part[layer, pos : pos + t]), "kv payload")
+                pos += t
+            return out_k, out_v
+
+        result: tuple[torch.Tensor, torch.Tensor] = self._run(timeout_s, body)
+        return result
+
+
+def _is_alive(sock: socket.socket) -> bool:
+    """False when the node closed this idle connection (restart, stop): peek without blocking."""
+    try:
+        sock.setblocking(False)
+        try:
+            sock.recv(1, socket.MSG_PEEK)  # EOF, or bytes on an idle connection: out of sync
+            return False
+        except BlockingIOError:
+            return True
+        finally:
+            sock.setblocking(True)
+    except OSError:
+        return False
