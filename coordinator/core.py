@@ -527,12 +527,21 @@ class Coordinator:
         parent = self._record(tenant, parent_id)
         node = self._live_node_of(parent)
         child_id = child_id or uuid.uuid4().hex
-        self._call(node, "Fork", pb.ForkRequest(parent_id=parent_id, child_id=child_id))
-        record = SequenceRecord(child_id, tenant, parent.extents, parent.num_tokens, parent.state)
+        # The child counts against the quota like any sequence (its close releases it).
+        quota = self.config.quotas.get(tenant)
+        if quota is not None:
+            self.store.reserve_blocks(tenant, parent.num_blocks, quota)
         try:
-            self.store.create_sequence(record)
+            self._call(node, "Fork", pb.ForkRequest(parent_id=parent_id, child_id=child_id))
+            record = SequenceRecord(child_id, tenant, parent.extents, parent.num_tokens, parent.state)
+            try:
+                self.store.create_sequence(record)
+            except PagedKVError:
+                self._call(node, "Free", pb.SeqRequest(seq_id=child_id))
+                raise
         except PagedKVError:
-            self._call(node, "Free", pb.SeqRequest(seq_id=child_id))
+            if quota is not None:
+                self.store.release_blocks(tenant, parent.num_blocks)
             raise
         placement = Placement(node.node_id, 0, 0, 0)
         return OpenResult(child_id, node.node_id, node.address, 0, placement)

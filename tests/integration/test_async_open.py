@@ -212,3 +212,19 @@ def test_close_frees_after_the_open_and_a_reopen_of_the_id_waits_for_the_free(st
     assert engine.stats()["num_sequences"] == 0
     assert coordinator.store.tenant_usage(TENANT) == 0
     assert coordinator.counters["open_failures"] == 0
+
+
+def test_fork_and_swaps_right_after_an_open_wait_for_its_node_open(stack):
+    engine, coordinator, client = stack
+    for i in range(5):
+        seq = client.open(f"p{i}", [i, 1, 2, 3, 4, 5])
+        child = seq.fork(f"c{i}")  # the coordinator waits for the parent's node Open first
+        assert child.append([6], kv(1), kv(1)) == 1
+        assert seq.swap_out() == 0  # an empty sequence: nothing to move, but it exists
+        assert seq.swap_in() == 0
+        child.close()
+        seq.close()
+    coordinator.wait_idle()
+    engine.check_integrity()
+    assert engine.stats()["num_sequences"] == 0
+    assert coordinator.store.tenant_usage(TENANT) == 0  # a fork reserves its blocks, its close releases them
