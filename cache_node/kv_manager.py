@@ -18,6 +18,16 @@ also references (after fork) copies it first. With a token budget, dropped
 middle blocks leave the table, `cache_len` counts the kept tokens and
 `num_tokens` the logical length; the key chain ends at the first drop.
 
+Appends come in two shapes: `reserve(seq, tokens)` (a prefill; returns the
+first new position) and `reserve_tokens(seqs, tokens)` (a decode step, one
+token per sequence, the whole batch in one call). `append()` and
+`append_tokens()` do the same and also list each token's slot. A decode step
+keeps its batch as the manager's decode group: when the next step names the
+same sequences (the usual case), it skips the lookups and checks, appends the
+tokens in one C-level pass, and knows from the group's schedule which members
+cross a block boundary this step (about batch / block_size of them); only
+those run Python code. Any other change to a member drops the group.
+
 Not thread-safe by itself: the engine holds one lock around every call.
 """
 
@@ -431,7 +441,10 @@ class KVCacheManager:
     def take_event_batch(self) -> EventBatch:
         """take_events() without a tuple per event (two list slices per drain),
         for a node that streams many events per step."""
-        log, self._event_log = self._event_log, []
+        log = self._event_log
+        if not log:  # most decode steps
+            return EventBatch([], [])
+        self._event_log = []
         return EventBatch(log[0::2], log[1::2])
 
     @property
