@@ -28,7 +28,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PEERS = Path(os.environ.get("PAGEDKV_PEERS", ROOT.parent / "shared" / "peers"))
 VENV = Path(os.environ.get("PEERS_VENV", "/tmp/peers/venv"))
 OURS = "bench.kvbench_adapter:PagedKVAdapter"
-ADAPTERS = ["naive", "vllm-blockpool", "vllm", "sglang", OURS]
+FLOOR = "bench.kvbench_adapter:HarnessFloorAdapter"  # a no-op adapter: the runner's own cost
+ADAPTERS = ["naive", "vllm-blockpool", "vllm", "sglang", OURS, FLOOR]
 RUN = (
     "import json, sys\n"
     "from kvbench import runner\n"
@@ -65,7 +66,7 @@ def one_run(python: Path, adapter: str, workload: str) -> dict:
 
 
 def name(adapter: str) -> str:
-    return "pagedkv" if adapter == OURS else adapter
+    return {OURS: "pagedkv", FLOOR: "harness-floor"}.get(adapter, adapter)
 
 
 def summarize(runs: list[dict]) -> dict:
@@ -155,7 +156,8 @@ def main(argv: list[str] | None = None) -> None:
     summary = summarize(runs)
     note = (f"{args.runs} runs per cell, each a fresh process (OMP_NUM_THREADS=1), adapters interleaved in a "
             f"shuffled order per run; medians. Load average {os.getloadavg()[0]:.2f} at the end; "
-            f"runtime {time.perf_counter() - start:.0f} s.")  # fmt: skip
+            f"runtime {time.perf_counter() - start:.0f} s. `harness-floor` is a no-op adapter: the "
+            f"runner's own loop, so its ops/s is the most any adapter can show here.")  # fmt: skip
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"note": note, "runs": args.runs}

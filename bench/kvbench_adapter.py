@@ -66,3 +66,22 @@ class PagedKVAdapter(Adapter):
 class PagedKVLFUAdapter(PagedKVAdapter):
     name = "pagedkv-lfu"
     policy = "lfu"
+
+
+class HarnessFloorAdapter(Adapter):
+    """Does nothing: what the runner's own loop costs. Its ops/s is the ceiling any
+    adapter can reach in this harness, so it bounds the ratios worth asking for."""
+
+    name = "harness-floor"
+
+    def setup(self, *, num_blocks, block_size, prefix_caching, max_running, max_model_len):
+        pass
+
+    def start(self, rid, prompt):
+        return 0
+
+    def decode(self, batch):
+        pass
+
+    def finish(self, rid):
+        pass
