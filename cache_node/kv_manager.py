@@ -253,6 +253,8 @@ class KVCacheManager:
     def match(self, keys: list[bytes]) -> tuple[list[int], list[int]]:
         """The longest cached chain: device blocks first, then host blocks that
         continue it. Changes nothing."""
+        if not keys or (keys[0] not in self.device.block_of_key and keys[0] not in self.host.block_of_key):
+            return [], []  # a miss on the first block (most prompts that share nothing)
         dev = list(map(self.device.block_of_key.get, keys))  # type: ignore[arg-type]
         if None in dev:
             del dev[dev.index(None) :]
@@ -407,7 +409,8 @@ class KVCacheManager:
         host, counters = self.host, self.counters
         if host.num_blocks == 0:  # no host tier: every evicted key leaves the node
             counters.evicted_device_dropped += len(keys)
-            _consume(map(self._origin.pop, keys, repeat(None, len(keys))))
+            if self._origin:
+                _consume(map(self._origin.pop, keys, repeat(None, len(keys))))
             if self.record_events:
                 flat: list[str | bytes] = [REMOVED] * (2 * len(keys))
                 flat[1::2] = keys
