@@ -27,7 +27,7 @@ from .config import ClientConfig
 from .control import AsyncNodeControl
 from .data import AsyncNodeData
 from .routing import AsyncCoordinatorRouting, AsyncDirectRouting
-from .sync import BatchPart, _as_batch, _gather_rows, _squeeze, split_batch
+from .sync import BatchPart, PrefillPart, _as_batch, _gather_rows, _squeeze, split_batch, split_prefill_batch
 from .types import AttentionResult, ClusterStats, NodeStats, Route
 
 
@@ -251,6 +251,33 @@ class AsyncCacheClient:
 
         parts = await asyncio.gather(*(one(p) for p in split))
         return parts[0][1] if len(parts) == 1 else _gather_rows(list(parts), len(handles))
+
+    async def attend_prefill_batch(
+        self,
+        seqs: Seq[AsyncSequence | str],
+        layer: int,
+        num_tokens: Seq[int],
+        q: Any,
+        k: Any = None,
+        v: Any = None,
+        token_ids: codec.TokenIds | None = None,
+        *,
+        timeout_s: float | None = None,
+    ) -> AttentionResult:
+        """Prefill of B sequences at one layer (see CacheClient.attend_prefill_batch); one RPC per
+        node, all nodes concurrently."""
+        handles = [s if isinstance(s, AsyncSequence) else await self.sequence(s) for s in seqs]
+        where = [(h.route.address, h.seq_id) for h in handles]
+
+        async def one(p: PrefillPart) -> tuple[list[int], AttentionResult]:
+            data = self.node(p.address).data
+            res = await data.attend_prefill_batch(p.seq_ids, layer, p.num_tokens, p.q, p.k, p.v, p.token_ids,
+                                                  timeout_s=timeout_s)  # fmt: skip
+            return p.rows, res
+
+        split = split_prefill_batch(where, num_tokens, q, k, v, token_ids)
+        parts = await asyncio.gather(*(one(p) for p in split))
+        return parts[0][1] if len(parts) == 1 else _gather_rows(list(parts), sum(len(r) for r, _ in parts))
 
     async def lookup(self, token_ids: codec.TokenIds, *, timeout_s: float | None = None) -> int:
         return await self.routing.lookup(token_ids, timeout_s)

@@ -92,6 +92,55 @@ def split_batch(
     return parts
 
 
+@dataclass(frozen=True)
+class PrefillPart:
+    """The sequences of a prefill batch that live on one node, with their rows."""
+
+    address: str
+    rows: list[int]  # indices into the batch's N rows
+    seq_ids: list[str]
+    num_tokens: list[int]
+    q: Any
+    k: Any
+    v: Any
+    token_ids: list[int] | None
+
+
+def split_prefill_batch(
+    where: list[tuple[str, str]],
+    num_tokens: Seq[int],
+    q: Any,
+    k: Any,
+    v: Any,
+    token_ids: codec.TokenIds | None,
+) -> list[PrefillPart]:
+    """Group a prefill batch's sequences ((address, seq_id) each, sequence i owning the next
+    num_tokens[i] rows) by node; one part (no copies) when all share one."""
+    counts = [int(n) for n in num_tokens]
+    if len(counts) != len(where):
+        raise InvalidArgument(f"{len(counts)} token counts for {len(where)} sequences")
+    tokens = None if token_ids is None else codec.token_list(token_ids)
+    starts = [0]
+    for n in counts:
+        starts.append(starts[-1] + n)
+    groups: dict[str, list[int]] = {}
+    for i, (address, _) in enumerate(where):
+        groups.setdefault(address, []).append(i)
+    if len(groups) == 1:
+        rows = list(range(starts[-1]))
+        return [PrefillPart(where[0][0], rows, [s for _, s in where], counts, q, k, v, tokens)]
+    parts = []
+    for address, members in groups.items():
+        rows = [r for i in members for r in range(starts[i], starts[i + 1])]
+        pick = torch.tensor(rows)
+        parts.append(PrefillPart(
+            address, rows, [where[i][1] for i in members], [counts[i] for i in members], q[pick],
+            None if k is None else k[pick], None if v is None else v[pick],
+            None if tokens is None else [tokens[r] for r in rows],
+        ))  # fmt: skip
+    return parts
+
+
 def _gather_rows(parts: list[tuple[list[int], AttentionResult]], n: int) -> AttentionResult:
     """Reassemble per-node results into the batch's row order."""
     first = parts[0][1]
@@ -339,31 +388,14 @@ class CacheClient:
         q [N, q_heads, D] (k, v [N, kv_heads, D]; N token ids at layer 0). One RPC per node
         the batch spans (usually one); rows come back in the request's order."""
         handles = [s if isinstance(s, Sequence) else self.sequence(s) for s in seqs]
-        counts = [int(n) for n in num_tokens]
-        if len(counts) != len(handles):
-            raise InvalidArgument(f"{len(counts)} token counts for {len(handles)} sequences")
-        tokens = None if token_ids is None else codec.token_list(token_ids)
-        groups: dict[str, list[int]] = {}
-        for i, h in enumerate(handles):
-            groups.setdefault(h.route.address, []).append(i)
-        if len(groups) == 1:
-            data = self.node(handles[0].route.address).data
-            return data.attend_prefill_batch([h.seq_id for h in handles], layer, counts, q, k, v, tokens,
-                                             timeout_s=timeout_s)  # fmt: skip
-        starts = [0]
-        for n in counts:
-            starts.append(starts[-1] + n)
+        where = [(h.route.address, h.seq_id) for h in handles]
         parts = []
-        for address, members in groups.items():
-            rows = [r for i in members for r in range(starts[i], starts[i + 1])]
-            pick = torch.tensor(rows)
-            res = self.node(address).data.attend_prefill_batch(
-                [handles[i].seq_id for i in members], layer, [counts[i] for i in members], q[pick],
-                None if k is None else k[pick], None if v is None else v[pick],
-                None if tokens is None else [tokens[r] for r in rows], timeout_s=timeout_s,
-            )  # fmt: skip
-            parts.append((rows, res))
-        return _gather_rows(parts, starts[-1])
+        for p in split_prefill_batch(where, num_tokens, q, k, v, token_ids):
+            data = self.node(p.address).data
+            res = data.attend_prefill_batch(p.seq_ids, layer, p.num_tokens, p.q, p.k, p.v, p.token_ids,
+                                            timeout_s=timeout_s)  # fmt: skip
+            parts.append((p.rows, res))
+        return parts[0][1] if len(parts) == 1 else _gather_rows(parts, sum(len(r) for r, _ in parts))
 
     def lookup(self, token_ids: codec.TokenIds, *, timeout_s: float | None = None) -> int:
         """Leading tokens of this prompt cached (on the best node, in a cluster). Changes nothing."""

@@ -4,13 +4,15 @@ and change nothing (lengths, K/V, blocks, integrity)."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import pytest
 import torch
 from kvref import SPEC, assert_attention, rand_kv, rand_q
 
-from pagedkv.client import CacheClient, CapacityExceeded, InvalidArgument, SequenceNotFound
+from pagedkv.client import AsyncCacheClient, CacheClient, CapacityExceeded, InvalidArgument, SequenceNotFound
+from pagedkv.client.sync import split_prefill_batch
 
 BS = SPEC.block_size
 
@@ -153,3 +155,47 @@ def test_running_out_of_room_keeps_earlier_rows_and_leaks_nothing(make_node: Any
         b.close()
         assert client.stats().counters["used_blocks"] == 0
         client.check_integrity()
+
+
+def test_async_client_batches_the_same_way(node: Any) -> None:
+    ka, va = rand_kv(5, seed=1)
+    kb, vb = rand_kv(3, seed=2)
+
+    async def scenario() -> None:
+        async with AsyncCacheClient(node.address) as client:
+            async with client.open("a", [1, 2, 3, 4, 5]) as a, client.open("b", [6, 7, 8]) as b:
+                for layer in range(SPEC.num_layers):
+                    qa, qb = rand_q(5, seed=10 + layer), rand_q(3, seed=20 + layer)
+                    res = await client.attend_prefill_batch(
+                        [a, b], layer, [5, 3], torch.cat([qa, qb]), torch.cat([ka[layer], kb[layer]]),
+                        torch.cat([va[layer], vb[layer]]), [1, 2, 3, 4, 5, 6, 7, 8] if layer == 0 else None,
+                    )  # fmt: skip
+                    assert_attention(
+                        type(res)(res.out[:5], res.lse[:5]), qa, ka[layer], va[layer], causal_offset=0
+                    )
+                    assert_attention(
+                        type(res)(res.out[5:], res.lse[5:]), qb, kb[layer], vb[layer], causal_offset=0
+                    )
+                with pytest.raises(InvalidArgument, match="token counts"):
+                    await client.attend_prefill_batch([a, b], 1, [8], rand_q(8, seed=3))
+            await client.check_integrity()
+            assert (await client.stats()).counters["used_blocks"] == 0
+
+    asyncio.run(scenario())
+
+
+def test_split_prefill_batch_groups_each_nodes_rows_in_order() -> None:
+    where = [("n1", "a"), ("n2", "b"), ("n1", "c")]
+    q = torch.arange(6.0)[:, None, None]  # rows: a = 0, 1 | b = 2, 3, 4 | c = 5
+    parts = split_prefill_batch(where, [2, 3, 1], q, q + 10, q + 20, [100, 101, 102, 103, 104, 105])
+    assert [(p.address, p.rows, p.seq_ids, p.num_tokens) for p in parts] == [
+        ("n1", [0, 1, 5], ["a", "c"], [2, 1]),
+        ("n2", [2, 3, 4], ["b"], [3]),
+    ]
+    assert parts[0].q.flatten().tolist() == [0.0, 1.0, 5.0]
+    assert parts[1].k.flatten().tolist() == [12.0, 13.0, 14.0]
+    assert parts[0].token_ids == [100, 101, 105] and parts[1].token_ids == [102, 103, 104]
+    (one,) = split_prefill_batch([("n1", "a"), ("n1", "b")], [1, 1], q[:2], None, None, None)
+    assert one.q is q[:2] or torch.equal(one.q, q[:2])
+    with pytest.raises(InvalidArgument, match="2 token counts for 3 sequences"):
+        split_prefill_batch(where, [1, 1], q, None, None, None)
