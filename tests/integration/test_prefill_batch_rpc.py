@@ -12,6 +12,8 @@ import torch
 from kvref import SPEC, assert_attention, rand_kv, rand_q
 
 from pagedkv.client import AsyncCacheClient, CacheClient, CapacityExceeded, InvalidArgument, SequenceNotFound
+from pagedkv.client.control import call
+from pagedkv.client.data import prefill_batch_request
 from pagedkv.client.sync import split_prefill_batch
 
 BS = SPEC.block_size
@@ -76,7 +78,7 @@ def test_batch_appends_and_attends_every_sequence_like_single_prefills(client: C
         ("duplicate", "more than once"),
         ("count_mismatch", "token counts"),
         ("zero_count", "num_tokens"),
-        ("rows_mismatch", "q"),
+        ("rows_mismatch", r"q has shape \(3, 4, 8\), expected \(2, '\*', 8\)"),
         ("token_count", "token ids"),
         ("tokens_past_layer_0", "layer 0 only"),
         ("k_without_v", "together"),
@@ -117,6 +119,19 @@ def test_bad_requests_are_refused_and_change_nothing(client: CacheClient, case: 
         assert a.read_kv()[0].shape[1] == 4 and b.read_kv()[0].shape[1] == 2
         client.check_integrity()
     assert client.stats().counters["used_blocks"] == 0
+
+
+def test_the_node_checks_counts_itself(client: CacheClient, node: Any) -> None:
+    """A request built without the client's checks: one count for two sequences."""
+    k, v = rand_kv(2, seed=1)
+    with client.open("a", [1, 2]) as a, client.open("b", [3, 4]) as b:
+        a.append([1, 2], k, v)
+        b.append([3, 4], k, v)
+        before = _state(client, [a, b])
+        req = prefill_batch_request(["a", "b"], 1, [2], rand_q(2, seed=2), None, None, None)
+        with pytest.raises(InvalidArgument, match=r"num_tokens must hold one count >= 1 per sequence \(2\)"):
+            call(client.node(node.address).data.stub.AttendPrefillBatch, req, 5.0)
+        _assert_same(before, _state(client, [a, b]))
 
 
 def test_unknown_sequence_is_not_found_and_changes_nothing(client: CacheClient, node: Any) -> None:
