@@ -40,7 +40,10 @@ from .engine import CacheEngine
 
 logger = logging.getLogger("pagedkv.cache_node.bulk")
 DRAIN_BYTES = 4 << 20  # scratch for discarding the payload of a refused request
-READ_SLAB_BYTES = 8 << 20  # default read slab when the client names none
+# Default read slab when the client names none: small enough that copying the next
+# slab out of the pool overlaps with the peer draining the socket (2 MiB measured
+# 1.5-1.8 GB/s for a 256 MiB read here, 8-32 MiB 1.1-1.7).
+READ_SLAB_BYTES = 2 << 20
 T = TypeVar("T")
 
 

@@ -158,7 +158,7 @@ class BulkChannel:
         return result
 
     def read_kv(
-        self, seq_id: str, start: int, end: int | None, timeout_s: float, slab_bytes: int = 0
+        self, seq_id: str, start: int, end: int | None, timeout_s: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of positions [start, end) (end None: to the sequence's end),
         each [num_layers, n, kv_heads, head_dim], received in place."""
