@@ -654,12 +654,9 @@ class KVCacheManager:
             self._group = group = _DecodeGroup(ids, batch, bs)
             self._step_group(group, token_ids)
             return batch
-        self._group = None
+        self._group = None  # copy-on-write, a budget, or one-token blocks: one append per sequence
         for seq, token in zip(batch, token_ids, strict=True):
-            if seq.simple and bs > 1:
-                self._step_group(_DecodeGroup((seq.seq_id,), [seq], bs), [token])
-            else:  # copy-on-write, a budget, or one-token blocks: the general path
-                self.reserve(seq.seq_id, [token])
+            self.reserve(seq.seq_id, [token])
         return batch
 
     def _step_group(self, group: _DecodeGroup, token_ids: Seq[int]) -> None:
