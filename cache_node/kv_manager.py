@@ -101,10 +101,9 @@ _TOKENS, _TABLE, _IS_SIMPLE = attrgetter("tokens"), attrgetter("table"), attrget
 _LAST = itemgetter(-1)
 
 
-def _as_events(log: list) -> list[BlockEvent]:
-    """[kind, key, kind, key, ...] -> [BlockEvent(kind, key), ...], in one C-level pass."""
-    pairs = iter(log)
-    return list(map(_new_tuple, repeat(BlockEvent, len(log) // 2), zip(pairs, pairs, strict=True)))
+def _as_events(kinds: list[str], keys: list[bytes]) -> list[BlockEvent]:
+    """Aligned kinds and keys -> [BlockEvent(kind, key), ...], in one C-level pass."""
+    return list(map(_new_tuple, repeat(BlockEvent, len(keys)), zip(kinds, keys, strict=True)))
 
 
 @dataclass(frozen=True)
@@ -204,9 +203,10 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.mover: BlockMover = mover if mover is not None else NullMover()
         self.record_events = record_events
-        # Recorded flat, kind then key, and turned into BlockEvents in one C-level
-        # pass by take_events(): no tuple per event on the hot paths.
-        self._event_log: list = []
+        # Events recorded as two aligned lists (no tuple per event on the hot paths,
+        # a block's worth of keys added in one extend); take_events() builds BlockEvents.
+        self._event_kinds: list[str] = []
+        self._event_keys: list[bytes] = []
         self.seqs: dict[str, Sequence] = {}
         self.counters = Counters()
         self._roots: dict[bytes, bytes] = {}
@@ -412,9 +412,8 @@ class KVCacheManager:
             if self._origin:
                 _consume(map(self._origin.pop, keys, repeat(None, len(keys))))
             if self.record_events:
-                flat: list[str | bytes] = [REMOVED] * (2 * len(keys))
-                flat[1::2] = keys
-                self._event_log += flat
+                self._event_kinds += [REMOVED] * len(keys)
+                self._event_keys += keys
             return
         for block, key in zip(blocks, keys, strict=True):
             if host.num_available == 0:
@@ -434,26 +433,26 @@ class KVCacheManager:
         """`key` left the node (no tier holds it any more)."""
         self._origin.pop(key, None)
         if self.record_events:
-            self._event_log += (REMOVED, key)
+            self._event_kinds.append(REMOVED)
+            self._event_keys.append(key)
 
     def take_events(self) -> list[BlockEvent]:
         """Drain the stored/removed events recorded since the last call, in order."""
-        log, self._event_log = self._event_log, []
-        return _as_events(log)
+        kinds, keys = self._event_kinds, self._event_keys
+        self._event_kinds, self._event_keys = [], []
+        return _as_events(kinds, keys)
 
     def take_event_batch(self) -> EventBatch:
-        """take_events() without a tuple per event (two list slices per drain),
-        for a node that streams many events per step."""
-        log = self._event_log
-        if not log:  # most decode steps
-            return EventBatch([], [])
-        self._event_log = []
-        return EventBatch(log[0::2], log[1::2])
+        """take_events() without a tuple per event: the two recorded lists
+        themselves, for a node that streams many events per step."""
+        batch = EventBatch(self._event_kinds, self._event_keys)
+        self._event_kinds, self._event_keys = [], []
+        return batch
 
     @property
     def events(self) -> list[BlockEvent]:
         """The events take_events() would drain now. Changes nothing."""
-        return _as_events(self._event_log)
+        return _as_events(self._event_kinds, self._event_keys)
 
     def append(self, seq_id: str, token_ids: list[int]) -> Slots:
         """reserve(), then where the appended tokens' K/V go (token i -> slot i)."""
@@ -578,7 +577,7 @@ class KVCacheManager:
         device, table, keys = self.device, seq.table, seq.keys
         key_of, block_of_key = device.key_of, device.block_of_key
         host_keys = self.host.block_of_key
-        events = self._event_log if self.record_events else None
+        record = self.record_events
         num_new = len(new_keys)
         keys[first : first + num_new] = new_keys
         blocks = table[first : first + num_new]
@@ -590,10 +589,9 @@ class KVCacheManager:
             for b, key in zip(blocks, new_keys, strict=True):
                 key_of[b] = key
             block_of_key.update(zip(new_keys, blocks, strict=True))
-            if events is not None:
-                flat: list[str | bytes] = [STORED] * (2 * num_new)
-                flat[1::2] = new_keys
-                events += flat
+            if record:
+                self._event_kinds += [STORED] * num_new
+                self._event_keys += new_keys
             return
         for key, b in zip(new_keys, blocks, strict=True):
             if key_of[b] is not None or key in block_of_key:  # BlockPool.publish() refusing
@@ -602,8 +600,9 @@ class KVCacheManager:
             block_of_key[key] = b
             hb = host_keys.get(key) if host_keys else None
             if hb is None:  # new to the node
-                if events is not None:
-                    events += (STORED, key)
+                if record:
+                    self._event_kinds.append(STORED)
+                    self._event_keys.append(key)
             else:  # the node held it on the host already; the device copy replaces it
                 self.host.drop(hb)
 
@@ -728,7 +727,8 @@ class KVCacheManager:
         hb = host_keys.get(key) if host_keys else None
         if hb is None:  # new to the node
             if self.record_events:
-                self._event_log += (STORED, key)
+                self._event_kinds.append(STORED)
+                self._event_keys.append(key)
         else:  # the node held it on the host already; the device copy replaces it
             self.host.drop(hb)
 
