@@ -20,6 +20,7 @@ from __future__ import annotations
 import itertools
 import socket
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -32,6 +33,11 @@ from ..protos.status import error_from_status, status_name
 from . import codec
 
 MAX_POOLED = 4  # idle connections kept per node
+CONNECT_TIMEOUT_S = 2.0
+# After a failed connect the node's bulk port is left alone (gRPC carries the
+# transfers) for this long, then learned again: a firewalled port costs one short
+# connect timeout per interval, not one per call; a restarted node's new port is found.
+RETRY_AFTER_S = 30.0
 
 
 class BulkUnavailable(Exception):
@@ -60,6 +66,11 @@ class BulkChannel:
         self._idle: list[socket.socket] = []
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
+        self._retry_at = 0.0  # time.monotonic() before which the channel is not tried
+
+    @property
+    def is_backing_off(self) -> bool:
+        return time.monotonic() < self._retry_at
 
     # -- connections ------------------------------------------------------------
 
@@ -73,10 +84,13 @@ class BulkChannel:
                 sock.close()
         if not self.port:
             raise BulkUnavailable("the node's bulk port is off")
+        where = (self.host, self.port)
         try:
-            sock = socket.create_connection((self.host, self.port), timeout=timeout_s)
+            sock = socket.create_connection(where, timeout=min(timeout_s, CONNECT_TIMEOUT_S))
         except OSError as exc:
-            raise BulkUnavailable(f"cannot connect to {self.host}:{self.port}: {exc}") from exc
+            self._retry_at, self.port = time.monotonic() + RETRY_AFTER_S, None  # re-learn it later
+            raise BulkUnavailable(f"cannot connect to {where[0]}:{where[1]}: {exc}") from exc
+        sock.settimeout(timeout_s)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return sock
 

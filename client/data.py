@@ -70,7 +70,7 @@ class NodeData:
     def _bulk(self, num_bytes: int | None, timeout_s: float) -> BulkChannel | None:
         """The bulk channel for a transfer of num_bytes, or None (use gRPC)."""
         r = self.route
-        if r.bulk is None or (num_bytes is not None and num_bytes < r.min_bytes):
+        if r.bulk is None or r.bulk.is_backing_off or (num_bytes is not None and num_bytes < r.min_bytes):
             return None
         if r.bulk.port is None:
             try:
@@ -173,7 +173,7 @@ class AsyncNodeData:
 
     async def _bulk(self, num_bytes: int | None, timeout_s: float) -> BulkChannel | None:
         r = self.route
-        if r.bulk is None or (num_bytes is not None and num_bytes < r.min_bytes):
+        if r.bulk is None or r.bulk.is_backing_off or (num_bytes is not None and num_bytes < r.min_bytes):
             return None
         if r.bulk.port is None:
             try:

@@ -285,6 +285,12 @@ def test_falls_back_to_grpc_when_the_bulk_port_is_off_or_gone() -> None:
                     assert seq.append(toks, k, v) == 12
                     rk, rv = seq.read_kv()
                     assert same_bytes(rk, k) and same_bytes(rv, v)
+                    channel = client.data.route.bulk
+                    assert channel is not None
+                    if node is on:  # a failed connect: gRPC for a while, then the port is learned again
+                        assert channel.is_backing_off and channel.port is None
+                    else:
+                        assert channel.port == 0  # advertised as off
         assert on.bulk.num_requests == 0
         assert on.server.metrics.rpc_latency.labels("Append")._sum.get() > 0  # the rpc carried it
     finally:
@@ -332,3 +338,43 @@ def test_node_cli_bulk_port_flag() -> None:
     assert parse(["--bulk-port=7070"]).bulk_port == 7070
     with pytest.raises(SystemExit):
         parse(["--bulk-port=seven"])
+
+
+def test_node_lost_mid_transfer_raises_unavailable_naming_the_node() -> None:
+    """A peer that answers a read with a header and half a slab, then hangs up; and
+    one that hangs up on an append: the client raises Unavailable, not a hang or a
+    bare socket error, and does not reuse the broken connection."""
+    from pagedkv.client import Unavailable
+    from pagedkv.client.bulk import BulkChannel
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def fake_node() -> None:
+        for _ in range(2):
+            conn, _ = listener.accept()
+            with conn:
+                f = bulk.read_frame(conn)
+                assert f is not None
+                if f.op == bulk.OP_READ:
+                    conn.sendall(
+                        Frame(bulk.OP_READ, f.request_id, start=0, end=8, num_layers=2, num_kv_heads=2,
+                              head_dim=8, slab_tokens=8, payload_len=8 * SPEC.bytes_per_token).pack()
+                        + bulk.pack_slab(8) + b"\0" * 100
+                    )  # fmt: skip
+
+    thread = threading.Thread(target=fake_node, daemon=True)
+    thread.start()
+    channel = BulkChannel(f"127.0.0.1:{port}", "node fake")
+    channel.port = port
+    try:
+        with pytest.raises(Unavailable, match=r"node fake: bulk transfer failed: connection closed after"):
+            channel.read_kv("s", 0, None, timeout_s=5)
+        k, v = rand_kv(SPEC, 40000, seed=11)  # larger than the socket buffers: the send itself fails
+        with pytest.raises(Unavailable, match="node fake: bulk transfer failed"):
+            channel.append("s", list(range(40000)), k, v, timeout_s=5)
+        assert channel._idle == []
+    finally:
+        channel.close()
+        listener.close()
+        thread.join(5)
