@@ -10,10 +10,8 @@
 Data calls per forward (B rows, L layers):
 
     decode (1 new token per row)   L calls  -- `attend_decode`, one per layer for the whole batch
-    prefill (n_b new tokens)       L calls  -- `attend_prefill_batch`: in-process one engine call per
-                                               layer for all rows; over gRPC one AttendPrefill per
-                                               row per layer (measured faster than one
-                                               AttendPrefillBatch rpc for 128-token rows; see below)
+    prefill (n_b new tokens)       L calls  -- `attend_prefill_batch`, one AttendPrefillBatch rpc
+                                               per layer for all B rows (per node the rows span)
     gathered-KV mode               B `read_kv` + B `append` per forward (K/V cross the wire)
 """
 
@@ -213,15 +211,10 @@ class GrpcBackend:
         vs: Sequence[torch.Tensor],
         token_ids: Sequence[Sequence[int]] | None,
     ) -> list[torch.Tensor]:
-        # One AttendPrefill per row. AttendPrefillBatch (all rows in one rpc) measured slower in
-        # the model forward here: 8 x 128-token rows took ~2x the per-row TTFT, the node's attention
-        # running ~3x slower per row inside the one large call (cause not pinned down; cache
-        # pressure from the 2 MB message on these small shared VMs is the suspect), see
-        # bench/results/ttft.md. client.attend_prefill_batch stays available for short rows.
-        return [
-            self._seqs[sid].attend_prefill(layer, q, k, v, None if token_ids is None else token_ids[i]).out
-            for i, (sid, q, k, v) in enumerate(zip(seq_ids, qs, ks, vs, strict=True))
-        ]
+        counts, q, k, v, tokens = _concat_rows(qs, ks, vs, token_ids)
+        seqs = [self._seqs[sid] for sid in seq_ids]
+        out = self.client.attend_prefill_batch(seqs, layer, counts, q, k, v, tokens).out
+        return list(out.split(counts))
 
     def append(self, seq_id: str, token_ids: Sequence[int], k: torch.Tensor, v: torch.Tensor) -> None:
         self._seqs[seq_id].append(list(token_ids), k, v)

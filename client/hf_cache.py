@@ -13,7 +13,7 @@ positions of each row are stored:
 Two modes:
 - "node" (default): update() stores nothing locally; the registered "pagedkv" attention function
   sends this layer's queries and new K/V to the node and gets the output back. K/V never return
-  to the worker. One node call per layer per forward (per row for prefill, see hf_backend).
+  to the worker. One node call per layer per forward for the whole batch (see hf_backend).
 - "gather": update() reads each row's K/V back from the node (read_kv), rebuilds the padded
   contiguous tensors and lets transformers' own sdpa attend; new K/V are appended after the
   forward. For comparison: K/V cross the wire every step.

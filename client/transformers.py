@@ -13,7 +13,7 @@ How transformers' calls map to pagedkv calls (B rows, L layers, see hf_cache / h
     forward pre-hook                  records input_ids + which positions are real (not pads)
     cache.update(k, v, layer)         node mode: nothing; gather mode: ReadKV per row (layer 0)
     attention(q, k, v), decode        Attend(all rows, layer, q, k, v, token_ids at layer 0)
-    attention(q, k, v), prefill       AttendPrefill per row (pads skipped), one batch per layer
+    attention(q, k, v), prefill       AttendPrefillBatch(all rows, pads skipped), one per layer
     forward post-hook                 gather mode: Append per row (all layers' new K/V)
     cache.reorder_cache(beam_idx)     Fork chosen parents, Free dropped ones (CoW shares blocks)
     cache.close()                     Free every row (full blocks stay cached for prefix hits)
