@@ -76,7 +76,15 @@ def node_usage(cluster: LocalCluster) -> dict[str, dict[str, int]]:
     from .client import CacheClient
 
     with CacheClient(coordinator=cluster.coordinator_address) as client:
-        return {n.node_id: client.node_stats(n.address).counters for n in client.cluster_stats().nodes}
+        nodes = client.cluster_stats().nodes
+        # Every worker has closed its sequences, but a close answers before the coordinator's node
+        # Free lands: give the frees a moment to drain so the figures show the settled state.
+        deadline = time.monotonic() + 3.0
+        while True:
+            usage = {n.node_id: client.node_stats(n.address).counters for n in nodes}
+            if all(c["num_sequences"] == 0 for c in usage.values()) or time.monotonic() > deadline:
+                return usage
+            time.sleep(0.05)
 
 
 def summarize(results: list[dict], usage: dict[str, dict[str, int]], block_size: int) -> dict:

@@ -43,10 +43,23 @@ def _reachable(c: CacheClient) -> bool:
 
 
 def all_nodes_clean(c: CacheClient) -> None:
+    """Every node passes its integrity check and holds nothing. A close answers before its node Free
+    lands (the coordinator sends it off the close's path), so the emptiness is awaited, bounded."""
+
+    def empty(address: str) -> bool:
+        counters = c.node_stats(address).counters
+        return counters["used_blocks"] == 0 and counters["num_sequences"] == 0
+
     for node in c.cluster_stats().nodes:
         c.node(node.address).control.check_integrity()
+        if not empty(node.address):
+            time.sleep(0.05)
+            deadline = time.monotonic() + 5.0
+            while not empty(node.address) and time.monotonic() < deadline:
+                time.sleep(0.05)
         counters = c.node_stats(node.address).counters
         assert counters["used_blocks"] == 0 and counters["num_sequences"] == 0, (node.node_id, counters)
+        c.node(node.address).control.check_integrity()
 
 
 def test_second_worker_process_reuses_the_first_ones_system_prompt(cluster):

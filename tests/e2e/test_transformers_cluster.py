@@ -62,5 +62,10 @@ def test_second_worker_prefills_only_its_suffix_through_the_cluster(model, ref_m
         with CacheClient(coordinator=cluster.coordinator_address) as client:
             client.check_integrity()
             for node in client.cluster_stats().nodes:
+                # A close answers before the coordinator's node Free lands: await it, bounded.
+                deadline = time.monotonic() + 5.0
                 counters = client.node_stats(node.address).counters
+                while counters["num_sequences"] and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                    counters = client.node_stats(node.address).counters
                 assert counters["used_blocks"] == 0 and counters["num_sequences"] == 0
