@@ -1,4 +1,5 @@
-"""The node's bulk KV listener: large Append / ReadKV ranges over raw TCP.
+"""The node's bulk listener: large Append / ReadKV ranges, and the per-step
+Attend / AttendPrefillBatch calls, over raw TCP.
 
 The protocol is documented in pagedkv.protos.bulk. This side owns the sockets:
 one thread accepts, one thread serves each connection (at most
@@ -14,7 +15,10 @@ one slab at a time from the pool into a reused slab-sized staging tensor
 Validation and errors are the gRPC path's: the header is checked against the
 node's ModelSpec before the payload is read, engine errors are mapped by
 protos.status.status_for, and the engine changes nothing unless the whole
-request arrived. A bad request gets its error after its payload is drained
+request arrived. An ATTEND* body is received into the connection's reused
+buffer and the engine computes on views of it (the gRPC handlers' engine calls,
+so the same validation and errors); the reply's out / lse leave with one
+sendmsg. A bad request gets its error after its payload is drained
 (the connection stays usable); a truncated request or a client that goes away
 mid-transfer closes the connection and changes nothing.
 """
@@ -23,9 +27,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import socket
 import threading
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TypeVar
 
 import numpy as np
@@ -35,8 +42,9 @@ from ..protos import bulk
 from ..protos.bulk import Frame, ProtocolError
 from ..protos.errors import CapacityExceeded, InvalidArgument, PagedKVError, SequenceNotFound
 from ..protos.status import status_for
-from ..protos.tensors import TORCH_DTYPES, tokens_per_chunk
+from ..protos.tensors import DTYPE_NAMES, TORCH_DTYPES, tokens_per_chunk
 from .engine import CacheEngine
+from .metrics import NodeMetrics
 
 logger = logging.getLogger("pagedkv.cache_node.bulk")
 DRAIN_BYTES = 4 << 20  # scratch for discarding the payload of a refused request
@@ -91,8 +99,10 @@ class BulkServer:
         *,
         max_connections: int = 16,
         max_staging_bytes: int = 1 << 30,
+        metrics: NodeMetrics | None = None,
     ) -> None:
         self.engine = engine
+        self.metrics = metrics  # the per-step calls are recorded under their rpc's name
         self._sock = socket.create_server((host, port), family=_family(host), backlog=max_connections)
         self.port: int = self._sock.getsockname()[1]
         self._max_connections = max_connections
@@ -145,9 +155,14 @@ class BulkServer:
             thread.start()
 
     def _serve(self, conn: socket.socket) -> None:
+        head, body = bytearray(bulk.FRAME.size), _CallBuffer()
         try:
-            while (frame := bulk.read_frame(conn, eof_ok=True)) is not None:
-                if frame.op == bulk.OP_APPEND:
+            while (frame := bulk.read_frame(conn, eof_ok=True, buf=head)) is not None:
+                if frame.op in (bulk.OP_ATTEND, bulk.OP_ATTEND_PREFILL_BATCH):
+                    self._call(conn, frame, body)
+                elif frame.op == bulk.OP_PING:
+                    self._ping(conn, frame)
+                elif frame.op == bulk.OP_APPEND:
                     self._append(conn, frame)
                 elif frame.op == bulk.OP_READ:
                     self._read(conn, frame)
@@ -170,12 +185,14 @@ class BulkServer:
             with self._lock:
                 self._conns.pop(conn, None)
 
-    def _reply_error(self, conn: socket.socket, frame: Frame, exc: Exception) -> None:
+    def _reply_error(self, conn: socket.socket, frame: Frame, exc: Exception) -> str:
+        """Send exc as the reply's status; returns the status code's name."""
         code, details, cls = status_for(exc)
         if not isinstance(exc, PagedKVError):
             logger.error("bulk %s failed", frame.op, exc_info=exc)
         self._bump("num_errors")
         conn.sendall(Frame(frame.op, frame.request_id, status=code.value[0], text=details, extra=cls).pack())
+        return str(code.name)
 
     def _waiting_for_open(self, fn: Callable[[], T]) -> T:
         """fn(), again once an unknown sequence gets opened within the engine's grace
@@ -200,6 +217,59 @@ class BulkServer:
             chunk = view[: min(len(view), num_bytes)]
             bulk.recv_exact(conn, chunk, "a refused payload")
             num_bytes -= len(chunk)
+
+    # -- ATTEND, ATTEND_PREFILL_BATCH, PING ----------------------------------------
+
+    def _ping(self, conn: socket.socket, f: Frame) -> None:
+        if f.payload_len:
+            self._drain(conn, f.payload_len)
+            self._reply_error(conn, f, InvalidArgument("bulk ping: the request carries no payload"))
+            return
+        self._bump("num_requests")
+        conn.sendall(Frame(f.op, f.request_id).pack())
+
+    def _call(self, conn: socket.socket, f: Frame, body: _CallBuffer) -> None:
+        """One Attend / AttendPrefillBatch: the whole body is read into the
+        connection's reused buffer before anything is checked or changed; the
+        engine call is the gRPC handler's, so are its validation and errors."""
+        if f.payload_len > bulk.MAX_CALL_BYTES:  # cannot be drained in bounded time: close
+            raise ProtocolError(f"call body of {f.payload_len} bytes exceeds {bulk.MAX_CALL_BYTES}")
+        data = body.take(f.payload_len)
+        bulk.recv_exact(conn, _byte_view(data), "call body")
+        method = "Attend" if f.op == bulk.OP_ATTEND else "AttendPrefillBatch"
+        start = time.perf_counter()
+        try:
+            call = _parse_call(f.op, data)
+            e = self.engine
+            if f.op == bulk.OP_ATTEND:
+                out = self._waiting_for_open(
+                    lambda: e.attend_decode(
+                        call.seq_ids, call.layer, call.q, call.k, call.v, call.token_ids,
+                        return_block_mass=call.want_mass,
+                    )
+                )  # fmt: skip
+            else:
+                out = self._waiting_for_open(
+                    lambda: e.attend_prefill_batch(
+                        call.seq_ids, call.layer, call.counts, call.q, call.k, call.v, call.token_ids
+                    )
+                )
+        except Exception as exc:  # every failure becomes a status; the node keeps serving
+            code = self._reply_error(conn, f, exc)
+            if self.metrics is not None:
+                self.metrics.rpc_errors.labels(method, code).inc()
+            return
+        finally:
+            if self.metrics is not None:
+                self.metrics.rpc_latency.labels(method).observe(time.perf_counter() - start)
+        mass = out.block_mass if call.want_mass else None
+        parts = [t.detach().to("cpu").contiguous() for t in (out.out, out.lse, mass) if t is not None]
+        descs = [bulk.pack_tensor(DTYPE_NAMES[t.dtype], tuple(t.shape)) for t in parts]
+        descs += [bytes(bulk.TENSOR.size)] * (3 - len(parts))
+        size = bulk.REPLY_SIZE + sum(t.numel() * t.element_size() for t in parts)
+        self._bump("num_requests")
+        head = Frame(f.op, f.request_id, payload_len=size).pack() + bulk.REPLY.pack(len(parts))
+        bulk.send_parts(conn, [head + b"".join(descs), *(_byte_view(t) for t in parts)])
 
     # -- APPEND -----------------------------------------------------------------
 
@@ -316,6 +386,95 @@ class BulkServer:
                 conn.sendall(_byte_view(slab))
         finally:
             self._staging.give(staging)
+
+
+class _CallBuffer:
+    """The reused receive buffer of one connection's ATTEND* bodies: grows to the
+    largest body seen (up to KEEP_BYTES; a larger one is allocated per call)."""
+
+    KEEP_BYTES = 16 << 20
+
+    def __init__(self) -> None:
+        self._buf = torch.empty(4096, dtype=torch.uint8)
+
+    def take(self, num_bytes: int) -> torch.Tensor:
+        if num_bytes > self._buf.numel():
+            if num_bytes > self.KEEP_BYTES:
+                return torch.empty(num_bytes, dtype=torch.uint8)
+            self._buf = torch.empty(max(num_bytes, 2 * self._buf.numel()), dtype=torch.uint8)
+        return self._buf[:num_bytes]
+
+
+@dataclass(frozen=True)
+class _Call:
+    """A parsed ATTEND* body: the rpc's arguments, tensors viewing the body."""
+
+    layer: int
+    want_mass: bool
+    seq_ids: list[str]
+    counts: list[int]
+    token_ids: list[int] | None
+    q: torch.Tensor
+    k: torch.Tensor | None
+    v: torch.Tensor | None
+
+
+def _parse_call(op: int, data: torch.Tensor) -> _Call:
+    """The CALL body (protos/bulk.py) in `data`; InvalidArgument naming what is
+    wrong when its sections do not add up to its length."""
+    mv = _byte_view(data)
+    size = len(mv)
+
+    def need(at: int, n: int, what: str) -> None:
+        if at + n > size:
+            raise InvalidArgument(f"bulk call: {what} runs past the {size}-byte body")
+
+    need(0, bulk.CALL.size, "the CALL header")
+    layer, flags, num_seqs, num_counts, num_tokens, ids_len = bulk.CALL.unpack_from(mv, 0)
+    if op == bulk.OP_ATTEND and num_counts:
+        raise InvalidArgument(f"bulk attend: {num_counts} num_tokens given (prefill batch only)")
+    names = ["q"] + ["k"] * bool(flags & bulk.FLAG_K) + ["v"] * bool(flags & bulk.FLAG_V)
+    at, descs = bulk.CALL.size, []
+    for name in names:
+        need(at, bulk.TENSOR.size, f"the {name} descriptor")
+        try:
+            descs.append(bulk.unpack_tensor(mv, at))
+        except ProtocolError as exc:
+            raise InvalidArgument(f"bulk call: {name}: {exc}") from None
+        at += bulk.TENSOR.size
+    need(at, 8 * num_tokens + 4 * num_counts + ids_len, "the token ids, counts and sequence ids")
+    tokens = np.frombuffer(mv, "<i8", num_tokens, at).tolist()
+    at += 8 * num_tokens
+    counts = np.frombuffer(mv, "<i4", num_counts, at).tolist()
+    at += 4 * num_counts
+    seq_ids, end = [], at + ids_len
+    for _ in range(num_seqs):
+        if at + 2 > end:
+            raise InvalidArgument(f"bulk call: {num_seqs} sequence ids overrun their {ids_len} bytes")
+        n = int.from_bytes(mv[at : at + 2], "little")
+        if at + 2 + n > end:
+            raise InvalidArgument(f"bulk call: {num_seqs} sequence ids overrun their {ids_len} bytes")
+        try:
+            seq_ids.append(str(mv[at + 2 : at + 2 + n], "utf-8"))
+        except UnicodeDecodeError as exc:
+            raise InvalidArgument(f"bulk call: a sequence id is not UTF-8: {exc}") from None
+        at += 2 + n
+    if at != end:
+        raise InvalidArgument(f"bulk call: {end - at} bytes after the {num_seqs} sequence ids")
+    views: list[torch.Tensor] = []
+    for name, (dtype, shape) in zip(names, descs, strict=True):
+        at += bulk.pad(at)
+        tdtype = TORCH_DTYPES[dtype]
+        nbytes = math.prod(shape) * tdtype.itemsize
+        need(at, nbytes, f"{name} {list(shape)} {dtype}")
+        views.append(data[at : at + nbytes].view(tdtype).view(shape))
+        at += nbytes
+    if at != size:
+        raise InvalidArgument(f"bulk call: {size} body bytes, its sections take {at}")
+    q, k, v = views[0], (views[1] if flags & bulk.FLAG_K else None), None
+    if flags & bulk.FLAG_V:
+        v = views[-1]
+    return _Call(layer, bool(flags & bulk.FLAG_BLOCK_MASS), seq_ids, counts, tokens or None, q, k, v)
 
 
 def _family(host: str) -> socket.AddressFamily:

@@ -393,6 +393,6 @@ def create_server(
         max_workers=max_workers,
         options=SERVER_OPTIONS,
     )
-    bulk = None if bulk_port is None else BulkServer(engine, bulk_host(address), bulk_port)
+    bulk = None if bulk_port is None else BulkServer(engine, bulk_host(address), bulk_port, metrics=metrics)
     servicer.bulk_port = 0 if bulk is None else bulk.port
     return NodeServer(server, health_servicer, metrics, bulk), port

@@ -1,4 +1,11 @@
-"""The client side of the bulk KV channel (protocol: pagedkv.protos.bulk).
+"""The client side of the bulk channel (protocol: pagedkv.protos.bulk).
+
+Per-step data calls (Attend, AttendPrefillBatch; `attend`) take the channel at
+any size: one sendmsg of the request header and the tensors' memory, the reply
+received into reused header buffers and the result tensors. Something the frame
+cannot carry (an id over 64 KiB, a count outside int32, a body over gRPC's
+message cap) raises BulkUnavailable before anything is sent, so the rpc handles
+it and reports it as it always did.
 
 NodeData sends a KV range of at least `ClientConfig.bulk_min_bytes` over the
 node's raw TCP port instead of the Append / ReadKV rpcs: the tensors' own
@@ -19,8 +26,10 @@ from __future__ import annotations
 
 import itertools
 import socket
+import struct
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -31,6 +40,7 @@ from ..protos.bulk import Frame, ProtocolError
 from ..protos.errors import InvalidArgument, PagedKVError, Unavailable
 from ..protos.status import error_from_status, status_name
 from . import codec
+from .types import AttentionResult
 
 MAX_POOLED = 4  # idle connections kept per node
 CONNECT_TIMEOUT_S = 2.0
@@ -67,6 +77,7 @@ class BulkChannel:
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self._retry_at = 0.0  # time.monotonic() before which the channel is not tried
+        self._local = threading.local()  # reused header buffers, one set per calling thread
 
     @property
     def is_backing_off(self) -> bool:
@@ -210,6 +221,140 @@ class BulkChannel:
 
         result: tuple[torch.Tensor, torch.Tensor] = self._run(timeout_s, body)
         return result
+
+    # -- per-step data calls ------------------------------------------------------
+
+    def ping(self, timeout_s: float) -> None:
+        """The channel's no-op round trip (its latency floor)."""
+        frame = Frame(bulk.OP_PING, next(self._ids)).pack()
+
+        def body(sock: socket.socket) -> None:
+            sock.sendall(frame)
+            reply = bulk.read_frame(sock, buf=self._local_head())
+            assert reply is not None
+            if reply.status != bulk.STATUS_OK:
+                raise self._error(reply)
+
+        self._run(timeout_s, body)
+
+    def attend(
+        self,
+        op: int,
+        seq_ids: Sequence[str],
+        layer: int,
+        q: Any,
+        k: Any,
+        v: Any,
+        token_ids: codec.TokenIds | None,
+        num_tokens: Sequence[int] = (),
+        *,
+        return_block_mass: bool = False,
+        timeout_s: float,
+    ) -> AttentionResult:
+        """An Attend (op OP_ATTEND) or AttendPrefillBatch (OP_ATTEND_PREFILL_BATCH)
+        over the channel: same arguments, result and errors as the rpc. Raises
+        BulkUnavailable (nothing sent) for what the frame cannot carry, so the
+        rpc reports it as it always did."""
+        q = tensors.as_torch(q, "q")
+        k = None if k is None else tensors.as_torch(k, "k")
+        v = None if v is None else tensors.as_torch(v, "v")
+        head = _call_head(
+            op, next(self._ids), seq_ids, layer, q, k, v, token_ids, num_tokens, return_block_mass
+        )
+        parts: list[bytes | memoryview] = [head]
+        at = len(head) - bulk.FRAME.size
+        for t in (q, k, v):
+            if t is not None:
+                parts.append(bytes(bulk.pad(at)))
+                parts.append(_byte_view(t))
+                at += bulk.pad(at) + t.numel() * t.element_size()
+
+        def body(sock: socket.socket) -> AttentionResult:
+            bulk.send_parts(sock, parts)
+            reply = bulk.read_frame(sock, buf=self._local_head())
+            assert reply is not None
+            if reply.status != bulk.STATUS_OK:
+                raise self._error(reply)
+            return _read_result(sock, reply.payload_len, self._local_reply())
+
+        result: AttentionResult = self._run(timeout_s, body)
+        return result
+
+    def _local_head(self) -> bytearray:
+        buf: bytearray | None = getattr(self._local, "head", None)
+        if buf is None:
+            buf = self._local.head = bytearray(bulk.FRAME.size)
+        return buf
+
+    def _local_reply(self) -> bytearray:
+        buf: bytearray | None = getattr(self._local, "reply", None)
+        if buf is None:
+            buf = self._local.reply = bytearray(bulk.REPLY_SIZE)
+        return buf
+
+
+def _call_head(
+    op: int,
+    request_id: int,
+    seq_ids: Sequence[str],
+    layer: int,
+    q: torch.Tensor,
+    k: torch.Tensor | None,
+    v: torch.Tensor | None,
+    token_ids: codec.TokenIds | None,
+    num_tokens: Sequence[int],
+    mass: bool,
+) -> bytes:
+    """FRAME + CALL + descriptors + ids + counts + sequence ids (protos/bulk.py);
+    BulkUnavailable for a value the frame cannot carry (the rpc takes it)."""
+    try:
+        ids = [s.encode() for s in seq_ids]
+        if any(len(b) > 0xFFFF for b in ids):
+            raise ValueError("a sequence id over 65535 bytes")
+        id_bytes = b"".join(len(b).to_bytes(2, "little") + b for b in ids)
+        tokens = np.asarray(codec.token_list(token_ids), dtype="<i8")
+        counts = np.asarray([int(n) for n in num_tokens], dtype="<i4")
+        if counts.size and (counts.min() < -(2**31) or counts.max() >= 2**31):
+            raise ValueError("a count outside int32")
+        flags = (
+            (bulk.FLAG_BLOCK_MASS if mass else 0)
+            | (0 if k is None else bulk.FLAG_K)
+            | (0 if v is None else bulk.FLAG_V)
+        )
+        call = bulk.CALL.pack(layer, flags, len(ids), counts.size, tokens.size, len(id_bytes))
+        descs = [
+            bulk.pack_tensor(tensors.DTYPE_NAMES[t.dtype], tuple(t.shape)) for t in (q, k, v) if t is not None
+        ]
+    except (AttributeError, TypeError, ValueError, OverflowError, struct.error) as exc:
+        raise BulkUnavailable(f"not expressible on the bulk channel: {exc}") from exc
+    body = b"".join([call, *descs, tokens.tobytes(), counts.tobytes(), id_bytes])
+    size = len(body)
+    for t in (q, k, v):
+        if t is not None:
+            size += bulk.pad(size) + t.numel() * t.element_size()
+    if size > bulk.MAX_CALL_BYTES:
+        raise BulkUnavailable(f"a {size}-byte call exceeds the channel's {bulk.MAX_CALL_BYTES}")
+    return Frame(op, request_id, payload_len=size).pack() + body
+
+
+def _read_result(sock: socket.socket, payload_len: int, buf: bytearray) -> AttentionResult:
+    """out, lse (and block_mass) of an ATTEND* reply, received in place."""
+    if payload_len < bulk.REPLY_SIZE:
+        raise ProtocolError(f"attend reply of {payload_len} bytes")
+    bulk.recv_exact(sock, memoryview(buf), "an attend reply")
+    (num,) = bulk.REPLY.unpack_from(buf, 0)
+    if not 2 <= num <= 3:
+        raise ProtocolError(f"attend reply with {num} tensors")
+    outs = []
+    for i in range(num):
+        dtype, shape = bulk.unpack_tensor(buf, bulk.REPLY.size + i * bulk.TENSOR.size)
+        outs.append(torch.empty(shape, dtype=tensors.TORCH_DTYPES[dtype]))
+    if payload_len != bulk.REPLY_SIZE + sum(t.numel() * t.element_size() for t in outs):
+        raise ProtocolError(f"attend reply declares {payload_len} bytes for {[tuple(t.shape) for t in outs]}")
+    for t in outs:
+        if t.numel():
+            bulk.recv_exact(sock, _byte_view(t), "attend result")
+    return AttentionResult(outs[0], outs[1], outs[2] if num == 3 else None)
 
 
 def _is_alive(sock: socket.socket) -> bool:

@@ -5,12 +5,16 @@ for a whole batch, tensors as raw bytes, big payloads streamed in chunks.
 KV ranges of at least `config.bulk_min_bytes` go over the node's bulk TCP
 channel (client/bulk.py) when the node advertises one (Stats.bulk_port, asked
 once per node); otherwise, or when it cannot be reached, over the Append /
-ReadKV rpcs. The asyncio client runs a bulk transfer in a worker thread.
+ReadKV rpcs. The per-step calls Attend and AttendPrefillBatch take the channel
+at any size (gRPC-Python costs ~1 ms a call on a small host, the channel a
+fraction of that), with the rpcs as the fallback; `bulk_min_bytes=None` keeps
+every call on gRPC. The asyncio client runs a bulk call in a worker thread.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -20,6 +24,7 @@ import torch
 from ..protos import pagedkv_pb2 as pb
 from ..protos import pagedkv_pb2_grpc as pb_grpc
 from ..protos import tensors
+from ..protos.bulk import OP_ATTEND, OP_ATTEND_PREFILL_BATCH
 from ..protos.errors import PagedKVError
 from ..protos.status import error_from_rpc
 from . import codec
@@ -29,6 +34,7 @@ from .control import acall, call
 from .types import AttentionResult
 
 _EMPTY = pb.Empty()
+ANY_SIZE = -1  # _bulk(): a per-step data call takes the channel whatever its size
 
 
 class _BulkRoute:
@@ -48,7 +54,9 @@ class _BulkRoute:
         """True when a transfer of num_bytes (None: unknown, a read to the end)
         should try the bulk channel, once the port is known."""
         return bool(
-            self.bulk is not None and self.bulk.port and (num_bytes is None or num_bytes >= self.min_bytes)
+            self.bulk is not None
+            and self.bulk.port
+            and (num_bytes is None or num_bytes < 0 or num_bytes >= self.min_bytes)
         )
 
     def read_bytes(self, start: int, end: int | None) -> int | None:
@@ -68,9 +76,14 @@ class NodeData:
         self.route = _BulkRoute(config, where, address)
 
     def _bulk(self, num_bytes: int | None, timeout_s: float) -> BulkChannel | None:
-        """The bulk channel for a transfer of num_bytes, or None (use gRPC)."""
+        """The bulk channel for a transfer of num_bytes (-1: a per-step data call,
+        any size), or None (use gRPC)."""
         r = self.route
-        if r.bulk is None or r.bulk.is_backing_off or (num_bytes is not None and num_bytes < r.min_bytes):
+        if (
+            r.bulk is None
+            or r.bulk.is_backing_off
+            or (num_bytes is not None and 0 <= num_bytes < r.min_bytes)
+        ):
             return None
         if r.bulk.port is None:
             try:
@@ -109,6 +122,15 @@ class NodeData:
         return_block_mass: bool = False,
         timeout_s: float | None = None,
     ) -> AttentionResult:
+        bulk = self._bulk(ANY_SIZE, self._t(timeout_s))
+        if bulk is not None:
+            try:
+                return bulk.attend(
+                    OP_ATTEND, seq_ids, layer, q, k, v, token_ids,
+                    return_block_mass=return_block_mass, timeout_s=self._t(timeout_s),
+                )  # fmt: skip
+            except BulkUnavailable:
+                pass
         req = codec.attend_request(seq_ids, layer, q, k, v, token_ids, return_block_mass)
         return codec.attention_result(call(self.stub.Attend, req, self._t(timeout_s), where=self.where))
 
@@ -141,6 +163,15 @@ class NodeData:
         *,
         timeout_s: float | None = None,
     ) -> AttentionResult:
+        bulk = self._bulk(ANY_SIZE, self._t(timeout_s))
+        if bulk is not None:
+            try:
+                return bulk.attend(
+                    OP_ATTEND_PREFILL_BATCH, seq_ids, layer, q, k, v, token_ids, num_tokens,
+                    timeout_s=self._t(timeout_s),
+                )  # fmt: skip
+            except BulkUnavailable:
+                pass
         req = prefill_batch_request(seq_ids, layer, num_tokens, q, k, v, token_ids)
         return codec.attention_result(
             call(self.stub.AttendPrefillBatch, req, self._t(timeout_s), where=self.where)
@@ -173,7 +204,11 @@ class AsyncNodeData:
 
     async def _bulk(self, num_bytes: int | None, timeout_s: float) -> BulkChannel | None:
         r = self.route
-        if r.bulk is None or r.bulk.is_backing_off or (num_bytes is not None and num_bytes < r.min_bytes):
+        if (
+            r.bulk is None
+            or r.bulk.is_backing_off
+            or (num_bytes is not None and 0 <= num_bytes < r.min_bytes)
+        ):
             return None
         if r.bulk.port is None:
             try:
@@ -212,6 +247,17 @@ class AsyncNodeData:
         return_block_mass: bool = False,
         timeout_s: float | None = None,
     ) -> AttentionResult:
+        bulk = await self._bulk(ANY_SIZE, self._t(timeout_s))
+        if bulk is not None:
+            try:
+                return await asyncio.to_thread(
+                    functools.partial(
+                        bulk.attend, OP_ATTEND, seq_ids, layer, q, k, v, token_ids,
+                        return_block_mass=return_block_mass, timeout_s=self._t(timeout_s),
+                    )
+                )  # fmt: skip
+            except BulkUnavailable:
+                pass
         req = codec.attend_request(seq_ids, layer, q, k, v, token_ids, return_block_mass)
         return codec.attention_result(
             await acall(self.stub.Attend, req, self._t(timeout_s), where=self.where)
@@ -246,6 +292,17 @@ class AsyncNodeData:
         *,
         timeout_s: float | None = None,
     ) -> AttentionResult:
+        bulk = await self._bulk(ANY_SIZE, self._t(timeout_s))
+        if bulk is not None:
+            try:
+                return await asyncio.to_thread(
+                    functools.partial(
+                        bulk.attend, OP_ATTEND_PREFILL_BATCH, seq_ids, layer, q, k, v, token_ids,
+                        num_tokens, timeout_s=self._t(timeout_s),
+                    )
+                )  # fmt: skip
+            except BulkUnavailable:
+                pass
         req = prefill_batch_request(seq_ids, layer, num_tokens, q, k, v, token_ids)
         return codec.attention_result(
             await acall(self.stub.AttendPrefillBatch, req, self._t(timeout_s), where=self.where)

@@ -1,4 +1,5 @@
-"""The bulk KV channel: raw TCP framing for large KV ranges (part of the wire contract).
+"""The bulk channel: raw TCP framing for large KV ranges and the per-step data calls
+(part of the wire contract).
 
 gRPC-Python moves ~0.3 GB/s through a stream on one core pair (protobuf
 messages, HTTP/2 framing, a bytes object per chunk). Large KV ranges therefore
@@ -8,6 +9,9 @@ with `sendall` / `recv_into` between tensors and the socket, no copies in
 Python. The gRPC rpcs (Append, ReadKV) stay the contract for small calls and
 the fallback when the port is off or unreachable; both paths validate the same
 way and fail with the same errors (protos/status.py, protos/errors.py).
+The per-step Attend / AttendPrefillBatch calls take the channel too, at any
+size: gRPC-Python costs ~1 ms a call on a small host (HTTP/2, protobuf, the
+server's thread hand-off), several times the attention itself at batch 1.
 
 A connection carries any number of requests, one at a time, each answered
 before the next. Every integer is little-endian. Each request and reply starts
@@ -35,6 +39,38 @@ each preceded by SLAB (num_tokens u32 | status u8 | pad | text_len u16 |
 extra_len u16). A SLAB with a non-zero status (say, the sequence was freed
 mid-read) carries the error text instead of bytes and ends the reply.
 
+ATTEND (op 3) and ATTEND_PREFILL_BATCH (op 4), client -> node: the per-step
+data calls, the Attend / AttendPrefillBatch rpcs' semantics (append the new
+tokens' k/v first when given, then attend). The frame's other fields are 0
+except payload_len, the length of this CALL body, which is laid out as
+
+    CALL (24 bytes): layer i32 | flags u8 (1: return_block_mass, 2: k given,
+        4: v given) | pad u8 u16 | num_seqs u32 | num_counts u32
+        | num_token_ids u32 | seq_ids_len u32
+    TENSOR (24 bytes) for q, then k, then v if given: dtype u8 | ndim u8 (<= 5)
+        | pad u16 | 5 x dim u32 (unused dims 0)
+    num_token_ids x token id i64 | num_counts x num_tokens i32 (ATTEND_PREFILL_
+    BATCH: rows per sequence; ATTEND: none) | seq_ids_len bytes: per sequence
+    its id as len u16 + UTF-8 | zeros to a multiple of 64 | q's bytes | zeros to
+    a multiple of 64 | k's bytes | ... (each tensor's bytes start 64-byte aligned:
+    the node computes on views of its receive buffer, and the CPU kernels' results
+    depend on alignment in the last bit, so a fixed one keeps them reproducible)
+
+Layer and counts are signed so that a negative one reaches the engine and is
+refused with the gRPC path's error. A CALL body over MAX_CALL_BYTES is refused
+and the connection closed (it cannot be drained in bounded time); a body whose
+sections disagree with payload_len is refused after it was read (the connection
+stays usable). Reply: a FRAME with status; when OK, payload_len bytes of
+
+    REPLY (80 bytes): num_tensors u8 (2: out, lse; 3: with block_mass) | pad
+        7 | 3 x TENSOR (the absent one all zeros)
+    then the tensors' bytes back to back (out, lse, block_mass).
+
+PING (op 5): a bare FRAME both ways (the channel's own no-op floor).
+
+Both ends move tensors with sendmsg / recv_into between the tensors' memory and
+the socket (no payload-sized Python bytes); TCP_NODELAY is on at both ends.
+
 Error replies: status = the gRPC status code number, text = the message, extra
 = the pagedkv error class name (as in the gRPC trailing metadata), mapped back
 by `protos.status.error_from_status`. A node that cannot parse a request (bad
@@ -47,10 +83,19 @@ import socket
 import struct
 from dataclasses import dataclass
 
+from .tensors import MAX_MESSAGE_BYTES
+
 MAGIC = b"PKVB"
 VERSION = 1
 OP_APPEND = 1
 OP_READ = 2
+OP_ATTEND = 3
+OP_ATTEND_PREFILL_BATCH = 4
+OP_PING = 5
+FLAG_BLOCK_MASS, FLAG_K, FLAG_V = 1, 2, 4
+MAX_TENSOR_DIMS = 5
+ALIGN = 64  # tensors in a CALL body start at multiples of this offset
+MAX_CALL_BYTES = MAX_MESSAGE_BYTES  # an ATTEND* body over gRPC's message cap is refused (as the rpc is)
 STATUS_OK = 0
 END_OF_SEQUENCE = 2**64 - 1
 MAX_TEXT_BYTES = 4096
@@ -60,6 +105,10 @@ DTYPE_CODES = {name: i for i, name in enumerate(DTYPES)}
 
 FRAME = struct.Struct("<4sBBBBQQQHHHIHHQ")
 SLAB = struct.Struct("<IBxHH")
+CALL = struct.Struct("<iBxxxIIII")
+TENSOR = struct.Struct("<BBxx5I")
+REPLY = struct.Struct("<B7x")
+REPLY_SIZE = REPLY.size + 3 * TENSOR.size
 
 
 class ProtocolError(Exception):
@@ -109,10 +158,11 @@ def recv_bytes(sock: socket.socket, n: int, what: str) -> bytes:
     return bytes(buf)
 
 
-def read_frame(sock: socket.socket, *, eof_ok: bool = False) -> Frame | None:
+def read_frame(sock: socket.socket, *, eof_ok: bool = False, buf: bytearray | None = None) -> Frame | None:
     """The next frame with its text, or None when eof_ok and the peer closed
-    cleanly between frames. Raises ProtocolError on a malformed frame."""
-    buf = bytearray(FRAME.size)
+    cleanly between frames. Raises ProtocolError on a malformed frame. `buf`
+    (FRAME.size bytes) is reused for the header when given."""
+    buf = bytearray(FRAME.size) if buf is None else buf
     view = memoryview(buf)
     first = sock.recv_into(view)
     if first == 0:
@@ -131,9 +181,22 @@ def read_frame(sock: socket.socket, *, eof_ok: bool = False) -> Frame | None:
         raise ProtocolError(f"unknown dtype code {dtype}")
     if tlen > MAX_TEXT_BYTES or xlen > MAX_TEXT_BYTES:
         raise ProtocolError(f"frame text of {tlen}+{xlen} bytes exceeds {MAX_TEXT_BYTES}")
-    text = recv_bytes(sock, tlen, "frame text").decode(errors="replace")
-    extra = recv_bytes(sock, xlen, "frame text").decode(errors="replace")
+    text = recv_bytes(sock, tlen, "frame text").decode(errors="replace") if tlen else ""
+    extra = recv_bytes(sock, xlen, "frame text").decode(errors="replace") if xlen else ""
     return Frame(op, rid, DTYPES[dtype], status, start, end, layers, heads, dim, slab, text, extra, plen)
+
+
+def send_parts(sock: socket.socket, parts: list[bytes | memoryview]) -> None:
+    """sendall of several buffers with sendmsg (one syscall when the socket takes
+    them all); a partial send resumes where it stopped."""
+    views = [memoryview(p).cast("B") for p in parts if len(p)]
+    while views:
+        sent = sock.sendmsg(views)
+        while views and sent >= len(views[0]):
+            sent -= len(views[0])
+            views.pop(0)
+        if sent:
+            views[0] = views[0][sent:]
 
 
 def pack_slab(num_tokens: int, status: int = STATUS_OK, text: str = "", extra: str = "") -> bytes:
@@ -150,3 +213,24 @@ def read_slab(sock: socket.socket) -> tuple[int, int, str, str]:
         raise ProtocolError(f"slab text of {tlen}+{xlen} bytes exceeds {MAX_TEXT_BYTES}")
     text = recv_bytes(sock, tlen, "slab text").decode(errors="replace")
     return n, status, text, recv_bytes(sock, xlen, "slab text").decode(errors="replace")
+
+
+def pad(n: int) -> int:
+    """Bytes of zeros that follow n bytes to reach a multiple of ALIGN."""
+    return -n % ALIGN
+
+
+def pack_tensor(dtype: str, shape: tuple[int, ...]) -> bytes:
+    """A TENSOR descriptor; ValueError when the shape cannot be carried."""
+    if len(shape) > MAX_TENSOR_DIMS:
+        raise ValueError(f"{len(shape)} dims (at most {MAX_TENSOR_DIMS})")
+    dims = (*shape, *(0,) * (MAX_TENSOR_DIMS - len(shape)))
+    return TENSOR.pack(DTYPE_CODES[dtype], len(shape), *dims)
+
+
+def unpack_tensor(buf: bytes | bytearray | memoryview, offset: int) -> tuple[str, tuple[int, ...]]:
+    """(dtype name, shape) of the TENSOR at offset; ProtocolError when malformed."""
+    code, ndim, *dims = TENSOR.unpack_from(buf, offset)
+    if code >= len(DTYPES) or ndim > MAX_TENSOR_DIMS:
+        raise ProtocolError(f"bad tensor descriptor (dtype code {code}, {ndim} dims)")
+    return DTYPES[code], tuple(dims[:ndim])
