@@ -254,11 +254,33 @@ def _concat_rows(
     token_ids: Sequence[Sequence[int]] | None,
 ) -> tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor, list[int] | None]:
     """Per-sequence prefill rows -> (counts, q, k, v, token ids) concatenated in order, the
-    layout of one AttendPrefillBatch (no copy for a single sequence)."""
+    layout of one AttendPrefillBatch (no copy when the rows are adjacent views, see join_rows)."""
     counts = [q.shape[0] for q in qs]
-    if len(qs) == 1:
-        q, k, v = qs[0], ks[0], vs[0]
-    else:
-        q, k, v = torch.cat(list(qs)), torch.cat(list(ks)), torch.cat(list(vs))
     tokens = None if token_ids is None else [t for row in token_ids for t in row]
-    return counts, q, k, v, tokens
+    return counts, join_rows(qs), join_rows(ks), join_rows(vs), tokens
+
+
+def join_rows(rows: Sequence[torch.Tensor]) -> torch.Tensor:
+    """torch.cat(rows) along dim 0, without the copy when the rows already lie back to back in
+    one buffer: a batch's rows are usually views of one transposed tensor on the way out and
+    slices of one decoded output on the way back (a prefill batch copies each once, not twice)."""
+    first = rows[0]
+    if len(rows) == 1:
+        return first
+    if not first.is_contiguous():
+        return torch.cat(list(rows))
+    tail = first.shape[1:]
+    offset = first.storage_offset()
+    storage = first.untyped_storage().data_ptr()
+    for row in rows:
+        if (
+            row.shape[1:] != tail
+            or row.dtype != first.dtype
+            or not row.is_contiguous()
+            or row.untyped_storage().data_ptr() != storage
+            or row.storage_offset() != offset
+        ):
+            return torch.cat(list(rows))
+        offset += row.numel()
+    total = sum(row.shape[0] for row in rows)
+    return first.as_strided((total, *tail), first.stride(), first.storage_offset())

@@ -35,7 +35,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..protos.errors import FailedPrecondition, InvalidArgument, PagedKVError
-from .hf_backend import KVBackend
+from .hf_backend import KVBackend, join_rows
 
 Mode = Literal["node", "gather"]
 _ACTIVE: contextvars.ContextVar[PagedKVCache | None] = contextvars.ContextVar("pagedkv_cache", default=None)
@@ -68,14 +68,12 @@ class _Forward:
     to_store: torch.Tensor  # [B, T] bool: real and not yet on the node (see open_prompt)
     rows: list[torch.Tensor]  # per row, the indices of its to_store positions among the T
     picks: list[slice | torch.Tensor]  # rows[b] as a slice when contiguous (no gather to pick them)
+    is_full: bool  # every position of every row is stored: the whole [B, T] block goes to the node
+    decode_tokens: list[int] | None  # decode (T == 1, is_full): each row's new token id
     past_k: torch.Tensor | None = None  # gather mode: [L, B, Hk, past_len, D]
     past_v: torch.Tensor | None = None
     new_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     num_layers_done: int = 0
-
-    @property
-    def is_decode(self) -> bool:
-        return self.token_ids.shape[1] == 1 and bool(self.to_store.all())
 
 
 class _PagedLayer(CacheLayerMixin):
@@ -154,6 +152,7 @@ class PagedKVCache(Cache):
         self._real = torch.zeros(0, 0, dtype=torch.bool)  # [B, length]: stored positions
         self._length = 0
         self._stored_until = torch.zeros(0, dtype=torch.long)  # [B]: padded positions below are stored
+        self._max_stored_until = 0  # max(_stored_until), kept as an int for the per-forward check
         self._pending: _Forward | None = None
         self._is_closed = False
         self.num_cached_tokens: list[int] = []  # per row, from the node at open
@@ -223,9 +222,9 @@ class PagedKVCache(Cache):
         self._seq_ids = seq_ids
         self._real = mask[:, :start].clone()
         self._length = start
-        self._stored_until = torch.tensor(
-            [p + c for p, c in zip(pads, cached, strict=True)], dtype=torch.long
-        )
+        stored_until = [p + c for p, c in zip(pads, cached, strict=True)]
+        self._stored_until = torch.tensor(stored_until, dtype=torch.long)
+        self._max_stored_until = max(stored_until)
         self.num_cached_tokens = cached
         return PrefixHit(cached, [len(r) for r in real_ids], start)
 
@@ -257,10 +256,21 @@ class PagedKVCache(Cache):
             self._open_fresh(ids, is_real)
         elif num_rows != len(self._seq_ids):
             raise InvalidArgument(f"batch of {num_rows} rows, the cache holds {len(self._seq_ids)}")
-        positions = torch.arange(self._length, self._length + num_new)
-        to_store = is_real & (positions[None, :] >= self._stored_until[:, None])
-        rows = [row.nonzero().flatten() for row in to_store]
-        fwd = _Forward(ids, is_real, to_store, rows, [_as_slice(idx) for idx in rows])
+        if self._max_stored_until <= self._length:  # every row's prompt hit is behind us
+            to_store = is_real
+        else:
+            positions = torch.arange(self._length, self._length + num_new)
+            to_store = is_real & (positions[None, :] >= self._stored_until[:, None])
+        # Per-forward bookkeeping is computed once here, not per layer; the usual forward (no
+        # pads among the new positions, no hit reaching past `start`) needs no per-row indices.
+        if bool(to_store.all()):
+            every = torch.arange(num_new)
+            rows, picks = [every] * num_rows, [slice(0, num_new)] * num_rows
+            decode_tokens = ids[:, 0].tolist() if num_new == 1 else None
+            fwd = _Forward(ids, is_real, to_store, rows, list(picks), True, decode_tokens)
+        else:
+            rows = [row.nonzero().flatten() for row in to_store]
+            fwd = _Forward(ids, is_real, to_store, rows, [_as_slice(idx) for idx in rows], False, None)
         if self.mode == "gather":
             fwd.past_k, fwd.past_v = self._gather_past()
         self._pending = fwd
@@ -281,6 +291,7 @@ class PagedKVCache(Cache):
         self._seq_ids = seq_ids
         self._real = torch.zeros(ids.shape[0], 0, dtype=torch.bool)
         self._stored_until = torch.zeros(ids.shape[0], dtype=torch.long)
+        self._max_stored_until = 0
         self.num_cached_tokens = [0] * len(seq_ids)
 
     def _end_forward(self) -> None:
@@ -324,14 +335,26 @@ class PagedKVCache(Cache):
         fwd = self._forward()
         num_rows, num_q_heads, num_new, head_dim = query.shape
         device = query.device
-        q, k, v = (t.detach().to("cpu") for t in (query, key, value))
-        if fwd.is_decode:
-            tokens = fwd.token_ids[:, 0].tolist() if layer == 0 else None
+        q, k, v = query.detach().cpu(), key.detach().cpu(), value.detach().cpu()
+        if fwd.decode_tokens is not None:
             out = self.backend.attend_decode(
                 self._seq_ids, layer, q[:, :, 0].contiguous(), k[:, :, 0].contiguous(),
-                v[:, :, 0].contiguous(), tokens,
+                v[:, :, 0].contiguous(), fwd.decode_tokens if layer == 0 else None,
             )  # fmt: skip
             result = out.unsqueeze(1)
+        elif fwd.is_full:
+            # One transposed copy per tensor for the whole batch; the rows are views of it, so
+            # the backend joins them without another copy (hf_backend.join_rows).
+            qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, k, v))  # [B, T, H, D]
+            outs = self.backend.attend_prefill_batch(
+                self._seq_ids,
+                layer,
+                list(qt.unbind(0)),
+                list(kt.unbind(0)),
+                list(vt.unbind(0)),
+                fwd.token_ids.tolist() if layer == 0 else None,
+            )
+            result = join_rows(outs).view(num_rows, num_new, num_q_heads, head_dim)
         else:
             live = [b for b, idx in enumerate(fwd.rows) if idx.numel()]
             pick = [fwd.picks[b] for b in live]
@@ -345,12 +368,9 @@ class PagedKVCache(Cache):
                 if layer == 0
                 else None,
             )
-            if len(live) == num_rows and all(isinstance(p, slice) and p == slice(0, num_new) for p in pick):
-                result = torch.stack(outs) if num_rows > 1 else outs[0].unsqueeze(0)  # every position
-            else:
-                result = q.new_zeros(num_rows, num_new, num_q_heads, head_dim)
-                for b, idx, out in zip(live, pick, outs, strict=True):
-                    result[b, idx] = out.to(result.dtype)
+            result = q.new_zeros(num_rows, num_new, num_q_heads, head_dim)
+            for b, idx, out in zip(live, pick, outs, strict=True):
+                result[b, idx] = out.to(result.dtype)
         fwd.num_layers_done += 1
         return result.to(device)
 
@@ -411,6 +431,7 @@ class PagedKVCache(Cache):
         self._seq_ids = new
         self._real = self._real.index_select(0, index)
         self._stored_until = self._stored_until.index_select(0, index)
+        self._max_stored_until = int(self._stored_until.max()) if len(new) else 0
         self.num_cached_tokens = [self.num_cached_tokens[p] for p in parents]
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:

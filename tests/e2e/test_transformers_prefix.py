@@ -7,6 +7,7 @@ import torch
 from hf_helpers import LOGIT_TOL, assert_same_generation, left_pad, prompt_ids
 from transformers import DynamicCache
 
+from pagedkv.client.hf_backend import join_rows
 from pagedkv.client.transformers import PagedKVCache, generate_with_prefix_cache, prefill_with_prefix_cache
 
 SYSTEM = prompt_ids(10, 40)  # 2 full blocks of 16 + 8 tokens
@@ -84,3 +85,44 @@ def test_beam_search_on_a_cached_prefix(model, ref_model, make_backend):
     with torch.no_grad():
         ref = ref_model.generate(prompt, cache=DynamicCache(config=ref_model.config), **kw)
     assert_same_generation(out, ref)
+
+
+def test_unpadded_batch_on_a_cached_prefix_matches_and_joins_rows_without_copies(
+    model, ref_model, make_backend
+):
+    """Every row fully fed (no pads, every hit ends at `start`): the whole batch goes to the node
+    as one block per layer (the rows are views of one buffer, joined without a copy) and every
+    fed position's logits still match full recompute, then generation matches DynamicCache."""
+    backend = make_backend(8)
+    with PagedKVCache(model, backend) as cache, torch.no_grad():
+        prefill_with_prefix_cache(model, cache, SYSTEM[None])
+    prompts = torch.stack([torch.cat([SYSTEM, prompt_ids(20 + b, 11)]) for b in range(3)])
+    with PagedKVCache(model, backend) as cache, torch.no_grad():
+        result = prefill_with_prefix_cache(model, cache, prompts)
+    assert result.num_cached_tokens == [40, 40, 40] and result.num_fed_tokens == 11
+    with torch.no_grad():
+        full = ref_model(prompts).logits
+    err = (result.logits - full[:, 40:]).abs().max().item()
+    assert err < LOGIT_TOL, err
+
+    with PagedKVCache(model, backend) as cache, torch.no_grad():
+        out, hit = generate_with_prefix_cache(model, cache, prompts, **gen_kwargs())
+        assert hit.num_cached_tokens == [48, 48, 48]  # each row's own suffix blocks now cached too
+    assert_same_generation(out, reference(ref_model, prompts))
+
+
+def test_join_rows_is_a_view_for_adjacent_rows_and_a_copy_otherwise():
+    buffer = torch.arange(60.0).view(3, 5, 4)
+    joined = join_rows(list(buffer.unbind(0)))
+    assert torch.equal(joined, buffer.view(15, 4)) and joined.data_ptr() == buffer.data_ptr()
+    flat = buffer.view(15, 4)
+    parts = list(flat.split([2, 0, 13]))
+    joined = join_rows(parts)
+    assert torch.equal(joined, flat) and joined.data_ptr() == flat.data_ptr()
+    gap = [flat[:2], flat[3:]]  # a row left out between them: must be copied
+    joined = join_rows(gap)
+    assert torch.equal(joined, torch.cat(gap)) and joined.data_ptr() != flat.data_ptr()
+    apart = [torch.ones(2, 4), torch.zeros(3, 4)]
+    assert torch.equal(join_rows(apart), torch.cat(apart))
+    strided = [buffer[:, 0], buffer[:, 1]]  # not contiguous
+    assert torch.equal(join_rows(strided), torch.cat(strided))
