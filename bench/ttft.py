@@ -4,12 +4,17 @@
 
 Random Llamas on the CPU (fp32, no download): the issue's small one (4 layers, hidden 256, GQA 4/2)
 and, side by side, a larger one (8 layers, hidden 512, GQA 8/2) where the model's own compute is a
-bigger share. Each is served by two nodes, both real gRPC servers on localhost:
+bigger share. Each is served by two nodes, both real node servers on localhost (control calls over
+gRPC; the per-layer data calls over the node's bulk TCP channel, as the client does whenever a node
+advertises it):
 
 - `process`: the node in its own process (`pagedkv node`), as a deployment runs it (one process
   per device); worker and node share this VM's cores but not a GIL;
 - `in-process`: the node's server in the worker's process (the earlier setup: handler threads
   share the worker's GIL).
+
+and, for comparison in the same run, the cached path to the node process with every data call on
+the gRPC rpcs (`process, gRPC only`: ClientConfig(bulk_min_bytes=None)).
 
 Measured in one run, variants interleaved per repeat, medians:
 
@@ -18,8 +23,9 @@ Measured in one run, variants interleaved per repeat, medians:
 - local recompute: transformers with its own DynamicCache computes every position;
 - node recompute:  the same prompt with nothing cached, attention on the node;
 - decode tokens/s: one token per step after the prompt (batch 1 and 8), node vs DynamicCache;
-- a phase profile of the cached path (in-process node, separate untimed pass): Open, the
-  AttendPrefill rpcs (and the node's engine time inside them) and the worker's model compute.
+- a phase profile of the cached path (in-process node, separate untimed pass), once over the bulk
+  channel and once over gRPC only: Open, the AttendPrefillBatch calls (and the node's engine time
+  inside them) and the worker's model compute.
 
 Writes bench/results/ttft.json and bench/results/ttft.md.
 """
@@ -44,6 +50,7 @@ from transformers import DynamicCache
 
 from pagedkv.cache_node.engine import CacheEngine, EngineConfig
 from pagedkv.cache_node.server import create_server
+from pagedkv.client import ClientConfig
 from pagedkv.client.transformers import (
     GrpcBackend,
     PagedKVCache,
@@ -58,6 +65,9 @@ MODELS = {
     "large": {"num_layers": 8, "hidden_size": 512, "num_heads": 8, "num_kv_heads": 2, "vocab_size": 1000},
 }
 TRANSPORTS = ("process", "in-process")
+GRPC_ONLY = ClientConfig(bulk_min_bytes=None)  # every data call on the rpcs
+CALLS = "AttendPrefillBatch calls (client wall)"
+ENGINE = "node engine.attend_prefill (append + attention)"
 NUM_BLOCKS = 4096
 # Both TTFT paths compute the logits of the last position only (logits_to_keep=1).
 
@@ -157,8 +167,17 @@ class PhaseTimer:
         setattr(obj, name, timed_call)
 
 
-def profile_cached(model: Any, config: Any, prefix: torch.Tensor, suffix: int, repeats: int) -> dict:
-    """Median ms per phase of the cached TTFT, in-process node (its engine is reachable to wrap)."""
+def bulk_calls(backend: GrpcBackend) -> int:
+    """Attend / AttendPrefillBatch calls this backend's client answered over the bulk channel."""
+    channel = backend.client.data.route.bulk
+    return 0 if channel is None else channel.num_calls
+
+
+def profile_cached(
+    model: Any, config: Any, prefix: torch.Tensor, suffix: int, repeats: int, client_config: ClientConfig
+) -> dict:
+    """Median ms per phase of the cached TTFT, in-process node (its engine is reachable to wrap),
+    with the data calls on the transport `client_config` picks (checked)."""
     from pagedkv.cache_node import engine as engine_module
 
     spec = node_spec(config)
@@ -168,11 +187,11 @@ def profile_cached(model: Any, config: Any, prefix: torch.Tensor, suffix: int, r
     phases: dict[str, list[float]] = {}
     kernel = engine_module.paged_prefill
     try:
-        with GrpcBackend(f"127.0.0.1:{port}") as backend, torch.no_grad():
+        with GrpcBackend(f"127.0.0.1:{port}", client_config) as backend, torch.no_grad():
             timer = PhaseTimer()
             timer.wrap(backend, "open", "open rpc (client wall)")
-            timer.wrap(backend, "attend_prefill_batch", "AttendPrefillBatch rpcs (client wall)")
-            timer.wrap(engine, "attend_prefill", "node engine.attend_prefill (append + attention)")
+            timer.wrap(backend, "attend_prefill_batch", CALLS)
+            timer.wrap(engine, "attend_prefill", ENGINE)
             timer.wrap(engine_module, "paged_prefill", "node paged_prefill (gather + flash)")
             for r in range(repeats + 1):
                 timer.seconds.clear()
@@ -184,19 +203,20 @@ def profile_cached(model: Any, config: Any, prefix: torch.Tensor, suffix: int, r
                 if r == 0:
                     continue  # warm-up
                 seconds = dict(timer.seconds)
-                rpc = seconds["AttendPrefillBatch rpcs (client wall)"]
+                calls = seconds[CALLS]
                 seconds["total"] = total
-                seconds["worker: model compute + hooks (total - open - rpcs)"] = (
-                    total - rpc - seconds["open rpc (client wall)"]
+                seconds["worker: model compute + hooks (total - open - calls)"] = (
+                    total - calls - seconds["open rpc (client wall)"]
                 )
-                seconds["gRPC + encode/decode (rpcs - engine)"] = (
-                    rpc - seconds["node engine.attend_prefill (append + attention)"]
-                )
+                seconds["transport + encode/decode (calls - engine)"] = calls - seconds[ENGINE]
                 for k, v in seconds.items():
                     phases.setdefault(k, []).append(v * 1e3)
+        over_bulk = bulk_calls(backend)
     finally:
         engine_module.paged_prefill = kernel
         server.stop(0)
+    if (over_bulk > 0) != (client_config.bulk_min_bytes is not None):
+        raise RuntimeError(f"profile: {over_bulk} calls over the bulk channel with {client_config}")
     return {k: statistics.median(v) for k, v in phases.items()}
 
 
@@ -210,6 +230,7 @@ def bench_model(name: str, args: argparse.Namespace, with_decode: bool) -> dict:
     res: dict[str, list[float]] = {"local": []}
     for t in TRANSPORTS:
         res[f"cached/{t}"], res[f"node_full/{t}"] = [], []
+    res["cached/process, gRPC only"] = []
     hits: list[int] = []
     same_first = True
     decode: dict[str, dict[str, float]] = {}
@@ -217,22 +238,30 @@ def bench_model(name: str, args: argparse.Namespace, with_decode: bool) -> dict:
     used_after: dict[str, int] = {}
     with node_process(spec) as addr_p, node_in_process(spec) as addr_i, torch.no_grad():
         backends = {"process": GrpcBackend(addr_p), "in-process": GrpcBackend(addr_i)}
+        grpc_only = GrpcBackend(addr_p, GRPC_ONLY)
+        cached_backends = {**backends, "process, gRPC only": grpc_only}
         try:
-            for backend in backends.values():  # warm up + put the prefix in each node's cache
+            for backend in cached_backends.values():  # warm up + put the prefix in each node's cache
                 with PagedKVCache(model, backend) as cache:
                     prefill_with_prefix_cache(model, cache, torch.cat([prefix, tokens(2, args.suffix)], 1))
             model(tokens(3, 64), cache=DynamicCache(config=config))
             for r in range(args.repeats):
                 prompt = torch.cat([prefix, tokens(100 + r, args.suffix)], 1)
                 firsts = []
-                for t, backend in backends.items():
+                # the gRPC-only variant shares the process node: a suffix of its own, so neither
+                # variant's suffix blocks become the other's prefix hit
+                own = torch.cat([prefix, tokens(600 + r, args.suffix)], 1)
+                order = list(cached_backends.items())
+                for t, backend in order if r % 2 == 0 else order[::-1]:
+                    p_t = own if t == "process, gRPC only" else prompt
                     with PagedKVCache(model, backend) as cache:
                         dt, out = timed(
-                            lambda c=cache, p=prompt: prefill_with_prefix_cache(model, c, p, logits_to_keep=1)
+                            lambda c=cache, p=p_t: prefill_with_prefix_cache(model, c, p, logits_to_keep=1)
                         )
                     res[f"cached/{t}"].append(dt)
                     hits.append(out.num_cached_tokens[0])
-                    firsts.append(out.logits[:, -1].argmax(-1))
+                    if p_t is prompt:
+                        firsts.append(out.logits[:, -1].argmax(-1))
                 dt, logits = timed(
                     lambda p=prompt: model(p, cache=DynamicCache(config=config), logits_to_keep=1).logits
                 )
@@ -305,16 +334,25 @@ def bench_model(name: str, args: argparse.Namespace, with_decode: bool) -> dict:
             for t, backend in backends.items():
                 backend.check_integrity()
                 used_after[t] = backend.stats()["used_blocks"]
+            calls_over_bulk = {t: bulk_calls(b) for t, b in cached_backends.items()}
+            if (
+                not (calls_over_bulk["process"] and calls_over_bulk["in-process"])
+                or calls_over_bulk["process, gRPC only"]
+            ):
+                raise RuntimeError(f"data calls over the bulk channel per backend: {calls_over_bulk}")
         finally:
-            for backend in backends.values():
+            for backend in cached_backends.values():
                 backend.close()
     print("  profiling the cached path (in-process node)", flush=True)
-    phases = profile_cached(model, config, prefix, args.suffix, args.repeats)
+    phases = profile_cached(model, config, prefix, args.suffix, args.repeats, ClientConfig())
+    phases_grpc = profile_cached(model, config, prefix, args.suffix, args.repeats, GRPC_ONLY)
     med = {k: statistics.median(v) * 1e3 for k, v in res.items()}
     return {
         "model": shape,
         "ttft_ms": med,
-        "ratio_cached_vs_local_recompute": {t: med[f"cached/{t}"] / med["local"] for t in TRANSPORTS},
+        "ratio_cached_vs_local_recompute": {
+            t: med[f"cached/{t}"] / med["local"] for t in (*TRANSPORTS, "process, gRPC only")
+        },
         "ratio_cached_vs_node_recompute": {t: med[f"cached/{t}"] / med[f"node_full/{t}"] for t in TRANSPORTS},
         "raw_ms": {k: [x * 1e3 for x in v] for k, v in res.items()},
         "cached_prefix_hit_tokens": hits,
@@ -322,6 +360,8 @@ def bench_model(name: str, args: argparse.Namespace, with_decode: bool) -> dict:
         "decode": decode,
         "batch_8_ttft_ms_node_process": batch_ttft,
         "cached_phases_ms": phases,
+        "cached_phases_grpc_only_ms": phases_grpc,
+        "data_calls_over_bulk_channel": calls_over_bulk,
         "node_used_blocks_after": used_after,
     }
 
@@ -348,8 +388,10 @@ def main() -> None:
         "decode_steps": args.decode,
         "machine": {"cpu_threads": torch.get_num_threads(), "platform": platform.platform()},
         "transports": {
-            "process": "gRPC over localhost, the node in its own process (pagedkv node), as deployed",
-            "in-process": "gRPC over localhost, the node's server in the worker's process (shared GIL)",
+            "process": "the node in its own process (pagedkv node), as deployed; control calls over gRPC, "
+            "data calls over its bulk TCP channel (localhost)",
+            "in-process": "the node's server in the worker's process (shared GIL); same transports",
+            "process, gRPC only": "the node process, every call over gRPC (bulk_min_bytes=None)",
         },
     }
     RESULTS.mkdir(exist_ok=True)
@@ -365,9 +407,12 @@ def render(r: dict) -> str:
         "",
         f"Random Llamas, fp32, CPU ({r['machine']['cpu_threads']} threads, a shared VM), block size "
         f"{r['block_size']}; {r['prefix_tokens']}-token cached prefix + {r['suffix_tokens']} new tokens; "
-        f"medians of {r['repeats']} repeats, variants interleaved. Two node placements, both gRPC over "
-        "localhost: **process** = the node in its own process (`pagedkv node`), as deployed; "
-        "**in-process** = the node's server inside the worker's process (shares its GIL).",
+        f"medians of {r['repeats']} repeats, variants interleaved. Two node placements on localhost, "
+        "control calls over gRPC and the per-layer data calls (AttendPrefillBatch, Attend) over the "
+        "node's bulk TCP channel, as the client does by default: **process** = the node in its own "
+        "process (`pagedkv node`), as deployed; **in-process** = the node's server inside the worker's "
+        "process (shares its GIL). **process, gRPC only** = the node process with every call on the "
+        "gRPC rpcs (the fallback), measured in the same loop.",
         "",
     ]
     for name, m in r["models"].items():
@@ -378,8 +423,9 @@ def render(r: dict) -> str:
             "| path | TTFT (ms) | vs local recompute |",
             "|---|---:|---:|",
         ]
-        for tr in TRANSPORTS:
-            lines.append(f"| cached prefix, node {tr} | {t[f'cached/{tr}']:.1f} | {ratio[tr]:.2f}x |")
+        for tr in (*TRANSPORTS, "process, gRPC only"):
+            if f"cached/{tr}" in t:
+                lines.append(f"| cached prefix, node {tr} | {t[f'cached/{tr}']:.1f} | {ratio[tr]:.2f}x |")
         lines.append(f"| full recompute, transformers DynamicCache | {t['local']:.1f} | 1.00x |")
         for tr in TRANSPORTS:
             full = t[f"node_full/{tr}"]
@@ -394,26 +440,33 @@ def render(r: dict) -> str:
             f"{m['first_token_matches_recompute']}; blocks in use after the run: "
             f"{m['node_used_blocks_after']}.",
             "",
-            "Where the cached TTFT goes (in-process node, separate untimed-for-the-table pass, median ms):",
+            "Where the cached TTFT goes (in-process node, separate untimed-for-the-table pass, median ms; "
+            "the data calls over the bulk channel, and over gRPC only):",
             "",
-            "| phase | ms |",
-            "|---|---:|",
+            "| phase | bulk channel (used) | gRPC only |",
+            "|---|---:|---:|",
         ]
-        lines += [f"| {k} | {v:.1f} |" for k, v in m["cached_phases_ms"].items()]
+        grpc_phases = m.get("cached_phases_grpc_only_ms", {})
+        lines += [
+            f"| {k} | {v:.1f} | {grpc_phases[k]:.1f} |" if k in grpc_phases else f"| {k} | {v:.1f} | - |"
+            for k, v in m["cached_phases_ms"].items()
+        ]
         lines.append("")
         if m["batch_8_ttft_ms_node_process"]:
             b8 = m["batch_8_ttft_ms_node_process"]
             lines += [
                 "Batch of 8 cached prompts (same prefix, 8 different suffixes), node process, TTFT ms:",
                 "",
-                "| AttendPrefillBatch (1 rpc per layer, used) | AttendPrefill per row (8 per layer) "
+                "| AttendPrefillBatch (1 call per layer, bulk channel, used) | AttendPrefill per row "
+                "(8 gRPC rpcs per layer) "
                 "| local recompute | batched / local |",
                 "|---:|---:|---:|---:|",
                 f"| {b8['batched rpc']:.1f} | {b8['per-row rpcs']:.1f} | {b8['local']:.1f} "
                 f"| {b8['batched rpc'] / b8['local']:.2f}x |",
                 "",
                 f"Each variant gets suffixes of its own ({int(b8['fed_tokens_per_row'])} tokens fed per "
-                "row, checked), in alternating order; the worker sends one AttendPrefillBatch per layer.",
+                "row, checked), in alternating order; the worker sends one AttendPrefillBatch per layer "
+                "(over the bulk channel; AttendPrefill has no channel op, so the per-row variant is gRPC).",
                 "",
             ]
         if m["decode"]:
@@ -430,14 +483,15 @@ def render(r: dict) -> str:
                 )
             lines.append("")
     lines += [
-        "Reading it: the cached path runs the model on the suffix only: one Open before the first "
-        "layer (no Lookup), then per layer one AttendPrefillBatch rpc (all rows) that appends the "
-        "suffix's K/V and attends. Its floor is the suffix's own compute (model + attention over the "
-        "whole prompt), which a local recompute also pays; the rest is one gRPC round trip per layer "
-        "carrying the suffix's q/k/v out and the output back. Decode pays that round trip per layer per "
-        "step: at batch 1 it dominates a model this small; one Attend rpc per layer serves the whole "
-        "batch, so batches amortise it. What it buys: the worker holds no K/V, prefixes are shared "
-        "across workers, and K/V bytes never cross the network.",
+        "Reading it: the cached path runs the model on the suffix only: one Open rpc before the first "
+        "layer (no Lookup), then per layer one AttendPrefillBatch call (all rows) over the node's bulk "
+        "channel that appends the suffix's K/V and attends. Its floor is the suffix's own compute "
+        "(model + attention over the whole prompt), which a local recompute also pays; the rest is one "
+        "round trip per layer carrying the suffix's q/k/v out and the output back (gRPC-Python's "
+        "per-call cost is what the channel removes; the gRPC-only column shows it). Decode pays that "
+        "round trip per layer per step: at batch 1 it dominates a model this small; one Attend call "
+        "per layer serves the whole batch, so batches amortise it. What it buys: the worker holds no "
+        "K/V, prefixes are shared across workers, and K/V bytes never cross the network.",
         "",
         "This VM's 2 cores are shared with other jobs: a busy neighbour slows the compute-bound local "
         "recompute (2-thread matmuls) more than the latency-bound cached path, so ratios move between "

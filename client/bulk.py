@@ -78,6 +78,7 @@ class BulkChannel:
         self._ids = itertools.count(1)
         self._retry_at = 0.0  # time.monotonic() before which the channel is not tried
         self._local = threading.local()  # reused header buffers, one set per calling thread
+        self.num_calls = 0  # attend calls answered over the channel (OK or a node error)
 
     @property
     def is_backing_off(self) -> bool:
@@ -273,6 +274,7 @@ class BulkChannel:
             bulk.send_parts(sock, parts)
             reply = bulk.read_frame(sock, buf=self._local_head())
             assert reply is not None
+            self.num_calls += 1
             if reply.status != bulk.STATUS_OK:
                 raise self._error(reply)
             return _read_result(sock, reply.payload_len, self._local_reply())
