@@ -447,6 +447,8 @@ def _parse_call(op: int, data: torch.Tensor) -> _Call:
     at += 8 * num_tokens
     counts = np.frombuffer(mv, "<i4", num_counts, at).tolist()
     at += 4 * num_counts
+    if 2 * num_seqs > ids_len:  # each id takes at least its 2-byte length
+        raise InvalidArgument(f"bulk call: {num_seqs} sequence ids cannot fit in {ids_len} bytes")
     seq_ids, end = [], at + ids_len
     for _ in range(num_seqs):
         if at + 2 > end:

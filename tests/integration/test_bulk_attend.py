@@ -349,7 +349,8 @@ def test_raw_frames_errors_truncation_and_disconnects(node: Node) -> None:
             (body[: bulk.CALL.size + 4], "runs past"),
             (body[:-4], "runs past"),
             (bulk.CALL.pack(1, 0, 1, 0, 0, 40) + body[bulk.CALL.size :], "bytes after the 1 sequence ids"),
-            (bulk.CALL.pack(1, 0, 2, 0, 0, 3) + body[bulk.CALL.size :], "overrun"),
+            (bulk.CALL.pack(1, 0, 2, 0, 0, 3) + body[bulk.CALL.size :], "cannot fit"),
+            (bulk.CALL.pack(1, 0, 2, 0, 0, 4) + body[bulk.CALL.size :], "overrun"),
             (body[:24] + struct.pack("<BB", 99, 3) + body[26:], "bad tensor descriptor"),
             (bulk.CALL.pack(1, 0, 1, 1, 0, 3) + body[bulk.CALL.size :], "prefill batch only"),
         ):
