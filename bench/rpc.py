@@ -256,7 +256,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-transfer", action="store_true", help="latency only (no KV transfers)")
     args = parser.parse_args(argv)
     from pagedkv.client import CacheClient, ClientConfig, InvalidArgument
-    from pagedkv.client.data import ANY_SIZE
 
     grpc_only = ClientConfig(bulk_min_bytes=None)  # every data call over the rpcs
     t_start = time.perf_counter()
@@ -278,7 +277,7 @@ def main(argv: list[str] | None = None) -> None:
     }
     try:
         with CacheClient(address, grpc_only) as client, CacheClient(address) as via_bulk:
-            channel = via_bulk.data._bulk(ANY_SIZE, 5.0)
+            channel = via_bulk.data.bulk_channel(5.0)
             if channel is None:
                 raise AssertionError("the node advertises no bulk channel")
             for _ in range(20):

@@ -34,7 +34,6 @@ from .control import acall, call
 from .types import AttentionResult
 
 _EMPTY = pb.Empty()
-ANY_SIZE = -1  # _bulk(): a per-step data call takes the channel whatever its size
 
 
 class _BulkRoute:
@@ -50,13 +49,14 @@ class _BulkRoute:
         assert self.bulk is not None
         self.bulk.port, self.bytes_per_token = codec.bulk_info(resp)
 
-    def wants(self, num_bytes: int | None) -> bool:
-        """True when a transfer of num_bytes (None: unknown, a read to the end)
-        should try the bulk channel, once the port is known."""
+    def wants(self, num_bytes: int | None, *, any_size: bool = False) -> bool:
+        """True when a transfer of num_bytes (None: unknown, a read to the end;
+        any_size: a per-step data call) should try the bulk channel, once the
+        port is known."""
         return bool(
             self.bulk is not None
             and self.bulk.port
-            and (num_bytes is None or num_bytes < 0 or num_bytes >= self.min_bytes)
+            and (any_size or num_bytes is None or num_bytes >= self.min_bytes)
         )
 
     def read_bytes(self, start: int, end: int | None) -> int | None:
@@ -75,22 +75,24 @@ class NodeData:
         self.where = where  # names the node in error messages
         self.route = _BulkRoute(config, where, address)
 
-    def _bulk(self, num_bytes: int | None, timeout_s: float) -> BulkChannel | None:
-        """The bulk channel for a transfer of num_bytes (-1: a per-step data call,
-        any size), or None (use gRPC)."""
+    def _bulk(self, num_bytes: int | None, timeout_s: float, *, any_size: bool = False) -> BulkChannel | None:
+        """The bulk channel for a transfer of num_bytes (any_size: a per-step data
+        call, whatever its size), or None (use gRPC)."""
         r = self.route
-        if (
-            r.bulk is None
-            or r.bulk.is_backing_off
-            or (num_bytes is not None and 0 <= num_bytes < r.min_bytes)
-        ):
+        is_small = not any_size and num_bytes is not None and num_bytes < r.min_bytes
+        if r.bulk is None or r.bulk.is_backing_off or is_small:
             return None
         if r.bulk.port is None:
             try:
                 r.learn(call(self.stub.Stats, _EMPTY, timeout_s, where=self.where))
             except PagedKVError:
                 return None  # the rpc path will say what is wrong
-        return r.bulk if r.wants(num_bytes) else None
+        return r.bulk if r.wants(num_bytes, any_size=any_size) else None
+
+    def bulk_channel(self, timeout_s: float | None = None) -> BulkChannel | None:
+        """The channel the per-step calls take (the node's port learned first), or
+        None when the node has none or the config keeps every call on gRPC."""
+        return self._bulk(None, self._t(timeout_s), any_size=True)
 
     def close(self) -> None:
         self.route.close()
@@ -122,7 +124,7 @@ class NodeData:
         return_block_mass: bool = False,
         timeout_s: float | None = None,
     ) -> AttentionResult:
-        bulk = self._bulk(ANY_SIZE, self._t(timeout_s))
+        bulk = self._bulk(None, self._t(timeout_s), any_size=True)
         if bulk is not None:
             try:
                 return bulk.attend(
@@ -163,7 +165,7 @@ class NodeData:
         *,
         timeout_s: float | None = None,
     ) -> AttentionResult:
-        bulk = self._bulk(ANY_SIZE, self._t(timeout_s))
+        bulk = self._bulk(None, self._t(timeout_s), any_size=True)
         if bulk is not None:
             try:
                 return bulk.attend(
@@ -202,20 +204,19 @@ class AsyncNodeData:
         self.where = where  # names the node in error messages
         self.route = _BulkRoute(config, where, address)
 
-    async def _bulk(self, num_bytes: int | None, timeout_s: float) -> BulkChannel | None:
+    async def _bulk(
+        self, num_bytes: int | None, timeout_s: float, *, any_size: bool = False
+    ) -> BulkChannel | None:
         r = self.route
-        if (
-            r.bulk is None
-            or r.bulk.is_backing_off
-            or (num_bytes is not None and 0 <= num_bytes < r.min_bytes)
-        ):
+        is_small = not any_size and num_bytes is not None and num_bytes < r.min_bytes
+        if r.bulk is None or r.bulk.is_backing_off or is_small:
             return None
         if r.bulk.port is None:
             try:
                 r.learn(await acall(self.stub.Stats, _EMPTY, timeout_s, where=self.where))
             except PagedKVError:
                 return None
-        return r.bulk if r.wants(num_bytes) else None
+        return r.bulk if r.wants(num_bytes, any_size=any_size) else None
 
     def close(self) -> None:
         self.route.close()
@@ -247,7 +248,7 @@ class AsyncNodeData:
         return_block_mass: bool = False,
         timeout_s: float | None = None,
     ) -> AttentionResult:
-        bulk = await self._bulk(ANY_SIZE, self._t(timeout_s))
+        bulk = await self._bulk(None, self._t(timeout_s), any_size=True)
         if bulk is not None:
             try:
                 return await asyncio.to_thread(
@@ -292,7 +293,7 @@ class AsyncNodeData:
         *,
         timeout_s: float | None = None,
     ) -> AttentionResult:
-        bulk = await self._bulk(ANY_SIZE, self._t(timeout_s))
+        bulk = await self._bulk(None, self._t(timeout_s), any_size=True)
         if bulk is not None:
             try:
                 return await asyncio.to_thread(

@@ -491,10 +491,11 @@ def test_falls_back_to_grpc_when_the_port_is_off_or_gone(make: Callable[..., Nod
 
 
 def test_channel_ping(node: Node) -> None:
-    with CacheClient(node.address) as client:
-        channel = client.data.route.bulk
-        assert channel is not None and channel.port is None  # learned on the first data call
-        channel.port = node.bulk_port
+    with CacheClient(node.address) as client, CacheClient(node.address, GRPC) as via_grpc:
+        assert via_grpc.data.bulk_channel() is None  # the config keeps every call on gRPC
+        assert client.data.route.bulk is not None and client.data.route.bulk.port is None  # not learned yet
+        channel = client.data.bulk_channel()
+        assert channel is not None and channel.port == node.bulk_port  # learned from Stats
         before = node.counters()[0]
         for _ in range(3):
             channel.ping(5.0)
