@@ -670,6 +670,11 @@ class CacheEngine:
         with self._lock:
             return list(self.manager.get(_seq_id(seq_id)).table)
 
+    def num_pending_events(self) -> int:
+        """Events recorded and not yet taken. Lock-free (one length read), so a reporter
+        thread can poll it often without touching the data path's lock."""
+        return self.manager.num_pending_events
+
     def take_events(self) -> list[BlockEvent]:
         with self._lock:
             return self.manager.take_events()

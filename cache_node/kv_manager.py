@@ -450,6 +450,11 @@ class KVCacheManager:
         return batch
 
     @property
+    def num_pending_events(self) -> int:
+        """How many events take_events() would drain now (a length read: no copy, no lock needed)."""
+        return len(self._event_kinds)
+
+    @property
     def events(self) -> list[BlockEvent]:
         """The events take_events() would drain now. Changes nothing."""
         return _as_events(self._event_kinds, self._event_keys)

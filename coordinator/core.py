@@ -492,14 +492,27 @@ class Coordinator:
                 except TimeoutError:
                     continue
 
-    def _send_free(self, node: NodeInfo, seq_id: str) -> None:
-        """Free `seq_id` on the node without waiting. A failure other than NOT_FOUND is
-        retried (free_retries, backoff) so blocks never leak on a transient error; a
-        reopen of the same id waits for it (it is in `_inflight` meanwhile)."""
+    def _send_free(self, node: NodeInfo, seq_id: str, after: NodeCall | None = None) -> None:
+        """Free `seq_id` on the node without waiting; with `after` (its node Open still in
+        flight), once that Open has succeeded (a failed one left nothing to free). A
+        failure other than NOT_FOUND is retried (free_retries, backoff) so blocks never
+        leak on a transient error. The Free is in `_inflight` from this call on, before
+        it is sent, so a reopen of the same id waits for it and never overtakes it."""
         call = NodeCall(seq_id)
         with self._lock:
             self._inflight[seq_id] = call
-        self._free_attempt(node, call, 0)
+        if after is None:
+            self._free_attempt(node, call, 0)
+            return
+
+        def send_when_opened(error: PagedKVError | None) -> None:
+            if error is None:
+                self._free_attempt(node, call, 0)
+            else:
+                call.finish(None)
+                self._settled(call)
+
+        after.then(send_when_opened)
 
     def _free_attempt(self, node: NodeInfo, call: NodeCall, attempt: int) -> None:
         def done(reply: Any, error: PagedKVError | None) -> None:  # on the NodeCalls loop thread
@@ -566,10 +579,7 @@ class Coordinator:
         node = self._nodes_for(None).get(record.extents[0].node_id)
         if node is None:  # its node died: nothing to free
             return
-        if call is None:
-            self._send_free(node, seq_id)
-        else:
-            call.then(lambda error: None if error else self._send_free(node, seq_id))
+        self._send_free(node, seq_id, after=call)
 
     def swap_out(self, tenant: str, seq_id: str) -> int:
         self._settle(seq_id)

@@ -65,7 +65,7 @@ def all_nodes_clean(c: CacheClient) -> None:
 def test_second_worker_process_reuses_the_first_ones_system_prompt(cluster):
     first = run_worker(cluster, "w1", SYSTEM + [1, 2, 3])
     assert first["cached"] == 0 and first["max_rel_err"] < 1e-5
-    time.sleep(0.3)  # the node reports its new blocks to the coordinator every 50 ms
+    time.sleep(0.3)  # the node reports new blocks to the coordinator within ~10 ms
     second = run_worker(cluster, "w2", SYSTEM + [9, 9, 9, 9])
     assert second["cached"] == len(SYSTEM)  # six whole blocks, served from the first worker's KV
     assert second["node"] == first["node"]  # placement followed the prefix

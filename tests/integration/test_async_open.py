@@ -63,7 +63,7 @@ def stack(redis_url):
 
 
 def publish(coordinator: Coordinator, engine: CacheEngine) -> None:
-    """What the node's CoordinatorLink does every 50 ms."""
+    """What the node's CoordinatorLink does within ~10 ms of new events."""
     events = engine.take_events()
     coordinator.report_events("n1", [(1 if e.kind == "stored" else 2, e.key) for e in events])
 

@@ -270,7 +270,7 @@ def test_traffic_crosses_the_virtual_network(healthy):
 def test_workers_on_different_hosts_share_a_system_prompt(healthy):
     first = healthy.worker("worker-a", "mh-a", SYSTEM + [1, 2, 3])
     assert first["cached"] == 0 and first["max_rel_err"] < 1e-5, first
-    with healthy.client() as c:  # the node reports its blocks every 50 ms
+    with healthy.client() as c:  # the node reports new blocks within ~10 ms
         wait_until(lambda: c.lookup(SYSTEM + [5]) == len(SYSTEM), 10.0, "the prefix in the index")
     second = healthy.worker("worker-b", "mh-b", SYSTEM + [9, 9, 9, 9])
     assert second["cached"] == len(SYSTEM), second  # six whole blocks from worker A's KV

@@ -36,7 +36,7 @@ def cluster():
 
 
 def publish(coordinator, engines, name):
-    """What the node's CoordinatorLink does every 50 ms."""
+    """What the node's CoordinatorLink does within ~10 ms of new events."""
     events = engines[name].take_events()
     coordinator.report_events(name, [(1 if e.kind == "stored" else 2, e.key) for e in events])
 
