@@ -31,16 +31,14 @@ import math
 import socket
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeVar
 
 import numpy as np
 import torch
 
 from ..protos import bulk
 from ..protos.bulk import Frame, ProtocolError
-from ..protos.errors import CapacityExceeded, InvalidArgument, PagedKVError, SequenceNotFound
+from ..protos.errors import CapacityExceeded, InvalidArgument, PagedKVError
 from ..protos.status import status_for
 from ..protos.tensors import DTYPE_NAMES, TORCH_DTYPES, tokens_per_chunk
 from .engine import CacheEngine
@@ -52,7 +50,6 @@ DRAIN_BYTES = 4 << 20  # scratch for discarding the payload of a refused request
 # slab out of the pool overlaps with the peer draining the socket (2 MiB measured
 # 1.5-1.8 GB/s for a 256 MiB read here, 8-32 MiB 1.1-1.7).
 READ_SLAB_BYTES = 2 << 20
-T = TypeVar("T")
 
 
 def _byte_view(t: torch.Tensor) -> memoryview:
@@ -194,18 +191,6 @@ class BulkServer:
         conn.sendall(Frame(frame.op, frame.request_id, status=code.value[0], text=details, extra=cls).pack())
         return str(code.name)
 
-    def _waiting_for_open(self, fn: Callable[[], T]) -> T:
-        """fn(), again once an unknown sequence gets opened within the engine's grace
-        (a data call may overtake the coordinator's asynchronous Open; as in the
-        gRPC servicer). fn changes nothing when it raises SequenceNotFound."""
-        for _ in range(8):
-            try:
-                return fn()
-            except SequenceNotFound as exc:
-                if not (isinstance(exc.seq_id, str) and self.engine.await_sequence(exc.seq_id)):
-                    raise
-        return fn()
-
     def _bump(self, counter: str) -> None:
         with self._lock:
             setattr(self, counter, getattr(self, counter) + 1)
@@ -242,14 +227,14 @@ class BulkServer:
             call = _parse_call(f.op, data)
             e = self.engine
             if f.op == bulk.OP_ATTEND:
-                out = self._waiting_for_open(
+                out = self.engine.awaiting_open(
                     lambda: e.attend_decode(
                         call.seq_ids, call.layer, call.q, call.k, call.v, call.token_ids,
                         return_block_mass=call.want_mass,
                     )
                 )  # fmt: skip
             else:
-                out = self._waiting_for_open(
+                out = self.engine.awaiting_open(
                     lambda: e.attend_prefill_batch(
                         call.seq_ids, call.layer, call.counts, call.q, call.k, call.v, call.token_ids
                     )
@@ -311,7 +296,7 @@ class BulkServer:
             try:
                 slabs = self._slabs(staging, n, f.slab_tokens)
                 tokens = ids.tolist()
-                self._waiting_for_open(lambda: self.engine.append_slabs(f.text, tokens, slabs))
+                self.engine.awaiting_open(lambda: self.engine.append_slabs(f.text, tokens, slabs))
                 length = self.engine.sequence_length(f.text)
             except Exception as exc:  # every failure becomes a status; the node keeps serving
                 self._reply_error(conn, f, exc)
@@ -344,7 +329,7 @@ class BulkServer:
             if f.payload_len:
                 raise InvalidArgument("bulk read: the request carries no payload")
             end = None if f.end == bulk.END_OF_SEQUENCE else f.end
-            length = self._waiting_for_open(lambda: self.engine.cache_length(f.text))
+            length = self.engine.awaiting_open(lambda: self.engine.cache_length(f.text))
             stop = length if end is None else end
             if not 0 <= f.start <= stop <= length:
                 raise InvalidArgument(

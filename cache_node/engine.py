@@ -26,14 +26,15 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
 
-from ..protos.errors import InvalidArgument, PagedKVError, PrefixEvicted
+from ..protos.errors import InvalidArgument, PagedKVError, PrefixEvicted, SequenceNotFound
 from ..protos.spec import ModelSpec
 from .attention import AttentionOutput, paged_decode, paged_prefill
 from .eviction import POLICIES, ScorePolicy
@@ -41,6 +42,7 @@ from .kv_manager import DEVICE, HOST, BlockEvent, Budget, KVCacheManager, OpenRe
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 MAX_TOKEN_ID = 2**63 - 1
+T = TypeVar("T")
 
 
 def default_device() -> str:
@@ -237,6 +239,20 @@ class CacheEngine:
                 if left <= 0:
                     return False
                 self._seq_opened.wait(left)
+
+    def awaiting_open(self, fn: Callable[[], T]) -> T:
+        """fn(), called again when a sequence it did not find gets opened within the
+        grace (await_sequence): what a server does for every data call, since one may
+        overtake the coordinator's asynchronous Open. fn must change nothing when it
+        raises SequenceNotFound (every method here validates first). Free when every
+        sequence exists."""
+        for _ in range(8):  # a batch may name several sequences still being opened
+            try:
+                return fn()
+            except SequenceNotFound as exc:
+                if not (isinstance(exc.seq_id, str) and self.await_sequence(exc.seq_id)):
+                    raise
+        return fn()
 
     def lookup(self, token_ids: Seq[int], salt: bytes = b"") -> int:
         """Tokens of this prompt cached on the node (device or host). Changes nothing."""

@@ -29,7 +29,6 @@ from ..protos.errors import (
     IntegrityError,
     InvalidArgument,
     PagedKVError,
-    SequenceNotFound,
 )
 from ..protos.serving import GrpcServer, build_server
 from ..protos.status import abort_details
@@ -56,7 +55,7 @@ class CacheNodeServicer(pb_grpc.CacheNodeServicer):
     ) -> T:
         start = time.perf_counter()
         try:
-            return self._waiting_for_open(fn) if wait_unknown else fn()
+            return self.engine.awaiting_open(fn) if wait_unknown else fn()
         except Exception as exc:  # every failure becomes a status; the server keeps serving
             self._fail(method, context, exc)
         finally:
@@ -70,19 +69,6 @@ class CacheNodeServicer(pb_grpc.CacheNodeServicer):
             self._fail(method, context, exc)
         finally:
             self.metrics.rpc_latency.labels(method).observe(time.perf_counter() - start)
-
-    def _waiting_for_open(self, fn: Callable[[], T]) -> T:
-        """fn(), called again when a sequence it did not find gets opened within the
-        grace (engine.await_sequence): a data call may overtake the coordinator's
-        asynchronous Open. fn must change nothing when it raises SequenceNotFound
-        (every engine method validates first). Free when every sequence exists."""
-        for _ in range(8):  # a batch may name several sequences still being opened
-            try:
-                return fn()
-            except SequenceNotFound as exc:
-                if not (isinstance(exc.seq_id, str) and self.engine.await_sequence(exc.seq_id)):
-                    raise
-        return fn()
 
     def _fail(self, method: str, context: grpc.ServicerContext, exc: Exception) -> NoReturn:
         code, details = abort_details(context, method, exc)
@@ -150,7 +136,7 @@ class CacheNodeServicer(pb_grpc.CacheNodeServicer):
                 slabs.append(reader.add(chunk.num_tokens, chunk.data))
             reader.finish()
             pairs = [(slab[0], slab[1]) for slab in slabs]
-            self._waiting_for_open(lambda: self.engine.append_slabs(head.seq_id, tokens, pairs))
+            self.engine.awaiting_open(lambda: self.engine.append_slabs(head.seq_id, tokens, pairs))
             return pb.AppendResponse(num_tokens=self.engine.sequence_length(head.seq_id))
 
         return self._observe("Append", context, run, wait_unknown=False)  # run() consumes the stream
@@ -253,7 +239,7 @@ class CacheNodeServicer(pb_grpc.CacheNodeServicer):
             # builds the whole range (nor does the client). Positions are append-only,
             # so the range read stays valid across slabs unless the sequence is freed.
             seq_id, start = request.seq_id, request.start
-            length = self._waiting_for_open(lambda: self.engine.cache_length(seq_id))
+            length = self.engine.awaiting_open(lambda: self.engine.cache_length(seq_id))
             stop = length if end is None else end
             if not 0 <= start <= stop <= length:
                 raise InvalidArgument(
