@@ -38,7 +38,7 @@ from ..protos.errors import InvalidArgument, PagedKVError, PrefixEvicted, Sequen
 from ..protos.spec import ModelSpec
 from .attention import AttentionOutput, paged_decode, paged_prefill
 from .eviction import POLICIES, ScorePolicy
-from .kv_manager import DEVICE, HOST, BlockEvent, Budget, KVCacheManager, OpenResult, Slots
+from .kv_manager import DEVICE, HOST, BlockEvent, Budget, HeldBlocks, KVCacheManager, OpenResult, Slots
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 MAX_TOKEN_ID = 2**63 - 1
@@ -140,6 +140,9 @@ class CacheEngine:
         self._lock = threading.RLock()
         self._seq_opened = threading.Condition(self._lock)  # notified by every successful open
         self._tombstones: OrderedDict[str, PagedKVError] = OrderedDict()  # seq id -> why its open failed
+        # Blocks filled at layer 0 of a layer-by-layer write (attend_decode / attend_prefill with
+        # new K/V), published once the last layer is written: seq id -> its held blocks.
+        self._held: dict[str, list[HeldBlocks]] = {}
 
     # -- validation -------------------------------------------------------------
 
@@ -369,12 +372,13 @@ class CacheEngine:
             for sid in ids:
                 self.manager._active(sid)
             if k is not None:
-                slots = (
-                    self.manager.append_tokens(ids, tokens)
-                    if tokens is not None
-                    else self._tail_slots(ids, 1)
-                )
+                if tokens is not None:
+                    slots = self._reserve_layered(ids, lambda: self.manager.append_tokens(ids, tokens))
+                else:
+                    slots = self._tail_slots(ids, 1)
                 self._write_layer(layer, slots, k, v)
+                if layer == s.num_layers - 1:
+                    self._publish_written(ids)
             seqs = [self.manager.seqs[sid] for sid in ids]
             width = max(len(seq.table) for seq in seqs)
             if width == 0:
@@ -428,12 +432,13 @@ class CacheEngine:
         with self._lock:
             seq = self.manager._active(seq_id)
             if k is not None:
-                slots = (
-                    self.manager.append(seq_id, tokens)
-                    if tokens is not None
-                    else self._tail_slots([seq_id], n)
-                )
+                if tokens is not None:
+                    slots = self._reserve_layered([seq_id], lambda: self.manager.append(seq_id, tokens))
+                else:
+                    slots = self._tail_slots([seq_id], n)
                 self._write_layer(layer, slots, k, v)
+                if layer == s.num_layers - 1:
+                    self._publish_written([seq_id])
             if seq.cache_len < n:
                 raise InvalidArgument(
                     f"sequence {seq_id!r} holds {seq.cache_len} tokens, fewer than {n} queries"
@@ -509,6 +514,34 @@ class CacheEngine:
                 outs.append(part.out)
                 lses.append(part.lse)
         return AttentionOutput(torch.cat(outs), torch.cat(lses), None)
+
+    def _reserve_layered(self, ids: list[str], reserve: Callable[[], Slots]) -> Slots:
+        """reserve() at layer 0 of a layer-by-layer write: blocks it fills keep their keys
+        unfindable (no prefix hit, no STORED event) until _publish_written after the last
+        layer, so no other sequence reads a block whose later layers are not written yet.
+        A step left unfinished (a new layer 0 before the last layer) is never published."""
+        if self.spec.num_layers == 1:
+            return reserve()
+        held_by = self._held
+        if held_by:
+            for sid in ids:
+                held_by.pop(sid, None)
+        manager = self.manager
+        manager.hold_publish = True
+        try:
+            return reserve()
+        finally:
+            manager.hold_publish = False
+            for h in manager.take_held():
+                held_by.setdefault(h.seq.seq_id, []).append(h)
+
+    def _publish_written(self, ids: list[str]) -> None:
+        held_by = self._held
+        if held_by:
+            for sid in ids:
+                held = held_by.pop(sid, None)
+                if held:
+                    self.manager.publish_held(held)
 
     def _query(self, name: str, q: Any, shape: tuple[int | None, ...]) -> torch.Tensor:
         if isinstance(q, np.ndarray):
@@ -622,10 +655,13 @@ class CacheEngine:
     def free(self, seq_id: str) -> None:
         with self._lock:
             self.manager.free(_seq_id(seq_id))
+            self._held.pop(seq_id, None)  # its unfinished blocks went back unkeyed
 
     def swap_out(self, seq_id: str) -> int:
         with self._lock:
-            return self.manager.swap_out(_seq_id(seq_id))
+            moved = self.manager.swap_out(_seq_id(seq_id))
+            self._held.pop(seq_id, None)  # an unfinished step's blocks are not published
+            return moved
 
     def swap_in(self, seq_id: str) -> int:
         with self._lock:
@@ -657,6 +693,7 @@ class CacheEngine:
         with self._lock:
             self.manager = self._new_manager()
             self._tombstones.clear()
+            self._held.clear()
 
     def _new_manager(self) -> KVCacheManager:
         c = self.config

@@ -92,6 +92,15 @@ class EventBatch(NamedTuple):
 
 
 STORED, REMOVED = "stored", "removed"
+
+
+@dataclass(frozen=True)
+class HeldBlocks:
+    """Full blocks [first, first + len(blocks)) of seq, keyed but not yet findable."""
+
+    seq: Sequence
+    first: int
+    blocks: tuple[int, ...]
 _NO_HIT = OpenResult(0, 0)
 # Runs an iterator of side effects to its end, in C.
 _consume: Callable[[Iterable[object]], None] = deque[object](maxlen=0).extend
@@ -225,6 +234,12 @@ class KVCacheManager:
         self._block_key = block_hasher(block_size)
         self._num_swapped = 0  # sequences with a host_table: decode batches skip the check while 0
         self._group: _DecodeGroup | None = None  # the last decode step's batch, while it holds
+        # While hold_publish is set, blocks that become full get their keys in seq.keys but are not
+        # yet findable (no key map entry, no STORED event): a node that writes K/V layer by layer
+        # reserves at layer 0 and publishes after the last layer (publish_held), so no other
+        # sequence can hit a block whose later layers are still unwritten.
+        self.hold_publish = False
+        self._held: list[HeldBlocks] = []
 
     # -- lookups ------------------------------------------------------------------
 
@@ -579,12 +594,20 @@ class KVCacheManager:
                 new_keys.append(self._block_key(parent, tokens[j * bs : stop * bs]))
             else:
                 new_keys += chain_keys(parent, tokens[j * bs : stop * bs], bs)
-        device, table, keys = self.device, seq.table, seq.keys
+        num_new = len(new_keys)
+        seq.keys[first : first + num_new] = new_keys
+        if self.hold_publish:
+            self._held.append(HeldBlocks(seq, first, tuple(seq.table[first : first + num_new])))
+            return
+        self._register(seq, first, new_keys)
+
+    def _register(self, seq: Sequence, first: int, new_keys: list[bytes]) -> None:
+        """Make blocks [first, first + len(new_keys)) of seq findable under their keys."""
+        device, table = self.device, seq.table
         key_of, block_of_key = device.key_of, device.block_of_key
         host_keys = self.host.block_of_key
         record = self.record_events
         num_new = len(new_keys)
-        keys[first : first + num_new] = new_keys
         blocks = table[first : first + num_new]
         if (
             not host_keys
@@ -610,6 +633,29 @@ class KVCacheManager:
                     self._event_keys.append(key)
             else:  # the node held it on the host already; the device copy replaces it
                 self.host.drop(hb)
+
+    def take_held(self) -> list[HeldBlocks]:
+        """The blocks that became full while hold_publish was set, not yet findable."""
+        held, self._held = self._held, []
+        return held
+
+    def publish_held(self, held: list[HeldBlocks]) -> None:
+        """Make held blocks findable now (their K/V is complete). Entries whose sequence was
+        freed, swapped, or no longer holds those blocks are skipped: their blocks went back
+        unkeyed, never cached with partial contents."""
+        for h in held:
+            seq = h.seq
+            a, blocks = h.first, h.blocks
+            if (
+                self.seqs.get(seq.seq_id) is not seq
+                or seq.host_table is not None
+                or tuple(seq.table[a : a + len(blocks)]) != blocks
+            ):
+                continue
+            keys = seq.keys[a : a + len(blocks)]
+            if None in keys:
+                continue
+            self._register(seq, a, keys)  # type: ignore[arg-type]
 
     def append_tokens(self, seq_ids: Seq[str], token_ids: Seq[int]) -> Slots:
         """reserve_tokens(), then each sequence's new slot (sequence i -> slot i)."""
@@ -723,6 +769,9 @@ class KVCacheManager:
         assert parent is not None
         key = keys[i] = self._block_key(parent, tokens[i * bs : (i + 1) * bs])
         block = seq.table[i]
+        if self.hold_publish:
+            self._held.append(HeldBlocks(seq, i, (block,)))
+            return
         device = self.device
         if device.key_of[block] is not None or key in device.block_of_key:  # BlockPool.publish() refusing
             return
