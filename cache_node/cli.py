@@ -129,8 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--bulk-port",
         type=_bulk_port,
         default=_env("BULK_PORT", "auto"),
-        help="raw TCP port for large KV transfers, on the --listen host (auto: any free port; "
-        "0 or off: none, clients use gRPC); advertised in the node's Stats",
+        help="raw TCP side channel (large KV transfers, the per-step attend calls) on the --listen host "
+        "(auto: any free port; 0 or off: none, clients use gRPC); advertised in the node's Stats",
     )
     cluster = p.add_argument_group("cluster (leave --coordinator empty for a standalone node)")
     cluster.add_argument(
