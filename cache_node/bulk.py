@@ -21,6 +21,11 @@ so the same validation and errors); the reply's out / lse leave with one
 sendmsg. A bad request gets its error after its payload is drained
 (the connection stays usable); a truncated request or a client that goes away
 mid-transfer closes the connection and changes nothing.
+
+Same-host clients (cache_node/shm.py) reach the same server through an abstract
+Unix socket named in the HELLO reply: the same ops, served by the same loop, plus
+MAP (the client's memfd region) and ATTEND*_SHM, whose body and results stay in
+that region (no payload through the socket).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 import socket
 import threading
 import time
@@ -43,6 +49,7 @@ from ..protos.status import status_for
 from ..protos.tensors import DTYPE_NAMES, TORCH_DTYPES, tokens_per_chunk
 from .engine import CacheEngine
 from .metrics import NodeMetrics
+from .shm import Region, local_listener, map_region, write_results
 
 logger = logging.getLogger("pagedkv.cache_node.bulk")
 DRAIN_BYTES = 4 << 20  # scratch for discarding the payload of a refused request
@@ -86,7 +93,8 @@ class BulkServer:
     """The bulk listener of one node. `start()` binds nothing (the constructor
     does: `port` is known before start); `stop()` closes the listener and every
     connection and joins their threads. Counters: requests served, requests
-    refused with an error reply, connections dropped mid-request."""
+    refused with an error reply, connections dropped mid-request (HELLO and a
+    successful MAP set a connection up and are not counted)."""
 
     def __init__(
         self,
@@ -97,24 +105,34 @@ class BulkServer:
         max_connections: int = 16,
         max_staging_bytes: int = 1 << 30,
         metrics: NodeMetrics | None = None,
+        local: bool = True,
     ) -> None:
         self.engine = engine
         self.metrics = metrics  # the per-step calls are recorded under their rpc's name
         self._sock = socket.create_server((host, port), family=_family(host), backlog=max_connections)
         self.port: int = self._sock.getsockname()[1]
+        # The same-host listener (HELLO names it; "" = none): off with local=False or off Linux.
+        listener = local_listener(max_connections) if local else None
+        self._local_sock: socket.socket | None = None if listener is None else listener[0]
+        self.local_name = "" if listener is None else listener[1]
         self._max_connections = max_connections
         self._staging = _StagingPool(max_staging_bytes)
         self._conns: dict[socket.socket, threading.Thread] = {}
         self._lock = threading.Lock()
-        self._accepter: threading.Thread | None = None
+        self._accepters: list[threading.Thread] = []
         self._is_stopping = False
         self.num_requests = 0
         self.num_errors = 0
         self.num_dropped = 0
 
     def start(self) -> BulkServer:
-        self._accepter = threading.Thread(target=self._accept_loop, name="pagedkv-bulk-accept", daemon=True)
-        self._accepter.start()
+        for sock in (self._sock, self._local_sock):
+            if sock is not None:
+                t = threading.Thread(
+                    target=self._accept_loop, args=(sock,), name="pagedkv-bulk-accept", daemon=True
+                )
+                self._accepters.append(t)
+                t.start()
         return self
 
     def stop(self) -> None:
@@ -123,42 +141,58 @@ class BulkServer:
         with self._lock:
             self._is_stopping = True
             conns = list(self._conns.items())
-        with contextlib.suppress(OSError):
-            self._sock.shutdown(socket.SHUT_RDWR)  # wakes accept() on Linux
-        self._sock.close()
+        for sock in (self._sock, self._local_sock):
+            if sock is not None:
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)  # wakes accept() on Linux
+                sock.close()
         for conn, _ in conns:
             with contextlib.suppress(OSError):
                 conn.shutdown(socket.SHUT_RDWR)
         for _, thread in conns:
             thread.join(5)
-        if self._accepter is not None:
-            self._accepter.join(5)
+        for t in self._accepters:
+            t.join(5)
 
     # -- connections ------------------------------------------------------------
 
-    def _accept_loop(self) -> None:
+    def _accept_loop(self, listener: socket.socket) -> None:
+        is_local = listener.family == socket.AF_UNIX
         while True:
             try:
-                conn, _ = self._sock.accept()
+                conn, _ = listener.accept()
             except OSError:
                 return  # listener closed
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if not is_local:
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             with self._lock:
                 if self._is_stopping or len(self._conns) >= self._max_connections:
                     conn.close()  # the client falls back to gRPC
                     continue
-                thread = threading.Thread(target=self._serve, args=(conn,), name="pagedkv-bulk", daemon=True)
+                thread = threading.Thread(
+                    target=self._serve, args=(conn, is_local), name="pagedkv-bulk", daemon=True
+                )
                 self._conns[conn] = thread
             thread.start()
 
-    def _serve(self, conn: socket.socket) -> None:
+    def _serve(self, conn: socket.socket, is_local: bool = False) -> None:
+        """One connection's requests, in order. A local (Unix socket) connection
+        may also carry MAP and ATTEND*_SHM; its region is unmapped when it ends."""
         head, body = bytearray(bulk.FRAME.size), _CallBuffer()
+        fds: list[int] | None = [] if is_local else None
+        region: Region | None = None
         try:
-            while (frame := bulk.read_frame(conn, eof_ok=True, buf=head)) is not None:
+            while (frame := bulk.read_frame(conn, eof_ok=True, buf=head, fds=fds)) is not None:
                 if frame.op in (bulk.OP_ATTEND, bulk.OP_ATTEND_PREFILL_BATCH):
                     self._call(conn, frame, body)
                 elif frame.op == bulk.OP_PING:
                     self._ping(conn, frame)
+                elif frame.op == bulk.OP_HELLO:
+                    self._hello(conn, frame)
+                elif frame.op == bulk.OP_MAP and fds is not None:
+                    region = self._map(conn, frame, fds, region)
+                elif frame.op in bulk.SHM_OPS and fds is not None:
+                    self._shm_call(conn, frame, region)
                 elif frame.op == bulk.OP_APPEND:
                     self._append(conn, frame)
                 elif frame.op == bulk.OP_READ:
@@ -166,6 +200,7 @@ class BulkServer:
                 else:
                     self._reply_error(conn, frame, InvalidArgument(f"bulk: unknown op {frame.op}"))
                     return  # its payload's framing is unknown: close
+                _close_fds(fds)  # descriptors sent with another op than MAP
         except ProtocolError as exc:
             self._bump("num_dropped")
             logger.info("bulk connection dropped: %s", exc)
@@ -178,6 +213,9 @@ class BulkServer:
             self._bump("num_dropped")
             logger.exception("bulk connection failed")
         finally:
+            _close_fds(fds)
+            if region is not None:
+                region.close()
             conn.close()
             with self._lock:
                 self._conns.pop(conn, None)
@@ -213,6 +251,13 @@ class BulkServer:
         self._bump("num_requests")
         conn.sendall(Frame(f.op, f.request_id).pack())
 
+    def _hello(self, conn: socket.socket, f: Frame) -> None:
+        if f.payload_len:
+            self._drain(conn, f.payload_len)
+            self._reply_error(conn, f, InvalidArgument("bulk hello: the request carries no payload"))
+            return
+        conn.sendall(Frame(f.op, f.request_id, text=self.local_name).pack())  # set-up: not counted
+
     def _call(self, conn: socket.socket, f: Frame, body: _CallBuffer) -> None:
         """One Attend / AttendPrefillBatch: the whole body is read into the
         connection's reused buffer before anything is checked or changed; the
@@ -221,12 +266,21 @@ class BulkServer:
             raise ProtocolError(f"call body of {f.payload_len} bytes exceeds {bulk.MAX_CALL_BYTES}")
         data = body.take(f.payload_len)
         bulk.recv_exact(conn, _byte_view(data), "call body")
-        method = "Attend" if f.op == bulk.OP_ATTEND else "AttendPrefillBatch"
+        parts = self._compute(conn, f, f.op, data)
+        if parts is not None:
+            self._reply(conn, f, parts, bulk.PLACED_INLINE)
+
+    def _compute(
+        self, conn: socket.socket, f: Frame, op: int, data: torch.Tensor
+    ) -> list[torch.Tensor] | None:
+        """The engine call of the CALL body in `data` (op: ATTEND or
+        ATTEND_PREFILL_BATCH): its result tensors, or None after an error reply."""
+        method = "Attend" if op == bulk.OP_ATTEND else "AttendPrefillBatch"
         start = time.perf_counter()
         try:
-            call = _parse_call(f.op, data)
+            call = _parse_call(op, data)
             e = self.engine
-            if f.op == bulk.OP_ATTEND:
+            if op == bulk.OP_ATTEND:
                 out = self.engine.awaiting_open(
                     lambda: e.attend_decode(
                         call.seq_ids, call.layer, call.q, call.k, call.v, call.token_ids,
@@ -243,18 +297,74 @@ class BulkServer:
             code = self._reply_error(conn, f, exc)
             if self.metrics is not None:
                 self.metrics.rpc_errors.labels(method, code).inc()
-            return
+            return None
         finally:
             if self.metrics is not None:
                 self.metrics.rpc_latency.labels(method).observe(time.perf_counter() - start)
         mass = out.block_mass if call.want_mass else None
-        parts = [t.detach().to("cpu").contiguous() for t in (out.out, out.lse, mass) if t is not None]
+        return [t.detach().to("cpu").contiguous() for t in (out.out, out.lse, mass) if t is not None]
+
+    def _reply(self, conn: socket.socket, f: Frame, parts: list[torch.Tensor], placement: int) -> None:
+        """FRAME + REPLY, then the tensors' bytes unless they were placed in the region."""
         descs = [bulk.pack_tensor(DTYPE_NAMES[t.dtype], tuple(t.shape)) for t in parts]
         descs += [bytes(bulk.TENSOR.size)] * (3 - len(parts))
-        size = bulk.REPLY_SIZE + sum(t.numel() * t.element_size() for t in parts)
+        inline = placement == bulk.PLACED_INLINE
+        size = bulk.REPLY_SIZE + (sum(t.numel() * t.element_size() for t in parts) if inline else 0)
         self._bump("num_requests")
-        head = Frame(f.op, f.request_id, payload_len=size).pack() + bulk.REPLY.pack(len(parts))
-        bulk.send_parts(conn, [head + b"".join(descs), *(_byte_view(t) for t in parts)])
+        head = Frame(f.op, f.request_id, payload_len=size).pack() + bulk.REPLY.pack(len(parts), placement)
+        bulk.send_parts(conn, [head + b"".join(descs), *(_byte_view(t) for t in parts if inline)])
+
+    # -- same host: MAP, ATTEND*_SHM ----------------------------------------------
+
+    def _map(self, conn: socket.socket, f: Frame, fds: list[int], old: Region | None) -> Region | None:
+        """The connection's region after a MAP: the new one, or none after an error
+        (the old one is unmapped either way)."""
+        if old is not None:
+            old.close()
+        try:
+            if f.payload_len:
+                self._drain(conn, f.payload_len)
+                raise InvalidArgument("bulk map: the request carries no payload")
+            region = map_region(f, fds)
+        except Exception as exc:
+            self._reply_error(conn, f, exc)
+            return None
+        finally:
+            _close_fds(fds)  # the mapping keeps the memory; the descriptor is not needed
+        conn.sendall(Frame(f.op, f.request_id, end=region.size).pack())  # set-up: not counted
+        return region
+
+    def _shm_call(self, conn: socket.socket, f: Frame, region: Region | None) -> None:
+        """An Attend / AttendPrefillBatch whose body and results are in the region."""
+        if f.payload_len != bulk.SHM_CALL.size:
+            if f.payload_len > bulk.MAX_CALL_BYTES:
+                raise ProtocolError(f"shm call of {f.payload_len} bytes (expected {bulk.SHM_CALL.size})")
+            self._drain(conn, f.payload_len)
+            self._reply_error(conn, f, InvalidArgument(f"bulk shm call: {f.payload_len}-byte request"))
+            return
+        head = bytearray(bulk.SHM_CALL.size)
+        bulk.recv_exact(conn, memoryview(head), "shm call")
+        body_at, body_len, out_at, out_len = bulk.SHM_CALL.unpack(head)
+        try:
+            if region is None:
+                raise InvalidArgument("bulk shm call: no region mapped on this connection (MAP first)")
+            if body_at % bulk.ALIGN:
+                raise InvalidArgument(
+                    f"bulk shm call: body offset {body_at} is not a multiple of {bulk.ALIGN}"
+                )
+            if body_len > bulk.MAX_CALL_BYTES:
+                raise InvalidArgument(f"bulk shm call: a {body_len}-byte body exceeds {bulk.MAX_CALL_BYTES}")
+            data = region.view(body_at, body_len, "the call body")
+            region.view(out_at, out_len, "the result area")
+        except InvalidArgument as exc:
+            self._reply_error(conn, f, exc)
+            return
+        parts = self._compute(conn, f, bulk.SHM_OPS[f.op], data)
+        del data
+        if parts is None:
+            return
+        placed = write_results(region, out_at, out_len, parts)
+        self._reply(conn, f, parts, bulk.PLACED_REGION if placed else bulk.PLACED_INLINE)
 
     # -- APPEND -----------------------------------------------------------------
 
@@ -462,6 +572,12 @@ def _parse_call(op: int, data: torch.Tensor) -> _Call:
     if flags & bulk.FLAG_V:
         v = views[-1]
     return _Call(layer, bool(flags & bulk.FLAG_BLOCK_MASS), seq_ids, counts, tokens or None, q, k, v)
+
+
+def _close_fds(fds: list[int] | None) -> None:
+    while fds:
+        with contextlib.suppress(OSError):
+            os.close(fds.pop())
 
 
 def _family(host: str) -> socket.AddressFamily:

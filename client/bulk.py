@@ -20,6 +20,12 @@ Connections are pooled per node (one request at a time on each), so
 concurrent transfers from several threads each get their own. The deadline
 applies to each socket operation (a transfer that stops progressing for
 `timeout_s` fails), not to the whole transfer.
+
+Same host: the per-step calls prefer the node's shared-memory path
+(client/shm.py) when the node names a same-host listener (HELLO, asked once per
+learned port) and this process can reach it: the tensors go through a memfd
+region instead of the loopback stack. When it cannot be reached or used the
+channel remembers that and the calls take TCP; results and errors are the same.
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ from ..protos import bulk, tensors
 from ..protos.bulk import Frame, ProtocolError
 from ..protos.errors import InvalidArgument, PagedKVError, Unavailable
 from ..protos.status import error_from_status, status_name
-from . import codec
+from . import codec, shm
 from .types import AttentionResult
 
 MAX_POOLED = 4  # idle connections kept per node
@@ -79,6 +85,11 @@ class BulkChannel:
         self._retry_at = 0.0  # time.monotonic() before which the channel is not tried
         self._local = threading.local()  # reused header buffers, one set per calling thread
         self.num_calls = 0  # attend calls answered over the channel (OK or a node error)
+        self.num_local_calls = 0  # of which over the same-host shared-memory path
+        # The node's same-host listener: None = not asked yet, "" = none or unusable here.
+        self.local_name: str | None = None
+        self.is_local_enabled = shm.is_supported()  # False: every call over TCP (benchmarks, tests)
+        self._idle_local: list[shm.LocalConnection] = []
 
     @property
     def is_backing_off(self) -> bool:
@@ -101,6 +112,7 @@ class BulkChannel:
             sock = socket.create_connection(where, timeout=min(timeout_s, CONNECT_TIMEOUT_S))
         except OSError as exc:
             self._retry_at, self.port = time.monotonic() + RETRY_AFTER_S, None  # re-learn it later
+            self.local_name = None
             raise BulkUnavailable(f"cannot connect to {where[0]}:{where[1]}: {exc}") from exc
         sock.settimeout(timeout_s)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -116,8 +128,117 @@ class BulkChannel:
     def close(self) -> None:
         with self._lock:
             idle, self._idle = self._idle, []
+            local, self._idle_local = self._idle_local, []
         for sock in idle:
             sock.close()
+        for conn in local:
+            conn.close()
+
+    # -- the same-host path -----------------------------------------------------
+
+    def _take_local(self, timeout_s: float) -> shm.LocalConnection:
+        """A pooled or new connection to the node's same-host listener;
+        BulkUnavailable (nothing sent) when there is none or it cannot be reached."""
+        with self._lock:
+            while self._idle_local:
+                conn = self._idle_local.pop()
+                if _is_alive(conn.sock):
+                    conn.sock.settimeout(timeout_s)
+                    return conn
+                conn.close()
+        if self.local_name is None:
+            self.local_name = self._hello(timeout_s)
+        if not self.local_name:
+            raise BulkUnavailable("the node has no same-host listener reachable from here")
+        try:
+            return shm.LocalConnection(self.local_name, min(timeout_s, CONNECT_TIMEOUT_S))
+        except OSError as exc:  # another host or network namespace, or the node went away
+            self.local_name = ""
+            raise BulkUnavailable(f"cannot reach the node's same-host listener: {exc}") from exc
+
+    def _hello(self, timeout_s: float) -> str:
+        """The node's same-host listener name ("" when it has none or is too old to say)."""
+        frame = Frame(bulk.OP_HELLO, next(self._ids)).pack()
+
+        def body(sock: socket.socket) -> str:
+            sock.sendall(frame)
+            reply = bulk.read_frame(sock)
+            assert reply is not None
+            if reply.status != bulk.STATUS_OK:
+                raise self._error(reply)
+            return reply.text
+
+        try:
+            name: str = self._run(timeout_s, body)
+        except PagedKVError:
+            return ""
+        return name
+
+    def _give_local(self, conn: shm.LocalConnection) -> None:
+        with self._lock:
+            if len(self._idle_local) < MAX_POOLED:
+                self._idle_local.append(conn)
+                return
+        conn.close()
+
+    def _attend_local(
+        self, op: int, request_id: int, head: bytes, q: torch.Tensor, parts: list[torch.Tensor], mass: bool,
+        timeout_s: float,
+    ) -> AttentionResult:  # fmt: skip
+        """One ATTEND* (op) over the shared-memory path; head: the TCP request's
+        FRAME + CALL head. BulkUnavailable when the path cannot be used (nothing
+        of this call sent)."""
+        conn = self._take_local(timeout_s)
+        body_head = head[bulk.FRAME.size :]
+        body_len = shm.body_length(len(body_head), parts)
+        out_at = body_len + bulk.pad(body_len)
+        out_len = shm.result_bytes(q, mass)
+        try:
+            try:
+                conn.ensure(out_at + out_len, request_id)
+            except shm.RegionRefused as exc:
+                self.local_name = ""  # this node will not map our regions: TCP from now on
+                conn.close()
+                raise BulkUnavailable(f"the node refused the shared region: {exc}") from None
+            shm.write_call(conn.region, body_head, parts)
+            shm_op = bulk.OP_ATTEND_SHM if op == bulk.OP_ATTEND else bulk.OP_ATTEND_PREFILL_BATCH_SHM
+            request = Frame(shm_op, request_id, payload_len=bulk.SHM_CALL.size).pack()
+            conn.sock.sendall(request + bulk.SHM_CALL.pack(0, body_len, out_at, out_len))
+            reply = bulk.read_frame(conn.sock, buf=self._local_head())
+            assert reply is not None
+            self.num_calls += 1
+            self.num_local_calls += 1
+            if reply.status != bulk.STATUS_OK:
+                raise self._error(reply)
+            result = _read_result(
+                conn.sock, reply.payload_len, self._local_reply(), (conn.region, out_at, out_len)
+            )
+        except (PagedKVError, BulkUnavailable):
+            if conn.size:  # the node answered with an error: the connection is in sync
+                self._give_local(conn)
+            raise
+        except (OSError, ProtocolError) as exc:
+            conn.close()
+            what = "timed out (DEADLINE_EXCEEDED)" if isinstance(exc, TimeoutError) else "failed"
+            raise Unavailable(f"{self.where}: bulk transfer (same host) {what}: {exc}") from exc
+        except BaseException:
+            conn.close()
+            raise
+        self._give_local(conn)
+        return result
+
+    def ping_local(self, timeout_s: float) -> None:
+        """The same-host path's no-op round trip (its floor); BulkUnavailable without one."""
+        conn = self._take_local(timeout_s)
+        try:
+            conn.sock.sendall(Frame(bulk.OP_PING, next(self._ids)).pack())
+            reply = bulk.read_frame(conn.sock, buf=self._local_head())
+            if reply is None or reply.status != bulk.STATUS_OK:
+                raise ProtocolError(f"same-host ping failed: {reply}")
+        except BaseException:
+            conn.close()
+            raise
+        self._give_local(conn)
 
     def _error(self, f: Frame | tuple[int, str, str]) -> PagedKVError:
         status, text, extra = (f.status, f.text, f.extra) if isinstance(f, Frame) else f
@@ -259,9 +380,14 @@ class BulkChannel:
         q = tensors.as_torch(q, "q")
         k = None if k is None else tensors.as_torch(k, "k")
         v = None if v is None else tensors.as_torch(v, "v")
-        head = _call_head(
-            op, next(self._ids), seq_ids, layer, q, k, v, token_ids, num_tokens, return_block_mass
-        )
+        request_id = next(self._ids)
+        head = _call_head(op, request_id, seq_ids, layer, q, k, v, token_ids, num_tokens, return_block_mass)
+        if self.is_local_enabled and self.local_name != "":
+            tensors_in = [t for t in (q, k, v) if t is not None]
+            try:
+                return self._attend_local(op, request_id, head, q, tensors_in, return_block_mass, timeout_s)
+            except BulkUnavailable:
+                pass  # TCP
         parts: list[bytes | memoryview] = [head]
         at = len(head) - bulk.FRAME.size
         for t in (q, k, v):
@@ -339,12 +465,23 @@ def _call_head(
     return Frame(op, request_id, payload_len=size).pack() + body
 
 
-def _read_result(sock: socket.socket, payload_len: int, buf: bytearray) -> AttentionResult:
-    """out, lse (and block_mass) of an ATTEND* reply, received in place."""
+def _read_result(
+    sock: socket.socket,
+    payload_len: int,
+    buf: bytearray,
+    area: tuple[torch.Tensor, int, int] | None = None,
+) -> AttentionResult:
+    """out, lse (and block_mass) of an ATTEND* reply, received in place, or copied
+    out of the shared region when the node placed them there (area: region,
+    out_offset, out_len of an ATTEND*_SHM call)."""
     if payload_len < bulk.REPLY_SIZE:
         raise ProtocolError(f"attend reply of {payload_len} bytes")
     bulk.recv_exact(sock, memoryview(buf), "an attend reply")
-    (num,) = bulk.REPLY.unpack_from(buf, 0)
+    num, placement = bulk.REPLY.unpack_from(buf, 0)
+    if placement == bulk.PLACED_REGION:
+        if area is None or payload_len != bulk.REPLY_SIZE:
+            raise ProtocolError(f"a region-placed reply of {payload_len} bytes on this connection")
+        return shm.read_placed(*area, buf)
     if not 2 <= num <= 3:
         raise ProtocolError(f"attend reply with {num} tensors")
     outs = []

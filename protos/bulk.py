@@ -62,11 +62,54 @@ and the connection closed (it cannot be drained in bounded time); a body whose
 sections disagree with payload_len is refused after it was read (the connection
 stays usable). Reply: a FRAME with status; when OK, payload_len bytes of
 
-    REPLY (80 bytes): num_tensors u8 (2: out, lse; 3: with block_mass) | pad
-        7 | 3 x TENSOR (the absent one all zeros)
+    REPLY (80 bytes): num_tensors u8 (2: out, lse; 3: with block_mass)
+        | placement u8 (0 over TCP) | pad 6 | 3 x TENSOR (the absent one all zeros)
     then the tensors' bytes back to back (out, lse, block_mass).
 
 PING (op 5): a bare FRAME both ways (the channel's own no-op floor).
+
+Same-host path (shared memory). Over TCP a batch-32 attend moves ~1.3 MB through
+the loopback stack each way, more than the whole per-call budget; a client on the
+node's host instead passes the bytes through a memory region both processes map.
+It is negotiated, never configured:
+
+HELLO (op 6), client -> node over TCP: a bare FRAME. Reply: a FRAME whose text is
+the name of the node's same-host listener, a Linux abstract Unix socket
+(`"\0" + name`, no file to leave behind; reachable only from the node's network
+namespace), or "" when it has none. The name carries 128 random bits, so a
+successful connect reaches this node. A node that predates HELLO answers "unknown
+op" and closes: the client stays on TCP.
+
+A connection to that socket speaks the same FRAMEs (APPEND, READ, PING, ATTEND*
+work on it as on TCP) plus:
+
+MAP (op 7), client -> node: a bare FRAME with `end` = the region's size in bytes
+(MIN_REGION_BYTES..MAX_REGION_BYTES), sent with exactly one file descriptor
+(SCM_RIGHTS): a memfd of that size sealed against shrinking (F_SEAL_SHRINK; a
+region that could shrink would fault the node on access). The node maps it
+shared and replies with a bare FRAME (an error status and no region when the fd
+is missing, not a sealed memfd, or of another size; the connection stays usable).
+A later MAP replaces the region (the client grows it). The memory is anonymous:
+it is freed once both sides have unmapped it, whichever side dies first (the node
+unmaps when the connection closes), so nothing is left behind.
+
+ATTEND_SHM (op 8) and ATTEND_PREFILL_BATCH_SHM (op 9), client -> node, on a
+connection with a region: FRAME with payload_len = SHM_CALL.size, then
+
+    SHM_CALL (32 bytes): body_offset u64 | body_len u64 | out_offset u64
+        | out_len u64
+
+The CALL body (laid out as above) lies in region[body_offset, +body_len),
+body_offset a multiple of ALIGN (the tensors' alignment is relative to the page-
+aligned region). A range outside the region is refused (INVALID_ARGUMENT, the
+connection stays usable). The node computes on views of the region and replies
+like ATTEND, except that REPLY's `placement` byte says where the tensors are:
+PLACED_INLINE (0: after REPLY, as over TCP; they did not fit in out_len) or
+PLACED_REGION (1: in region[out_offset, +out_len), out then lse then block_mass,
+each starting at a multiple of ALIGN from out_offset; payload_len is then
+REPLY_SIZE). The client must not touch the region until the reply arrived (one
+call at a time per connection), and copies the results out before it returns
+them: a caller's result is never overwritten by a later call.
 
 Both ends move tensors with sendmsg / recv_into between the tensors' memory and
 the socket (no payload-sized Python bytes); TCP_NODELAY is on at both ends.
@@ -79,6 +122,7 @@ magic, unknown version or op) replies with an error and closes the connection.
 
 from __future__ import annotations
 
+import array
 import socket
 import struct
 from dataclasses import dataclass
@@ -92,13 +136,23 @@ OP_READ = 2
 OP_ATTEND = 3
 OP_ATTEND_PREFILL_BATCH = 4
 OP_PING = 5
+OP_HELLO = 6
+OP_MAP = 7
+OP_ATTEND_SHM = 8
+OP_ATTEND_PREFILL_BATCH_SHM = 9
+SHM_OPS = {OP_ATTEND_SHM: OP_ATTEND, OP_ATTEND_PREFILL_BATCH_SHM: OP_ATTEND_PREFILL_BATCH}
+PLACED_INLINE, PLACED_REGION = 0, 1
+MIN_REGION_BYTES = 4096
 FLAG_BLOCK_MASS, FLAG_K, FLAG_V = 1, 2, 4
 MAX_TENSOR_DIMS = 5
 ALIGN = 64  # tensors in a CALL body start at multiples of this offset
 MAX_CALL_BYTES = MAX_MESSAGE_BYTES  # an ATTEND* body over gRPC's message cap is refused (as the rpc is)
+# A region holds one CALL body and its results (out is q's size): twice the cap, and slack.
+MAX_REGION_BYTES = 2 * MAX_CALL_BYTES + (16 << 20)
 STATUS_OK = 0
 END_OF_SEQUENCE = 2**64 - 1
 MAX_TEXT_BYTES = 4096
+MAX_FDS = 4  # descriptors taken with one header (MAP sends one; extras are closed)
 # dtype codes, fixed for the wire (the names are protos.tensors.TORCH_DTYPES keys).
 DTYPES = ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool")
 DTYPE_CODES = {name: i for i, name in enumerate(DTYPES)}
@@ -106,8 +160,9 @@ DTYPE_CODES = {name: i for i, name in enumerate(DTYPES)}
 FRAME = struct.Struct("<4sBBBBQQQHHHIHHQ")
 SLAB = struct.Struct("<IBxHH")
 CALL = struct.Struct("<iBxxxIIII")
+SHM_CALL = struct.Struct("<QQQQ")
 TENSOR = struct.Struct("<BBxx5I")
-REPLY = struct.Struct("<B7x")
+REPLY = struct.Struct("<BB6x")  # num_tensors, placement
 REPLY_SIZE = REPLY.size + 3 * TENSOR.size
 
 
@@ -158,13 +213,17 @@ def recv_bytes(sock: socket.socket, n: int, what: str) -> bytes:
     return bytes(buf)
 
 
-def read_frame(sock: socket.socket, *, eof_ok: bool = False, buf: bytearray | None = None) -> Frame | None:
+def read_frame(
+    sock: socket.socket, *, eof_ok: bool = False, buf: bytearray | None = None, fds: list[int] | None = None
+) -> Frame | None:
     """The next frame with its text, or None when eof_ok and the peer closed
     cleanly between frames. Raises ProtocolError on a malformed frame. `buf`
-    (FRAME.size bytes) is reused for the header when given."""
+    (FRAME.size bytes) is reused for the header when given. `fds` (a Unix socket):
+    file descriptors that came with the header are appended to it; the caller
+    owns (and must close) them, even when this raises."""
     buf = bytearray(FRAME.size) if buf is None else buf
     view = memoryview(buf)
-    first = sock.recv_into(view)
+    first = sock.recv_into(view) if fds is None else _recv_with_fds(sock, view, fds)
     if first == 0:
         if eof_ok:
             return None
@@ -184,6 +243,15 @@ def read_frame(sock: socket.socket, *, eof_ok: bool = False, buf: bytearray | No
     text = recv_bytes(sock, tlen, "frame text").decode(errors="replace") if tlen else ""
     extra = recv_bytes(sock, xlen, "frame text").decode(errors="replace") if xlen else ""
     return Frame(op, rid, DTYPES[dtype], status, start, end, layers, heads, dim, slab, text, extra, plen)
+
+
+def _recv_with_fds(sock: socket.socket, view: memoryview, fds: list[int]) -> int:
+    """recv_into that also takes the descriptors (SCM_RIGHTS) sent with the bytes."""
+    n, ancillary, _, _ = sock.recvmsg_into([view], socket.CMSG_SPACE(4 * MAX_FDS))
+    for level, kind, data in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.extend(array.array("i", data[: len(data) - len(data) % 4]))
+    return n
 
 
 def send_parts(sock: socket.socket, parts: list[bytes | memoryview]) -> None:

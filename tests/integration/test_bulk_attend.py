@@ -21,7 +21,7 @@ import torch
 from pagedkv.cache_node.engine import CacheEngine, EngineConfig
 from pagedkv.cache_node.metrics import NodeMetrics
 from pagedkv.cache_node.server import NodeServer, create_server
-from pagedkv.client import AsyncCacheClient, CacheClient, ClientConfig, PagedKVError
+from pagedkv.client import AsyncCacheClient, CacheClient, ClientConfig, PagedKVError, shm
 from pagedkv.client.bulk import BulkChannel
 from pagedkv.client.data import NodeData
 from pagedkv.protos import bulk
@@ -82,6 +82,15 @@ class Node:
         return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(self.dtype)
 
 
+@pytest.fixture(autouse=True, params=["shm", "tcp"])
+def transport(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test runs over both paths of the channel: the same-host shared-memory one
+    (the default where it can be used) and TCP (what a client on another host gets)."""
+    if request.param == "tcp":
+        monkeypatch.setattr(shm, "is_supported", lambda: False)
+    return str(request.param)
+
+
 @pytest.fixture
 def make() -> Iterator[Callable[..., Node]]:
     nodes: list[Node] = []
@@ -127,7 +136,7 @@ def same_result(a: Any, b: Any) -> bool:
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
-def test_decode_steps_match_the_rpc_bitwise(make: Callable[..., Node], dtype: str) -> None:
+def test_decode_steps_match_the_rpc_bitwise(make: Callable[..., Node], dtype: str, transport: str) -> None:
     node = make(dtype)
     lengths = [5, 9, 12]  # partial last blocks, different widths
     for path in ("bulk", "grpc"):
@@ -154,6 +163,8 @@ def test_decode_steps_match_the_rpc_bitwise(make: Callable[..., Node], dtype: st
         a = via_bulk.data.attend(["bulk2", "bulk0"], 1, q, return_block_mass=True)
         b = via_grpc.data.attend(["grpc2", "grpc0"], 1, q, return_block_mass=True)
         assert same_result(a, b)
+        channel = via_bulk.data.route.bulk
+        assert channel is not None and channel.num_local_calls == (7 if transport == "shm" else 0)
     assert node.counters()[0] - before[0] == 3 * 2 + 1  # every bulk call took the channel
     for i, n in enumerate(lengths):
         assert node.engine.sequence_length(f"bulk{i}") == node.engine.sequence_length(f"grpc{i}") == n + 3
@@ -164,7 +175,7 @@ def test_decode_steps_match_the_rpc_bitwise(make: Callable[..., Node], dtype: st
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
-def test_prefill_batch_matches_the_rpc_bitwise(make: Callable[..., Node], dtype: str) -> None:
+def test_prefill_batch_matches_the_rpc_bitwise(make: Callable[..., Node], dtype: str, transport: str) -> None:
     node = make(dtype)
     for path in ("bulk", "grpc"):
         node.fill(f"{path}-a", 6, seed=1)
@@ -192,6 +203,8 @@ def test_prefill_batch_matches_the_rpc_bitwise(make: Callable[..., Node], dtype:
         # the client-level call (split by node) takes the channel too
         r = via_bulk.attend_prefill_batch(["bulk-a"], 1, [2], node.rand(2, Q_HEADS, 8, seed=41))
         assert r.out.shape == (2, Q_HEADS, 8)
+        channel = via_bulk.data.route.bulk
+        assert channel is not None and channel.num_local_calls == (4 if transport == "shm" else 0)
     assert node.counters()[0] - before[0] == 4
     for suffix, n in (("a", 9), ("b", 5), ("c", 12)):
         assert (

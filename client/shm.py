@@ -1,0 +1,152 @@
+"""The client side of the bulk channel's same-host path (protocol:
+pagedkv.protos.bulk, ops HELLO, MAP, ATTEND*_SHM).
+
+A `LocalConnection` is a Unix-socket connection to the node (the abstract name
+its HELLO reply gave) with a memfd region that both processes map. A call writes
+its CALL body into the region, sends a 32-byte SHM_CALL, and copies the results
+out of the region before it returns them: results are fresh tensors the caller
+owns, never views a later call could overwrite. The region is sealed against
+shrinking before the node maps it and grows (a new memfd, a new MAP) when a call
+needs more; it is anonymous memory, freed when both sides have dropped it, so a
+client or node that dies leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import array
+import contextlib
+import fcntl
+import mmap
+import os
+import socket
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from ..protos import bulk, tensors
+from ..protos.bulk import Frame, ProtocolError
+from .types import AttentionResult
+
+MEMFD_NAME = "pagedkv-shm"  # shows in /proc/PID/maps as /memfd:pagedkv-shm (deleted)
+MIN_REGION_BYTES = 1 << 20
+
+
+def is_supported() -> bool:
+    return hasattr(os, "memfd_create") and hasattr(fcntl, "F_ADD_SEALS") and hasattr(socket, "AF_UNIX")
+
+
+class RegionRefused(Exception):
+    """The node would not map the region (its error frame is `frame`): the
+    connection is in sync, the same-host path is not usable with this node."""
+
+    def __init__(self, frame: Frame) -> None:
+        super().__init__(frame.text)
+        self.frame = frame
+
+
+class LocalConnection:
+    """One Unix-socket connection and its region; one request at a time."""
+
+    def __init__(self, name: str, timeout_s: float) -> None:
+        """Connects to the abstract socket `name`; OSError when it is not there
+        (another host or network namespace, or the node is gone)."""
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self.sock.settimeout(timeout_s)
+            self.sock.connect("\0" + name)
+        except OSError:
+            self.sock.close()
+            raise
+        self.size = 0
+        self._map: mmap.mmap | None = None
+        self.region = torch.empty(0, dtype=torch.uint8)
+
+    def ensure(self, num_bytes: int, request_id: int) -> None:
+        """A region of at least num_bytes (a new one, MAPped, when the current is
+        smaller). Raises RegionRefused, OSError or ProtocolError."""
+        if num_bytes <= self.size:
+            return
+        size = max(MIN_REGION_BYTES, 1 << (num_bytes - 1).bit_length())
+        size = min(size, bulk.MAX_REGION_BYTES)
+        if size < num_bytes:
+            raise RegionRefused(Frame(bulk.OP_MAP, text=f"{num_bytes} bytes exceed the region cap"))
+        fd = os.memfd_create(MEMFD_NAME, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(fd, size)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+            new_map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            frame = Frame(bulk.OP_MAP, request_id, end=size).pack()
+            fds = array.array("i", [fd])
+            self.sock.sendmsg([frame], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])
+        finally:
+            os.close(fd)  # the mapping (ours and the node's) keeps the memory
+        self.region = torch.empty(0, dtype=torch.uint8)
+        if self._map is not None:
+            with contextlib.suppress(BufferError):
+                self._map.close()
+        self._map, self.size = None, 0
+        reply = bulk.read_frame(self.sock)
+        if reply is None or reply.status != bulk.STATUS_OK:
+            new_map.close()
+            raise RegionRefused(reply or Frame(bulk.OP_MAP, text="closed"))
+        self._map, self.size = new_map, size
+        self.region = torch.frombuffer(new_map, dtype=torch.uint8)
+
+    def close(self) -> None:
+        self.region = torch.empty(0, dtype=torch.uint8)
+        if self._map is not None:
+            with contextlib.suppress(BufferError):  # a view still held: its finalizer unmaps
+                self._map.close()
+            self._map = None
+        self.sock.close()
+
+
+def write_call(region: torch.Tensor, head: bytes, parts: Sequence[torch.Tensor]) -> int:
+    """Lay a CALL body (head = CALL + descriptors + ids, then each tensor at the
+    next ALIGN offset) into the region at 0; returns its length."""
+    region[: len(head)].numpy()[:] = np.frombuffer(head, dtype=np.uint8)
+    at = len(head)
+    for t in parts:
+        at += bulk.pad(at)
+        nbytes = t.numel() * t.element_size()
+        if nbytes:
+            region[at : at + nbytes].view(t.dtype).view(t.shape).copy_(t)
+        at += nbytes
+    return at
+
+
+def body_length(head_len: int, parts: Sequence[torch.Tensor]) -> int:
+    """Bytes of a CALL body with this head and these tensors (as write_call lays it)."""
+    at = head_len
+    for t in parts:
+        at += bulk.pad(at) + t.numel() * t.element_size()
+    return at
+
+
+def result_bytes(q: torch.Tensor, block_mass: bool) -> int:
+    """Room to ask for the results of a call with this q: out is q's shape and
+    dtype, lse one float32 per row and head; block_mass has no size known ahead
+    (a little room; a larger one comes back inline)."""
+    rows_heads = q.numel() // q.shape[-1] if q.dim() and q.shape[-1] else q.numel()
+    return q.numel() * q.element_size() + 4 * rows_heads + 3 * bulk.ALIGN + (64 << 10 if block_mass else 0)
+
+
+def read_placed(region: torch.Tensor, out_at: int, out_len: int, reply_head: bytearray) -> AttentionResult:
+    """Copies of the result tensors the node placed at region[out_at, +out_len)."""
+    (num, _) = bulk.REPLY.unpack_from(reply_head, 0)
+    if not 2 <= num <= 3:
+        raise ProtocolError(f"attend reply with {num} tensors")
+    outs, at = [], 0
+    for i in range(num):
+        dtype, shape = bulk.unpack_tensor(reply_head, bulk.REPLY.size + i * bulk.TENSOR.size)
+        tdtype = tensors.TORCH_DTYPES[dtype]
+        at += bulk.pad(at)
+        nbytes = tdtype.itemsize
+        for d in shape:
+            nbytes *= d
+        if at + nbytes > out_len:
+            raise ProtocolError(f"attend results of {at + nbytes} bytes overrun the {out_len}-byte area")
+        outs.append(region[out_at + at : out_at + at + nbytes].view(tdtype).view(shape).clone())
+        at += nbytes
+    return AttentionResult(outs[0], outs[1], outs[2] if num == 3 else None)
