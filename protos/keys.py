@@ -5,15 +5,23 @@ little-endian int64). The first parent is derived from the tenant's salt, so two
 tenants never produce the same key for the same tokens (prefix hits never cross
 tenants; see vLLM CVE-2025-46570 for the timing side channel this closes).
 Stable across processes and machines: never Python's hash().
+
+chain_keys() hashes a prompt's blocks in one call to a small C library
+(csrc/chain_keys.c, built and loaded by keys_native.py) when a C compiler is
+available, else with hashlib (chain_keys_python); both give the same keys.
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import hashlib
 import struct
 from collections.abc import Callable, Sequence
 
 import numpy as np
+
+from .keys_native import get_chain
 
 KEY_BYTES = 16
 _TOKEN_BYTES = 8
@@ -42,8 +50,40 @@ def chain_keys(
 
     `parent` is the key of block `start_block - 1` (or the root key when 0).
     A trailing partial block gets no key. Pure; O(number of full blocks).
+    Hashes in compiled code (csrc/chain_keys.c, one call for all the blocks)
+    when it could be built, else with hashlib; the keys are the same.
+    Raises ValueError for a block size < 1, a start block < 0, a parent that is
+    not 16 bytes, or a token id that is not an int in the int64 range.
     """
-    data = token_bytes(token_ids)
+    native = _native
+    if native is None:
+        return chain_keys_python(parent, token_ids, block_size, start_block)
+    _check_chain_args(parent, block_size, start_block)
+    num_blocks = len(token_ids) // block_size - start_block
+    if num_blocks <= 0:
+        return []
+    first = start_block * block_size
+    try:
+        if type(token_ids) is list:  # the usual case: no packing, the keys come back as a list
+            return native.from_list(parent, token_ids, first, block_size, num_blocks)
+        data = token_bytes(token_ids[first : first + num_blocks * block_size])
+    except (TypeError, OverflowError, struct.error) as exc:
+        raise ValueError(f"token ids must be ints in the int64 range: {exc}") from exc
+    out = _new_buffer(num_blocks * KEY_BYTES)
+    native.from_bytes(parent, data, block_size, num_blocks, out)
+    return list(_key_splitter(num_blocks)(out))
+
+
+def chain_keys_python(
+    parent: bytes, token_ids: Sequence[int] | np.ndarray, block_size: int, start_block: int = 0
+) -> list[bytes]:
+    """chain_keys() with hashlib only: the reference the compiled chain is tested against,
+    and the path taken where no C compiler is available."""
+    _check_chain_args(parent, block_size, start_block)
+    try:
+        data = token_bytes(token_ids)
+    except (TypeError, OverflowError, struct.error) as exc:
+        raise ValueError(f"token ids must be ints in the int64 range: {exc}") from exc
     step = block_size * _TOKEN_BYTES
     keys: list[bytes] = []
     append = keys.append
@@ -60,10 +100,25 @@ def chain_keys(
     return keys
 
 
+def _check_chain_args(parent: bytes, block_size: int, start_block: int) -> None:
+    if block_size < 1 or start_block < 0 or len(parent) != KEY_BYTES:
+        raise ValueError(
+            f"chain_keys needs block_size >= 1, start_block >= 0 and a {KEY_BYTES}-byte parent; "
+            f"got {block_size}, {start_block}, {len(parent)} bytes"
+        )
+
+
+@functools.lru_cache(maxsize=4096)
+def _key_splitter(num_blocks: int) -> Callable[[ctypes.Array[ctypes.c_char]], tuple[bytes, ...]]:
+    """Splits num_blocks * 16 bytes into num_blocks keys, in one C-level call."""
+    return struct.Struct(f"{KEY_BYTES}s" * num_blocks).unpack_from
+
+
 def block_hasher(block_size: int) -> Callable[[bytes, Sequence[int]], bytes]:
     """A function (parent, one block's token ids) -> that block's key, the same as
     chain_keys(parent, token_ids, block_size)[0], with the packing precompiled
-    for the hot path (one key per decode step that fills a block)."""
+    for the hot path (one key per decode step that fills a block). hashlib, not the
+    compiled chain: for one block the foreign call costs more than it saves."""
     pack = struct.Struct(f"<{block_size}q").pack
     fresh = _FRESH.copy
 
@@ -77,3 +132,5 @@ def block_hasher(block_size: int) -> Callable[[bytes, Sequence[int]], bytes]:
 
 
 _FRESH = hashlib.blake2b(digest_size=KEY_BYTES)
+_native = get_chain()[0]  # None: hashlib only (no compiler, or PAGEDKV_PURE_KEYS=1)
+_new_buffer = ctypes.create_string_buffer

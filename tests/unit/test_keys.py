@@ -1,0 +1,167 @@
+"""Block keys: the compiled chain (protos/csrc/chain_keys.c), the hashlib path and an
+independent one-shot hashlib reference agree bit for bit; bad input raises ValueError on
+both paths; the loader falls back to hashlib when it cannot build, and concurrent
+builders share one library."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pagedkv.protos import keys
+from pagedkv.protos.keys import KEY_BYTES, chain_keys, chain_keys_python, root_key
+from pagedkv.protos.keys_native import get_chain
+
+NATIVE = get_chain()
+needs_native = pytest.mark.skipif(NATIVE[0] is None, reason=f"compiled keys unavailable: {NATIVE[1].detail}")
+INT64 = st.integers(-(2**63), 2**63 - 1)
+
+
+def reference(parent: bytes, tokens: list[int], block_size: int, start_block: int) -> list[bytes]:
+    """The definition, hashed one block at a time over the concatenated bytes."""
+    out = []
+    for b in range(start_block, len(tokens) // block_size):
+        block = tokens[b * block_size : (b + 1) * block_size]
+        data = parent + b"".join(t.to_bytes(8, "little", signed=True) for t in block)
+        parent = hashlib.blake2b(data, digest_size=16).digest()
+        out.append(parent)
+    return out
+
+
+@needs_native
+@settings(max_examples=300, deadline=None)
+@given(
+    tokens=st.lists(INT64, max_size=200),
+    block_size=st.sampled_from([1, 8, 16, 17]),
+    salt=st.binary(max_size=24),
+    start_block=st.integers(0, 5),
+)
+def test_compiled_equals_python_equals_hashlib(tokens, block_size, salt, start_block) -> None:
+    parent = root_key(salt)
+    if start_block:  # a chain that continues from an earlier block's key
+        parent = hashlib.blake2b(parent + b"earlier", digest_size=16).digest()
+    expected = reference(parent, tokens, block_size, start_block)
+    assert chain_keys_python(parent, tokens, block_size, start_block) == expected
+    assert chain_keys(parent, tokens, block_size, start_block) == expected  # list entry point
+    array = np.array(tokens, dtype=np.int64)
+    assert chain_keys(parent, array, block_size, start_block) == expected  # packed-bytes entry point
+    assert chain_keys(parent, tuple(tokens), block_size, start_block) == expected
+
+
+@needs_native
+def test_long_chains_and_message_lengths_around_the_128_byte_block() -> None:
+    # 16 + 8 * bs bytes per key: bs 14 is exactly one 128-byte block, 15 spills into a second,
+    # 30 is exactly two, 31 spills into a third.
+    rng = np.random.default_rng(7)
+    for block_size in (1, 13, 14, 15, 16, 29, 30, 31, 64, 256):
+        tokens = rng.integers(-(2**63), 2**63 - 1, size=block_size * 41 - 1, dtype=np.int64).tolist()
+        parent = root_key(f"salt-{block_size}")
+        expected = reference(parent, tokens, block_size, 0)
+        assert len(expected) == 40
+        assert chain_keys(parent, tokens, block_size) == expected
+        assert chain_keys(expected[38], tokens, block_size, 39) == expected[39:]
+
+
+def test_keys_are_pinned_across_versions_and_machines() -> None:
+    # Any change to the key function breaks every cache and index that outlives a deploy.
+    assert chain_keys(root_key(b""), list(range(40)), 16)[1].hex() == "c8bcb57bea5cddd7c40b9d27f7da7b5d"
+    tokens = [-1, 2**63 - 1, -(2**63), 7]
+    assert chain_keys(root_key("tenant-a"), tokens, 2)[1].hex() == "78cdb35706a248531998842ea9246559"
+    assert chain_keys_python(root_key("tenant-a"), tokens, 2)[1].hex() == "78cdb35706a248531998842ea9246559"
+
+
+def test_salts_separate_tenants_and_partial_blocks_get_no_key() -> None:
+    tokens = list(range(33))
+    a, b = chain_keys(root_key("a"), tokens, 16), chain_keys(root_key("b"), tokens, 16)
+    assert len(a) == len(b) == 2 and not set(a) & set(b)
+    assert chain_keys(root_key(), tokens[:15], 16) == []
+    assert chain_keys(root_key(), tokens, 16, start_block=2) == []
+    assert all(len(k) == KEY_BYTES for k in a)
+
+
+@pytest.mark.parametrize("fn", [chain_keys, chain_keys_python], ids=["chain_keys", "python"])
+@pytest.mark.parametrize(
+    "tokens",
+    [[1, 2, "x", 4], [1, 2, 2**63, 4], [1.5, 2, 3, 4], [None] * 4],
+    ids=["str", "big", "float", "none"],
+)
+def test_bad_token_ids_raise_value_error(fn, tokens) -> None:
+    with pytest.raises(ValueError, match="int64"):
+        fn(root_key(), tokens, 2)
+
+
+@pytest.mark.parametrize("fn", [chain_keys, chain_keys_python], ids=["chain_keys", "python"])
+@pytest.mark.parametrize(
+    "args", [(root_key(), 0, 0), (root_key(), -3, 0), (root_key(), 4, -1), (b"short", 4, 0)]
+)
+def test_bad_sizes_raise_value_error(fn, args) -> None:
+    parent, block_size, start_block = args
+    with pytest.raises(ValueError, match="block_size"):
+        fn(parent, list(range(16)), block_size, start_block)
+
+
+def test_a_list_that_is_not_a_list_of_ints_changes_nothing() -> None:
+    tokens = list(range(32))
+    tokens[20] = "bad"
+    before = list(tokens)
+    with pytest.raises(ValueError):
+        chain_keys(root_key(), tokens, 16)
+    assert tokens == before
+    assert chain_keys(root_key(), list(range(32)), 16) == reference(root_key(), list(range(32)), 16, 0)
+
+
+# -- the loader ------------------------------------------------------------------------
+
+PROBE = (
+    "import json; from pagedkv.protos import keys_native, keys;"
+    "fn, info = keys_native.get_chain();"
+    "print(json.dumps({'native': fn is not None, 'detail': info.detail,"
+    " 'key': keys.chain_keys(keys.root_key(b's'), list(range(48)), 16)[-1].hex()}))"
+)
+
+
+def probe(env_extra: dict[str, str], kernel_dir: Path) -> subprocess.Popen[str]:
+    env = {k: v for k, v in os.environ.items() if k != "PAGEDKV_PURE_KEYS"}
+    env.update(PAGEDKV_KERNEL_DIR=str(kernel_dir), **env_extra)
+    return subprocess.Popen([sys.executable, "-c", PROBE], env=env, stdout=subprocess.PIPE, text=True)
+
+
+def result(proc: subprocess.Popen[str]) -> dict:
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0
+    return json.loads(out)
+
+
+EXPECTED_KEY = reference(root_key(b"s"), list(range(48)), 16, 0)[-1].hex()
+
+
+def test_pure_python_fallback_when_asked_or_when_the_compiler_fails(tmp_path: Path) -> None:
+    pure = result(probe({"PAGEDKV_PURE_KEYS": "1"}, tmp_path / "a"))
+    assert not pure["native"] and "PAGEDKV_PURE_KEYS" in pure["detail"] and pure["key"] == EXPECTED_KEY
+    broken = result(probe({"CC": "/bin/false"}, tmp_path / "b"))
+    assert not broken["native"] and "failed" in broken["detail"] and broken["key"] == EXPECTED_KEY
+    missing = result(probe({"CC": str(tmp_path / "no-such-cc")}, tmp_path / "c"))
+    assert not missing["native"] and missing["key"] == EXPECTED_KEY
+
+
+@needs_native
+def test_concurrent_builders_share_one_library(tmp_path: Path) -> None:
+    procs = [probe({}, tmp_path) for _ in range(3)]
+    results = [result(p) for p in procs]
+    assert all(r["native"] and r["key"] == EXPECTED_KEY for r in results)
+    assert [p.name for p in tmp_path.iterdir()] == [Path(results[0]["detail"].split()[0]).name]
+    again = result(probe({}, tmp_path))  # loaded from the disk cache: no build
+    assert again["native"] and "built with" not in again["detail"]
+
+
+def test_the_module_uses_what_the_loader_reports() -> None:
+    assert (keys._native is None) == (NATIVE[0] is None)
