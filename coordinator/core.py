@@ -6,16 +6,16 @@ SwapOut/In, Pin) over the protos stubs. It never touches KV bytes or torch.
 
 An open, in round trips to the store (Redis):
 
-    salt        tenant_salt      0 (cached in process: a salt never changes)
-    index       match_prefix     1 (one script: every live node's leading hit count)
-    placement   place(...)       0 (pure; node loads come from a cache refreshed
-                                    by the reaper tick, addresses never change)
-    quota       reserve_blocks   1, only for tenants with a quota
-    node        CacheNode.Open   0 on the critical path: sent as a future, before the
-                                   page-table write, and never waited for
-    page table  create_sequence  1
+    salt, root  tenant_salt      0 (cached in process: a salt never changes, nor its root key)
+    keys        chain_keys       0 (joined into one bytes: one argument on the wire)
+    open        open_sequence    1 (one script: match the prefix on every candidate,
+                                    placement.place ported to Lua, the tenant's quota,
+                                    the page table; candidates and their room come from
+                                    a node cache refreshed by the reaper tick)
+    node        CacheNode.Open   0 on the critical path: sent as a future after the
+                                   page table is written, and never waited for
 
-So an open answers after one client RPC and two Redis round trips; the client
+So an open answers after one client RPC and one Redis round trip; the client
 gets the placement and M, the cached-token count from the exact prefix index.
 The node Open carries M as an exact expectation (expect_cached_tokens): the node
 takes exactly M cached tokens or fails (PrefixEvicted, when it evicted some since
@@ -24,7 +24,8 @@ so the client's first data call gets that error (OpenFailed), and the completion
 callback here deletes the page table and releases the quota. A data call that
 overtakes the node Open waits on the node for a short grace. Coordinator calls on
 a sequence whose node call is in flight (fork, swaps; a reopen of the same id)
-wait for it first (`_inflight`); close does not wait: it deletes the record (one
+wait for it first (`_inflight`, where an open enters before its script runs, so a
+concurrent close always finds it); close does not wait: it deletes the record (one
 round trip, tenant-checked in the script) and chains the node Free after the open.
 
 A reaper thread expires nodes whose lease lapsed (remove_node marks their
@@ -61,8 +62,8 @@ from ..protos.errors import (
 from ..protos.keys import chain_keys, root_key
 from ..protos.status import error_from_rpc
 from .node_calls import NodeCalls
-from .placement import NodeCandidate, Placement, place
-from .records import Extent, NodeInfo, NodeNotLive, SequenceRecord
+from .placement import Placement, PlacementWeights
+from .records import NewSequence, NodeInfo, NodeRoom, SequenceRecord
 from .store import Store
 
 log = logging.getLogger("pagedkv.coordinator")
@@ -75,6 +76,7 @@ class CoordinatorConfig:
     node_rpc_timeout_s: float = 5.0
     free_retries: int = 3  # a failed asynchronous node Free is sent again this often (then counted)
     quotas: Mapping[str, int] = field(default_factory=dict)  # tenant -> max blocks; absent = unlimited
+    weights: PlacementWeights = field(default_factory=PlacementWeights)
 
     def __post_init__(self) -> None:
         if not self.lease_ttl_s > 0:
@@ -152,7 +154,7 @@ class Coordinator:
     def __init__(self, store: Store, config: CoordinatorConfig | None = None) -> None:
         self.store = store
         self.config = config or CoordinatorConfig()
-        self._salts: dict[str, bytes] = {}
+        self._salts: dict[str, tuple[bytes, bytes]] = {}  # tenant -> (salt, root key): never change
         self._nodes: dict[str, NodeInfo] = {}
         self._stubs: dict[str, tuple[grpc.Channel, pb_grpc.CacheNodeStub]] = {}
         self._lock = threading.Lock()
@@ -258,11 +260,13 @@ class Coordinator:
 
     # -- helpers ------------------------------------------------------------------
 
-    def _salt(self, tenant: str) -> bytes:
-        salt = self._salts.get(tenant)
-        if salt is None:
-            salt = self._salts[tenant] = self.store.tenant_salt(tenant)
-        return salt
+    def _salt(self, tenant: str) -> tuple[bytes, bytes]:
+        """The tenant's salt and the root key derived from it (one blake2b saved per call)."""
+        entry = self._salts.get(tenant)
+        if entry is None:
+            salt = self.store.tenant_salt(tenant)
+            entry = self._salts[tenant] = (salt, root_key(salt))
+        return entry
 
     def _stub(self, address: str) -> pb_grpc.CacheNodeStub:
         with self._lock:
@@ -333,7 +337,7 @@ class Coordinator:
         """(cached tokens on the best node, that node's id). Changes nothing."""
         nodes = self._nodes_for(spec)
         bs = self._block_size(nodes, spec)
-        keys = chain_keys(root_key(self._salt(tenant)), list(token_ids), bs)
+        keys = chain_keys(self._salt(tenant)[1], token_ids, bs)
         counts = {k: v for k, v in self.store.match_prefix(keys).items() if k in nodes}
         if not counts:
             return 0, ""
@@ -350,58 +354,50 @@ class Coordinator:
         spec: Mapping[str, Any] | None = None,
         wait: bool = False,
     ) -> OpenResult:
-        """Place the sequence, write its page table and send the node Open without
-        waiting for it (see the module docstring); num_cached_tokens is M, what the
-        node will take exactly. `wait=True` also waits for the node (its failure is
-        raised here, and num_host_hit_tokens is known): for tests and tools only."""
-        tokens = list(token_ids)
+        """Place the sequence and write its page table (one store call), then send the
+        node Open without waiting for it (see the module docstring); num_cached_tokens
+        is M, what the node will take exactly. `wait=True` also waits for the node (its
+        failure is raised here, and num_host_hit_tokens is known): for tests and tools only."""
         seq_id = seq_id or uuid.uuid4().hex
         self._settle(seq_id, raise_error=False)  # a reopen of this id waits for its last node call
         nodes = self._nodes_for(spec)
         if not nodes:
             raise Unavailable("no live cache node" + (f" serves model spec {dict(spec)}" if spec else ""))
         bs = self._block_size(nodes, spec)
-        salt = self._salt(tenant)
-        limit = len(tokens) - 1 if max_cached_tokens is None else min(max_cached_tokens, len(tokens))
-        keys = chain_keys(root_key(salt), tokens[: max(limit, 0) // bs * bs], bs)
-        counts = self.store.match_prefix(keys)
-        num_blocks = max(1, -(-len(tokens) // bs))
-        candidates = []
-        for node_id, node in nodes.items():
-            if node_id not in counts:  # expired since the cache was refreshed
-                continue
+        salt, root = self._salt(tenant)
+        num_tokens = len(token_ids)
+        limit = num_tokens - 1 if max_cached_tokens is None else min(max_cached_tokens, num_tokens)
+        keys = b"".join(chain_keys(root, token_ids[: max(limit, 0) // bs * bs], bs))
+        num_blocks = max(1, -(-num_tokens // bs))
+        rooms = []
+        for node in nodes.values():
             load = node.load
             free = load.get("free_blocks", node.num_blocks) + load.get("cached_blocks", 0)
-            candidates.append(
-                NodeCandidate(node_id, counts[node_id], min(free, node.num_blocks), node.num_blocks)
-            )
-        placement = place(candidates, num_blocks, bs)
+            rooms.append(NodeRoom(node.node_id, min(free, node.num_blocks), node.num_blocks))
         quota = self.config.quotas.get(tenant)
-        if quota is not None:
-            self.store.reserve_blocks(tenant, num_blocks, quota)
+        new = NewSequence(
+            seq_id, tenant, num_tokens, num_blocks, bs, keys, tuple(rooms), self.config.weights, quota
+        )
+        # In `_inflight` before the page table exists: a close that finds the record finds the call.
+        call = NodeCall(seq_id)
+        with self._lock:
+            self._inflight[seq_id] = call
+        try:
+            placement = self.store.open_sequence(new)
+        except PagedKVError:
+            call.finish(None)  # nothing was sent: what waits on it (a close's Free) goes ahead
+            self._settled(call)
+            raise
         node = nodes[placement.node_id]
         num_cached = placement.cached_tokens
+        call.mark_recorded()
         request = pb.OpenRequest(
-            seq_id=seq_id, token_ids=tokens, tenant_salt=salt, expect_cached_tokens=num_cached
+            seq_id=seq_id, token_ids=token_ids, tenant_salt=salt, expect_cached_tokens=num_cached
         )
-        call = self._send_open(node, request, tenant if quota is not None else None)
-        record = SequenceRecord(seq_id, tenant, (Extent(node.node_id, 0, num_blocks),), len(tokens))
-        try:
-            self.store.create_sequence(record)
-        except PagedKVError as exc:
-            call.then(lambda error: None if error else self._send_free(node, seq_id))
-            if quota is not None:
-                self.store.release_blocks(tenant, num_blocks)
-            if isinstance(exc, NodeNotLive):  # its lease lapsed mid-open: transient, retry
-                raise Unavailable(f"node {node.node_id} lost its lease during the open; retry") from exc
-            raise
-        error = call.mark_recorded()
-        if error is not None:  # the node already refused: undo here, the caller gets the error
-            self._drop_failed_open(call, tenant if quota is not None else None)
-            raise error
+        self._send_open(node, request, call, tenant if quota is not None else None)
         self._account(node.node_id, placement.new_blocks)
         self.counters["opens"] += 1
-        self.counters["prompt_tokens"] += len(tokens)
+        self.counters["prompt_tokens"] += num_tokens
         self.counters["cached_tokens"] += num_cached
         num_host_hit = 0
         if wait:
@@ -409,13 +405,11 @@ class Coordinator:
             num_host_hit = call.host_hit_tokens
         return OpenResult(seq_id, node.node_id, node.address, num_cached, placement, num_host_hit)
 
-    def _send_open(self, node: NodeInfo, request: pb.OpenRequest, quota_tenant: str | None) -> NodeCall:
+    def _send_open(
+        self, node: NodeInfo, request: pb.OpenRequest, call: NodeCall, quota_tenant: str | None
+    ) -> None:
         """Send the node Open as a future; its completion applies a failure (drops the
-        page table, releases the quota, counts it) once the record exists."""
-        seq_id = request.seq_id
-        call = NodeCall(seq_id)
-        with self._lock:
-            self._inflight[seq_id] = call
+        page table, releases the quota, counts it): the record exists by then."""
 
         def done(reply: Any, error: PagedKVError | None) -> None:  # on the NodeCalls loop thread
             if reply is not None:
@@ -426,7 +420,6 @@ class Coordinator:
                 self._settled(call)
 
         self._node_calls.send(node.address, "Open", request, f"node {node.node_id} ({node.address})", done)
-        return call
 
     def _drop_failed_open(self, call: NodeCall, quota_tenant: str | None) -> None:
         """A node refused an open whose page table was written: delete it and release the
@@ -615,8 +608,8 @@ class Coordinator:
     ) -> int:
         nodes = self._nodes_for(spec)
         bs = self._block_size(nodes, spec)
-        salt = self._salt(tenant)
-        counts = self.store.match_prefix(chain_keys(root_key(salt), list(token_ids), bs))
+        salt, root = self._salt(tenant)
+        counts = self.store.match_prefix(chain_keys(root, token_ids, bs))
         holders = [nodes[n] for n, c in counts.items() if c and n in nodes]
         if not holders:
             raise InvalidArgument("no node caches any block of this prefix")

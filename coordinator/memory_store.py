@@ -24,7 +24,10 @@ from pagedkv.protos.errors import (
     SequenceNotFound,
 )
 
+from .placement import NodeCandidate, Placement, place
 from .records import (
+    Extent,
+    NewSequence,
     NodeInfo,
     NodeNotLive,
     PurgeResult,
@@ -154,19 +157,22 @@ class MemoryStore(Store):
     def match_prefix(self, keys: Sequence[bytes]) -> dict[str, int]:
         keys = check_keys(keys)
         with self._lock:
-            active = [n for n in sorted(self._nodes) if self._is_live(n)]
-            counts: dict[str, int] = {}
-            for i, key in enumerate(keys):
-                holders = self._holders.get(key, set())
-                for node_id in active:
-                    if node_id not in holders:
-                        counts[node_id] = i
-                active = [n for n in active if n in holders]
-                if not active:
-                    break
+            return self._match([n for n in sorted(self._nodes) if self._is_live(n)], keys)
+
+    def _match(self, active: list[str], keys: Sequence[bytes]) -> dict[str, int]:
+        """Leading keys each of `active` holds; the caller holds the lock."""
+        counts: dict[str, int] = {}
+        for i, key in enumerate(keys):
+            holders = self._holders.get(key, set())
             for node_id in active:
-                counts[node_id] = len(keys)
-            return counts
+                if node_id not in holders:
+                    counts[node_id] = i
+            active = [n for n in active if n in holders]
+            if not active:
+                break
+        for node_id in active:
+            counts[node_id] = len(keys)
+        return counts
 
     def nodes_holding(self, key: bytes) -> set[str]:
         check_key(key)
@@ -195,6 +201,28 @@ class MemoryStore(Store):
             self._seqs[record.seq_id] = record
             for node_id in record.node_ids:
                 self._node_seqs.setdefault(node_id, set()).add(record.seq_id)
+
+    def open_sequence(self, new: NewSequence) -> Placement:
+        if not isinstance(new, NewSequence):
+            raise InvalidArgument(f"expected a NewSequence, got {type(new).__name__}")
+        with self._lock:
+            live = [c for c in new.candidates if self._is_live(c.node_id)]
+            counts = self._match([c.node_id for c in live], new.key_list())
+            candidates = [
+                NodeCandidate(c.node_id, counts[c.node_id], c.free_blocks, c.total_blocks) for c in live
+            ]
+            placement = place(candidates, new.num_blocks, new.block_size, new.weights)
+            used = self._usage.get(new.tenant, 0)
+            if new.quota is not None and used + new.num_blocks > new.quota:
+                raise QuotaExceeded(new.tenant, requested=new.num_blocks, quota=new.quota, used=used)
+            if new.seq_id in self._seqs:
+                raise SequenceExists(new.seq_id)
+            extents = (Extent(placement.node_id, 0, new.num_blocks),)
+            self._seqs[new.seq_id] = SequenceRecord(new.seq_id, new.tenant, extents, new.num_tokens)
+            self._node_seqs.setdefault(placement.node_id, set()).add(new.seq_id)
+            if new.quota is not None and new.num_blocks:
+                self._usage[new.tenant] = used + new.num_blocks
+            return placement
 
     def get_sequence(self, seq_id: str) -> SequenceRecord:
         check_name("seq_id", seq_id)

@@ -18,6 +18,10 @@ the same node for the same inputs.
 
 A node whose free blocks cannot hold `new` is never chosen (it is listed in
 `rejected`); if no node can, CapacityExceeded names the need.
+
+This function is the specification: RedisStore.open_sequence runs a Lua port of
+it inside Redis (match, place and write in one round trip), and a property test
+(tests/contract/test_placement_port.py) checks that both choose alike.
 """
 
 from __future__ import annotations
@@ -120,11 +124,7 @@ def place(
 
     if best is None:
         need = min(num_blocks_needed - min(c.cached_blocks, num_blocks_needed) for c in candidates)
-        raise CapacityExceeded(
-            f"no node can hold a {num_blocks_needed}-block sequence (fewest uncached blocks on any node)",
-            requested=need,
-            available=max(c.free_blocks for c in candidates),
-        )
+        raise no_room(num_blocks_needed, need, max(c.free_blocks for c in candidates))
     chosen = next(c for c in candidates if c.node_id == best[1])
     cached = min(chosen.cached_blocks, num_blocks_needed)
     return Placement(
@@ -134,4 +134,13 @@ def place(
         new_blocks=num_blocks_needed - cached,
         scores=scores,
         rejected=tuple(sorted(rejected)),
+    )
+
+
+def no_room(num_blocks_needed: int, fewest_uncached: int, most_free: int) -> CapacityExceeded:
+    """place()'s error when no candidate has room (the Redis store's Lua port raises the same)."""
+    return CapacityExceeded(
+        f"no node can hold a {num_blocks_needed}-block sequence (fewest uncached blocks on any node)",
+        requested=fewest_uncached,
+        available=most_free,
     )

@@ -15,6 +15,8 @@ from typing import Any, NamedTuple
 from pagedkv.protos.errors import FailedPrecondition, InvalidArgument
 from pagedkv.protos.keys import KEY_BYTES
 
+from .placement import PlacementWeights
+
 SEQUENCE_STATES = ("active", "swapped", "lost")
 UPDATABLE_SEQUENCE_FIELDS = ("extents", "num_tokens", "state", "lost_reason")
 
@@ -107,6 +109,80 @@ class PurgeResult:
     was_registered: bool
     num_keys_purged: int
     lost_seq_ids: tuple[str, ...]
+
+
+class NodeRoom(NamedTuple):
+    """A node an open may go on, with the room the coordinator's node cache gives it."""
+
+    node_id: str
+    free_blocks: int
+    total_blocks: int
+
+
+_DEFAULT_WEIGHTS = PlacementWeights()
+
+
+@dataclass(frozen=True)
+class NewSequence:
+    """What Store.open_sequence matches, places and writes for one open.
+
+    keys: the prompt's block keys (16 bytes each) concatenated, as chain_keys
+    gives them joined: one argument on the wire instead of one per key.
+    candidates: the nodes it may go on (the caller's cached view of their room);
+    normalised to node_id order, which is how ties resolve (smallest id wins).
+    quota: the tenant's block quota, or None (unlimited).
+    """
+
+    seq_id: str
+    tenant: str
+    num_tokens: int
+    num_blocks: int
+    block_size: int
+    keys: bytes
+    candidates: tuple[NodeRoom, ...]
+    weights: PlacementWeights = _DEFAULT_WEIGHTS
+    quota: int | None = None
+
+    def __post_init__(self) -> None:
+        check_name("seq_id", self.seq_id)
+        check_name("tenant", self.tenant)
+        check_count("num_tokens", self.num_tokens)
+        check_count("num_blocks", self.num_blocks)
+        if not isinstance(self.block_size, int) or self.block_size <= 0:
+            raise InvalidArgument(f"block_size must be an int > 0, got {self.block_size!r}")
+        if not isinstance(self.keys, bytes) or len(self.keys) % KEY_BYTES:
+            raise InvalidArgument(f"keys must be {KEY_BYTES}-byte block keys joined into one bytes")
+        if not isinstance(self.weights, PlacementWeights):
+            raise InvalidArgument(f"weights must be PlacementWeights, got {self.weights!r}")
+        if self.quota is not None:
+            check_count("quota", self.quota)
+        rooms = []
+        for c in self.candidates:
+            if not isinstance(c, tuple) or len(c) != 3:
+                raise InvalidArgument(f"a candidate must be (node_id, free_blocks, total_blocks), got {c!r}")
+            room = NodeRoom(
+                check_name("candidate node_id", c[0]),
+                check_count("candidate free_blocks", c[1]),
+                check_count("candidate total_blocks", c[2]),
+            )
+            if room.free_blocks > room.total_blocks:
+                raise InvalidArgument(
+                    f"node {room.node_id!r}: free_blocks {room.free_blocks} > "
+                    f"total_blocks {room.total_blocks}"
+                )
+            rooms.append(room)
+        rooms.sort()
+        for before, room in zip(rooms, rooms[1:], strict=False):
+            if before.node_id == room.node_id:
+                raise InvalidArgument(f"candidates must have distinct node ids, {room.node_id!r} repeats")
+        object.__setattr__(self, "candidates", tuple(rooms))
+
+    @property
+    def num_keys(self) -> int:
+        return len(self.keys) // KEY_BYTES
+
+    def key_list(self) -> list[bytes]:
+        return [self.keys[i : i + KEY_BYTES] for i in range(0, len(self.keys), KEY_BYTES)]
 
 
 # ---- validators shared by every backend -------------------------------------------------------

@@ -47,8 +47,10 @@ from pagedkv.protos.errors import (
     Unavailable,
 )
 
+from .placement import Placement, no_room
 from .records import (
     Extent,
+    NewSequence,
     NodeInfo,
     NodeNotLive,
     PurgeResult,
@@ -183,30 +185,102 @@ end
 return 1
 """
 
-# ARGV: P, key1, key2, ...  Returns a flat {node, count, node, count, ...} over live nodes.
-# One SMISMEMBER per live node over its reverse index nkeys:<id> (kept with idx:<key> by
-# apply_events and the purges), not one per key: 2.5x less server time for a W2 open
-# (bench/control.py). Keys go in slices of 4,000, below Lua's unpack() limit.
-_MATCH_PREFIX = """
+# Shared by match_prefix and open_sequence. Keys arrive as ONE argument, the 16-byte
+# keys joined (redis-py encodes one bytes argument instead of 71 for a W2 open), split
+# here with string.sub. A node's hit count asks its reverse index nkeys:<id> (kept with
+# idx:<key> by apply_events and the purges) once, one SMISMEMBER with every key, not
+# once per key: 2.5x less server time for a W2 open (bench/control.py). Keys go in
+# slices of 4,000, below Lua's unpack() limit.
+_MATCH = """
+local function split_keys(blob)
+  local keys = {}
+  for i = 1, #blob, 16 do keys[#keys + 1] = string.sub(blob, i, i + 15) end
+  return keys
+end
+local function leading(P, id, keys)
+  local n, first = 0, 1
+  while first <= #keys do
+    local last = math.min(first + 3999, #keys)
+    local held = redis.call('SMISMEMBER', P .. 'nkeys:' .. id, unpack(keys, first, last))
+    local i = 1
+    while i <= #held and held[i] == 1 do i = i + 1 end
+    n = n + i - 1
+    if i <= #held then break end
+    first = last + 1
+  end
+  return n
+end
+"""
+
+# ARGV: P, keys_blob.  Returns a flat {node, count, node, count, ...} over live nodes.
+_MATCH_PREFIX = (
+    _MATCH
+    + """
 local P = ARGV[1]
+local keys = split_keys(ARGV[2])
 local out = {}
 for _, id in ipairs(redis.call('SMEMBERS', P .. 'nodes')) do
   if redis.call('EXISTS', P .. 'alive:' .. id) == 1 then
-    local n, first = 0, 2
-    while first <= #ARGV do
-      local last = math.min(first + 3999, #ARGV)
-      local held = redis.call('SMISMEMBER', P .. 'nkeys:' .. id, unpack(ARGV, first, last))
-      local i = 1
-      while i <= #held and held[i] == 1 do i = i + 1 end
-      n = n + i - 1
-      if i <= #held then break end
-      first = last + 1
-    end
-    out[#out + 1] = id; out[#out + 1] = n
+    out[#out + 1] = id; out[#out + 1] = leading(P, id, keys)
   end
 end
 return out
 """
+)
+
+# The whole open in one round trip: match, placement.place ported to Lua, quota, page table.
+# ARGV: P, seq_id, tenant, num_tokens, num_blocks, overlap_weight, load_weight, quota ('' = none),
+#       keys_blob, then (node_id, free_blocks, total_blocks) per candidate, sorted by node_id.
+# Returns {1, node, cached, {node, score, ...}, {rejected...}} | {0} (no live candidate)
+#       | {-1, fewest uncached, most free} (no room) | {-2, used} (quota) | {-3} (id taken).
+# Scores travel as %.17g strings (Redis truncates Lua numbers to integers), which parse back
+# to the same doubles; ties keep the first candidate, i.e. the smallest node id, as place().
+_OPEN_SEQ = (
+    _MATCH
+    + """
+local P, s, tenant = ARGV[1], ARGV[2], ARGV[3]
+local need = tonumber(ARGV[5])
+local ow, lw = tonumber(ARGV[6]), tonumber(ARGV[7])
+local keys = split_keys(ARGV[9])
+local best, best_score, best_cached
+local scores, rejected = {}, {}
+local live, fewest_new, most_free = 0, nil, 0
+for j = 10, #ARGV, 3 do
+  local id = ARGV[j]
+  if redis.call('EXISTS', P .. 'alive:' .. id) == 1 then
+    live = live + 1
+    local free, total = tonumber(ARGV[j + 1]), tonumber(ARGV[j + 2])
+    local cached = math.min(leading(P, id, keys), need)
+    local new = need - cached
+    if fewest_new == nil or new < fewest_new then fewest_new = new end
+    if free > most_free then most_free = free end
+    if new > free then
+      rejected[#rejected + 1] = id
+    else
+      local load = 1.0
+      if total > 0 then load = (total - free + new) / total end
+      local score = ow * cached - lw * load
+      scores[#scores + 1] = id; scores[#scores + 1] = string.format('%.17g', score)
+      if best == nil or score > best_score then best, best_score, best_cached = id, score, cached end
+    end
+  end
+end
+if live == 0 then return {0} end
+if best == nil then return {-1, fewest_new, most_free} end
+local uk = P .. 'usage:' .. tenant
+if ARGV[8] ~= '' then
+  local used = tonumber(redis.call('GET', uk) or '0')
+  if used + need > tonumber(ARGV[8]) then return {-2, used} end
+end
+local sk = P .. 'seq:' .. s
+if redis.call('EXISTS', sk) == 1 then return {-3} end
+redis.call('HSET', sk, 'tenant', tenant, 'extents', cjson.encode({{best, 0, need}}),
+           'num_tokens', ARGV[4], 'state', 'active', 'lost_reason', '')
+redis.call('SADD', P .. 'nseqs:' .. best, s)
+if ARGV[8] ~= '' and need > 0 then redis.call('INCRBY', uk, need) end
+return {1, best, best_cached, scores, rejected}
+"""
+)
 
 # ARGV: P, seq_id, tenant, extents_json, num_tokens, state, lost_reason, node ids...
 # Returns {1} | {0} (exists) | {-1, node} (node not live)
@@ -346,6 +420,7 @@ class RedisStore(Store):
         self._list_nodes = reg(_LIST_NODES)
         self._apply_events = reg(_APPLY_EVENTS)
         self._match_prefix = reg(_MATCH_PREFIX)
+        self._open_seq = reg(_OPEN_SEQ)
         self._create_seq = reg(_CREATE_SEQ)
         self._update_seq = reg(_UPDATE_SEQ)
         self._delete_seq = reg(_DELETE_SEQ)
@@ -432,7 +507,7 @@ class RedisStore(Store):
 
     def match_prefix(self, keys: Sequence[bytes]) -> dict[str, int]:
         keys = check_keys(keys)
-        flat = self._call("match_prefix", self._match_prefix, args=[self._prefix, *keys])
+        flat = self._call("match_prefix", self._match_prefix, args=[self._prefix, b"".join(keys)])
         return {_s(flat[i]): int(flat[i + 1]) for i in range(0, len(flat), 2)}
 
     def nodes_holding(self, key: bytes) -> set[str]:
@@ -463,6 +538,45 @@ class RedisStore(Store):
             raise SequenceExists(record.seq_id)
         if reply[0] == -1:
             raise NodeNotLive(_s(reply[1]), f"cannot place sequence {record.seq_id!r} there")
+
+    def open_sequence(self, new: NewSequence) -> Placement:
+        if not isinstance(new, NewSequence):
+            raise InvalidArgument(f"expected a NewSequence, got {type(new).__name__}")
+        w = new.weights
+        args: list[str | int | bytes] = [
+            self._prefix,
+            new.seq_id,
+            new.tenant,
+            new.num_tokens,
+            new.num_blocks,
+            repr(float(w.overlap_weight)),
+            repr(float(w.load_weight)),
+            "" if new.quota is None else new.quota,
+            new.keys,
+        ]
+        for c in new.candidates:
+            args += c
+        reply = self._call("open_sequence", self._open_seq, args=args)
+        code = reply[0]
+        if code == 1:
+            flat = reply[3]
+            cached = int(reply[2])
+            return Placement(
+                node_id=_s(reply[1]),
+                cached_blocks=cached,
+                cached_tokens=cached * new.block_size,
+                new_blocks=new.num_blocks - cached,
+                scores={_s(flat[i]): float(flat[i + 1]) for i in range(0, len(flat), 2)},
+                rejected=tuple(sorted(_s(n) for n in reply[4])),
+            )
+        if code == 0:
+            raise Unavailable("no live cache node to place a sequence on")
+        if code == -1:
+            raise no_room(new.num_blocks, int(reply[1]), int(reply[2]))
+        if code == -2:
+            quota = new.quota or 0  # -2 only comes with a quota
+            raise QuotaExceeded(new.tenant, requested=new.num_blocks, quota=quota, used=int(reply[1]))
+        raise SequenceExists(new.seq_id)
 
     def get_sequence(self, seq_id: str) -> SequenceRecord:
         check_name("seq_id", seq_id)

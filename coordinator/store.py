@@ -7,9 +7,9 @@ coordinator can restart, or run as several replicas, without losing anything.
 Two backends implement the same contract and run one contract suite
 (tests/contract/test_store_contract.py):
 
-- RedisStore (redis_store.py): the production backend. Every method is at most
-  2 round trips (most are 1) and every multi-key update is one Lua script, so
-  it is atomic against other coordinator replicas.
+- RedisStore (redis_store.py): the production backend. Every method is one
+  round trip and every multi-key update is one Lua script, so it is atomic
+  against other coordinator replicas (open_sequence runs placement in Lua).
 - MemoryStore (memory_store.py): embedded, in-process, one lock; for `pagedkv up`
   on a machine without Redis, and for tests.
 
@@ -31,7 +31,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .records import NodeInfo, PurgeResult, SequenceRecord
+from .placement import Placement
+from .records import NewSequence, NodeInfo, PurgeResult, SequenceRecord
 
 
 class Store(ABC):
@@ -121,6 +122,26 @@ class Store(ABC):
     def create_sequence(self, record: SequenceRecord) -> None:
         """Insert a page-table entry. Raises SequenceExists if the id is taken, NodeNotLive
         if an extent names a node that is not live; nothing changes then. One round trip."""
+
+    @abstractmethod
+    def open_sequence(self, new: NewSequence) -> Placement:
+        """Match, place and record a new sequence, atomically: the whole open in one round trip.
+
+        1. match: each candidate that is live gets its leading cached blocks of
+           new.keys, exactly as match_prefix counts them; the others are skipped.
+        2. place: placement.place(those candidates with their room, new.num_blocks,
+           new.block_size, new.weights): the same node, cached blocks, scores and
+           rejected list; Unavailable when no candidate is live, CapacityExceeded
+           (requested = fewest uncached blocks, available = most free) when none
+           has room.
+        3. quota: with new.quota set, the tenant's usage grows by new.num_blocks,
+           or QuotaExceeded(tenant, requested, quota, used).
+        4. write: the page table (one extent [0, num_blocks) on the chosen node,
+           num_tokens, state active) and its node link; SequenceExists if the id
+           is taken.
+
+        Checked in that order; any error changes nothing. Returns the Placement.
+        """
 
     @abstractmethod
     def get_sequence(self, seq_id: str) -> SequenceRecord:

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from pagedkv.coordinator.records import Extent, SequenceRecord
+from pagedkv.coordinator.records import Extent, NewSequence, NodeRoom, SequenceRecord
 from pagedkv.coordinator.redis_store import RedisStore
 from pagedkv.protos.errors import Unavailable
 
@@ -39,6 +39,9 @@ def calls(store: RedisStore) -> dict[str, object]:
         "nodes_holding": lambda: store.nodes_holding(KEY),
         "create_sequence": lambda: store.create_sequence(SequenceRecord("s1", "t", (Extent("n1", 0, 1),))),
         "get_sequence": lambda: store.get_sequence("s1"),
+        "open_sequence": lambda: store.open_sequence(
+            NewSequence("s2", "t", 4, 1, 4, KEY, (NodeRoom("n1", 10, 10),), quota=5)
+        ),
         "tenant_salt": lambda: store.tenant_salt("t"),
         "reserve_blocks": lambda: store.reserve_blocks("t", 1, 10),
         "tenant_usage": lambda: store.tenant_usage("t"),
@@ -66,7 +69,8 @@ def test_outage_raises_unavailable_fast_then_recovers(redis_server, redis_url: s
     assert results["heartbeat"] is True
     assert results["match_prefix"] == {"n1": 1}
     assert results["get_sequence"] == SequenceRecord("s1", "t", (Extent("n1", 0, 1),))
-    assert results["reserve_blocks"] == 1
+    assert results["open_sequence"].node_id == "n1" and results["open_sequence"].cached_blocks == 1  # type: ignore[attr-defined]
+    assert results["reserve_blocks"] == 2  # the open reserved 1 block first
     assert results["remove_node"].was_registered is True  # type: ignore[attr-defined]
     store.close()
 

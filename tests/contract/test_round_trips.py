@@ -13,7 +13,7 @@ from collections.abc import Callable
 import pytest
 import redis.connection
 
-from pagedkv.coordinator.records import Extent, SequenceRecord
+from pagedkv.coordinator.records import Extent, NewSequence, NodeRoom, SequenceRecord
 from pagedkv.coordinator.redis_store import RedisStore
 from pagedkv.protos.errors import SequenceNotFound
 
@@ -45,18 +45,25 @@ def store(redis_url: str):  # type: ignore[no-untyped-def]
     s.close()
 
 
-def test_open_costs_two_round_trips(store: RedisStore, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_open_costs_one_round_trip(store: RedisStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Coordinator.open: match, placement, quota and page table are one script."""
     keys = [i.to_bytes(16, "big") for i in range(64)]
     store.register_node("n1", "a:1", SPEC, 100, 30.0)
     store.apply_events("n1", keys[:40], [])
+    rooms = (NodeRoom("n0", 100, 100), NodeRoom("n1", 50, 100))
+    new = NewSequence("s1", "t", 64 * 16, 65, 16, b"".join(keys), rooms, quota=1000)
+    store.open_sequence(NewSequence("warm2", "t", 1, 1, 16, b"", rooms))  # loads the script
+
+    placement = None
 
     def open_sequence() -> None:
-        counts = store.match_prefix(keys)
-        best = max(sorted(counts), key=lambda n: counts[n])
-        store.create_sequence(SequenceRecord("s1", "t", (Extent(best, 0, 64),)))
+        nonlocal placement
+        placement = store.open_sequence(new)
 
-    assert count_round_trips(monkeypatch, open_sequence) == 2
-    assert store.get_sequence("s1").extents == (Extent("n1", 0, 64),)
+    assert count_round_trips(monkeypatch, open_sequence) == 1
+    assert placement is not None and (placement.node_id, placement.cached_blocks) == ("n1", 40)
+    assert store.get_sequence("s1").extents == (Extent("n1", 0, 65),)
+    assert store.tenant_usage("t") == 65
 
 
 def test_close_costs_one_round_trip(store: RedisStore, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -81,10 +88,14 @@ def test_every_control_call_is_one_round_trip(store: RedisStore, monkeypatch: py
         "nodes_holding": lambda: store.nodes_holding(k),
         "keys_of": lambda: store.keys_of("n1"),
         "create_sequence": lambda: store.create_sequence(SequenceRecord("s", "t", (Extent("n1", 0, 1),))),
+        "open_sequence": lambda: store.open_sequence(
+            NewSequence("o", "t", 1, 1, 16, k, (NodeRoom("n1", 9, 9),))
+        ),
         "get_sequence": lambda: store.get_sequence("s"),
         "update_sequence": lambda: store.update_sequence("s", num_tokens=9),
         "sequences_of_node": lambda: store.sequences_of_node("n1"),
         "delete_sequence": lambda: store.delete_sequence("s"),
+        "delete_opened": lambda: store.delete_sequence("o"),
         "tenant_salt": lambda: store.tenant_salt("t"),
         "reserve_blocks": lambda: store.reserve_blocks("t", 1, 10),
         "release_blocks": lambda: store.release_blocks("t", 1),

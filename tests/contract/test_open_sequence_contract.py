@@ -1,0 +1,248 @@
+"""Store.open_sequence, the whole open in one call, on every backend (one suite).
+
+Narrated scenarios with exact outcomes: the prefix match it places by, nodes that
+are not live, each error with its numbers and with nothing changed, the quota folded
+into the same atomic step (never exceeded under threads), and bad input refused
+before anything is touched. tests/contract/test_placement_port.py drives random
+candidate sets through both backends against placement.place.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from pagedkv.coordinator.placement import PlacementWeights
+from pagedkv.coordinator.records import Extent, NewSequence, NodeRoom, SequenceExists
+from pagedkv.coordinator.store import Store, open_store
+from pagedkv.protos.errors import CapacityExceeded, InvalidArgument, QuotaExceeded, Unavailable
+
+pytestmark = pytest.mark.timeout(60)
+
+SPEC = {"num_layers": 2, "num_kv_heads": 4, "head_dim": 8, "dtype": "float32", "block_size": 16}
+BS = 16
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(16, "big")
+
+
+def keys(n: int) -> bytes:
+    return b"".join(key(i) for i in range(1, n + 1))
+
+
+@pytest.fixture(params=["memory", "redis"])
+def store(request: pytest.FixtureRequest) -> Iterator[Store]:
+    url = "memory://" if request.param == "memory" else str(request.getfixturevalue("redis_url"))
+    s = open_store(url)
+    yield s
+    s.close()
+
+
+def register(store: Store, *node_ids: str, ttl_s: float = 30.0) -> None:
+    for n in node_ids:
+        store.register_node(n, f"{n}.local:50051", SPEC, 100, ttl_s)
+
+
+def new(seq_id: str = "s1", *, num_keys: int = 6, num_blocks: int = 8, rooms=None, **kw) -> NewSequence:  # type: ignore[no-untyped-def]
+    rooms = rooms if rooms is not None else (NodeRoom("n1", 50, 100), NodeRoom("n2", 90, 100))
+    return NewSequence(
+        seq_id, kw.pop("tenant", "acme"), num_blocks * BS - 3, num_blocks, BS, keys(num_keys), rooms, **kw
+    )
+
+
+def snapshot(store: Store) -> tuple[object, ...]:
+    seqs = {n: [r.seq_id for r in store.sequences_of_node(n)] for n in ("n1", "n2", "n3")}
+    return seqs, store.tenant_usage("acme"), store.match_prefix([key(1)])
+
+
+def test_the_longest_cached_prefix_wins_and_the_page_table_is_written(store: Store) -> None:
+    register(store, "n1", "n2")
+    store.apply_events("n1", [key(i) for i in (1, 2, 3, 4)], [])  # 4 leading blocks
+    store.apply_events("n2", [key(1), key(3), key(4), key(5), key(6)], [])  # a gap after block 1
+    placement = store.open_sequence(new())
+    assert (placement.node_id, placement.cached_blocks, placement.cached_tokens, placement.new_blocks) == (
+        "n1",
+        4,
+        64,
+        4,
+    )
+    assert placement.scores == {"n1": 4 - (50 + 4) / 100, "n2": 1 - (10 + 7) / 100}
+    assert placement.rejected == ()
+    record = store.get_sequence("s1")
+    assert (record.tenant, record.extents, record.num_tokens, record.state) == (
+        "acme",
+        (Extent("n1", 0, 8),),
+        8 * BS - 3,
+        "active",
+    )
+    assert [r.seq_id for r in store.sequences_of_node("n1")] == ["s1"]
+    assert store.tenant_usage("acme") == 0  # no quota, nothing reserved
+    assert store.delete_sequence("s1", tenant="acme") == record
+    assert store.sequences_of_node("n1") == []
+
+
+def test_load_breaks_ties_and_exact_ties_go_to_the_smallest_id(store: Store) -> None:
+    register(store, "n1", "n2", "n3")
+    # Nothing cached anywhere: the emptiest node wins; equal rooms: the smallest id.
+    rooms = (NodeRoom("n3", 90, 100), NodeRoom("n2", 90, 100), NodeRoom("n1", 20, 100))
+    assert store.open_sequence(new("a", rooms=rooms)).node_id == "n2"
+    # The load weight can make an idle node beat a cached prefix.
+    store.apply_events("n1", [key(1), key(2)], [])
+    heavy = PlacementWeights(load_weight=8.0)
+    assert store.open_sequence(new("b", num_keys=2, rooms=rooms)).node_id == "n1"
+    assert store.open_sequence(new("c", num_keys=2, rooms=rooms, weights=heavy)).node_id == "n2"
+
+
+def test_candidates_that_are_not_live_are_skipped(store: Store) -> None:
+    register(store, "n1")
+    register(store, "n2", ttl_s=0.2)
+    store.apply_events("n2", [key(i) for i in range(1, 7)], [])
+    deadline = time.monotonic() + 3
+    while store.expired_nodes() != ["n2"]:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    rooms = (NodeRoom("n1", 50, 100), NodeRoom("n2", 90, 100), NodeRoom("ghost", 100, 100))
+    placement = store.open_sequence(new(rooms=rooms))
+    assert (placement.node_id, placement.cached_blocks, set(placement.scores)) == ("n1", 0, {"n1"})
+    # Only candidates the caller names count, even if other nodes are live.
+    before = snapshot(store)
+    with pytest.raises(Unavailable, match="no live cache node"):
+        store.open_sequence(new("s2", rooms=(NodeRoom("n2", 90, 100), NodeRoom("ghost", 9, 9))))
+    with pytest.raises(Unavailable):
+        store.open_sequence(new("s2", rooms=()))
+    assert snapshot(store) == before
+    with pytest.raises(Exception, match="s2"):
+        store.get_sequence("s2")
+
+
+def test_no_room_raises_capacity_exceeded_with_the_numbers_and_changes_nothing(store: Store) -> None:
+    register(store, "n1", "n2")
+    store.apply_events("n1", [key(1), key(2), key(3)], [])
+    rooms = (NodeRoom("n1", 4, 100), NodeRoom("n2", 6, 100))  # n1 needs 5 new, n2 needs 8
+    before = snapshot(store)
+    with pytest.raises(CapacityExceeded) as err:
+        store.open_sequence(new(rooms=rooms))
+    assert (err.value.requested, err.value.available) == (5, 6)
+    assert "8-block sequence" in str(err.value)
+    assert snapshot(store) == before
+    # One more free block on n1 and it fits there; n2 is listed as rejected.
+    placement = store.open_sequence(new(rooms=(NodeRoom("n1", 5, 100), NodeRoom("n2", 6, 100))))
+    assert (placement.node_id, placement.new_blocks, placement.rejected) == ("n1", 5, ("n2",))
+
+
+def test_the_quota_is_reserved_in_the_same_step(store: Store) -> None:
+    register(store, "n1", "n2")
+    store.reserve_blocks("acme", 5, 100)
+    store.open_sequence(new("a", quota=13))  # 5 + 8 = 13: exactly at the quota
+    assert store.tenant_usage("acme") == 13
+    before = snapshot(store)
+    with pytest.raises(QuotaExceeded) as err:
+        store.open_sequence(new("b", quota=13))
+    assert (err.value.tenant, err.value.requested, err.value.quota, err.value.used) == ("acme", 8, 13, 13)
+    assert snapshot(store) == before
+    # Another tenant's usage is its own; the closer releases what the open reserved.
+    store.open_sequence(new("c", quota=8, tenant="other"))
+    assert (store.tenant_usage("other"), store.tenant_usage("acme")) == (8, 13)
+    store.delete_sequence("a")
+    assert store.release_blocks("acme", 8) == 5
+
+
+def test_a_taken_id_raises_sequence_exists_and_reserves_nothing(store: Store) -> None:
+    register(store, "n1", "n2")
+    store.open_sequence(new(quota=100))
+    before = snapshot(store), store.get_sequence("s1")
+    with pytest.raises(SequenceExists, match="s1"):
+        store.open_sequence(new(quota=100, rooms=(NodeRoom("n2", 90, 100),)))
+    assert (snapshot(store), store.get_sequence("s1")) == before
+    assert store.tenant_usage("acme") == 8
+
+
+def test_errors_are_checked_in_order_placement_quota_id(store: Store) -> None:
+    register(store, "n1")
+    store.open_sequence(new())
+    with pytest.raises(CapacityExceeded):  # no room beats an over-quota tenant and a taken id
+        store.open_sequence(new(quota=0, rooms=(NodeRoom("n1", 0, 100),)))
+    with pytest.raises(QuotaExceeded):  # over quota beats a taken id
+        store.open_sequence(new(quota=0))
+
+
+def test_a_removed_nodes_keys_no_longer_count(store: Store) -> None:
+    register(store, "n1", "n2")
+    store.apply_events("n1", [key(i) for i in range(1, 7)], [])
+    store.apply_events("n2", [key(1)], [])
+    store.remove_node("n1")
+    placement = store.open_sequence(new(rooms=(NodeRoom("n1", 100, 100), NodeRoom("n2", 50, 100))))
+    assert (placement.node_id, placement.cached_blocks) == ("n2", 1)
+
+
+def test_more_keys_than_one_script_slice(store: Store) -> None:
+    register(store, "n1", "n2")
+    n = 4500
+    store.apply_events("n1", [key(i) for i in range(1, n + 1)], [])
+    store.apply_events("n2", [key(i) for i in range(1, 4200)], [])
+    placement = store.open_sequence(new(num_keys=n, num_blocks=n + 1))
+    assert (placement.node_id, placement.cached_blocks, placement.new_blocks) == ("n1", n, 1)
+
+
+def test_the_quota_is_never_exceeded_under_16_threads(store: Store) -> None:
+    register(store, "n1", "n2")
+    opened, refused = [], []
+
+    def worker(i: int) -> None:
+        try:
+            store.open_sequence(new(f"t{i}", num_blocks=3, quota=20))
+            opened.append(i)
+        except QuotaExceeded:
+            refused.append(i)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert (len(opened), len(refused)) == (6, 10)
+    assert store.tenant_usage("acme") == 18
+    linked = [r.seq_id for n in ("n1", "n2") for r in store.sequences_of_node(n)]
+    assert sorted(linked) == sorted(f"t{i}" for i in opened)
+
+
+@pytest.mark.parametrize(
+    ("fields", "match"),
+    [
+        ({"keys": b"x" * 17}, "16-byte"),
+        ({"keys": [key(1)]}, "16-byte"),
+        ({"candidates": (NodeRoom("n1", 5, 4),)}, "free_blocks 5 > total_blocks 4"),
+        ({"candidates": (NodeRoom("n1", 1, 4), NodeRoom("n1", 2, 4))}, "distinct"),
+        ({"candidates": (("n1", 1),)}, "candidate"),
+        ({"candidates": (NodeRoom("", 1, 4),)}, "node_id"),
+        ({"candidates": (NodeRoom("n1", -1, 4),)}, "free_blocks"),
+        ({"quota": -1}, "quota"),
+        ({"block_size": 0}, "block_size"),
+        ({"num_blocks": -2}, "num_blocks"),
+        ({"seq_id": ""}, "seq_id"),
+        ({"weights": (1.0, 1.0)}, "weights"),
+    ],
+)
+def test_bad_input_is_refused_before_any_store_sees_it(fields: dict[str, object], match: str) -> None:
+    good = {
+        "seq_id": "s1",
+        "tenant": "acme",
+        "num_tokens": 5,
+        "num_blocks": 1,
+        "block_size": BS,
+        "keys": key(1),
+        "candidates": (NodeRoom("n1", 1, 4),),
+    }
+    with pytest.raises(InvalidArgument, match=match):
+        NewSequence(**{**good, **fields})  # type: ignore[arg-type]
+
+
+def test_candidates_are_normalised_to_node_id_order(store: Store) -> None:
+    request = new(rooms=(NodeRoom("n2", 1, 2), ("n1", 1, 2)))
+    assert request.candidates == (NodeRoom("n1", 1, 2), NodeRoom("n2", 1, 2))
+    with pytest.raises(InvalidArgument, match="NewSequence"):
+        store.open_sequence("s1")  # type: ignore[arg-type]
