@@ -64,10 +64,11 @@ _loaded: tuple[NativeChain | None, NativeKeysInfo] | None = None  # set once per
 
 
 def _cache_dir() -> Path:
-    if "PAGEDKV_KERNEL_DIR" in os.environ:
-        return Path(os.environ["PAGEDKV_KERNEL_DIR"])
+    # Absolute: ctypes would look a bare file name up on the library path, not here.
+    if os.environ.get("PAGEDKV_KERNEL_DIR"):
+        return Path(os.environ["PAGEDKV_KERNEL_DIR"]).absolute()
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "pagedkv" / "kernels"
+    return Path(base).absolute() / "pagedkv" / "kernels"
 
 
 def _cpu_identity() -> str:

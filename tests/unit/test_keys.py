@@ -154,6 +154,17 @@ def test_pure_python_fallback_when_asked_or_when_the_compiler_fails(tmp_path: Pa
 
 
 @needs_native
+def test_an_empty_or_relative_cache_directory_still_loads(tmp_path: Path) -> None:
+    for value, cwd in (("", tmp_path), ("rel", tmp_path)):
+        env = {k: v for k, v in os.environ.items() if k != "PAGEDKV_PURE_KEYS"}
+        env.update(PAGEDKV_KERNEL_DIR=value, XDG_CACHE_HOME=str(tmp_path / "xdg"))
+        out = subprocess.run([sys.executable, "-c", PROBE], env=env, cwd=cwd, capture_output=True, text=True)
+        got = json.loads(out.stdout)
+        assert got["native"] and got["key"] == EXPECTED_KEY, got
+    assert not list(tmp_path.glob("*.so"))  # nothing built into the working directory
+
+
+@needs_native
 def test_concurrent_builders_share_one_library(tmp_path: Path) -> None:
     procs = [probe({}, tmp_path) for _ in range(3)]
     results = [result(p) for p in procs]
