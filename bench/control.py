@@ -3,8 +3,14 @@
 with its floors, in one run, on a real local cluster (redis-server + coordinator + 2
 nodes as processes).
 
-    python -m bench.control            # ~1 min; writes bench/results/control.{json,md}
-    python -m bench.control --quick    # a smoke run (fewer iterations, no profile)
+    python -m bench.control                       # ~1 min; writes bench/results/control.{json,md}
+    python -m bench.control --baseline-rev 5b72b7a  # + a coordinator running that commit's code
+    python -m bench.control --quick               # a smoke run (fewer iterations, no profile)
+
+Before / after in ONE run: with --baseline-rev, a second coordinator process runs the
+code of that git revision (`git archive` into a temporary folder, imported ahead of
+the editable install) on the same redis-server and the same nodes; its opens, closes,
+lookups and no-op RPC are measured in the same shuffled rounds as the current code's.
 
 Workload: W2 (/work/shared/peers/kvbench/workloads.py `w2_shared_prefix`: 8 system
 prompts of 1,024 tokens + a unique 128-token suffix each, seeded). The cache is warmed
@@ -13,18 +19,21 @@ reach the prefix index), so every measured open hits 1,024 cached tokens.
 
 Measured interleaved, round by round in a shuffled order (the host is small and shared):
 
-- open / close through the coordinator (CacheClient.open -> Sequence.close);
+- open / close through the coordinator (CacheClient.open -> Sequence.close), and through
+  the baseline coordinator when there is one;
 - Lookup through the coordinator (RPC + keys + the match_prefix script, no node hop);
 - the no-op RPC floor: grpc.health.v1 Health.Check on the coordinator (same server,
   same process, same channel as the client's control calls);
 - a bare Redis round trip (redis-py PING to the same redis-server);
-- the pieces of an open, called from the bench process: the match_prefix script and
-  the create_sequence + delete_sequence scripts (RedisStore), the node's own Open +
-  Free RPCs (the hop the coordinator makes inside open), the node's Health.Check.
+- the pieces of an open, called from the bench process: the open_sequence script (match
+  + placement + page table, RedisStore) and delete_sequence, the match_prefix script with
+  the keys as one packed argument and, side by side, the same script taking 71 arguments
+  (the previous form), chain_keys and root_key (now cached per tenant), the node's own
+  Open + Free RPCs (the hop the coordinator sends after the open), the node's Health.Check.
 
 Then, in separate phases:
 
-- Redis commands per open and per close, counted exactly: SLOWLOG with a 0 us threshold
+- Redis commands per open and per close (and per baseline open/close), counted exactly: SLOWLOG with a 0 us threshold
   logs every command (name, args, server time, client); EVALSHA digests are mapped back
   to the RedisStore scripts, background traffic (heartbeats, reaper, node events) is
   told apart by script; INFO commandstats deltas are the cross-check;
@@ -47,6 +56,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -64,7 +74,7 @@ from pagedkv.client import channels
 from pagedkv.client.sync import CacheClient
 from pagedkv.cluster import LocalCluster, NodeOptions, free_port
 from pagedkv.coordinator import redis_store
-from pagedkv.coordinator.records import Extent, SequenceRecord
+from pagedkv.coordinator.records import NewSequence, NodeRoom
 from pagedkv.coordinator.redis_store import RedisStore
 from pagedkv.protos import pagedkv_pb2 as pb
 from pagedkv.protos import pagedkv_pb2_grpc as pb_grpc
@@ -126,14 +136,56 @@ def w2_requests(n: int) -> tuple[list[list[int]], list[list[int]], str]:
 
 
 class BenchCluster(LocalCluster):
-    """LocalCluster whose coordinator also serves Prometheus /metrics (handler latency)."""
+    """LocalCluster whose coordinator also serves Prometheus /metrics (handler latency),
+    plus, on request, a baseline coordinator running another git revision's code."""
 
     metrics_port = 0
+    baseline_address = ""
 
     def _pagedkv(self, name: str, args: list[str]) -> subprocess.Popen:
         if name == "coordinator" and self.metrics_port:
             args = [*args, f"--metrics-port={self.metrics_port}"]
         return super()._pagedkv(name, args)
+
+    def start_baseline(self, import_root: Path) -> str:
+        """A second coordinator on the same redis-server, importing pagedkv from import_root.
+        The nodes beat to the first one; this one sees them through Redis (replica style)."""
+        self.baseline_address = f"{self.host}:{free_port()}"
+        args = [sys.executable, "-m", "pagedkv", "coordinator", f"--listen={self.baseline_address}",
+                f"--lease-ttl-s={self.lease_ttl_s}", f"--redis={self.redis_url}"]  # fmt: skip
+        log_file = open(Path(self.log_dir) / "coordinator-baseline.log", "ab")  # noqa: SIM115
+        env = {**os.environ, "PYTHONPATH": str(import_root), "PYTHONUNBUFFERED": "1"}
+        # cwd too: `python -m` puts the working directory first on sys.path, ahead of PYTHONPATH.
+        proc = subprocess.Popen(
+            args, stdout=log_file, stderr=subprocess.STDOUT, env=env, cwd=import_root, start_new_session=True
+        )
+        self.procs["coordinator-baseline"] = proc
+        self._wait_healthy("coordinator-baseline", self.baseline_address)
+        return self.baseline_address
+
+
+def baseline_import_root(rev: str) -> tuple[Path, str]:
+    """(a folder to put first on PYTHONPATH so `import pagedkv` runs `rev`'s code, its short hash).
+
+    `git archive` of the revision into a temporary folder (the shared checkout and its
+    worktree list are untouched), and a `pagedkv` package there that maps the roles'
+    top-level folders the way the editable install does (pyproject's package-dir)."""
+    repo = Path(__file__).resolve().parent.parent
+    sha = subprocess.run(["git", "rev-parse", "--short", rev], cwd=repo, check=True, capture_output=True,
+                         text=True).stdout.strip()  # fmt: skip
+    tree = Path(tempfile.gettempdir()) / f"pagedkv-baseline-{sha}"
+    if not (tree / "coordinator").exists():
+        tree.mkdir(parents=True, exist_ok=True)
+        archive = subprocess.run(["git", "archive", sha], cwd=repo, check=True, capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
+    pkg = tree / "import" / "pagedkv"
+    if not pkg.exists():
+        pkg.mkdir(parents=True)
+        for f in (tree / "pagedkv").iterdir():
+            (pkg / f.name).symlink_to(f)
+        for role in ("protos", "cache_node", "client", "coordinator"):
+            (pkg / role).symlink_to(tree / role)
+    return tree / "import", sha
 
 
 def scrape_handler_hist(port: int) -> dict[str, dict[str, Any]]:
@@ -183,27 +235,27 @@ def script_names() -> dict[str, str]:
     return names
 
 
-# The previous _MATCH_PREFIX (one SMISMEMBER per key over idx:<key>, nodes dropping out at
-# their first miss), measured side by side with the product script (one SMISMEMBER per live
-# node over its reverse index nkeys:<id>), which replaced it. Same reply (checked).
-MATCH_PER_KEY = """
+# The previous _MATCH_PREFIX: the same per-node SMISMEMBER, but every key its own
+# argument (ARGV: P, key1, key2, ...; 72 arguments for a W2 open, each encoded by
+# redis-py) instead of one packed argument split in Lua. Same reply (checked).
+MATCH_ARGS = """
 local P = ARGV[1]
-local active = {}
-for _, id in ipairs(redis.call('SMEMBERS', P .. 'nodes')) do
-  if redis.call('EXISTS', P .. 'alive:' .. id) == 1 then active[#active + 1] = id end
-end
 local out = {}
-for i = 2, #ARGV do
-  if #active == 0 then break end
-  local held = redis.call('SMISMEMBER', P .. 'idx:' .. ARGV[i], unpack(active))
-  local still = {}
-  for j, id in ipairs(active) do
-    if held[j] == 1 then still[#still + 1] = id
-    else out[#out + 1] = id; out[#out + 1] = i - 2 end
+for _, id in ipairs(redis.call('SMEMBERS', P .. 'nodes')) do
+  if redis.call('EXISTS', P .. 'alive:' .. id) == 1 then
+    local n, first = 0, 2
+    while first <= #ARGV do
+      local last = math.min(first + 3999, #ARGV)
+      local held = redis.call('SMISMEMBER', P .. 'nkeys:' .. id, unpack(ARGV, first, last))
+      local i = 1
+      while i <= #held and held[i] == 1 do i = i + 1 end
+      n = n + i - 1
+      if i <= #held then break end
+      first = last + 1
+    end
+    out[#out + 1] = id; out[#out + 1] = n
   end
-  active = still
 end
-for _, id in ipairs(active) do out[#out + 1] = id; out[#out + 1] = #ARGV - 1 end
 return out
 """
 
@@ -315,11 +367,10 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="smoke run: 60 rounds, 30 counted ops, no profile")
     ap.add_argument("--out", default=str(RESULTS), help="results folder")
     ap.add_argument(
-        "--baseline",
+        "--baseline-rev",
         default="",
-        help="control.json of an earlier run (e.g. before a change) to show side by side",
+        help="git revision whose coordinator runs side by side in the same rounds (the 'before')",
     )
-    ap.add_argument("--baseline-label", default="", help="what the baseline ran (default: its git hash)")
     args = ap.parse_args()
     if args.quick:
         args.rounds, args.count_ops, args.profile_s = 60, 30, 0.0
@@ -336,17 +387,15 @@ def main() -> None:
     with cluster:
         log("cluster up:\n" + cluster.describe())
         assert cluster.redis_url, "redis-server is not on the PATH: this benchmark needs Redis"
+        baseline_git = ""
+        if args.baseline_rev:
+            root, baseline_git = baseline_import_root(args.baseline_rev)
+            log(f"baseline coordinator (git {baseline_git}) at {cluster.start_baseline(root)}")
         result = run(cluster, args, systems, prompts, source)
+        result["baseline_git"] = baseline_git
     result["runtime_s"] = time.monotonic() - t_start
     result["loadavg_before"] = load_before
     result["loadavg_after"] = os.getloadavg()
-    if args.baseline:
-        b = json.loads(Path(args.baseline).read_text())
-        result["baseline"] = {
-            "git": args.baseline_label or b["versions"]["pagedkv_git"],
-            "note": f"a {b.get('runtime_s', 0):.0f} s run on the same host, loadavg {b['loadavg_before'][0]:.2f}",
-            **{k: b["latency"][k]["p50_ms"] for k in ("open", "close", "open+append", "coord_health")},
-        }
     result["findings"] = findings(result)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -360,6 +409,7 @@ def run(cluster: BenchCluster, args: argparse.Namespace, systems, prompts, sourc
     spec = ModelSpec(**NODE.spec())
     bs = NODE.block_size
     client = CacheClient(coordinator=cluster.coordinator_address, spec=spec)
+    base = CacheClient(coordinator=cluster.baseline_address, spec=spec) if cluster.baseline_address else None
     r = redis.Redis.from_url(cluster.redis_url)
     me = r.execute_command("CLIENT INFO")  # a dict under RESP3 (redis-py 8), else "id=.. addr=.. ..."
     if isinstance(me, dict):
@@ -370,6 +420,9 @@ def run(cluster: BenchCluster, args: argparse.Namespace, systems, prompts, sourc
     store = RedisStore(cluster.redis_url)
     coord_channel = channels.acquire(cluster.coordinator_address, client.config)  # the client's own channel
     coord_health = health_pb2_grpc.HealthStub(coord_channel)
+    base_health = (
+        health_pb2_grpc.HealthStub(channels.acquire(cluster.baseline_address, base.config)) if base else None
+    )
     hreq = health_pb2.HealthCheckRequest(service="")
     g = torch.Generator().manual_seed(0)
 
@@ -393,6 +446,8 @@ def run(cluster: BenchCluster, args: argparse.Namespace, systems, prompts, sourc
     )
     salt = bytes(r.get(f"{PREFIX}salt:{TENANT}"))
     root = root_key(salt)
+    if base is not None:  # the baseline sees the same index (same Redis, same salt)
+        assert [base.lookup(s + [1] * SUFFIX_LEN) for s in systems] == hits, "baseline lookup differs"
     sys_index = {tuple(s): i for i, s in enumerate(systems)}
 
     def sys_of(p: list[int]) -> int:
@@ -418,6 +473,17 @@ def run(cluster: BenchCluster, args: argparse.Namespace, systems, prompts, sourc
         t2 = time.perf_counter()
         cached_seen[seq.num_cached_tokens] += 1
         return {"open": t1 - t0, "close": t2 - t1, "open+close": t2 - t0}
+
+    def v_open_close_base(p: list[int]) -> dict[str, float]:
+        assert base is not None
+        sid = f"ob-{next(it)}"
+        t0 = time.perf_counter()
+        seq = base.open(sid, p)
+        t1 = time.perf_counter()
+        seq.close()
+        t2 = time.perf_counter()
+        assert seq.num_cached_tokens == SYSTEM_LEN
+        return {"open_before": t1 - t0, "close_before": t2 - t1}
 
     suffix_shape = (NODE.num_layers, SUFFIX_LEN, NODE.num_kv_heads, NODE.head_dim)
     suffix_k, suffix_v = torch.randn(suffix_shape, generator=g), torch.randn(suffix_shape, generator=g)
@@ -451,6 +517,18 @@ def run(cluster: BenchCluster, args: argparse.Namespace, systems, prompts, sourc
         coord_health.Check(hreq, timeout=5)
         return {"coord_health": time.perf_counter() - t0}
 
+    def v_lookup_base(p: list[int]) -> dict[str, float]:
+        assert base is not None
+        t0 = time.perf_counter()
+        base.lookup(p)
+        return {"lookup_before": time.perf_counter() - t0}
+
+    def v_health_base(p: list[int]) -> dict[str, float]:
+        assert base_health is not None
+        t0 = time.perf_counter()
+        base_health.Check(hreq, timeout=5)
+        return {"coord_health_before": time.perf_counter() - t0}
+
     def v_ping(p: list[int]) -> dict[str, float]:
         t0 = time.perf_counter()
         r.ping()
@@ -465,13 +543,13 @@ def run(cluster: BenchCluster, args: argparse.Namespace, systems, prompts, sourc
         return {"match_prefix_script": t1 - t0}
 
     r_cand = redis.Redis.from_url(cluster.redis_url)  # not `r`: SLOWLOG drops the bench's own connection
-    match_per_key = r_cand.register_script(MATCH_PER_KEY)
+    match_args = r_cand.register_script(MATCH_ARGS)
     checked = Counter()
 
-    def v_match_per_key(p: list[int]) -> dict[str, float]:
+    def v_match_args(p: list[int]) -> dict[str, float]:
         keys = chain_keys(root, p[: (len(p) - 1) // bs * bs], bs)
         t0 = time.perf_counter()
-        flat = match_per_key(args=[PREFIX, *keys])
+        flat = match_args(args=[PREFIX, *keys])
         t1 = time.perf_counter()
         got = {
             (k.decode() if isinstance(k, bytes) else k): int(v)
@@ -480,22 +558,28 @@ def run(cluster: BenchCluster, args: argparse.Namespace, systems, prompts, sourc
         if checked["match"] < 20:  # same reply as the product script (warm-up rounds only)
             checked["match"] += 1
             assert got == store.match_prefix(keys), (got, store.match_prefix(keys))
-        return {"match_per_key_script": t1 - t0}
+        return {"match_args_script": t1 - t0}
 
     def v_keys(p: list[int]) -> dict[str, float]:
         t0 = time.perf_counter()
-        chain_keys(root, p[: (len(p) - 1) // bs * bs], bs)
-        return {"chain_keys_71_blocks": time.perf_counter() - t0}
+        b"".join(chain_keys(root, p[: (len(p) - 1) // bs * bs], bs))
+        t1 = time.perf_counter()
+        root_key(salt)
+        return {"chain_keys_71_blocks": t1 - t0, "root_key": time.perf_counter() - t1}
+
+    rooms = tuple(NodeRoom(f"node-{i}", NODE.num_blocks // 2, NODE.num_blocks) for i in range(2))
 
     def v_seq_scripts(p: list[int]) -> dict[str, float]:
         sid = f"ss-{next(it)}"
-        rec = SequenceRecord(sid, TENANT, (Extent("node-0", 0, -(-len(p) // bs)),), len(p))
+        keys = b"".join(chain_keys(root, p[: (len(p) - 1) // bs * bs], bs))
+        new = NewSequence(sid, TENANT, len(p), -(-len(p) // bs), bs, keys, rooms)
         t0 = time.perf_counter()
-        store.create_sequence(rec)
+        placement = store.open_sequence(new)
         t1 = time.perf_counter()
         store.delete_sequence(sid)
         t2 = time.perf_counter()
-        return {"create_sequence_script": t1 - t0, "delete_sequence_script": t2 - t1}
+        assert placement.cached_tokens == SYSTEM_LEN, placement
+        return {"open_sequence_script": t1 - t0, "delete_sequence_script": t2 - t1}
 
     def v_node(p: list[int]) -> dict[str, float]:
         addr = node_of_system[sys_of(p)]
@@ -522,12 +606,14 @@ def run(cluster: BenchCluster, args: argparse.Namespace, systems, prompts, sourc
         v_health,
         v_ping,
         v_match,
-        v_match_per_key,
+        v_match_args,
         v_keys,
         v_seq_scripts,
         v_node,
         v_node_health,
     ]
+    if base is not None:
+        variants += [v_open_close_base, v_lookup_base, v_health_base]
     samples: dict[str, list[float]] = defaultdict(list)
     pi = iter(prompts)
 
@@ -564,22 +650,26 @@ def run(cluster: BenchCluster, args: argparse.Namespace, systems, prompts, sourc
 
     # -- Redis commands per open / per close, exactly (SLOWLOG, 0 us threshold)
     log(f"counting Redis commands over {args.count_ops} opens, then {args.count_ops} closes ...")
-    shas = script_names()
+    # MATCH_ARGS is byte for byte the baseline's match_prefix script (same digest)
+    shas = {**script_names(), hashlib.sha1(MATCH_ARGS.encode()).hexdigest(): "match_args"}
     old_cfg = {k: r.config_get(k)[k] for k in ("slowlog-log-slower-than", "slowlog-max-len")}
     r.config_set("slowlog-max-len", 100000)
     counts: dict[str, Any] = {}
-    seqs = []
+    seqs: dict[str, list] = defaultdict(list)
+    phases = ("open", "close") + (("open_before", "close_before") if base is not None else ())
     try:
         r.config_set("slowlog-log-slower-than", 0)
-        for phase in ("open", "close"):
+        for phase in phases:
             r.slowlog_reset()
             cs0 = commandstats(r)
             t0 = time.monotonic()
-            if phase == "open":
+            if phase.startswith("open"):
+                c = client if phase == "open" else base
+                assert c is not None
                 for _ in range(args.count_ops):
-                    seqs.append(client.open(f"cnt-{next(it)}", next(pi)))
+                    seqs[phase].append(c.open(f"cnt-{next(it)}", next(pi)))
             else:
-                for s in seqs:
+                for s in seqs[phase.replace("close", "open")]:
                     s.close()
             dt = time.monotonic() - t0
             cs1 = commandstats(r)
@@ -618,16 +708,15 @@ def run(cluster: BenchCluster, args: argparse.Namespace, systems, prompts, sourc
             }
             log(f"  {phase}: {counts[phase]['per_op_total']:.2f} Redis commands per {phase} "
                 f"{counts[phase]['per_op_by_command']} (background in window: {bg})")  # fmt: skip
-        # server-side time of the current match_prefix script vs the candidate
+        # server-side time of the match_prefix script, keys packed vs one argument each, and of open_sequence
         r.slowlog_reset()
         for p in prompts[:100]:
             v_match(p)
-            v_match_per_key(p)
+            v_match_args(p)
+            v_seq_scripts(p)
         script_us: dict[str, list[int]] = defaultdict(list)
-        for e in slowlog_entries(
-            r, me_addr, {**shas, hashlib.sha1(MATCH_PER_KEY.encode()).hexdigest(): "match_per_key"}
-        ):
-            if not e["in_script"] and e["name"].startswith("evalsha:match"):
+        for e in slowlog_entries(r, me_addr, shas):
+            if not e["in_script"] and e["name"].startswith(("evalsha:match", "evalsha:open_seq")):
                 script_us[e["name"]].append(e["us"])
         counts["match_script_server_us"] = {
             k: {
@@ -641,9 +730,10 @@ def run(cluster: BenchCluster, args: argparse.Namespace, systems, prompts, sourc
     finally:
         for k, v in old_cfg.items():
             r.config_set(k, v)
-        for s in seqs:
-            if not s.is_closed:
-                s.close()
+        for opened in seqs.values():
+            for s in opened:
+                if not s.is_closed:
+                    s.close()
 
     # -- throughput with concurrent clients
     conc: dict[str, Any] = {}
@@ -712,6 +802,8 @@ def run(cluster: BenchCluster, args: argparse.Namespace, systems, prompts, sourc
     store.close()
     r_cand.close()
     client.close()
+    if base is not None:
+        base.close()
     r.close()
 
     def ver(p: str) -> str:
@@ -759,6 +851,7 @@ def run(cluster: BenchCluster, args: argparse.Namespace, systems, prompts, sourc
             "grpcio": ver("grpcio"),
             "protobuf": ver("protobuf"),
             "redis-py": ver("redis"),
+            "hiredis": ver("hiredis"),
             "redis-server": redis_info.get("redis_version"),
             "torch": torch.__version__,
             "pagedkv_git": git,
@@ -768,67 +861,78 @@ def run(cluster: BenchCluster, args: argparse.Namespace, systems, prompts, sourc
 
 
 def findings(r: dict) -> str:
-    """The findings paragraph, computed from this run's numbers."""
+    """The findings paragraphs, computed from this run's numbers."""
     lat, g, h = r["latency"], r["goals"], r["coordinator_handler"]
     p50 = {k: v["p50_ms"] for k, v in lat.items() if v.get("n")}
     floor, hmean = p50["coord_health"], h["Open"].get("mean_ms", float("nan"))
+    c = r["redis_commands"]
     text = [
-        f"Round trips: an open costs exactly {g['redis_round_trips_per_open']:.2f} Redis commands "
-        "(EVALSHA match_prefix + EVALSHA create_sequence; a tenant with a quota adds reserve_blocks), so the "
-        "<= 2 goal is met; a close costs "
-        f"{r['redis_commands']['close']['per_op_total']:.2f} (EVALSHA delete_sequence, the tenant check inside "
-        "the script).",
-        f"Latency: open p50 {p50['open']:.2f} ms is {g['open_p50_over_noop_rpc_p50']:.1f}x the no-op RPC p50 "
-        f"({floor:.2f} ms): the 2x goal is {'met' if g['open_p50_met'] else 'not met'}. The node Open is no "
-        "longer on the open's critical path (sent on the coordinator's event-loop thread, not awaited); what "
-        f"remains: client -> coordinator RPC ~{floor:.2f} ms (Health.Check floor) + the coordinator's Open "
-        f"handler {hmean:.2f} ms (mean) + client-side request encoding (1,152 token ids).",
+        f"Round trips: an open costs {g['redis_round_trips_per_open']:.2f} Redis commands (one EVALSHA "
+        "open_sequence: the prefix match on every candidate node, placement.place ported to Lua, the tenant's "
+        "quota and the page table in one script); a close costs "
+        f"{c['close']['per_op_total']:.2f} (EVALSHA delete_sequence, tenant-checked in the script)."
+        + (
+            f" The baseline coordinator (git {r['baseline_git']}) in the same run: "
+            f"{c['open_before']['per_op_total']:.2f} per open "
+            f"({', '.join(f'{k} {v:g}' for k, v in c['open_before']['per_op_by_command'].items())})."
+            if "open_before" in c
+            else ""
+        ),
+        f"Latency: open p50 {p50['open']:.2f} ms is {g['open_p50_over_noop_rpc_p50']:.2f}x the no-op RPC p50 "
+        f"({floor:.2f} ms): the 2x goal is {'met' if g['open_p50_met'] else 'not met'}. What the open waits for: "
+        f"the client -> coordinator RPC (~{floor:.2f} ms, the Health.Check floor) + the Open handler "
+        f"({hmean:.2f} ms mean) + the client's request encoding (1,152 token ids); the node Open is sent after "
+        "the page table is written and never waited for.",
     ]
+    if "open_before" in p50:
+        hb = p50["coord_health_before"]
+        text.append(
+            f"Before / after, same rounds: the baseline coordinator (git {r['baseline_git']}: match_prefix + "
+            f"create_sequence, two round trips, keys as 71 script arguments, root key hashed per call) opens in "
+            f"{p50['open_before']:.2f} ms p50 = {p50['open_before'] / hb:.2f}x its own no-op RPC ({hb:.2f} ms); "
+            f"this code {p50['open']:.2f} ms = {p50['open'] / floor:.2f}x ({p50['open_before'] - p50['open']:+.2f} "
+            f"ms saved per open). Lookup {p50['lookup_before']:.2f} -> {p50['lookup']:.2f} ms; close "
+            f"{p50['close_before']:.2f} -> {p50['close']:.2f} ms (unchanged path). The baseline process also "
+            "serves no heartbeats or node events (the nodes report to the current coordinator), which if "
+            "anything favours it."
+        )
     prof = r.get("profile") or {}
     if "Open" in prof:
         shares = {b["what"]: b["share"] for b in prof["Open"]["breakdown"]}
-        node = sum(v for k, v in shares.items() if "_send_open" in k or "node Open gRPC" in k)
-        mp = sum(v for k, v in shares.items() if "match_prefix" in k)
-        cs = sum(v for k, v in shares.items() if "create_sequence" in k)
-        rest = max(0.0, 1 - node - mp - cs)
+        node = sum(v for k, v in shares.items() if "_send_open" in k)
+        os_ = sum(v for k, v in shares.items() if "open_sequence" in k)
+        keys = sum(v for k, v in shares.items() if "chain_keys" in k)
+        rest = max(0.0, 1 - node - os_ - keys)
         text.append(
-            f"Inside the handler (py-spy, wall clock): the match_prefix script {mp:.0%} (~{mp * hmean:.2f} ms; "
-            f"direct p50 {p50['match_prefix_script']:.2f} ms), the create_sequence script {cs:.0%} "
-            f"(~{cs * hmean:.2f} ms; direct p50 {p50['create_sequence_script']:.2f} ms: inside an open it shares "
-            "the two CPUs with the node's concurrent Open), sending the node Open "
-            f"{node:.0%} (~{node * hmean:.2f} ms), everything else (chain_keys over 71 blocks, placement, records, "
+            f"Inside the Open handler (py-spy, wall clock): the open_sequence script {os_:.0%} (~{os_ * hmean:.2f} "
+            f"ms; direct p50 {p50['open_sequence_script']:.2f} ms), chain_keys {keys:.0%}, sending the node Open "
+            f"{node:.0%} (~{node * hmean:.2f} ms), everything else (request decoding, NewSequence, node cache, "
             f"servicer) {rest:.0%} (~{rest * hmean:.2f} ms)."
         )
-    lower = floor + 2 * p50["redis_ping"]
+    ms = c.get("match_script_server_us", {})
+    if "match_args_script" in p50:
+        text.append(
+            f"Keys as one packed argument (split in Lua with string.sub) vs 71 arguments: match_prefix client p50 "
+            f"{p50['match_prefix_script']:.3f} ms vs {p50['match_args_script']:.3f} ms"
+            + (
+                f", server time p50 {ms['evalsha:match_prefix']['p50']:g} us vs {ms['evalsha:match_args']['p50']:g} us"
+                if "evalsha:match_args" in ms and "evalsha:match_prefix" in ms
+                else ""
+            )
+            + f". root_key per call, now cached per tenant: p50 {p50['root_key'] * 1e3:.1f} us; chain_keys over "
+            f"71 blocks (joined): {p50['chain_keys_71_blocks'] * 1e3:.1f} us."
+        )
+    lower = floor + p50["redis_ping"]
     text.append(
-        f"Floor of this design: one client RPC + two Redis round trips with zero work is {floor:.2f} + 2 x "
-        f"{p50['redis_ping']:.2f} = {lower:.2f} ms = {lower / floor:.1f}x the no-op RPC; with the real work "
-        f"(a 1,152-token request, 71 chained keys, two redis-py script calls) even lookup -- one RPC, one "
-        f"Redis round trip, no node hop -- is {p50['lookup'] / floor:.1f}x ({p50['lookup']:.2f} ms). So 2x "
-        "would need the open to cost less than today's lookup: one Redis round trip (match and create in one "
-        "script, i.e. placement in Lua) and a leaner request path, not built."
+        f"Floor of this design: one client RPC + one Redis round trip with zero work is {floor:.2f} + "
+        f"{p50['redis_ping']:.2f} = {lower:.2f} ms = {lower / floor:.2f}x the no-op RPC; lookup (one RPC, one "
+        f"Redis round trip, no writes) is {p50['lookup'] / floor:.2f}x ({p50['lookup']:.2f} ms)."
     )
     if "open+append" in p50:
         text.append(
             f"What a worker waits for before its first attention, open + first append of the 128 new tokens' "
             f"KV: p50 {p50['open+append']:.2f} ms. The append goes straight to the node and, when it overtakes "
             "the node Open, waits there for it (grace, condition variable) instead of failing NOT_FOUND."
-        )
-    ms = r["redis_commands"].get("match_script_server_us", {})
-    if "evalsha:match_per_key" in ms and "evalsha:match_prefix" in ms:
-        text.append(
-            f"The match_prefix script now asks each live node's reverse index nkeys:<id> once (one SMISMEMBER with "
-            f"every key, hit count = leading run of 1s): server time p50 {ms['evalsha:match_prefix']['p50']:g} us vs "
-            f"{ms['evalsha:match_per_key']['p50']:g} us for the previous script (one SMISMEMBER per block key, 65 "
-            f"for a W2 open; same reply, checked), client p50 {p50['match_prefix_script']:.2f} ms vs "
-            f"{p50.get('match_per_key_script', float('nan')):.2f} ms."
-        )
-    base = r.get("baseline")
-    if base:
-        text.append(
-            f"Before this change (git {base['git']}, same bench, {base['note']}): open p50 {base['open']:.2f} ms "
-            f"= {base['open'] / base['coord_health']:.1f}x its no-op RPC, close {base['close']:.2f} ms, open + "
-            f"first append {base['open+append']:.2f} ms (table above)."
         )
     return "\n\n".join(text)
 
@@ -845,6 +949,7 @@ def render(r: dict) -> str:
     g = r["goals"]
     c = r["redis_commands"]
     h = r["coordinator_handler"]
+    bg = r.get("baseline_git", "")
     lines = [
         "# Control-plane latency (bench/control.py, issue 4)",
         "",
@@ -854,15 +959,17 @@ def render(r: dict) -> str:
         f"prompts of {SYSTEM_LEN} + {SUFFIX_LEN} tokens; every measured open hit "
         f"{', '.join(f'{k} tokens x{v}' for k, v in r['workload']['cached_tokens_per_open'].items())}. "
         f"{r['rounds']} interleaved rounds (shuffled order per round), one client thread. "
-        f"Runtime {r['runtime_s']:.0f} s. grpcio {r['versions']['grpcio']}, redis-py {r['versions']['redis-py']}, "
-        f"Python {r['versions']['python']}, git {r['versions']['pagedkv_git']}.",
+        f"Runtime {r['runtime_s']:.0f} s. grpcio {r['versions']['grpcio']}, redis-py {r['versions']['redis-py']} "
+        f"(hiredis {r['versions'].get('hiredis', '-')}), Python {r['versions']['python']}, git "
+        f"{r['versions']['pagedkv_git']}"
+        + (f"; baseline coordinator: git {bg}, same redis-server and nodes, same rounds." if bg else "."),
         "",
         "| call (from the bench process) | p50 ms | p99 ms | n | what it is |",
         "|---|---:|---:|---:|---|",
         row(
             "**open** (CacheClient.open)",
             "open",
-            "RPC to coordinator: keys + match_prefix + create_sequence; node Open sent, not awaited",
+            "RPC to coordinator: keys + open_sequence (1 Redis round trip); node Open sent after, not awaited",
         ),
         row(
             "**close** (Sequence.close)",
@@ -876,23 +983,35 @@ def render(r: dict) -> str:
         ),
         row("lookup (CacheClient.lookup)", "lookup", "RPC to coordinator: keys + match_prefix, no node hop"),
         row("**no-op RPC**: coordinator Health.Check", "coord_health", "same server, process and channel"),
+    ]
+    if bg:
+        lines += [
+            row(
+                f"open, baseline coordinator (git {bg})",
+                "open_before",
+                "match_prefix + create_sequence: 2 round trips",
+            ),
+            row(f"close, baseline coordinator (git {bg})", "close_before", ""),
+            row(f"lookup, baseline coordinator (git {bg})", "lookup_before", ""),
+            row(f"no-op RPC, baseline coordinator (git {bg})", "coord_health_before", "its own Health.Check"),
+        ]
+    lines += [
         row("**bare Redis PING** (redis-py)", "redis_ping", "same redis-server"),
         row(
-            "match_prefix script (RedisStore)",
-            "match_prefix_script",
-            "71 keys, 64 hit, 2 live nodes; 1 SMISMEMBER per node",
+            "open_sequence script (RedisStore)",
+            "open_sequence_script",
+            "71 keys, 64 hit, 2 candidates: match + place + write",
         ),
-        row(
-            "previous match script (1 SMISMEMBER per key)",
-            "match_per_key_script",
-            "same reply; replaced, see findings",
-        ),
-        row("create_sequence script", "create_sequence_script", ""),
         row("delete_sequence script", "delete_sequence_script", ""),
+        row(
+            "match_prefix script, keys packed", "match_prefix_script", "71 keys in one argument, split in Lua"
+        ),
+        row("match_prefix script, 71 key arguments", "match_args_script", "the previous form; same reply"),
+        row("chain_keys (71 blocks, joined)", "chain_keys_71_blocks", "the keys the coordinator hashes"),
+        row("root_key (per call before, cached now)", "root_key", "one blake2b of the salt"),
         row("node Open RPC, direct", "node_open_direct", "the hop open sends, off its path (1,024 cached)"),
         row("node Free RPC, direct", "node_free_direct", "the hop close sends, off its path"),
         row("node Health.Check", "node_health", "no-op RPC floor of the node"),
-        row("chain_keys (71 blocks, in-process)", "chain_keys_71_blocks", "the keys the coordinator hashes"),
         "",
         f"Coordinator-side handler time over the same rounds (its `pagedkv_coordinator_rpc_latency_seconds`): "
         f"Open mean {h['Open'].get('mean_ms', float('nan')):.3f} ms, Close mean {h['Close'].get('mean_ms', float('nan')):.3f} ms, "
@@ -910,18 +1029,21 @@ def render(r: dict) -> str:
         "| op | commands / op | by command (per op) | server us / call (p50) | commandstats cross-check |",
         "|---|---:|---|---|---:|",
     ]
-    for phase in ("open", "close"):
+    for phase in ("open", "close", "open_before", "close_before"):
+        if phase not in c:
+            continue
         x = c[phase]
         by = ", ".join(f"{k} {v:g}" for k, v in x["per_op_by_command"].items())
         us = ", ".join(
             f"{k} {v['p50']:g}" for k, v in x["server_us_per_call"].items() if k in x["per_op_by_command"]
         )
+        label = phase.replace("_before", f" (baseline, git {bg})")
         lines.append(
-            f"| {phase} | {x['per_op_total']:.2f} | {by} | {us} | {x['commandstats_per_op_minus_background']:.2f} |"
+            f"| {label} | {x['per_op_total']:.2f} | {by} | {us} | {x['commandstats_per_op_minus_background']:.2f} |"
         )
     lines += [
         "",
-        "Server-side time of the match script (SLOWLOG, us): "
+        "Server-side time of the scripts (SLOWLOG, us, 100 calls each): "
         + ", ".join(
             f"{k} p50 {v['p50']:g} / p99 {v['p99']:g}" for k, v in c.get("match_script_server_us", {}).items()
         )
@@ -930,7 +1052,8 @@ def render(r: dict) -> str:
         "Commands run inside those scripts (not round trips; Redis is blocked meanwhile), per op: "
         + "; ".join(
             f"{ph}: " + ", ".join(f"{k} {v:g}" for k, v in c[ph]["commands_inside_scripts_per_op"].items())
-            for ph in ("open", "close")
+            for ph in ("open", "close", "open_before")
+            if ph in c
         )
         + ".",
         "",
@@ -946,21 +1069,24 @@ def render(r: dict) -> str:
         f"{lat['coord_health']['p50_ms']:.3f} ms).",
         "",
     ]
-    base = r.get("baseline")
-    if base:
+    if bg:
         lines += [
-            f"## Before / after (before: git {base['git']}, synchronous node hop, {base['note']})",
+            f"## Before / after, measured in the same rounds (before: coordinator at git {bg}; after: this code)",
             "",
             "| p50 ms | before | after | no-op RPC before / after | ratio before / after |",
             "|---|---:|---:|---:|---:|",
         ]
-        for key in ("open", "close", "open+append"):
+        hb, ha = lat["coord_health_before"]["p50_ms"], lat["coord_health"]["p50_ms"]
+        for key in ("open", "close", "lookup"):
+            b_, a_ = lat[f"{key}_before"]["p50_ms"], lat[key]["p50_ms"]
             lines.append(
-                f"| {key} | {base[key]:.3f} | {lat[key]['p50_ms']:.3f} | {base['coord_health']:.3f} / "
-                f"{lat['coord_health']['p50_ms']:.3f} | {base[key] / base['coord_health']:.2f}x / "
-                f"{lat[key]['p50_ms'] / lat['coord_health']['p50_ms']:.2f}x |"
+                f"| {key} | {b_:.3f} | {a_:.3f} | {hb:.3f} / {ha:.3f} | {b_ / hb:.2f}x / {a_ / ha:.2f}x |"
             )
-        lines.append("")
+        ob = c.get("open_before", {}).get("per_op_total", float("nan"))
+        lines += [
+            f"| Redis round trips per open | {ob:.2f} | {g['redis_round_trips_per_open']:.2f} | | |",
+            "",
+        ]
     prof = r.get("profile") or {}
     if "Open" in prof:
         lines += [f"## Where the coordinator's Open handler spends its wall time ({prof['tool']}, "
