@@ -57,6 +57,10 @@ DRAIN_BYTES = 4 << 20  # scratch for discarding the payload of a refused request
 # slab out of the pool overlaps with the peer draining the socket (2 MiB measured
 # 1.5-1.8 GB/s for a 256 MiB read here, 8-32 MiB 1.1-1.7).
 READ_SLAB_BYTES = 2 << 20
+# A Unix socket's default send buffer (~200 KiB) makes a read's sendall of a slab wait
+# until the client took nearly all of it; with room for two slabs the node copies the
+# next one out of the pool while the client drains this one (TCP autotunes to this).
+LOCAL_SNDBUF_BYTES = 4 << 20
 
 
 def _byte_view(t: torch.Tensor) -> memoryview:
@@ -163,7 +167,9 @@ class BulkServer:
                 conn, _ = listener.accept()
             except OSError:
                 return  # listener closed
-            if not is_local:
+            if is_local:
+                conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, LOCAL_SNDBUF_BYTES)
+            else:
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             with self._lock:
                 if self._is_stopping or len(self._conns) >= self._max_connections:

@@ -86,6 +86,7 @@ class BulkChannel:
         self._local = threading.local()  # reused header buffers, one set per calling thread
         self.num_calls = 0  # attend calls answered over the channel (OK or a node error)
         self.num_local_calls = 0  # of which over the same-host shared-memory path
+        self.num_local_transfers = 0  # append / read_kv over the same-host Unix socket
         # The node's same-host listener: None = not asked yet, "" = none or unusable here.
         self.local_name: str | None = None
         self.is_local_enabled = shm.is_supported()  # False: every call over TCP (benchmarks, tests)
@@ -170,7 +171,7 @@ class BulkChannel:
 
         try:
             name: str = self._run(timeout_s, body)
-        except PagedKVError:
+        except PagedKVError:  # an old node ("unknown op"), or the connection broke: TCP says the rest
             return ""
         return name
 
@@ -216,6 +217,25 @@ class BulkChannel:
         except (PagedKVError, BulkUnavailable):
             if conn.size:  # the node answered with an error: the connection is in sync
                 self._give_local(conn)
+            raise
+        except (OSError, ProtocolError) as exc:
+            conn.close()
+            what = "timed out (DEADLINE_EXCEEDED)" if isinstance(exc, TimeoutError) else "failed"
+            raise Unavailable(f"{self.where}: bulk transfer (same host) {what}: {exc}") from exc
+        except BaseException:
+            conn.close()
+            raise
+        self._give_local(conn)
+        return result
+
+    def _run_local(self, timeout_s: float, body: Any) -> Any:
+        """body(sock) on a same-host connection (as _run does on TCP);
+        BulkUnavailable when there is none."""
+        conn = self._take_local(timeout_s)
+        try:
+            result = body(conn.sock)
+        except PagedKVError:
+            self._give_local(conn)  # the node answered with an error: the connection is in sync
             raise
         except (OSError, ProtocolError) as exc:
             conn.close()
@@ -301,6 +321,13 @@ class BulkChannel:
                 raise self._error(reply)
             return reply.end
 
+        if self.is_local_enabled and self.local_name != "":
+            try:  # same host: the Unix socket, as read_kv
+                length: int = self._run_local(timeout_s, body)
+                self.num_local_transfers += 1
+                return length
+            except BulkUnavailable:
+                pass  # TCP
         result: int = self._run(timeout_s, body)
         return result
 
@@ -341,6 +368,13 @@ class BulkChannel:
                 pos += t
             return out_k, out_v
 
+        if self.is_local_enabled and self.local_name != "":
+            try:  # same host: the Unix socket (TCP's loopback stack is the load-sensitive part)
+                local: tuple[torch.Tensor, torch.Tensor] = self._run_local(timeout_s, body)
+                self.num_local_transfers += 1
+                return local
+            except BulkUnavailable:
+                pass  # TCP
         result: tuple[torch.Tensor, torch.Tensor] = self._run(timeout_s, body)
         return result
 

@@ -25,6 +25,7 @@ from pagedkv.client import (
     ClientConfig,
     InvalidArgument,
     SequenceNotFound,
+    shm,
 )
 from pagedkv.protos import bulk
 from pagedkv.protos.bulk import Frame
@@ -32,6 +33,15 @@ from pagedkv.protos.spec import ModelSpec
 
 BULK = ClientConfig(bulk_min_bytes=0)  # every KV transfer takes the bulk channel
 SPEC = ModelSpec(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float32", block_size=4)
+
+
+@pytest.fixture(autouse=True, params=["local", "tcp"])
+def transport(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test runs over both sockets of the channel: the same-host Unix socket
+    (the default where the node's listener can be reached) and TCP."""
+    if request.param == "tcp":
+        monkeypatch.setattr(shm, "is_supported", lambda: False)
+    return str(request.param)
 
 
 class BulkNode:
@@ -76,7 +86,7 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
-def test_round_trip_is_byte_exact_for_every_dtype_and_partial_range(dtype: str) -> None:
+def test_round_trip_is_byte_exact_for_every_dtype_and_partial_range(dtype: str, transport: str) -> None:
     spec = ModelSpec(num_layers=2, num_kv_heads=2, head_dim=8, dtype=dtype, block_size=4)
     node = BulkNode(spec)
     try:
@@ -99,6 +109,8 @@ def test_round_trip_is_byte_exact_for_every_dtype_and_partial_range(dtype: str) 
                     gk, gv = grpc_c.sequence("a").read_kv(3, 37)
                 assert same_bytes(gk, k[:, 3:37]) and same_bytes(gv, v[:, 3:37])
                 assert node.bulk.num_requests == 5
+                ch = client.data.route.bulk
+                assert ch is not None and ch.num_local_transfers == (5 if transport == "local" else 0)
             node.engine.check_integrity()
             assert node.engine.stats()["used_blocks"] == 0
     finally:
@@ -367,6 +379,7 @@ def test_node_lost_mid_transfer_raises_unavailable_naming_the_node() -> None:
     thread.start()
     channel = BulkChannel(f"127.0.0.1:{port}", "node fake")
     channel.port = port
+    channel.local_name = ""  # a TCP-only peer (it would take HELLO as its read)
     try:
         with pytest.raises(Unavailable, match=r"node fake: bulk transfer failed: connection closed after"):
             channel.read_kv("s", 0, None, timeout_s=5)
