@@ -211,42 +211,91 @@ def _transfers(address: str, results: dict[str, Any], repeats: int) -> None:
     k, v = torch.randn(shape), torch.randn(shape)
     toks = list(range(7 * 10**8, 7 * 10**8 + n_tokens))
     raw = memoryview(torch.cat([k.flatten(), v.flatten()]).numpy()).cast("B")
-    paths = {  # name -> client config; the gRPC rows are the contract for small calls
-        "gRPC, 1 MiB chunks": ClientConfig(chunk_bytes=1 << 20, bulk_min_bytes=None),
-        "gRPC, 4 MiB chunks": ClientConfig(chunk_bytes=4 << 20, bulk_min_bytes=None),
-        "bulk TCP channel": ClientConfig(),
+    paths = {  # name -> (client config, same-host path allowed); gRPC is the contract for small calls
+        "gRPC, 1 MiB chunks": (ClientConfig(chunk_bytes=1 << 20, bulk_min_bytes=None), False),
+        "gRPC, 4 MiB chunks": (ClientConfig(chunk_bytes=4 << 20, bulk_min_bytes=None), False),
+        "bulk channel, TCP": (ClientConfig(), False),
+        "bulk channel, same-host Unix socket": (ClientConfig(), True),
     }
-    for name, cfg in paths.items():
-        up, down, sock = [], [], []
-        with CacheClient(address, cfg) as c:
-            for r in range(repeats):
-                seq = c.open(f"up{len(results['transfer'])}-{r}", toks[:1])  # distinct ids
+    runs: dict[str, dict[str, list[float]]] = {name: {"up": [], "down": [], "sock": []} for name in paths}
+    clients = {name: CacheClient(address, cfg) for name, (cfg, _) in paths.items()}
+    try:
+        for r in range(repeats):  # interleaved: each repeat runs every path once, in turn
+            for name, (cfg, local) in paths.items():
+                c, run = clients[name], runs[name]
+                if c.data.route.bulk is not None:
+                    c.data.route.bulk.is_local_enabled = local
+                seq = c.open(f"up{len(results['transfer'])}-{name}-{r}", toks[:1])  # distinct ids
                 t0 = time.perf_counter()
                 seq.append(toks, k, v)
-                up.append(TRANSFER_BYTES / (time.perf_counter() - t0) / 1e9)
+                run["up"].append(TRANSFER_BYTES / (time.perf_counter() - t0) / 1e9)
                 t0 = time.perf_counter()
                 rk, rv = seq.read_kv()
-                down.append(TRANSFER_BYTES / (time.perf_counter() - t0) / 1e9)
+                run["down"].append(TRANSFER_BYTES / (time.perf_counter() - t0) / 1e9)
                 if not (torch.equal(rk, k) and torch.equal(rv, v)):
                     raise AssertionError(f"{name}: read_kv returned other bytes than appended")
                 del rk, rv
                 seq.close()
-                sock.append(_loopback_socket_gbps(raw, cfg.chunk_bytes))
-            bulk = c.data.route.bulk
+                run["sock"].append(_loopback_socket_gbps(raw, cfg.chunk_bytes))
+        for name, (cfg, local) in paths.items():
+            bulk = clients[name].data.route.bulk
             used_bulk = bulk is not None and bool(bulk.port)
-        if used_bulk != (cfg.bulk_min_bytes is not None):
-            raise AssertionError(f"{name}: bulk channel used = {used_bulk}")
-        row = {
-            "upload_gbps": statistics.median(up),
-            "download_gbps": statistics.median(down),
-            "loopback_socket_gbps": statistics.median(sock),
-            "upload_runs_gbps": up,
-            "download_runs_gbps": down,
-            "bytes": TRANSFER_BYTES,
-            "repeats": repeats,
-        }
-        results["transfer"][name] = row
-        print(f"transfer, {name}: {row}", flush=True)
+            if used_bulk != (cfg.bulk_min_bytes is not None):
+                raise AssertionError(f"{name}: bulk channel used = {used_bulk}")
+            if bulk is not None and bulk.num_local_transfers != (2 * repeats if local else 0):
+                raise AssertionError(f"{name}: {bulk.num_local_transfers} transfers over the Unix socket")
+            run = runs[name]
+            row = {
+                "upload_gbps": statistics.median(run["up"]),
+                "download_gbps": statistics.median(run["down"]),
+                "loopback_socket_gbps": statistics.median(run["sock"]),
+                "upload_runs_gbps": run["up"],
+                "download_runs_gbps": run["down"],
+                "bytes": TRANSFER_BYTES,
+                "repeats": repeats,
+            }
+            results["transfer"][name] = row
+            print(f"transfer, {name}: {row}", flush=True)
+    finally:
+        for c in clients.values():
+            c.close()
+
+
+def _handler_sum_s(parent: Any) -> float:
+    """Seconds the node's Attend handlers took so far (the latency metric's sum)."""
+    parent.send("attend_handler")
+    return float(parent.recv()[0])
+
+
+def _paths_interleaved(
+    client: Any, channel: Any, parent: Any, ids: list[str], q: Any, iters: int
+) -> dict[str, Any]:
+    """Attend over the channel's TCP socket and its same-host shared-memory path,
+    alternating call by call. Per call also `call - handler`: the client's wall minus
+    the node's own handler time for that very call (parse + engine), which leaves the
+    transport alone and does not move with the engine's run-to-run spread."""
+    samples: dict[str, list[float]] = {"tcp": [], "shm": []}
+    net: dict[str, list[float]] = {"tcp": [], "shm": []}
+    local_before = channel.num_local_calls
+    for path in ("tcp", "shm"):  # warm both connections (the region is mapped on the first call)
+        channel.is_local_enabled = path == "shm"
+        for _ in range(3):
+            client.attend_batch(ids, 0, q)
+    before = _handler_sum_s(parent)
+    for i in range(2 * iters):
+        path = ("tcp", "shm")[i % 2]
+        channel.is_local_enabled = path == "shm"
+        t0 = time.perf_counter()
+        client.attend_batch(ids, 0, q)
+        wall = time.perf_counter() - t0
+        after = _handler_sum_s(parent)
+        samples[path].append(wall)
+        net[path].append(wall - (after - before))
+        before = after
+    channel.is_local_enabled = True
+    if channel.num_local_calls - local_before != 3 + iters:
+        raise AssertionError("a same-host attend fell back to TCP")
+    return {p: {"call": _pcts(samples[p]), "call_minus_handler": _pcts(net[p])} for p in samples}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -280,6 +329,7 @@ def main(argv: list[str] | None = None) -> None:
             channel = via_bulk.data.bulk_channel(5.0)
             if channel is None:
                 raise AssertionError("the node advertises no bulk channel")
+            channel.is_local_enabled = False  # the channel rows below are its TCP socket
             for _ in range(20):
                 client.ping()
                 channel.ping(5.0)
@@ -290,6 +340,15 @@ def main(argv: list[str] | None = None) -> None:
                 samples.append(time.perf_counter() - t0)
             bulk_ping = _pcts(samples)
             results["latency"]["bulk_ping"] = bulk_ping
+            for _ in range(20):
+                channel.ping_local(5.0)
+            samples = []
+            for _ in range(_iters(1, args.quick) * 2):
+                t0 = time.perf_counter()
+                channel.ping_local(5.0)
+                samples.append(time.perf_counter() - t0)
+            results["latency"]["shm_ping"] = _pcts(samples)
+            print(f"same-host PING: {results['latency']['shm_ping']}", flush=True)
             print(f"bulk channel PING: {bulk_ping}", flush=True)
             for _ in range(20):
                 client.ping()
@@ -351,7 +410,16 @@ def main(argv: list[str] | None = None) -> None:
                 n = _iters(b, args.quick)
                 floor = _floor_overhead(floor_port, "Wait", eng["p50_ms"] / 1e3, q.numel() * 4, n)
                 in_rpc = _floor_overhead(floor_port, "Engine", b, q.numel() * 4, n)
+                channel.is_local_enabled = False
                 bulk_overhead = over_bulk["p50_ms"] - eng["p50_ms"]
+                paths = _paths_interleaved(via_bulk, channel, parent, ids, q, _iters(b, args.quick))
+                channel.is_local_enabled = False
+                for p in paths.values():
+                    p["overhead_p50_ms"] = p["call"]["p50_ms"] - eng["p50_ms"]
+                    p["overhead_over_ping_p50"] = p["overhead_p50_ms"] / ping["p50_ms"]
+                    p["call_minus_handler_over_ping_p50"] = p["call_minus_handler"]["p50_ms"] / ping["p50_ms"]
+                results["latency"][f"attend_paths_b{b}"] = paths
+                print(f"attend batch {b}, TCP vs same-host: {paths}", flush=True)
                 parent.send((b, _iters(b, args.quick), max(0.0, bulk_overhead) / 1e3))
                 bulk_paced = parent.recv()
                 results["latency"][f"attend_bulk_b{b}"] = {
@@ -454,6 +522,32 @@ def render(r: dict[str, Any]) -> str:
                 f"| {a['engine_paced']['p50_ms']:.3f} | {a['refused_call']['p50_ms']:.3f} |"
             )
         lines += tail
+    sp = lat.get("shm_ping")
+    if sp is not None and f"attend_paths_b{BATCHES[0]}" in lat:
+        lines += [
+            "",
+            "Same-host shared memory (ATTEND_SHM: q/k/v and out/lse through a memfd region both processes "
+            "map, a 32-byte header over a Unix socket; what a client on the node's host uses) against the "
+            "channel's TCP socket (what a client on another host uses), alternating call by call in this "
+            "run. Overhead = call p50 - in-process engine p50 (as above); call - handler = per call, the "
+            "client's wall minus the node's own handler time for that call (parse + engine), p50: the "
+            "transport alone, without the engine's run-to-run spread.",
+            "",
+            "| path | batch | call p50 ms | call p99 ms | overhead p50 ms | overhead / gRPC Ping | "
+            "call - handler p50 ms | call - handler / gRPC Ping |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|",
+            f"| same-host PING (Unix socket, its floor) | - | {sp['p50_ms']:.3f} | {sp['p99_ms']:.3f} | - | "
+            f"{sp['p50_ms'] / ping:.2f}x (PING / Ping) | - | - |",
+        ]
+        for b in BATCHES:
+            for name, key in (("TCP channel", "tcp"), ("same-host shm", "shm")):
+                a = lat[f"attend_paths_b{b}"][key]
+                c, n = a["call"], a["call_minus_handler"]
+                lines.append(
+                    f"| {name} | {b} | {c['p50_ms']:.3f} | {c['p99_ms']:.3f} | {a['overhead_p50_ms']:.3f} | "
+                    f"{a['overhead_over_ping_p50']:.2f}x | {n['p50_ms']:.3f} | "
+                    f"{a['call_minus_handler_over_ping_p50']:.2f}x |"
+                )
     lines += [
         "",
         "Overhead = call p50 - in-process engine p50, timed back to back (goal: <= 1.3 x the gRPC Ping p50).",

@@ -112,6 +112,6 @@ def write_results(region: Region, offset: int, capacity: int, parts: list[torch.
         return False
     area = region.view(offset, capacity, "the results")
     for t, (a, nbytes) in zip(parts, spans, strict=True):
-        if nbytes:
-            area[a : a + nbytes].view(t.dtype).view(t.shape).copy_(t)
+        if nbytes:  # one memcpy on this thread (torch's copy_ would wake its intra-op threads)
+            area[a : a + nbytes].numpy()[:] = t.contiguous().reshape(-1).view(torch.uint8).numpy()
     return True
