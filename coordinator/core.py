@@ -160,6 +160,7 @@ class Coordinator:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._reaper: threading.Thread | None = None
+        self._started_at = time.monotonic()  # start of the grace in which a lapsed lease is not a death
         self._inflight: dict[str, NodeCall] = {}  # seq id -> its node Open not yet settled
         # Cleanups after failed node opens and Free retries: Redis and sleeps, never
         # on gRPC's callback thread.
@@ -178,6 +179,7 @@ class Coordinator:
 
     def start(self, interval_s: float | None = None) -> Coordinator:
         interval = interval_s if interval_s is not None else self.config.lease_ttl_s / 4
+        self._started_at = time.monotonic()
         self._reaper = threading.Thread(target=self._reap_loop, args=(interval,), name="reaper", daemon=True)
         self._reaper.start()
         return self
@@ -246,6 +248,8 @@ class Coordinator:
                     self._nodes[node_id] = NodeInfo(
                         node.node_id, node.address, node.spec, node.num_blocks, dict(load)
                     )
+            if node is None:  # its lease had lapsed (e.g. while we were down): live again
+                self.refresh_nodes()
         return ok
 
     def report_events(self, node_id: str, events: Sequence[tuple[int, bytes]]) -> int:
@@ -311,6 +315,13 @@ class Coordinator:
         node_id = record.extents[0].node_id
         node = self._nodes_for(None).get(node_id)
         if node is None:
+            if time.monotonic() - self._started_at < self.config.lease_ttl_s:
+                # The reaper's grace: a lease that lapsed while no coordinator ran is
+                # not a death; the node has one lease to beat again.
+                raise Unavailable(
+                    f"sequence {record.seq_id}: node {node_id} has not renewed its lease since the "
+                    "coordinator started; retry"
+                )
             raise NodeLost(record.seq_id, f"node {node_id} is not live")
         return node
 

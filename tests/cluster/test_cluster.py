@@ -170,6 +170,9 @@ def test_coordinator_restart_keeps_sequences_and_index(tmp_path, redis_url):
         assert out.out.shape == (4, SPEC.head_dim)
         cluster.start_coordinator()  # same address, same Redis
         wait_until(lambda: _reachable(c), 5.0, "the client reconnecting")
+        # Leases may have lapsed while no coordinator ran: within the restarted one's grace
+        # that is Unavailable, not a loss, and the nodes' next beats make them live again.
+        wait_until(lambda: len(c.cluster_stats().nodes) == 2, 10.0, "both nodes beating again")
         assert c.sequence("long-lived").route == seq.route
         assert c.lookup(SYSTEM + [3]) == len(SYSTEM)
         hit = c.open("hit", SYSTEM + [4])

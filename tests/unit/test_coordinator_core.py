@@ -4,6 +4,8 @@ follows cached prefixes; the index follows the nodes' events."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -11,7 +13,7 @@ from pagedkv.cache_node.engine import CacheEngine, EngineConfig
 from pagedkv.cache_node.server import create_server
 from pagedkv.coordinator.core import Coordinator, CoordinatorConfig, NodeLost
 from pagedkv.coordinator.memory_store import MemoryStore
-from pagedkv.protos.errors import PermissionDenied
+from pagedkv.protos.errors import PermissionDenied, Unavailable
 from pagedkv.protos.spec import ModelSpec
 
 SPEC = ModelSpec(num_layers=1, num_kv_heads=1, head_dim=8, dtype="float32", block_size=4)
@@ -73,3 +75,37 @@ def test_a_removed_nodes_sequences_are_lost_with_its_name(cluster):
     with pytest.raises(NodeLost, match="'x' was lost: .*n1"):
         coordinator.describe("t", "x")
     coordinator.close("t", "x")  # the page table of a lost sequence can still be dropped
+
+
+def test_a_lease_that_lapsed_before_the_coordinator_started_is_not_a_death():
+    """A coordinator (re)started on existing state gives every node one lease to beat
+    again (the reaper's grace): meanwhile a sequence on a node whose lease lapsed is
+    Unavailable (retry), not lost; the node's next beat makes it live at once; a
+    lapse after the grace is a loss, named."""
+    engine = CacheEngine(EngineConfig(SPEC, 64, device="cpu"))
+    server, port = create_server(engine, "127.0.0.1:0")
+    server.start()
+    store = MemoryStore()
+    first = Coordinator(store, CoordinatorConfig(lease_ttl_s=0.4))
+    try:
+        first.register("n1", f"127.0.0.1:{port}", SPEC.to_dict(), 64)
+        first.open("t", list(range(8)), seq_id="x", wait=True)
+        first.stop()
+        time.sleep(0.5)  # no coordinator: the lease lapses
+        second = Coordinator(store, CoordinatorConfig(lease_ttl_s=0.4))
+        with pytest.raises(Unavailable, match="node n1 has not renewed its lease"):
+            second.describe("t", "x")
+        assert second.heartbeat("n1", {"free_blocks": 62, "used_blocks": 2})
+        record, node = second.describe("t", "x")
+        assert (record.seq_id, node.node_id) == ("x", "n1")
+        time.sleep(0.5)  # past the grace, and the lease lapses again
+        second.refresh_nodes()
+        with pytest.raises(NodeLost, match="'x' was lost: .*n1"):
+            second.describe("t", "x")
+        second.close("t", "x")
+        second.wait_idle()
+        second.stop()
+        engine.check_integrity()
+        assert engine.stats()["used_blocks"] == 0
+    finally:
+        server.stop(0)
