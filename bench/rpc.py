@@ -273,7 +273,10 @@ def _paths_interleaved(
     """Attend over the channel's TCP socket and its same-host shared-memory path,
     alternating call by call. Per call also `call - handler`: the client's wall minus
     the node's own handler time for that very call (parse + engine), which leaves the
-    transport alone and does not move with the engine's run-to-run spread."""
+    transport alone and does not move with the engine's run-to-run spread. Then the
+    same request refused by the node's validation over each (the path without the engine)."""
+    from pagedkv.client import PagedKVError
+
     samples: dict[str, list[float]] = {"tcp": [], "shm": []}
     net: dict[str, list[float]] = {"tcp": [], "shm": []}
     local_before = channel.num_local_calls
@@ -292,10 +295,22 @@ def _paths_interleaved(
         samples[path].append(wall)
         net[path].append(wall - (after - before))
         before = after
-    channel.is_local_enabled = True
     if channel.num_local_calls - local_before != 3 + iters:
         raise AssertionError("a same-host attend fell back to TCP")
-    return {p: {"call": _pcts(samples[p]), "call_minus_handler": _pcts(net[p])} for p in samples}
+    refused: dict[str, list[float]] = {"tcp": [], "shm": []}
+    for i in range(2 * iters):  # the same request refused by validation (layer out of range): no engine
+        path = ("tcp", "shm")[i % 2]
+        channel.is_local_enabled = path == "shm"
+        t0 = time.perf_counter()
+        try:
+            client.data.attend(ids, SPEC["num_layers"], q)
+        except PagedKVError:
+            refused[path].append(time.perf_counter() - t0)
+    channel.is_local_enabled = True
+    return {
+        p: {"call": _pcts(samples[p]), "call_minus_handler": _pcts(net[p]), "refused_call": _pcts(refused[p])}
+        for p in samples
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -534,10 +549,10 @@ def render(r: dict[str, Any]) -> str:
             "transport alone, without the engine's run-to-run spread.",
             "",
             "| path | batch | call p50 ms | call p99 ms | overhead p50 ms | overhead / gRPC Ping | "
-            "call - handler p50 ms | call - handler / gRPC Ping |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|",
+            "call - handler p50 ms | call - handler / gRPC Ping | refused request p50 ms |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
             f"| same-host PING (Unix socket, its floor) | - | {sp['p50_ms']:.3f} | {sp['p99_ms']:.3f} | - | "
-            f"{sp['p50_ms'] / ping:.2f}x (PING / Ping) | - | - |",
+            f"{sp['p50_ms'] / ping:.2f}x (PING / Ping) | - | - | - |",
         ]
         for b in BATCHES:
             for name, key in (("TCP channel", "tcp"), ("same-host shm", "shm")):
@@ -546,7 +561,7 @@ def render(r: dict[str, Any]) -> str:
                 lines.append(
                     f"| {name} | {b} | {c['p50_ms']:.3f} | {c['p99_ms']:.3f} | {a['overhead_p50_ms']:.3f} | "
                     f"{a['overhead_over_ping_p50']:.2f}x | {n['p50_ms']:.3f} | "
-                    f"{a['call_minus_handler_over_ping_p50']:.2f}x |"
+                    f"{a['call_minus_handler_over_ping_p50']:.2f}x | {a['refused_call']['p50_ms']:.3f} |"
                 )
     lines += [
         "",
