@@ -172,7 +172,9 @@ class BulkServer:
             else:
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             with self._lock:
-                if self._is_stopping or len(self._conns) >= self._max_connections:
+                # each listener has its own cap: a same-host client also keeps a TCP connection
+                num_same_kind = sum(c.family == listener.family for c in self._conns)
+                if self._is_stopping or num_same_kind >= self._max_connections:
                     conn.close()  # the client falls back to gRPC
                     continue
                 thread = threading.Thread(

@@ -152,10 +152,20 @@ class BulkChannel:
         if not self.local_name:
             raise BulkUnavailable("the node has no same-host listener reachable from here")
         try:
-            return shm.LocalConnection(self.local_name, min(timeout_s, CONNECT_TIMEOUT_S))
+            conn = shm.LocalConnection(self.local_name, min(timeout_s, CONNECT_TIMEOUT_S))
         except OSError as exc:  # another host or network namespace, or the node went away
             self.local_name = ""
             raise BulkUnavailable(f"cannot reach the node's same-host listener: {exc}") from exc
+        try:  # a node at its connection cap closes a new one at once: find out (HELLO, not counted)
+            conn.sock.sendall(Frame(bulk.OP_HELLO, next(self._ids)).pack())
+            reply = bulk.read_frame(conn.sock)
+            if reply is None or reply.status != bulk.STATUS_OK:
+                raise ProtocolError(f"hello answered {reply}")
+        except (OSError, ProtocolError) as exc:
+            conn.close()
+            raise BulkUnavailable(f"the node's same-host listener refused a connection: {exc}") from exc
+        conn.sock.settimeout(timeout_s)
+        return conn
 
     def _hello(self, timeout_s: float) -> str:
         """The node's same-host listener name ("" when it has none or is too old to say)."""
@@ -201,6 +211,9 @@ class BulkChannel:
                 self.local_name = ""  # this node will not map our regions: TCP from now on
                 conn.close()
                 raise BulkUnavailable(f"the node refused the shared region: {exc}") from None
+            except (OSError, ProtocolError) as exc:  # nothing of this call was sent: TCP takes it
+                conn.close()
+                raise BulkUnavailable(f"same-host region not mapped: {exc}") from exc
             shm.write_call(conn.region, body_head, parts)
             shm_op = bulk.OP_ATTEND_SHM if op == bulk.OP_ATTEND else bulk.OP_ATTEND_PREFILL_BATCH_SHM
             request = Frame(shm_op, request_id, payload_len=bulk.SHM_CALL.size).pack()

@@ -94,7 +94,7 @@ class LocalConnection:
         self.region = torch.frombuffer(new_map, dtype=torch.uint8)
 
     def close(self) -> None:
-        self.region = torch.empty(0, dtype=torch.uint8)
+        self.region, self.size = torch.empty(0, dtype=torch.uint8), 0
         if self._map is not None:
             with contextlib.suppress(BufferError):  # a view still held: its finalizer unmaps
                 self._map.close()

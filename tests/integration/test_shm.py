@@ -445,3 +445,27 @@ def test_node_without_local_listener_advertises_none(monkeypatch: pytest.MonkeyP
             assert channel_of(c).num_calls == 1 and channel_of(c).num_local_calls == 0
     finally:
         node.server.stop(0)
+
+
+def test_connection_over_the_nodes_cap_falls_back_to_tcp(node: Node) -> None:
+    """Each listener has its own cap; a same-host connection the node closes at once
+    (over its cap) is found out by the handshake and the call goes over TCP."""
+    node.fill("s", 6, seed=1)
+    q = node.rand(1, Q_HEADS, 8, seed=1)
+    want = node.engine.attend_decode(["s"], 1, q)
+    assert node.server.bulk is not None
+    node.server.bulk._max_connections = 1
+    with CacheClient(node.address) as c:
+        ch = channel_of(c)
+        assert bitwise(c.data.attend(["s"], 1, q).out, want.out)  # 1 TCP (HELLO) + 1 same-host connection
+        assert ch.num_local_calls == 1
+        held = ch._take_local(5.0)  # the same-host connection is busy elsewhere
+        try:
+            assert bitwise(c.data.attend(["s"], 1, q).out, want.out)  # a second one is refused: TCP
+            assert ch.num_calls == 2 and ch.num_local_calls == 1 and ch.local_name
+        finally:
+            ch._give_local(held)
+        assert bitwise(c.data.attend(["s"], 1, q).out, want.out)  # the pooled one serves again
+        assert ch.num_local_calls == 2
+    assert node.counters()[2] == 0
+    node.state()
