@@ -109,3 +109,51 @@ def test_a_lease_that_lapsed_before_the_coordinator_started_is_not_a_death():
         assert engine.stats()["used_blocks"] == 0
     finally:
         server.stop(0)
+
+
+def test_after_reply_holds_the_node_calls_until_it_runs_them(cluster):
+    """The servicer sends the node Open and Free after its reply (after_reply is
+    gRPC's add_callback): nothing reaches the node before the hook runs the send, the
+    call counts as in flight meanwhile (a close chains its Free after the Open), and a
+    hook that cannot defer (returns False) leaves the call sent at once."""
+    coordinator, engines = cluster
+    held: list = []
+
+    def hold(send):
+        held.append(send)
+        return True
+
+    a = coordinator.open("t", list(range(8)), seq_id="a", after_reply=hold)
+    engine = engines[a.node_id]
+    assert len(held) == 1
+    time.sleep(0.2)
+    assert engine.stats()["num_sequences"] == 0  # the Open was not sent
+    with pytest.raises(Unavailable, match="1 node calls still in flight"):
+        coordinator.wait_idle(timeout_s=0.2)
+    coordinator.close("t", "a", after_reply=hold)  # chained after the Open, not the reply
+    assert len(held) == 1
+    held.pop()()
+    coordinator.wait_idle()
+    assert engine.stats()["num_sequences"] == 0  # opened, then freed
+    assert engine.stats()["used_blocks"] == 0
+
+    b = coordinator.open("t", list(range(8)), seq_id="b", after_reply=hold)
+    held.pop()()
+    coordinator.wait_idle()
+    assert engines[b.node_id].stats()["num_sequences"] == 1
+    coordinator.close("t", "b", after_reply=hold)  # the Open is done: the Free waits for the hook
+    time.sleep(0.2)
+    assert engines[b.node_id].stats()["num_sequences"] == 1
+    held.pop()()
+    coordinator.wait_idle()
+    assert engines[b.node_id].stats()["num_sequences"] == 0
+
+    c = coordinator.open("t", list(range(8)), seq_id="c", after_reply=lambda send: False)
+    coordinator.wait_idle()
+    assert engines[c.node_id].stats()["num_sequences"] == 1
+    coordinator.close("t", "c", after_reply=lambda send: False)
+    coordinator.wait_idle()
+    assert held == []
+    for e in engines.values():
+        e.check_integrity()
+        assert e.stats()["used_blocks"] == 0
