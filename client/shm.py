@@ -16,6 +16,7 @@ from __future__ import annotations
 import array
 import contextlib
 import fcntl
+import math
 import mmap
 import os
 import socket
@@ -141,23 +142,23 @@ def result_bytes(q: torch.Tensor, block_mass: bool) -> int:
 
 
 def read_placed(region: torch.Tensor, out_at: int, out_len: int, reply_head: bytearray) -> AttentionResult:
-    """Copies of the result tensors the node placed at region[out_at, +out_len)."""
+    """Copies of the result tensors the node placed at region[out_at, +out_len):
+    one allocation and one memcpy for all of them (they share it, as views)."""
     (num, _) = bulk.REPLY.unpack_from(reply_head, 0)
     if not 2 <= num <= 3:
         raise ProtocolError(f"attend reply with {num} tensors")
-    outs, at = [], 0
+    spans, at = [], 0
     for i in range(num):
         dtype, shape = bulk.unpack_tensor(reply_head, bulk.REPLY.size + i * bulk.TENSOR.size)
         tdtype = tensors.TORCH_DTYPES[dtype]
         at += bulk.pad(at)
-        nbytes = tdtype.itemsize
-        for d in shape:
-            nbytes *= d
-        if at + nbytes > out_len:
-            raise ProtocolError(f"attend results of {at + nbytes} bytes overrun the {out_len}-byte area")
-        out = torch.empty(shape, dtype=tdtype)
-        if nbytes:
-            copy_bytes(out.reshape(-1).view(torch.uint8), region[out_at + at : out_at + at + nbytes])
-        outs.append(out)
+        nbytes = tdtype.itemsize * math.prod(shape)
+        spans.append((tdtype, shape, at, nbytes))
         at += nbytes
+    if at > out_len:
+        raise ProtocolError(f"attend results of {at} bytes overrun the {out_len}-byte area")
+    buf = torch.empty(at, dtype=torch.uint8)
+    if at:
+        buf.numpy()[:] = region[out_at : out_at + at].numpy()
+    outs = [buf[a : a + n].view(tdtype).view(shape) for tdtype, shape, a, n in spans]
     return AttentionResult(outs[0], outs[1], outs[2] if num == 3 else None)
