@@ -21,6 +21,8 @@ Measured in one run, variants interleaved per repeat, medians:
 - cached:          open the prompt (the prefix already cached), run the model on the suffix with
                    attention on the node, pick the first token;
 - local recompute: transformers with its own DynamicCache computes every position;
+- local floor:     the suffix's forward on a DynamicCache that already holds the prefix (the
+                   cached path's compute with no node and no transport: what it cannot beat);
 - node recompute:  the same prompt with nothing cached, attention on the node;
 - decode tokens/s: one token per step after the prompt (batch 1 and 8), node vs DynamicCache;
 - a phase profile of the cached path (in-process node, separate untimed pass), once over the bulk
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import re
 import statistics
@@ -91,6 +94,14 @@ def decode_steps(model: Any, cache: Any, first: torch.Tensor, steps: int) -> flo
         logits = model(input_ids=nxt, cache=cache, use_cache=True).logits
         nxt = logits[:, -1:].argmax(-1)
     return time.perf_counter() - start
+
+
+def local_floor(model: Any, cache: DynamicCache, suffix: torch.Tensor) -> float:
+    """Seconds for the suffix's forward on a DynamicCache already holding the prefix (the cached
+    path's floor: the same compute with no node, no transport); the suffix is cropped off after."""
+    dt, _ = timed(lambda: model(suffix, cache=cache, logits_to_keep=1))
+    cache.crop(-suffix.shape[1])
+    return dt
 
 
 @contextmanager
@@ -174,6 +185,12 @@ def bulk_calls(backend: GrpcBackend) -> int:
     return 0 if channel is None else channel.num_calls
 
 
+def same_host_calls(backend: GrpcBackend) -> int:
+    """Of bulk_calls, those that took the node's same-host shared-memory path."""
+    channel = backend.client.data.route.bulk
+    return 0 if channel is None else getattr(channel, "num_local_calls", 0)
+
+
 def profile_cached(
     model: Any, config: Any, prefix: torch.Tensor, suffix: int, repeats: int, client_config: ClientConfig
 ) -> dict:
@@ -230,7 +247,7 @@ def bench_model(name: str, args: argparse.Namespace, with_decode: bool) -> dict:
     prefix = tokens(1, args.prefix)
     n_prompt = args.prefix + args.suffix
     print(f"model {name} {shape}: {args.prefix} cached + {args.suffix} new tokens", flush=True)
-    res: dict[str, list[float]] = {"local": []}
+    res: dict[str, list[float]] = {"local": [], "local_floor": []}
     for t in TRANSPORTS:
         res[f"cached/{t}"], res[f"node_full/{t}"] = [], []
     res["cached/process, gRPC only"] = []
@@ -248,6 +265,8 @@ def bench_model(name: str, args: argparse.Namespace, with_decode: bool) -> dict:
                 with PagedKVCache(model, backend) as cache:
                     prefill_with_prefix_cache(model, cache, torch.cat([prefix, tokens(2, args.suffix)], 1))
             model(tokens(3, 64), cache=DynamicCache(config=config))
+            floor_cache = DynamicCache(config=config)  # the prefix's K/V already local (filled once)
+            model(prefix, cache=floor_cache)
             for r in range(args.repeats):
                 prompt = torch.cat([prefix, tokens(100 + r, args.suffix)], 1)
                 firsts = []
@@ -270,6 +289,7 @@ def bench_model(name: str, args: argparse.Namespace, with_decode: bool) -> dict:
                 )
                 res["local"].append(dt)
                 same_first &= all(torch.equal(f, logits[:, -1].argmax(-1)) for f in firsts)
+                res["local_floor"].append(local_floor(model, floor_cache, prompt[:, args.prefix :]))
                 unique = tokens(200 + r, n_prompt)  # nothing cached: every position through the node
                 for t, backend in backends.items():
                     with PagedKVCache(model, backend) as cache:
@@ -338,6 +358,7 @@ def bench_model(name: str, args: argparse.Namespace, with_decode: bool) -> dict:
                 backend.check_integrity()
                 used_after[t] = backend.stats()["used_blocks"]
             calls_over_bulk = {t: bulk_calls(b) for t, b in cached_backends.items()}
+            calls_same_host = {t: same_host_calls(b) for t, b in cached_backends.items()}
             if (
                 not (calls_over_bulk["process"] and calls_over_bulk["in-process"])
                 or calls_over_bulk["process, gRPC only"]
@@ -365,6 +386,7 @@ def bench_model(name: str, args: argparse.Namespace, with_decode: bool) -> dict:
         "cached_phases_ms": phases,
         "cached_phases_grpc_only_ms": phases_grpc,
         "data_calls_over_bulk_channel": calls_over_bulk,
+        "of_which_same_host_shared_memory": calls_same_host,
         "node_used_blocks_after": used_after,
     }
 
@@ -380,6 +402,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.manual_seed(0)
     names = ["small"] if args.no_large else ["small", "large"]
+    load_start = [round(x, 2) for x in os.getloadavg()]
     report = {
         "models": {name: bench_model(name, args, with_decode=name == "small") for name in names},
         "dtype": "float32",
@@ -389,7 +412,12 @@ def main() -> None:
         "repeats": args.repeats,
         "goal_ratio": 0.3,
         "decode_steps": args.decode,
-        "machine": {"cpu_threads": torch.get_num_threads(), "platform": platform.platform()},
+        "machine": {
+            "cpu_threads": torch.get_num_threads(),
+            "platform": platform.platform(),
+            "load_average_start": load_start,
+            "load_average_end": [round(x, 2) for x in os.getloadavg()],
+        },
         "transports": {
             "process": "the node in its own process (pagedkv node), as deployed; control calls over gRPC, "
             "data calls over its bulk TCP channel (localhost)",
@@ -408,11 +436,14 @@ def render(r: dict) -> str:
     lines = [
         "# Time to first token: cached prefix vs recompute",
         "",
-        f"Random Llamas, fp32, CPU ({r['machine']['cpu_threads']} threads, a shared VM), block size "
+        f"Random Llamas, fp32, CPU ({r['machine']['cpu_threads']} threads, a shared VM; load average "
+        f"{r['machine'].get('load_average_start', ['?'])[0]} at the start, "
+        f"{r['machine'].get('load_average_end', ['?'])[0]} at the end), block size "
         f"{r['block_size']}; {r['prefix_tokens']}-token cached prefix + {r['suffix_tokens']} new tokens; "
         f"medians of {r['repeats']} repeats, variants interleaved. Two node placements on localhost, "
         "control calls over gRPC and the per-layer data calls (AttendPrefillBatch, Attend) over the "
-        "node's bulk TCP channel, as the client does by default: **process** = the node in its own "
+        "node's bulk channel (its same-host shared-memory path where the node offers one, else TCP), "
+        "as the client does by default: **process** = the node in its own "
         "process (`pagedkv node`), as deployed; **in-process** = the node's server inside the worker's "
         "process (shares its GIL). **process, gRPC only** = the node process with every call on the "
         "gRPC rpcs (the fallback), measured in the same loop.",
@@ -430,6 +461,11 @@ def render(r: dict) -> str:
             if f"cached/{tr}" in t:
                 lines.append(f"| cached prefix, node {tr} | {t[f'cached/{tr}']:.1f} | {ratio[tr]:.2f}x |")
         lines.append(f"| full recompute, transformers DynamicCache | {t['local']:.1f} | 1.00x |")
+        if "local_floor" in t:
+            lines.append(
+                "| floor: the suffix on a DynamicCache already holding the prefix (no node) "
+                f"| {t['local_floor']:.1f} | {t['local_floor'] / t['local']:.2f}x |"
+            )
         for tr in TRANSPORTS:
             full = t[f"node_full/{tr}"]
             lines.append(f"| full recompute, node {tr} | {full:.1f} | {full / t['local']:.2f}x |")
@@ -441,7 +477,13 @@ def render(r: dict) -> str:
             f"Goal cached <= {goal}x of local recompute -> {verdict}. Prefix hit per call: "
             f"{sorted(set(m['cached_prefix_hit_tokens']))} tokens; first token equals recompute's: "
             f"{m['first_token_matches_recompute']}; blocks in use after the run: "
-            f"{m['node_used_blocks_after']}.",
+            f"{m['node_used_blocks_after']}; data calls over the bulk channel (of which same-host "
+            f"shared memory): "
+            + ", ".join(
+                f"{t} {n} ({m.get('of_which_same_host_shared_memory', {}).get(t, 0)})"
+                for t, n in m["data_calls_over_bulk_channel"].items()
+            )
+            + ".",
             "",
             "Where the cached TTFT goes (in-process node, separate untimed-for-the-table pass, median ms; "
             "the data calls over the bulk channel, and over gRPC only):",

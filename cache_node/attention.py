@@ -506,11 +506,10 @@ def _prefill_flash(
                                  attn_mask=None, scale=scale)  # fmt: skip
             out_a = out_a.reshape(num_q_heads, num_queries, head_dim)
             lse_a = lse_a.reshape(num_q_heads, num_queries)
-            top = torch.maximum(lse, lse_a)
-            w_a, w_b = (lse_a - top).exp_(), (lse - top).exp_()
-            total = w_a + w_b
-            out = (out_a * w_a.unsqueeze(-1) + out * w_b.unsqueeze(-1)) / total.unsqueeze(-1)
-            lse = top + total.log()
+            # out = (e^lse_a out_a + e^lse out) / (e^lse_a + e^lse): one lerp by A's share of the mass
+            total = torch.logaddexp(lse_a, lse)
+            out = torch.lerp(out, out_a, (lse_a - total).exp_().unsqueeze(-1))
+            lse = total
     finally:
         _workspace.give(taken)
     return AttentionOutput(out.transpose(0, 1).to(q.dtype), lse.transpose(0, 1).contiguous())
