@@ -13,16 +13,10 @@ An open, in round trips to the store (Redis):
                                     the page table; candidates and their room come from
                                     a node cache refreshed by the reaper tick)
     node        CacheNode.Open   0 on the critical path: sent as a future after the
-                                   page table is written (by the servicer: once the
-                                   reply is on the wire), and never waited for
+                                   page table is written, and never waited for
 
 So an open answers after one client RPC and one Redis round trip; the client
 gets the placement and M, the cached-token count from the exact prefix index.
-The servicer sends the node Open (and a close's node Free) after its reply
-(`after_reply`, gRPC's add_callback): sent before, the node-calls thread's send
-and the node's own work ran while the reply was built and written, and on 2 busy
-cores that cost the open ~0.4 ms of its 2.7 ms (measured side by side); the worker's
-first data call waits no longer, it reaches the node after the Open anyway.
 The node Open carries M as an exact expectation (expect_cached_tokens): the node
 takes exactly M cached tokens or fails (PrefixEvicted, when it evicted some since
 the index was read). A failed node open is never lost: the node keeps a tombstone
@@ -74,9 +68,6 @@ from .store import Store
 
 log = logging.getLogger("pagedkv.coordinator")
 STORED_KIND = 1  # pb.BlockEvent.STORED
-# Schedules a node call to be sent later (gRPC's ServicerContext.add_callback: once the
-# reply is sent); returns False when it cannot, and then the call is sent at once.
-AfterReply = Callable[[Callable[[], None]], bool]
 
 
 @dataclass(frozen=True)
@@ -373,15 +364,11 @@ class Coordinator:
         max_cached_tokens: int | None = None,
         spec: Mapping[str, Any] | None = None,
         wait: bool = False,
-        after_reply: AfterReply | None = None,
     ) -> OpenResult:
         """Place the sequence and write its page table (one store call), then send the
         node Open without waiting for it (see the module docstring); num_cached_tokens
-        is M, what the node will take exactly. `after_reply` defers the send (the
-        servicer's: until its reply is sent); the Open is in flight for fork, swaps,
-        close and a reopen from here on either way. `wait=True` sends at once and waits
-        for the node (its failure is raised here, and num_host_hit_tokens is known):
-        for tests and tools only."""
+        is M, what the node will take exactly. `wait=True` also waits for the node (its
+        failure is raised here, and num_host_hit_tokens is known): for tests and tools only."""
         seq_id = seq_id or uuid.uuid4().hex
         self._settle(seq_id, raise_error=False)  # a reopen of this id waits for its last node call
         nodes = self._nodes_for(spec)
@@ -418,13 +405,7 @@ class Coordinator:
         request = pb.OpenRequest(
             seq_id=seq_id, token_ids=token_ids, tenant_salt=salt, expect_cached_tokens=num_cached
         )
-        quota_tenant = tenant if quota is not None else None
-
-        def send() -> None:
-            self._send_open(node, request, call, quota_tenant)
-
-        if wait or after_reply is None or not after_reply(send):
-            send()
+        self._send_open(node, request, call, tenant if quota is not None else None)
         self._account(node.node_id, placement.new_blocks)
         self.counters["opens"] += 1
         self.counters["prompt_tokens"] += num_tokens
@@ -515,25 +496,17 @@ class Coordinator:
                 except TimeoutError:
                     continue
 
-    def _send_free(
-        self,
-        node: NodeInfo,
-        seq_id: str,
-        after: NodeCall | None = None,
-        after_reply: AfterReply | None = None,
-    ) -> None:
+    def _send_free(self, node: NodeInfo, seq_id: str, after: NodeCall | None = None) -> None:
         """Free `seq_id` on the node without waiting; with `after` (its node Open still in
-        flight), once that Open has succeeded (a failed one left nothing to free), else
-        when `after_reply` runs it (at once without one). A failure other than NOT_FOUND
-        is retried (free_retries, backoff) so blocks never leak on a transient error. The
-        Free is in `_inflight` from this call on, before it is sent, so a reopen of the
-        same id waits for it and never overtakes it."""
+        flight), once that Open has succeeded (a failed one left nothing to free). A
+        failure other than NOT_FOUND is retried (free_retries, backoff) so blocks never
+        leak on a transient error. The Free is in `_inflight` from this call on, before
+        it is sent, so a reopen of the same id waits for it and never overtakes it."""
         call = NodeCall(seq_id)
         with self._lock:
             self._inflight[seq_id] = call
         if after is None:
-            if after_reply is None or not after_reply(lambda: self._free_attempt(node, call, 0)):
-                self._free_attempt(node, call, 0)
+            self._free_attempt(node, call, 0)
             return
 
         def send_when_opened(error: PagedKVError | None) -> None:
@@ -590,12 +563,11 @@ class Coordinator:
         placement = Placement(node.node_id, 0, 0, 0)
         return OpenResult(child_id, node.node_id, node.address, 0, placement)
 
-    def close(self, tenant: str, seq_id: str, *, after_reply: AfterReply | None = None) -> None:
+    def close(self, tenant: str, seq_id: str) -> None:
         """Drop the page table (one round trip, tenant-checked) and free the sequence on
-        its node without waiting: after its node Open when that is still in flight, else
-        when `after_reply` runs it (as open's), with retries when it fails. Closing a
-        sequence whose node open failed raises that open's error (its page table is
-        already gone)."""
+        its node without waiting: after its node Open when that is still in flight, with
+        retries when it fails. Closing a sequence whose node open failed raises that
+        open's error (its page table is already gone)."""
         with self._lock:
             call = self._inflight.get(seq_id)
         try:
@@ -611,7 +583,7 @@ class Coordinator:
         node = self._nodes_for(None).get(record.extents[0].node_id)
         if node is None:  # its node died: nothing to free
             return
-        self._send_free(node, seq_id, after=call, after_reply=after_reply)
+        self._send_free(node, seq_id, after=call)
 
     def swap_out(self, tenant: str, seq_id: str) -> int:
         self._settle(seq_id)

@@ -100,7 +100,6 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 if request.HasField("max_cached_tokens")
                 else None,
                 spec=spec_dict(request.spec),
-                after_reply=context.add_callback,  # the node Open leaves after our reply
             )
             return _open_response(result)
 
@@ -127,7 +126,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
     def Close(self, request: pb.CoordSeqRequest, context: grpc.ServicerContext) -> Any:
         def run() -> pb.Empty:
-            self.coordinator.close(self._tenant(context), request.seq_id, after_reply=context.add_callback)
+            self.coordinator.close(self._tenant(context), request.seq_id)
             return pb.Empty()
 
         return self._run("Close", context, run)
