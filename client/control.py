@@ -53,7 +53,7 @@ class NodeControl:
         return codec.open_result(call(self.stub.Open, req, self._t(timeout_s)))
 
     def lookup(self, token_ids: codec.TokenIds, timeout_s: float | None = None) -> int:
-        req = pb.LookupRequest(token_ids=codec.token_list(token_ids), tenant_salt=self.config.tenant_salt)
+        req = codec.with_token_ids(pb.LookupRequest, token_ids, tenant_salt=self.config.tenant_salt)
         return call(self.stub.Lookup, req, self._t(timeout_s)).num_cached_tokens
 
     def fork(self, parent_id: str, child_id: str, timeout_s: float | None = None) -> None:
@@ -113,7 +113,7 @@ class AsyncNodeControl:
         return codec.open_result(await acall(self.stub.Open, req, self._t(timeout_s)))
 
     async def lookup(self, token_ids: codec.TokenIds, timeout_s: float | None = None) -> int:
-        req = pb.LookupRequest(token_ids=codec.token_list(token_ids), tenant_salt=self.config.tenant_salt)
+        req = codec.with_token_ids(pb.LookupRequest, token_ids, tenant_salt=self.config.tenant_salt)
         return (await acall(self.stub.Lookup, req, self._t(timeout_s))).num_cached_tokens
 
     async def fork(self, parent_id: str, child_id: str, timeout_s: float | None = None) -> None:

@@ -97,7 +97,7 @@ class _CoordinatorBase:
     def _open_request(
         self, seq_id: str, token_ids: codec.TokenIds, max_cached: int | None
     ) -> pb.CoordOpenRequest:
-        req = pb.CoordOpenRequest(seq_id=seq_id, token_ids=codec.token_list(token_ids), spec=_spec(self.spec))
+        req = codec.with_token_ids(pb.CoordOpenRequest, token_ids, seq_id=seq_id, spec=_spec(self.spec))
         if max_cached is not None:
             req.max_cached_tokens = max_cached
         return req
@@ -135,7 +135,7 @@ class CoordinatorRouting(_CoordinatorBase):
         return resp.num_blocks, _route(resp)
 
     def lookup(self, token_ids: codec.TokenIds, timeout_s: float | None = None) -> int:
-        req = pb.CoordLookupRequest(token_ids=codec.token_list(token_ids), spec=_spec(self.spec))
+        req = codec.with_token_ids(pb.CoordLookupRequest, token_ids, spec=_spec(self.spec))
         return self._call("Lookup", req, timeout_s).num_cached_tokens
 
     def pin(self, token_ids: codec.TokenIds, timeout_s: float | None = None) -> int:
@@ -214,7 +214,7 @@ class AsyncCoordinatorRouting(_CoordinatorBase):
         return resp.num_blocks, _route(resp)
 
     async def lookup(self, token_ids: codec.TokenIds, timeout_s: float | None = None) -> int:
-        req = pb.CoordLookupRequest(token_ids=codec.token_list(token_ids), spec=_spec(self.spec))
+        req = codec.with_token_ids(pb.CoordLookupRequest, token_ids, spec=_spec(self.spec))
         return (await self._call("Lookup", req, timeout_s)).num_cached_tokens
 
     async def pin(self, token_ids: codec.TokenIds, timeout_s: float | None = None) -> int:
