@@ -427,7 +427,7 @@ def main(argv: list[str] | None = None) -> None:
                 in_rpc = _floor_overhead(floor_port, "Engine", b, q.numel() * 4, n)
                 channel.is_local_enabled = False
                 bulk_overhead = over_bulk["p50_ms"] - eng["p50_ms"]
-                paths = _paths_interleaved(via_bulk, channel, parent, ids, q, _iters(b, args.quick))
+                paths = _paths_interleaved(via_bulk, channel, parent, ids, q, 2 * _iters(b, args.quick))
                 channel.is_local_enabled = False
                 for p in paths.values():
                     p["overhead_p50_ms"] = p["call"]["p50_ms"] - eng["p50_ms"]
