@@ -11,7 +11,13 @@ not share a GIL). Measured in the same run:
   what the client uses whenever the node advertises the channel);
 - the same engine call in the server process, without a transport (`engine.attend_decode`);
 - a no-op Ping RPC on the same server and channel, and the bulk channel's own
-  PING op: the latency floor of each path.
+  PING op on each of its sockets: the latency floor of each path;
+- the channel's two paths alternating call by call: TCP (what a client on another
+  host gets) and the same-host shared-memory path (ATTEND_SHM: the tensors through
+  a memfd region, a 32-byte header over a Unix socket; what a client on the node's
+  host gets), each with `call - handler` per call (the client's wall minus the
+  node's own handler time for that call: the transport without the engine's
+  run-to-run spread) and the request refused by validation (no engine).
 
 Overhead is defined as `call_p50 - engine_p50` (encode, transport, decode, server
 dispatch) and compared with both floors: the goal is overhead <= 1.3 x ping_p50
@@ -19,9 +25,10 @@ dispatch) and compared with both floors: the goal is overhead <= 1.3 x ping_p50
 
 KV upload and download of a 256 MiB range are timed end to end through the
 client API (tensors in, tensors out, checked byte-exact) over each path -- the
-gRPC rpcs (Append client-streaming, ReadKV server-streaming) and the bulk TCP
-channel (protos/bulk.py) -- and compared with a plain loopback TCP socket moving
-the same bytes in the same loop.
+gRPC rpcs (Append client-streaming, ReadKV server-streaming), the bulk channel's
+TCP socket and its same-host Unix socket (protos/bulk.py), each repeat running
+every path in turn -- and compared with a plain loopback TCP socket moving the
+same bytes in the same loop.
 """
 
 from __future__ import annotations

@@ -8,7 +8,10 @@ once per node); otherwise, or when it cannot be reached, over the Append /
 ReadKV rpcs. The per-step calls Attend and AttendPrefillBatch take the channel
 at any size (gRPC-Python costs ~1 ms a call on a small host, the channel a
 fraction of that), with the rpcs as the fallback; `bulk_min_bytes=None` keeps
-every call on gRPC. The asyncio client runs a bulk call in a worker thread.
+every call on gRPC. On the node's host the channel itself prefers its
+same-host path (client/shm.py: shared memory for the per-step calls, a Unix
+socket for KV ranges), negotiated per node; the routing here does not change.
+The asyncio client runs a bulk call in a worker thread.
 """
 
 from __future__ import annotations
