@@ -4,13 +4,16 @@ with its floors, in one run, on a real local cluster (redis-server + coordinator
 nodes as processes).
 
     python -m bench.control                       # ~1 min; writes bench/results/control.{json,md}
-    python -m bench.control --baseline-rev 5b72b7a  # + a coordinator running that commit's code
+    python -m bench.control --baseline-rev ea54b0a  # + a coordinator running that commit's code
     python -m bench.control --quick               # a smoke run (fewer iterations, no profile)
 
 Before / after in ONE run: with --baseline-rev, a second coordinator process runs the
 code of that git revision (`git archive` into a temporary folder, imported ahead of
 the editable install) on the same redis-server and the same nodes; its opens, closes,
 lookups and no-op RPC are measured in the same shuffled rounds as the current code's.
+Both are replicas (the nodes beat and report to the cluster's own coordinator), and
+the baseline's client builds its open and lookup requests the way the client did
+before ce69823 (the bench process runs this code's client library for both).
 
 Workload: W2 (/work/shared/peers/kvbench/workloads.py `w2_shared_prefix`: 8 system
 prompts of 1,024 tokens + a unique 128-token suffix each, seeded). The cache is warmed
@@ -19,8 +22,9 @@ reach the prefix index), so every measured open hits 1,024 cached tokens.
 
 Measured interleaved, round by round in a shuffled order (the host is small and shared):
 
-- open / close through the coordinator (CacheClient.open -> Sequence.close), and through
-  the baseline coordinator when there is one;
+- open / close through the coordinator (CacheClient.open -> Sequence.close), and open +
+  the first append (what a worker waits for), through the baseline coordinator too
+  when there is one;
 - Lookup through the coordinator (RPC + keys + the match_prefix script, no node hop);
 - the no-op RPC floor: grpc.health.v1 Health.Check on the coordinator (same server,
   same process, same channel as the client's control calls);
@@ -29,7 +33,9 @@ Measured interleaved, round by round in a shuffled order (the host is small and 
   + placement + page table, RedisStore) and delete_sequence, the match_prefix script with
   the keys as one packed argument and, side by side, the same script taking 71 arguments
   (the previous form), chain_keys and root_key (now cached per tenant), the node's own
-  Open + Free RPCs (the hop the coordinator sends after the open), the node's Health.Check.
+  Open + Free RPCs (the hop the coordinator sends after the open), the node's Health.Check,
+  and the client's own work on an open (the CoordOpenRequest built from 1,152 token ids,
+  serialized) and the coordinator's first step on it (parse, the keys' ids sliced out).
 
 Then, in separate phases:
 
@@ -71,6 +77,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from pagedkv.client import channels
+from pagedkv.client.routing import CoordinatorRouting
 from pagedkv.client.sync import CacheClient
 from pagedkv.cluster import LocalCluster, NodeOptions, free_port
 from pagedkv.coordinator import redis_store
@@ -136,32 +143,67 @@ def w2_requests(n: int) -> tuple[list[list[int]], list[list[int]], str]:
 
 
 class BenchCluster(LocalCluster):
-    """LocalCluster whose coordinator also serves Prometheus /metrics (handler latency),
-    plus, on request, a baseline coordinator running another git revision's code."""
+    """LocalCluster plus the measured coordinators: replicas on the same redis-server,
+    one running this code (serving Prometheus /metrics: handler latency) and, on
+    request, one running another git revision's code (the baseline). The nodes beat
+    and report their block events to the cluster's own coordinator, so the two
+    measured ones have the same role (before, this code was measured on the node-facing
+    coordinator and the baseline on a replica, which favoured the baseline)."""
 
     metrics_port = 0
+    current_address = ""
     baseline_address = ""
 
-    def _pagedkv(self, name: str, args: list[str]) -> subprocess.Popen:
-        if name == "coordinator" and self.metrics_port:
-            args = [*args, f"--metrics-port={self.metrics_port}"]
-        return super()._pagedkv(name, args)
-
-    def start_baseline(self, import_root: Path) -> str:
-        """A second coordinator on the same redis-server, importing pagedkv from import_root.
-        The nodes beat to the first one; this one sees them through Redis (replica style)."""
-        self.baseline_address = f"{self.host}:{free_port()}"
-        args = [sys.executable, "-m", "pagedkv", "coordinator", f"--listen={self.baseline_address}",
+    def start_replica(self, name: str, import_root: Path | None = None, metrics_port: int = 0) -> str:
+        """A coordinator on the same redis-server, importing pagedkv from import_root (None:
+        this working tree). It sees the nodes through Redis (replica style)."""
+        address = f"{self.host}:{free_port()}"
+        args = [sys.executable, "-m", "pagedkv", "coordinator", f"--listen={address}",
                 f"--lease-ttl-s={self.lease_ttl_s}", f"--redis={self.redis_url}"]  # fmt: skip
-        log_file = open(Path(self.log_dir) / "coordinator-baseline.log", "ab")  # noqa: SIM115
-        env = {**os.environ, "PYTHONPATH": str(import_root), "PYTHONUNBUFFERED": "1"}
-        # cwd too: `python -m` puts the working directory first on sys.path, ahead of PYTHONPATH.
+        if metrics_port:
+            args.append(f"--metrics-port={metrics_port}")
+        log_file = open(Path(self.log_dir) / f"{name}.log", "ab")  # noqa: SIM115
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        cwd = Path(__file__).resolve().parent.parent
+        if import_root is not None:
+            env["PYTHONPATH"] = str(import_root)
+            # cwd too: `python -m` puts the working directory first on sys.path, ahead of PYTHONPATH.
+            cwd = import_root
         proc = subprocess.Popen(
-            args, stdout=log_file, stderr=subprocess.STDOUT, env=env, cwd=import_root, start_new_session=True
+            args, stdout=log_file, stderr=subprocess.STDOUT, env=env, cwd=cwd, start_new_session=True
         )
-        self.procs["coordinator-baseline"] = proc
-        self._wait_healthy("coordinator-baseline", self.baseline_address)
-        return self.baseline_address
+        self.procs[name] = proc
+        self._wait_healthy(name, address)
+        return address
+
+
+def previous_token_list(token_ids: Any) -> list[int]:
+    """codec.token_list before ce69823: int() per id, then the message copies the list."""
+    return [int(t) for t in token_ids]
+
+
+def with_previous_token_lists(client: CacheClient) -> None:
+    """The baseline client builds its open and lookup requests the previous way (token
+    ids converted one by one into a new list, then copied by the message), so the
+    baseline rows are the previous client and coordinator together; `client` itself
+    is this code's library, shared by both sides otherwise."""
+    routing = client.routing
+    assert isinstance(routing, CoordinatorRouting)
+
+    def open_request(seq_id: str, token_ids: Any, max_cached: int | None) -> pb.CoordOpenRequest:
+        spec_msg = pb.ModelSpec(**routing.spec.to_dict()) if routing.spec else None
+        req = pb.CoordOpenRequest(seq_id=seq_id, token_ids=previous_token_list(token_ids), spec=spec_msg)
+        if max_cached is not None:
+            req.max_cached_tokens = max_cached
+        return req
+
+    def lookup(token_ids: Any, timeout_s: float | None = None) -> int:
+        spec_msg = pb.ModelSpec(**routing.spec.to_dict()) if routing.spec else None
+        req = pb.CoordLookupRequest(token_ids=previous_token_list(token_ids), spec=spec_msg)
+        return routing._call("Lookup", req, timeout_s).num_cached_tokens
+
+    routing._open_request = open_request  # type: ignore[method-assign]
+    routing.lookup = lookup  # type: ignore[method-assign]
 
 
 def baseline_import_root(rev: str) -> tuple[Path, str]:
@@ -387,10 +429,13 @@ def main() -> None:
     with cluster:
         log("cluster up:\n" + cluster.describe())
         assert cluster.redis_url, "redis-server is not on the PATH: this benchmark needs Redis"
+        cluster.current_address = cluster.start_replica("coordinator-current", None, cluster.metrics_port)
+        log(f"measured coordinator (this code) at {cluster.current_address}")
         baseline_git = ""
         if args.baseline_rev:
             root, baseline_git = baseline_import_root(args.baseline_rev)
-            log(f"baseline coordinator (git {baseline_git}) at {cluster.start_baseline(root)}")
+            cluster.baseline_address = cluster.start_replica("coordinator-baseline", root)
+            log(f"baseline coordinator (git {baseline_git}) at {cluster.baseline_address}")
         result = run(cluster, args, systems, prompts, source)
         result["baseline_git"] = baseline_git
     result["runtime_s"] = time.monotonic() - t_start
@@ -408,8 +453,10 @@ def main() -> None:
 def run(cluster: BenchCluster, args: argparse.Namespace, systems, prompts, source) -> dict[str, Any]:  # type: ignore[no-untyped-def]
     spec = ModelSpec(**NODE.spec())
     bs = NODE.block_size
-    client = CacheClient(coordinator=cluster.coordinator_address, spec=spec)
+    client = CacheClient(coordinator=cluster.current_address, spec=spec)
     base = CacheClient(coordinator=cluster.baseline_address, spec=spec) if cluster.baseline_address else None
+    if base is not None:
+        with_previous_token_lists(base)
     r = redis.Redis.from_url(cluster.redis_url)
     me = r.execute_command("CLIENT INFO")  # a dict under RESP3 (redis-py 8), else "id=.. addr=.. ..."
     if isinstance(me, dict):
@@ -418,7 +465,7 @@ def run(cluster: BenchCluster, args: argparse.Namespace, systems, prompts, sourc
         me = me.decode() if isinstance(me, bytes) else str(me)
         me_addr = next((kv.split("=", 1)[1] for kv in me.split() if kv.startswith("addr=")), "")
     store = RedisStore(cluster.redis_url)
-    coord_channel = channels.acquire(cluster.coordinator_address, client.config)  # the client's own channel
+    coord_channel = channels.acquire(cluster.current_address, client.config)  # the client's own channel
     coord_health = health_pb2_grpc.HealthStub(coord_channel)
     base_health = (
         health_pb2_grpc.HealthStub(channels.acquire(cluster.baseline_address, base.config)) if base else None
@@ -506,6 +553,36 @@ def run(cluster: BenchCluster, args: argparse.Namespace, systems, prompts, sourc
         t1 = time.perf_counter()
         seq.close()
         return {"open+append": t1 - t0}
+
+    def v_open_append_base(p: list[int]) -> dict[str, float]:
+        assert base is not None
+        sid = f"ab-{next(it)}"
+        p = p[:SYSTEM_LEN] + [t + 2_000_003 for t in p[SYSTEM_LEN:]]
+        t0 = time.perf_counter()
+        seq = base.open(sid, p)
+        assert seq.num_cached_tokens == SYSTEM_LEN
+        seq.append(p[SYSTEM_LEN:], suffix_k, suffix_v)
+        t1 = time.perf_counter()
+        seq.close()
+        return {"open+append_before": t1 - t0}
+
+    def v_client_encode(p: list[int]) -> dict[str, float]:
+        """The client's part of an open (request built and serialized), and the
+        coordinator's first step (parse; the ids the keys hash, sliced out)."""
+        t0 = time.perf_counter()
+        data = client.routing._open_request("x" * 32, p, None).SerializeToString()
+        t1 = time.perf_counter()
+        req = pb.CoordOpenRequest.FromString(data)
+        req.token_ids[: (len(p) - 1) // bs * bs]
+        t2 = time.perf_counter()
+        before = pb.CoordOpenRequest(seq_id="x" * 32, token_ids=previous_token_list(p), spec=req.spec)
+        before.SerializeToString()
+        t3 = time.perf_counter()
+        return {
+            "client_open_request": t1 - t0,
+            "server_parse_slice": t2 - t1,
+            "client_open_request_before": t3 - t2,
+        }
 
     def v_lookup(p: list[int]) -> dict[str, float]:
         t0 = time.perf_counter()
@@ -611,9 +688,10 @@ def run(cluster: BenchCluster, args: argparse.Namespace, systems, prompts, sourc
         v_seq_scripts,
         v_node,
         v_node_health,
+        v_client_encode,
     ]
     if base is not None:
-        variants += [v_open_close_base, v_lookup_base, v_health_base]
+        variants += [v_open_close_base, v_open_append_base, v_lookup_base, v_health_base]
     samples: dict[str, list[float]] = defaultdict(list)
     pi = iter(prompts)
 
@@ -769,7 +847,7 @@ def run(cluster: BenchCluster, args: argparse.Namespace, systems, prompts, sourc
     profile: dict[str, Any] = {}
     pyspy = find_pyspy()
     if args.profile_s > 0 and pyspy:
-        pid = cluster.procs["coordinator"].pid
+        pid = cluster.procs["coordinator-current"].pid
         raw = Path(cluster.log_dir) / "coordinator.pyspy.txt"
         log(f"profiling the coordinator (pid {pid}) with py-spy for {args.profile_s:.0f} s ...")
         cmd = [pyspy, "record", "--pid", str(pid), "--duration", str(int(args.profile_s)), "--rate", "1000",
@@ -881,20 +959,24 @@ def findings(r: dict) -> str:
         f"Latency: open p50 {p50['open']:.2f} ms is {g['open_p50_over_noop_rpc_p50']:.2f}x the no-op RPC p50 "
         f"({floor:.2f} ms): the 2x goal is {'met' if g['open_p50_met'] else 'not met'}. What the open waits for: "
         f"the client -> coordinator RPC (~{floor:.2f} ms, the Health.Check floor) + the Open handler "
-        f"({hmean:.2f} ms mean) + the client's request encoding (1,152 token ids); the node Open is sent after "
-        "the page table is written and never waited for.",
+        f"({hmean:.2f} ms mean) + the client's request encoding (1,152 token ids, built and serialized: p50 "
+        f"{p50.get('client_open_request', float('nan')):.3f} ms); the node Open is sent after the page table is "
+        "written and never waited for.",
     ]
     if "open_before" in p50:
         hb = p50["coord_health_before"]
+        oa = (
+            f" Open + first append {p50['open+append_before']:.2f} -> {p50['open+append']:.2f} ms."
+            if "open+append_before" in p50
+            else ""
+        )
         text.append(
-            f"Before / after, same rounds: the baseline coordinator (git {r['baseline_git']}: match_prefix + "
-            f"create_sequence, two round trips, keys as 71 script arguments, root key hashed per call) opens in "
+            f"Before / after, same rounds: the baseline coordinator (git {r['baseline_git']}) opens in "
             f"{p50['open_before']:.2f} ms p50 = {p50['open_before'] / hb:.2f}x its own no-op RPC ({hb:.2f} ms); "
             f"this code {p50['open']:.2f} ms = {p50['open'] / floor:.2f}x ({p50['open_before'] - p50['open']:+.2f} "
-            f"ms saved per open). Lookup {p50['lookup_before']:.2f} -> {p50['lookup']:.2f} ms; close "
-            f"{p50['close_before']:.2f} -> {p50['close']:.2f} ms (unchanged path). The baseline process also "
-            "serves no heartbeats or node events (the nodes report to the current coordinator), which if "
-            "anything favours it."
+            f"ms saved per open).{oa} Lookup {p50['lookup_before']:.2f} -> {p50['lookup']:.2f} ms; close "
+            f"{p50['close_before']:.2f} -> {p50['close']:.2f} ms. The baseline process also serves no heartbeats "
+            "or node events (the nodes report to the current coordinator), which if anything favours it."
         )
     prof = r.get("profile") or {}
     if "Open" in prof:
@@ -954,7 +1036,8 @@ def render(r: dict) -> str:
         "# Control-plane latency (bench/control.py, issue 4)",
         "",
         f"Local cluster: redis-server {r['versions']['redis-server']} + coordinator + 2 nodes, each its own "
-        f"process, on one host ({r['host']['cpus']} CPUs, shared; loadavg before {r['loadavg_before'][0]:.2f}, "
+        "process; the measured coordinators (this code and the baseline) are replicas on the same Redis, "
+        f"the nodes beat and report events to the cluster's own coordinator; all on one host ({r['host']['cpus']} CPUs, shared; loadavg before {r['loadavg_before'][0]:.2f}, "
         f"after {r['loadavg_after'][0]:.2f}). Spec {r['spec']}. Workload W2 ({r['workload']['source']}): "
         f"prompts of {SYSTEM_LEN} + {SUFFIX_LEN} tokens; every measured open hit "
         f"{', '.join(f'{k} tokens x{v}' for k, v in r['workload']['cached_tokens_per_open'].items())}. "
@@ -969,7 +1052,7 @@ def render(r: dict) -> str:
         row(
             "**open** (CacheClient.open)",
             "open",
-            "RPC to coordinator: keys + open_sequence (1 Redis round trip); node Open sent after, not awaited",
+            "RPC to coordinator: keys + open_sequence (1 Redis round trip); node Open sent after the script, not awaited",
         ),
         row(
             "**close** (Sequence.close)",
@@ -989,8 +1072,11 @@ def render(r: dict) -> str:
             row(
                 f"open, baseline coordinator (git {bg})",
                 "open_before",
-                "match_prefix + create_sequence: 2 round trips",
+                f"{c['open_before']['per_op_total']:.0f} Redis round trip(s); that revision's coordinator, requests built the previous way"
+                if "open_before" in c
+                else "",
             ),
+            row(f"open + first append, baseline coordinator (git {bg})", "open+append_before", ""),
             row(f"close, baseline coordinator (git {bg})", "close_before", ""),
             row(f"lookup, baseline coordinator (git {bg})", "lookup_before", ""),
             row(f"no-op RPC, baseline coordinator (git {bg})", "coord_health_before", "its own Health.Check"),
@@ -1012,6 +1098,17 @@ def render(r: dict) -> str:
         row("node Open RPC, direct", "node_open_direct", "the hop open sends, off its path (1,024 cached)"),
         row("node Free RPC, direct", "node_free_direct", "the hop close sends, off its path"),
         row("node Health.Check", "node_health", "no-op RPC floor of the node"),
+        row(
+            "client: CoordOpenRequest built + serialized",
+            "client_open_request",
+            "1,152 token ids, from a list",
+        ),
+        row(
+            "client: the same, the previous way",
+            "client_open_request_before",
+            "int() per id into a new list, then the message (before ce69823)",
+        ),
+        row("coordinator: request parsed + key ids sliced", "server_parse_slice", "before chain_keys"),
         "",
         f"Coordinator-side handler time over the same rounds (its `pagedkv_coordinator_rpc_latency_seconds`): "
         f"Open mean {h['Open'].get('mean_ms', float('nan')):.3f} ms, Close mean {h['Close'].get('mean_ms', float('nan')):.3f} ms, "
@@ -1077,7 +1174,9 @@ def render(r: dict) -> str:
             "|---|---:|---:|---:|---:|",
         ]
         hb, ha = lat["coord_health_before"]["p50_ms"], lat["coord_health"]["p50_ms"]
-        for key in ("open", "close", "lookup"):
+        for key in ("open", "open+append", "close", "lookup"):
+            if f"{key}_before" not in lat:
+                continue
             b_, a_ = lat[f"{key}_before"]["p50_ms"], lat[key]["p50_ms"]
             lines.append(
                 f"| {key} | {b_:.3f} | {a_:.3f} | {hb:.3f} / {ha:.3f} | {b_ / hb:.2f}x / {a_ / ha:.2f}x |"
