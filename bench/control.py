@@ -975,8 +975,8 @@ def findings(r: dict) -> str:
             f"{p50['open_before']:.2f} ms p50 = {p50['open_before'] / hb:.2f}x its own no-op RPC ({hb:.2f} ms); "
             f"this code {p50['open']:.2f} ms = {p50['open'] / floor:.2f}x ({p50['open_before'] - p50['open']:+.2f} "
             f"ms saved per open).{oa} Lookup {p50['lookup_before']:.2f} -> {p50['lookup']:.2f} ms; close "
-            f"{p50['close_before']:.2f} -> {p50['close']:.2f} ms. The baseline process also serves no heartbeats "
-            "or node events (the nodes report to the current coordinator), which if anything favours it."
+            f"{p50['close_before']:.2f} -> {p50['close']:.2f} ms. Both are replicas: neither serves the nodes' "
+            "heartbeats or events."
         )
     prof = r.get("profile") or {}
     if "Open" in prof:
