@@ -11,20 +11,15 @@ refused it retries without them. Called through ctypes, which releases the GIL.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
-import os
-import platform
-import shutil
-import subprocess
-import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from ..protos import native_build
 
 logger = logging.getLogger("pagedkv.cache_node.attention")
 
@@ -57,72 +52,21 @@ _kernel_lock = threading.Lock()
 _kernel: tuple[DecodeFn | None, KernelInfo] | None = None  # built once, read-only afterwards
 
 
-def _cache_dir() -> Path:
-    if "PAGEDKV_KERNEL_DIR" in os.environ:
-        return Path(os.environ["PAGEDKV_KERNEL_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "pagedkv" / "kernels"
-
-
-def _cpu_identity() -> str:
-    # -march=native code must not be reused on a different CPU (a shared home directory, say).
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith(("flags", "Features"))), "")
-    except OSError:
-        return platform.processor()
-
-
-def _compile(cxx: str, library: Path) -> str:
-    """Compile the kernel to `library`; returns the flags used. Raises OSError with the compiler's
-    complaint when no flag set works."""
-    library.parent.mkdir(parents=True, exist_ok=True)
-    # Compile to a private name, then rename: concurrent builders (pytest-xdist, several nodes on one
-    # host) never load a half-written library.
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=library.parent)
-    os.close(fd)
-    errors = []
-    try:
-        for optional in _CXX_OPTIONAL_FLAGS:
-            flags = [*_CXX_FLAGS, *optional]
-            try:
-                proc = subprocess.run(
-                    [cxx, *flags, str(_SOURCE), "-o", tmp], capture_output=True, text=True, timeout=300
-                )
-            except subprocess.SubprocessError as exc:
-                raise OSError(f"{cxx}: {exc}") from exc
-            if proc.returncode == 0:
-                os.replace(tmp, library)
-                return " ".join(flags)
-            errors.append(" | ".join(proc.stderr.strip().splitlines()[-3:]))
-        raise OSError(f"{cxx} failed: {errors[0]}")
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
 def _build_kernel() -> tuple[DecodeFn | None, KernelInfo]:
-    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+    cxx = native_build.find_compiler("CXX", ("c++", "g++", "clang++"))
     if cxx is None:
         return None, KernelInfo(False, "no C++ compiler found (set CXX)", 0.0)
     try:
         source = _SOURCE.read_bytes()
     except OSError as exc:
         return None, KernelInfo(False, f"kernel source missing: {exc}", 0.0)
-    key = [
-        source,
-        repr((_CXX_FLAGS, _CXX_OPTIONAL_FLAGS)).encode(),
-        cxx.encode(),
-        _cpu_identity().encode(),
-        sys.platform.encode(),
-    ]
-    digest = hashlib.sha256(b"\0".join(key)).hexdigest()[:16]
-    library = _cache_dir() / f"paged_attention_{digest}.so"
+    flag_sets = [(*_CXX_FLAGS, *optional) for optional in _CXX_OPTIONAL_FLAGS]
+    library = native_build.library_path("paged_attention", source, flag_sets, cxx)
     build_s, detail = 0.0, str(library)
     if not library.exists():
         start = time.perf_counter()
         try:
-            flags = _compile(cxx, library)
+            flags = native_build.compile_library(cxx, _SOURCE, library, flag_sets, 300)
         except OSError as exc:
             return None, KernelInfo(
                 False, f"{exc} (cache directory {library.parent}; PAGEDKV_KERNEL_DIR)", 0.0

@@ -16,18 +16,15 @@ same keys.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import os
-import platform
-import shutil
-import subprocess
 import sys
-import tempfile
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+from . import native_build
 
 logger = logging.getLogger("pagedkv.protos.keys")
 
@@ -63,71 +60,22 @@ _lock = threading.Lock()
 _loaded: tuple[NativeChain | None, NativeKeysInfo] | None = None  # set once per process
 
 
-def _cache_dir() -> Path:
-    # Absolute: ctypes would look a bare file name up on the library path, not here.
-    if os.environ.get("PAGEDKV_KERNEL_DIR"):
-        return Path(os.environ["PAGEDKV_KERNEL_DIR"]).absolute()
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base).absolute() / "pagedkv" / "kernels"
-
-
-def _cpu_identity() -> str:
-    # -march=native code must not be reused on a different CPU (a shared home directory, say).
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith(("flags", "Features"))), "")
-    except OSError:
-        return platform.processor()
-
-
-def _compile(cc: str, library: Path) -> str:
-    """Compile the source to `library`; returns the flags used. Raises OSError with the
-    compiler's complaint when no flag set works."""
-    library.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=library.parent)
-    os.close(fd)
-    errors = []
-    try:
-        for optional in _C_OPTIONAL_FLAGS:
-            flags = [*_C_FLAGS, *_C_PLATFORM_FLAGS, *optional]
-            try:
-                proc = subprocess.run(
-                    [cc, *flags, str(_SOURCE), "-o", tmp], capture_output=True, text=True, timeout=120
-                )
-            except (OSError, subprocess.SubprocessError) as exc:
-                raise OSError(f"{cc}: {exc}") from exc
-            if proc.returncode == 0:
-                os.replace(tmp, library)  # atomic: a concurrent loader sees the old name or a whole file
-                return " ".join(flags)
-            errors.append(" | ".join(proc.stderr.strip().splitlines()[-3:]))
-        raise OSError(f"{cc} failed: {errors[0]}")
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
 def _load() -> tuple[NativeChain | None, NativeKeysInfo]:
     if os.environ.get("PAGEDKV_PURE_KEYS", "") not in ("", "0"):
         return None, NativeKeysInfo(False, "PAGEDKV_PURE_KEYS is set")
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    cc = native_build.find_compiler("CC", ("cc", "gcc", "clang"))
     if cc is None:
         return None, NativeKeysInfo(False, "no C compiler found (set CC)")
     try:
         source = _SOURCE.read_bytes()
     except OSError as exc:
         return None, NativeKeysInfo(False, f"source missing: {exc}")
-    key = [
-        source,
-        repr((_C_FLAGS, _C_PLATFORM_FLAGS, _C_OPTIONAL_FLAGS)).encode(),
-        cc.encode(),
-        _cpu_identity().encode(),
-    ]
-    digest = hashlib.sha256(b"\0".join([*key, sys.platform.encode()])).hexdigest()[:16]
-    library = _cache_dir() / f"chain_keys_{digest}.so"
+    flag_sets = [(*_C_FLAGS, *_C_PLATFORM_FLAGS, *optional) for optional in _C_OPTIONAL_FLAGS]
+    library = native_build.library_path("chain_keys", source, flag_sets, cc)
     detail = str(library)
     if not library.exists():
         try:
-            detail += f" (built with {_compile(cc, library)})"
+            detail += f" (built with {native_build.compile_library(cc, _SOURCE, library, flag_sets, 120)})"
         except OSError as exc:
             return None, NativeKeysInfo(
                 False, f"{exc} (cache directory {library.parent}; PAGEDKV_KERNEL_DIR)"
