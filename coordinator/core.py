@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+import numpy as np
 
 from ..protos import pagedkv_pb2 as pb
 from ..protos import pagedkv_pb2_grpc as pb_grpc
@@ -59,7 +60,7 @@ from ..protos.errors import (
     SequenceNotFound,
     Unavailable,
 )
-from ..protos.keys import chain_keys, root_key
+from ..protos.keys import chain_keys, chain_keys_packed, root_key
 from ..protos.status import error_from_rpc
 from .node_calls import NodeCalls
 from .placement import Placement, PlacementWeights
@@ -348,7 +349,7 @@ class Coordinator:
         """(cached tokens on the best node, that node's id). Changes nothing."""
         nodes = self._nodes_for(spec)
         bs = self._block_size(nodes, spec)
-        keys = chain_keys(self._salt(tenant)[1], token_ids, bs)
+        keys = chain_keys(self._salt(tenant)[1], np.asarray(token_ids), bs)
         counts = {k: v for k, v in self.store.match_prefix(keys).items() if k in nodes}
         if not counts:
             return 0, ""
@@ -378,7 +379,8 @@ class Coordinator:
         salt, root = self._salt(tenant)
         num_tokens = len(token_ids)
         limit = num_tokens - 1 if max_cached_tokens is None else min(max_cached_tokens, num_tokens)
-        keys = b"".join(chain_keys(root, token_ids[: max(limit, 0) // bs * bs], bs))
+        tokens = np.asarray(token_ids)  # one C-level copy; slicing a protobuf field makes a list
+        keys = chain_keys_packed(root, tokens[: max(limit, 0) // bs * bs], bs)
         num_blocks = max(1, -(-num_tokens // bs))
         rooms = []
         for node in nodes.values():

@@ -74,6 +74,28 @@ def chain_keys(
     return list(_key_splitter(num_blocks)(out))
 
 
+def chain_keys_packed(parent: bytes, token_ids: Sequence[int] | np.ndarray, block_size: int) -> bytes:
+    """chain_keys(parent, token_ids, block_size) concatenated (16 bytes per full block),
+    for callers that ship keys packed (the coordinator's Redis scripts). Takes what numpy
+    turns into an integer array in one C-level step: an int array, a list of ints, or a
+    protobuf repeated int field (whose element-by-element copy into a list costs more
+    than hashing it). Raises ValueError like chain_keys."""
+    _check_chain_args(parent, block_size, 0)
+    arr = np.asarray(token_ids)
+    if arr.ndim != 1 or (arr.size and (arr.dtype.kind not in "iu" or arr.dtype == np.uint64)):
+        raise ValueError(
+            f"token ids must be ints in the int64 range: got an array of {arr.dtype} {arr.shape}"
+        )
+    num_blocks = len(arr) // block_size
+    data = arr[: num_blocks * block_size].astype("<i8", copy=False)
+    native = _native
+    if native is None:
+        return b"".join(chain_keys_python(parent, data, block_size))
+    out = _new_buffer(num_blocks * KEY_BYTES)
+    native.from_bytes(parent, data.tobytes(), block_size, num_blocks, out)
+    return out.raw
+
+
 def chain_keys_python(
     parent: bytes, token_ids: Sequence[int] | np.ndarray, block_size: int, start_block: int = 0
 ) -> list[bytes]:

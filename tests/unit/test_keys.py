@@ -176,3 +176,34 @@ def test_concurrent_builders_share_one_library(tmp_path: Path) -> None:
 
 def test_the_module_uses_what_the_loader_reports() -> None:
     assert (keys._native is None) == (NATIVE[0] is None)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    tokens=st.lists(INT64, max_size=70),
+    block_size=st.sampled_from([1, 8, 16, 17]),
+    native=st.booleans(),
+)
+def test_packed_keys_are_the_chain_concatenated_from_any_int_source(tokens, block_size, native) -> None:
+    """chain_keys_packed == b"".join(chain_keys) whether the ids come as a list, an int
+    array or a protobuf repeated field (what the coordinator passes), compiled or not."""
+    from pagedkv.protos import pagedkv_pb2 as pb
+
+    parent = root_key(b"tenant")
+    want = b"".join(reference(parent, tokens, block_size, 0))
+    field = pb.CoordOpenRequest(token_ids=tokens).token_ids
+    saved = keys._native
+    keys._native = saved if native else None
+    try:
+        for source in (tokens, np.array(tokens, dtype=np.int64), field):
+            assert keys.chain_keys_packed(parent, source, block_size) == want
+    finally:
+        keys._native = saved
+
+
+@pytest.mark.parametrize(
+    "tokens", [[1.5, 2.0], ["a", "b"], np.zeros((2, 2), np.int64), np.array([2**64 - 1], np.uint64)]
+)
+def test_packed_keys_refuse_what_is_not_int64_ids(tokens) -> None:
+    with pytest.raises(ValueError, match="token ids must be ints"):
+        keys.chain_keys_packed(root_key(b""), tokens, 1)
