@@ -23,7 +23,6 @@ a domain error (pagedkv.protos.errors) and leaves the engine exactly as it was.
 
 from __future__ import annotations
 
-import functools
 import threading
 import time
 from collections import OrderedDict
@@ -37,7 +36,6 @@ import torch
 
 from ..protos.errors import InvalidArgument, PagedKVError, PrefixEvicted, SequenceNotFound
 from ..protos.spec import ModelSpec
-from . import compute
 from .attention import AttentionOutput, paged_decode, paged_prefill
 from .eviction import POLICIES, ScorePolicy
 from .kv_manager import DEVICE, HOST, BlockEvent, Budget, HeldBlocks, KVCacheManager, OpenResult, Slots
@@ -122,19 +120,6 @@ def _fresh_copy(exc: PagedKVError) -> PagedKVError:
     return err
 
 
-def _on_compute_thread(method: Callable[..., T]) -> Callable[..., T]:
-    """Runs an engine method's tensor work on the node's compute thread (cache_node/
-    compute.py: one OpenMP team per process) when the engine lives on the CPU."""
-
-    @functools.wraps(method)
-    def wrapper(self: CacheEngine, *args: Any, **kwargs: Any) -> T:
-        if self.device.type != "cpu":
-            return method(self, *args, **kwargs)
-        return compute.run(method, self, *args, **kwargs)
-
-    return wrapper
-
-
 def _seq_id(seq_id: Any) -> str:
     if not isinstance(seq_id, str) or not seq_id:
         raise InvalidArgument(f"sequence id must be a non-empty string, got {seq_id!r}")
@@ -148,16 +133,9 @@ class CacheEngine:
         self.device = torch.device(config.device or default_device())
         self.dtype = TORCH_DTYPES[spec.dtype]
         shape = (spec.num_layers, 2, config.num_blocks, spec.num_kv_heads, spec.block_size, spec.head_dim)
+        self.kv = torch.zeros(shape, dtype=self.dtype, device=self.device)
         host_shape = (*shape[:2], config.num_host_blocks, *shape[3:])
-
-        # Filled on the compute thread: zeroing runs OpenMP, and a team started here
-        # would stay with this thread (see compute.py).
-        def zeros(size: tuple[int, ...], **kw: Any) -> torch.Tensor:
-            make = lambda: torch.zeros(size, **kw)  # noqa: E731
-            return compute.run(make) if self.device.type == "cpu" else make()
-
-        self.kv = zeros(shape, dtype=self.dtype, device=self.device)
-        self.host_kv = zeros(host_shape, dtype=self.dtype, pin_memory=self.device.type == "cuda")
+        self.host_kv = torch.zeros(host_shape, dtype=self.dtype, pin_memory=self.device.type == "cuda")
         self.manager = self._new_manager()
         self._lock = threading.RLock()
         self._seq_opened = threading.Condition(self._lock)  # notified by every successful open
@@ -188,7 +166,6 @@ class CacheEngine:
 
     # -- sequences --------------------------------------------------------------
 
-    @_on_compute_thread
     def open(
         self,
         seq_id: str,
@@ -286,7 +263,6 @@ class CacheEngine:
         with self._lock:
             return self.manager.num_cached_tokens(tokens, bytes(salt))
 
-    @_on_compute_thread
     def append(self, seq_id: str, token_ids: Seq[int], k: Any, v: Any) -> None:
         """Append n tokens with their K and V for every layer: k, v [num_layers, n, kv_heads, head_dim]."""
         s = self.spec
@@ -295,7 +271,6 @@ class CacheEngine:
         v = self._tensor("v", v, shape)
         self.append_slabs(seq_id, token_ids, [(k, v)])
 
-    @_on_compute_thread
     def append_slabs(self, seq_id: str, token_ids: Seq[int], slabs: Seq[tuple[Any, Any]]) -> None:
         """append() with the K/V given as consecutive token slabs (k_i, v_i), each
         [num_layers, t_i, kv_heads, head_dim], sum t_i = n: what a streamed Append
@@ -362,7 +337,6 @@ class CacheEngine:
         self.kv[layer, 0].transpose(1, 2).index_put_((b, o), k)
         self.kv[layer, 1].transpose(1, 2).index_put_((b, o), v)
 
-    @_on_compute_thread
     def attend_decode(
         self,
         seq_ids: Seq[str],
@@ -429,7 +403,6 @@ class CacheEngine:
                 self._credit_mass(seqs, out.block_mass)
             return out
 
-    @_on_compute_thread
     def attend_prefill(
         self,
         seq_id: str,
@@ -479,7 +452,6 @@ class CacheEngine:
                 self._credit_mass([seq], out.block_mass.unsqueeze(0))
             return out
 
-    @_on_compute_thread
     def attend_prefill_batch(
         self,
         seq_ids: Seq[str],
@@ -625,7 +597,6 @@ class CacheEngine:
                 for i in range(len(seq.table)):
                     seq.scores[i] += float(row[i])
 
-    @_on_compute_thread
     def read_kv(
         self, seq_id: str, start: int = 0, end: int | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -650,7 +621,6 @@ class CacheEngine:
             )
         return stop
 
-    @_on_compute_thread
     def read_kv_into(
         self, seq_id: str, start: int, end: int, out_k: torch.Tensor, out_v: torch.Tensor
     ) -> None:
@@ -678,42 +648,35 @@ class CacheEngine:
                     out_v[layer, p : p + c].copy_(kv[layer, 1, block, :, lo : lo + c].transpose(0, 1))
                 pos += c
 
-    @_on_compute_thread
     def fork(self, parent_id: str, child_id: str) -> None:
         with self._lock:
             self.manager.fork(_seq_id(parent_id), _seq_id(child_id))
 
-    @_on_compute_thread
     def free(self, seq_id: str) -> None:
         with self._lock:
             self.manager.free(_seq_id(seq_id))
             self._held.pop(seq_id, None)  # its unfinished blocks went back unkeyed
 
-    @_on_compute_thread
     def swap_out(self, seq_id: str) -> int:
         with self._lock:
             moved = self.manager.swap_out(_seq_id(seq_id))
             self._held.pop(seq_id, None)  # an unfinished step's blocks are not published
             return moved
 
-    @_on_compute_thread
     def swap_in(self, seq_id: str) -> int:
         with self._lock:
             return self.manager.swap_in(_seq_id(seq_id))
 
-    @_on_compute_thread
     def pin(self, token_ids: Seq[int], salt: bytes = b"") -> int:
         tokens = _token_list(token_ids, "pin")
         with self._lock:
             return self.manager.pin(tokens, bytes(salt))
 
-    @_on_compute_thread
     def unpin(self, token_ids: Seq[int], salt: bytes = b"") -> int:
         tokens = _token_list(token_ids, "unpin")
         with self._lock:
             return self.manager.unpin(tokens, bytes(salt))
 
-    @_on_compute_thread
     def set_budget(
         self, seq_id: str, max_tokens: int | None, sink_blocks: int = 1, recent_blocks: int = 4
     ) -> None:
@@ -723,7 +686,6 @@ class CacheEngine:
         with self._lock:
             self.manager.set_budget(seq_id, budget)
 
-    @_on_compute_thread
     def reset(self) -> None:
         """Forget every sequence and cached block (the node re-registered after its
         lease lapsed: the coordinator already marked its sequences lost and purged
