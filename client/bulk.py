@@ -35,7 +35,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -245,20 +245,8 @@ class BulkChannel:
         """body(sock) on a same-host connection (as _run does on TCP);
         BulkUnavailable when there is none."""
         conn = self._take_local(timeout_s)
-        try:
-            result = body(conn.sock)
-        except PagedKVError:
-            self._give_local(conn)  # the node answered with an error: the connection is in sync
-            raise
-        except (OSError, ProtocolError) as exc:
-            conn.close()
-            what = "timed out (DEADLINE_EXCEEDED)" if isinstance(exc, TimeoutError) else "failed"
-            raise Unavailable(f"{self.where}: bulk transfer (same host) {what}: {exc}") from exc
-        except BaseException:
-            conn.close()
-            raise
-        self._give_local(conn)
-        return result
+        give = lambda: self._give_local(conn)  # noqa: E731
+        return self._on(conn.sock, body, give, conn.close, "bulk transfer (same host)")
 
     def ping_local(self, timeout_s: float) -> None:
         """The same-host path's no-op round trip (its floor); BulkUnavailable without one."""
@@ -281,19 +269,27 @@ class BulkChannel:
         """body(sock) on a pooled connection; a broken transfer closes it and
         raises Unavailable naming the node."""
         sock = self._take(timeout_s)
+        return self._on(sock, body, lambda: self._give(sock), sock.close, "bulk transfer")
+
+    def _on(
+        self, sock: socket.socket, body: Any, give: Callable[[], None], close: Callable[[], None], path: str
+    ) -> Any:
+        """body(sock) on a taken connection: given back after a reply (an error reply
+        included: the connection is in sync), closed when the transfer broke
+        (raised as Unavailable naming the node and `path`) or on anything else."""
         try:
             result = body(sock)
         except PagedKVError:
-            self._give(sock)  # the node answered with an error: the connection is in sync
+            give()
             raise
         except (OSError, ProtocolError) as exc:
-            sock.close()
+            close()
             what = "timed out (DEADLINE_EXCEEDED)" if isinstance(exc, TimeoutError) else "failed"
-            raise Unavailable(f"{self.where}: bulk transfer {what}: {exc}") from exc
+            raise Unavailable(f"{self.where}: {path} {what}: {exc}") from exc
         except BaseException:
-            sock.close()
+            close()
             raise
-        self._give(sock)
+        give()
         return result
 
     # -- transfers --------------------------------------------------------------
