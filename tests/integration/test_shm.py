@@ -18,9 +18,10 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
+import test_bulk_attend
 import torch
 from test_bulk_attend import GRPC, Q_HEADS, Node, bitwise, spec_of
 
@@ -35,22 +36,7 @@ from pagedkv.protos.spec import ModelSpec
 pytestmark = pytest.mark.skipif(not client_shm.is_supported(), reason="needs memfd and Unix sockets (Linux)")
 
 
-@pytest.fixture
-def make() -> Iterator[Callable[..., Node]]:
-    nodes: list[Node] = []
-
-    def make_node(dtype: str = "float32") -> Node:
-        nodes.append(Node(spec_of(dtype)))
-        return nodes[-1]
-
-    yield make_node
-    for n in nodes:
-        n.server.stop(0)
-
-
-@pytest.fixture
-def node(make: Callable[..., Node]) -> Node:
-    return make()
+make, node = test_bulk_attend.make, test_bulk_attend.node  # the same node fixtures
 
 
 def channel_of(client: CacheClient | AsyncCacheClient) -> BulkChannel:
