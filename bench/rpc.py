@@ -209,7 +209,7 @@ def _loopback_socket_gbps(data: memoryview, chunk: int) -> float:
     return len(data) / elapsed / 1e9
 
 
-def _transfers(address: str, results: dict[str, Any], repeats: int) -> None:
+def _transfers(address: str, results: dict[str, Any], repeats: int, quick: bool = False) -> None:
     """Upload and download TRANSFER_BYTES over each path, next to a loopback socket."""
     from pagedkv.client import CacheClient, ClientConfig
 
@@ -218,20 +218,25 @@ def _transfers(address: str, results: dict[str, Any], repeats: int) -> None:
     k, v = torch.randn(shape), torch.randn(shape)
     toks = list(range(7 * 10**8, 7 * 10**8 + n_tokens))
     raw = memoryview(torch.cat([k.flatten(), v.flatten()]).numpy()).cast("B")
-    paths = {  # name -> (client config, same-host path allowed); gRPC is the contract for small calls
-        "gRPC, 1 MiB chunks": (ClientConfig(chunk_bytes=1 << 20, bulk_min_bytes=None), False),
-        "gRPC, 4 MiB chunks": (ClientConfig(chunk_bytes=4 << 20, bulk_min_bytes=None), False),
-        "bulk channel, TCP": (ClientConfig(), False),
-        "bulk channel, same-host Unix socket": (ClientConfig(), True),
+    # name -> (client config, same-host path allowed, READ_SHM allowed); gRPC is the contract for small calls
+    paths = {
+        "gRPC, 1 MiB chunks": (ClientConfig(chunk_bytes=1 << 20, bulk_min_bytes=None), False, False),
+        "gRPC, 4 MiB chunks": (ClientConfig(chunk_bytes=4 << 20, bulk_min_bytes=None), False, False),
+        "bulk channel, TCP": (ClientConfig(), False, False),
+        "bulk channel, same-host Unix socket": (ClientConfig(), True, False),
+        "bulk channel, same-host shared memory (READ_SHM; append: Unix socket)": (ClientConfig(), True, True),
     }
+    if quick:  # the gRPC rows take most of the time
+        paths = {name: p for name, p in paths.items() if not name.startswith("gRPC")}
     runs: dict[str, dict[str, list[float]]] = {name: {"up": [], "down": [], "sock": []} for name in paths}
-    clients = {name: CacheClient(address, cfg) for name, (cfg, _) in paths.items()}
+    clients = {name: CacheClient(address, cfg) for name, (cfg, _, _) in paths.items()}
     try:
         for r in range(repeats):  # interleaved: each repeat runs every path once, in turn
-            for name, (cfg, local) in paths.items():
+            for name, (cfg, local, read_shm) in paths.items():
                 c, run = clients[name], runs[name]
                 if c.data.route.bulk is not None:
                     c.data.route.bulk.is_local_enabled = local
+                    c.data.route.bulk.is_read_shm = read_shm
                 seq = c.open(f"up{len(results['transfer'])}-{name}-{r}", toks[:1])  # distinct ids
                 t0 = time.perf_counter()
                 seq.append(toks, k, v)
@@ -244,13 +249,15 @@ def _transfers(address: str, results: dict[str, Any], repeats: int) -> None:
                 del rk, rv
                 seq.close()
                 run["sock"].append(_loopback_socket_gbps(raw, cfg.chunk_bytes))
-        for name, (cfg, local) in paths.items():
+        for name, (cfg, local, read_shm) in paths.items():
             bulk = clients[name].data.route.bulk
             used_bulk = bulk is not None and bool(bulk.port)
             if used_bulk != (cfg.bulk_min_bytes is not None):
                 raise AssertionError(f"{name}: bulk channel used = {used_bulk}")
             if bulk is not None and bulk.num_local_transfers != (2 * repeats if local else 0):
                 raise AssertionError(f"{name}: {bulk.num_local_transfers} transfers over the Unix socket")
+            if bulk is not None and bulk.num_shm_reads != (repeats if read_shm else 0):
+                raise AssertionError(f"{name}: {bulk.num_shm_reads} reads through the shared region")
             run = runs[name]
             row = {
                 "upload_gbps": statistics.median(run["up"]),
@@ -325,6 +332,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="fewer iterations (smoke run)")
     parser.add_argument("--repeats", type=int, default=3, help="transfers per direction (median reported)")
     parser.add_argument("--no-transfer", action="store_true", help="latency only (no KV transfers)")
+    parser.add_argument(
+        "--transfer-only", action="store_true",
+        help="KV transfers only (no latency part): prints the table, writes no results;\n"
+        "with --quick, without the gRPC rows",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     from pagedkv.client import CacheClient, ClientConfig, InvalidArgument
 
@@ -346,6 +358,15 @@ def main(argv: list[str] | None = None) -> None:
         "latency": {},
         "transfer": {},
     }
+    if args.transfer_only:
+        try:
+            _transfers(address, results, args.repeats, args.quick)
+        finally:
+            parent.send("stop")
+            proc.join(10)
+        results["runtime_s"] = time.perf_counter() - t_start
+        print("\n".join(render_transfer(results)))
+        return
     try:
         with CacheClient(address, grpc_only) as client, CacheClient(address) as via_bulk:
             channel = via_bulk.data.bulk_channel(5.0)
@@ -471,7 +492,7 @@ def main(argv: list[str] | None = None) -> None:
                       f"bare gRPC floor {floor}, engine in a bare handler {in_rpc}", flush=True)  # fmt: skip
 
             if not args.no_transfer:
-                _transfers(address, results, args.repeats)
+                _transfers(address, results, args.repeats, args.quick)
     finally:
         parent.send("stop")
         proc.join(10)
@@ -597,6 +618,12 @@ def render(r: dict[str, Any]) -> str:
         "call. Bare gRPC: a gRPC-Python server with no pagedkv servicer and no protobuf, payloads the size",
         "of an attend's, whose handler runs the same engine call (or blocks, GIL released, for the engine",
         "p50); RPC - handler is the p50 over calls of (RPC time - that handler's own time).",
+    ]
+    return "\n".join(lines + render_transfer(r))
+
+
+def render_transfer(r: dict[str, Any]) -> list[str]:
+    lines = [
         "",
         "| path | upload GB/s (append) | download GB/s (read_kv) | loopback socket GB/s (same loop) |",
         "|---|---:|---:|---:|",
@@ -613,7 +640,7 @@ def render(r: dict[str, Any]) -> str:
         f"Runtime {r['runtime_s']:.0f} s.",
         "",
     ]
-    return "\n".join(lines)
+    return lines
 
 
 if __name__ == "__main__":

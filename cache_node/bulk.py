@@ -24,8 +24,9 @@ mid-transfer closes the connection and changes nothing.
 
 Same-host clients (cache_node/shm.py) reach the same server through an abstract
 Unix socket named in the HELLO reply: the same ops, served by the same loop, plus
-MAP (the client's memfd region) and ATTEND*_SHM, whose body and results stay in
-that region (no payload through the socket).
+MAP (the client's memfd region), ATTEND*_SHM, whose body and results stay in
+that region (no payload through the socket), and READ_SHM, which gathers each
+slab of a read from the pool straight into a slot of a small ring in the region.
 """
 
 from __future__ import annotations
@@ -201,6 +202,8 @@ class BulkServer:
                     region = self._map(conn, frame, fds, region)
                 elif frame.op in bulk.SHM_OPS and fds is not None:
                     self._shm_call(conn, frame, region)
+                elif frame.op == bulk.OP_READ_SHM and fds is not None:
+                    self._read_shm(conn, frame, region)
                 elif frame.op == bulk.OP_APPEND:
                     self._append(conn, frame)
                 elif frame.op == bulk.OP_READ:
@@ -441,32 +444,46 @@ class BulkServer:
 
     # -- READ -------------------------------------------------------------------
 
+    def _read_stop(self, f: Frame) -> int:
+        """The end of a READ* request's range, or a domain error (nothing sent yet)."""
+        end = None if f.end == bulk.END_OF_SEQUENCE else f.end
+        length = self.engine.awaiting_open(lambda: self.engine.cache_length(f.text))
+        stop = length if end is None else end
+        if not 0 <= f.start <= stop <= length:
+            raise InvalidArgument(f"range [{f.start}, {end}) outside sequence {f.text!r} of {length} tokens")
+        return stop
+
+    def _read_step(self, f: Frame, n: int, max_tokens: int | None = None) -> int:
+        """Tokens per slab: the client's slab_tokens or the node's default, at most
+        4 x the default (and max_tokens: a READ_SHM slot)."""
+        bpt = self.engine.spec.bytes_per_token
+        step = f.slab_tokens or tokens_per_chunk(bpt, READ_SLAB_BYTES)
+        step = min(step, n, tokens_per_chunk(bpt, READ_SLAB_BYTES * 4))
+        return max(1, step if max_tokens is None else min(step, max_tokens))
+
+    def _read_reply(self, conn: socket.socket, f: Frame, stop: int, step: int, payload_len: int) -> None:
+        s = self.engine.spec
+        if stop == f.start:
+            self._bump("num_requests")  # counted before the reply's last bytes leave
+        conn.sendall(
+            Frame(f.op, f.request_id, s.dtype, start=f.start, end=stop, num_layers=s.num_layers,
+                  num_kv_heads=s.num_kv_heads, head_dim=s.head_dim, slab_tokens=step,
+                  payload_len=payload_len).pack()
+        )  # fmt: skip
+
     def _read(self, conn: socket.socket, f: Frame) -> None:
         s = self.engine.spec
         try:
             if f.payload_len:
                 raise InvalidArgument("bulk read: the request carries no payload")
-            end = None if f.end == bulk.END_OF_SEQUENCE else f.end
-            length = self.engine.awaiting_open(lambda: self.engine.cache_length(f.text))
-            stop = length if end is None else end
-            if not 0 <= f.start <= stop <= length:
-                raise InvalidArgument(
-                    f"range [{f.start}, {end}) outside sequence {f.text!r} of {length} tokens"
-                )
+            stop = self._read_stop(f)
         except Exception as exc:
             self._drain(conn, f.payload_len)
             self._reply_error(conn, f, exc)
             return
         n = stop - f.start
-        step = f.slab_tokens or tokens_per_chunk(s.bytes_per_token, READ_SLAB_BYTES)
-        step = max(1, min(step, n, tokens_per_chunk(s.bytes_per_token, READ_SLAB_BYTES * 4)))
-        if n == 0:
-            self._bump("num_requests")  # counted before the reply's last bytes leave
-        conn.sendall(
-            Frame(f.op, f.request_id, s.dtype, start=f.start, end=stop, num_layers=s.num_layers,
-                  num_kv_heads=s.num_kv_heads, head_dim=s.head_dim, slab_tokens=step,
-                  payload_len=n * s.bytes_per_token).pack()
-        )  # fmt: skip
+        step = self._read_step(f, n)
+        self._read_reply(conn, f, stop, step, n * s.bytes_per_token)
         dtype = TORCH_DTYPES[s.dtype]
         staging = self._staging.take(step * s.bytes_per_token)
         try:
@@ -489,6 +506,83 @@ class BulkServer:
                 conn.sendall(_byte_view(slab))
         finally:
             self._staging.give(staging)
+
+    def _read_shm(self, conn: socket.socket, f: Frame, region: Region | None) -> None:
+        """A READ whose slabs go through a ring of slots in the region (protos/bulk.py,
+        READ_SHM): each slab is gathered from the pool straight into its slot, the
+        socket carries only the SLAB headers and the client's ACKs."""
+        if f.payload_len != bulk.SHM_READ.size:
+            if f.payload_len > bulk.MAX_CALL_BYTES:
+                raise ProtocolError(f"shm read of {f.payload_len} bytes (expected {bulk.SHM_READ.size})")
+            self._drain(conn, f.payload_len)
+            self._reply_error(conn, f, InvalidArgument(f"bulk shm read: {f.payload_len}-byte request"))
+            return
+        head = bytearray(bulk.SHM_READ.size)
+        bulk.recv_exact(conn, memoryview(head), "shm read")
+        area_at, slot_bytes, num_slots = bulk.SHM_READ.unpack(head)
+        s = self.engine.spec
+        bpt = s.bytes_per_token
+        try:
+            if region is None:
+                raise InvalidArgument("bulk shm read: no region mapped on this connection (MAP first)")
+            if area_at % bulk.ALIGN or slot_bytes % bulk.ALIGN:
+                raise InvalidArgument(
+                    f"bulk shm read: ring offset {area_at} and slot size {slot_bytes} must be multiples "
+                    f"of {bulk.ALIGN}"
+                )
+            if not 1 <= num_slots <= bulk.MAX_READ_SLOTS:
+                raise InvalidArgument(f"bulk shm read: {num_slots} slots (1..{bulk.MAX_READ_SLOTS})")
+            region.view(area_at, slot_bytes * num_slots, "the read ring")
+            stop = self._read_stop(f)
+        except Exception as exc:
+            self._reply_error(conn, f, exc)
+            return
+        n = stop - f.start
+        if n and slot_bytes < bpt:  # the client grows its region once and asks again
+            self._bump("num_errors")
+            code, details, cls = status_for(
+                InvalidArgument(f"bulk shm read: a {slot_bytes}-byte slot is smaller than one token ({bpt})")
+            )
+            conn.sendall(
+                Frame(f.op, f.request_id, status=code.value[0], end=bpt, text=details, extra=cls).pack()
+            )
+            return
+        step = self._read_step(f, n, slot_bytes // bpt)
+        self._read_reply(conn, f, stop, step, 0)
+        dtype = TORCH_DTYPES[s.dtype]
+        num_slabs = -(-n // step)
+        ack = bytearray(bulk.READ_ACK.size)
+        assert region is not None
+        for i in range(num_slabs):
+            pos = f.start + i * step
+            t = min(step, stop - pos)
+            if i >= num_slots:  # the slot is free once the client copied slab i - num_slots out
+                self._read_ack(conn, ack, i - num_slots)
+            at = area_at + (i % num_slots) * slot_bytes
+            slab = region.view(at, t * bpt, "a read slot").view(dtype)
+            slab = slab.view(2, s.num_layers, t, s.num_kv_heads, s.head_dim)
+            try:  # positions are append-only: the range stays valid unless the sequence is freed
+                self.engine.read_kv_into(f.text, pos, pos + t, slab[0], slab[1])
+            except Exception as exc:
+                del slab
+                code, details, cls = status_for(exc)
+                self._bump("num_errors")
+                conn.sendall(bulk.pack_slab(0, code.value[0], details, cls))
+                # the client acked slabs 0..i-1 that free a slot; those below i - num_slots + 1 were read
+                for j in range(max(0, i - num_slots + 1), min(i, max(0, num_slabs - num_slots))):
+                    self._read_ack(conn, ack, j)
+                return
+            del slab
+            if i == num_slabs - 1:
+                self._bump("num_requests")
+            conn.sendall(bulk.pack_slab(t))
+
+    @staticmethod
+    def _read_ack(conn: socket.socket, buf: bytearray, expected: int) -> None:
+        bulk.recv_exact(conn, memoryview(buf), "a read ack")
+        (got,) = bulk.READ_ACK.unpack(buf)
+        if got != expected:
+            raise ProtocolError(f"read ack for slab {got}, expected {expected}")
 
 
 class _CallBuffer:

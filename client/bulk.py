@@ -91,6 +91,9 @@ class BulkChannel:
         self.local_name: str | None = None
         self.is_local_enabled = shm.is_supported()  # False: every call over TCP (benchmarks, tests)
         self._idle_local: list[shm.LocalConnection] = []
+        self.is_read_shm = True  # False: read_kv over the Unix socket (an older node; benchmarks, tests)
+        self.read_slot_bytes = 0  # a READ_SHM slot the node asked for (a token over shm.READ_SLOT_BYTES)
+        self.num_shm_reads = 0  # read_kv through the shared region (counted in num_local_transfers too)
 
     @property
     def is_backing_off(self) -> bool:
@@ -241,6 +244,60 @@ class BulkChannel:
         self._give_local(conn)
         return result
 
+    def _read_shm(
+        self, seq_id: str, start: int, end: int | None, timeout_s: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """read_kv through a ring in the connection's region (READ_SHM); BulkUnavailable
+        (nothing read) when the path cannot be used: the caller takes the Unix socket."""
+        conn = self._take_local(timeout_s)
+        slot = max(shm.READ_SLOT_BYTES, self.read_slot_bytes)
+        try:
+            for _ in range(2):  # a slot smaller than one token: grow once and ask again
+                request_id = next(self._ids)
+                try:
+                    conn.ensure(shm.READ_SLOTS * slot, request_id)
+                except shm.RegionRefused as exc:
+                    self.local_name = ""  # this node will not map our regions: TCP from now on
+                    conn.close()
+                    raise BulkUnavailable(f"the node refused the shared region: {exc}") from None
+                except (OSError, ProtocolError) as exc:  # nothing of this read was sent
+                    conn.close()
+                    raise BulkUnavailable(f"same-host region not mapped: {exc}") from exc
+                frame = Frame(
+                    bulk.OP_READ_SHM, request_id, start=start,
+                    end=bulk.END_OF_SEQUENCE if end is None else end, text=seq_id,
+                    payload_len=bulk.SHM_READ.size,
+                )  # fmt: skip
+                conn.sock.sendall(frame.pack() + bulk.SHM_READ.pack(0, slot, shm.READ_SLOTS))
+                reply = bulk.read_frame(conn.sock)
+                assert reply is not None
+                if reply.status == bulk.STATUS_OK:
+                    result = shm.read_ring(conn, reply, slot, shm.READ_SLOTS, self._error)
+                    break
+                if reply.end > slot:  # the node's bytes per token
+                    slot = self.read_slot_bytes = reply.end + bulk.pad(reply.end)
+                    continue
+                if "unknown op" in reply.text:  # a node without READ_SHM: it closed the connection
+                    self.is_read_shm = False
+                    conn.close()
+                    raise BulkUnavailable("the node has no READ_SHM")
+                raise self._error(reply)
+            else:
+                raise ProtocolError(f"shm read: slot of {slot} bytes refused after growing")
+        except (PagedKVError, BulkUnavailable):
+            if conn.size:  # the node answered with an error: the connection is in sync
+                self._give_local(conn)
+            raise
+        except (OSError, ProtocolError) as exc:
+            conn.close()
+            what = "timed out (DEADLINE_EXCEEDED)" if isinstance(exc, TimeoutError) else "failed"
+            raise Unavailable(f"{self.where}: bulk read (same host, shared memory) {what}: {exc}") from exc
+        except BaseException:
+            conn.close()
+            raise
+        self._give_local(conn)
+        return result
+
     def _run_local(self, timeout_s: float, body: Any) -> Any:
         """body(sock) on a same-host connection (as _run does on TCP);
         BulkUnavailable when there is none."""
@@ -377,6 +434,14 @@ class BulkChannel:
                 pos += t
             return out_k, out_v
 
+        if self.is_local_enabled and self.local_name != "" and self.is_read_shm:
+            try:  # same host: through the shared region (two copies instead of three)
+                ring = self._read_shm(seq_id, start, end, timeout_s)
+                self.num_local_transfers += 1
+                self.num_shm_reads += 1
+                return ring
+            except BulkUnavailable:
+                pass  # the Unix socket, or TCP
         if self.is_local_enabled and self.local_name != "":
             try:  # same host: the Unix socket (TCP's loopback stack is the load-sensitive part)
                 local: tuple[torch.Tensor, torch.Tensor] = self._run_local(timeout_s, body)

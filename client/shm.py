@@ -1,5 +1,5 @@
 """The client side of the bulk channel's same-host path (protocol:
-pagedkv.protos.bulk, ops HELLO, MAP, ATTEND*_SHM).
+pagedkv.protos.bulk, ops HELLO, MAP, ATTEND*_SHM, READ_SHM).
 
 A `LocalConnection` is a Unix-socket connection to the node (the abstract name
 its HELLO reply gave) with a memfd region that both processes map. A call writes
@@ -8,7 +8,9 @@ out of the region before it returns them: results are fresh tensors the caller
 owns, never views a later call could overwrite. The region is sealed against
 shrinking before the node maps it and grows (a new memfd, a new MAP) when a call
 needs more; it is anonymous memory, freed when both sides have dropped it, so a
-client or node that dies leaves nothing behind.
+client or node that dies leaves nothing behind. A READ_SHM read (`read_ring`)
+copies each slab out of its slot of a small ring at the region's start into the
+result tensors, one memcpy per layer and k / v, and frees the slot with an ACK.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import math
 import mmap
 import os
 import socket
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -31,6 +33,10 @@ from .types import AttentionResult
 
 MEMFD_NAME = "pagedkv-shm"  # shows in /proc/PID/maps as /memfd:pagedkv-shm (deleted)
 MIN_REGION_BYTES = 1 << 20
+# READ_SHM's ring (protos/bulk.py): the node gathers slab i + 1 into one slot while
+# this side copies slab i out of the other. Small and reused: memfd pages have no THP.
+READ_SLOTS = 2
+READ_SLOT_BYTES = 2 << 20
 
 
 def is_supported() -> bool:
@@ -162,3 +168,42 @@ def read_placed(region: torch.Tensor, out_at: int, out_len: int, reply_head: byt
         buf.numpy()[:] = region[out_at : out_at + at].numpy()
     outs = [buf[a : a + n].view(tdtype).view(shape) for tdtype, shape, a, n in spans]
     return AttentionResult(outs[0], outs[1], outs[2] if num == 3 else None)
+
+
+def read_ring(
+    conn: LocalConnection, reply: Frame, slot_bytes: int, num_slots: int, error: Callable[..., Exception]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k, v [num_layers, n, kv_heads, head_dim] of a READ_SHM whose OK reply
+    frame is `reply`: each slab's SLAB header from the socket, its bytes copied out
+    of slot i % num_slots of the ring at region[0, num_slots * slot_bytes), then the
+    slot freed with an ACK (protos/bulk.py). An error SLAB raises error((status,
+    text, extra)); anything inconsistent raises ProtocolError."""
+    n = reply.end - reply.start
+    layers, heads, dim = reply.num_layers, reply.num_kv_heads, reply.head_dim
+    dtype = tensors.TORCH_DTYPES[reply.dtype]
+    out_k = torch.empty((layers, n, heads, dim), dtype=dtype)
+    out_v = torch.empty((layers, n, heads, dim), dtype=dtype)
+    tok_bytes = heads * dim * dtype.itemsize  # one token of one layer of k (or v)
+    step = reply.slab_tokens
+    if reply.payload_len or n < 0 or (n and not 0 < step * 2 * layers * tok_bytes <= slot_bytes):
+        raise ProtocolError(f"shm read reply: {step}-token slabs of {n} tokens for {slot_bytes}-byte slots")
+    if num_slots * slot_bytes > conn.size:
+        raise ProtocolError(f"shm read ring of {num_slots} x {slot_bytes} bytes past the region")
+    ring = conn.region.numpy()
+    dst = [t.reshape(-1).view(torch.uint8).numpy().reshape(layers, n * tok_bytes) for t in (out_k, out_v)]
+    num_slabs = -(-n // step) if n else 0
+    for i in range(num_slabs):
+        t, status, text, extra = bulk.read_slab(conn.sock)
+        if status != bulk.STATUS_OK:
+            raise error((status, text, extra))
+        pos = i * step
+        if t != min(step, n - pos):
+            raise ProtocolError(f"shm read: slab {i} of {t} tokens at {pos} of {n} ({step} per slab)")
+        at, nbytes, lo = (i % num_slots) * slot_bytes, t * tok_bytes, pos * tok_bytes
+        for part, d in enumerate(dst):  # the slab is [2, layers, t, heads, dim]: one memcpy per row
+            for layer in range(layers):
+                a = at + (part * layers + layer) * nbytes
+                d[layer, lo : lo + nbytes] = ring[a : a + nbytes]
+        if i + num_slots < num_slabs:
+            conn.sock.sendall(bulk.READ_ACK.pack(i))
+    return out_k, out_v

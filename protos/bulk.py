@@ -115,11 +115,43 @@ REPLY_SIZE). The client must not touch the region until the reply arrived (one
 call at a time per connection), and copies the results out before it returns
 them: a caller's result is never overwritten by a later call.
 
+READ_SHM (op 10), client -> node, on a connection with a region: a READ whose
+bytes pass through a small ring of slots in the region instead of the socket.
+FRAME as READ's (text = seq_id, [start, end), slab_tokens: 0 = the node picks)
+with payload_len = SHM_READ.size, then
+
+    SHM_READ (24 bytes): area_offset u64 | slot_bytes u64 | num_slots u32 | pad u32
+
+The ring is region[area_offset, +num_slots * slot_bytes), area_offset and
+slot_bytes multiples of ALIGN, 1..MAX_READ_SLOTS slots. A ring outside the
+region, or no region, is refused (INVALID_ARGUMENT, the connection stays
+usable); so is a slot smaller than one token, whose error reply's `end` is the
+node's bytes per token (the client grows its region once and asks again). Reply:
+a FRAME as READ's (resolved range, shape, dtype, slab_tokens) with payload_len 0,
+then per slab i only its SLAB header over the socket: its bytes (READ's slab
+layout, [2, num_layers, t, kv_heads, head_dim]) are in slot i % num_slots. All
+slabs but the last have slab_tokens tokens. After copying slab i out, the client
+sends READ_ACK (u64 = i) when i + num_slots < the number of slabs; the node waits
+for slab i's ACK before it writes slab i + num_slots into the same slot, so it
+gathers the next slabs while the client copies this one out. An ACK out of order
+is a protocol error (the connection closes). A SLAB with a non-zero status ends
+the reply, as in READ; the node then reads the ACKs the client sent for slabs
+before it, so the connection stays in sync. The node only writes the ring (it
+never trusts what the client leaves there); a client that dies mid-read just
+ends the connection, which unmaps its region.
+
+The ring stays small and reused (2 x 2 MiB by default): backing a whole 256 MiB
+result with memfd was measured and dropped, as shared memory has no transparent
+huge pages on the hosts measured, so faulting 256 MiB of it cost ~0.3 s in page
+allocation alone (anonymous memory: 0.03 s). READ_SHM moves each byte twice
+(pool -> slot on the node, slot -> result on the client) where READ over a socket
+moves it three times (pool -> staging, staging -> socket buffer, socket buffer
+-> result).
+
 APPEND and READ on a same-host connection are TCP's, through the Unix socket (no
-TCP stack: under load it kept 4x TCP's download rate in the same run). A memfd-backed
-READ was measured and dropped: shared memory has no transparent huge pages on
-the hosts measured, so filling 256 MiB of it cost ~0.3 s in page allocation alone
-(anonymous memory: 0.03 s).
+TCP stack: under load it kept 4x TCP's download rate in the same run); READ is
+what a client uses when the node answers READ_SHM with "unknown op" (an older
+node; the connection closes and the client opens another).
 
 Both ends move tensors with sendmsg / recv_into between the tensors' memory and
 the socket (no payload-sized Python bytes); TCP_NODELAY is on at both ends.
@@ -150,6 +182,7 @@ OP_HELLO = 6
 OP_MAP = 7
 OP_ATTEND_SHM = 8
 OP_ATTEND_PREFILL_BATCH_SHM = 9
+OP_READ_SHM = 10
 SHM_OPS = {OP_ATTEND_SHM: OP_ATTEND, OP_ATTEND_PREFILL_BATCH_SHM: OP_ATTEND_PREFILL_BATCH}
 PLACED_INLINE, PLACED_REGION = 0, 1
 MIN_REGION_BYTES = 4096
@@ -171,6 +204,9 @@ FRAME = struct.Struct("<4sBBBBQQQHHHIHHQ")
 SLAB = struct.Struct("<IBxHH")
 CALL = struct.Struct("<iBxxxIIII")
 SHM_CALL = struct.Struct("<QQQQ")
+SHM_READ = struct.Struct("<QQI4x")  # area_offset, slot_bytes, num_slots
+READ_ACK = struct.Struct("<Q")  # the slab index the client copied out
+MAX_READ_SLOTS = 64
 TENSOR = struct.Struct("<BBxx5I")
 REPLY = struct.Struct("<BB6x")  # num_tensors, placement
 REPLY_SIZE = REPLY.size + 3 * TENSOR.size
