@@ -26,9 +26,11 @@ dispatch) and compared with both floors: the goal is overhead <= 1.3 x ping_p50
 KV upload and download of a 256 MiB range are timed end to end through the
 client API (tensors in, tensors out, checked byte-exact) over each path -- the
 gRPC rpcs (Append client-streaming, ReadKV server-streaming), the bulk channel's
-TCP socket and its same-host Unix socket (protos/bulk.py), each repeat running
-every path in turn -- and compared with a plain loopback TCP socket moving the
-same bytes in the same loop.
+TCP socket, its same-host Unix socket and its same-host shared-memory read
+(READ_SHM: slabs through a 2 x 2 MiB ring in the client's memfd region; its
+append takes the Unix socket) (protos/bulk.py), each repeat running every path in
+turn -- and compared with a plain loopback TCP socket moving the same bytes in the
+same loop. `--transfer-only` runs just this part (`--quick`: without the gRPC rows).
 """
 
 from __future__ import annotations
