@@ -47,8 +47,8 @@ class PagedKVAdapter(Adapter):
         return cached
 
     def decode(self, batch):
-        rids, tokens = zip(*batch, strict=True)
-        self.mgr.reserve_tokens(rids, tokens)
+        # reserve_tokens(rids, tokens), taking the runner's (rid, token) pairs as they come
+        self.mgr.reserve_token_pairs(batch)
         self.num_events += len(self.mgr.take_event_batch().keys)  # the node drains these every step
 
     def finish(self, rid):

@@ -1,7 +1,11 @@
 """BlockPool: the bookkeeping of one tier of blocks (device or host).
 
-Pure Python, no tensors: it decides which block ids hold what; the engine
-moves the bytes. One structure serves as free list and cache (lazy eviction):
+No tensors: it decides which block ids hold what; the engine moves the
+bytes. The state is Python lists and dicts; with the LRU policy the hot loops
+(take, free) run in C (csrc/block_core.c, built at first use; block_core.py)
+on those same objects, with the Python loops below as the fallback and the
+reference (tests/unit/test_block_core.py runs both side by side). One
+structure serves as free list and cache (lazy eviction):
 
     state of a block     refcount   key      where it is listed
     ---------------------------------------------------------------
@@ -25,6 +29,7 @@ from itertools import islice
 from typing import NamedTuple
 
 from ..protos.errors import CapacityExceeded, IntegrityError, InvalidArgument
+from .block_core import get_core
 from .eviction import EvictionPolicy, LRUPolicy
 
 
@@ -34,7 +39,14 @@ class Evicted(NamedTuple):
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, policy: EvictionPolicy | None = None, *, tier: str = "device"):
+    def __init__(
+        self,
+        num_blocks: int,
+        policy: EvictionPolicy | None = None,
+        *,
+        tier: str = "device",
+        native: bool = True,
+    ):
         if num_blocks < 0:
             raise InvalidArgument(f"{tier} pool size must be >= 0, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -53,6 +65,8 @@ class BlockPool:
         self._lru: OrderedDict[int, None] | None = (
             self.policy._order if type(self.policy) is LRUPolicy else None  # type: ignore[attr-defined]
         )
+        # The compiled loops (LRU only; None: the Python loops). `native=False` forces Python.
+        self._c = get_core()[0] if native and self._lru is not None else None
 
     # -- queries (never mutate) -------------------------------------------------
 
@@ -104,6 +118,14 @@ class BlockPool:
         tuple is built per block."""
         free = self._free
         nfree = len(free)
+        c = self._c
+        if c is not None:  # the same steps in C
+            if n > nfree:
+                available = nfree + len(self._lru)  # type: ignore[arg-type]
+                if n > available:
+                    raise CapacityExceeded(f"{self.tier} pool", n, available)
+                self.num_evictions += n - nfree
+            return c.take(free, self.refcount, n, self.key_of, self.block_of_key, self._lru, evicted_keys)  # type: ignore[no-any-return]
         refcount = self.refcount
         if n <= nfree:  # no eviction: the usual case
             if n <= 0:
@@ -179,6 +201,12 @@ class BlockPool:
         """Drop one reference from each block, in order. A block that reaches 0
         becomes cached (if keyed) or free. Callers pass a sequence's blocks
         tail-first, so with LRU its deepest blocks are evicted before its prefix."""
+        c = self._c
+        if c is not None:
+            self._raise_if_bad(
+                c.release(blocks, False, self.refcount, self.key_of, self.pins, self._free, self._lru)
+            )
+            return
         refcount, key_of, pins, free = self.refcount, self.key_of, self.pins, self._free
         lru = self._lru
         policy = self.policy
@@ -199,6 +227,20 @@ class BlockPool:
                     lru[block] = None
                 else:
                     policy.add(block)
+
+    def free_tail_first(self, table: list[int]) -> None:
+        """free(table[::-1]) without the copy: a sequence's release."""
+        c = self._c
+        if c is not None:
+            self._raise_if_bad(
+                c.release(table, True, self.refcount, self.key_of, self.pins, self._free, self._lru)
+            )
+        else:
+            self.free(table[::-1])
+
+    def _raise_if_bad(self, block: int | None) -> None:
+        if block is not None:  # what the Python loop raises at that block, the ones before it released
+            raise IntegrityError(f"{self.tier} block {block} freed more often than referenced")
 
     # -- keys -------------------------------------------------------------------
 

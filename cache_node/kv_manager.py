@@ -101,6 +101,8 @@ class HeldBlocks:
     seq: Sequence
     first: int
     blocks: tuple[int, ...]
+
+
 _NO_HIT = OpenResult(0, 0)
 # Runs an iterator of side effects to its end, in C.
 _consume: Callable[[Iterable[object]], None] = deque[object](maxlen=0).extend
@@ -202,12 +204,15 @@ class KVCacheManager:
         enable_prefix_caching: bool = True,
         mover: BlockMover | None = None,
         record_events: bool = False,
+        native: bool = True,
     ) -> None:
         if block_size <= 0:
             raise InvalidArgument(f"block_size must be positive, got {block_size}")
         self.block_size = block_size
-        self.device = BlockPool(num_blocks, make_policy(policy, num_blocks), tier=DEVICE)
-        self.host = BlockPool(num_host_blocks, make_policy("lru", num_host_blocks), tier=HOST)
+        # native=False keeps every loop in Python (the reference the compiled loops are tested against).
+        self.device = BlockPool(num_blocks, make_policy(policy, num_blocks), tier=DEVICE, native=native)
+        self.host = BlockPool(num_host_blocks, make_policy("lru", num_host_blocks), tier=HOST, native=native)
+        self._core = self.device._c  # the compiled decode step, with the LRU policy
         self.policy_name = policy
         self.enable_prefix_caching = enable_prefix_caching
         self.mover: BlockMover = mover if mover is not None else NullMover()
@@ -460,9 +465,9 @@ class KVCacheManager:
     def take_event_batch(self) -> EventBatch:
         """take_events() without a tuple per event: the two recorded lists
         themselves, for a node that streams many events per step."""
-        batch = EventBatch(self._event_kinds, self._event_keys)
+        batch = _new_tuple(EventBatch, (self._event_kinds, self._event_keys))  # no Python-level __new__
         self._event_kinds, self._event_keys = [], []
-        return batch
+        return batch  # type: ignore[no-any-return]
 
     @property
     def num_pending_events(self) -> int:
@@ -671,6 +676,44 @@ class KVCacheManager:
         checked as a whole first, so an unknown or swapped-out sequence, one listed
         twice, a token count that differs from the sequence count, or too little
         room for the step raises and changes nothing."""
+        group, core = self._group, self._core
+        if (
+            group is not None
+            and core is not None
+            and len(seq_ids) == len(token_ids) <= len(self.device._free)  # room: at most one block each
+            and (seq_ids if type(seq_ids) is tuple else tuple(seq_ids)) == group.ids
+        ):  # the usual step, as _reserve_step() takes it, with fewer Python steps
+            self._step_group(group, token_ids)
+            return
+        self._reserve_step(seq_ids, token_ids)
+
+    def reserve_token_pairs(self, pairs: Seq[tuple[str, int]]) -> None:
+        """reserve_tokens() for a decode step given as (seq_id, token) pairs, the
+        shape a scheduler's running batch often has: the same checks and effects as
+        reserve_tokens([s for s, _ in pairs], [t for _, t in pairs]). When the pairs
+        name the current decode group in order, the compiled step checks and appends
+        them without building the two lists."""
+        group, core = self._group, self._core
+        if group is not None and core is not None and len(pairs) <= len(self.device._free):
+            t = group.num_steps + 1
+            bs = self.block_size
+            device = self.device
+            if core.step_pairs(
+                group.ids,
+                pairs,
+                group.token_lists,
+                group.batch,
+                group.by_fill[(1 - t) % bs],
+                device._free,
+                device.refcount,
+            ):
+                group.num_steps = t
+                if self.enable_prefix_caching:
+                    self._publish_filled(group, t)
+                return
+        if any(len(pair) != 2 for pair in pairs):
+            raise InvalidArgument("a decode step's pairs must each be (seq_id, token)")
+        seq_ids, token_ids = tuple(map(itemgetter(0), pairs)), tuple(map(itemgetter(1), pairs))
         self._reserve_step(seq_ids, token_ids)
 
     def _reserve_step(self, seq_ids: Seq[str], token_ids: Seq[int]) -> list[Sequence]:
@@ -714,13 +757,25 @@ class KVCacheManager:
         token: the tokens go in by one C-level pass, and only the sequences that
         cross a block boundary (about len(batch) / block_size of them), found by
         the group's schedule, take a Python branch. Room was checked."""
-        _consume(map(list.append, group.token_lists, token_ids))
-        group.num_steps = t = group.num_steps + 1
+        t = group.num_steps + 1
         bs, batch, by_fill = self.block_size, group.batch, group.by_fill
         # A member that had length L when the group formed has L + t now: its token
         # opened a new block when (L + t) % bs == 1, and filled its block when it is 0.
         opened = by_fill[(1 - t) % bs]
         filled = by_fill[-t % bs] if self.enable_prefix_caching else ()
+        core = self._core
+        if core is not None and core.step(
+            group.token_lists, token_ids, batch, opened, self.device._free, self.device.refcount
+        ):
+            # The tokens are in and every opening member took a free block (no eviction,
+            # so no event, and nothing a publish reads): the order of opens and publishes
+            # does not matter. step() changed nothing when the free list was short.
+            group.num_steps = t
+            if filled:
+                self._publish_filled(group, t)
+            return
+        _consume(map(list.append, group.token_lists, token_ids))
+        group.num_steps = t
         if opened and filled:  # both kinds in one step: in batch order, as one-token appends would
             for i in sorted(opened + filled):  # type: ignore[operator]
                 if i in opened:
@@ -731,6 +786,14 @@ class KVCacheManager:
         for i in opened:
             self._open_block(batch[i])
         for i in filled:
+            seq = batch[i]
+            if seq.chain_intact:
+                self._publish_one(seq, len(seq.tokens) // bs - 1)
+
+    def _publish_filled(self, group: _DecodeGroup, t: int) -> None:
+        """Key the blocks that step t of the group filled (after their members' opens)."""
+        bs, batch = self.block_size, group.batch
+        for i in group.by_fill[-t % bs]:
             seq = batch[i]
             if seq.chain_intact:
                 self._publish_one(seq, len(seq.tokens) // bs - 1)
@@ -840,9 +903,9 @@ class KVCacheManager:
         self._group = None
         if seq.host_table is not None:
             self._num_swapped -= 1
-            self.host.free(seq.host_table[::-1])
+            self.host.free_tail_first(seq.host_table)
         else:
-            self.device.free(seq.table[::-1])
+            self.device.free_tail_first(seq.table)
 
     # -- swapping -----------------------------------------------------------------
 

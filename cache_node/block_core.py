@@ -1,0 +1,101 @@
+"""Building and loading the block pool's C loops (csrc/block_core.c), a CPython
+extension module, for block_pool.py and kv_manager.py.
+
+The same scheme as the project's other native code (protos/native_build.py):
+compiled at first use with the system C compiler against the running Python's
+headers, cached on disk (~/.cache/pagedkv/kernels or PAGEDKV_KERNEL_DIR) under a
+name keyed by the source, the flags (the include directory names the Python
+version), the compiler, the CPU and the extension suffix; concurrent builders
+compile to a private file and rename it into place. An extension module rather
+than ctypes: its functions run a handful of list operations, and a ctypes call
+costs more than that.
+
+The module holds no state: it runs the Python code's loops on the pool's own
+lists and dicts. When no compiler works, the module will not load, or
+PAGEDKV_PURE_POOL=1, get_core() returns None and the pool runs its Python loops:
+the same results.
+"""
+
+from __future__ import annotations
+
+import importlib.machinery
+import importlib.util
+import logging
+import os
+import sys
+import sysconfig
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+from ..protos import native_build
+
+logger = logging.getLogger("pagedkv.cache_node.block_core")
+
+_SOURCE = Path(__file__).with_name("csrc") / "block_core.c"
+_ABI_VERSION = 2
+_C_FLAGS = ("-O2", "-std=c99", "-shared", "-fPIC", "-fno-strict-aliasing")
+_C_PLATFORM_FLAGS = ("-undefined", "dynamic_lookup") if sys.platform == "darwin" else ()
+
+
+@dataclass(frozen=True)
+class BlockCoreInfo:
+    """Whether the compiled loops are in use in this process, and why not if they are not."""
+
+    is_available: bool
+    detail: str  # the library path, or the reason it is not used
+
+
+_lock = threading.Lock()
+_loaded: tuple[ModuleType | None, BlockCoreInfo] | None = None  # set once per process
+
+
+def _load() -> tuple[ModuleType | None, BlockCoreInfo]:
+    if os.environ.get("PAGEDKV_PURE_POOL", "") not in ("", "0"):
+        return None, BlockCoreInfo(False, "PAGEDKV_PURE_POOL is set")
+    if sys.implementation.name != "cpython":
+        return None, BlockCoreInfo(False, f"{sys.implementation.name} is not CPython")
+    cc = native_build.find_compiler("CC", ("cc", "gcc", "clang"))
+    if cc is None:
+        return None, BlockCoreInfo(False, "no C compiler found (set CC)")
+    include = sysconfig.get_paths().get("include", "")
+    if not include or not os.path.exists(os.path.join(include, "Python.h")):
+        return None, BlockCoreInfo(False, f"no Python.h under {include!r}")
+    try:
+        source = _SOURCE.read_bytes()
+    except OSError as exc:
+        return None, BlockCoreInfo(False, f"source missing: {exc}")
+    suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
+    flag_sets = [(*_C_FLAGS, *_C_PLATFORM_FLAGS, f"-I{include}", f'-DPAGEDKV_EXT_SUFFIX="{suffix}"')]
+    library = native_build.library_path("block_core", source, flag_sets, cc)
+    detail = str(library)
+    if not library.exists():
+        try:
+            detail += f" (built with {native_build.compile_library(cc, _SOURCE, library, flag_sets, 120)})"
+        except OSError as exc:
+            return None, BlockCoreInfo(False, f"{exc} (cache directory {library.parent}; PAGEDKV_KERNEL_DIR)")
+    try:
+        loader = importlib.machinery.ExtensionFileLoader("_block_core", str(library))
+        spec = importlib.util.spec_from_file_location("_block_core", str(library), loader=loader)
+        assert spec is not None
+        module = importlib.util.module_from_spec(spec)
+        loader.exec_module(module)
+    except (ImportError, OSError) as exc:
+        return None, BlockCoreInfo(False, f"cannot load {library}: {exc}")
+    if getattr(module, "ABI_VERSION", None) != _ABI_VERSION:
+        return None, BlockCoreInfo(False, f"{library}: ABI version mismatch")
+    return module, BlockCoreInfo(True, detail)
+
+
+def get_core() -> tuple[ModuleType | None, BlockCoreInfo]:
+    """The compiled module (None when unavailable) and the report; loaded once per process."""
+    global _loaded
+    if _loaded is None:
+        with _lock:
+            if _loaded is None:
+                loaded = _load()
+                if loaded[0] is None:
+                    logger.info("block pool: compiled loops unavailable, using Python: %s", loaded[1].detail)
+                _loaded = loaded
+    return _loaded

@@ -1,0 +1,384 @@
+/* The hot loops of the block pool and the decode-group step (cache_node/block_pool.py,
+ * cache_node/kv_manager.py), as a CPython extension module `_block_core`.
+ *
+ * Every function works on the pool's own Python objects (the free list, the refcount
+ * and key_of lists, the key dict, the LRU OrderedDict, the sequences' lists) and does
+ * exactly what the Python loop it replaces does, in the same order; only the bytecode
+ * dispatch is gone. The Python code keeps the checks (capacity, argument shapes) and is
+ * the fallback when this module cannot be built: the state never lives here.
+ *
+ * Built at first use by cache_node/block_core.py (the system C compiler, the running
+ * Python's headers), cached like the project's other native libraries.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#define ABI_VERSION 2
+
+static PyObject *s_table, *s_keys, *s_scores; /* interned attribute names */
+static PyObject *zero_float;                  /* 0.0, the score of a new block */
+static PyObject *one_long;
+
+/* list[i] for a Python int index, with Python's negative indexing; NULL + IndexError outside. */
+static inline Py_ssize_t list_index(PyObject *list, PyObject *index)
+{
+    Py_ssize_t i = PyLong_AsSsize_t(index);
+    if (i == -1 && PyErr_Occurred())
+        return -1;
+    Py_ssize_t n = PyList_GET_SIZE(list);
+    if (i < 0)
+        i += n;
+    if (i < 0 || i >= n) {
+        PyErr_SetString(PyExc_IndexError, "list index out of range");
+        return -1;
+    }
+    return i;
+}
+
+/* list[i] = value (a new reference to value is taken). */
+static inline void list_store(PyObject *list, Py_ssize_t i, PyObject *value)
+{
+    PyObject *old = PyList_GET_ITEM(list, i);
+    Py_INCREF(value);
+    PyList_SET_ITEM(list, i, value);
+    Py_DECREF(old);
+}
+
+/* Pop the last item of a non-empty list: a new reference. */
+static inline PyObject *list_pop(PyObject *list)
+{
+    Py_ssize_t n = PyList_GET_SIZE(list);
+    PyObject *item = PyList_GET_ITEM(list, n - 1);
+    Py_INCREF(item);
+    if (PyList_SetSlice(list, n - 1, n, NULL) < 0) {
+        Py_DECREF(item);
+        return NULL;
+    }
+    return item;
+}
+
+static int check_list(PyObject *o, const char *what)
+{
+    if (!PyList_CheckExact(o)) {
+        PyErr_Format(PyExc_TypeError, "%s must be a list", what);
+        return -1;
+    }
+    return 0;
+}
+
+/* take(free, refcount, n, key_of, block_of_key, lru, evicted_keys) -> list
+ *
+ * BlockPool.take(n) with the LRU policy (or no eviction): the caller checked
+ * n <= len(free) + len(lru) and n > 0. Blocks come off the free list in pop order;
+ * when it runs short the rest are the LRU's oldest, whose keys leave key_of and
+ * block_of_key and are appended to evicted_keys. Every returned block gets refcount 1. */
+static PyObject *take(PyObject *self, PyObject *args)
+{
+    PyObject *free, *refcount, *key_of, *block_of_key, *lru, *evicted_keys;
+    Py_ssize_t n;
+    if (!PyArg_ParseTuple(args, "OOnOOOO", &free, &refcount, &n, &key_of, &block_of_key, &lru, &evicted_keys))
+        return NULL;
+    if (check_list(free, "free") || check_list(refcount, "refcount") || check_list(key_of, "key_of") ||
+        check_list(evicted_keys, "evicted_keys"))
+        return NULL;
+    Py_ssize_t nfree = PyList_GET_SIZE(free);
+    if (n < 0)
+        n = 0;
+    Py_ssize_t from_free = n < nfree ? n : nfree;
+    PyObject *out = PyList_New(n);
+    if (out == NULL)
+        return NULL;
+    for (Py_ssize_t j = 0; j < from_free; j++) {
+        PyObject *b = PyList_GET_ITEM(free, nfree - 1 - j);
+        Py_INCREF(b);
+        PyList_SET_ITEM(out, j, b);
+    }
+    Py_ssize_t k = n - from_free;
+    if (k > 0) {
+        /* victims = list(islice(lru, k)), then each leaves the LRU and the key map */
+        PyObject *it = PyObject_GetIter(lru);
+        if (it == NULL)
+            goto fail_partial;
+        for (Py_ssize_t j = 0; j < k; j++) {
+            PyObject *b = PyIter_Next(it);
+            if (b == NULL) {
+                Py_DECREF(it);
+                if (!PyErr_Occurred())
+                    PyErr_SetString(PyExc_RuntimeError, "take: the LRU holds fewer blocks than checked");
+                goto fail_partial;
+            }
+            PyList_SET_ITEM(out, from_free + j, b);
+        }
+        Py_DECREF(it);
+    }
+    /* From here on the state changes, in the Python code's order. */
+    if (PyList_SetSlice(free, nfree - from_free, nfree, NULL) < 0)
+        goto fail;
+    for (Py_ssize_t j = from_free; j < n; j++) {
+        PyObject *b = PyList_GET_ITEM(out, j);
+        if (PyObject_DelItem(lru, b) < 0)
+            goto fail;
+        Py_ssize_t i = list_index(key_of, b);
+        if (i < 0)
+            goto fail;
+        PyObject *key = PyList_GET_ITEM(key_of, i);
+        Py_INCREF(key);
+        if (PyObject_DelItem(block_of_key, key) < 0) {
+            Py_DECREF(key);
+            goto fail;
+        }
+        list_store(key_of, i, Py_None);
+        int r = PyList_Append(evicted_keys, key);
+        Py_DECREF(key);
+        if (r < 0)
+            goto fail;
+    }
+    for (Py_ssize_t j = 0; j < n; j++) {
+        Py_ssize_t i = list_index(refcount, PyList_GET_ITEM(out, j));
+        if (i < 0)
+            goto fail;
+        list_store(refcount, i, one_long);
+    }
+    return out;
+fail_partial:
+    /* items not yet set are NULL; PyList dealloc skips them */
+fail:
+    Py_DECREF(out);
+    return NULL;
+}
+
+/* release(blocks, reverse, refcount, key_of, pins, free, lru) -> None or int
+ *
+ * BlockPool.free(blocks) (blocks reversed first when `reverse`) with the LRU policy:
+ * drop one reference from each block in order; one that reaches 0 goes to the free
+ * list when unkeyed, else to the LRU's young end unless pinned. Returns None, or the
+ * first block whose refcount was already 0 (the blocks before it were released; the
+ * caller raises IntegrityError). */
+static PyObject *release(PyObject *self, PyObject *args)
+{
+    PyObject *blocks, *refcount, *key_of, *pins, *free, *lru;
+    int reverse;
+    if (!PyArg_ParseTuple(args, "OpOOO!OO", &blocks, &reverse, &refcount, &key_of, &PyDict_Type, &pins, &free,
+                          &lru))
+        return NULL;
+    if (check_list(refcount, "refcount") || check_list(key_of, "key_of") || check_list(free, "free"))
+        return NULL;
+    PyObject *seq = PySequence_Fast(blocks, "blocks must be a sequence");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    for (Py_ssize_t j = 0; j < n; j++) {
+        PyObject *b = items[reverse ? n - 1 - j : j];
+        Py_ssize_t i = list_index(refcount, b);
+        if (i < 0)
+            goto fail;
+        long rc = PyLong_AsLong(PyList_GET_ITEM(refcount, i));
+        if (rc == -1 && PyErr_Occurred())
+            goto fail;
+        rc -= 1;
+        if (rc) {
+            if (rc < 0) {
+                Py_INCREF(b);
+                Py_DECREF(seq);
+                return b;
+            }
+            PyObject *v = PyLong_FromLong(rc);
+            if (v == NULL)
+                goto fail;
+            list_store(refcount, i, v);
+            Py_DECREF(v);
+            continue;
+        }
+        PyObject *zero = PyLong_FromLong(0);
+        list_store(refcount, i, zero);
+        Py_DECREF(zero);
+        Py_ssize_t ki = list_index(key_of, b);
+        if (ki < 0)
+            goto fail;
+        if (PyList_GET_ITEM(key_of, ki) == Py_None) {
+            if (PyList_Append(free, b) < 0)
+                goto fail;
+        } else {
+            int pinned = PyDict_Contains(pins, b);
+            if (pinned < 0)
+                goto fail;
+            if (!pinned && PyObject_SetItem(lru, b, Py_None) < 0)
+                goto fail;
+        }
+    }
+    Py_DECREF(seq);
+    Py_RETURN_NONE;
+fail:
+    Py_DECREF(seq);
+    return NULL;
+}
+
+static int open_blocks(PyObject *batch, PyObject *opened, PyObject *free, PyObject *refcount);
+
+/* step(token_lists, token_ids, batch, opened, free, refcount) -> bool
+ *
+ * The decode group's step for members that need no Python: token_lists[i].append(
+ * token_ids[i]) for every member, then each member listed in `opened` (indices into
+ * batch, in order) takes the next free block: refcount 1, appended to its table, a
+ * None key and a 0.0 score. Returns False, changing nothing, when the free list holds
+ * fewer blocks than `opened` needs (the caller takes the general path, which evicts). */
+static PyObject *step(PyObject *self, PyObject *args)
+{
+    PyObject *token_lists, *token_ids, *batch, *opened, *free, *refcount;
+    if (!PyArg_ParseTuple(args, "OOOOOO", &token_lists, &token_ids, &batch, &opened, &free, &refcount))
+        return NULL;
+    if (check_list(token_lists, "token_lists") || check_list(batch, "batch") || check_list(opened, "opened") ||
+        check_list(free, "free") || check_list(refcount, "refcount"))
+        return NULL;
+    Py_ssize_t nopen = PyList_GET_SIZE(opened);
+    if (nopen > PyList_GET_SIZE(free))
+        Py_RETURN_FALSE;
+    PyObject *tokens = PySequence_Fast(token_ids, "token_ids must be a sequence");
+    if (tokens == NULL)
+        return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(token_lists);
+    if (PySequence_Fast_GET_SIZE(tokens) != n) {
+        Py_DECREF(tokens);
+        PyErr_SetString(PyExc_ValueError, "step: one token per member");
+        return NULL;
+    }
+    PyObject **tok = PySequence_Fast_ITEMS(tokens);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *lst = PyList_GET_ITEM(token_lists, i);
+        if (!PyList_Check(lst) || PyList_Append(lst, tok[i]) < 0) {
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_TypeError, "token_lists must hold lists");
+            Py_DECREF(tokens);
+            return NULL;
+        }
+    }
+    Py_DECREF(tokens);
+    if (open_blocks(batch, opened, free, refcount) < 0)
+        return NULL;
+    Py_RETURN_TRUE;
+}
+
+/* Each member of batch listed in `opened` (in order) takes the next free block, as
+ * KVCacheManager._open_block does without eviction. The caller checked the free list. */
+static int open_blocks(PyObject *batch, PyObject *opened, PyObject *free, PyObject *refcount)
+{
+    Py_ssize_t nopen = PyList_GET_SIZE(opened);
+    for (Py_ssize_t j = 0; j < nopen; j++) {
+        Py_ssize_t idx = PyLong_AsSsize_t(PyList_GET_ITEM(opened, j));
+        if (idx < 0 || idx >= PyList_GET_SIZE(batch)) {
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_IndexError, "step: member index out of range");
+            return -1;
+        }
+        PyObject *seq = PyList_GET_ITEM(batch, idx);
+        PyObject *block = list_pop(free);
+        if (block == NULL)
+            return -1;
+        Py_ssize_t i = list_index(refcount, block);
+        if (i < 0) {
+            Py_DECREF(block);
+            return -1;
+        }
+        list_store(refcount, i, one_long);
+        PyObject *table = PyObject_GetAttr(seq, s_table);
+        int r = table == NULL ? -1 : PyList_Append(table, block);
+        Py_XDECREF(table);
+        Py_DECREF(block);
+        if (r < 0)
+            return -1;
+        PyObject *keys = PyObject_GetAttr(seq, s_keys);
+        r = keys == NULL ? -1 : PyList_Append(keys, Py_None);
+        Py_XDECREF(keys);
+        if (r < 0)
+            return -1;
+        PyObject *scores = PyObject_GetAttr(seq, s_scores);
+        r = scores == NULL ? -1 : PyList_Append(scores, zero_float);
+        Py_XDECREF(scores);
+        if (r < 0)
+            return -1;
+    }
+    return 0;
+}
+
+/* step_pairs(ids, pairs, token_lists, batch, opened, free, refcount) -> bool
+ *
+ * step() for a decode batch given as (seq_id, token) pairs: when the pairs name
+ * exactly the group's members in order (pairs[i][0] == ids[i]) and the free list
+ * holds the blocks `opened` needs, appends pairs[i][1] to token_lists[i], opens
+ * those blocks and returns True; otherwise returns False having changed nothing. */
+static PyObject *step_pairs(PyObject *self, PyObject *args)
+{
+    PyObject *ids, *pairs, *token_lists, *batch, *opened, *free, *refcount;
+    if (!PyArg_ParseTuple(args, "O!OOOOOO", &PyTuple_Type, &ids, &pairs, &token_lists, &batch, &opened, &free,
+                          &refcount))
+        return NULL;
+    if (check_list(token_lists, "token_lists") || check_list(batch, "batch") || check_list(opened, "opened") ||
+        check_list(free, "free") || check_list(refcount, "refcount"))
+        return NULL;
+    Py_ssize_t n = PyTuple_GET_SIZE(ids);
+    if (PyList_GET_SIZE(opened) > PyList_GET_SIZE(free) || PyList_GET_SIZE(token_lists) != n)
+        Py_RETURN_FALSE;
+    PyObject *seq = PySequence_Fast(pairs, "pairs must be a sequence");
+    if (seq == NULL)
+        return NULL;
+    if (PySequence_Fast_GET_SIZE(seq) != n) {
+        Py_DECREF(seq);
+        Py_RETURN_FALSE;
+    }
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    for (Py_ssize_t i = 0; i < n; i++) { /* check every pair before changing anything */
+        PyObject *pair = items[i];
+        if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2) {
+            Py_DECREF(seq);
+            Py_RETURN_FALSE;
+        }
+        int same = PyObject_RichCompareBool(PyTuple_GET_ITEM(pair, 0), PyTuple_GET_ITEM(ids, i), Py_EQ);
+        if (same <= 0) {
+            Py_DECREF(seq);
+            if (same < 0)
+                return NULL;
+            Py_RETURN_FALSE;
+        }
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *lst = PyList_GET_ITEM(token_lists, i);
+        if (!PyList_Check(lst) || PyList_Append(lst, PyTuple_GET_ITEM(items[i], 1)) < 0) {
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_TypeError, "token_lists must hold lists");
+            Py_DECREF(seq);
+            return NULL;
+        }
+    }
+    Py_DECREF(seq);
+    if (open_blocks(batch, opened, free, refcount) < 0)
+        return NULL;
+    Py_RETURN_TRUE;
+}
+
+static PyMethodDef methods[] = {
+    {"take", take, METH_VARARGS, "BlockPool.take(n) with LRU eviction; see block_core.c."},
+    {"release", release, METH_VARARGS, "BlockPool.free(blocks) with the LRU policy; see block_core.c."},
+    {"step", step, METH_VARARGS, "A decode group's step without eviction or publishing; see block_core.c."},
+    {"step_pairs", step_pairs, METH_VARARGS, "step() for (seq_id, token) pairs; see block_core.c."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_block_core", NULL, -1, methods};
+
+PyMODINIT_FUNC PyInit__block_core(void)
+{
+    s_table = PyUnicode_InternFromString("table");
+    s_keys = PyUnicode_InternFromString("keys");
+    s_scores = PyUnicode_InternFromString("scores");
+    zero_float = PyFloat_FromDouble(0.0);
+    one_long = PyLong_FromLong(1);
+    if (!s_table || !s_keys || !s_scores || !zero_float || !one_long)
+        return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (m != NULL && PyModule_AddIntConstant(m, "ABI_VERSION", ABI_VERSION) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -1,0 +1,210 @@
+"""The compiled pool loops (cache_node/csrc/block_core.c) against the Python loops
+they replace, side by side on the same operations.
+
+Two KVCacheManagers, one with native=True (the C take/release/decode step) and one
+with native=False (the Python code, the reference), run the seeded random operation
+mix of test_kv_manager_random (opens with shared prefixes, prefills, decode groups,
+forks, frees, swaps, pins, budgets, bad requests) in lockstep, and after every step
+must agree on everything: every block id in every table, the refcounts, the keys,
+the free list and LRU order, pins, counters, the event queue, the outcome (or the
+error) of the operation, and both pass check_integrity(). A counting wrapper around
+the C module proves its paths really ran.
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+from collections import Counter
+from types import ModuleType
+from typing import Any
+
+import pytest
+from test_kv_manager_random import BLOCK_SIZE, Harness
+
+from pagedkv.cache_node.block_core import get_core
+from pagedkv.cache_node.block_pool import BlockPool
+from pagedkv.cache_node.eviction import LRUPolicy
+from pagedkv.cache_node.kv_manager import KVCacheManager
+from pagedkv.protos.errors import CapacityExceeded, IntegrityError
+
+core, info = get_core()
+needs_core = pytest.mark.skipif(core is None, reason=f"compiled pool loops unavailable: {info.detail}")
+
+
+class CountingCore:
+    """Forwards to the C module and counts the calls (and which take() calls evicted)."""
+
+    def __init__(self, module: ModuleType, counts: Counter[str]) -> None:
+        self._m, self.counts = module, counts
+
+    def take(self, free: list[int], refcount: list[int], n: int, *rest: Any) -> list[int]:
+        self.counts["take:evict" if n > len(free) else "take"] += 1
+        return self._m.take(free, refcount, n, *rest)  # type: ignore[no-any-return]
+
+    def release(self, *args: Any) -> int | None:
+        self.counts["release"] += 1
+        return self._m.release(*args)  # type: ignore[no-any-return]
+
+    def step(self, *args: Any) -> bool:
+        done = self._m.step(*args)
+        self.counts["step" if done else "step:short"] += 1
+        return done  # type: ignore[no-any-return]
+
+
+class Side(Harness):
+    def __init__(self, seed: int, num_host_blocks: int, native: bool, counts: Counter[str]) -> None:
+        super().__init__(seed, "lru", num_host_blocks)
+        self.mgr = KVCacheManager(
+            28,
+            BLOCK_SIZE,
+            num_host_blocks=num_host_blocks,
+            mover=self.mover,
+            record_events=True,
+            native=native,
+        )
+        if native:
+            assert core is not None and self.mgr._core is core and self.mgr.device._c is core
+            wrapped = CountingCore(core, counts)
+            self.mgr._core = self.mgr.device._c = self.mgr.host._c = wrapped  # type: ignore[assignment]
+        else:
+            assert self.mgr._core is None and self.mgr.device._c is None and self.mgr.host._c is None
+
+
+def state(m: KVCacheManager) -> tuple:
+    """Everything either core could change, in order where order matters."""
+    pools = tuple(
+        (
+            list(p.refcount),
+            list(p.key_of),
+            list(p.block_of_key.items()),
+            list(p._free),
+            p.policy.victims_in_order(),
+            dict(p.pins),
+            p.num_evictions,
+        )
+        for p in (m.device, m.host)
+    )
+    seqs = [
+        (
+            sid,
+            s.table,
+            s.host_table,
+            s.tokens,
+            s.keys,
+            s.scores,
+            s.num_dropped_tokens,
+            s.simple,
+            s.chain_intact,
+        )
+        for sid, s in m.seqs.items()
+    ]
+    group = m._group
+    g = None if group is None else (group.ids, group.num_steps, group.by_fill)
+    return pools, seqs, g, list(m._event_kinds), list(m._event_keys), vars(m.counters), m.stats()
+
+
+@needs_core
+@pytest.mark.parametrize("num_host_blocks", [0, 12])
+@pytest.mark.parametrize("seed", [11, 12, 13])
+def test_c_and_python_cores_agree_step_by_step(seed: int, num_host_blocks: int) -> None:
+    counts: Counter[str] = Counter()
+    c_side = Side(seed, num_host_blocks, True, counts)
+    py_side = Side(seed, num_host_blocks, False, counts)
+    for step in range(2000):
+        for side in (c_side, py_side):
+            side.step()  # one random operation, its own checks (integrity, content, events), drains events
+        assert c_side.counts == py_side.counts, f"step {step}: the operations' outcomes differ"
+        assert state(c_side.mgr) == state(py_side.mgr), f"step {step}: the cores disagree"
+        c_side.mgr.check_integrity()
+        py_side.mgr.check_integrity()
+    # The C paths really ran, including eviction and a short free list on a decode step.
+    assert counts["take"] > 100 and counts["take:evict"] > 20, counts
+    assert counts["release"] > 100 and counts["step"] > 100, counts
+    assert counts["step:short"] > 0, counts
+    assert c_side.counts.get("decode:group", 0) > 50
+
+
+@needs_core
+@pytest.mark.parametrize("seed", [1, 2])
+def test_large_pool_decode_groups_agree(seed: int) -> None:
+    """A W1-like schedule (many sequences, batches repeated for many steps, prefix caching
+    on and off, a pool small enough to evict): the same block ids and events every step."""
+    rng = random.Random(seed)
+    for caching in (False, True):
+        sides = [
+            KVCacheManager(96, 4, enable_prefix_caching=caching, record_events=True, native=native)
+            for native in (True, False)
+        ]
+        running: list[str] = []
+        next_id = 0
+        for step in range(1500):
+            if len(running) < 6 or rng.random() < 0.05:
+                sid = f"r{next_id}"
+                next_id += 1
+                prompt = [rng.randrange(50) for _ in range(rng.randrange(1, 30))]
+                outcomes = []
+                for m in sides:
+                    cached = m.open(sid, prompt).num_cached_tokens
+                    try:
+                        outcomes.append(m.reserve(sid, prompt[cached:]))
+                    except CapacityExceeded as exc:
+                        outcomes.append(str(exc))
+                        m.free(sid)
+                assert outcomes[0] == outcomes[1]
+                if isinstance(outcomes[0], int):
+                    running.append(sid)
+            if running and rng.random() < 0.08:
+                gone = running.pop(rng.randrange(len(running)))
+                for m in sides:
+                    m.free(gone)
+            if running:
+                tokens = [rng.randrange(50) for _ in running]
+                errors = []
+                for m in sides:
+                    try:
+                        m.reserve_tokens(running, tokens)
+                        errors.append(None)
+                    except CapacityExceeded as exc:
+                        errors.append(str(exc))
+                assert errors[0] == errors[1]
+                if errors[0] is not None:
+                    for m in sides:
+                        m.free(running[0])
+                    running.pop(0)
+            assert state(sides[0]) == state(sides[1]), f"step {step}"
+            assert sides[0].take_event_batch() == sides[1].take_event_batch()
+            for m in sides:
+                m.check_integrity()
+        assert sides[0].stats()["device_evictions"] > 0 or not caching
+
+
+@needs_core
+def test_double_free_raises_the_same_error_after_the_same_changes() -> None:
+    pools = [BlockPool(6, LRUPolicy(), native=native) for native in (True, False)]
+    for p in pools:
+        a = p.take(3, [])
+        p.free([a[0]])
+        with pytest.raises(IntegrityError, match=f"device block {a[0]} freed more often than referenced"):
+            p.free_tail_first([a[0], a[1], a[2]])  # a[2] and a[1] are released, then a[0] raises
+    assert pools[0].refcount == pools[1].refcount == [0] * 6
+    assert pools[0]._free == pools[1]._free
+    with pytest.raises(CapacityExceeded):
+        pools[0].take(7, [])
+    assert pools[0]._free == pools[1]._free  # the refused take changed nothing
+
+
+def test_core_builds_where_a_compiler_exists() -> None:
+    """With a C compiler and Python's headers here, the pool must not silently fall back."""
+    import os
+    import sysconfig
+
+    has_headers = os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h"))
+    if not (shutil.which("cc") or shutil.which("gcc")) or not has_headers:
+        pytest.skip("no C compiler or no Python headers here")
+    if os.environ.get("PAGEDKV_PURE_POOL", "") not in ("", "0"):
+        pytest.skip("PAGEDKV_PURE_POOL is set")
+    assert core is not None, info.detail
+    assert info.is_available and info.detail.endswith((".so", ")"))
+    assert KVCacheManager(4, 4).device._c is core
+    assert KVCacheManager(4, 4, policy="lfu").device._c is None  # heap policies keep the Python loops
