@@ -23,6 +23,9 @@ connection that died while Redis restarted; a timeout is not retried, because
 the command may have run and not every call (reserve_blocks) is idempotent.
 EVALSHA's NOSCRIPT after a Redis restart is handled by redis-py's Script (it
 reloads and retries), so a store survives an outage without being recreated.
+The per-request scripts (open_sequence, match_prefix, delete_sequence) go through
+KeptScripts (kept_script.py): the same EVALSHA, retry and NOSCRIPT handling on a
+connection kept for them, without redis-py's per-call machinery.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from pagedkv.protos.errors import (
     Unavailable,
 )
 
+from .kept_script import KeptScripts
 from .placement import Placement, no_room
 from .records import (
     Extent,
@@ -427,6 +431,7 @@ class RedisStore(Store):
         self._seqs_of_node = reg(_SEQS_OF_NODE)
         self._reserve = reg(_RESERVE)
         self._release = reg(_RELEASE)
+        self._kept = KeptScripts(self._redis)
 
     def __repr__(self) -> str:
         return f"RedisStore({self._redis.connection_pool!r}, prefix={self._prefix!r})"
@@ -507,7 +512,7 @@ class RedisStore(Store):
 
     def match_prefix(self, keys: Sequence[bytes]) -> dict[str, int]:
         keys = check_keys(keys)
-        flat = self._call("match_prefix", self._match_prefix, args=[self._prefix, b"".join(keys)])
+        flat = self._call("match_prefix", self._kept.run, self._match_prefix, [self._prefix, b"".join(keys)])
         return {_s(flat[i]): int(flat[i + 1]) for i in range(0, len(flat), 2)}
 
     def nodes_holding(self, key: bytes) -> set[str]:
@@ -556,7 +561,7 @@ class RedisStore(Store):
         ]
         for c in new.candidates:
             args += c
-        reply = self._call("open_sequence", self._open_seq, args=args)
+        reply = self._call("open_sequence", self._kept.run, self._open_seq, args)
         code = reply[0]
         if code == 1:
             flat = reply[3]
@@ -604,7 +609,7 @@ class RedisStore(Store):
         if tenant is not None:
             check_name("tenant", tenant)
         args = [self._prefix, seq_id, tenant or ""]
-        flat = self._call("delete_sequence", self._delete_seq, args=args)
+        flat = self._call("delete_sequence", self._kept.run, self._delete_seq, args)
         if not flat:
             raise SequenceNotFound(seq_id)
         if len(flat) == 1:
@@ -656,4 +661,5 @@ class RedisStore(Store):
         self._call("ping", self._redis.ping)
 
     def close(self) -> None:
+        self._kept.close()
         self._redis.close()

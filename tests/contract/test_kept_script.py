@@ -1,0 +1,133 @@
+"""The per-request scripts on kept connections (coordinator/kept_script.py), on a real
+redis-server: the replies are redis-py's, a flushed script cache and a killed
+connection are recovered within the call, a script error leaves the connection
+usable, and concurrent callers never read each other's replies."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from pagedkv.coordinator.kept_script import MAX_IDLE, KeptScripts
+from pagedkv.coordinator.records import NewSequence, NodeRoom
+from pagedkv.coordinator.redis_store import RedisStore
+from pagedkv.protos.errors import IntegrityError
+
+pytestmark = pytest.mark.timeout(60)
+
+ECHO = "return {ARGV[1], tonumber(ARGV[2]) * 2}"
+SPEC = {"num_layers": 1, "num_kv_heads": 1, "head_dim": 8}
+
+
+def _client(url: str) -> redis.Redis:
+    """A client that retries a connection error once (RedisStore's own retries twice)."""
+    return redis.Redis.from_url(url, retry=Retry(NoBackoff(), 1), retry_on_error=[redis.ConnectionError])
+
+
+def test_replies_match_redis_py_script_calls(redis_url: str) -> None:
+    client = _client(redis_url)
+    script = client.register_script(ECHO)
+    kept = KeptScripts(client)
+    assert kept.run(script, [b"k\x00\xff", 21]) == script(args=[b"k\x00\xff", 21]) == [b"k\x00\xff", 42]
+    kept.close()
+    client.close()
+
+
+def test_noscript_after_script_flush_reloads_and_answers(redis_url: str) -> None:
+    client = _client(redis_url)
+    script = client.register_script(ECHO)
+    kept = KeptScripts(client)
+    assert kept.run(script, ["a", 1]) == [b"a", 2]
+    client.script_flush()
+    assert client.script_exists(script.sha) == [False]
+    assert kept.run(script, ["b", 2]) == [b"b", 4]  # NOSCRIPT, loaded again, sent again
+    assert client.script_exists(script.sha) == [True]
+    kept.close()
+    client.close()
+
+
+def _evalsha_client_ids(r: redis.Redis) -> list[str]:
+    return [str(c["id"]) for c in r.client_list() if c.get("cmd") == "evalsha"]
+
+
+def test_a_killed_kept_connection_is_retried_on_a_new_one(redis_url: str) -> None:
+    client = _client(redis_url)
+    script = client.register_script(ECHO)
+    kept = KeptScripts(client)
+    killer = redis.Redis.from_url(redis_url)
+    assert kept.run(script, ["a", 1]) == [b"a", 2]
+    assert kept.run(script, ["b", 1]) == [b"b", 2]
+    (first_id,) = _evalsha_client_ids(killer)  # both calls went on the one kept connection
+    assert killer.client_kill_filter(_id=first_id) == 1
+    assert kept.run(script, ["c", 5]) == [b"c", 10]  # the dead socket fails, Retry reconnects it
+    (second_id,) = _evalsha_client_ids(killer)
+    assert second_id != first_id
+    kept.close()
+    killer.close()
+    client.close()
+
+
+def test_a_script_error_raises_and_leaves_the_connection_clean(redis_url: str) -> None:
+    client = _client(redis_url)
+    bad = client.register_script("return redis.call('NOSUCHCOMMAND')")
+    good = client.register_script(ECHO)
+    kept = KeptScripts(client)
+    with pytest.raises(redis.ResponseError):
+        kept.run(bad, [])
+    assert kept.run(good, ["x", 3]) == [b"x", 6]  # no stale reply left on the connection
+    kept.close()
+    client.close()
+
+
+def test_concurrent_callers_get_their_own_replies(redis_url: str) -> None:
+    client = _client(redis_url)
+    script = client.register_script(ECHO)
+    kept = KeptScripts(client)
+    wrong: list[tuple[int, object]] = []
+
+    def caller(t: int) -> None:
+        for i in range(200):
+            n = t * 1000 + i
+            reply = kept.run(script, [str(n), n])
+            if reply != [str(n).encode(), 2 * n]:
+                wrong.append((n, reply))
+
+    threads = [threading.Thread(target=caller, args=(t,)) for t in range(8)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert wrong == []
+    assert 1 <= len(kept._idle) <= min(8, MAX_IDLE)  # one kept connection per concurrent caller at most
+    kept.close()
+    assert kept._idle == []
+    client.close()
+
+
+def test_store_open_and_delete_survive_a_script_flush(redis_url: str) -> None:
+    store = RedisStore(redis_url)
+    store.register_node("n1", "a:1", SPEC, 10, 30.0)
+    new = NewSequence("s1", "t", 4, 1, 4, bytes(16), (NodeRoom("n1", 10, 10),))
+    assert store.open_sequence(new).node_id == "n1"
+    redis.Redis.from_url(redis_url).script_flush()
+    assert store.delete_sequence("s1").seq_id == "s1"
+    assert store.open_sequence(new).node_id == "n1"
+    assert store.match_prefix([bytes(16)]) == {"n1": 0}
+    store.close()
+
+
+def test_store_maps_a_script_error_to_integrity_error(redis_url: str) -> None:
+    store = RedisStore(redis_url)
+    store.register_node("n1", "a:1", SPEC, 10, 30.0)
+    client = _client(redis_url)
+    client.set("pkv:nkeys:n1", "not a set")  # SMISMEMBER on a string: WRONGTYPE inside the script
+    with pytest.raises(IntegrityError, match="match_prefix"):
+        store.match_prefix([bytes(16)])
+    client.delete("pkv:nkeys:n1")
+    assert store.match_prefix([bytes(16)]) == {"n1": 0}  # the kept connection still answers
+    store.close()
+    client.close()
