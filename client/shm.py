@@ -181,14 +181,14 @@ def read_ring(
     n = reply.end - reply.start
     layers, heads, dim = reply.num_layers, reply.num_kv_heads, reply.head_dim
     dtype = tensors.TORCH_DTYPES[reply.dtype]
-    out_k = torch.empty((layers, n, heads, dim), dtype=dtype)
-    out_v = torch.empty((layers, n, heads, dim), dtype=dtype)
     tok_bytes = heads * dim * dtype.itemsize  # one token of one layer of k (or v)
     step = reply.slab_tokens
     if reply.payload_len or n < 0 or (n and not 0 < step * 2 * layers * tok_bytes <= slot_bytes):
         raise ProtocolError(f"shm read reply: {step}-token slabs of {n} tokens for {slot_bytes}-byte slots")
     if num_slots * slot_bytes > conn.size:
         raise ProtocolError(f"shm read ring of {num_slots} x {slot_bytes} bytes past the region")
+    out_k = torch.empty((layers, n, heads, dim), dtype=dtype)
+    out_v = torch.empty((layers, n, heads, dim), dtype=dtype)
     ring = conn.region.numpy()
     dst = [t.reshape(-1).view(torch.uint8).numpy().reshape(layers, n * tok_bytes) for t in (out_k, out_v)]
     num_slabs = -(-n // step) if n else 0
