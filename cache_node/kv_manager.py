@@ -104,6 +104,7 @@ class HeldBlocks:
 
 
 _NO_HIT = OpenResult(0, 0)
+_NO_MEMBERS: list[int] = []  # a decode step that opens no block here (never mutated)
 # Runs an iterator of side effects to its end, in C.
 _consume: Callable[[Iterable[object]], None] = deque[object](maxlen=0).extend
 _new_tuple = tuple.__new__  # _new_tuple(BlockEvent, (kind, key)): a BlockEvent without a Python frame
@@ -500,6 +501,15 @@ class KVCacheManager:
         if self._group is not None and seq_id in self._group.members:
             self._group = None
         bs, device = self.block_size, self.device
+        core = self._core
+        if core is not None and seq.budget is None:  # the steps below, in C, unless it must copy or evict
+            start = core.prefill(seq, token_ids, bs, device._free, device.refcount)
+            if start is not None:
+                end = start + n
+                first = start // bs
+                if end // bs > first and seq.chain_intact and self.enable_prefix_caching:
+                    self._publish_full(seq, first, end // bs)
+                return start  # type: ignore[no-any-return]
         # A budget makes room before the write (the new tokens are never dropped).
         # Whole blocks leave, so `need` is the same before and after the drop; the
         # drop only adds room, and happens once the append is known to fit.
@@ -677,14 +687,14 @@ class KVCacheManager:
         twice, a token count that differs from the sequence count, or too little
         room for the step raises and changes nothing."""
         group, core = self._group, self._core
-        if (
-            group is not None
-            and core is not None
-            and len(seq_ids) == len(token_ids) <= len(self.device._free)  # room: at most one block each
-            and (seq_ids if type(seq_ids) is tuple else tuple(seq_ids)) == group.ids
-        ):  # the usual step, as _reserve_step() takes it, with fewer Python steps
-            self._step_group(group, token_ids)
-            return
+        if group is not None and core is not None:
+            device = self.device
+            if (
+                len(seq_ids) == len(token_ids) <= len(device._free) + len(device._lru)  # type: ignore[arg-type]
+                and (seq_ids if type(seq_ids) is tuple else tuple(seq_ids)) == group.ids
+            ):  # the group's usual step, with room for a block each: as _reserve_step() takes it
+                self._step_group(group, token_ids)
+                return
         self._reserve_step(seq_ids, token_ids)
 
     def reserve_token_pairs(self, pairs: Seq[tuple[str, int]]) -> None:
@@ -694,23 +704,25 @@ class KVCacheManager:
         name the current decode group in order, the compiled step checks and appends
         them without building the two lists."""
         group, core = self._group, self._core
-        if group is not None and core is not None and len(pairs) <= len(self.device._free):
-            t = group.num_steps + 1
-            bs = self.block_size
+        if group is not None and core is not None:
             device = self.device
-            if core.step_pairs(
-                group.ids,
-                pairs,
-                group.token_lists,
-                group.batch,
-                group.by_fill[(1 - t) % bs],
-                device._free,
-                device.refcount,
-            ):
-                group.num_steps = t
-                if self.enable_prefix_caching:
-                    self._publish_filled(group, t)
-                return
+            free = device._free
+            if len(pairs) <= len(free) + len(device._lru):  # type: ignore[arg-type]
+                t = group.num_steps + 1
+                opened = group.by_fill[(1 - t) % self.block_size]
+                opens_here = len(opened) <= len(free)  # else they evict: Python, in batch order
+                if core.step_pairs(
+                    group.ids,
+                    pairs,
+                    group.token_lists,
+                    group.batch,
+                    opened if opens_here else _NO_MEMBERS,
+                    free,
+                    device.refcount,
+                ):
+                    group.num_steps = t
+                    self._finish_step(group, t, _NO_MEMBERS if opens_here else opened)
+                    return
         if any(len(pair) != 2 for pair in pairs):
             raise InvalidArgument("a decode step's pairs must each be (seq_id, token)")
         seq_ids, token_ids = tuple(map(itemgetter(0), pairs)), tuple(map(itemgetter(1), pairs))
@@ -758,24 +770,31 @@ class KVCacheManager:
         cross a block boundary (about len(batch) / block_size of them), found by
         the group's schedule, take a Python branch. Room was checked."""
         t = group.num_steps + 1
-        bs, batch, by_fill = self.block_size, group.batch, group.by_fill
         # A member that had length L when the group formed has L + t now: its token
         # opened a new block when (L + t) % bs == 1, and filled its block when it is 0.
-        opened = by_fill[(1 - t) % bs]
-        filled = by_fill[-t % bs] if self.enable_prefix_caching else ()
+        opened = group.by_fill[(1 - t) % self.block_size]
         core = self._core
-        if core is not None and core.step(
-            group.token_lists, token_ids, batch, opened, self.device._free, self.device.refcount
-        ):
-            # The tokens are in and every opening member took a free block (no eviction,
-            # so no event, and nothing a publish reads): the order of opens and publishes
-            # does not matter. step() changed nothing when the free list was short.
-            group.num_steps = t
-            if filled:
-                self._publish_filled(group, t)
-            return
-        _consume(map(list.append, group.token_lists, token_ids))
+        if core is not None:
+            free = self.device._free
+            if len(opened) <= len(free):  # the tokens, then the opens off the free list, in C
+                core.step(group.token_lists, token_ids, group.batch, opened, free, self.device.refcount)
+                opened = _NO_MEMBERS
+            else:  # the opens evict (events, offloads): Python, in batch order
+                core.step(group.token_lists, token_ids, group.batch, _NO_MEMBERS, free, self.device.refcount)
+        else:
+            _consume(map(list.append, group.token_lists, token_ids))
         group.num_steps = t
+        self._finish_step(group, t, opened)
+
+    def _finish_step(self, group: _DecodeGroup, t: int, opened: list[int]) -> None:
+        """After step t's tokens are in: open a block for the members in `opened` and key
+        the blocks the step filled. Opens taken off the free list beforehand (no eviction,
+        so no event, nothing a publish reads) are not listed: their order does not matter."""
+        bs = self.block_size
+        filled = group.by_fill[-t % bs] if self.enable_prefix_caching else ()
+        if not (opened or filled):
+            return
+        batch = group.batch
         if opened and filled:  # both kinds in one step: in batch order, as one-token appends would
             for i in sorted(opened + filled):  # type: ignore[operator]
                 if i in opened:
@@ -786,14 +805,6 @@ class KVCacheManager:
         for i in opened:
             self._open_block(batch[i])
         for i in filled:
-            seq = batch[i]
-            if seq.chain_intact:
-                self._publish_one(seq, len(seq.tokens) // bs - 1)
-
-    def _publish_filled(self, group: _DecodeGroup, t: int) -> None:
-        """Key the blocks that step t of the group filled (after their members' opens)."""
-        bs, batch = self.block_size, group.batch
-        for i in group.by_fill[-t % bs]:
             seq = batch[i]
             if seq.chain_intact:
                 self._publish_one(seq, len(seq.tokens) // bs - 1)

@@ -13,9 +13,9 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
-#define ABI_VERSION 2
+#define ABI_VERSION 3
 
-static PyObject *s_table, *s_keys, *s_scores; /* interned attribute names */
+static PyObject *s_table, *s_keys, *s_scores, *s_tokens, *s_num_dropped_tokens, *s_simple; /* attribute names */
 static PyObject *zero_float;                  /* 0.0, the score of a new block */
 static PyObject *one_long;
 
@@ -356,7 +356,116 @@ static PyObject *step_pairs(PyObject *self, PyObject *args)
     Py_RETURN_TRUE;
 }
 
+/* prefill(seq, token_ids, block_size, free, refcount) -> int or None
+ *
+ * KVCacheManager.reserve(seq, token_ids) for a sequence without a budget when no
+ * copy-on-write and no eviction is needed: the blocks the new tokens need come off
+ * the free list (refcount 1) onto seq.table with None keys and 0.0 scores, the tokens
+ * are appended, seq.simple becomes True, and the first new position is returned. The
+ * caller publishes the blocks that became full. Returns None, having changed nothing,
+ * when the sequence's partial last block is shared or the free list is short. */
+static PyObject *prefill(PyObject *self, PyObject *args)
+{
+    PyObject *seq, *token_ids, *free, *refcount;
+    Py_ssize_t bs;
+    if (!PyArg_ParseTuple(args, "OOnOO", &seq, &token_ids, &bs, &free, &refcount))
+        return NULL;
+    if (check_list(free, "free") || check_list(refcount, "refcount"))
+        return NULL;
+    if (bs <= 0) {
+        PyErr_SetString(PyExc_ValueError, "prefill: block_size must be positive");
+        return NULL;
+    }
+    PyObject *tokens = NULL, *table = NULL, *keys = NULL, *scores = NULL, *dropped = NULL, *result = NULL;
+    Py_ssize_t n = PyObject_Length(token_ids);
+    if (n < 0)
+        return NULL;
+    tokens = PyObject_GetAttr(seq, s_tokens);
+    table = PyObject_GetAttr(seq, s_table);
+    keys = PyObject_GetAttr(seq, s_keys);
+    scores = PyObject_GetAttr(seq, s_scores);
+    dropped = PyObject_GetAttr(seq, s_num_dropped_tokens);
+    if (!tokens || !table || !keys || !scores || !dropped)
+        goto done;
+    if (!PyList_CheckExact(tokens) || !PyList_CheckExact(table) || !PyList_CheckExact(keys) ||
+        !PyList_CheckExact(scores)) {
+        PyErr_SetString(PyExc_TypeError, "prefill: the sequence's tokens, table, keys and scores must be lists");
+        goto done;
+    }
+    Py_ssize_t num_dropped = PyLong_AsSsize_t(dropped);
+    if (num_dropped == -1 && PyErr_Occurred())
+        goto done;
+    Py_ssize_t start = PyList_GET_SIZE(tokens) - num_dropped; /* cache_len */
+    Py_ssize_t ntable = PyList_GET_SIZE(table);
+    if (start % bs != 0) { /* a partial last block: copy-on-write when shared */
+        if (ntable == 0) {
+            PyErr_SetString(PyExc_RuntimeError, "prefill: a partial block but an empty table");
+            goto done;
+        }
+        Py_ssize_t i = list_index(refcount, PyList_GET_ITEM(table, ntable - 1));
+        if (i < 0)
+            goto done;
+        long rc = PyLong_AsLong(PyList_GET_ITEM(refcount, i));
+        if (rc == -1 && PyErr_Occurred())
+            goto done;
+        if (rc > 1) {
+            result = Py_NewRef(Py_None);
+            goto done;
+        }
+    }
+    Py_ssize_t need = (start + n + bs - 1) / bs - ntable;
+    Py_ssize_t nfree = PyList_GET_SIZE(free);
+    if (need > nfree) {
+        result = Py_NewRef(Py_None);
+        goto done;
+    }
+    if (need > 0) {
+        PyObject *blocks = PyList_New(need);
+        if (blocks == NULL)
+            goto done;
+        for (Py_ssize_t j = 0; j < need; j++) {
+            PyObject *b = PyList_GET_ITEM(free, nfree - 1 - j);
+            Py_ssize_t i = list_index(refcount, b);
+            if (i < 0) {
+                Py_DECREF(blocks);
+                goto done;
+            }
+            Py_INCREF(b);
+            PyList_SET_ITEM(blocks, j, b);
+        }
+        /* From here on the state changes, as take() + the table/keys/scores extends do. */
+        if (PyList_SetSlice(free, nfree - need, nfree, NULL) < 0) {
+            Py_DECREF(blocks);
+            goto done;
+        }
+        for (Py_ssize_t j = 0; j < need; j++)
+            list_store(refcount, list_index(refcount, PyList_GET_ITEM(blocks, j)), one_long);
+        int r = PyList_SetSlice(table, ntable, ntable, blocks);
+        Py_DECREF(blocks);
+        if (r < 0)
+            goto done;
+        for (Py_ssize_t j = 0; j < need; j++)
+            if (PyList_Append(keys, Py_None) < 0 || PyList_Append(scores, zero_float) < 0)
+                goto done;
+    }
+    PyObject *joined = PySequence_InPlaceConcat(tokens, token_ids); /* seq.tokens += token_ids */
+    if (joined == NULL)
+        goto done;
+    Py_DECREF(joined);
+    if (PyObject_SetAttr(seq, s_simple, Py_True) < 0)
+        goto done;
+    result = PyLong_FromSsize_t(start);
+done:
+    Py_XDECREF(tokens);
+    Py_XDECREF(table);
+    Py_XDECREF(keys);
+    Py_XDECREF(scores);
+    Py_XDECREF(dropped);
+    return result;
+}
+
 static PyMethodDef methods[] = {
+    {"prefill", prefill, METH_VARARGS, "KVCacheManager.reserve() without eviction or copy; see block_core.c."},
     {"take", take, METH_VARARGS, "BlockPool.take(n) with LRU eviction; see block_core.c."},
     {"release", release, METH_VARARGS, "BlockPool.free(blocks) with the LRU policy; see block_core.c."},
     {"step", step, METH_VARARGS, "A decode group's step without eviction or publishing; see block_core.c."},
@@ -371,9 +480,12 @@ PyMODINIT_FUNC PyInit__block_core(void)
     s_table = PyUnicode_InternFromString("table");
     s_keys = PyUnicode_InternFromString("keys");
     s_scores = PyUnicode_InternFromString("scores");
+    s_tokens = PyUnicode_InternFromString("tokens");
+    s_num_dropped_tokens = PyUnicode_InternFromString("num_dropped_tokens");
+    s_simple = PyUnicode_InternFromString("simple");
     zero_float = PyFloat_FromDouble(0.0);
     one_long = PyLong_FromLong(1);
-    if (!s_table || !s_keys || !s_scores || !zero_float || !one_long)
+    if (!s_table || !s_keys || !s_scores || !s_tokens || !s_num_dropped_tokens || !s_simple || !zero_float || !one_long)
         return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m != NULL && PyModule_AddIntConstant(m, "ABI_VERSION", ABI_VERSION) < 0) {

@@ -26,7 +26,7 @@ from pagedkv.cache_node.block_core import get_core
 from pagedkv.cache_node.block_pool import BlockPool
 from pagedkv.cache_node.eviction import LRUPolicy
 from pagedkv.cache_node.kv_manager import KVCacheManager
-from pagedkv.protos.errors import CapacityExceeded, IntegrityError
+from pagedkv.protos.errors import CapacityExceeded, IntegrityError, InvalidArgument, SequenceNotFound
 
 core, info = get_core()
 needs_core = pytest.mark.skipif(core is None, reason=f"compiled pool loops unavailable: {info.detail}")
@@ -46,9 +46,21 @@ class CountingCore:
         self.counts["release"] += 1
         return self._m.release(*args)  # type: ignore[no-any-return]
 
+    def prefill(self, *args: Any) -> int | None:
+        start = self._m.prefill(*args)
+        self.counts["prefill" if start is not None else "prefill:declined"] += 1
+        return start  # type: ignore[no-any-return]
+
+    def step_pairs(self, *args: Any) -> bool:
+        done = self._m.step_pairs(*args)
+        self.counts["step_pairs" if done else "step_pairs:declined"] += 1
+        return done  # type: ignore[no-any-return]
+
     def step(self, *args: Any) -> bool:
         done = self._m.step(*args)
-        self.counts["step" if done else "step:short"] += 1
+        self.counts["step" if done else "step:declined"] += 1
+        if not args[4]:  # an empty free list: any open this step evicts, in Python
+            self.counts["step:free-empty"] += 1
         return done  # type: ignore[no-any-return]
 
 
@@ -119,9 +131,10 @@ def test_c_and_python_cores_agree_step_by_step(seed: int, num_host_blocks: int) 
         c_side.mgr.check_integrity()
         py_side.mgr.check_integrity()
     # The C paths really ran, including eviction and a short free list on a decode step.
-    assert counts["take"] > 100 and counts["take:evict"] > 20, counts
+    assert counts["take"] > 20 and counts["take:evict"] > 20, counts
     assert counts["release"] > 100 and counts["step"] > 100, counts
-    assert counts["step:short"] > 0, counts
+    assert counts["step:free-empty"] > 0, counts
+    assert counts["prefill"] > 100 and counts["prefill:declined"] > 10, counts
     assert c_side.counts.get("decode:group", 0) > 50
 
 
@@ -129,12 +142,13 @@ def test_c_and_python_cores_agree_step_by_step(seed: int, num_host_blocks: int) 
 @pytest.mark.parametrize("seed", [1, 2])
 def test_large_pool_decode_groups_agree(seed: int) -> None:
     """A W1-like schedule (many sequences, batches repeated for many steps, prefix caching
-    on and off, a pool small enough to evict): the same block ids and events every step."""
+    on and off, a pool small enough to evict): the same block ids and events every step,
+    whether the step comes as reserve_tokens(ids, tokens) or reserve_token_pairs(pairs)."""
     rng = random.Random(seed)
     for caching in (False, True):
         sides = [
             KVCacheManager(96, 4, enable_prefix_caching=caching, record_events=True, native=native)
-            for native in (True, False)
+            for native in (True, False, True, False)
         ]
         running: list[str] = []
         next_id = 0
@@ -151,7 +165,7 @@ def test_large_pool_decode_groups_agree(seed: int) -> None:
                     except CapacityExceeded as exc:
                         outcomes.append(str(exc))
                         m.free(sid)
-                assert outcomes[0] == outcomes[1]
+                assert outcomes[0] == outcomes[1] == outcomes[2] == outcomes[3]
                 if isinstance(outcomes[0], int):
                     running.append(sid)
             if running and rng.random() < 0.08:
@@ -161,19 +175,23 @@ def test_large_pool_decode_groups_agree(seed: int) -> None:
             if running:
                 tokens = [rng.randrange(50) for _ in running]
                 errors = []
-                for m in sides:
+                for j, m in enumerate(sides):
                     try:
-                        m.reserve_tokens(running, tokens)
+                        if j < 2:
+                            m.reserve_tokens(running, tokens)
+                        else:
+                            m.reserve_token_pairs(list(zip(running, tokens, strict=True)))
                         errors.append(None)
                     except CapacityExceeded as exc:
                         errors.append(str(exc))
-                assert errors[0] == errors[1]
+                assert errors[0] == errors[1] == errors[2] == errors[3]
                 if errors[0] is not None:
                     for m in sides:
                         m.free(running[0])
                     running.pop(0)
-            assert state(sides[0]) == state(sides[1]), f"step {step}"
-            assert sides[0].take_event_batch() == sides[1].take_event_batch()
+            assert state(sides[0]) == state(sides[1]) == state(sides[2]) == state(sides[3]), f"step {step}"
+            assert sides[0].take_event_batch() == sides[1].take_event_batch() == sides[2].take_event_batch()
+            sides[3].take_event_batch()
             for m in sides:
                 m.check_integrity()
         assert sides[0].stats()["device_evictions"] > 0 or not caching
@@ -208,3 +226,25 @@ def test_core_builds_where_a_compiler_exists() -> None:
     assert info.is_available and info.detail.endswith((".so", ")"))
     assert KVCacheManager(4, 4).device._c is core
     assert KVCacheManager(4, 4, policy="lfu").device._c is None  # heap policies keep the Python loops
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_bad_token_pairs_are_refused_and_change_nothing(native: bool) -> None:
+    m = KVCacheManager(16, 4, record_events=True, native=native)
+    for sid in ("a", "b"):
+        m.open(sid, [1, 2, 3])
+        m.reserve(sid, [1, 2, 3])
+    m.reserve_token_pairs([("a", 4), ("b", 5)])
+    m.reserve_token_pairs([("a", 6), ("b", 7)])  # the decode group's step
+    before = state(m)
+    with pytest.raises(SequenceNotFound):
+        m.reserve_token_pairs([("a", 1), ("zz", 2)])
+    with pytest.raises(InvalidArgument, match="more than once"):
+        m.reserve_token_pairs([("a", 1), ("a", 2)])
+    with pytest.raises(InvalidArgument, match=r"\(seq_id, token\)"):
+        m.reserve_token_pairs([("a", 1), ("b", 2, 3)])  # type: ignore[list-item]
+    assert state(m) == before
+    m.reserve_token_pairs([])  # an empty step is a no-op, as reserve_tokens([], [])
+    assert state(m)[:2] == before[:2]
+    assert [m.get(s).tokens for s in ("a", "b")] == [[1, 2, 3, 4, 6], [1, 2, 3, 5, 7]]
+    m.check_integrity()
