@@ -18,6 +18,7 @@ the same results.
 
 from __future__ import annotations
 
+import ctypes
 import importlib.machinery
 import importlib.util
 import logging
@@ -30,11 +31,12 @@ from pathlib import Path
 from types import ModuleType
 
 from ..protos import native_build
+from ..protos.keys_native import get_chain
 
 logger = logging.getLogger("pagedkv.cache_node.block_core")
 
 _SOURCE = Path(__file__).with_name("csrc") / "block_core.c"
-_ABI_VERSION = 3
+_ABI_VERSION = 5
 _C_FLAGS = ("-O2", "-std=c99", "-shared", "-fPIC", "-fno-strict-aliasing")
 _C_PLATFORM_FLAGS = ("-undefined", "dynamic_lookup") if sys.platform == "darwin" else ()
 
@@ -85,6 +87,13 @@ def _load() -> tuple[ModuleType | None, BlockCoreInfo]:
         return None, BlockCoreInfo(False, f"cannot load {library}: {exc}")
     if getattr(module, "ABI_VERSION", None) != _ABI_VERSION:
         return None, BlockCoreInfo(False, f"{library}: ABI version mismatch")
+    chain = get_chain()[0]
+    # has_chain: one-block keys (a decode step filling a block) by a direct call of the compiled chain.
+    setattr(module, "has_chain", chain is not None)  # noqa: B010 (an attribute mypy cannot see)
+    if chain is not None:
+        module.set_chain(ctypes.cast(chain.from_bytes, ctypes.c_void_p).value)
+    else:
+        detail += " (no compiled key chain: one-block keys by hashlib)"
     return module, BlockCoreInfo(True, detail)
 
 

@@ -49,6 +49,7 @@ from ..protos.errors import (
     SequenceNotFound,
 )
 from ..protos.keys import block_hasher, chain_keys, root_key
+from .block_core import get_core
 from .block_pool import BlockPool
 from .eviction import make_policy
 
@@ -214,6 +215,9 @@ class KVCacheManager:
         self.device = BlockPool(num_blocks, make_policy(policy, num_blocks), tier=DEVICE, native=native)
         self.host = BlockPool(num_host_blocks, make_policy("lru", num_host_blocks), tier=HOST, native=native)
         self._core = self.device._c  # the compiled decode step, with the LRU policy
+        # One block's key straight from the token list (no slice, no packing) when compiled.
+        core = get_core()[0] if native else None
+        self._c_block_key = core.block_key if core is not None and core.has_chain else None
         self.policy_name = policy
         self.enable_prefix_caching = enable_prefix_caching
         self.mover: BlockMover = mover if mover is not None else NullMover()
@@ -811,6 +815,17 @@ class KVCacheManager:
 
     def _open_block(self, seq: Sequence) -> None:
         """Give a decoding sequence its next block (its new token sits at offset 0)."""
+        core, device = self._core, self.device
+        if core is not None and not self.host.num_blocks and (device._free or device._lru):
+            # The steps below in C: a free block, else the LRU's oldest, whose key is dropped here.
+            lost = core.open_block(
+                seq, device._free, device.refcount, device.key_of, device.block_of_key, device._lru
+            )
+            if lost is not None:
+                device.num_evictions += 1
+                self.counters.evicted_device_dropped += 1
+                self._removed(lost)
+            return
         free = self.device._free
         if free:
             block = free.pop()
@@ -841,7 +856,11 @@ class KVCacheManager:
         keys, tokens = seq.keys, seq.tokens
         parent = keys[i - 1] if i else seq.root
         assert parent is not None
-        key = keys[i] = self._block_key(parent, tokens[i * bs : (i + 1) * bs])
+        c_block_key = self._c_block_key
+        if c_block_key is not None:
+            key = keys[i] = c_block_key(parent, tokens, i * bs, bs)
+        else:
+            key = keys[i] = self._block_key(parent, tokens[i * bs : (i + 1) * bs])
         block = seq.table[i]
         if self.hold_publish:
             self._held.append(HeldBlocks(seq, i, (block,)))

@@ -12,8 +12,9 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <stdint.h>
 
-#define ABI_VERSION 3
+#define ABI_VERSION 5
 
 static PyObject *s_table, *s_keys, *s_scores, *s_tokens, *s_num_dropped_tokens, *s_simple; /* attribute names */
 static PyObject *zero_float;                  /* 0.0, the score of a new block */
@@ -464,7 +465,133 @@ done:
     return result;
 }
 
+/* open_block(seq, free, refcount, key_of, block_of_key, lru) -> bytes or None
+ *
+ * KVCacheManager._open_block(seq) for a pool without a lower tier: the next free
+ * block, else the LRU's oldest (its key leaves key_of and block_of_key and is
+ * returned, for the caller's counters and REMOVED event), gets refcount 1 and is
+ * appended to seq.table with a None key and a 0.0 score. The caller checked that
+ * the free list or the LRU is not empty. */
+static PyObject *open_block(PyObject *self, PyObject *args)
+{
+    PyObject *seq, *free, *refcount, *key_of, *block_of_key, *lru;
+    if (!PyArg_ParseTuple(args, "OOOOOO", &seq, &free, &refcount, &key_of, &block_of_key, &lru))
+        return NULL;
+    if (check_list(free, "free") || check_list(refcount, "refcount") || check_list(key_of, "key_of"))
+        return NULL;
+    PyObject *block, *lost = Py_NewRef(Py_None);
+    if (PyList_GET_SIZE(free)) {
+        block = list_pop(free);
+        if (block == NULL)
+            goto fail;
+    } else { /* lru.popitem(last=False) */
+        PyObject *it = PyObject_GetIter(lru);
+        if (it == NULL)
+            goto fail;
+        block = PyIter_Next(it);
+        Py_DECREF(it);
+        if (block == NULL) {
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_RuntimeError, "open_block: no free or evictable block");
+            goto fail;
+        }
+        if (PyObject_DelItem(lru, block) < 0)
+            goto fail_block;
+        Py_ssize_t ki = list_index(key_of, block);
+        if (ki < 0)
+            goto fail_block;
+        Py_SETREF(lost, Py_NewRef(PyList_GET_ITEM(key_of, ki)));
+        if (PyObject_DelItem(block_of_key, lost) < 0)
+            goto fail_block;
+        list_store(key_of, ki, Py_None);
+    }
+    Py_ssize_t i = list_index(refcount, block);
+    if (i < 0)
+        goto fail_block;
+    list_store(refcount, i, one_long);
+    PyObject *table = PyObject_GetAttr(seq, s_table);
+    int r = table == NULL ? -1 : PyList_Append(table, block);
+    Py_XDECREF(table);
+    if (r < 0)
+        goto fail_block;
+    Py_DECREF(block);
+    PyObject *keys = PyObject_GetAttr(seq, s_keys);
+    r = keys == NULL ? -1 : PyList_Append(keys, Py_None);
+    Py_XDECREF(keys);
+    if (r < 0)
+        goto fail;
+    PyObject *scores = PyObject_GetAttr(seq, s_scores);
+    r = scores == NULL ? -1 : PyList_Append(scores, zero_float);
+    Py_XDECREF(scores);
+    if (r < 0)
+        goto fail;
+    return lost;
+fail_block:
+    Py_DECREF(block);
+fail:
+    Py_DECREF(lost);
+    return NULL;
+}
+
+/* The compiled key chain of protos/csrc/chain_keys.c (pagedkv_chain_keys), whose address the
+ * loader passes in once it has loaded that library: a direct call, without ctypes' cost. */
+typedef int64_t (*chain_keys_fn)(const uint8_t *parent, const uint8_t *tokens, int64_t block_size,
+                                 int64_t num_blocks, uint8_t *out);
+static chain_keys_fn chain_keys = NULL;
+
+static PyObject *set_chain(PyObject *self, PyObject *arg)
+{
+    void *address = PyLong_AsVoidPtr(arg);
+    if (address == NULL && PyErr_Occurred())
+        return NULL;
+    chain_keys = (chain_keys_fn)address;
+    Py_RETURN_NONE;
+}
+
+/* block_key(parent, tokens, first, block_size) -> bytes
+ *
+ * The key of the block tokens[first:first + block_size] under `parent` (16 bytes):
+ * chain_keys(parent, tokens[first:first + block_size], block_size)[0], hashed by the
+ * compiled chain without slicing or packing in Python. The loader only offers this
+ * when set_chain() was given the chain. */
+static PyObject *block_key(PyObject *self, PyObject *args)
+{
+    const char *parent;
+    Py_ssize_t parent_len, first, bs;
+    PyObject *tokens;
+    if (!PyArg_ParseTuple(args, "y#Onn", &parent, &parent_len, &tokens, &first, &bs))
+        return NULL;
+    if (chain_keys == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "block_key: no compiled key chain was set");
+        return NULL;
+    }
+    if (check_list(tokens, "tokens"))
+        return NULL;
+    if (parent_len != 16 || bs <= 0 || bs > 4096 || first < 0 || first + bs > PyList_GET_SIZE(tokens)) {
+        PyErr_SetString(PyExc_ValueError, "block_key: a 16-byte parent and a whole block inside the list");
+        return NULL;
+    }
+    uint8_t packed[8 * 4096];
+    for (Py_ssize_t i = 0; i < bs; i++) {
+        long long v = PyLong_AsLongLong(PyList_GET_ITEM(tokens, first + i));
+        if (v == -1 && PyErr_Occurred())
+            return NULL;
+        uint64_t u = (uint64_t)v;
+        for (int b = 0; b < 8; b++)
+            packed[8 * i + b] = (uint8_t)(u >> (8 * b)); /* little-endian int64 */
+    }
+    uint8_t out[16];
+    if (chain_keys((const uint8_t *)parent, packed, bs, 1, out) != 0) {
+        PyErr_SetString(PyExc_ValueError, "block_key: the key chain refused the block");
+        return NULL;
+    }
+    return PyBytes_FromStringAndSize((const char *)out, 16);
+}
+
 static PyMethodDef methods[] = {
+    {"set_chain", set_chain, METH_O, "Give the address of pagedkv_chain_keys; see block_core.c."},
+    {"block_key", block_key, METH_VARARGS, "One block's key by the compiled chain; see block_core.c."},
+    {"open_block", open_block, METH_VARARGS, "KVCacheManager._open_block() without a host tier; see block_core.c."},
     {"prefill", prefill, METH_VARARGS, "KVCacheManager.reserve() without eviction or copy; see block_core.c."},
     {"take", take, METH_VARARGS, "BlockPool.take(n) with LRU eviction; see block_core.c."},
     {"release", release, METH_VARARGS, "BlockPool.free(blocks) with the LRU policy; see block_core.c."},

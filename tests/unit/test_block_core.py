@@ -27,6 +27,7 @@ from pagedkv.cache_node.block_pool import BlockPool
 from pagedkv.cache_node.eviction import LRUPolicy
 from pagedkv.cache_node.kv_manager import KVCacheManager
 from pagedkv.protos.errors import CapacityExceeded, IntegrityError, InvalidArgument, SequenceNotFound
+from pagedkv.protos.keys import chain_keys, root_key
 
 core, info = get_core()
 needs_core = pytest.mark.skipif(core is None, reason=f"compiled pool loops unavailable: {info.detail}")
@@ -55,6 +56,11 @@ class CountingCore:
         done = self._m.step_pairs(*args)
         self.counts["step_pairs" if done else "step_pairs:declined"] += 1
         return done  # type: ignore[no-any-return]
+
+    def open_block(self, *args: Any) -> bytes | None:
+        lost = self._m.open_block(*args)
+        self.counts["open_block" if lost is None else "open_block:evict"] += 1
+        return lost  # type: ignore[no-any-return]
 
     def step(self, *args: Any) -> bool:
         done = self._m.step(*args)
@@ -134,6 +140,8 @@ def test_c_and_python_cores_agree_step_by_step(seed: int, num_host_blocks: int) 
     assert counts["take"] > 20 and counts["take:evict"] > 20, counts
     assert counts["release"] > 100 and counts["step"] > 100, counts
     assert counts["step:free-empty"] > 0, counts
+    if not num_host_blocks:
+        assert counts["open_block:evict"] > 10, counts
     assert counts["prefill"] > 100 and counts["prefill:declined"] > 10, counts
     assert c_side.counts.get("decode:group", 0) > 50
 
@@ -248,3 +256,26 @@ def test_bad_token_pairs_are_refused_and_change_nothing(native: bool) -> None:
     assert state(m)[:2] == before[:2]
     assert [m.get(s).tokens for s in ("a", "b")] == [[1, 2, 3, 4, 6], [1, 2, 3, 5, 7]]
     m.check_integrity()
+
+
+@needs_core
+def test_one_block_key_matches_the_chain() -> None:
+    """The decode path's one-block key (compiled, read from the token list) is chain_keys' key."""
+    assert core is not None
+    if not core.has_chain:
+        pytest.skip("no compiled key chain here")
+    rng = random.Random(5)
+    parent = root_key(b"tenant")
+    for bs in (1, 4, 16, 33):
+        tokens = [rng.randrange(-(2**63), 2**63) for _ in range(5 * bs)] + [0, -1, 2**63 - 1]
+        for first in (0, bs, 3 * bs + 1):
+            want = chain_keys(parent, tokens[first : first + bs], bs)[0]
+            assert core.block_key(parent, tokens, first, bs) == want
+    with pytest.raises(ValueError):
+        core.block_key(parent, [1, 2, 3], 2, 2)  # the block runs past the list
+    with pytest.raises(ValueError):
+        core.block_key(b"short", [1, 2], 0, 2)
+    with pytest.raises(OverflowError):
+        core.block_key(parent, [2**63, 1], 0, 2)  # not an int64, as chain_keys refuses it
+    m = KVCacheManager(8, 4)
+    assert m._c_block_key is not None and KVCacheManager(8, 4, native=False)._c_block_key is None
