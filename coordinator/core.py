@@ -60,7 +60,7 @@ from ..protos.errors import (
     SequenceNotFound,
     Unavailable,
 )
-from ..protos.keys import chain_keys, chain_keys_python, root_key
+from ..protos.keys import chain_keys, chain_keys_packed, root_key
 from ..protos.status import error_from_rpc
 from .node_calls import NodeCalls
 from .placement import Placement, PlacementWeights
@@ -69,23 +69,6 @@ from .store import Store
 
 log = logging.getLogger("pagedkv.coordinator")
 STORED_KIND = 1  # pb.BlockEvent.STORED
-
-
-def prompt_keys(root: bytes, token_ids: Sequence[int], num_tokens: int, block_size: int) -> list[bytes]:
-    """The keys of the full blocks of token_ids[:num_tokens] (keys.chain_keys from `root`).
-
-    Takes what numpy turns into an integer array in one C-level step (a protobuf
-    repeated field: slicing one element by element into a list costs more than the
-    hashing). Hashes with hashlib (keys.chain_keys_python), not the compiled chain:
-    csrc/chain_keys.c's portable blake2b took 86 us for a W2 open's 71 blocks on this
-    host against 40 us for hashlib's vectorised one (same keys; bench/README.md).
-    Raises ValueError for ids that are not ints in the int64 range."""
-    arr = np.asarray(token_ids)
-    if arr.ndim != 1 or (arr.size and (arr.dtype.kind not in "iu" or arr.dtype == np.uint64)):
-        raise ValueError(
-            f"token ids must be ints in the int64 range: got an array of {arr.dtype} {arr.shape}"
-        )
-    return chain_keys_python(root, arr[:num_tokens], block_size)
 
 
 @dataclass(frozen=True)
@@ -366,7 +349,7 @@ class Coordinator:
         """(cached tokens on the best node, that node's id). Changes nothing."""
         nodes = self._nodes_for(spec)
         bs = self._block_size(nodes, spec)
-        keys = prompt_keys(self._salt(tenant)[1], token_ids, len(token_ids), bs)
+        keys = chain_keys(self._salt(tenant)[1], np.asarray(token_ids), bs)
         counts = {k: v for k, v in self.store.match_prefix(keys).items() if k in nodes}
         if not counts:
             return 0, ""
@@ -396,7 +379,8 @@ class Coordinator:
         salt, root = self._salt(tenant)
         num_tokens = len(token_ids)
         limit = num_tokens - 1 if max_cached_tokens is None else min(max_cached_tokens, num_tokens)
-        keys = b"".join(prompt_keys(root, token_ids, max(limit, 0) // bs * bs, bs))
+        tokens = np.asarray(token_ids)  # one C-level copy; slicing a protobuf field makes a list
+        keys = chain_keys_packed(root, tokens[: max(limit, 0) // bs * bs], bs)
         num_blocks = max(1, -(-num_tokens // bs))
         rooms = []
         for node in nodes.values():

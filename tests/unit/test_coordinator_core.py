@@ -109,26 +109,3 @@ def test_a_lease_that_lapsed_before_the_coordinator_started_is_not_a_death():
         assert engine.stats()["used_blocks"] == 0
     finally:
         server.stop(0)
-
-
-def test_prompt_keys_are_the_chain_keys_of_the_prompt_prefix() -> None:
-    """What open hashes (hashlib, from one numpy view) is keys.chain_keys of the same
-    prefix, whatever the ids come in: a list, an int array, a protobuf repeated field."""
-    import numpy as np
-
-    from pagedkv.coordinator.core import prompt_keys
-    from pagedkv.protos import pagedkv_pb2 as pb
-    from pagedkv.protos.keys import chain_keys, root_key
-
-    root = root_key(b"salt")
-    ids = [int(x) for x in np.random.default_rng(3).integers(-(2**63), 2**63 - 1, 1152, dtype=np.int64)]
-    field = pb.CoordOpenRequest(token_ids=ids).token_ids
-    want = chain_keys(root, ids[:1136], 16)
-    assert len(want) == 71
-    for form in (ids, np.asarray(ids, dtype=np.int64), field):
-        assert prompt_keys(root, form, 1136, 16) == want
-    assert prompt_keys(root, ids, 15, 16) == []  # no full block
-    assert prompt_keys(root, [], 0, 16) == []
-    for bad in ([1.5] * 16, [2**64] * 16, np.arange(16, dtype=np.uint64)):
-        with pytest.raises(ValueError, match="int64"):
-            prompt_keys(root, bad, 16, 16)
