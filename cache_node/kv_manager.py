@@ -799,6 +799,30 @@ class KVCacheManager:
         if not (opened or filled):
             return
         batch = group.batch
+        core = self._core
+        if core is not None and not self.host.num_blocks and not self.hold_publish:  # the loop below, in C
+            device = self.device
+            evicted = core.finish_step(
+                batch,
+                opened,
+                filled or _NO_MEMBERS,
+                bs,
+                device._free,
+                device.refcount,
+                device.key_of,
+                device.block_of_key,
+                device._lru,
+                self._origin,
+                self._event_kinds if self.record_events else None,
+                self._event_keys,
+                STORED,
+                REMOVED,
+            )
+            if evicted is not None:  # None: a member reuses its prompt's keys (changed nothing)
+                if evicted:
+                    device.num_evictions += evicted
+                    self.counters.evicted_device_dropped += evicted
+                return
         if opened and filled:  # both kinds in one step: in batch order, as one-token appends would
             for i in sorted(opened + filled):  # type: ignore[operator]
                 if i in opened:

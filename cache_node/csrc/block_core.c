@@ -14,9 +14,10 @@
 #include <Python.h>
 #include <stdint.h>
 
-#define ABI_VERSION 5
+#define ABI_VERSION 6
 
 static PyObject *s_table, *s_keys, *s_scores, *s_tokens, *s_num_dropped_tokens, *s_simple; /* attribute names */
+static PyObject *s_root, *s_hint, *s_chain_intact;
 static PyObject *zero_float;                  /* 0.0, the score of a new block */
 static PyObject *one_long;
 
@@ -588,7 +589,193 @@ static PyObject *block_key(PyObject *self, PyObject *args)
     return PyBytes_FromStringAndSize((const char *)out, 16);
 }
 
+/* One evicting-or-free open for finish_step(): open_block()'s work plus what the manager does
+ * with an evicted key when there is no lower tier (origin.pop(key, None), a REMOVED event).
+ * Returns 1 when it evicted, 0 when the block was free, -1 on error. */
+static int step_open(PyObject *seq, PyObject *free, PyObject *refcount, PyObject *key_of, PyObject *block_of_key,
+                     PyObject *lru, PyObject *origin, PyObject *event_kinds, PyObject *event_keys, PyObject *removed)
+{
+    PyObject *args = PyTuple_Pack(6, seq, free, refcount, key_of, block_of_key, lru);
+    if (args == NULL)
+        return -1;
+    PyObject *lost = open_block(NULL, args);
+    Py_DECREF(args);
+    if (lost == NULL)
+        return -1;
+    if (lost == Py_None) {
+        Py_DECREF(lost);
+        return 0;
+    }
+    int r = 0;
+    if (PyDict_GET_SIZE(origin)) {
+        PyObject *gone = PyObject_CallMethod(origin, "pop", "OO", lost, Py_None);
+        if (gone == NULL)
+            r = -1;
+        Py_XDECREF(gone);
+    }
+    if (r == 0 && event_kinds != Py_None &&
+        (PyList_Append(event_kinds, removed) < 0 || PyList_Append(event_keys, lost) < 0))
+        r = -1;
+    Py_DECREF(lost);
+    return r < 0 ? -1 : 1;
+}
+
+/* One publish for finish_step(): KVCacheManager._publish_one(seq, i) for a sequence without
+ * a hint, no held publishing and no lower tier. Returns 0, or -1 on error. */
+static int step_publish(PyObject *seq, Py_ssize_t i, Py_ssize_t bs, PyObject *key_of, PyObject *block_of_key,
+                        PyObject *event_kinds, PyObject *event_keys, PyObject *stored)
+{
+    int r = -1;
+    PyObject *keys = PyObject_GetAttr(seq, s_keys);
+    PyObject *tokens = PyObject_GetAttr(seq, s_tokens);
+    PyObject *table = PyObject_GetAttr(seq, s_table);
+    PyObject *root = NULL, *key = NULL;
+    if (!keys || !tokens || !table)
+        goto done;
+    if (!PyList_CheckExact(keys) || !PyList_CheckExact(table) || i >= PyList_GET_SIZE(keys) ||
+        i >= PyList_GET_SIZE(table)) {
+        PyErr_SetString(PyExc_RuntimeError, "finish_step: a filled block outside the table");
+        goto done;
+    }
+    PyObject *parent;
+    if (i) {
+        parent = PyList_GET_ITEM(keys, i - 1);
+    } else {
+        root = PyObject_GetAttr(seq, s_root);
+        if (root == NULL)
+            goto done;
+        parent = root;
+    }
+    if (parent == Py_None) {
+        PyErr_SetString(PyExc_AssertionError, "finish_step: the filled block's parent has no key");
+        goto done;
+    }
+    PyObject *kargs = Py_BuildValue("(OOnn)", parent, tokens, i * bs, bs);
+    if (kargs == NULL)
+        goto done;
+    key = block_key(NULL, kargs);
+    Py_DECREF(kargs);
+    if (key == NULL)
+        goto done;
+    list_store(keys, i, key); /* seq.keys[i] = key */
+    PyObject *block = PyList_GET_ITEM(table, i);
+    Py_ssize_t bi = list_index(key_of, block);
+    if (bi < 0)
+        goto done;
+    if (PyList_GET_ITEM(key_of, bi) != Py_None) { /* BlockPool.publish() refusing */
+        r = 0;
+        goto done;
+    }
+    int held = PyDict_Contains(block_of_key, key);
+    if (held != 0) {
+        r = held < 0 ? -1 : 0;
+        goto done;
+    }
+    list_store(key_of, bi, key);
+    if (PyDict_SetItem(block_of_key, key, block) < 0)
+        goto done;
+    if (event_kinds != Py_None &&
+        (PyList_Append(event_kinds, stored) < 0 || PyList_Append(event_keys, key) < 0))
+        goto done;
+    r = 0;
+done:
+    Py_XDECREF(keys);
+    Py_XDECREF(tokens);
+    Py_XDECREF(table);
+    Py_XDECREF(root);
+    Py_XDECREF(key);
+    return r;
+}
+
+/* finish_step(batch, opened, filled, bs, free, refcount, key_of, block_of_key, lru, origin,
+ *             event_kinds, event_keys, stored, removed) -> int or None
+ *
+ * KVCacheManager._finish_step for a pool without a lower tier and without held publishing:
+ * the members in `opened` get their next block (free, else the LRU's oldest, whose key leaves
+ * and is announced REMOVED) and the blocks of the members in `filled` (whose chain is intact)
+ * get their keys (announced STORED), in batch order, as the Python code does. event_kinds is
+ * None when events are not recorded. Returns the number of evictions (for the counters), or
+ * None, having changed nothing, when a filled member still carries its prompt's key hint (the
+ * Python path reuses those keys) or no key chain is compiled in. */
+static PyObject *finish_step(PyObject *self, PyObject *args)
+{
+    PyObject *batch, *opened, *filled, *free, *refcount, *key_of, *block_of_key, *lru, *origin;
+    PyObject *event_kinds, *event_keys, *stored, *removed;
+    Py_ssize_t bs;
+    if (!PyArg_ParseTuple(args, "OOOnOOOO!OO!OOOO", &batch, &opened, &filled, &bs, &free, &refcount, &key_of,
+                          &PyDict_Type, &block_of_key, &lru, &PyDict_Type, &origin, &event_kinds, &event_keys,
+                          &stored, &removed))
+        return NULL;
+    if (check_list(batch, "batch") || check_list(opened, "opened") || check_list(filled, "filled") ||
+        check_list(free, "free") || check_list(refcount, "refcount") || check_list(key_of, "key_of"))
+        return NULL;
+    if (event_kinds != Py_None && (check_list(event_kinds, "event_kinds") || check_list(event_keys, "event_keys")))
+        return NULL;
+    Py_ssize_t nopen = PyList_GET_SIZE(opened), nfill = PyList_GET_SIZE(filled), nbatch = PyList_GET_SIZE(batch);
+    if (nfill && chain_keys == NULL)
+        Py_RETURN_NONE;
+    for (Py_ssize_t j = 0; j < nfill; j++) { /* every filled member hint-free, before changing anything */
+        Py_ssize_t m = PyLong_AsSsize_t(PyList_GET_ITEM(filled, j));
+        if (m < 0 || m >= nbatch) {
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_IndexError, "finish_step: member index out of range");
+            return NULL;
+        }
+        PyObject *hint = PyObject_GetAttr(PyList_GET_ITEM(batch, m), s_hint);
+        if (hint == NULL)
+            return NULL;
+        int has_hint = hint != Py_None;
+        Py_DECREF(hint);
+        if (has_hint)
+            Py_RETURN_NONE;
+    }
+    long evictions = 0;
+    Py_ssize_t a = 0, b = 0;
+    while (a < nopen || b < nfill) { /* the two ascending index lists, merged: batch order */
+        Py_ssize_t ia = a < nopen ? PyLong_AsSsize_t(PyList_GET_ITEM(opened, a)) : PY_SSIZE_T_MAX;
+        Py_ssize_t ib = b < nfill ? PyLong_AsSsize_t(PyList_GET_ITEM(filled, b)) : PY_SSIZE_T_MAX;
+        if (PyErr_Occurred())
+            return NULL;
+        if (ia <= ib) {
+            if (ia < 0 || ia >= nbatch) {
+                PyErr_SetString(PyExc_IndexError, "finish_step: member index out of range");
+                return NULL;
+            }
+            int r = step_open(PyList_GET_ITEM(batch, ia), free, refcount, key_of, block_of_key, lru, origin,
+                              event_kinds, event_keys, removed);
+            if (r < 0)
+                return NULL;
+            evictions += r;
+            a++;
+        } else {
+            PyObject *seq = PyList_GET_ITEM(batch, ib);
+            PyObject *intact = PyObject_GetAttr(seq, s_chain_intact);
+            if (intact == NULL)
+                return NULL;
+            int ok = PyObject_IsTrue(intact);
+            Py_DECREF(intact);
+            if (ok < 0)
+                return NULL;
+            if (ok) {
+                PyObject *tokens = PyObject_GetAttr(seq, s_tokens);
+                if (tokens == NULL)
+                    return NULL;
+                Py_ssize_t ntok = PyObject_Length(tokens);
+                Py_DECREF(tokens);
+                if (ntok < 0)
+                    return NULL;
+                if (step_publish(seq, ntok / bs - 1, bs, key_of, block_of_key, event_kinds, event_keys, stored) <
+                    0)
+                    return NULL;
+            }
+            b++;
+        }
+    }
+    return PyLong_FromLong(evictions);
+}
+
 static PyMethodDef methods[] = {
+    {"finish_step", finish_step, METH_VARARGS, "KVCacheManager._finish_step without a host tier; see block_core.c."},
     {"set_chain", set_chain, METH_O, "Give the address of pagedkv_chain_keys; see block_core.c."},
     {"block_key", block_key, METH_VARARGS, "One block's key by the compiled chain; see block_core.c."},
     {"open_block", open_block, METH_VARARGS, "KVCacheManager._open_block() without a host tier; see block_core.c."},
@@ -610,6 +797,11 @@ PyMODINIT_FUNC PyInit__block_core(void)
     s_tokens = PyUnicode_InternFromString("tokens");
     s_num_dropped_tokens = PyUnicode_InternFromString("num_dropped_tokens");
     s_simple = PyUnicode_InternFromString("simple");
+    s_root = PyUnicode_InternFromString("root");
+    s_hint = PyUnicode_InternFromString("hint");
+    s_chain_intact = PyUnicode_InternFromString("chain_intact");
+    if (!s_root || !s_hint || !s_chain_intact)
+        return NULL;
     zero_float = PyFloat_FromDouble(0.0);
     one_long = PyLong_FromLong(1);
     if (!s_table || !s_keys || !s_scores || !s_tokens || !s_num_dropped_tokens || !s_simple || !zero_float || !one_long)
