@@ -90,3 +90,23 @@ def test_over_the_wire_a_bad_id_changes_nothing_and_good_ids_open(stack):
     coordinator.wait_idle()
     engine.check_integrity()
     assert engine.stats()["num_sequences"] == 0
+
+
+def test_requests_carry_the_spec_built_once_and_follow_a_new_spec() -> None:
+    """The spec message is built once per spec and copied into each request: a request
+    changed afterwards leaves the next one alone, and a new routing.spec is picked up."""
+    from pagedkv.client.config import ClientConfig
+    from pagedkv.client.routing import CoordinatorRouting
+
+    routing = CoordinatorRouting(None, ClientConfig(), None, SPEC)  # type: ignore[arg-type]
+    first = routing._open_request("s1", [1, 2, 3], None)
+    assert first.spec == pb.ModelSpec(**SPEC.to_dict())
+    first.spec.block_size = 99
+    second = routing._open_request("s2", [1, 2, 3], 2)
+    assert second.spec.block_size == SPEC.block_size and second.max_cached_tokens == 2
+    other = ModelSpec(num_layers=2, num_kv_heads=1, head_dim=8, dtype="float32", block_size=8)
+    routing.spec = other
+    assert routing._open_request("s3", [1], None).spec == pb.ModelSpec(**other.to_dict())
+    assert routing._pin_request([1, 2]).spec == pb.ModelSpec(**other.to_dict())
+    routing.spec = None
+    assert not routing._open_request("s4", [1], None).HasField("spec")
