@@ -23,8 +23,7 @@ Not thread-safe by itself: the engine holds one lock around every call.
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, MutableMapping
 from itertools import islice
 from typing import NamedTuple
 
@@ -60,9 +59,9 @@ class BlockPool:
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
         self.num_evictions = 0
         # With plain LRU (the default and the hot case) the pool works on the
-        # policy's OrderedDict directly: the same order, without a Python call per
-        # block. Other policies go through their methods.
-        self._lru: OrderedDict[int, None] | None = (
+        # policy's order (an OrderedDict, or block_core's LRU) directly: the same
+        # order, without a Python call per block. Other policies go through their methods.
+        self._lru: MutableMapping[int, None] | None = (
             self.policy._order if type(self.policy) is LRUPolicy else None  # type: ignore[attr-defined]
         )
         # The compiled loops (LRU only; None: the Python loops). `native=False` forces Python.
@@ -177,7 +176,7 @@ class BlockPool:
             return block, None
         lru = self._lru
         if lru is not None and lru:
-            block = lru.popitem(last=False)[0]
+            block = lru.popitem(last=False)[0]  # type: ignore[call-arg]
         elif lru is None and len(self.policy):
             block = self.policy.pop_victim()
             self.policy.forget(block)

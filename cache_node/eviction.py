@@ -19,10 +19,12 @@ import heapq
 import itertools
 from abc import ABC, abstractmethod
 from collections import OrderedDict
+from collections.abc import MutableMapping
 
 import numpy as np
 
 from ..protos.errors import InvalidArgument
+from .block_core import get_core
 
 
 class EvictionPolicy(ABC):
@@ -59,12 +61,16 @@ class EvictionPolicy(ABC):
 
 class LRUPolicy(EvictionPolicy):
     """Least recently released first. An OrderedDict gives O(1) removal from the middle,
-    which a revived block needs (a deque would be O(n))."""
+    which a revived block needs (a deque would be O(n)). With the compiled pool loops
+    (block_core.py) the order is their LRU instead: the same operations and results on a
+    linked list over block ids in C arrays, which the pool's C loops walk directly;
+    `native=False` keeps the OrderedDict."""
 
     name = "lru"
 
-    def __init__(self) -> None:
-        self._order: OrderedDict[int, None] = OrderedDict()
+    def __init__(self, native: bool = True) -> None:
+        core = get_core()[0] if native else None
+        self._order: MutableMapping[int, None] = OrderedDict() if core is None else core.LRU()
 
     def add(self, block: int) -> None:
         self._order[block] = None
@@ -75,7 +81,7 @@ class LRUPolicy(EvictionPolicy):
     def pop_victim(self) -> int:
         if not self._order:
             raise IndexError("no evictable block")
-        return self._order.popitem(last=False)[0]
+        return self._order.popitem(last=False)[0]  # type: ignore[call-arg]
 
     def __len__(self) -> int:
         return len(self._order)
@@ -180,7 +186,11 @@ class ScorePolicy(_HeapPolicy):
 POLICIES: dict[str, type[EvictionPolicy]] = {"lru": LRUPolicy, "lfu": LFUPolicy, "score": ScorePolicy}
 
 
-def make_policy(name: str, num_blocks: int) -> EvictionPolicy:
+def make_policy(name: str, num_blocks: int, *, native: bool = True) -> EvictionPolicy:
+    """`native=False`: an LRU policy keeps its order in an OrderedDict even when the compiled
+    pool loops are available (the reference they are tested against)."""
     if name not in POLICIES:
         raise InvalidArgument(f"unknown eviction policy {name!r}; choose one of {sorted(POLICIES)}")
-    return ScorePolicy(num_blocks) if name == "score" else POLICIES[name]()
+    if name == "score":
+        return ScorePolicy(num_blocks)
+    return LRUPolicy(native) if name == "lru" else POLICIES[name]()

@@ -212,8 +212,12 @@ class KVCacheManager:
             raise InvalidArgument(f"block_size must be positive, got {block_size}")
         self.block_size = block_size
         # native=False keeps every loop in Python (the reference the compiled loops are tested against).
-        self.device = BlockPool(num_blocks, make_policy(policy, num_blocks), tier=DEVICE, native=native)
-        self.host = BlockPool(num_host_blocks, make_policy("lru", num_host_blocks), tier=HOST, native=native)
+        self.device = BlockPool(
+            num_blocks, make_policy(policy, num_blocks, native=native), tier=DEVICE, native=native
+        )
+        self.host = BlockPool(
+            num_host_blocks, make_policy("lru", num_host_blocks, native=native), tier=HOST, native=native
+        )
         self._core = self.device._c  # the compiled decode step, with the LRU policy
         # One block's key straight from the token list (no slice, no packing) when compiled.
         core = get_core()[0] if native else None

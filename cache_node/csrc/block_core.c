@@ -13,8 +13,9 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
+#include <string.h>
 
-#define ABI_VERSION 6
+#define ABI_VERSION 7
 
 static PyObject *s_table, *s_keys, *s_scores, *s_tokens, *s_num_dropped_tokens, *s_simple; /* attribute names */
 static PyObject *s_root, *s_hint, *s_chain_intact;
@@ -68,6 +69,273 @@ static int check_list(PyObject *o, const char *what)
     return 0;
 }
 
+/* ---- LRU: the LRU policy's order of evictable blocks -------------------------------------
+ *
+ * What LRUPolicy kept in an OrderedDict[int, None] (block -> None, oldest first), as a doubly
+ * linked list over block ids held in arrays: membership, append, unlink and the oldest are a
+ * few array reads, where an OrderedDict pays a hash lookup in the dict and another in its node
+ * table for each. The Python side sees the OrderedDict operations the pool and the policy use
+ * (len, in, iteration oldest first, lru[b] = None, del lru[b], popitem(last=False),
+ * pop(b, default)), with the same results; the C functions below use the arrays directly. */
+typedef struct {
+    PyObject_HEAD
+    Py_ssize_t cap;     /* size of the arrays */
+    Py_ssize_t *prev;   /* prev[b], next[b]: neighbours in the order, -1 at the ends */
+    Py_ssize_t *next;
+    char *in;           /* in[b]: b is listed */
+    Py_ssize_t head;    /* the oldest, or -1 */
+    Py_ssize_t tail;    /* the youngest, or -1 */
+    Py_ssize_t count;
+    size_t version;     /* bumped on every change: iterators refuse to go on after one */
+} LRUObject;
+
+static PyTypeObject LRUType;
+static PyTypeObject LRUIterType;
+
+#define IS_LRU(o) (Py_TYPE(o) == &LRUType)
+
+static int lru_grow(LRUObject *lru, Py_ssize_t need)
+{
+    if (need <= lru->cap)
+        return 0;
+    Py_ssize_t cap = lru->cap ? lru->cap : 64;
+    while (cap < need)
+        cap *= 2;
+    Py_ssize_t *prev = PyMem_Realloc(lru->prev, cap * sizeof(Py_ssize_t));
+    if (prev == NULL)
+        goto nomem;
+    lru->prev = prev;
+    Py_ssize_t *next = PyMem_Realloc(lru->next, cap * sizeof(Py_ssize_t));
+    if (next == NULL)
+        goto nomem;
+    lru->next = next;
+    char *in = PyMem_Realloc(lru->in, cap);
+    if (in == NULL)
+        goto nomem;
+    lru->in = in;
+    memset(in + lru->cap, 0, cap - lru->cap);
+    lru->cap = cap;
+    return 0;
+nomem:
+    PyErr_NoMemory();
+    return -1;
+}
+
+static inline int lru_has(LRUObject *lru, Py_ssize_t b) { return b >= 0 && b < lru->cap && lru->in[b]; }
+
+/* Append b (not listed) at the young end. */
+static inline void lru_push(LRUObject *lru, Py_ssize_t b)
+{
+    lru->in[b] = 1;
+    lru->prev[b] = lru->tail;
+    lru->next[b] = -1;
+    if (lru->tail >= 0)
+        lru->next[lru->tail] = b;
+    else
+        lru->head = b;
+    lru->tail = b;
+    lru->count++;
+    lru->version++;
+}
+
+/* Unlink b (listed). */
+static inline void lru_unlink(LRUObject *lru, Py_ssize_t b)
+{
+    Py_ssize_t p = lru->prev[b], n = lru->next[b];
+    if (p >= 0)
+        lru->next[p] = n;
+    else
+        lru->head = n;
+    if (n >= 0)
+        lru->prev[n] = p;
+    else
+        lru->tail = p;
+    lru->in[b] = 0;
+    lru->count--;
+    lru->version++;
+}
+
+/* A block id from a Python object: -1 with no error set for a non-int or negative key (absent). */
+static Py_ssize_t lru_key(PyObject *key)
+{
+    if (!PyLong_Check(key))
+        return -1;
+    Py_ssize_t b = PyLong_AsSsize_t(key);
+    if (b == -1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        return -1;
+    }
+    return b < 0 ? -1 : b;
+}
+
+static PyObject *lru_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    if (PyTuple_GET_SIZE(args) || (kwds && PyDict_GET_SIZE(kwds))) {
+        PyErr_SetString(PyExc_TypeError, "LRU() takes no arguments");
+        return NULL;
+    }
+    LRUObject *lru = (LRUObject *)type->tp_alloc(type, 0);
+    if (lru == NULL)
+        return NULL;
+    lru->head = lru->tail = -1;
+    return (PyObject *)lru;
+}
+
+static void lru_dealloc(LRUObject *lru)
+{
+    PyMem_Free(lru->prev);
+    PyMem_Free(lru->next);
+    PyMem_Free(lru->in);
+    Py_TYPE(lru)->tp_free((PyObject *)lru);
+}
+
+static Py_ssize_t lru_len(LRUObject *lru) { return lru->count; }
+
+static int lru_contains(LRUObject *lru, PyObject *key) { return lru_has(lru, lru_key(key)); }
+
+static PyObject *lru_getitem(LRUObject *lru, PyObject *key)
+{
+    if (!lru_has(lru, lru_key(key))) {
+        PyErr_SetObject(PyExc_KeyError, key);
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static int lru_setitem(LRUObject *lru, PyObject *key, PyObject *value)
+{
+    Py_ssize_t b = lru_key(key);
+    if (value == NULL) { /* del lru[key] */
+        if (!lru_has(lru, b)) {
+            PyErr_SetObject(PyExc_KeyError, key);
+            return -1;
+        }
+        lru_unlink(lru, b);
+        return 0;
+    }
+    if (value != Py_None) {
+        PyErr_SetString(PyExc_TypeError, "an LRU maps blocks to None only");
+        return -1;
+    }
+    if (b < 0) {
+        if (!PyErr_Occurred())
+            PyErr_Format(PyExc_TypeError, "an LRU lists block ids (ints >= 0), not %R", key);
+        return -1;
+    }
+    if (lru_has(lru, b)) /* as an OrderedDict: an existing key keeps its place */
+        return 0;
+    if (lru_grow(lru, b + 1) < 0)
+        return -1;
+    lru_push(lru, b);
+    return 0;
+}
+
+static PyObject *lru_popitem(LRUObject *lru, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"last", NULL};
+    int last = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|p:popitem", kwlist, &last))
+        return NULL;
+    if (lru->count == 0) {
+        PyErr_SetString(PyExc_KeyError, "dictionary is empty");
+        return NULL;
+    }
+    Py_ssize_t b = last ? lru->tail : lru->head;
+    lru_unlink(lru, b);
+    PyObject *key = PyLong_FromSsize_t(b);
+    if (key == NULL)
+        return NULL;
+    PyObject *item = PyTuple_Pack(2, key, Py_None);
+    Py_DECREF(key);
+    return item;
+}
+
+static PyObject *lru_pop(LRUObject *lru, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs < 1 || nargs > 2) {
+        PyErr_SetString(PyExc_TypeError, "pop expected 1 or 2 arguments");
+        return NULL;
+    }
+    Py_ssize_t b = lru_key(args[0]);
+    if (lru_has(lru, b)) {
+        lru_unlink(lru, b);
+        Py_RETURN_NONE;
+    }
+    if (nargs == 2)
+        return Py_NewRef(args[1]);
+    PyErr_SetObject(PyExc_KeyError, args[0]);
+    return NULL;
+}
+
+typedef struct {
+    PyObject_HEAD
+    LRUObject *lru;
+    Py_ssize_t at;
+    size_t version;
+} LRUIterObject;
+
+static PyObject *lru_iter(LRUObject *lru)
+{
+    LRUIterObject *it = PyObject_New(LRUIterObject, &LRUIterType);
+    if (it == NULL)
+        return NULL;
+    it->lru = (LRUObject *)Py_NewRef(lru);
+    it->at = lru->head;
+    it->version = lru->version;
+    return (PyObject *)it;
+}
+
+static void lru_iter_dealloc(LRUIterObject *it)
+{
+    Py_DECREF(it->lru);
+    PyObject_Free(it);
+}
+
+static PyObject *lru_iter_next(LRUIterObject *it)
+{
+    if (it->version != it->lru->version) {
+        PyErr_SetString(PyExc_RuntimeError, "OrderedDict mutated during iteration");
+        return NULL;
+    }
+    if (it->at < 0)
+        return NULL;
+    Py_ssize_t b = it->at;
+    it->at = it->lru->next[b];
+    return PyLong_FromSsize_t(b);
+}
+
+static PyMethodDef lru_methods[] = {
+    {"popitem", (PyCFunction)(void (*)(void))lru_popitem, METH_VARARGS | METH_KEYWORDS,
+     "popitem(last=True) -> (block, None): the youngest, or the oldest when last is False."},
+    {"pop", (PyCFunction)(void (*)(void))lru_pop, METH_FASTCALL, "pop(block[, default]) -> None or default."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyMappingMethods lru_as_mapping = {(lenfunc)lru_len, (binaryfunc)lru_getitem, (objobjargproc)lru_setitem};
+static PySequenceMethods lru_as_sequence = {.sq_contains = (objobjproc)lru_contains};
+
+static PyTypeObject LRUType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "_block_core.LRU",
+    .tp_basicsize = sizeof(LRUObject),
+    .tp_dealloc = (destructor)lru_dealloc,
+    .tp_as_mapping = &lru_as_mapping,
+    .tp_as_sequence = &lru_as_sequence,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "The LRU policy's order of evictable blocks (an OrderedDict[int, None]'s interface).",
+    .tp_iter = (getiterfunc)lru_iter,
+    .tp_methods = lru_methods,
+    .tp_new = lru_new,
+};
+
+static PyTypeObject LRUIterType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "_block_core.LRUIterator",
+    .tp_basicsize = sizeof(LRUIterObject),
+    .tp_dealloc = (destructor)lru_iter_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_iter = PyObject_SelfIter,
+    .tp_iternext = (iternextfunc)lru_iter_next,
+};
+
 /* take(free, refcount, n, key_of, block_of_key, lru, evicted_keys) -> list
  *
  * BlockPool.take(n) with the LRU policy (or no eviction): the caller checked
@@ -96,7 +364,20 @@ static PyObject *take(PyObject *self, PyObject *args)
         PyList_SET_ITEM(out, j, b);
     }
     Py_ssize_t k = n - from_free;
-    if (k > 0) {
+    if (k > 0 && IS_LRU(lru)) { /* the k oldest, straight from the list */
+        LRUObject *order = (LRUObject *)lru;
+        if (order->count < k) {
+            PyErr_SetString(PyExc_RuntimeError, "take: the LRU holds fewer blocks than checked");
+            goto fail_partial;
+        }
+        Py_ssize_t b = order->head;
+        for (Py_ssize_t j = 0; j < k; j++, b = order->next[b]) {
+            PyObject *block = PyLong_FromSsize_t(b);
+            if (block == NULL)
+                goto fail_partial;
+            PyList_SET_ITEM(out, from_free + j, block);
+        }
+    } else if (k > 0) {
         /* victims = list(islice(lru, k)), then each leaves the LRU and the key map */
         PyObject *it = PyObject_GetIter(lru);
         if (it == NULL)
@@ -118,7 +399,9 @@ static PyObject *take(PyObject *self, PyObject *args)
         goto fail;
     for (Py_ssize_t j = from_free; j < n; j++) {
         PyObject *b = PyList_GET_ITEM(out, j);
-        if (PyObject_DelItem(lru, b) < 0)
+        if (IS_LRU(lru))
+            lru_unlink((LRUObject *)lru, ((LRUObject *)lru)->head); /* b is the oldest now */
+        else if (PyObject_DelItem(lru, b) < 0)
             goto fail;
         Py_ssize_t i = list_index(key_of, b);
         if (i < 0)
@@ -205,8 +488,14 @@ static PyObject *release(PyObject *self, PyObject *args)
             int pinned = PyDict_Contains(pins, b);
             if (pinned < 0)
                 goto fail;
-            if (!pinned && PyObject_SetItem(lru, b, Py_None) < 0)
+            if (pinned) {
+                /* pinned blocks are listed nowhere */
+            } else if (IS_LRU(lru)) {
+                if (lru_setitem((LRUObject *)lru, b, Py_None) < 0)
+                    goto fail;
+            } else if (PyObject_SetItem(lru, b, Py_None) < 0) {
                 goto fail;
+            }
         }
     }
     Py_DECREF(seq);
@@ -485,6 +774,24 @@ static PyObject *open_block(PyObject *self, PyObject *args)
         block = list_pop(free);
         if (block == NULL)
             goto fail;
+    } else if (IS_LRU(lru)) { /* lru.popitem(last=False) */
+        LRUObject *order = (LRUObject *)lru;
+        if (order->count == 0) {
+            PyErr_SetString(PyExc_RuntimeError, "open_block: no free or evictable block");
+            goto fail;
+        }
+        Py_ssize_t oldest = order->head;
+        lru_unlink(order, oldest);
+        block = PyLong_FromSsize_t(oldest);
+        if (block == NULL)
+            goto fail;
+        Py_ssize_t ki = list_index(key_of, block);
+        if (ki < 0)
+            goto fail_block;
+        Py_SETREF(lost, Py_NewRef(PyList_GET_ITEM(key_of, ki)));
+        if (PyObject_DelItem(block_of_key, lost) < 0)
+            goto fail_block;
+        list_store(key_of, ki, Py_None);
     } else { /* lru.popitem(last=False) */
         PyObject *it = PyObject_GetIter(lru);
         if (it == NULL)
@@ -806,8 +1113,13 @@ PyMODINIT_FUNC PyInit__block_core(void)
     one_long = PyLong_FromLong(1);
     if (!s_table || !s_keys || !s_scores || !s_tokens || !s_num_dropped_tokens || !s_simple || !zero_float || !one_long)
         return NULL;
+    if (PyType_Ready(&LRUType) < 0 || PyType_Ready(&LRUIterType) < 0)
+        return NULL;
     PyObject *m = PyModule_Create(&module);
-    if (m != NULL && PyModule_AddIntConstant(m, "ABI_VERSION", ABI_VERSION) < 0) {
+    if (m == NULL)
+        return NULL;
+    if (PyModule_AddIntConstant(m, "ABI_VERSION", ABI_VERSION) < 0 ||
+        PyModule_AddObjectRef(m, "LRU", (PyObject *)&LRUType) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import random
 import shutil
-from collections import Counter
+from collections import Counter, OrderedDict
 from types import ModuleType
 from typing import Any
 
@@ -284,3 +284,52 @@ def test_one_block_key_matches_the_chain() -> None:
         core.block_key(parent, [2**63, 1], 0, 2)  # not an int64, as chain_keys refuses it
     m = KVCacheManager(8, 4)
     assert m._c_block_key is not None and KVCacheManager(8, 4, native=False)._c_block_key is None
+
+
+@needs_core
+def test_lru_behaves_as_the_ordered_dict_it_replaces() -> None:
+    """block_core.LRU against OrderedDict[int, None] on a random mix of every operation the
+    pool and the policy use, including the failing ones."""
+    assert core is not None
+    lru, ref = core.LRU(), OrderedDict[int, None]()
+    rng = random.Random(3)
+    for step in range(20000):
+        b = rng.randrange(300)
+        op = rng.randrange(6)
+        if op == 0:
+            lru[b] = None  # an existing block keeps its place, as in an OrderedDict
+            ref[b] = None
+        elif op == 1:
+            raised = [False, False]
+            for j, d in enumerate((lru, ref)):
+                try:
+                    del d[b]
+                except KeyError:
+                    raised[j] = True
+            assert raised[0] == raised[1]
+        elif op == 2:
+            if ref:
+                last = rng.random() < 0.3
+                assert lru.popitem(last=last) == ref.popitem(last=last)
+            else:
+                with pytest.raises(KeyError):
+                    lru.popitem(last=False)
+        elif op == 3:
+            assert lru.pop(b, "none") == ref.pop(b, "none")
+        elif op == 4:
+            assert (b in lru) == (b in ref) and ("x" in lru) is False and (-1 in lru) is False
+        else:
+            assert list(lru) == list(ref)
+        assert len(lru) == len(ref), step
+    with pytest.raises(TypeError):
+        lru[3] = "value"  # blocks map to None only
+    with pytest.raises(TypeError):
+        lru[-1] = None
+    with pytest.raises(KeyError):
+        lru.pop(100_000)
+    lru[7] = None
+    with pytest.raises(RuntimeError, match="mutated during iteration"):
+        for b in lru:
+            del lru[b]
+    assert type(KVCacheManager(4, 4).device.policy._order) is core.LRU  # type: ignore[attr-defined]
+    assert type(KVCacheManager(4, 4, native=False).device.policy._order) is OrderedDict  # type: ignore[attr-defined]
