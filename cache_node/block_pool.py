@@ -231,9 +231,9 @@ class BlockPool:
         """free(table[::-1]) without the copy: a sequence's release."""
         c = self._c
         if c is not None:
-            self._raise_if_bad(
-                c.release(table, True, self.refcount, self.key_of, self.pins, self._free, self._lru)
-            )
+            bad = c.release(table, True, self.refcount, self.key_of, self.pins, self._free, self._lru)
+            if bad is not None:
+                self._raise_if_bad(bad)
         else:
             self.free(table[::-1])
 

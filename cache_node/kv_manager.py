@@ -729,7 +729,8 @@ class KVCacheManager:
                     device.refcount,
                 ):
                     group.num_steps = t
-                    self._finish_step(group, t, _NO_MEMBERS if opens_here else opened)
+                    if not opens_here or self.enable_prefix_caching:  # else nothing is left to do
+                        self._finish_step(group, t, _NO_MEMBERS if opens_here else opened)
                     return
         if any(len(pair) != 2 for pair in pairs):
             raise InvalidArgument("a decode step's pairs must each be (seq_id, token)")
