@@ -8,6 +8,7 @@ mapping behind, and a node without READ_SHM gets the Unix-socket READ."""
 from __future__ import annotations
 
 import array
+import asyncio
 import contextlib
 import fcntl
 import os
@@ -24,7 +25,7 @@ import torch
 
 from pagedkv.cache_node.engine import CacheEngine, EngineConfig
 from pagedkv.cache_node.server import NodeServer, create_server
-from pagedkv.client import CacheClient, ClientConfig, InvalidArgument, SequenceNotFound
+from pagedkv.client import AsyncCacheClient, CacheClient, ClientConfig, InvalidArgument, SequenceNotFound
 from pagedkv.client import shm as client_shm
 from pagedkv.client.bulk import BulkChannel
 from pagedkv.protos import bulk
@@ -436,4 +437,19 @@ def test_node_without_read_shm_gets_the_unix_socket_read(node: Node) -> None:
             rk, rv = client.data.read_kv("s", 2, None)
             assert bitwise(rk, k[:, 2:]) and bitwise(rv, v[:, 2:])
         assert not ch.is_read_shm and ch.num_shm_reads == 0 and ch.num_local_transfers == 2
+    node.state()
+
+
+def test_asyncio_client_reads_through_the_region(node: Node) -> None:
+    k, v = node.fill("s", 21, seed=12)
+
+    async def run() -> tuple[torch.Tensor, torch.Tensor, int]:
+        async with AsyncCacheClient(node.address, BULK) as client:
+            rk, rv = await client.data.read_kv("s", 3, None)
+            ch = client.data.route.bulk
+            assert ch is not None
+            return rk, rv, ch.num_shm_reads
+
+    rk, rv, num = asyncio.run(run())
+    assert bitwise(rk, k[:, 3:]) and bitwise(rv, v[:, 3:]) and num == 1
     node.state()
