@@ -26,6 +26,9 @@ Same host: the per-step calls prefer the node's shared-memory path
 learned port) and this process can reach it: the tensors go through a memfd
 region instead of the loopback stack. When it cannot be reached or used the
 channel remembers that and the calls take TCP; results and errors are the same.
+read_kv on the same host prefers READ_SHM (the slabs through a small ring in that
+region, client/shm.py `read_ring`), then the Unix socket's READ (a node without
+READ_SHM), then TCP; append takes the Unix socket.
 """
 
 from __future__ import annotations
