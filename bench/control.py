@@ -855,8 +855,8 @@ def run(cluster: BenchCluster, args: argparse.Namespace, systems, prompts, sourc
         spy = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         time.sleep(0.5)
         n_ops = 0
-        while spy.poll() is None:
-            v_open_close(next(pi))
+        while spy.poll() is None:  # prompts reused in turn: the W2 list can run out on a quick host
+            v_open_close(prompts[n_ops % len(prompts)])
             n_ops += 1
         err = spy.stderr.read().decode()[-500:] if spy.stderr else ""
         if spy.returncode == 0 and raw.exists():
