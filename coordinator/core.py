@@ -424,7 +424,7 @@ class Coordinator:
         """Send the node Open as a future; its completion applies a failure (drops the
         page table, releases the quota, counts it): the record exists by then."""
 
-        def done(reply: Any, error: PagedKVError | None) -> None:  # on the NodeCalls loop thread
+        def done(reply: Any, error: PagedKVError | None) -> None:  # on a NodeCalls sender thread
             if reply is not None:
                 call.host_hit_tokens = int(reply.num_host_hit_tokens)
             if call.finish(error):  # recorded: drop the page table first, then settle
@@ -521,7 +521,7 @@ class Coordinator:
         after.then(send_when_opened)
 
     def _free_attempt(self, node: NodeInfo, call: NodeCall, attempt: int) -> None:
-        def done(reply: Any, error: PagedKVError | None) -> None:  # on the NodeCalls loop thread
+        def done(reply: Any, error: PagedKVError | None) -> None:  # on a NodeCalls sender thread
             if error is not None and not isinstance(error, NotFound):  # NotFound: already gone
                 if attempt < self.config.free_retries and not self._stop.is_set():
                     self._background.submit(self._retry_free, node, call, attempt + 1)
