@@ -194,6 +194,11 @@ class Coordinator:
         for channel, _ in self._stubs.values():
             channel.close()
 
+    @property
+    def node_calls(self) -> NodeCalls:
+        """The node calls sent without waiting (a servicer holds them back while it replies)."""
+        return self._node_calls
+
     def _reap_loop(self, interval_s: float) -> None:
         # Grace: after a (re)start every node gets one lease to beat before any
         # is declared dead (a lapse during our own downtime is not a death).

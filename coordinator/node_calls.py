@@ -13,15 +13,18 @@ open -0.01 / -0.05 ms, open + first append -0.06 / -0.15 ms. A sync channel's
 is in flight. Up to MAX_SENDERS calls are in flight at once (a node that stopped
 answering holds its calls for the node rpc timeout); more wait in the queue.
 Completion callbacks run on the sender thread: they must not block (hand Redis
-work to an executor).
+work to an executor). A servicer holds its handler's calls back (`held`) until its
+reply is built, so waking a sender does not interrupt it: measured the same way,
+open 0.00-0.04, close 0.02-0.04, open + first append 0.04-0.06 ms less.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from typing import Any
 
 import grpc
@@ -41,12 +44,35 @@ class NodeCalls:
         self._pool = ThreadPoolExecutor(MAX_SENDERS, thread_name_prefix="node-calls")
         self._stubs: dict[str, tuple[grpc.Channel, pb_grpc.CacheNodeStub]] = {}
         self._lock = threading.Lock()
+        self._held = threading.local()  # .calls: this thread's sends held back, or None
         self._is_closed = False
 
     def send(self, address: str, method: str, request: Any, where: str, done: Done) -> None:
         """Send `method(request)` to the node at `address`; `done(reply, error)` runs on
         a sender thread when it finishes (error: the domain error, prefixed by `where`).
         Never raises: a call that cannot be sent reports Unavailable through `done`."""
+        held = getattr(self._held, "calls", None)
+        if held is not None:
+            held.append((address, method, request, where, done))
+            return
+        self._submit(address, method, request, where, done)
+
+    @contextmanager
+    def held(self) -> Iterator[None]:
+        """Calls this thread sends inside the block go out when it ends (however it ends):
+        a handler holds its node call back until its reply is built."""
+        if getattr(self._held, "calls", None) is not None:  # nested: the outer block sends
+            yield
+            return
+        self._held.calls = []
+        try:
+            yield
+        finally:
+            calls, self._held.calls = self._held.calls, None
+            for call in calls:
+                self._submit(*call)
+
+    def _submit(self, address: str, method: str, request: Any, where: str, done: Done) -> None:
         if self._is_closed:
             done(None, Unavailable(f"{where}: coordinator shutting down, {method} not sent"))
             return

@@ -103,7 +103,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             )
             return _open_response(result)
 
-        return self._run("Open", context, run)
+        with self.coordinator.node_calls.held():
+            return self._run("Open", context, run)
 
     def Lookup(self, request: pb.CoordLookupRequest, context: grpc.ServicerContext) -> Any:
         def run() -> pb.CoordLookupResponse:
@@ -129,7 +130,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             self.coordinator.close(self._tenant(context), request.seq_id)
             return pb.Empty()
 
-        return self._run("Close", context, run)
+        with self.coordinator.node_calls.held():
+            return self._run("Close", context, run)
 
     def SwapOut(self, request: pb.CoordSeqRequest, context: grpc.ServicerContext) -> Any:
         def run() -> pb.SwapResponse:

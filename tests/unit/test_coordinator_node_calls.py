@@ -5,6 +5,7 @@ once, as the reply or as the domain error prefixed with where it went."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -96,3 +97,26 @@ def test_many_concurrent_calls_each_report_once(node) -> None:
     out.wait(n)
     assert all(len(v) == 1 and v[0][1] is None for v in out.got.values())
     assert all(engine.sequence_length(f"c{i}") == 0 for i in range(n))
+
+
+def test_held_calls_go_out_when_the_block_ends_however_it_ends(node) -> None:
+    engine, address, calls = node
+    out = Outcomes()
+    with calls.held():
+        calls.send(address, "Open", pb.OpenRequest(seq_id="h1", token_ids=[1, 2]), "n1", out.done("h1"))
+        with calls.held():  # nested: still held until the outer block ends
+            calls.send(address, "Open", pb.OpenRequest(seq_id="h2", token_ids=[1, 2]), "n1", out.done("h2"))
+        time.sleep(0.2)
+        assert out.got == {}  # nothing sent yet
+        with pytest.raises(PagedKVError):
+            engine.sequence_length("h1")
+    out.wait(2)
+    assert engine.sequence_length("h1") == engine.sequence_length("h2") == 0
+    with pytest.raises(RuntimeError, match="handler failed"), calls.held():
+        calls.send(address, "Free", pb.SeqRequest(seq_id="h1"), "n1", out.done("free"))
+        raise RuntimeError("handler failed")
+    out.wait(3)  # sent anyway
+    assert out.got["free"][0][1] is None
+    calls.send(address, "Free", pb.SeqRequest(seq_id="h2"), "n1", out.done("unheld"))
+    out.wait(4)  # outside a block: sent at once
+    assert out.got["unheld"][0][1] is None
