@@ -117,8 +117,8 @@ them: a caller's result is never overwritten by a later call.
 
 READ_SHM (op 10), client -> node, on a connection with a region: a READ whose
 bytes pass through a small ring of slots in the region instead of the socket.
-FRAME as READ's (text = seq_id, [start, end), slab_tokens: 0 = the node picks)
-with payload_len = SHM_READ.size, then
+FRAME as READ's (text = seq_id, [start, end), slab_tokens: 0 = the node picks;
+at most what one slot holds) with payload_len = SHM_READ.size, then
 
     SHM_READ (24 bytes): area_offset u64 | slot_bytes u64 | num_slots u32 | pad u32
 
