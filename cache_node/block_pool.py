@@ -50,7 +50,7 @@ class BlockPool:
             raise InvalidArgument(f"{tier} pool size must be >= 0, got {num_blocks}")
         self.num_blocks = num_blocks
         self.tier = tier
-        self.policy = policy if policy is not None else LRUPolicy()
+        self.policy = policy if policy is not None else LRUPolicy(native)
         self.refcount = [0] * num_blocks
         self.key_of: list[bytes | None] = [None] * num_blocks
         self.block_of_key: dict[bytes, int] = {}
