@@ -981,7 +981,9 @@ def findings(r: dict) -> str:
     prof = r.get("profile") or {}
     if "Open" in prof:
         shares = {b["what"]: b["share"] for b in prof["Open"]["breakdown"]}
-        node = sum(v for k, v in shares.items() if "_send_open" in k)
+        # the node Open is sent by Coordinator._send_open, or where the servicer holds it back
+        # (NodeCalls.held: the with-block's exit, outside Coordinator.open)
+        node = sum(v for k, v in shares.items() if "_send_open" in k or "__exit__@contextlib" in k)
         os_ = sum(v for k, v in shares.items() if "open_sequence" in k)
         keys = sum(v for k, v in shares.items() if "chain_keys" in k)
         rest = max(0.0, 1 - node - os_ - keys)
