@@ -17,6 +17,7 @@ store translates them as it does every other call.
 
 from __future__ import annotations
 
+import os
 import threading
 from typing import Any
 
@@ -36,9 +37,12 @@ class KeptScripts:
         self._idle: list[Any] = []  # LIFO: the most recently used connection is the warmest
         self._lock = threading.Lock()
         self._is_closed = False
+        self._pid = os.getpid()
 
     def run(self, script: Script, args: list[Any]) -> Any:
         """EVALSHA `script` with no keys and `args`; its reply as redis-py returns it."""
+        if self._pid != os.getpid():  # a forked child: the kept sockets are the parent's
+            self._pid, self._idle = os.getpid(), []
         try:
             conn = self._idle.pop()  # atomic under the GIL
         except IndexError:

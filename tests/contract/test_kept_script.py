@@ -131,3 +131,24 @@ def test_store_maps_a_script_error_to_integrity_error(redis_url: str) -> None:
     assert store.match_prefix([bytes(16)]) == {"n1": 0}  # the kept connection still answers
     store.close()
     client.close()
+
+
+def test_a_forked_child_never_uses_the_parents_kept_connection(redis_url: str) -> None:
+    import os
+
+    client = _client(redis_url)
+    script = client.register_script(ECHO)
+    kept = KeptScripts(client)
+    assert kept.run(script, ["parent", 1]) == [b"parent", 2]
+    pid = os.fork()
+    if pid == 0:  # the child: a connection of its own, the parent's socket left alone
+        ok = kept.run(script, ["child", 2]) == [b"child", 4]
+        lister = redis.Redis.from_url(redis_url)
+        ok = ok and len(_evalsha_client_ids(lister)) == 2  # the parent's and the child's
+        os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    for i in range(20):  # the parent's kept connection still pairs its replies
+        assert kept.run(script, [f"p{i}", i]) == [f"p{i}".encode(), 2 * i]
+    kept.close()
+    client.close()
