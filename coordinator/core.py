@@ -331,19 +331,32 @@ class Coordinator:
             raise NodeLost(record.seq_id, f"node {node_id} is not live")
         return node
 
-    def _account(self, node_id: str, new_blocks: int) -> None:
-        """Count a placement against the node's cached load until its next heartbeat
-        brings the truth, so a burst of cold opens spreads instead of piling onto
-        the node that looked emptiest at the last beat."""
+    def _account(self, node_id: str, blocks: int) -> None:
+        """Count a placement (blocks > 0: taken from free, then from cached) or a close
+        (blocks < 0: the sequence's blocks become cached, room again) against the node's
+        cached load until its next heartbeat brings the truth. A burst of cold opens thus
+        spreads instead of piling onto the node that looked emptiest at the last beat,
+        and a burst of open + close pairs between two beats (or on a replica, which
+        reads the loads from the store only when it refreshes its nodes) does not make
+        a node look full."""
         with self._lock:
             node = self._nodes.get(node_id)
             if node is None:
                 return
             load = dict(node.load)
             free = load.get("free_blocks", node.num_blocks)
-            taken = min(new_blocks, free)
-            load["free_blocks"] = free - taken
-            load["used_blocks"] = load.get("used_blocks", 0) + taken
+            cached = load.get("cached_blocks", 0)
+            used = load.get("used_blocks", 0)
+            if blocks >= 0:
+                from_free = min(blocks, free)
+                from_cached = min(blocks - from_free, cached)
+                load["free_blocks"] = free - from_free
+                load["cached_blocks"] = cached - from_cached
+                load["used_blocks"] = used + from_free + from_cached
+            else:
+                back = min(-blocks, used)
+                load["cached_blocks"] = cached + back
+                load["used_blocks"] = used - back
             self._nodes[node_id] = NodeInfo(node.node_id, node.address, node.spec, node.num_blocks, load)
 
     # -- control calls ------------------------------------------------------------
@@ -591,6 +604,7 @@ class Coordinator:
         if node is None:  # its node died: nothing to free
             return
         self._send_free(node, seq_id, after=call)
+        self._account(node.node_id, -record.num_blocks)
 
     def swap_out(self, tenant: str, seq_id: str) -> int:
         self._settle(seq_id)

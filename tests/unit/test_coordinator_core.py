@@ -13,7 +13,7 @@ from pagedkv.cache_node.engine import CacheEngine, EngineConfig
 from pagedkv.cache_node.server import create_server
 from pagedkv.coordinator.core import Coordinator, CoordinatorConfig, NodeLost
 from pagedkv.coordinator.memory_store import MemoryStore
-from pagedkv.protos.errors import PermissionDenied, Unavailable
+from pagedkv.protos.errors import CapacityExceeded, PermissionDenied, Unavailable
 from pagedkv.protos.spec import ModelSpec
 
 SPEC = ModelSpec(num_layers=1, num_kv_heads=1, head_dim=8, dtype="float32", block_size=4)
@@ -109,3 +109,28 @@ def test_a_lease_that_lapsed_before_the_coordinator_started_is_not_a_death():
         assert engine.stats()["used_blocks"] == 0
     finally:
         server.stop(0)
+
+
+def test_open_close_bursts_between_heartbeats_do_not_fill_a_node(cluster):
+    """The coordinator's view of a node's room changes with its own opens and closes
+    until the next heartbeat: a close gives back what an open took, so many open +
+    close pairs between two beats never look like a full node (before, a close gave
+    nothing back and the 7th pair of 10-block prompts on two 64-block nodes was
+    refused with CapacityExceeded), while open sequences still count."""
+    coordinator, engines = cluster
+    for i in range(40):
+        prompt = list(range(1000 * i, 1000 * i + 40))  # 10 blocks, never cached
+        coordinator.open("t", prompt, seq_id=f"s{i}")
+        coordinator.close("t", f"s{i}")
+    held = [
+        coordinator.open("t", list(range(90_000 + 100 * i, 90_040 + 100 * i)), seq_id=f"h{i}")
+        for i in range(12)
+    ]
+    with pytest.raises(CapacityExceeded):  # 12 x 10 of 128 blocks held: the 13th does not fit
+        coordinator.open("t", list(range(80_000, 80_040)), seq_id="over")
+    for h in held:
+        coordinator.close("t", h.seq_id)
+    coordinator.wait_idle()
+    for e in engines.values():
+        e.check_integrity()
+        assert e.stats()["used_blocks"] == 0
