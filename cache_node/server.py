@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NoReturn, TypeVar
 
 import grpc
+import numpy as np
 import torch
 
 from ..protos import pagedkv_pb2 as pb
@@ -93,7 +94,8 @@ class CacheNodeServicer(pb_grpc.CacheNodeServicer):
         def run() -> pb.OpenResponse:
             limit = request.max_cached_tokens if request.HasField("max_cached_tokens") else None
             exact = request.expect_cached_tokens if request.HasField("expect_cached_tokens") else None
-            res = self.engine.open(request.seq_id, list(request.token_ids), request.tenant_salt, limit, exact)
+            ids = np.asarray(request.token_ids)  # one C-level copy (list(): ~30 us per 1,152 ids)
+            res = self.engine.open(request.seq_id, ids, request.tenant_salt, limit, exact)
             return pb.OpenResponse(
                 num_cached_tokens=res.num_cached_tokens, num_host_hit_tokens=res.num_host_hit_tokens
             )
@@ -105,7 +107,7 @@ class CacheNodeServicer(pb_grpc.CacheNodeServicer):
             "Lookup",
             context,
             lambda: pb.LookupResponse(
-                num_cached_tokens=self.engine.lookup(list(request.token_ids), request.tenant_salt)
+                num_cached_tokens=self.engine.lookup(np.asarray(request.token_ids), request.tenant_salt)
             ),
         )
 

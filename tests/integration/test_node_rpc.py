@@ -249,6 +249,13 @@ def test_bad_input_gets_the_right_status_and_leaves_the_node_healthy(make_node) 
                 stub.Attend(pb.AttendRequest(seq_ids=["ok"], layer=1, q=q), timeout=5)
             assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert "17 data bytes" in info.value.details()
+            # token ids out of range on Open (the ids reach the engine as an array)
+            with pytest.raises(grpc.RpcError) as info:
+                stub.Open(pb.OpenRequest(seq_id="neg", token_ids=[3, -1, 4]), timeout=5)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "token id -1 is not an int" in info.value.details()
+            assert stub.Open(pb.OpenRequest(seq_id="empty"), timeout=5).num_cached_tokens == 0
+            stub.Free(pb.SeqRequest(seq_id="empty"), timeout=5)
             q = pb.Tensor(dtype="complex7", shape=[1], data=b"")
             with pytest.raises(grpc.RpcError) as info:
                 stub.Attend(pb.AttendRequest(seq_ids=["ok"], layer=1, q=q), timeout=5)
