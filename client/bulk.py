@@ -210,42 +210,37 @@ class BulkChannel:
         body_len = shm.body_length(len(body_head), parts)
         out_at = body_len + bulk.pad(body_len)
         out_len = shm.result_bytes(q, mass)
-        try:
-            try:
-                conn.ensure(out_at + out_len, request_id)
-            except shm.RegionRefused as exc:
-                self.local_name = ""  # this node will not map our regions: TCP from now on
-                conn.close()
-                raise BulkUnavailable(f"the node refused the shared region: {exc}") from None
-            except (OSError, ProtocolError) as exc:  # nothing of this call was sent: TCP takes it
-                conn.close()
-                raise BulkUnavailable(f"same-host region not mapped: {exc}") from exc
+
+        def body(sock: socket.socket) -> AttentionResult:
+            self._map_region(conn, out_at + out_len, request_id)
             shm.write_call(conn.region, body_head, parts)
             shm_op = bulk.OP_ATTEND_SHM if op == bulk.OP_ATTEND else bulk.OP_ATTEND_PREFILL_BATCH_SHM
             request = Frame(shm_op, request_id, payload_len=bulk.SHM_CALL.size).pack()
-            conn.sock.sendall(request + bulk.SHM_CALL.pack(0, body_len, out_at, out_len))
-            reply = bulk.read_frame(conn.sock, buf=self._local_head())
+            sock.sendall(request + bulk.SHM_CALL.pack(0, body_len, out_at, out_len))
+            reply = bulk.read_frame(sock, buf=self._local_head())
             assert reply is not None
             self.num_calls += 1
             self.num_local_calls += 1
             if reply.status != bulk.STATUS_OK:
                 raise self._error(reply)
-            result = _read_result(
-                conn.sock, reply.payload_len, self._local_reply(), (conn.region, out_at, out_len)
-            )
-        except (PagedKVError, BulkUnavailable):
-            if conn.size:  # the node answered with an error: the connection is in sync
-                self._give_local(conn)
-            raise
+            return _read_result(sock, reply.payload_len, self._local_reply(), (conn.region, out_at, out_len))
+
+        give = lambda: self._give_local(conn)  # noqa: E731
+        result: AttentionResult = self._on(conn.sock, body, give, conn.close, "bulk transfer (same host)")
+        return result
+
+    def _map_region(self, conn: shm.LocalConnection, num_bytes: int, request_id: int) -> None:
+        """conn's region grown to num_bytes (mapped by the node); BulkUnavailable, with
+        conn closed and nothing of the call sent, when that cannot be done."""
+        try:
+            conn.ensure(num_bytes, request_id)
+        except shm.RegionRefused as exc:
+            self.local_name = ""  # this node will not map our regions: TCP from now on
+            conn.close()
+            raise BulkUnavailable(f"the node refused the shared region: {exc}") from None
         except (OSError, ProtocolError) as exc:
             conn.close()
-            what = "timed out (DEADLINE_EXCEEDED)" if isinstance(exc, TimeoutError) else "failed"
-            raise Unavailable(f"{self.where}: bulk transfer (same host) {what}: {exc}") from exc
-        except BaseException:
-            conn.close()
-            raise
-        self._give_local(conn)
-        return result
+            raise BulkUnavailable(f"same-host region not mapped: {exc}") from exc
 
     def _read_shm(
         self, seq_id: str, start: int, end: int | None, timeout_s: float
@@ -253,30 +248,22 @@ class BulkChannel:
         """read_kv through a ring in the connection's region (READ_SHM); BulkUnavailable
         (nothing read) when the path cannot be used: the caller takes the Unix socket."""
         conn = self._take_local(timeout_s)
-        slot = max(shm.READ_SLOT_BYTES, self.read_slot_bytes)
-        try:
+
+        def body(sock: socket.socket) -> tuple[torch.Tensor, torch.Tensor]:
+            slot = max(shm.READ_SLOT_BYTES, self.read_slot_bytes)
             for _ in range(2):  # a slot smaller than one token: grow once and ask again
                 request_id = next(self._ids)
-                try:
-                    conn.ensure(shm.READ_SLOTS * slot, request_id)
-                except shm.RegionRefused as exc:
-                    self.local_name = ""  # this node will not map our regions: TCP from now on
-                    conn.close()
-                    raise BulkUnavailable(f"the node refused the shared region: {exc}") from None
-                except (OSError, ProtocolError) as exc:  # nothing of this read was sent
-                    conn.close()
-                    raise BulkUnavailable(f"same-host region not mapped: {exc}") from exc
+                self._map_region(conn, shm.READ_SLOTS * slot, request_id)
                 frame = Frame(
                     bulk.OP_READ_SHM, request_id, start=start,
                     end=bulk.END_OF_SEQUENCE if end is None else end, text=seq_id,
                     payload_len=bulk.SHM_READ.size,
                 )  # fmt: skip
-                conn.sock.sendall(frame.pack() + bulk.SHM_READ.pack(0, slot, shm.READ_SLOTS))
-                reply = bulk.read_frame(conn.sock)
+                sock.sendall(frame.pack() + bulk.SHM_READ.pack(0, slot, shm.READ_SLOTS))
+                reply = bulk.read_frame(sock)
                 assert reply is not None
                 if reply.status == bulk.STATUS_OK:
-                    result = shm.read_ring(conn, reply, slot, shm.READ_SLOTS, self._error)
-                    break
+                    return shm.read_ring(conn, reply, slot, shm.READ_SLOTS, self._error)
                 if reply.end > slot:  # the node's bytes per token
                     slot = self.read_slot_bytes = reply.end + bulk.pad(reply.end)
                     continue
@@ -285,20 +272,11 @@ class BulkChannel:
                     conn.close()
                     raise BulkUnavailable("the node has no READ_SHM")
                 raise self._error(reply)
-            else:
-                raise ProtocolError(f"shm read: slot of {slot} bytes refused after growing")
-        except (PagedKVError, BulkUnavailable):
-            if conn.size:  # the node answered with an error: the connection is in sync
-                self._give_local(conn)
-            raise
-        except (OSError, ProtocolError) as exc:
-            conn.close()
-            what = "timed out (DEADLINE_EXCEEDED)" if isinstance(exc, TimeoutError) else "failed"
-            raise Unavailable(f"{self.where}: bulk read (same host, shared memory) {what}: {exc}") from exc
-        except BaseException:
-            conn.close()
-            raise
-        self._give_local(conn)
+            raise ProtocolError(f"shm read: slot of {slot} bytes refused after growing")
+
+        give = lambda: self._give_local(conn)  # noqa: E731
+        path = "bulk read (same host, shared memory)"
+        result: tuple[torch.Tensor, torch.Tensor] = self._on(conn.sock, body, give, conn.close, path)
         return result
 
     def _run_local(self, timeout_s: float, body: Any) -> Any:

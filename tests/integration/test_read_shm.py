@@ -17,17 +17,17 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Callable, Iterator
 
 import pytest
 import torch
+from test_bulk_attend import bitwise
+from test_shm import channel_of, node_mappings, wait_for
 
 from pagedkv.cache_node.engine import CacheEngine, EngineConfig
 from pagedkv.cache_node.server import NodeServer, create_server
 from pagedkv.client import AsyncCacheClient, CacheClient, ClientConfig, InvalidArgument, SequenceNotFound
 from pagedkv.client import shm as client_shm
-from pagedkv.client.bulk import BulkChannel
 from pagedkv.protos import bulk
 from pagedkv.protos.bulk import Frame
 from pagedkv.protos.spec import ModelSpec
@@ -93,31 +93,6 @@ def make() -> Iterator[Callable[..., Node]]:
 @pytest.fixture
 def node(make: Callable[..., Node]) -> Node:
     return make()
-
-
-def channel_of(client: CacheClient) -> BulkChannel:
-    ch = client.data.route.bulk
-    assert ch is not None
-    return ch
-
-
-def bitwise(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-
-
-def node_mappings() -> int:
-    """Regions mapped in this process (the node runs in-process)."""
-    with open("/proc/self/maps") as f:
-        return sum("/memfd:pagedkv-" in line for line in f)
-
-
-def wait_for(cond: Callable[[], bool], timeout_s: float = 5.0) -> bool:
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(0.01)
-    return cond()
 
 
 def small_slots(monkeypatch: pytest.MonkeyPatch, spec: ModelSpec, tokens: int) -> int:
