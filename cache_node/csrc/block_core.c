@@ -60,6 +60,22 @@ static inline PyObject *list_pop(PyObject *list)
     return item;
 }
 
+/* An evicted block's key leaves key_of and block_of_key: returns the key (a new reference),
+ * or NULL with an exception set. */
+static PyObject *forget_key(PyObject *block, PyObject *key_of, PyObject *block_of_key)
+{
+    Py_ssize_t i = list_index(key_of, block);
+    if (i < 0)
+        return NULL;
+    PyObject *key = Py_NewRef(PyList_GET_ITEM(key_of, i));
+    if (PyObject_DelItem(block_of_key, key) < 0) {
+        Py_DECREF(key);
+        return NULL;
+    }
+    list_store(key_of, i, Py_None);
+    return key;
+}
+
 static int check_list(PyObject *o, const char *what)
 {
     if (!PyList_CheckExact(o)) {
@@ -403,16 +419,9 @@ static PyObject *take(PyObject *self, PyObject *args)
             lru_unlink((LRUObject *)lru, ((LRUObject *)lru)->head); /* b is the oldest now */
         else if (PyObject_DelItem(lru, b) < 0)
             goto fail;
-        Py_ssize_t i = list_index(key_of, b);
-        if (i < 0)
+        PyObject *key = forget_key(b, key_of, block_of_key);
+        if (key == NULL)
             goto fail;
-        PyObject *key = PyList_GET_ITEM(key_of, i);
-        Py_INCREF(key);
-        if (PyObject_DelItem(block_of_key, key) < 0) {
-            Py_DECREF(key);
-            goto fail;
-        }
-        list_store(key_of, i, Py_None);
         int r = PyList_Append(evicted_keys, key);
         Py_DECREF(key);
         if (r < 0)
@@ -770,7 +779,8 @@ static PyObject *open_block(PyObject *self, PyObject *args)
     if (check_list(free, "free") || check_list(refcount, "refcount") || check_list(key_of, "key_of"))
         return NULL;
     PyObject *block, *lost = Py_NewRef(Py_None);
-    if (PyList_GET_SIZE(free)) {
+    int from_free = PyList_GET_SIZE(free) > 0;
+    if (from_free) {
         block = list_pop(free);
         if (block == NULL)
             goto fail;
@@ -785,13 +795,6 @@ static PyObject *open_block(PyObject *self, PyObject *args)
         block = PyLong_FromSsize_t(oldest);
         if (block == NULL)
             goto fail;
-        Py_ssize_t ki = list_index(key_of, block);
-        if (ki < 0)
-            goto fail_block;
-        Py_SETREF(lost, Py_NewRef(PyList_GET_ITEM(key_of, ki)));
-        if (PyObject_DelItem(block_of_key, lost) < 0)
-            goto fail_block;
-        list_store(key_of, ki, Py_None);
     } else { /* lru.popitem(last=False) */
         PyObject *it = PyObject_GetIter(lru);
         if (it == NULL)
@@ -805,13 +808,12 @@ static PyObject *open_block(PyObject *self, PyObject *args)
         }
         if (PyObject_DelItem(lru, block) < 0)
             goto fail_block;
-        Py_ssize_t ki = list_index(key_of, block);
-        if (ki < 0)
+    }
+    if (!from_free) { /* the evicted block's key goes */
+        PyObject *key = forget_key(block, key_of, block_of_key);
+        if (key == NULL)
             goto fail_block;
-        Py_SETREF(lost, Py_NewRef(PyList_GET_ITEM(key_of, ki)));
-        if (PyObject_DelItem(block_of_key, lost) < 0)
-            goto fail_block;
-        list_store(key_of, ki, Py_None);
+        Py_SETREF(lost, key);
     }
     Py_ssize_t i = list_index(refcount, block);
     if (i < 0)
