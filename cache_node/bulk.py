@@ -36,6 +36,7 @@ import logging
 import math
 import os
 import socket
+import struct
 import threading
 import time
 from dataclasses import dataclass
@@ -345,17 +346,28 @@ class BulkServer:
         conn.sendall(Frame(f.op, f.request_id, end=region.size).pack())  # set-up: not counted
         return region
 
+    def _fixed_request(
+        self, conn: socket.socket, f: Frame, layout: struct.Struct, what: str
+    ) -> tuple[int, ...] | None:
+        """The request's fixed-size payload, unpacked; None after refusing one of another
+        size (drained, error reply: the connection stays in sync). A payload too large to
+        drain is a ProtocolError (the connection closes)."""
+        if f.payload_len != layout.size:
+            if f.payload_len > bulk.MAX_CALL_BYTES:
+                raise ProtocolError(f"{what} of {f.payload_len} bytes (expected {layout.size})")
+            self._drain(conn, f.payload_len)
+            self._reply_error(conn, f, InvalidArgument(f"bulk {what}: {f.payload_len}-byte request"))
+            return None
+        head = bytearray(layout.size)
+        bulk.recv_exact(conn, memoryview(head), what)
+        return layout.unpack(head)
+
     def _shm_call(self, conn: socket.socket, f: Frame, region: Region | None) -> None:
         """An Attend / AttendPrefillBatch whose body and results are in the region."""
-        if f.payload_len != bulk.SHM_CALL.size:
-            if f.payload_len > bulk.MAX_CALL_BYTES:
-                raise ProtocolError(f"shm call of {f.payload_len} bytes (expected {bulk.SHM_CALL.size})")
-            self._drain(conn, f.payload_len)
-            self._reply_error(conn, f, InvalidArgument(f"bulk shm call: {f.payload_len}-byte request"))
+        head = self._fixed_request(conn, f, bulk.SHM_CALL, "shm call")
+        if head is None:
             return
-        head = bytearray(bulk.SHM_CALL.size)
-        bulk.recv_exact(conn, memoryview(head), "shm call")
-        body_at, body_len, out_at, out_len = bulk.SHM_CALL.unpack(head)
+        body_at, body_len, out_at, out_len = head
         try:
             if region is None:
                 raise InvalidArgument("bulk shm call: no region mapped on this connection (MAP first)")
@@ -511,15 +523,10 @@ class BulkServer:
         """A READ whose slabs go through a ring of slots in the region (protos/bulk.py,
         READ_SHM): each slab is gathered from the pool straight into its slot, the
         socket carries only the SLAB headers and the client's ACKs."""
-        if f.payload_len != bulk.SHM_READ.size:
-            if f.payload_len > bulk.MAX_CALL_BYTES:
-                raise ProtocolError(f"shm read of {f.payload_len} bytes (expected {bulk.SHM_READ.size})")
-            self._drain(conn, f.payload_len)
-            self._reply_error(conn, f, InvalidArgument(f"bulk shm read: {f.payload_len}-byte request"))
+        head = self._fixed_request(conn, f, bulk.SHM_READ, "shm read")
+        if head is None:
             return
-        head = bytearray(bulk.SHM_READ.size)
-        bulk.recv_exact(conn, memoryview(head), "shm read")
-        area_at, slot_bytes, num_slots = bulk.SHM_READ.unpack(head)
+        area_at, slot_bytes, num_slots = head
         s = self.engine.spec
         bpt = s.bytes_per_token
         try:
