@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -48,8 +47,6 @@ _CXX_FLAGS = (
 _CXX_OPTIONAL_FLAGS = (("-march=native", "-fopenmp"), ("-fopenmp",), ())
 _ABI_VERSION = 1
 DecodeFn = Callable[..., int]  # the ctypes function pagedkv_paged_decode
-_kernel_lock = threading.Lock()
-_kernel: tuple[DecodeFn | None, KernelInfo] | None = None  # built once, read-only afterwards
 
 
 def _build_kernel() -> tuple[DecodeFn | None, KernelInfo]:
@@ -89,19 +86,16 @@ def _build_kernel() -> tuple[DecodeFn | None, KernelInfo]:
     return fn, KernelInfo(True, detail, build_s)
 
 
+def _unavailable(info: KernelInfo) -> None:
+    logger.warning("paged attention: C++ kernel unavailable, using torch: %s", info.detail)
+
+
+_get = native_build.once(_build_kernel, _unavailable)  # tests swap in a fresh one to rebuild
+
+
 def get_kernel() -> tuple[DecodeFn | None, KernelInfo]:
     """The ctypes decode function (None when unavailable) and the report; built once per process."""
-    global _kernel
-    if _kernel is None:
-        with _kernel_lock:
-            if _kernel is None:
-                built = _build_kernel()
-                if built[0] is None:
-                    logger.warning(
-                        "paged attention: C++ kernel unavailable, using torch: %s", built[1].detail
-                    )
-                _kernel = built
-    return _kernel
+    return _get()
 
 
 def kernel_info() -> KernelInfo:

@@ -25,7 +25,6 @@ import logging
 import os
 import sys
 import sysconfig
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -47,10 +46,6 @@ class BlockCoreInfo:
 
     is_available: bool
     detail: str  # the library path, or the reason it is not used
-
-
-_lock = threading.Lock()
-_loaded: tuple[ModuleType | None, BlockCoreInfo] | None = None  # set once per process
 
 
 def _load() -> tuple[ModuleType | None, BlockCoreInfo]:
@@ -97,14 +92,11 @@ def _load() -> tuple[ModuleType | None, BlockCoreInfo]:
     return module, BlockCoreInfo(True, detail)
 
 
+_get = native_build.once(
+    _load, lambda info: logger.info("block pool: compiled loops unavailable, using Python: %s", info.detail)
+)
+
+
 def get_core() -> tuple[ModuleType | None, BlockCoreInfo]:
     """The compiled module (None when unavailable) and the report; loaded once per process."""
-    global _loaded
-    if _loaded is None:
-        with _lock:
-            if _loaded is None:
-                loaded = _load()
-                if loaded[0] is None:
-                    logger.info("block pool: compiled loops unavailable, using Python: %s", loaded[1].detail)
-                _loaded = loaded
-    return _loaded
+    return _get()

@@ -19,7 +19,6 @@ import ctypes
 import logging
 import os
 import sys
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,10 +54,6 @@ class NativeKeysInfo:
 
     is_available: bool
     detail: str  # the library path, or the reason it is not used
-
-
-_lock = threading.Lock()
-_loaded: tuple[NativeChain | None, NativeKeysInfo] | None = None  # set once per process
 
 
 def _load() -> tuple[NativeChain | None, NativeKeysInfo]:
@@ -97,14 +92,11 @@ def _load() -> tuple[NativeChain | None, NativeKeysInfo]:
     return NativeChain(from_bytes, from_list), NativeKeysInfo(True, detail)
 
 
+_get = native_build.once(
+    _load, lambda info: logger.info("block keys: compiled chain unavailable, using hashlib: %s", info.detail)
+)
+
+
 def get_chain() -> tuple[NativeChain | None, NativeKeysInfo]:
     """The ctypes chain function (None when unavailable) and the report; loaded once per process."""
-    global _loaded
-    if _loaded is None:
-        with _lock:
-            if _loaded is None:
-                loaded = _load()
-                if loaded[0] is None:
-                    logger.info("block keys: compiled chain unavailable, using hashlib: %s", loaded[1].detail)
-                _loaded = loaded
-    return _loaded
+    return _get()

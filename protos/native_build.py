@@ -1,5 +1,5 @@
 """Building the project's small native libraries at first use (the C block-key
-chain here, the node's C++ decode kernel), one way for both.
+chain here, the node's C++ decode kernel and block-pool loops), one way for all.
 
 A library is compiled by the system compiler into a cache directory
 (~/.cache/pagedkv/kernels, $XDG_CACHE_HOME/pagedkv/kernels or PAGEDKV_KERNEL_DIR)
@@ -19,8 +19,13 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TypeVar
+
+T = TypeVar("T")
+Info = TypeVar("Info")
 
 
 def cache_dir() -> Path:
@@ -77,3 +82,25 @@ def compile_library(
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def once(
+    load: Callable[[], tuple[T | None, Info]], unavailable: Callable[[Info], None]
+) -> Callable[[], tuple[T | None, Info]]:
+    """A function returning load()'s (library or None, report), loaded at its first call
+    and once per process whatever the threads; unavailable(report) runs once when load()
+    gave no library (to log why)."""
+    lock = threading.Lock()
+    done: list[tuple[T | None, Info]] = []
+
+    def get() -> tuple[T | None, Info]:
+        if not done:
+            with lock:
+                if not done:
+                    loaded = load()
+                    if loaded[0] is None:
+                        unavailable(loaded[1])
+                    done.append(loaded)
+        return done[0]
+
+    return get

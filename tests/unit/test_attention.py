@@ -26,6 +26,7 @@ from pagedkv.cache_node.attention import (
     paged_decode,
     paged_prefill,
 )
+from pagedkv.protos import native_build
 from pagedkv.protos.errors import FailedPrecondition, InvalidArgument
 
 BACKENDS = ["kernel", "torch"]
@@ -522,7 +523,8 @@ def test_env_selects_torch_backend(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_failed_build_falls_back_to_torch_with_one_warning(
     monkeypatch: pytest.MonkeyPatch, tmp_path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr(attention_kernel, "_kernel", None)  # forget this process's kernel; restored after
+    fresh = native_build.once(attention_kernel._build_kernel, attention_kernel._unavailable)
+    monkeypatch.setattr(attention_kernel, "_get", fresh)  # forget this process's kernel; restored after
     monkeypatch.setenv("PAGEDKV_KERNEL_DIR", str(tmp_path))  # and the disk cache
     monkeypatch.setenv("CXX", "false")  # a "compiler" that always fails
     args = _decode_args()
@@ -541,7 +543,8 @@ def test_portable_build_without_openmp_or_native_flags(monkeypatch: pytest.Monke
     """The flag sets are tried in order; the last one (plain C++17: SSE2 only, no OpenMP, software
     fp16 conversion) is what a compiler without OpenMP gets, and it must be just as correct."""
     _require("kernel")
-    monkeypatch.setattr(attention_kernel, "_kernel", None)
+    fresh = native_build.once(attention_kernel._build_kernel, attention_kernel._unavailable)
+    monkeypatch.setattr(attention_kernel, "_get", fresh)
     monkeypatch.setenv("PAGEDKV_KERNEL_DIR", str(tmp_path))
     monkeypatch.setattr(attention_kernel, "_CXX_OPTIONAL_FLAGS", (("-fno-such-flag-for-pagedkv",), ()))
     info = kernel_info()
