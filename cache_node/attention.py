@@ -175,6 +175,7 @@ def paged_decode(
     scale: float | None = None,
     return_block_mass: bool = False,
     backend: Backend | None = None,
+    out: tuple[Tensor, Tensor] | None = None,
 ) -> AttentionOutput:
     """One decode step for a batch: query b attends to all seq_lens[b] tokens of its sequence.
 
@@ -183,9 +184,13 @@ def paged_decode(
     token. GQA when Hq is a multiple of Hk. Pure: reads the caches, writes nothing shared, thread-safe.
     Raises InvalidArgument on malformed input (including an out-of-range physical block id), and
     FailedPrecondition when backend="kernel" is forced but the kernel cannot be built.
+    out: contiguous [B, Hq, D] in q's dtype and [B, Hq] float32 CPU tensors to write out and lse
+    into (the node's same-host path passes the client's shared region), returned as the result's.
     """
     num_kv_heads, block_size = _check_q_and_cache(q, k_cache, v_cache)
     batch, num_q_heads, head_dim = q.shape
+    if out is not None:
+        _check_out(out, (batch, num_q_heads, head_dim), q.dtype)
     scale = _resolve_scale(scale, head_dim)
     tables = _as_index_tensor(block_tables, "block_tables")
     lens = _as_index_tensor(seq_lens, "seq_lens")
@@ -208,8 +213,24 @@ def paged_decode(
             empty = AttentionOutput(empty.out, empty.lse, torch.zeros(0, tables.shape[1], device=q.device))
         return empty
     if _pick_backend(backend, q.device) == "kernel":
-        return _decode_kernel(q, k_cache, v_cache, tables, lens, scale, return_block_mass)
-    return _decode_torch(q, k_cache, v_cache, tables, lens, scale, return_block_mass)
+        return _decode_kernel(q, k_cache, v_cache, tables, lens, scale, return_block_mass, out=out)
+    res = _decode_torch(q, k_cache, v_cache, tables, lens, scale, return_block_mass)
+    if out is None:
+        return res
+    out[0].copy_(res.out)
+    out[1].copy_(res.lse)
+    return AttentionOutput(out[0], out[1], res.block_mass)
+
+
+def _check_out(out: tuple[Tensor, Tensor], shape: tuple[int, int, int], dtype: torch.dtype) -> None:
+    """The caller's destination for out and lse: the shapes, dtypes and layout paged_decode writes."""
+    o, lse = out
+    for name, t, want_shape, want_dtype in (("out", o, shape, dtype), ("lse", lse, shape[:2], torch.float32)):
+        if tuple(t.shape) != want_shape or t.dtype != want_dtype or not t.is_contiguous() or t.is_cuda:
+            raise InvalidArgument(
+                f"paged_decode {name}= must be a contiguous CPU {want_dtype} tensor of shape "
+                f"{list(want_shape)}, got {t.dtype} {list(t.shape)}"
+            )
 
 
 def _decode_kernel(
@@ -221,6 +242,7 @@ def _decode_kernel(
     scale: float,
     with_mass: bool,
     num_partitions: int | None = None,  # tests force the split; None picks from the thread count
+    out: tuple[Tensor, Tensor] | None = None,
 ) -> AttentionOutput:
     fn = attention_kernel.get_kernel()[0]
     assert fn is not None
@@ -229,8 +251,11 @@ def _decode_kernel(
     tables = tables.to(device="cpu", dtype=torch.int64).contiguous()
     lens = lens.to(device="cpu", dtype=torch.int64).contiguous()
     q32 = q.to(torch.float32).contiguous()
-    out = torch.empty(batch, num_q_heads, head_dim, dtype=torch.float32)
-    lse = torch.empty(batch, num_q_heads, dtype=torch.float32)
+    if out is not None and q.dtype == torch.float32:  # the kernel writes straight into the caller's
+        o, lse = out
+    else:
+        o = torch.empty(batch, num_q_heads, head_dim, dtype=torch.float32)
+        lse = torch.empty(batch, num_q_heads, dtype=torch.float32) if out is None else out[1]
     block_lse = None
     if with_mass:  # blocks the kernel never visits (padding) keep -inf, so their mass is 0
         block_lse = torch.full((batch, num_q_heads, tables.shape[1]), -math.inf, dtype=torch.float32)
@@ -258,7 +283,7 @@ def _decode_kernel(
         tables.shape[1],
         num_partitions,
         scale,
-        out.data_ptr(),
+        o.data_ptr(),
         lse.data_ptr(),
         0 if block_lse is None else block_lse.data_ptr(),
         num_threads,
@@ -273,7 +298,9 @@ def _decode_kernel(
     mass = None
     if block_lse is not None:
         mass = torch.exp(block_lse - lse.unsqueeze(-1)).sum(dim=1)
-    return AttentionOutput(out.to(q.dtype), lse, mass)
+    if out is not None and o is not out[0]:
+        o = out[0].copy_(o)
+    return AttentionOutput(o.to(q.dtype), lse, mass)
 
 
 class _Workspace:

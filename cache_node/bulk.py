@@ -32,6 +32,7 @@ slab of a read from the pool straight into a slot of a small ring in the region.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import math
 import os
@@ -283,20 +284,23 @@ class BulkServer:
             self._reply(conn, f, parts, bulk.PLACED_INLINE)
 
     def _compute(
-        self, conn: socket.socket, f: Frame, op: int, data: torch.Tensor
+        self, conn: socket.socket, f: Frame, op: int, data: torch.Tensor, area: torch.Tensor | None = None
     ) -> list[torch.Tensor] | None:
         """The engine call of the CALL body in `data` (op: ATTEND or
-        ATTEND_PREFILL_BATCH): its result tensors, or None after an error reply."""
+        ATTEND_PREFILL_BATCH): its result tensors, or None after an error reply.
+        area: the shared region's result area, where a decode writes out and lse
+        in place (write_results then skips them)."""
         method = "Attend" if op == bulk.OP_ATTEND else "AttendPrefillBatch"
         start = time.perf_counter()
         try:
             call = _parse_call(op, data)
             e = self.engine
             if op == bulk.OP_ATTEND:
+                dst = None if area is None else _decode_destination(call.q, area)
                 out = self.engine.awaiting_open(
                     lambda: e.attend_decode(
                         call.seq_ids, call.layer, call.q, call.k, call.v, call.token_ids,
-                        return_block_mass=call.want_mass,
+                        return_block_mass=call.want_mass, out=dst,
                     )
                 )  # fmt: skip
             else:
@@ -378,11 +382,13 @@ class BulkServer:
             if body_len > bulk.MAX_CALL_BYTES:
                 raise InvalidArgument(f"bulk shm call: a {body_len}-byte body exceeds {bulk.MAX_CALL_BYTES}")
             data = region.view(body_at, body_len, "the call body")
-            region.view(out_at, out_len, "the result area")
+            region.view(out_at, out_len, "the result area")  # checked before the engine runs
         except InvalidArgument as exc:
             self._reply_error(conn, f, exc)
             return
-        parts = self._compute(conn, f, bulk.SHM_OPS[f.op], data)
+        parts = self._compute(
+            conn, f, bulk.SHM_OPS[f.op], data, region.view(out_at, out_len, "the result area")
+        )
         del data
         if parts is None:
             return
@@ -651,29 +657,15 @@ def _parse_call(op: int, data: torch.Tensor) -> _Call:
     at += 8 * num_tokens
     counts = np.frombuffer(mv, "<i4", num_counts, at).tolist()
     at += 4 * num_counts
-    if 2 * num_seqs > ids_len:  # each id takes at least its 2-byte length
-        raise InvalidArgument(f"bulk call: {num_seqs} sequence ids cannot fit in {ids_len} bytes")
-    seq_ids, end = [], at + ids_len
-    for _ in range(num_seqs):
-        if at + 2 > end:
-            raise InvalidArgument(f"bulk call: {num_seqs} sequence ids overrun their {ids_len} bytes")
-        n = int.from_bytes(mv[at : at + 2], "little")
-        if at + 2 + n > end:
-            raise InvalidArgument(f"bulk call: {num_seqs} sequence ids overrun their {ids_len} bytes")
-        try:
-            seq_ids.append(str(mv[at + 2 : at + 2 + n], "utf-8"))
-        except UnicodeDecodeError as exc:
-            raise InvalidArgument(f"bulk call: a sequence id is not UTF-8: {exc}") from None
-        at += 2 + n
-    if at != end:
-        raise InvalidArgument(f"bulk call: {end - at} bytes after the {num_seqs} sequence ids")
+    seq_ids = _seq_ids(mv, at, num_seqs, ids_len)
+    at += ids_len
     views: list[torch.Tensor] = []
     for name, (dtype, shape) in zip(names, descs, strict=True):
         at += bulk.pad(at)
         tdtype = TORCH_DTYPES[dtype]
         nbytes = math.prod(shape) * tdtype.itemsize
         need(at, nbytes, f"{name} {list(shape)} {dtype}")
-        views.append(data[at : at + nbytes].view(tdtype).view(shape))
+        views.append(_tensor_at(mv, at, tdtype, shape))
         at += nbytes
     if at != size:
         raise InvalidArgument(f"bulk call: {size} body bytes, its sections take {at}")
@@ -681,6 +673,57 @@ def _parse_call(op: int, data: torch.Tensor) -> _Call:
     if flags & bulk.FLAG_V:
         v = views[-1]
     return _Call(layer, bool(flags & bulk.FLAG_BLOCK_MASS), seq_ids, counts, tokens or None, q, k, v)
+
+
+def _seq_ids(mv: memoryview, at: int, num_seqs: int, ids_len: int) -> list[str]:
+    """The CALL's sequence ids: num_seqs u16 lengths, then the ids' UTF-8 back to back
+    (one decode and slices, not a loop over the bytes: a batch of 32 is the common call)."""
+    if 2 * num_seqs > ids_len:
+        raise InvalidArgument(f"bulk call: {num_seqs} sequence ids cannot fit in {ids_len} bytes")
+    ends = list(itertools.accumulate(struct.unpack_from(f"<{num_seqs}H", mv, at)))
+    extra = ids_len - 2 * num_seqs - (ends[-1] if ends else 0)
+    if extra < 0:
+        raise InvalidArgument(f"bulk call: {num_seqs} sequence ids overrun their {ids_len} bytes")
+    if extra:
+        raise InvalidArgument(f"bulk call: {extra} bytes after the {num_seqs} sequence ids")
+    raw = bytes(mv[at + 2 * num_seqs : at + ids_len])
+    starts = [0, *ends[:-1]][:num_seqs]
+    try:
+        if raw.isascii():  # byte offsets are character offsets
+            text = raw.decode("ascii")
+            return [text[a:b] for a, b in zip(starts, ends, strict=True)]
+        return [raw[a:b].decode("utf-8") for a, b in zip(starts, ends, strict=True)]
+    except UnicodeDecodeError as exc:
+        raise InvalidArgument(f"bulk call: a sequence id is not UTF-8: {exc}") from None
+
+
+# numpy views are several times cheaper to make than torch slices (a few per call); bfloat16,
+# which numpy lacks, as int16 viewed back
+_NUMPY_OF = {
+    d: torch.empty(0, dtype=torch.int16 if d == torch.bfloat16 else d).numpy().dtype
+    for d in TORCH_DTYPES.values()
+}
+
+
+def _tensor_at(mv: memoryview, at: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """A tensor of dtype and shape over mv's bytes from `at` (in bounds: the caller checked)."""
+    t = torch.from_numpy(np.frombuffer(mv, _NUMPY_OF[dtype], math.prod(shape), at).reshape(shape))
+    return t if t.dtype == dtype else t.view(dtype)
+
+
+def _decode_destination(q: torch.Tensor, area: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """out [B, Hq, D] (q's dtype) and lse [B, Hq] (float32) as views of the result
+    area, laid out as write_results lays them; None when q is not [B, Hq, D] or
+    they do not fit (the engine then allocates, validates and reports as usual)."""
+    if q.dim() != 3:
+        return None
+    out_bytes = q.numel() * q.element_size()
+    lse_at = out_bytes + bulk.pad(out_bytes)
+    lse_bytes = 4 * q.shape[0] * q.shape[1]
+    if lse_at + lse_bytes > area.numel():
+        return None
+    out = area[:out_bytes].view(q.dtype).view(q.shape)
+    return out, area[lse_at : lse_at + lse_bytes].view(torch.float32).view(q.shape[:2])
 
 
 def _close_fds(fds: list[int] | None) -> None:

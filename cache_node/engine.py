@@ -353,6 +353,7 @@ class CacheEngine:
         token_ids: Seq[int] | None = None,
         *,
         return_block_mass: bool = False,
+        out: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> AttentionOutput:
         """One decode step of one layer for a batch: q [B, q_heads, head_dim].
 
@@ -360,7 +361,7 @@ class CacheEngine:
         layer 0 `token_ids` (one per sequence) reserves its slot; later layers
         write into that slot and take no token_ids. Without k, v it only attends.
         Returns out [B, q_heads, head_dim], lse [B, q_heads] and, if asked, the
-        attention mass per block.
+        attention mass per block. out: where to write out and lse (see paged_decode).
         """
         ids = [_seq_id(s) for s in seq_ids]
         layer = self._layer(layer)
@@ -397,17 +398,18 @@ class CacheEngine:
                 empty = [sid for sid, seq in zip(ids, seqs, strict=True) if seq.cache_len == 0]
                 raise InvalidArgument(f"sequences {empty} hold no tokens to attend to")
             want_mass = return_block_mass or self._tracks_mass(seqs)
-            out = paged_decode(
+            res = paged_decode(
                 q,
                 self.kv[layer, 0],
                 self.kv[layer, 1],
                 tables.to(self.device),
                 lens.to(self.device),
                 return_block_mass=want_mass,
+                out=out,
             )
-            if want_mass and out.block_mass is not None:
-                self._credit_mass(seqs, out.block_mass)
-            return out
+            if want_mass and res.block_mass is not None:
+                self._credit_mass(seqs, res.block_mass)
+            return res
 
     def attend_prefill(
         self,

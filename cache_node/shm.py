@@ -101,7 +101,8 @@ def map_region(frame: bulk.Frame, fds: list[int]) -> Region:
 
 def write_results(region: Region, offset: int, capacity: int, parts: list[torch.Tensor]) -> bool:
     """Copy the results into region[offset, offset + capacity), each ALIGN-aligned
-    from offset; False (nothing written) when they do not fit."""
+    from offset (a result already in its place is not copied); False (nothing
+    written) when they do not fit."""
     at, spans = 0, []
     for t in parts:
         at += bulk.pad(at)
@@ -112,6 +113,8 @@ def write_results(region: Region, offset: int, capacity: int, parts: list[torch.
         return False
     area = region.view(offset, capacity, "the results")
     for t, (a, nbytes) in zip(parts, spans, strict=True):
-        if nbytes:  # one memcpy on this thread (torch's copy_ would wake its intra-op threads)
-            area[a : a + nbytes].numpy()[:] = t.contiguous().reshape(-1).view(torch.uint8).numpy()
+        dst = area[a : a + nbytes]
+        if nbytes and t.data_ptr() != dst.data_ptr():  # (the engine may have written it in place)
+            # one memcpy on this thread (torch's copy_ would wake its intra-op threads)
+            dst.numpy()[:] = t.contiguous().reshape(-1).view(torch.uint8).numpy()
     return True

@@ -227,6 +227,15 @@ class AsyncCacheClient:
     async def sequence(self, seq_id: str, *, timeout_s: float | None = None) -> AsyncSequence:
         return AsyncSequence(self, seq_id, await self.routing.describe(seq_id, timeout_s))
 
+    async def _where(self, seqs: Seq[AsyncSequence | str], timeout_s: float | None) -> list[tuple[str, str]]:
+        """(node address, sequence id) of each (see CacheClient._where)."""
+        return [
+            (s.route.address, s.seq_id)
+            if isinstance(s, AsyncSequence)
+            else ((await self.routing.describe(s, timeout_s)).address, s)
+            for s in seqs
+        ]
+
     async def attend_batch(
         self,
         seqs: Seq[AsyncSequence | str],
@@ -240,8 +249,7 @@ class AsyncCacheClient:
         timeout_s: float | None = None,
     ) -> AttentionResult:
         """One decode step of one layer for a batch; one RPC per node, all nodes concurrently."""
-        handles = [s if isinstance(s, AsyncSequence) else await self.sequence(s) for s in seqs]
-        split = split_batch([(h.route.address, h.seq_id) for h in handles], q, k, v, token_ids)
+        split = split_batch(await self._where(seqs, timeout_s), q, k, v, token_ids)
 
         async def one(p: BatchPart) -> tuple[list[int], AttentionResult]:
             data = self.node(p.address).data
@@ -250,7 +258,7 @@ class AsyncCacheClient:
             return p.rows, res
 
         parts = await asyncio.gather(*(one(p) for p in split))
-        return parts[0][1] if len(parts) == 1 else _gather_rows(list(parts), len(handles))
+        return parts[0][1] if len(parts) == 1 else _gather_rows(list(parts), len(seqs))
 
     async def attend_prefill_batch(
         self,
@@ -266,8 +274,7 @@ class AsyncCacheClient:
     ) -> AttentionResult:
         """Prefill of B sequences at one layer (see CacheClient.attend_prefill_batch); one RPC per
         node, all nodes concurrently."""
-        handles = [s if isinstance(s, AsyncSequence) else await self.sequence(s) for s in seqs]
-        where = [(h.route.address, h.seq_id) for h in handles]
+        where = await self._where(seqs, timeout_s)
 
         async def one(p: PrefillPart) -> tuple[list[int], AttentionResult]:
             data = self.node(p.address).data

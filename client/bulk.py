@@ -208,32 +208,33 @@ class BulkChannel:
         conn = self._take_local(timeout_s)
         body_head = head[bulk.FRAME.size :]
         body_len = shm.body_length(len(body_head), parts)
-        out_at = body_len + bulk.pad(body_len)
         out_len = shm.result_bytes(q, mass)
 
         def body(sock: socket.socket) -> AttentionResult:
-            self._map_region(conn, out_at + out_len, request_id)
-            shm.write_call(conn.region, body_head, parts)
+            body_at = self._map_region(conn, body_len + bulk.pad(body_len) + out_len, request_id)
+            out_at = body_at + body_len + bulk.pad(body_len)
+            shm.write_call(conn.region, body_at, body_head, parts)
             shm_op = bulk.OP_ATTEND_SHM if op == bulk.OP_ATTEND else bulk.OP_ATTEND_PREFILL_BATCH_SHM
             request = Frame(shm_op, request_id, payload_len=bulk.SHM_CALL.size).pack()
-            sock.sendall(request + bulk.SHM_CALL.pack(0, body_len, out_at, out_len))
+            sock.sendall(request + bulk.SHM_CALL.pack(body_at, body_len, out_at, out_len))
             reply = bulk.read_frame(sock, buf=self._local_head())
             assert reply is not None
             self.num_calls += 1
             self.num_local_calls += 1
             if reply.status != bulk.STATUS_OK:
                 raise self._error(reply)
-            return _read_result(sock, reply.payload_len, self._local_reply(), (conn.region, out_at, out_len))
+            return _read_result(sock, reply.payload_len, self._local_reply(), (conn, out_at, out_len))
 
         give = lambda: self._give_local(conn)  # noqa: E731
         result: AttentionResult = self._on(conn.sock, body, give, conn.close, "bulk transfer (same host)")
         return result
 
-    def _map_region(self, conn: shm.LocalConnection, num_bytes: int, request_id: int) -> None:
-        """conn's region grown to num_bytes (mapped by the node); BulkUnavailable, with
-        conn closed and nothing of the call sent, when that cannot be done."""
+    def _map_region(self, conn: shm.LocalConnection, num_bytes: int, request_id: int) -> int:
+        """The offset of num_bytes free in conn's region (grown, and mapped by the node,
+        when needed: shm.LocalConnection.free_span); BulkUnavailable, with conn closed
+        and nothing of the call sent, when that cannot be done."""
         try:
-            conn.ensure(num_bytes, request_id)
+            return conn.free_span(num_bytes, request_id)
         except shm.RegionRefused as exc:
             self.local_name = ""  # this node will not map our regions: TCP from now on
             conn.close()
@@ -253,17 +254,17 @@ class BulkChannel:
             slot = max(shm.READ_SLOT_BYTES, self.read_slot_bytes)
             for _ in range(2):  # a slot smaller than one token: grow once and ask again
                 request_id = next(self._ids)
-                self._map_region(conn, shm.READ_SLOTS * slot, request_id)
+                ring_at = self._map_region(conn, shm.READ_SLOTS * slot, request_id)
                 frame = Frame(
                     bulk.OP_READ_SHM, request_id, start=start,
                     end=bulk.END_OF_SEQUENCE if end is None else end, text=seq_id,
                     payload_len=bulk.SHM_READ.size,
                 )  # fmt: skip
-                sock.sendall(frame.pack() + bulk.SHM_READ.pack(0, slot, shm.READ_SLOTS))
+                sock.sendall(frame.pack() + bulk.SHM_READ.pack(ring_at, slot, shm.READ_SLOTS))
                 reply = bulk.read_frame(sock)
                 assert reply is not None
                 if reply.status == bulk.STATUS_OK:
-                    return shm.read_ring(conn, reply, slot, shm.READ_SLOTS, self._error)
+                    return shm.read_ring(conn, reply, ring_at, slot, shm.READ_SLOTS, self._error)
                 if reply.end > slot:  # the node's bytes per token
                     slot = self.read_slot_bytes = reply.end + bulk.pad(reply.end)
                     continue
@@ -528,7 +529,7 @@ def _call_head(
         ids = [s.encode() for s in seq_ids]
         if any(len(b) > 0xFFFF for b in ids):
             raise ValueError("a sequence id over 65535 bytes")
-        id_bytes = b"".join(len(b).to_bytes(2, "little") + b for b in ids)
+        id_bytes = struct.pack(f"<{len(ids)}H", *map(len, ids)) + b"".join(ids)
         tokens = np.asarray(codec.token_list(token_ids), dtype="<i8")
         counts = np.asarray([int(n) for n in num_tokens], dtype="<i4")
         if counts.size and (counts.min() < -(2**31) or counts.max() >= 2**31):
@@ -558,7 +559,7 @@ def _read_result(
     sock: socket.socket,
     payload_len: int,
     buf: bytearray,
-    area: tuple[torch.Tensor, int, int] | None = None,
+    area: tuple[shm.LocalConnection, int, int] | None = None,
 ) -> AttentionResult:
     """out, lse (and block_mass) of an ATTEND* reply, received in place, or copied
     out of the shared region when the node placed them there (area: region,

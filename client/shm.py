@@ -3,14 +3,18 @@ pagedkv.protos.bulk, ops HELLO, MAP, ATTEND*_SHM, READ_SHM).
 
 A `LocalConnection` is a Unix-socket connection to the node (the abstract name
 its HELLO reply gave) with a memfd region that both processes map. A call writes
-its CALL body into the region, sends a 32-byte SHM_CALL, and copies the results
-out of the region before it returns them: results are fresh tensors the caller
-owns, never views a later call could overwrite. The region is sealed against
+its CALL body into the region, sends a 32-byte SHM_CALL, and gets its results
+placed in the region. It returns them as views of that span, which is then leased
+to them: no later call writes there while any of them is alive (a call takes a
+span elsewhere, the region being sized for two calls), so nothing is copied out.
+Only one span is leased at a time: while the user still holds an earlier call's
+results, a call's results are copied out instead. The region is sealed against
 shrinking before the node maps it and grows (a new memfd, a new MAP) when a call
 needs more; it is anonymous memory, freed when both sides have dropped it, so a
-client or node that dies leaves nothing behind. A READ_SHM read (`read_ring`)
-copies each slab out of its slot of a small ring at the region's start into the
-result tensors, one memcpy per layer and k / v, and frees the slot with an ACK.
+client or node that dies leaves nothing behind; a region replaced or closed
+while results view it stays mapped until they are dropped. A READ_SHM read
+(`read_ring`) copies each slab out of its slot of a small ring in the region into
+the result tensors, one memcpy per layer and k / v, and frees the slot with an ACK.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import math
 import mmap
 import os
 import socket
+import weakref
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -68,6 +73,47 @@ class LocalConnection:
         self.size = 0
         self._map: mmap.mmap | None = None
         self.region = torch.empty(0, dtype=torch.uint8)
+        # the span [start, end) of the region whose results the user may still hold,
+        # alive while the array under them is (a weak reference to it)
+        self._lease: tuple[weakref.ref[np.ndarray], int, int] | None = None
+        self.num_leased = 0  # results returned as views of the region (not copied)
+
+    def free_span(self, num_bytes: int, request_id: int) -> int:
+        """The offset of num_bytes (ALIGN-aligned) that no results still held view:
+        the region's start, or past the leased span; a new region when neither
+        fits (sized for two such calls, so the next one finds room beside a lease).
+        Raises what ensure raises."""
+        lease = self._live_lease()
+        if lease is None or num_bytes <= lease[0]:
+            self.ensure(num_bytes, request_id)
+            return 0
+        at = lease[1] + bulk.pad(lease[1])
+        if at + num_bytes <= self.size:
+            return at
+        self.ensure(max(self.size + 1, 2 * num_bytes), request_id)  # a new region: no lease in it
+        return 0
+
+    def results(self, at: int, num_bytes: int) -> torch.Tensor:
+        """region[at, at + num_bytes) for results: a view, leasing the span, when no
+        other lease is alive; else a copy (one memcpy on this thread)."""
+        if self._live_lease() is None and self._map is not None:
+            arr = np.frombuffer(self._map, np.uint8, num_bytes, at)
+            self._lease = (weakref.ref(arr), at, at + num_bytes)
+            self.num_leased += 1
+            return torch.from_numpy(arr)
+        buf = torch.empty(num_bytes, dtype=torch.uint8)
+        if num_bytes:
+            buf.numpy()[:] = self.region[at : at + num_bytes].numpy()
+        return buf
+
+    def _live_lease(self) -> tuple[int, int] | None:
+        if self._lease is None:
+            return None
+        ref, start, end = self._lease
+        if ref() is None:
+            self._lease = None
+            return None
+        return start, end
 
     def ensure(self, num_bytes: int, request_id: int) -> None:
         """A region of at least num_bytes (a new one, MAPped, when the current is
@@ -88,9 +134,9 @@ class LocalConnection:
             self.sock.sendmsg([frame], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])
         finally:
             os.close(fd)  # the mapping (ours and the node's) keeps the memory
-        self.region = torch.empty(0, dtype=torch.uint8)
+        self.region, self._lease = torch.empty(0, dtype=torch.uint8), None
         if self._map is not None:
-            with contextlib.suppress(BufferError):
+            with contextlib.suppress(BufferError):  # results still viewing it: unmapped when dropped
                 self._map.close()
         self._map, self.size = None, 0
         reply = bulk.read_frame(self.sock)
@@ -101,7 +147,7 @@ class LocalConnection:
         self.region = torch.frombuffer(new_map, dtype=torch.uint8)
 
     def close(self) -> None:
-        self.region, self.size = torch.empty(0, dtype=torch.uint8), 0
+        self.region, self.size, self._lease = torch.empty(0, dtype=torch.uint8), 0, None
         if self._map is not None:
             with contextlib.suppress(BufferError):  # a view still held: its finalizer unmaps
                 self._map.close()
@@ -109,26 +155,22 @@ class LocalConnection:
         self.sock.close()
 
 
-def write_call(region: torch.Tensor, head: bytes, parts: Sequence[torch.Tensor]) -> int:
+def write_call(region: torch.Tensor, body_at: int, head: bytes, parts: Sequence[torch.Tensor]) -> int:
     """Lay a CALL body (head = CALL + descriptors + ids, then each tensor at the
-    next ALIGN offset) into the region at 0; returns its length."""
-    region[: len(head)].numpy()[:] = np.frombuffer(head, dtype=np.uint8)
-    at = len(head)
+    next ALIGN offset) into the region at body_at (ALIGN-aligned); returns its
+    length. One memcpy per tensor on this thread: torch's copy_ would split a large
+    copy over its intra-op threads, which on a small busy host wait for cores the
+    node needs (measured: 20 ms for 1 MiB)."""
+    mem = region.numpy()
+    mem[body_at : body_at + len(head)] = np.frombuffer(head, dtype=np.uint8)
+    at = body_at + len(head)
     for t in parts:
         at += bulk.pad(at)
         nbytes = t.numel() * t.element_size()
         if nbytes:
-            copy_bytes(region[at : at + nbytes], t)
+            mem[at : at + nbytes] = t.contiguous().reshape(-1).view(torch.uint8).numpy()
         at += nbytes
-    return at
-
-
-def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """dst (uint8, src's size in bytes) = src's bytes: one memcpy on this thread.
-    torch's copy_ would split a large copy over its intra-op threads, which on a
-    small busy host wait for cores the node needs (measured: 20 ms for 1 MiB)."""
-    src = src.contiguous()
-    dst.numpy()[:] = src.reshape(-1).view(torch.uint8).numpy()
+    return at - body_at
 
 
 def body_length(head_len: int, parts: Sequence[torch.Tensor]) -> int:
@@ -147,9 +189,9 @@ def result_bytes(q: torch.Tensor, block_mass: bool) -> int:
     return q.numel() * q.element_size() + 4 * rows_heads + 3 * bulk.ALIGN + (64 << 10 if block_mass else 0)
 
 
-def read_placed(region: torch.Tensor, out_at: int, out_len: int, reply_head: bytearray) -> AttentionResult:
-    """Copies of the result tensors the node placed at region[out_at, +out_len):
-    one allocation and one memcpy for all of them (they share it, as views)."""
+def read_placed(conn: LocalConnection, out_at: int, out_len: int, reply_head: bytearray) -> AttentionResult:
+    """The result tensors the node placed at region[out_at, +out_len), as views of
+    conn.results: the leased span itself, or one copy of it (they share it)."""
     (num, _) = bulk.REPLY.unpack_from(reply_head, 0)
     if not 2 <= num <= 3:
         raise ProtocolError(f"attend reply with {num} tensors")
@@ -163,19 +205,22 @@ def read_placed(region: torch.Tensor, out_at: int, out_len: int, reply_head: byt
         at += nbytes
     if at > out_len:
         raise ProtocolError(f"attend results of {at} bytes overrun the {out_len}-byte area")
-    buf = torch.empty(at, dtype=torch.uint8)
-    if at:
-        buf.numpy()[:] = region[out_at : out_at + at].numpy()
+    buf = conn.results(out_at, at)
     outs = [buf[a : a + n].view(tdtype).view(shape) for tdtype, shape, a, n in spans]
     return AttentionResult(outs[0], outs[1], outs[2] if num == 3 else None)
 
 
 def read_ring(
-    conn: LocalConnection, reply: Frame, slot_bytes: int, num_slots: int, error: Callable[..., Exception]
+    conn: LocalConnection,
+    reply: Frame,
+    ring_at: int,
+    slot_bytes: int,
+    num_slots: int,
+    error: Callable[..., Exception],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The k, v [num_layers, n, kv_heads, head_dim] of a READ_SHM whose OK reply
     frame is `reply`: each slab's SLAB header from the socket, its bytes copied out
-    of slot i % num_slots of the ring at region[0, num_slots * slot_bytes), then the
+    of slot i % num_slots of the ring at region[ring_at, + num_slots * slot_bytes), then the
     slot freed with an ACK (protos/bulk.py). An error SLAB raises error((status,
     text, extra)); anything inconsistent raises ProtocolError."""
     n = reply.end - reply.start
@@ -185,7 +230,7 @@ def read_ring(
     step = reply.slab_tokens
     if reply.payload_len or n < 0 or (n and not 0 < step * 2 * layers * tok_bytes <= slot_bytes):
         raise ProtocolError(f"shm read reply: {step}-token slabs of {n} tokens for {slot_bytes}-byte slots")
-    if num_slots * slot_bytes > conn.size:
+    if ring_at + num_slots * slot_bytes > conn.size:
         raise ProtocolError(f"shm read ring of {num_slots} x {slot_bytes} bytes past the region")
     out_k = torch.empty((layers, n, heads, dim), dtype=dtype)
     out_v = torch.empty((layers, n, heads, dim), dtype=dtype)
@@ -199,7 +244,7 @@ def read_ring(
         pos = i * step
         if t != min(step, n - pos):
             raise ProtocolError(f"shm read: slab {i} of {t} tokens at {pos} of {n} ({step} per slab)")
-        at, nbytes, lo = (i % num_slots) * slot_bytes, t * tok_bytes, pos * tok_bytes
+        at, nbytes, lo = ring_at + (i % num_slots) * slot_bytes, t * tok_bytes, pos * tok_bytes
         for part, d in enumerate(dst):  # the slab is [2, layers, t, heads, dim]: one memcpy per row
             for layer in range(layers):
                 a = at + (part * layers + layer) * nbytes

@@ -363,14 +363,13 @@ class CacheClient:
         """One decode step of one layer for a batch: q [B, q_heads, D]; k, v
         [B, kv_heads, D]; token_ids [B] at layer 0. One RPC per node the batch
         spans (usually one); rows come back in the batch's order."""
-        handles = [s if isinstance(s, Sequence) else self.sequence(s) for s in seqs]
         parts = []
-        for p in split_batch([(h.route.address, h.seq_id) for h in handles], q, k, v, token_ids):
+        for p in split_batch(self._where(seqs, timeout_s), q, k, v, token_ids):
             data = self.node(p.address).data
             res = data.attend(p.seq_ids, layer, p.q, p.k, p.v, p.token_ids,
                               return_block_mass=return_block_mass, timeout_s=timeout_s)  # fmt: skip
             parts.append((p.rows, res))
-        return parts[0][1] if len(parts) == 1 else _gather_rows(parts, len(handles))
+        return parts[0][1] if len(parts) == 1 else _gather_rows(parts, len(seqs))
 
     def attend_prefill_batch(
         self,
@@ -387,8 +386,7 @@ class CacheClient:
         """Prefill of B sequences at one layer: sequence i owns the next num_tokens[i] rows of
         q [N, q_heads, D] (k, v [N, kv_heads, D]; N token ids at layer 0). One RPC per node
         the batch spans (usually one); rows come back in the request's order."""
-        handles = [s if isinstance(s, Sequence) else self.sequence(s) for s in seqs]
-        where = [(h.route.address, h.seq_id) for h in handles]
+        where = self._where(seqs, timeout_s)
         parts = []
         for p in split_prefill_batch(where, num_tokens, q, k, v, token_ids):
             data = self.node(p.address).data
@@ -396,6 +394,16 @@ class CacheClient:
                                             timeout_s=timeout_s)  # fmt: skip
             parts.append((p.rows, res))
         return parts[0][1] if len(parts) == 1 else _gather_rows(parts, sum(len(r) for r, _ in parts))
+
+    def _where(self, seqs: Seq[Sequence | str], timeout_s: float | None) -> list[tuple[str, str]]:
+        """(node address, sequence id) of each; an id (not a handle) asks the routing
+        where it lives (in a cluster a coordinator call: pass handles on a hot path)."""
+        return [
+            (s.route.address, s.seq_id)
+            if isinstance(s, Sequence)
+            else (self.routing.describe(s, timeout_s).address, s)
+            for s in seqs
+        ]
 
     def lookup(self, token_ids: codec.TokenIds, *, timeout_s: float | None = None) -> int:
         """Leading tokens of this prompt cached (on the best node, in a cluster). Changes nothing."""

@@ -50,8 +50,8 @@ except payload_len, the length of this CALL body, which is laid out as
     TENSOR (24 bytes) for q, then k, then v if given: dtype u8 | ndim u8 (<= 5)
         | pad u16 | 5 x dim u32 (unused dims 0)
     num_token_ids x token id i64 | num_counts x num_tokens i32 (ATTEND_PREFILL_
-    BATCH: rows per sequence; ATTEND: none) | seq_ids_len bytes: per sequence
-    its id as len u16 + UTF-8 | zeros to a multiple of 64 | q's bytes | zeros to
+    BATCH: rows per sequence; ATTEND: none) | seq_ids_len bytes: each sequence
+    id's length u16, then the ids' UTF-8 back to back | zeros to a multiple of 64 | q's bytes | zeros to
     a multiple of 64 | k's bytes | ... (each tensor's bytes start 64-byte aligned:
     the node computes on views of its receive buffer, and the CPU kernels' results
     depend on alignment in the last bit, so a fixed one keeps them reproducible)

@@ -19,6 +19,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import test_bulk_attend
@@ -99,6 +100,51 @@ def test_results_bitwise_equal_to_the_rpc_and_never_overwritten(
             node.engine.read_kv(f"shm{i}", 0, None)[0], node.engine.read_kv(f"grpc{i}", 0, None)[0]
         )
     node.state()
+
+
+def test_results_view_the_region_while_no_earlier_ones_are_held() -> None:
+    """A call's results are views of its span of the region (nothing copied out)
+    when the user holds no earlier call's; held ones are never written over: by
+    calls (which then copy theirs out), by a READ_SHM's ring, or by a new region."""
+    node = Node(ModelSpec(num_layers=1, num_kv_heads=8, head_dim=128, dtype="float32", block_size=16))
+    node.fill("a", 48, seed=1)
+    node.fill("ref", 48, seed=1)
+
+    def check(res: Any, q: torch.Tensor) -> None:
+        if q.shape[0] == 1:
+            want = node.engine.attend_decode(["ref"], 0, q)
+        else:
+            want = node.engine.attend_prefill_batch(["ref"], 0, [q.shape[0]], q)
+        assert bitwise(res.out, want.out) and bitwise(res.lse, want.lse)
+
+    def in_region(t: torch.Tensor) -> bool:
+        region = channel_of(client)._idle_local[0].region
+        return region.data_ptr() <= t.data_ptr() < region.data_ptr() + region.numel()
+
+    try:
+        with CacheClient(node.address) as client:
+            qs = [node.rand(1, 32, 128, seed=s) for s in range(2)]
+            held = client.data.attend(["a"], 0, qs[0])
+            conn = channel_of(client)._idle_local[0]
+            assert conn.num_leased == 1 and in_region(held.out) and in_region(held.lse)
+            assert conn.size == client_shm.MIN_REGION_BYTES
+            big = node.rand(40, 32, 128, seed=9)  # 640 KiB of q and of out: past the 1 MiB region
+            wide = client.data.attend_prefill_batch(["a"], 0, [40], big)  # a new region, no lease in it
+            assert conn.size > client_shm.MIN_REGION_BYTES and conn.num_leased == 2 and in_region(wide.out)
+            copied = client.data.attend(["a"], 0, qs[1])  # wide is alive: copied out
+            assert conn.num_leased == 2 and not in_region(copied.out)
+            k, v = client.data.read_kv("a")  # READ_SHM: its ring goes beside the leased span
+            assert channel_of(client).num_shm_reads == 1 and channel_of(client).num_local_calls == 3
+            want_k, want_v = node.engine.read_kv("ref", 0, None)
+            assert bitwise(k, want_k) and bitwise(v, want_v)
+            for res, q in ((held, qs[0]), (wide, big), (copied, qs[1])):  # held: in the old region
+                check(res, q)
+            del held, wide, copied
+            check(client.data.attend(["a"], 0, qs[0]), qs[0])  # nothing held: a view again
+            assert conn.num_leased == 3
+        node.state()
+    finally:
+        node.server.stop(0)
 
 
 def test_region_grows_for_a_large_call() -> None:
@@ -233,15 +279,20 @@ def test_bad_regions_and_offsets_are_refused_and_change_nothing(node: Node) -> N
         assert reply.status == bulk.STATUS_OK and reply.payload_len == bulk.REPLY_SIZE
         head = bytearray(bulk.recv_bytes(sock, bulk.REPLY_SIZE, "reply"))
         assert bulk.REPLY.unpack_from(head, 0) == (2, bulk.PLACED_REGION)
-        res = client_shm.read_placed(torch.frombuffer(region, dtype=torch.uint8), out_at, 4096, head)
-        assert bitwise(res.out, want.out) and bitwise(res.lse, want.lse)
+        placed = torch.frombuffer(region, dtype=torch.uint8)[out_at:]
+        out_bytes = want.out.numel() * 4
+        lse_at = out_bytes + bulk.pad(out_bytes)
+        assert bitwise(placed[:out_bytes].view(torch.float32).view(want.out.shape), want.out)
+        assert bitwise(
+            placed[lse_at : lse_at + want.lse.numel() * 4].view(torch.float32), want.lse.reshape(-1)
+        )
+        del placed
         # a result area too small: the tensors come back inline, as over TCP
         reply = _shm_call(sock, 0, len(body), out_at, 16)
         head = bytearray(bulk.recv_bytes(sock, bulk.REPLY_SIZE, "reply"))
         assert bulk.REPLY.unpack_from(head, 0) == (2, bulk.PLACED_INLINE)
         out = bulk.recv_bytes(sock, reply.payload_len - bulk.REPLY_SIZE, "inline results")
         assert out[: want.out.numel() * 4] == want.out.numpy().tobytes()
-        del res
         assert _ping_ok(sock)
         # an unknown op closes the connection (its framing is unknown)
         sock.sendall(Frame(99, 1).pack())

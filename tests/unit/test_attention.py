@@ -187,6 +187,38 @@ def test_decode_half_types(backend: str, dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_writes_into_given_out(backend: str, dtype: torch.dtype) -> None:
+    """out= (what the node passes for a same-host client's shared region): the result
+    is those very tensors, with the values of a call that allocates."""
+    _require(backend)
+    sc = make_scenario([5, 16, 40], num_kv_heads=2, block_size=8, head_dim=64, dtype=dtype, seed=4)
+    q = torch.randn(3, 8, 64).to(dtype)
+    dst = (torch.full((3, 8, 64), math.nan).to(dtype), torch.full((3, 8), math.nan))
+    given = paged_decode(
+        q, sc.k_cache, sc.v_cache, sc.tables, sc.seq_lens, return_block_mass=True, backend=backend, out=dst
+    )
+    assert given.out is dst[0] and given.lse is dst[1]
+    check_decode(given, sc, q, 64**-0.5, 8)
+    fresh = paged_decode(q, sc.k_cache, sc.v_cache, sc.tables, sc.seq_lens, backend=backend)
+    assert torch.equal(dst[0], fresh.out) and torch.equal(dst[1], fresh.lse)
+
+
+@pytest.mark.parametrize(
+    "dst, message",
+    [
+        ((torch.empty(3, 8, 32), torch.empty(3, 8)), r"out= .* \[3, 8, 64\], got torch.float32 \[3, 8, 32\]"),
+        ((torch.empty(3, 8, 64).half(), torch.empty(3, 8)), r"out= must be a contiguous CPU torch.float32"),
+        ((torch.empty(3, 8, 64), torch.empty(8, 3).T), r"lse= must be a contiguous"),
+    ],
+)  # fmt: skip
+def test_decode_rejects_bad_out(dst: tuple[torch.Tensor, torch.Tensor], message: str) -> None:
+    sc = make_scenario([5, 16, 40], num_kv_heads=2, block_size=8, head_dim=64, seed=5)
+    with pytest.raises(InvalidArgument, match=message):
+        paged_decode(torch.randn(3, 8, 64), sc.k_cache, sc.v_cache, sc.tables, sc.seq_lens, out=dst)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("head_dim", [8, 40, 20])  # vector tiles only, 8-wide remainder, scalar remainder
 def test_decode_head_dims_and_scale(backend: str, head_dim: int) -> None:
     _require(backend)
