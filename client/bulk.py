@@ -526,26 +526,27 @@ def _call_head(
     """FRAME + CALL + descriptors + ids + counts + sequence ids (protos/bulk.py);
     BulkUnavailable for a value the frame cannot carry (the rpc takes it)."""
     try:
-        ids = [s.encode() for s in seq_ids]
-        if any(len(b) > 0xFFFF for b in ids):
-            raise ValueError("a sequence id over 65535 bytes")
-        id_bytes = struct.pack(f"<{len(ids)}H", *map(len, ids)) + b"".join(ids)
-        tokens = np.asarray(codec.token_list(token_ids), dtype="<i8")
-        counts = np.asarray([int(n) for n in num_tokens], dtype="<i4")
-        if counts.size and (counts.min() < -(2**31) or counts.max() >= 2**31):
-            raise ValueError("a count outside int32")
+        joined = "".join(seq_ids)
+        if joined.isascii():  # one encode; character lengths are byte lengths
+            lens, id_text = list(map(len, seq_ids)), joined.encode()
+        else:
+            ids = [s.encode() for s in seq_ids]
+            lens, id_text = list(map(len, ids)), b"".join(ids)
+        id_bytes = struct.pack(f"<{len(lens)}H", *lens) + id_text  # (struct.error past 65535 bytes)
+        tokens = b"" if token_ids is None else np.asarray(codec.token_list(token_ids), dtype="<i8").tobytes()
+        counts = struct.pack(f"<{len(num_tokens)}i", *num_tokens)  # (struct.error outside int32)
         flags = (
             (bulk.FLAG_BLOCK_MASS if mass else 0)
             | (0 if k is None else bulk.FLAG_K)
             | (0 if v is None else bulk.FLAG_V)
         )
-        call = bulk.CALL.pack(layer, flags, len(ids), counts.size, tokens.size, len(id_bytes))
+        call = bulk.CALL.pack(layer, flags, len(lens), len(num_tokens), len(tokens) // 8, len(id_bytes))
         descs = [
             bulk.pack_tensor(tensors.DTYPE_NAMES[t.dtype], tuple(t.shape)) for t in (q, k, v) if t is not None
         ]
     except (AttributeError, TypeError, ValueError, OverflowError, struct.error) as exc:
         raise BulkUnavailable(f"not expressible on the bulk channel: {exc}") from exc
-    body = b"".join([call, *descs, tokens.tobytes(), counts.tobytes(), id_bytes])
+    body = b"".join([call, *descs, tokens, counts, id_bytes])
     size = len(body)
     for t in (q, k, v):
         if t is not None:

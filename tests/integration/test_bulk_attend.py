@@ -139,9 +139,13 @@ def same_result(a: Any, b: Any) -> bool:
 def test_decode_steps_match_the_rpc_bitwise(make: Callable[..., Node], dtype: str, transport: str) -> None:
     node = make(dtype)
     lengths = [5, 9, 12]  # partial last blocks, different widths
+
+    def name(path: str, i: int) -> str:  # ids of 1, 2 and 3 bytes per character
+        return f"{path}{('', 'é', '序列')[i]}{i}"
+
     for path in ("bulk", "grpc"):
         for i, n in enumerate(lengths):
-            node.fill(f"{path}{i}", n, seed=i + 1)
+            node.fill(name(path, i), n, seed=i + 1)
     before = node.counters()
     with CacheClient(node.address) as via_bulk, CacheClient(node.address, GRPC) as via_grpc:
         for step in range(3):  # each step appends one token per sequence at layer 0, then layer 1
@@ -151,7 +155,7 @@ def test_decode_steps_match_the_rpc_bitwise(make: Callable[..., Node], dtype: st
                 toks = [90_000 + step * 3 + i for i in range(3)] if layer == 0 else None
                 mass = step == 2
                 res = {
-                    path: c.data.attend([f"{path}{i}" for i in range(3)], layer, q, k, v, toks,
+                    path: c.data.attend([name(path, i) for i in range(3)], layer, q, k, v, toks,
                                         return_block_mass=mass)
                     for path, c in (("bulk", via_bulk), ("grpc", via_grpc))
                 }  # fmt: skip
@@ -160,16 +164,17 @@ def test_decode_steps_match_the_rpc_bitwise(make: Callable[..., Node], dtype: st
                 assert same_result(res["bulk"], res["grpc"]), (step, layer)
         # attention only (no k/v), a subset in another order
         q = node.rand(2, Q_HEADS, 8, seed=7)
-        a = via_bulk.data.attend(["bulk2", "bulk0"], 1, q, return_block_mass=True)
-        b = via_grpc.data.attend(["grpc2", "grpc0"], 1, q, return_block_mass=True)
+        a = via_bulk.data.attend([name("bulk", 2), "bulk0"], 1, q, return_block_mass=True)
+        b = via_grpc.data.attend([name("grpc", 2), "grpc0"], 1, q, return_block_mass=True)
         assert same_result(a, b)
         channel = via_bulk.data.route.bulk
         assert channel is not None and channel.num_local_calls == (7 if transport == "shm" else 0)
     assert node.counters()[0] - before[0] == 3 * 2 + 1  # every bulk call took the channel
     for i, n in enumerate(lengths):
-        assert node.engine.sequence_length(f"bulk{i}") == node.engine.sequence_length(f"grpc{i}") == n + 3
-        kb, vb = node.engine.read_kv(f"bulk{i}", 0, None)
-        kg, vg = node.engine.read_kv(f"grpc{i}", 0, None)
+        bulk_id, grpc_id = name("bulk", i), name("grpc", i)
+        assert node.engine.sequence_length(bulk_id) == node.engine.sequence_length(grpc_id) == n + 3
+        kb, vb = node.engine.read_kv(bulk_id, 0, None)
+        kg, vg = node.engine.read_kv(grpc_id, 0, None)
         assert bitwise(kb, kg) and bitwise(vb, vg)  # the appended KV landed in the same places
     node.state()
 
