@@ -18,6 +18,12 @@ also references (after fork) copies it first. With a token budget, dropped
 middle blocks leave the table, `cache_len` counts the kept tokens and
 `num_tokens` the logical length; the key chain ends at the first drop.
 
+Without prefix caching no block gets a key, so the token ids are never read: a
+prefill then only counts its tokens (`num_elided_tokens`) instead of copying
+hundreds of ints into the sequence and dropping them again at free, and a
+decode step appends a 0 per token (a list append in the compiled step is
+cheaper than rewriting an int field).
+
 Appends come in two shapes: `reserve(seq, tokens)` (a prefill; returns the
 first new position) and `reserve_tokens(seqs, tokens)` (a decode step, one
 token per sequence, the whole batch in one call). `append()` and
@@ -130,7 +136,7 @@ class Budget:
 class Sequence:
     seq_id: str
     root: bytes
-    tokens: list[int]
+    tokens: list[int]  # the ids; without prefix caching, a 0 per decoded token (see the module docstring)
     table: list[int] = field(default_factory=list)
     keys: list[bytes | None] = field(default_factory=list)  # aligned with table
     scores: list[float] = field(default_factory=list)  # attention mass per kept block
@@ -145,15 +151,17 @@ class Sequence:
     # check (the decode fast path). fork() and set_budget() clear it; the
     # general append path sets it again. Checked by check_integrity().
     simple: bool = True
+    # Tokens counted but not listed in `tokens` (prefills without prefix caching). Always 0 with it.
+    num_elided_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:
-        return len(self.tokens)
+        return len(self.tokens) + self.num_elided_tokens
 
     @property
     def cache_len(self) -> int:
         """Tokens held in the table. Derived, so a decode step only appends the token."""
-        return len(self.tokens) - self.num_dropped_tokens
+        return len(self.tokens) + self.num_elided_tokens - self.num_dropped_tokens
 
     @property
     def is_swapped(self) -> bool:
@@ -176,7 +184,7 @@ class _DecodeGroup:
         self.token_lists = list(map(_TOKENS, batch))
         # by_fill[r]: indices of the members whose length % block_size was r when the group formed.
         self.by_fill: list[list[int]] = [[] for _ in range(block_size)]
-        for i, length in enumerate(map(len, self.token_lists)):
+        for i, length in enumerate(s.num_tokens for s in batch):
             self.by_fill[length % block_size].append(i)
         self.num_steps = 0
 
@@ -224,6 +232,9 @@ class KVCacheManager:
         self._c_block_key = core.block_key if core is not None and core.has_chain else None
         self.policy_name = policy
         self.enable_prefix_caching = enable_prefix_caching
+        # What a decode step appends to a sequence's token list: None, the ids (they feed the
+        # block keys); without prefix caching a 0 (no keys, so only the length is ever read).
+        self._placeholder: int | None = None if enable_prefix_caching else 0
         self.mover: BlockMover = mover if mover is not None else NullMover()
         self.record_events = record_events
         # Events recorded as two aligned lists (no tuple per event on the hot paths,
@@ -511,7 +522,8 @@ class KVCacheManager:
         bs, device = self.block_size, self.device
         core = self._core
         if core is not None and seq.budget is None:  # the steps below, in C, unless it must copy or evict
-            start = core.prefill(seq, token_ids, bs, device._free, device.refcount)
+            keep_ids = self.enable_prefix_caching
+            start = core.prefill(seq, token_ids, bs, device._free, device.refcount, keep_ids)
             if start is not None:
                 end = start + n
                 first = start // bs
@@ -549,7 +561,10 @@ class KVCacheManager:
             table += self._allocate_device(need)
             seq.keys += [None] * need
             seq.scores += [0.0] * need
-        seq.tokens += token_ids
+        if self._placeholder is None:
+            seq.tokens += token_ids
+        else:
+            seq.num_elided_tokens += n
         end = start + n
         first = start // bs
         if end // bs > first and seq.chain_intact and self.enable_prefix_caching:
@@ -685,7 +700,7 @@ class KVCacheManager:
         batch = self._reserve_step(seq_ids, token_ids)
         bs = self.block_size
         blocks = list(map(_LAST, map(_TABLE, batch)))  # the new token is always in the last block
-        offsets = [(len(tokens) - 1) % bs for tokens in map(_TOKENS, batch)]  # budgets drop whole blocks
+        offsets = [(seq.cache_len - 1) % bs for seq in batch]
         return Slots(blocks, offsets)
 
     def reserve_tokens(self, seq_ids: Seq[str], token_ids: Seq[int]) -> None:
@@ -713,25 +728,12 @@ class KVCacheManager:
         them without building the two lists."""
         group, core = self._group, self._core
         if group is not None and core is not None:
-            device = self.device
-            free = device._free
-            if len(pairs) <= len(free) + len(device._lru):  # type: ignore[arg-type]
-                t = group.num_steps + 1
-                opened = group.by_fill[(1 - t) % self.block_size]
-                opens_here = len(opened) <= len(free)  # else they evict: Python, in batch order
-                if core.step_pairs(
-                    group.ids,
-                    pairs,
-                    group.token_lists,
-                    group.batch,
-                    opened if opens_here else _NO_MEMBERS,
-                    free,
-                    device.refcount,
-                ):
-                    group.num_steps = t
-                    if not opens_here or self.enable_prefix_caching:  # else nothing is left to do
-                        self._finish_step(group, t, _NO_MEMBERS if opens_here else opened)
-                    return
+            d = self.device
+            left = core.step_pairs(group, pairs, d._free, d.refcount, d._lru, self._placeholder)
+            if left is not None:  # the step is in; left: the members whose open evicts (Python, in order)
+                if left or self.enable_prefix_caching:  # else nothing is left to do
+                    self._finish_step(group, group.num_steps, left)
+                return
         if any(len(pair) != 2 for pair in pairs):
             raise InvalidArgument("a decode step's pairs must each be (seq_id, token)")
         seq_ids, token_ids = tuple(map(itemgetter(0), pairs)), tuple(map(itemgetter(1), pairs))
@@ -782,16 +784,17 @@ class KVCacheManager:
         # A member that had length L when the group formed has L + t now: its token
         # opened a new block when (L + t) % bs == 1, and filled its block when it is 0.
         opened = group.by_fill[(1 - t) % self.block_size]
-        core = self._core
+        core, placeholder = self._core, self._placeholder
         if core is not None:
-            free = self.device._free
+            free, refcount = self.device._free, self.device.refcount
             if len(opened) <= len(free):  # the tokens, then the opens off the free list, in C
-                core.step(group.token_lists, token_ids, group.batch, opened, free, self.device.refcount)
+                core.step(group.token_lists, token_ids, group.batch, opened, free, refcount, placeholder)
                 opened = _NO_MEMBERS
             else:  # the opens evict (events, offloads): Python, in batch order
-                core.step(group.token_lists, token_ids, group.batch, _NO_MEMBERS, free, self.device.refcount)
+                core.step(group.token_lists, token_ids, group.batch, _NO_MEMBERS, free, refcount, placeholder)
         else:
-            _consume(map(list.append, group.token_lists, token_ids))
+            ids = token_ids if placeholder is None else repeat(placeholder, len(token_ids))
+            _consume(map(list.append, group.token_lists, ids))
         group.num_steps = t
         self._finish_step(group, t, opened)
 
@@ -951,6 +954,7 @@ class KVCacheManager:
             parent.chain_intact,
             None,
             False,
+            parent.num_elided_tokens,
         )
 
     def free(self, seq_id: str) -> None:

@@ -15,10 +15,10 @@
 #include <stdint.h>
 #include <string.h>
 
-#define ABI_VERSION 7
+#define ABI_VERSION 8
 
 static PyObject *s_table, *s_keys, *s_scores, *s_tokens, *s_num_dropped_tokens, *s_simple; /* attribute names */
-static PyObject *s_root, *s_hint, *s_chain_intact;
+static PyObject *s_root, *s_hint, *s_chain_intact, *s_num_elided_tokens;
 static PyObject *zero_float;                  /* 0.0, the score of a new block */
 static PyObject *one_long;
 
@@ -516,17 +516,19 @@ fail:
 
 static int open_blocks(PyObject *batch, PyObject *opened, PyObject *free, PyObject *refcount);
 
-/* step(token_lists, token_ids, batch, opened, free, refcount) -> bool
+/* step(token_lists, token_ids, batch, opened, free, refcount, placeholder) -> bool
  *
  * The decode group's step for members that need no Python: token_lists[i].append(
- * token_ids[i]) for every member, then each member listed in `opened` (indices into
+ * token_ids[i]) for every member (placeholder instead of the id when it is not None:
+ * a manager that keeps no ids), then each member listed in `opened` (indices into
  * batch, in order) takes the next free block: refcount 1, appended to its table, a
  * None key and a 0.0 score. Returns False, changing nothing, when the free list holds
  * fewer blocks than `opened` needs (the caller takes the general path, which evicts). */
 static PyObject *step(PyObject *self, PyObject *args)
 {
-    PyObject *token_lists, *token_ids, *batch, *opened, *free, *refcount;
-    if (!PyArg_ParseTuple(args, "OOOOOO", &token_lists, &token_ids, &batch, &opened, &free, &refcount))
+    PyObject *token_lists, *token_ids, *batch, *opened, *free, *refcount, *placeholder;
+    if (!PyArg_ParseTuple(args, "OOOOOOO", &token_lists, &token_ids, &batch, &opened, &free, &refcount,
+                          &placeholder))
         return NULL;
     if (check_list(token_lists, "token_lists") || check_list(batch, "batch") || check_list(opened, "opened") ||
         check_list(free, "free") || check_list(refcount, "refcount"))
@@ -546,7 +548,7 @@ static PyObject *step(PyObject *self, PyObject *args)
     PyObject **tok = PySequence_Fast_ITEMS(tokens);
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *lst = PyList_GET_ITEM(token_lists, i);
-        if (!PyList_Check(lst) || PyList_Append(lst, tok[i]) < 0) {
+        if (!PyList_Check(lst) || PyList_Append(lst, placeholder == Py_None ? tok[i] : placeholder) < 0) {
             if (!PyErr_Occurred())
                 PyErr_SetString(PyExc_TypeError, "token_lists must hold lists");
             Py_DECREF(tokens);
@@ -601,74 +603,120 @@ static int open_blocks(PyObject *batch, PyObject *opened, PyObject *free, PyObje
     return 0;
 }
 
-/* step_pairs(ids, pairs, token_lists, batch, opened, free, refcount) -> bool
+static PyObject *s_ids, *s_token_lists, *s_batch, *s_by_fill, *s_num_steps; /* a decode group's attributes */
+
+/* step_pairs(group, pairs, free, refcount, lru, placeholder) -> list or None
  *
- * step() for a decode batch given as (seq_id, token) pairs: when the pairs name
- * exactly the group's members in order (pairs[i][0] == ids[i]) and the free list
- * holds the blocks `opened` needs, appends pairs[i][1] to token_lists[i], opens
- * those blocks and returns True; otherwise returns False having changed nothing. */
+ * KVCacheManager.reserve_token_pairs(pairs) while `group` (a _DecodeGroup) holds: when the
+ * pairs name exactly the group's members in order (pairs[i] is a 2-tuple and pairs[i][0] ==
+ * ids[i]) and the pool has a block for each (len(free) + len(lru) >= len(pairs)), this is step
+ * t = group.num_steps + 1: pairs[i][1] (or the placeholder when it is not None) is appended to
+ * token_lists[i], the members opening a block this step (by_fill[(1 - t) % block_size]) take
+ * the next free block each when the free list holds enough (else none does: they evict, in
+ * Python), and group.num_steps becomes t. Returns the members still to open (an empty list,
+ * or all of them), or None, having changed nothing, when the pairs do not fit the group. */
 static PyObject *step_pairs(PyObject *self, PyObject *args)
 {
-    PyObject *ids, *pairs, *token_lists, *batch, *opened, *free, *refcount;
-    if (!PyArg_ParseTuple(args, "O!OOOOOO", &PyTuple_Type, &ids, &pairs, &token_lists, &batch, &opened, &free,
-                          &refcount))
+    PyObject *group, *pairs, *free, *refcount, *lru, *placeholder;
+    if (!PyArg_ParseTuple(args, "OOOOOO", &group, &pairs, &free, &refcount, &lru, &placeholder))
         return NULL;
-    if (check_list(token_lists, "token_lists") || check_list(batch, "batch") || check_list(opened, "opened") ||
-        check_list(free, "free") || check_list(refcount, "refcount"))
+    if (check_list(free, "free") || check_list(refcount, "refcount"))
         return NULL;
-    Py_ssize_t n = PyTuple_GET_SIZE(ids);
-    if (PyList_GET_SIZE(opened) > PyList_GET_SIZE(free) || PyList_GET_SIZE(token_lists) != n)
-        Py_RETURN_FALSE;
-    PyObject *seq = PySequence_Fast(pairs, "pairs must be a sequence");
+    PyObject *ids = NULL, *token_lists = NULL, *batch = NULL, *by_fill = NULL, *steps = NULL, *seq = NULL;
+    PyObject *result = NULL;
+    ids = PyObject_GetAttr(group, s_ids);
+    token_lists = PyObject_GetAttr(group, s_token_lists);
+    batch = PyObject_GetAttr(group, s_batch);
+    by_fill = PyObject_GetAttr(group, s_by_fill);
+    steps = PyObject_GetAttr(group, s_num_steps);
+    if (!ids || !token_lists || !batch || !by_fill || !steps)
+        goto done;
+    if (!PyTuple_CheckExact(ids)) {
+        PyErr_SetString(PyExc_TypeError, "step_pairs: the group's ids must be a tuple");
+        goto done;
+    }
+    if (check_list(token_lists, "token_lists") || check_list(batch, "batch") || check_list(by_fill, "by_fill"))
+        goto done;
+    Py_ssize_t n = PyTuple_GET_SIZE(ids), bs = PyList_GET_SIZE(by_fill), nfree = PyList_GET_SIZE(free);
+    Py_ssize_t t = PyLong_AsSsize_t(steps);
+    if (t == -1 && PyErr_Occurred())
+        goto done;
+    t += 1;
+    Py_ssize_t available = IS_LRU(lru) ? ((LRUObject *)lru)->count : PyObject_Length(lru);
+    if (available < 0)
+        goto done;
+    if (bs == 0 || PyList_GET_SIZE(token_lists) != n || PyList_GET_SIZE(batch) != n || n > nfree + available) {
+        result = Py_NewRef(Py_None);
+        goto done;
+    }
+    PyObject *opened = PyList_GET_ITEM(by_fill, ((1 - t) % bs + bs) % bs);
+    if (check_list(opened, "by_fill[r]"))
+        goto done;
+    seq = PySequence_Fast(pairs, "pairs must be a sequence");
     if (seq == NULL)
-        return NULL;
+        goto done;
     if (PySequence_Fast_GET_SIZE(seq) != n) {
-        Py_DECREF(seq);
-        Py_RETURN_FALSE;
+        result = Py_NewRef(Py_None);
+        goto done;
     }
     PyObject **items = PySequence_Fast_ITEMS(seq);
     for (Py_ssize_t i = 0; i < n; i++) { /* check every pair before changing anything */
         PyObject *pair = items[i];
         if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2) {
-            Py_DECREF(seq);
-            Py_RETURN_FALSE;
+            result = Py_NewRef(Py_None);
+            goto done;
         }
         int same = PyObject_RichCompareBool(PyTuple_GET_ITEM(pair, 0), PyTuple_GET_ITEM(ids, i), Py_EQ);
         if (same <= 0) {
-            Py_DECREF(seq);
-            if (same < 0)
-                return NULL;
-            Py_RETURN_FALSE;
+            if (same == 0)
+                result = Py_NewRef(Py_None);
+            goto done;
         }
     }
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *lst = PyList_GET_ITEM(token_lists, i);
-        if (!PyList_Check(lst) || PyList_Append(lst, PyTuple_GET_ITEM(items[i], 1)) < 0) {
+        PyObject *token = placeholder == Py_None ? PyTuple_GET_ITEM(items[i], 1) : placeholder;
+        if (!PyList_Check(lst) || PyList_Append(lst, token) < 0) {
             if (!PyErr_Occurred())
                 PyErr_SetString(PyExc_TypeError, "token_lists must hold lists");
-            Py_DECREF(seq);
-            return NULL;
+            goto done;
         }
     }
-    Py_DECREF(seq);
-    if (open_blocks(batch, opened, free, refcount) < 0)
-        return NULL;
-    Py_RETURN_TRUE;
+    int opens_here = PyList_GET_SIZE(opened) <= nfree;
+    if (opens_here && open_blocks(batch, opened, free, refcount) < 0)
+        goto done;
+    PyObject *now = PyLong_FromSsize_t(t);
+    int r = now == NULL ? -1 : PyObject_SetAttr(group, s_num_steps, now);
+    Py_XDECREF(now);
+    if (r < 0)
+        goto done;
+    result = opens_here ? PyList_New(0) : PyList_GetSlice(opened, 0, PyList_GET_SIZE(opened));
+done:
+    Py_XDECREF(ids);
+    Py_XDECREF(token_lists);
+    Py_XDECREF(batch);
+    Py_XDECREF(by_fill);
+    Py_XDECREF(steps);
+    Py_XDECREF(seq);
+    return result;
 }
 
-/* prefill(seq, token_ids, block_size, free, refcount) -> int or None
+/* prefill(seq, token_ids, block_size, free, refcount, keep_ids) -> int or None
  *
  * KVCacheManager.reserve(seq, token_ids) for a sequence without a budget when no
  * copy-on-write and no eviction is needed: the blocks the new tokens need come off
  * the free list (refcount 1) onto seq.table with None keys and 0.0 scores, the tokens
- * are appended, seq.simple becomes True, and the first new position is returned. The
+ * are appended (unless keep_ids is False, a manager without prefix caching: then they
+ * are only counted in seq.num_elided_tokens), seq.simple becomes True, and the first new position
+ * is returned. The
  * caller publishes the blocks that became full. Returns None, having changed nothing,
  * when the sequence's partial last block is shared or the free list is short. */
 static PyObject *prefill(PyObject *self, PyObject *args)
 {
     PyObject *seq, *token_ids, *free, *refcount;
     Py_ssize_t bs;
-    if (!PyArg_ParseTuple(args, "OOnOO", &seq, &token_ids, &bs, &free, &refcount))
+    int keep_ids;
+    if (!PyArg_ParseTuple(args, "OOnOOp", &seq, &token_ids, &bs, &free, &refcount, &keep_ids))
         return NULL;
     if (check_list(free, "free") || check_list(refcount, "refcount"))
         return NULL;
@@ -676,7 +724,8 @@ static PyObject *prefill(PyObject *self, PyObject *args)
         PyErr_SetString(PyExc_ValueError, "prefill: block_size must be positive");
         return NULL;
     }
-    PyObject *tokens = NULL, *table = NULL, *keys = NULL, *scores = NULL, *dropped = NULL, *result = NULL;
+    PyObject *tokens = NULL, *table = NULL, *keys = NULL, *scores = NULL, *dropped = NULL, *elided = NULL;
+    PyObject *result = NULL;
     Py_ssize_t n = PyObject_Length(token_ids);
     if (n < 0)
         return NULL;
@@ -685,7 +734,8 @@ static PyObject *prefill(PyObject *self, PyObject *args)
     keys = PyObject_GetAttr(seq, s_keys);
     scores = PyObject_GetAttr(seq, s_scores);
     dropped = PyObject_GetAttr(seq, s_num_dropped_tokens);
-    if (!tokens || !table || !keys || !scores || !dropped)
+    elided = PyObject_GetAttr(seq, s_num_elided_tokens);
+    if (!tokens || !table || !keys || !scores || !dropped || !elided)
         goto done;
     if (!PyList_CheckExact(tokens) || !PyList_CheckExact(table) || !PyList_CheckExact(keys) ||
         !PyList_CheckExact(scores)) {
@@ -695,7 +745,10 @@ static PyObject *prefill(PyObject *self, PyObject *args)
     Py_ssize_t num_dropped = PyLong_AsSsize_t(dropped);
     if (num_dropped == -1 && PyErr_Occurred())
         goto done;
-    Py_ssize_t start = PyList_GET_SIZE(tokens) - num_dropped; /* cache_len */
+    Py_ssize_t num_elided = PyLong_AsSsize_t(elided);
+    if (num_elided == -1 && PyErr_Occurred())
+        goto done;
+    Py_ssize_t start = PyList_GET_SIZE(tokens) + num_elided - num_dropped; /* cache_len */
     Py_ssize_t ntable = PyList_GET_SIZE(table);
     if (start % bs != 0) { /* a partial last block: copy-on-write when shared */
         if (ntable == 0) {
@@ -748,10 +801,18 @@ static PyObject *prefill(PyObject *self, PyObject *args)
             if (PyList_Append(keys, Py_None) < 0 || PyList_Append(scores, zero_float) < 0)
                 goto done;
     }
-    PyObject *joined = PySequence_InPlaceConcat(tokens, token_ids); /* seq.tokens += token_ids */
-    if (joined == NULL)
-        goto done;
-    Py_DECREF(joined);
+    if (keep_ids) {
+        PyObject *joined = PySequence_InPlaceConcat(tokens, token_ids); /* seq.tokens += token_ids */
+        if (joined == NULL)
+            goto done;
+        Py_DECREF(joined);
+    } else { /* seq.num_elided_tokens += n */
+        PyObject *count = PyLong_FromSsize_t(num_elided + n);
+        int r = count == NULL ? -1 : PyObject_SetAttr(seq, s_num_elided_tokens, count);
+        Py_XDECREF(count);
+        if (r < 0)
+            goto done;
+    }
     if (PyObject_SetAttr(seq, s_simple, Py_True) < 0)
         goto done;
     result = PyLong_FromSsize_t(start);
@@ -761,6 +822,7 @@ done:
     Py_XDECREF(keys);
     Py_XDECREF(scores);
     Py_XDECREF(dropped);
+    Py_XDECREF(elided);
     return result;
 }
 
@@ -1092,7 +1154,7 @@ static PyMethodDef methods[] = {
     {"take", take, METH_VARARGS, "BlockPool.take(n) with LRU eviction; see block_core.c."},
     {"release", release, METH_VARARGS, "BlockPool.free(blocks) with the LRU policy; see block_core.c."},
     {"step", step, METH_VARARGS, "A decode group's step without eviction or publishing; see block_core.c."},
-    {"step_pairs", step_pairs, METH_VARARGS, "step() for (seq_id, token) pairs; see block_core.c."},
+    {"step_pairs", step_pairs, METH_VARARGS, "A decode group's step for (seq_id, token) pairs; see block_core.c."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -1109,7 +1171,15 @@ PyMODINIT_FUNC PyInit__block_core(void)
     s_root = PyUnicode_InternFromString("root");
     s_hint = PyUnicode_InternFromString("hint");
     s_chain_intact = PyUnicode_InternFromString("chain_intact");
-    if (!s_root || !s_hint || !s_chain_intact)
+    s_num_elided_tokens = PyUnicode_InternFromString("num_elided_tokens");
+    s_ids = PyUnicode_InternFromString("ids");
+    s_token_lists = PyUnicode_InternFromString("token_lists");
+    s_batch = PyUnicode_InternFromString("batch");
+    s_by_fill = PyUnicode_InternFromString("by_fill");
+    s_num_steps = PyUnicode_InternFromString("num_steps");
+    if (!s_ids || !s_token_lists || !s_batch || !s_by_fill || !s_num_steps)
+        return NULL;
+    if (!s_root || !s_hint || !s_chain_intact || !s_num_elided_tokens)
         return NULL;
     zero_float = PyFloat_FromDouble(0.0);
     one_long = PyLong_FromLong(1);

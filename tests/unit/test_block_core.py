@@ -52,10 +52,10 @@ class CountingCore:
         self.counts["prefill" if start is not None else "prefill:declined"] += 1
         return start  # type: ignore[no-any-return]
 
-    def step_pairs(self, *args: Any) -> bool:
-        done = self._m.step_pairs(*args)
-        self.counts["step_pairs" if done else "step_pairs:declined"] += 1
-        return done  # type: ignore[no-any-return]
+    def step_pairs(self, *args: Any) -> list[int] | None:
+        left = self._m.step_pairs(*args)
+        self.counts["step_pairs" if left is not None else "step_pairs:declined"] += 1
+        return left  # type: ignore[no-any-return]
 
     def open_block(self, *args: Any) -> bytes | None:
         lost = self._m.open_block(*args)
@@ -117,6 +117,7 @@ def state(m: KVCacheManager) -> tuple:
             s.keys,
             s.scores,
             s.num_dropped_tokens,
+            s.num_elided_tokens,
             s.simple,
             s.chain_intact,
         )
@@ -163,6 +164,9 @@ def test_large_pool_decode_groups_agree(seed: int) -> None:
             KVCacheManager(96, 4, enable_prefix_caching=caching, record_events=True, native=native)
             for native in (True, False, True, False)
         ]
+        counts: Counter[str] = Counter()
+        assert core is not None
+        sides[2]._core = sides[2].device._c = CountingCore(core, counts)  # type: ignore[assignment]
         running: list[str] = []
         next_id = 0
         for step in range(1500):
@@ -208,6 +212,11 @@ def test_large_pool_decode_groups_agree(seed: int) -> None:
             for m in sides:
                 m.check_integrity()
         assert sides[0].stats()["device_evictions"] > 0 or not caching
+        # The compiled pairs step really ran, and declined (changing nothing) when the batch changed.
+        assert counts["step_pairs"] > 500 and counts["step_pairs:declined"] > 20, counts
+        # Without prefix caching the ids are only counted (and the pure path counts alike: state()).
+        elided = sum(s.num_elided_tokens for s in sides[2].seqs.values())
+        assert (elided > 0) != caching, elided
 
 
 @needs_core
