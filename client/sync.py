@@ -106,6 +106,11 @@ class PrefillPart:
     token_ids: list[int] | None
 
 
+def check_counts(num_tokens: Seq[int], num_seqs: int) -> None:
+    if len(num_tokens) != num_seqs:
+        raise InvalidArgument(f"{len(num_tokens)} token counts for {num_seqs} sequences")
+
+
 def split_prefill_batch(
     where: list[tuple[str, str]],
     num_tokens: Seq[int],
@@ -117,8 +122,7 @@ def split_prefill_batch(
     """Group a prefill batch's sequences ((address, seq_id) each, sequence i owning the next
     num_tokens[i] rows) by node; one part (no copies) when all share one."""
     counts = [int(n) for n in num_tokens]
-    if len(counts) != len(where):
-        raise InvalidArgument(f"{len(counts)} token counts for {len(where)} sequences")
+    check_counts(counts, len(where))
     tokens = None if token_ids is None else codec.token_list(token_ids)
     starts = [0]
     for n in counts:
@@ -363,6 +367,10 @@ class CacheClient:
         """One decode step of one layer for a batch: q [B, q_heads, D]; k, v
         [B, kv_heads, D]; token_ids [B] at layer 0. One RPC per node the batch
         spans (usually one); rows come back in the batch's order."""
+        if not self.is_cluster:  # one node: nothing to route or split
+            ids = [s.seq_id if isinstance(s, Sequence) else s for s in seqs]
+            return self.data.attend(ids, layer, q, k, v, token_ids,
+                                    return_block_mass=return_block_mass, timeout_s=timeout_s)  # fmt: skip
         parts = []
         for p in split_batch(self._where(seqs, timeout_s), q, k, v, token_ids):
             data = self.node(p.address).data
@@ -386,6 +394,11 @@ class CacheClient:
         """Prefill of B sequences at one layer: sequence i owns the next num_tokens[i] rows of
         q [N, q_heads, D] (k, v [N, kv_heads, D]; N token ids at layer 0). One RPC per node
         the batch spans (usually one); rows come back in the request's order."""
+        if not self.is_cluster:  # one node: nothing to route or split
+            check_counts(num_tokens, len(seqs))
+            ids = [s.seq_id if isinstance(s, Sequence) else s for s in seqs]
+            return self.data.attend_prefill_batch(ids, layer, num_tokens, q, k, v, token_ids,
+                                                  timeout_s=timeout_s)  # fmt: skip
         where = self._where(seqs, timeout_s)
         parts = []
         for p in split_prefill_batch(where, num_tokens, q, k, v, token_ids):
