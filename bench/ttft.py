@@ -428,7 +428,52 @@ def main() -> None:
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "ttft.json").write_text(json.dumps(report, indent=2) + "\n")
     (RESULTS / "ttft.md").write_text(render(report))
+    plot(report, RESULTS / "ttft.png")
     print(render(report))
+
+
+PLOTTED = [  # (ttft_ms key, label)
+    ("cached/process", "cached prefix,\nnode process"),
+    ("cached/in-process", "cached prefix,\nnode in-process"),
+    ("cached/process, gRPC only", "cached prefix,\ngRPC only"),
+    ("local_floor", "floor: suffix on a\nwarm DynamicCache"),
+    ("local", "full recompute\n(DynamicCache)"),
+]
+
+
+def plot(r: dict, path: Path) -> bool:
+    """TTFT / local recompute per model and path, with the goal line; False without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    models = list(r["models"].items())
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    width = 0.8 / len(models)
+    for i, (name, m) in enumerate(models):
+        ys = [m["ttft_ms"][key] / m["ttft_ms"]["local"] for key, _ in PLOTTED]
+        xs = [j + (i - (len(models) - 1) / 2) * width for j in range(len(PLOTTED))]
+        shape = m["model"]
+        label = f"{name}: {shape['num_layers']} layers, hidden {shape['hidden_size']}"
+        bars = ax.bar(xs, ys, width, label=label)
+        ax.bar_label(bars, labels=[f"{y:.2f}x" for y in ys], fontsize=7)
+    ax.axhline(r["goal_ratio"], color="k", linestyle="--", linewidth=1, label=f"goal {r['goal_ratio']}x")
+    ax.set_xticks(range(len(PLOTTED)), [label for _, label in PLOTTED], fontsize=8)
+    ax.set_ylabel("TTFT / full recompute (medians)")
+    ax.set_title(
+        f"Time to first token, {r['prefix_tokens']}-token cached prefix + {r['suffix_tokens']} new tokens "
+        "(lower is better)"
+    )
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    tmp = path.with_suffix(".png.tmp")
+    fig.savefig(tmp, format="png", dpi=110)
+    plt.close(fig)
+    os.replace(tmp, path)
+    return True
 
 
 def render(r: dict) -> str:
