@@ -505,7 +505,57 @@ def main(argv: list[str] | None = None) -> None:
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "rpc.json").write_text(json.dumps(results, indent=2) + "\n")
     (RESULTS / "rpc.md").write_text(render(results))
+    plot(results, RESULTS / "rpc.png")
     print(render(results))
+
+
+def plot(r: dict[str, Any], path: Path) -> bool:
+    """Left: each channel path's transport per attend (call - handler) and its refused
+    request, in gRPC Pings, per batch, with the 1.3x goal. Right: transfer GB/s per path
+    against the loopback socket. False without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    lat, ping = r["latency"], r["latency"]["ping"]["p50_ms"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    groups = [(b, p) for b in BATCHES for p in ("tcp", "shm") if f"attend_paths_b{b}" in lat]
+    xs = range(len(groups))
+    for offset, key, label in ((-0.2, "call_minus_handler", "attend: call - node handler"),
+                               (0.2, "refused_call", "the same request refused (no engine)")):  # fmt: skip
+        ys = [lat[f"attend_paths_b{b}"][p][key]["p50_ms"] / ping for b, p in groups]
+        bars = left.bar([x + offset for x in xs], ys, 0.4, label=label)
+        left.bar_label(bars, labels=[f"{y:.2f}" for y in ys], fontsize=7)
+    left.axhline(1.3, color="k", linestyle="--", linewidth=1, label="goal 1.3x")
+    names = {"tcp": "TCP", "shm": "same-host shm"}
+    left.set_xticks(list(xs), [f"{names[p]}\nbatch {b}" for b, p in groups], fontsize=8)
+    left.set_ylabel(f"p50 / gRPC Ping p50 ({ping:.2f} ms)")
+    left.set_title(f"Attend transport, L={r['context_len']}, one layer (lower is better)", fontsize=10)
+    left.legend(fontsize=8)
+    if r["transfer"]:
+        paths = list(r["transfer"])
+        for offset, key, label in ((-0.27, "upload_gbps", "upload"), (0.0, "download_gbps", "download"),
+                                   (0.27, "loopback_socket_gbps", "loopback socket")):  # fmt: skip
+            right.bar([i + offset for i in range(len(paths))], [r["transfer"][p][key] for p in paths], 0.27,
+                      label=label)  # fmt: skip
+        right.axhline(0.8, color="k", linestyle="--", linewidth=1, label="goal 0.8 GB/s")
+        short = [p.split(" (")[0].replace("bulk ", "").replace("same-host ", "") for p in paths]
+        short = [p.replace(", ", "\n") for p in short]
+        right.set_xticks(range(len(paths)), short, fontsize=8)
+        right.set_ylabel("GB/s (median)")
+        right.set_title("256 MiB KV transfer (higher is better)", fontsize=10)
+        right.legend(fontsize=8)
+    else:
+        right.set_axis_off()
+    fig.tight_layout()
+    tmp = path.with_suffix(".png.tmp")
+    fig.savefig(tmp, format="png", dpi=110)
+    plt.close(fig)
+    os.replace(tmp, path)
+    return True
 
 
 def render(r: dict[str, Any]) -> str:
