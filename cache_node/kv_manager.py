@@ -20,9 +20,9 @@ middle blocks leave the table, `cache_len` counts the kept tokens and
 
 Without prefix caching no block gets a key, so the token ids are never read: a
 prefill then only counts its tokens (`num_elided_tokens`) instead of copying
-hundreds of ints into the sequence and dropping them again at free, and a
-decode step appends a 0 per token (a list append in the compiled step is
-cheaper than rewriting an int field).
+hundreds of ints into the sequence and dropping them again at free, and while
+a decode group holds, its step count is every member's count of decoded tokens
+(`Sequence.decode_group`): a step touches only the members that open a block.
 
 Appends come in two shapes: `reserve(seq, tokens)` (a prefill; returns the
 first new position) and `reserve_tokens(seqs, tokens)` (a decode step, one
@@ -92,10 +92,11 @@ class BlockEvent(NamedTuple):
 
 
 class EventBatch(NamedTuple):
-    """Drained events as two aligned lists: kinds[i] happened to keys[i], in order."""
+    """Drained events as two aligned sequences: kinds[i] happened to keys[i], in order.
+    Read-only: an empty drain returns one shared batch of two empty tuples."""
 
-    kinds: list[str]
-    keys: list[bytes]
+    kinds: Seq[str]
+    keys: Seq[bytes]
 
 
 STORED, REMOVED = "stored", "removed"
@@ -111,6 +112,7 @@ class HeldBlocks:
 
 
 _NO_HIT = OpenResult(0, 0)
+_NO_EVENTS = EventBatch((), ())
 _NO_MEMBERS: list[int] = []  # a decode step that opens no block here (never mutated)
 # Runs an iterator of side effects to its end, in C.
 _consume: Callable[[Iterable[object]], None] = deque[object](maxlen=0).extend
@@ -136,7 +138,7 @@ class Budget:
 class Sequence:
     seq_id: str
     root: bytes
-    tokens: list[int]  # the ids; without prefix caching, a 0 per decoded token (see the module docstring)
+    tokens: list[int]  # the ids; always empty without prefix caching (see the module docstring)
     table: list[int] = field(default_factory=list)
     keys: list[bytes | None] = field(default_factory=list)  # aligned with table
     scores: list[float] = field(default_factory=list)  # attention mass per kept block
@@ -151,17 +153,21 @@ class Sequence:
     # check (the decode fast path). fork() and set_budget() clear it; the
     # general append path sets it again. Checked by check_integrity().
     simple: bool = True
-    # Tokens counted but not listed in `tokens` (prefills without prefix caching). Always 0 with it.
+    # Without prefix caching (always 0 / None with it): the tokens counted but not listed in
+    # `tokens`, and the decode group whose num_steps are the tokens decoded since this sequence
+    # joined it (added to num_elided_tokens when the group is dropped).
     num_elided_tokens: int = 0
+    decode_group: _DecodeGroup | None = None
 
     @property
     def num_tokens(self) -> int:
-        return len(self.tokens) + self.num_elided_tokens
+        group = self.decode_group
+        return len(self.tokens) + self.num_elided_tokens + (group.num_steps if group is not None else 0)
 
     @property
     def cache_len(self) -> int:
         """Tokens held in the table. Derived, so a decode step only appends the token."""
-        return len(self.tokens) + self.num_elided_tokens - self.num_dropped_tokens
+        return self.num_tokens - self.num_dropped_tokens
 
     @property
     def is_swapped(self) -> bool:
@@ -173,7 +179,7 @@ class _DecodeGroup:
     sequences skips the lookups and checks, and knows without looking which
     members cross a block boundary. Every member is simple and gets exactly one
     token per step; any other change to a member (free, swap, fork, budget, a
-    reserve()) drops the group (KVCacheManager._group = None)."""
+    reserve()) drops the group (KVCacheManager._drop_group())."""
 
     __slots__ = ("ids", "members", "batch", "token_lists", "by_fill", "num_steps")
 
@@ -232,9 +238,6 @@ class KVCacheManager:
         self._c_block_key = core.block_key if core is not None and core.has_chain else None
         self.policy_name = policy
         self.enable_prefix_caching = enable_prefix_caching
-        # What a decode step appends to a sequence's token list: None, the ids (they feed the
-        # block keys); without prefix caching a 0 (no keys, so only the length is ever read).
-        self._placeholder: int | None = None if enable_prefix_caching else 0
         self.mover: BlockMover = mover if mover is not None else NullMover()
         self.record_events = record_events
         # Events recorded as two aligned lists (no tuple per event on the hot paths,
@@ -323,15 +326,19 @@ class KVCacheManager:
         Host-tier hits are copied back while device room allows (never failing
         for lack of it: they just count as misses).
         """
-        if seq_id in self.seqs:
+        seqs = self.seqs
+        if seq_id in seqs:
             raise InvalidArgument(f"sequence {seq_id!r} already exists")
+        root = self._roots.get(salt) or self._root(salt)
+        self.counters.prefix_query_tokens += len(token_ids)
+        if not self.enable_prefix_caching:  # nothing to look up
+            seqs[seq_id] = Sequence(seq_id, root, [], [], [], [])
+            return _NO_HIT
         bs = self.block_size
         limit = len(token_ids) - 1 if max_cached_tokens is None else min(max_cached_tokens, len(token_ids))
         limit = max(limit, 0)
-        root = self._root(salt)
-        self.counters.prefix_query_tokens += len(token_ids)
-        if limit < bs or not self.enable_prefix_caching:  # nothing to look up
-            self.seqs[seq_id] = Sequence(seq_id, root, [], [], [], [])
+        if limit < bs:  # not a whole block to look up
+            seqs[seq_id] = Sequence(seq_id, root, [], [], [], [])
             return _NO_HIT
         dev: list[int] = []
         host: list[int] = []
@@ -485,6 +492,8 @@ class KVCacheManager:
     def take_event_batch(self) -> EventBatch:
         """take_events() without a tuple per event: the two recorded lists
         themselves, for a node that streams many events per step."""
+        if not self._event_kinds:  # most decode steps (every one without prefix caching)
+            return _NO_EVENTS
         batch = _new_tuple(EventBatch, (self._event_kinds, self._event_keys))  # no Python-level __new__
         self._event_kinds, self._event_keys = [], []
         return batch  # type: ignore[no-any-return]
@@ -517,18 +526,17 @@ class KVCacheManager:
         n = len(token_ids)
         if n == 0:
             return seq.cache_len
-        if self._group is not None and seq_id in self._group.members:
-            self._group = None
+        group = self._group
+        if group is not None and seq_id in group.members:
+            self._drop_group()
         bs, device = self.block_size, self.device
         core = self._core
         if core is not None and seq.budget is None:  # the steps below, in C, unless it must copy or evict
-            keep_ids = self.enable_prefix_caching
-            start = core.prefill(seq, token_ids, bs, device._free, device.refcount, keep_ids)
+            caching = self.enable_prefix_caching
+            start = core.prefill(seq, token_ids, bs, device._free, device.refcount, caching)
             if start is not None:
-                end = start + n
-                first = start // bs
-                if end // bs > first and seq.chain_intact and self.enable_prefix_caching:
-                    self._publish_full(seq, first, end // bs)
+                if caching and seq.chain_intact and (start + n) // bs > start // bs:
+                    self._publish_full(seq, start // bs, (start + n) // bs)
                 return start  # type: ignore[no-any-return]
         # A budget makes room before the write (the new tokens are never dropped).
         # Whole blocks leave, so `need` is the same before and after the drop; the
@@ -561,7 +569,7 @@ class KVCacheManager:
             table += self._allocate_device(need)
             seq.keys += [None] * need
             seq.scores += [0.0] * need
-        if self._placeholder is None:
+        if self.enable_prefix_caching:
             seq.tokens += token_ids
         else:
             seq.num_elided_tokens += n
@@ -729,7 +737,7 @@ class KVCacheManager:
         group, core = self._group, self._core
         if group is not None and core is not None:
             d = self.device
-            left = core.step_pairs(group, pairs, d._free, d.refcount, d._lru, self._placeholder)
+            left = core.step_pairs(group, pairs, d._free, d.refcount, d._lru, self.enable_prefix_caching)
             if left is not None:  # the step is in; left: the members whose open evicts (Python, in order)
                 if left or self.enable_prefix_caching:  # else nothing is left to do
                     self._finish_step(group, group.num_steps, left)
@@ -766,11 +774,15 @@ class KVCacheManager:
         if n > len(device._free) + len(device.policy):  # else every sequence surely finds its block
             self._check_decode_room(batch)
         bs = self.block_size
+        self._drop_group()
         if bs > 1 and all(map(_IS_SIMPLE, batch)):
             self._group = group = _DecodeGroup(ids, batch, bs)
+            if not self.enable_prefix_caching:  # the group counts their decoded tokens
+                for seq in batch:
+                    seq.decode_group = group
             self._step_group(group, token_ids)
             return batch
-        self._group = None  # copy-on-write, a budget, or one-token blocks: one append per sequence
+        # copy-on-write, a budget, or one-token blocks: one append per sequence
         for seq, token in zip(batch, token_ids, strict=True):
             self.reserve(seq.seq_id, [token])
         return batch
@@ -784,17 +796,16 @@ class KVCacheManager:
         # A member that had length L when the group formed has L + t now: its token
         # opened a new block when (L + t) % bs == 1, and filled its block when it is 0.
         opened = group.by_fill[(1 - t) % self.block_size]
-        core, placeholder = self._core, self._placeholder
+        core, keep_ids = self._core, self.enable_prefix_caching
         if core is not None:
             free, refcount = self.device._free, self.device.refcount
             if len(opened) <= len(free):  # the tokens, then the opens off the free list, in C
-                core.step(group.token_lists, token_ids, group.batch, opened, free, refcount, placeholder)
+                core.step(group.token_lists, token_ids, group.batch, opened, free, refcount, keep_ids)
                 opened = _NO_MEMBERS
             else:  # the opens evict (events, offloads): Python, in batch order
-                core.step(group.token_lists, token_ids, group.batch, _NO_MEMBERS, free, refcount, placeholder)
-        else:
-            ids = token_ids if placeholder is None else repeat(placeholder, len(token_ids))
-            _consume(map(list.append, group.token_lists, ids))
+                core.step(group.token_lists, token_ids, group.batch, _NO_MEMBERS, free, refcount, keep_ids)
+        elif keep_ids:  # else the step count below is the new tokens
+            _consume(map(list.append, group.token_lists, token_ids))
         group.num_steps = t
         self._finish_step(group, t, opened)
 
@@ -911,6 +922,20 @@ class KVCacheManager:
         else:  # the node held it on the host already; the device copy replaces it
             self.host.drop(hb)
 
+    def _drop_group(self) -> None:
+        """Forget the decode group (a change to a member other than a step). Without
+        prefix caching its members' decoded tokens, counted by the group's steps
+        until now, move into their num_elided_tokens."""
+        group = self._group
+        if group is None:
+            return
+        self._group = None
+        if not self.enable_prefix_caching:
+            steps = group.num_steps
+            for seq in group.batch:
+                seq.num_elided_tokens += steps
+                seq.decode_group = None
+
     def _check_decode_room(self, batch: list[Sequence]) -> None:
         """Raise CapacityExceeded unless every sequence of the batch, served in
         order, finds its block: a budget sequence's drop only helps those after it."""
@@ -937,7 +962,7 @@ class KVCacheManager:
         if child_id in self.seqs:
             raise InvalidArgument(f"sequence {child_id!r} already exists")
         parent = self._active(parent_id)
-        self._group = None
+        self._drop_group()
         for b in parent.table:
             self.device.incref(b)
         parent.simple = False  # the partial last block is shared now
@@ -963,7 +988,7 @@ class KVCacheManager:
         seq = self.seqs.pop(seq_id, None)
         if seq is None:
             raise SequenceNotFound(seq_id)
-        self._group = None
+        self._drop_group()
         if seq.host_table is not None:
             self._num_swapped -= 1
             self.host.free_tail_first(seq.host_table)
@@ -980,7 +1005,7 @@ class KVCacheManager:
         n = len(seq.table)
         if n > self.host.num_available:
             raise CapacityExceeded(f"swap out sequence {seq_id!r} to host", n, self.host.num_available)
-        self._group = None
+        self._drop_group()
         host_blocks, lost = self.host.allocate(n)
         for ev in lost:
             self.counters.evicted_host_dropped += 1
@@ -1007,7 +1032,7 @@ class KVCacheManager:
         room = device.num_available - sum(1 for b in revive if b is not None and b in device.policy)
         if need > room:
             raise CapacityExceeded(f"swap in sequence {seq_id!r}", need, max(room, 0))
-        self._group = None
+        self._drop_group()
         for b in revive:
             if b is not None:
                 device.incref(b)
@@ -1069,7 +1094,7 @@ class KVCacheManager:
                     f"(sink + recent) * block_size = {floor}; got {budget}"
                 )
         seq.budget = budget
-        self._group = None
+        self._drop_group()
         seq.simple = False  # the general append path re-derives it
         if budget is not None and seq.host_table is None and seq.cache_len > budget.max_tokens:
             self._enforce_budget(seq)
@@ -1161,6 +1186,10 @@ class KVCacheManager:
                     or (fill + group.num_steps) % bs != seq.num_tokens % bs
                 ):
                     problems.append(f"decode group member {sid!r}: {seq.num_tokens} tokens off its schedule")
+        counted = group.batch if group is not None and not self.enable_prefix_caching else []
+        for seq in self.seqs.values():  # only the current group's members, and only without caching
+            if (seq.decode_group is not None) != (seq in counted) or seq.decode_group not in (None, group):
+                problems.append(f"sequence {seq.seq_id!r}: its tokens are counted by the wrong decode group")
         num_swapped = sum(1 for s in self.seqs.values() if s.host_table is not None)
         if num_swapped != self._num_swapped:
             problems.append(f"{num_swapped} sequences swapped out, but {self._num_swapped} counted")

@@ -516,19 +516,20 @@ fail:
 
 static int open_blocks(PyObject *batch, PyObject *opened, PyObject *free, PyObject *refcount);
 
-/* step(token_lists, token_ids, batch, opened, free, refcount, placeholder) -> bool
+/* step(token_lists, token_ids, batch, opened, free, refcount, keep_ids) -> bool
  *
  * The decode group's step for members that need no Python: token_lists[i].append(
- * token_ids[i]) for every member (placeholder instead of the id when it is not None:
- * a manager that keeps no ids), then each member listed in `opened` (indices into
+ * token_ids[i]) for every member (unless keep_ids is False, a manager without prefix
+ * caching: then the group's step count holds the new tokens), then each member listed in `opened` (indices into
  * batch, in order) takes the next free block: refcount 1, appended to its table, a
  * None key and a 0.0 score. Returns False, changing nothing, when the free list holds
  * fewer blocks than `opened` needs (the caller takes the general path, which evicts). */
 static PyObject *step(PyObject *self, PyObject *args)
 {
-    PyObject *token_lists, *token_ids, *batch, *opened, *free, *refcount, *placeholder;
-    if (!PyArg_ParseTuple(args, "OOOOOOO", &token_lists, &token_ids, &batch, &opened, &free, &refcount,
-                          &placeholder))
+    PyObject *token_lists, *token_ids, *batch, *opened, *free, *refcount;
+    int keep_ids;
+    if (!PyArg_ParseTuple(args, "OOOOOOp", &token_lists, &token_ids, &batch, &opened, &free, &refcount,
+                          &keep_ids))
         return NULL;
     if (check_list(token_lists, "token_lists") || check_list(batch, "batch") || check_list(opened, "opened") ||
         check_list(free, "free") || check_list(refcount, "refcount"))
@@ -546,9 +547,9 @@ static PyObject *step(PyObject *self, PyObject *args)
         return NULL;
     }
     PyObject **tok = PySequence_Fast_ITEMS(tokens);
-    for (Py_ssize_t i = 0; i < n; i++) {
+    for (Py_ssize_t i = 0; keep_ids && i < n; i++) {
         PyObject *lst = PyList_GET_ITEM(token_lists, i);
-        if (!PyList_Check(lst) || PyList_Append(lst, placeholder == Py_None ? tok[i] : placeholder) < 0) {
+        if (!PyList_Check(lst) || PyList_Append(lst, tok[i]) < 0) {
             if (!PyErr_Occurred())
                 PyErr_SetString(PyExc_TypeError, "token_lists must hold lists");
             Py_DECREF(tokens);
@@ -605,20 +606,21 @@ static int open_blocks(PyObject *batch, PyObject *opened, PyObject *free, PyObje
 
 static PyObject *s_ids, *s_token_lists, *s_batch, *s_by_fill, *s_num_steps; /* a decode group's attributes */
 
-/* step_pairs(group, pairs, free, refcount, lru, placeholder) -> list or None
+/* step_pairs(group, pairs, free, refcount, lru, keep_ids) -> list or None
  *
  * KVCacheManager.reserve_token_pairs(pairs) while `group` (a _DecodeGroup) holds: when the
  * pairs name exactly the group's members in order (pairs[i] is a 2-tuple and pairs[i][0] ==
  * ids[i]) and the pool has a block for each (len(free) + len(lru) >= len(pairs)), this is step
- * t = group.num_steps + 1: pairs[i][1] (or the placeholder when it is not None) is appended to
- * token_lists[i], the members opening a block this step (by_fill[(1 - t) % block_size]) take
+ * t = group.num_steps + 1: pairs[i][1] is appended to token_lists[i] (unless keep_ids is
+ * False: then the step count holds the new tokens), the members opening a block this step (by_fill[(1 - t) % block_size]) take
  * the next free block each when the free list holds enough (else none does: they evict, in
  * Python), and group.num_steps becomes t. Returns the members still to open (an empty list,
  * or all of them), or None, having changed nothing, when the pairs do not fit the group. */
 static PyObject *step_pairs(PyObject *self, PyObject *args)
 {
-    PyObject *group, *pairs, *free, *refcount, *lru, *placeholder;
-    if (!PyArg_ParseTuple(args, "OOOOOO", &group, &pairs, &free, &refcount, &lru, &placeholder))
+    PyObject *group, *pairs, *free, *refcount, *lru;
+    int keep_ids;
+    if (!PyArg_ParseTuple(args, "OOOOOp", &group, &pairs, &free, &refcount, &lru, &keep_ids))
         return NULL;
     if (check_list(free, "free") || check_list(refcount, "refcount"))
         return NULL;
@@ -673,10 +675,9 @@ static PyObject *step_pairs(PyObject *self, PyObject *args)
             goto done;
         }
     }
-    for (Py_ssize_t i = 0; i < n; i++) {
+    for (Py_ssize_t i = 0; keep_ids && i < n; i++) {
         PyObject *lst = PyList_GET_ITEM(token_lists, i);
-        PyObject *token = placeholder == Py_None ? PyTuple_GET_ITEM(items[i], 1) : placeholder;
-        if (!PyList_Check(lst) || PyList_Append(lst, token) < 0) {
+        if (!PyList_Check(lst) || PyList_Append(lst, PyTuple_GET_ITEM(items[i], 1)) < 0) {
             if (!PyErr_Occurred())
                 PyErr_SetString(PyExc_TypeError, "token_lists must hold lists");
             goto done;

@@ -118,6 +118,8 @@ def state(m: KVCacheManager) -> tuple:
             s.scores,
             s.num_dropped_tokens,
             s.num_elided_tokens,
+            s.cache_len,
+            s.decode_group is m._group,
             s.simple,
             s.chain_intact,
         )
