@@ -49,7 +49,7 @@ from ..protos import bulk
 from ..protos.bulk import Frame, ProtocolError
 from ..protos.errors import CapacityExceeded, InvalidArgument, PagedKVError
 from ..protos.status import status_for
-from ..protos.tensors import DTYPE_NAMES, TORCH_DTYPES, tokens_per_chunk
+from ..protos.tensors import DTYPE_NAMES, TORCH_DTYPES, tensor_at, tokens_per_chunk
 from .engine import CacheEngine
 from .metrics import NodeMetrics
 from .shm import Region, local_listener, map_region, write_results
@@ -116,6 +116,9 @@ class BulkServer:
     ) -> None:
         self.engine = engine
         self.metrics = metrics  # the per-step calls are recorded under their rpc's name
+        self._latency = {  # the labelled histograms, looked up once (labels() locks and validates)
+            m: metrics.rpc_latency.labels(m) for m in ("Attend", "AttendPrefillBatch") if metrics is not None
+        }
         self._sock = socket.create_server((host, port), family=_family(host), backlog=max_connections)
         self.port: int = self._sock.getsockname()[1]
         # The same-host listener (HELLO names it; "" = none): off with local=False or off Linux.
@@ -316,7 +319,7 @@ class BulkServer:
             return None
         finally:
             if self.metrics is not None:
-                self.metrics.rpc_latency.labels(method).observe(time.perf_counter() - start)
+                self._latency[method].observe(time.perf_counter() - start)
         mass = out.block_mass if call.want_mass else None
         return [t.detach().to("cpu").contiguous() for t in (out.out, out.lse, mass) if t is not None]
 
@@ -665,7 +668,7 @@ def _parse_call(op: int, data: torch.Tensor) -> _Call:
         tdtype = TORCH_DTYPES[dtype]
         nbytes = math.prod(shape) * tdtype.itemsize
         need(at, nbytes, f"{name} {list(shape)} {dtype}")
-        views.append(_tensor_at(mv, at, tdtype, shape))
+        views.append(tensor_at(mv, at, tdtype, shape))
         at += nbytes
     if at != size:
         raise InvalidArgument(f"bulk call: {size} body bytes, its sections take {at}")
@@ -695,20 +698,6 @@ def _seq_ids(mv: memoryview, at: int, num_seqs: int, ids_len: int) -> list[str]:
         return [raw[a:b].decode("utf-8") for a, b in zip(starts, ends, strict=True)]
     except UnicodeDecodeError as exc:
         raise InvalidArgument(f"bulk call: a sequence id is not UTF-8: {exc}") from None
-
-
-# numpy views are several times cheaper to make than torch slices (a few per call); bfloat16,
-# which numpy lacks, as int16 viewed back
-_NUMPY_OF = {
-    d: torch.empty(0, dtype=torch.int16 if d == torch.bfloat16 else d).numpy().dtype
-    for d in TORCH_DTYPES.values()
-}
-
-
-def _tensor_at(mv: memoryview, at: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-    """A tensor of dtype and shape over mv's bytes from `at` (in bounds: the caller checked)."""
-    t = torch.from_numpy(np.frombuffer(mv, _NUMPY_OF[dtype], math.prod(shape), at).reshape(shape))
-    return t if t.dtype == dtype else t.view(dtype)
 
 
 def _decode_destination(q: torch.Tensor, area: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:

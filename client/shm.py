@@ -93,18 +93,16 @@ class LocalConnection:
         self.ensure(max(self.size + 1, 2 * num_bytes), request_id)  # a new region: no lease in it
         return 0
 
-    def results(self, at: int, num_bytes: int) -> torch.Tensor:
-        """region[at, at + num_bytes) for results: a view, leasing the span, when no
-        other lease is alive; else a copy (one memcpy on this thread)."""
+    def results(self, at: int, num_bytes: int) -> np.ndarray:
+        """region[at, at + num_bytes) for results, as uint8: a view, leasing the span
+        while it (or any array or tensor made from it) is alive, when no other lease
+        is; else a copy (one memcpy on this thread)."""
         if self._live_lease() is None and self._map is not None:
             arr = np.frombuffer(self._map, np.uint8, num_bytes, at)
             self._lease = (weakref.ref(arr), at, at + num_bytes)
             self.num_leased += 1
-            return torch.from_numpy(arr)
-        buf = torch.empty(num_bytes, dtype=torch.uint8)
-        if num_bytes:
-            buf.numpy()[:] = self.region[at : at + num_bytes].numpy()
-        return buf
+            return arr
+        return self.region.numpy()[at : at + num_bytes].copy()
 
     def _live_lease(self) -> tuple[int, int] | None:
         if self._lease is None:
@@ -206,7 +204,7 @@ def read_placed(conn: LocalConnection, out_at: int, out_len: int, reply_head: by
     if at > out_len:
         raise ProtocolError(f"attend results of {at} bytes overrun the {out_len}-byte area")
     buf = conn.results(out_at, at)
-    outs = [buf[a : a + n].view(tdtype).view(shape) for tdtype, shape, a, n in spans]
+    outs = [tensors.tensor_at(buf, a, tdtype, shape) for tdtype, shape, a, _ in spans]
     return AttentionResult(outs[0], outs[1], outs[2] if num == 3 else None)
 
 
