@@ -190,8 +190,8 @@ class _DecodeGroup:
         self.token_lists = list(map(_TOKENS, batch))
         # by_fill[r]: indices of the members whose length % block_size was r when the group formed.
         self.by_fill: list[list[int]] = [[] for _ in range(block_size)]
-        for i, length in enumerate(s.num_tokens for s in batch):
-            self.by_fill[length % block_size].append(i)
+        for i, seq in enumerate(batch):  # num_tokens, no group counting them yet
+            self.by_fill[(len(seq.tokens) + seq.num_elided_tokens) % block_size].append(i)
         self.num_steps = 0
 
 
@@ -742,7 +742,7 @@ class KVCacheManager:
                 if left or self.enable_prefix_caching:  # else nothing is left to do
                     self._finish_step(group, group.num_steps, left)
                 return
-        if any(len(pair) != 2 for pair in pairs):
+        if any(map((2).__ne__, map(len, pairs))):
             raise InvalidArgument("a decode step's pairs must each be (seq_id, token)")
         seq_ids, token_ids = tuple(map(itemgetter(0), pairs)), tuple(map(itemgetter(1), pairs))
         self._reserve_step(seq_ids, token_ids)
@@ -988,7 +988,8 @@ class KVCacheManager:
         seq = self.seqs.pop(seq_id, None)
         if seq is None:
             raise SequenceNotFound(seq_id)
-        self._drop_group()
+        if self._group is not None:
+            self._drop_group()
         if seq.host_table is not None:
             self._num_swapped -= 1
             self.host.free_tail_first(seq.host_table)
