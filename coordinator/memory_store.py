@@ -207,11 +207,14 @@ class MemoryStore(Store):
             raise InvalidArgument(f"expected a NewSequence, got {type(new).__name__}")
         with self._lock:
             live = [c for c in new.candidates if self._is_live(c.node_id)]
-            counts = self._match([c.node_id for c in live], new.key_list())
+            keys = new.key_list()
+            counts = self._match([c.node_id for c in live], keys)
             candidates = [
                 NodeCandidate(c.node_id, counts[c.node_id], c.free_blocks, c.total_blocks) for c in live
             ]
-            placement = place(candidates, new.num_blocks, new.block_size, new.weights)
+            placement = place(
+                candidates, new.num_blocks, new.block_size, new.weights, keys[0] if keys else b""
+            )
             used = self._usage.get(new.tenant, 0)
             if new.quota is not None and used + new.num_blocks > new.quota:
                 raise QuotaExceeded(new.tenant, requested=new.num_blocks, quota=new.quota, used=used)

@@ -13,8 +13,12 @@ With the defaults (1.0, 1.0) one cached block outweighs any difference in load,
 so the longest cached prefix wins and load only breaks ties between equal
 prefixes; raise load_weight to trade cache hits for balance (load_weight = 8:
 an idle node beats a full one unless the full one caches 8 more blocks).
-Remaining ties go to the smallest node_id, so every coordinator replica picks
-the same node for the same inputs.
+Remaining ties (equally loaded nodes caching none of the prompt: a new system
+prompt on an idle cluster) go by rendezvous hashing: to the node whose
+sha1(tie_key + node_id) is smallest, tie_key being the prompt's first block key.
+Every coordinator replica picks the same node for the same inputs, prompts that
+start alike land together (their prefix will be cached there), and different
+prompts spread over the nodes instead of all going to the smallest node id.
 
 A node whose free blocks cannot hold `new` is never chosen (it is listed in
 `rejected`); if no node can, CapacityExceeded names the need.
@@ -26,6 +30,7 @@ it inside Redis (match, place and write in one round trip), and a property test
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -90,8 +95,11 @@ def place(
     num_blocks_needed: int,
     block_size: int,
     weights: PlacementWeights | None = None,
+    tie_key: bytes = b"",
 ) -> Placement:
-    """Choose the node for a sequence needing `num_blocks_needed` blocks in all.
+    """Choose the node for a sequence needing `num_blocks_needed` blocks in all;
+    tie_key (the prompt's first block key, b"" for a prompt under one block) orders
+    equal scores (see the module docstring).
 
     Raises Unavailable if there are no candidates (no live node), CapacityExceeded
     if none can hold its uncached remainder, InvalidArgument on bad input. Pure.
@@ -108,7 +116,7 @@ def place(
 
     scores: dict[str, float] = {}
     rejected: list[str] = []
-    best: tuple[float, str] | None = None
+    best: tuple[tuple[float, str], str] | None = None
     for c in candidates:
         cached = min(c.cached_blocks, num_blocks_needed)
         new = num_blocks_needed - cached
@@ -118,9 +126,9 @@ def place(
         load = (c.used_blocks + new) / c.total_blocks if c.total_blocks else 1.0
         score = weights.overlap_weight * cached - weights.load_weight * load
         scores[c.node_id] = score
-        # Higher score first, then the smaller node id: deterministic across replicas.
-        if best is None or (-score, c.node_id) < (-best[0], best[1]):
-            best = (score, c.node_id)
+        rank = (-score, tie_rank(tie_key, c.node_id))  # deterministic across replicas
+        if best is None or rank < best[0]:
+            best = (rank, c.node_id)
 
     if best is None:
         need = min(num_blocks_needed - min(c.cached_blocks, num_blocks_needed) for c in candidates)
@@ -135,6 +143,12 @@ def place(
         scores=scores,
         rejected=tuple(sorted(rejected)),
     )
+
+
+def tie_rank(tie_key: bytes, node_id: str) -> str:
+    """The rendezvous rank of node_id for tie_key (smaller wins a tie); the Redis
+    store's Lua port computes the same with redis.sha1hex."""
+    return hashlib.sha1(tie_key + node_id.encode()).hexdigest()
 
 
 def no_room(num_blocks_needed: int, fewest_uncached: int, most_free: int) -> CapacityExceeded:

@@ -238,7 +238,7 @@ return out
 # Returns {1, node, cached, {node, score, ...}, {rejected...}} | {0} (no live candidate)
 #       | {-1, fewest uncached, most free} (no room) | {-2, used} (quota) | {-3} (id taken).
 # Scores travel as %.17g strings (Redis truncates Lua numbers to integers), which parse back
-# to the same doubles; ties keep the first candidate, i.e. the smallest node id, as place().
+# to the same doubles; ties go to the smallest sha1hex(first key .. node id), as place()'s tie_rank.
 _OPEN_SEQ = (
     _MATCH
     + """
@@ -246,7 +246,8 @@ local P, s, tenant = ARGV[1], ARGV[2], ARGV[3]
 local need = tonumber(ARGV[5])
 local ow, lw = tonumber(ARGV[6]), tonumber(ARGV[7])
 local keys = split_keys(ARGV[9])
-local best, best_score, best_cached
+local tie = keys[1] or ''
+local best, best_score, best_rank, best_cached
 local scores, rejected = {}, {}
 local live, fewest_new, most_free = 0, nil, 0
 for j = 10, #ARGV, 3 do
@@ -265,7 +266,10 @@ for j = 10, #ARGV, 3 do
       if total > 0 then load = (total - free + new) / total end
       local score = ow * cached - lw * load
       scores[#scores + 1] = id; scores[#scores + 1] = string.format('%.17g', score)
-      if best == nil or score > best_score then best, best_score, best_cached = id, score, cached end
+      local rank = redis.sha1hex(tie .. id)
+      if best == nil or score > best_score or (score == best_score and rank < best_rank) then
+        best, best_score, best_rank, best_cached = id, score, rank, cached
+      end
     end
   end
 end

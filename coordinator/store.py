@@ -130,7 +130,8 @@ class Store(ABC):
         1. match: each candidate that is live gets its leading cached blocks of
            new.keys, exactly as match_prefix counts them; the others are skipped.
         2. place: placement.place(those candidates with their room, new.num_blocks,
-           new.block_size, new.weights): the same node, cached blocks, scores and
+           new.block_size, new.weights, the first of new.keys or b"" as tie_key):
+           the same node, cached blocks, scores and
            rejected list; Unavailable when no candidate is live, CapacityExceeded
            (requested = fewest uncached blocks, available = most free) when none
            has room.

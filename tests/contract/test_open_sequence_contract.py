@@ -12,10 +12,11 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 
 import pytest
 
-from pagedkv.coordinator.placement import PlacementWeights
+from pagedkv.coordinator.placement import PlacementWeights, tie_rank
 from pagedkv.coordinator.records import Extent, NewSequence, NodeRoom, SequenceExists
 from pagedkv.coordinator.store import Store, open_store
 from pagedkv.protos.errors import CapacityExceeded, InvalidArgument, QuotaExceeded, Unavailable
@@ -85,16 +86,26 @@ def test_the_longest_cached_prefix_wins_and_the_page_table_is_written(store: Sto
     assert store.sequences_of_node("n1") == []
 
 
-def test_load_breaks_ties_and_exact_ties_go_to_the_smallest_id(store: Store) -> None:
+def test_load_breaks_ties_and_exact_ties_go_by_rendezvous_rank(store: Store) -> None:
     register(store, "n1", "n2", "n3")
-    # Nothing cached anywhere: the emptiest node wins; equal rooms: the smallest id.
+    # Nothing cached anywhere: the emptiest nodes win; between equal rooms, the smaller
+    # sha1(first key + node id) (placement.tie_rank), whichever order the rooms come in.
     rooms = (NodeRoom("n3", 90, 100), NodeRoom("n2", 90, 100), NodeRoom("n1", 20, 100))
-    assert store.open_sequence(new("a", rooms=rooms)).node_id == "n2"
+
+    def winner(first_key: bytes) -> str:
+        return min(("n2", "n3"), key=lambda n: tie_rank(first_key, n))
+
+    for first in (1, 2, 3):  # prompts whose first blocks differ
+        prompt = b"".join(key(i) for i in range(first, first + 6))
+        for i, order in enumerate((rooms, rooms[::-1])):
+            opened = store.open_sequence(replace(new(f"t{first}.{i}", rooms=order), keys=prompt))
+            assert opened.node_id == winner(key(first))
+    assert store.open_sequence(new("a", rooms=rooms)).node_id == winner(key(1))
     # The load weight can make an idle node beat a cached prefix.
     store.apply_events("n1", [key(1), key(2)], [])
     heavy = PlacementWeights(load_weight=8.0)
     assert store.open_sequence(new("b", num_keys=2, rooms=rooms)).node_id == "n1"
-    assert store.open_sequence(new("c", num_keys=2, rooms=rooms, weights=heavy)).node_id == "n2"
+    assert store.open_sequence(new("c", num_keys=2, rooms=rooms, weights=heavy)).node_id == winner(key(1))
 
 
 def test_candidates_that_are_not_live_are_skipped(store: Store) -> None:

@@ -28,8 +28,8 @@ BLOCK = 4
 MAX_KEYS = 12
 KEYS = [i.to_bytes(16, "big") for i in range(1, MAX_KEYS + 1)]
 
-# Node ids whose byte order, length order and case order disagree: ties must go to Python's
-# smallest id whatever Redis's locale would say.
+# Node ids whose byte order, length order and case order disagree (and one not ASCII): ties must
+# go to the same rendezvous rank (sha1 of the first key and the id's UTF-8) in Lua as in Python.
 NODE_IDS = ["n1", "n2", "n10", "N3", "a", "b-0", "\u00e9t\u00e9", "z"]
 
 
@@ -67,7 +67,9 @@ def expected(sc: dict[str, Any]) -> tuple[str, Any]:
         NodeCandidate(n["id"], min(n["cached"], sc["num_keys"]), n["free"], n["total"]) for n in live
     ]
     try:
-        placement = place(candidates, sc["num_blocks"], BLOCK, sc["weights"])
+        placement = place(
+            candidates, sc["num_blocks"], BLOCK, sc["weights"], KEYS[0] if sc["num_keys"] else b""
+        )
     except Unavailable:
         return "Unavailable", None
     except CapacityExceeded as e:

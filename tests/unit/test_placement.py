@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+
 import pytest
 
 from pagedkv.coordinator.placement import NodeCandidate, Placement, PlacementWeights, place
@@ -54,10 +56,21 @@ def test_cached_blocks_beyond_the_need_are_capped() -> None:
     assert (result.cached_blocks, result.new_blocks) == (3, 0)
 
 
-def test_exact_ties_go_to_the_smallest_node_id_whatever_the_order() -> None:
+def test_exact_ties_go_by_rendezvous_hash_of_the_first_key_whatever_the_order() -> None:
     nodes = [node("n3", 1, 50), node("n1", 1, 50), node("n2", 1, 50)]
-    assert place(nodes, 2, BLOCK).node_id == "n1"
-    assert place(list(reversed(nodes)), 2, BLOCK).node_id == "n1"
+    for key in (b"", bytes(16), b"\x01" * 16):
+        want = min(("n1", "n2", "n3"), key=lambda n: hashlib.sha1(key + n.encode()).hexdigest())
+        assert place(nodes, 2, BLOCK, tie_key=key).node_id == want
+        assert place(list(reversed(nodes)), 2, BLOCK, tie_key=key).node_id == want
+
+
+def test_new_prompts_spread_over_idle_nodes() -> None:
+    """Equally loaded nodes caching nothing: distinct first keys go to different nodes
+    (not all to the smallest id), and the same key always to the same one."""
+    nodes = [node(f"node-{i}", 0, 100) for i in range(4)]
+    chosen = [place(nodes, 4, BLOCK, tie_key=i.to_bytes(16, "big")).node_id for i in range(64)]
+    assert len(set(chosen)) == 4 and max(chosen.count(n) for n in set(chosen)) < 32
+    assert chosen == [place(nodes[::-1], 4, BLOCK, tie_key=i.to_bytes(16, "big")).node_id for i in range(64)]
 
 
 def test_nothing_fits_raises_capacity_exceeded_naming_the_need() -> None:
