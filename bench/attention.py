@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from bench import plots
 from pagedkv.cache_node import attention
 from pagedkv.cache_node.attention import kernel_info, paged_decode
 
@@ -271,14 +272,11 @@ def findings(report: dict) -> str:
 
 
 def plot(report: dict, path: Path) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        from matplotlib.ticker import FormatStrFormatter
-    except ImportError:
+    plt = plots.pyplot()
+    if plt is None:
         return False
+    from matplotlib.ticker import FormatStrFormatter
+
     rows = report["shapes"]
     labels = [f"L={r['seq_len']}\n{'MHA' if r['baseline'] == 'sdpa' else 'GQA'}" for r in rows]
     fig, ax = plt.subplots(figsize=(10, 4.5))
@@ -295,11 +293,7 @@ def plot(report: dict, path: Path) -> bool:
     ax.yaxis.set_minor_formatter(FormatStrFormatter("%.1f"))
     ax.set_title("Paged decode attention, fp32, B=8, Hq=32, D=128, block 16 (lower is better)")
     ax.legend(fontsize=8, ncol=3)
-    fig.tight_layout()
-    tmp = path.with_suffix(".png.tmp")
-    fig.savefig(tmp, format="png", dpi=110)
-    plt.close(fig)
-    os.replace(tmp, path)
+    plots.save(fig, path)
     return True
 
 

@@ -24,6 +24,8 @@ import sys
 import time
 from pathlib import Path
 
+from bench import plots
+
 ROOT = Path(__file__).resolve().parents[1]
 PEERS = Path(os.environ.get("PAGEDKV_PEERS", ROOT.parent / "shared" / "peers"))
 VENV = Path(os.environ.get("PEERS_VENV", "/tmp/peers/venv"))
@@ -110,11 +112,9 @@ def markdown(summary: dict, meta: dict) -> str:
 
 
 def plot(summary: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = plots.pyplot()
+    if plt is None:
+        return
     workloads = sorted(summary)
     adapters = sorted({a for w in summary.values() for a in w})
     fig, ax = plt.subplots(figsize=(9, 4))
@@ -125,9 +125,7 @@ def plot(summary: dict, path: Path) -> None:
     ax.set_xticks([x + width * (len(adapters) - 1) / 2 for x in range(len(workloads))], workloads)
     ax.set(ylabel="k ops/s (median)", title="Block-manager throughput, one run side by side")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    plots.save(fig, path)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -48,6 +48,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from bench import plots
+
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # before torch: see pagedkv/cli.py
 
 import torch  # noqa: E402
@@ -513,12 +515,8 @@ def plot(r: dict[str, Any], path: Path) -> bool:
     """Left: each channel path's transport per attend (call - handler) and its refused
     request, in gRPC Pings, per batch, with the 1.3x goal. Right: transfer GB/s per path
     against the loopback socket. False without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = plots.pyplot()
+    if plt is None:
         return False
     lat, ping = r["latency"], r["latency"]["ping"]["p50_ms"]
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
@@ -550,11 +548,7 @@ def plot(r: dict[str, Any], path: Path) -> bool:
         right.legend(fontsize=8)
     else:
         right.set_axis_off()
-    fig.tight_layout()
-    tmp = path.with_suffix(".png.tmp")
-    fig.savefig(tmp, format="png", dpi=110)
-    plt.close(fig)
-    os.replace(tmp, path)
+    plots.save(fig, path)
     return True
 
 

@@ -51,6 +51,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
+from bench import plots
 from pagedkv.cache_node.engine import CacheEngine, EngineConfig
 from pagedkv.cache_node.server import create_server
 from pagedkv.client import ClientConfig
@@ -443,12 +444,8 @@ PLOTTED = [  # (ttft_ms key, label)
 
 def plot(r: dict, path: Path) -> bool:
     """TTFT / local recompute per model and path, with the goal line; False without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = plots.pyplot()
+    if plt is None:
         return False
     models = list(r["models"].items())
     fig, ax = plt.subplots(figsize=(10, 4.5))
@@ -468,11 +465,7 @@ def plot(r: dict, path: Path) -> bool:
         "(lower is better)"
     )
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    tmp = path.with_suffix(".png.tmp")
-    fig.savefig(tmp, format="png", dpi=110)
-    plt.close(fig)
-    os.replace(tmp, path)
+    plots.save(fig, path)
     return True
 
 
