@@ -45,6 +45,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from itertools import repeat
 from operator import attrgetter, itemgetter
+from types import ModuleType
 from typing import NamedTuple, Protocol
 
 from ..protos.errors import (
@@ -183,16 +184,31 @@ class _DecodeGroup:
 
     __slots__ = ("ids", "members", "batch", "token_lists", "by_fill", "num_steps")
 
-    def __init__(self, ids: tuple[str, ...], batch: list[Sequence], block_size: int) -> None:
+    def __init__(
+        self,
+        ids: tuple[str, ...],
+        batch: list[Sequence],
+        block_size: int,
+        core: ModuleType | None,
+        counts: bool,
+    ) -> None:
+        """`counts`: the group counts its members' decoded tokens (no prefix caching): each
+        member's decode_group becomes this group. `core`: the compiled loops, or None."""
         self.ids = ids
         self.members = frozenset(ids)
         self.batch = batch
         self.token_lists = list(map(_TOKENS, batch))
+        self.num_steps = 0
         # by_fill[r]: indices of the members whose length % block_size was r when the group formed.
-        self.by_fill: list[list[int]] = [[] for _ in range(block_size)]
+        if core is not None:  # the loop below, in C
+            self.by_fill: list[list[int]] = core.group_fills(batch, block_size, self if counts else None)
+            return
+        self.by_fill = [[] for _ in range(block_size)]
         for i, seq in enumerate(batch):  # num_tokens, no group counting them yet
             self.by_fill[(len(seq.tokens) + seq.num_elided_tokens) % block_size].append(i)
-        self.num_steps = 0
+        if counts:
+            for seq in batch:
+                seq.decode_group = self
 
 
 @dataclass
@@ -744,7 +760,7 @@ class KVCacheManager:
                 return
         if any(map((2).__ne__, map(len, pairs))):
             raise InvalidArgument("a decode step's pairs must each be (seq_id, token)")
-        seq_ids, token_ids = tuple(map(itemgetter(0), pairs)), tuple(map(itemgetter(1), pairs))
+        seq_ids, token_ids = zip(*pairs, strict=True) if pairs else ((), ())  # the two columns, as tuples
         self._reserve_step(seq_ids, token_ids)
 
     def _reserve_step(self, seq_ids: Seq[str], token_ids: Seq[int]) -> list[Sequence]:
@@ -776,10 +792,7 @@ class KVCacheManager:
         bs = self.block_size
         self._drop_group()
         if bs > 1 and all(map(_IS_SIMPLE, batch)):
-            self._group = group = _DecodeGroup(ids, batch, bs)
-            if not self.enable_prefix_caching:  # the group counts their decoded tokens
-                for seq in batch:
-                    seq.decode_group = group
+            self._group = group = _DecodeGroup(ids, batch, bs, self._core, not self.enable_prefix_caching)
             self._step_group(group, token_ids)
             return batch
         # copy-on-write, a budget, or one-token blocks: one append per sequence

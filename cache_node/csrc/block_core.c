@@ -18,7 +18,7 @@
 #define ABI_VERSION 8
 
 static PyObject *s_table, *s_keys, *s_scores, *s_tokens, *s_num_dropped_tokens, *s_simple; /* attribute names */
-static PyObject *s_root, *s_hint, *s_chain_intact, *s_num_elided_tokens;
+static PyObject *s_root, *s_hint, *s_chain_intact, *s_num_elided_tokens, *s_decode_group;
 static PyObject *zero_float;                  /* 0.0, the score of a new block */
 static PyObject *one_long;
 
@@ -74,6 +74,15 @@ static PyObject *forget_key(PyObject *block, PyObject *key_of, PyObject *block_o
     }
     list_store(key_of, i, Py_None);
     return key;
+}
+
+/* A METH_FASTCALL function's argument count (the hot paths skip PyArg_ParseTuple's format parsing). */
+static int check_nargs(const char *name, Py_ssize_t nargs, Py_ssize_t want)
+{
+    if (nargs == want)
+        return 0;
+    PyErr_Format(PyExc_TypeError, "%s() takes %zd arguments (%zd given)", name, want, nargs);
+    return -1;
 }
 
 static int check_list(PyObject *o, const char *what)
@@ -448,13 +457,19 @@ fail:
  * list when unkeyed, else to the LRU's young end unless pinned. Returns None, or the
  * first block whose refcount was already 0 (the blocks before it were released; the
  * caller raises IntegrityError). */
-static PyObject *release(PyObject *self, PyObject *args)
+static PyObject *release(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    PyObject *blocks, *refcount, *key_of, *pins, *free, *lru;
-    int reverse;
-    if (!PyArg_ParseTuple(args, "OpOOO!OO", &blocks, &reverse, &refcount, &key_of, &PyDict_Type, &pins, &free,
-                          &lru))
+    if (check_nargs("release", nargs, 7))
         return NULL;
+    PyObject *blocks = args[0], *refcount = args[2], *key_of = args[3], *pins = args[4], *free = args[5];
+    PyObject *lru = args[6];
+    int reverse = PyObject_IsTrue(args[1]);
+    if (reverse < 0)
+        return NULL;
+    if (!PyDict_Check(pins)) {
+        PyErr_SetString(PyExc_TypeError, "pins must be a dict");
+        return NULL;
+    }
     if (check_list(refcount, "refcount") || check_list(key_of, "key_of") || check_list(free, "free"))
         return NULL;
     PyObject *seq = PySequence_Fast(blocks, "blocks must be a sequence");
@@ -616,11 +631,13 @@ static PyObject *s_ids, *s_token_lists, *s_batch, *s_by_fill, *s_num_steps; /* a
  * the next free block each when the free list holds enough (else none does: they evict, in
  * Python), and group.num_steps becomes t. Returns the members still to open (an empty list,
  * or all of them), or None, having changed nothing, when the pairs do not fit the group. */
-static PyObject *step_pairs(PyObject *self, PyObject *args)
+static PyObject *step_pairs(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    PyObject *group, *pairs, *free, *refcount, *lru;
-    int keep_ids;
-    if (!PyArg_ParseTuple(args, "OOOOOp", &group, &pairs, &free, &refcount, &lru, &keep_ids))
+    if (check_nargs("step_pairs", nargs, 6))
+        return NULL;
+    PyObject *group = args[0], *pairs = args[1], *free = args[2], *refcount = args[3], *lru = args[4];
+    int keep_ids = PyObject_IsTrue(args[5]);
+    if (keep_ids < 0)
         return NULL;
     if (check_list(free, "free") || check_list(refcount, "refcount"))
         return NULL;
@@ -712,12 +729,16 @@ done:
  * is returned. The
  * caller publishes the blocks that became full. Returns None, having changed nothing,
  * when the sequence's partial last block is shared or the free list is short. */
-static PyObject *prefill(PyObject *self, PyObject *args)
+static PyObject *prefill(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    PyObject *seq, *token_ids, *free, *refcount;
-    Py_ssize_t bs;
-    int keep_ids;
-    if (!PyArg_ParseTuple(args, "OOnOOp", &seq, &token_ids, &bs, &free, &refcount, &keep_ids))
+    if (check_nargs("prefill", nargs, 6))
+        return NULL;
+    PyObject *seq = args[0], *token_ids = args[1], *free = args[3], *refcount = args[4];
+    Py_ssize_t bs = PyLong_AsSsize_t(args[2]);
+    if (bs == -1 && PyErr_Occurred())
+        return NULL;
+    int keep_ids = PyObject_IsTrue(args[5]);
+    if (keep_ids < 0)
         return NULL;
     if (check_list(free, "free") || check_list(refcount, "refcount"))
         return NULL;
@@ -1146,16 +1167,71 @@ static PyObject *finish_step(PyObject *self, PyObject *args)
     return PyLong_FromLong(evictions);
 }
 
+/* group_fills(batch, block_size, group) -> list[list[int]]
+ *
+ * A new decode group's schedule (_DecodeGroup.by_fill): by_fill[r] lists, in order, the
+ * indices of the sequences of batch whose length (len(tokens) + num_elided_tokens: no group
+ * counts their tokens yet) is r modulo block_size. When group is not None (a manager without
+ * prefix caching) each sequence's decode_group becomes group, which counts its tokens from now. */
+static PyObject *group_fills(PyObject *self, PyObject *args)
+{
+    PyObject *batch, *group;
+    Py_ssize_t bs;
+    if (!PyArg_ParseTuple(args, "OnO", &batch, &bs, &group))
+        return NULL;
+    if (check_list(batch, "batch"))
+        return NULL;
+    if (bs <= 0) {
+        PyErr_SetString(PyExc_ValueError, "group_fills: block_size must be positive");
+        return NULL;
+    }
+    PyObject *by_fill = PyList_New(bs);
+    if (by_fill == NULL)
+        return NULL;
+    for (Py_ssize_t r = 0; r < bs; r++) {
+        PyObject *members = PyList_New(0);
+        if (members == NULL)
+            goto fail;
+        PyList_SET_ITEM(by_fill, r, members);
+    }
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(batch); i++) {
+        PyObject *seq = PyList_GET_ITEM(batch, i);
+        PyObject *tokens = PyObject_GetAttr(seq, s_tokens);
+        Py_ssize_t length = tokens == NULL ? -1 : PyObject_Length(tokens);
+        Py_XDECREF(tokens);
+        if (length < 0)
+            goto fail;
+        PyObject *elided = PyObject_GetAttr(seq, s_num_elided_tokens);
+        Py_ssize_t num_elided = elided == NULL ? -1 : PyLong_AsSsize_t(elided);
+        Py_XDECREF(elided);
+        if (num_elided == -1 && PyErr_Occurred())
+            goto fail;
+        PyObject *index = PyLong_FromSsize_t(i);
+        int r = index == NULL ? -1 : PyList_Append(PyList_GET_ITEM(by_fill, (length + num_elided) % bs), index);
+        Py_XDECREF(index);
+        if (r < 0)
+            goto fail;
+    }
+    for (Py_ssize_t i = 0; group != Py_None && i < PyList_GET_SIZE(batch); i++)
+        if (PyObject_SetAttr(PyList_GET_ITEM(batch, i), s_decode_group, group) < 0)
+            goto fail;
+    return by_fill;
+fail:
+    Py_DECREF(by_fill);
+    return NULL;
+}
+
 static PyMethodDef methods[] = {
+    {"group_fills", group_fills, METH_VARARGS, "A new decode group's schedule; see block_core.c."},
     {"finish_step", finish_step, METH_VARARGS, "KVCacheManager._finish_step without a host tier; see block_core.c."},
     {"set_chain", set_chain, METH_O, "Give the address of pagedkv_chain_keys; see block_core.c."},
     {"block_key", block_key, METH_VARARGS, "One block's key by the compiled chain; see block_core.c."},
     {"open_block", open_block, METH_VARARGS, "KVCacheManager._open_block() without a host tier; see block_core.c."},
-    {"prefill", prefill, METH_VARARGS, "KVCacheManager.reserve() without eviction or copy; see block_core.c."},
+    {"prefill", (PyCFunction)(void (*)(void))prefill, METH_FASTCALL, "KVCacheManager.reserve() without eviction or copy; see block_core.c."},
     {"take", take, METH_VARARGS, "BlockPool.take(n) with LRU eviction; see block_core.c."},
-    {"release", release, METH_VARARGS, "BlockPool.free(blocks) with the LRU policy; see block_core.c."},
+    {"release", (PyCFunction)(void (*)(void))release, METH_FASTCALL, "BlockPool.free(blocks) with the LRU policy; see block_core.c."},
     {"step", step, METH_VARARGS, "A decode group's step without eviction or publishing; see block_core.c."},
-    {"step_pairs", step_pairs, METH_VARARGS, "A decode group's step for (seq_id, token) pairs; see block_core.c."},
+    {"step_pairs", (PyCFunction)(void (*)(void))step_pairs, METH_FASTCALL, "A decode group's step for (seq_id, token) pairs; see block_core.c."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -1173,6 +1249,9 @@ PyMODINIT_FUNC PyInit__block_core(void)
     s_hint = PyUnicode_InternFromString("hint");
     s_chain_intact = PyUnicode_InternFromString("chain_intact");
     s_num_elided_tokens = PyUnicode_InternFromString("num_elided_tokens");
+    s_decode_group = PyUnicode_InternFromString("decode_group");
+    if (!s_decode_group)
+        return NULL;
     s_ids = PyUnicode_InternFromString("ids");
     s_token_lists = PyUnicode_InternFromString("token_lists");
     s_batch = PyUnicode_InternFromString("batch");

@@ -67,6 +67,10 @@ class CountingCore:
         self.counts["finish_step" if evicted is not None else "finish_step:declined"] += 1
         return evicted  # type: ignore[no-any-return]
 
+    def group_fills(self, *args: Any) -> list[list[int]]:
+        self.counts["group_fills"] += 1
+        return self._m.group_fills(*args)  # type: ignore[no-any-return]
+
     def step(self, *args: Any) -> bool:
         done = self._m.step(*args)
         self.counts["step" if done else "step:declined"] += 1
@@ -216,6 +220,7 @@ def test_large_pool_decode_groups_agree(seed: int) -> None:
         assert sides[0].stats()["device_evictions"] > 0 or not caching
         # The compiled pairs step really ran, and declined (changing nothing) when the batch changed.
         assert counts["step_pairs"] > 500 and counts["step_pairs:declined"] > 20, counts
+        assert counts["group_fills"] > 20, counts
         # Without prefix caching the ids are only counted (and the pure path counts alike: state()).
         elided = sum(s.num_elided_tokens for s in sides[2].seqs.values())
         assert (elided > 0) != caching, elided

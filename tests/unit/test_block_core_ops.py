@@ -148,7 +148,7 @@ def test_random_operations_agree_step_by_step(caching: bool, policy: str, num_ho
         run.step()
     if core is not None and policy == "lru":  # the compiled paths really ran (LFU keeps the Python loops)
         assert counts["step_pairs"] > 50 and counts["step_pairs:declined"] > 20, counts
-        assert counts["prefill"] > 50 and counts["release"] > 50, counts
+        assert counts["prefill"] > 50 and counts["release"] > 50 and counts["group_fills"] > 20, counts
     stats = run.sides[0].stats()
     assert stats["device_evictions"] > 0 or not caching, stats
     if num_host_blocks:
