@@ -535,9 +535,9 @@ static int open_blocks(PyObject *batch, PyObject *opened, PyObject *free, PyObje
  *
  * The decode group's step for members that need no Python: token_lists[i].append(
  * token_ids[i]) for every member (unless keep_ids is False, a manager without prefix
- * caching: then the group's step count holds the new tokens), then each member listed in `opened` (indices into
- * batch, in order) takes the next free block: refcount 1, appended to its table, a
- * None key and a 0.0 score. Returns False, changing nothing, when the free list holds
+ * caching: then the group's step count holds the new tokens), then each member listed
+ * in `opened` (indices into batch, in order) takes the next free block: refcount 1,
+ * appended to its table, a None key and a 0.0 score. Returns False, changing nothing, when the free list holds
  * fewer blocks than `opened` needs (the caller takes the general path, which evicts). */
 static PyObject *step(PyObject *self, PyObject *args)
 {
@@ -627,10 +627,11 @@ static PyObject *s_ids, *s_token_lists, *s_batch, *s_by_fill, *s_num_steps; /* a
  * pairs name exactly the group's members in order (pairs[i] is a 2-tuple and pairs[i][0] ==
  * ids[i]) and the pool has a block for each (len(free) + len(lru) >= len(pairs)), this is step
  * t = group.num_steps + 1: pairs[i][1] is appended to token_lists[i] (unless keep_ids is
- * False: then the step count holds the new tokens), the members opening a block this step (by_fill[(1 - t) % block_size]) take
- * the next free block each when the free list holds enough (else none does: they evict, in
- * Python), and group.num_steps becomes t. Returns the members still to open (an empty list,
- * or all of them), or None, having changed nothing, when the pairs do not fit the group. */
+ * False: then the step count holds the new tokens), the members opening a block this step
+ * (by_fill[(1 - t) % block_size]) take the next free block each when the free list holds
+ * enough (else none does: they evict, in Python), and group.num_steps becomes t. Returns the
+ * members still to open (an empty list, or all of them), or None, having changed nothing,
+ * when the pairs do not fit the group. */
 static PyObject *step_pairs(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     if (check_nargs("step_pairs", nargs, 6))
@@ -1227,11 +1228,14 @@ static PyMethodDef methods[] = {
     {"set_chain", set_chain, METH_O, "Give the address of pagedkv_chain_keys; see block_core.c."},
     {"block_key", block_key, METH_VARARGS, "One block's key by the compiled chain; see block_core.c."},
     {"open_block", open_block, METH_VARARGS, "KVCacheManager._open_block() without a host tier; see block_core.c."},
-    {"prefill", (PyCFunction)(void (*)(void))prefill, METH_FASTCALL, "KVCacheManager.reserve() without eviction or copy; see block_core.c."},
+    {"prefill", (PyCFunction)(void (*)(void))prefill, METH_FASTCALL,
+     "KVCacheManager.reserve() without eviction or copy; see block_core.c."},
     {"take", take, METH_VARARGS, "BlockPool.take(n) with LRU eviction; see block_core.c."},
-    {"release", (PyCFunction)(void (*)(void))release, METH_FASTCALL, "BlockPool.free(blocks) with the LRU policy; see block_core.c."},
+    {"release", (PyCFunction)(void (*)(void))release, METH_FASTCALL,
+     "BlockPool.free(blocks) with the LRU policy; see block_core.c."},
     {"step", step, METH_VARARGS, "A decode group's step without eviction or publishing; see block_core.c."},
-    {"step_pairs", (PyCFunction)(void (*)(void))step_pairs, METH_FASTCALL, "A decode group's step for (seq_id, token) pairs; see block_core.c."},
+    {"step_pairs", (PyCFunction)(void (*)(void))step_pairs, METH_FASTCALL,
+     "A decode group's step for (seq_id, token) pairs; see block_core.c."},
     {NULL, NULL, 0, NULL},
 };
 
