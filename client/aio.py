@@ -27,7 +27,16 @@ from .config import ClientConfig
 from .control import AsyncNodeControl
 from .data import AsyncNodeData
 from .routing import AsyncCoordinatorRouting, AsyncDirectRouting
-from .sync import BatchPart, PrefillPart, _as_batch, _gather_rows, _squeeze, split_batch, split_prefill_batch
+from .sync import (
+    BatchPart,
+    PrefillPart,
+    _as_batch,
+    _gather_rows,
+    _squeeze,
+    check_counts,
+    split_batch,
+    split_prefill_batch,
+)
 from .types import AttentionResult, ClusterStats, NodeStats, Route
 
 
@@ -249,6 +258,11 @@ class AsyncCacheClient:
         timeout_s: float | None = None,
     ) -> AttentionResult:
         """One decode step of one layer for a batch; one RPC per node, all nodes concurrently."""
+        if isinstance(self.routing, AsyncDirectRouting):  # one node: nothing to route or split
+            ids = [s.seq_id if isinstance(s, AsyncSequence) else s for s in seqs]
+            return await self.data.attend(
+                ids, layer, q, k, v, token_ids, return_block_mass=return_block_mass, timeout_s=timeout_s
+            )
         split = split_batch(await self._where(seqs, timeout_s), q, k, v, token_ids)
 
         async def one(p: BatchPart) -> tuple[list[int], AttentionResult]:
@@ -274,6 +288,11 @@ class AsyncCacheClient:
     ) -> AttentionResult:
         """Prefill of B sequences at one layer (see CacheClient.attend_prefill_batch); one RPC per
         node, all nodes concurrently."""
+        if isinstance(self.routing, AsyncDirectRouting):
+            check_counts(num_tokens, len(seqs))
+            ids = [s.seq_id if isinstance(s, AsyncSequence) else s for s in seqs]
+            return await self.data.attend_prefill_batch(ids, layer, num_tokens, q, k, v, token_ids,
+                                                        timeout_s=timeout_s)  # fmt: skip
         where = await self._where(seqs, timeout_s)
 
         async def one(p: PrefillPart) -> tuple[list[int], AttentionResult]:
