@@ -114,6 +114,7 @@ class HeldBlocks:
 
 _NO_HIT = OpenResult(0, 0)
 _NO_EVENTS = EventBatch((), ())
+_PAIR_LENGTH = frozenset((2,))  # a decode step's (seq_id, token) pairs
 _NO_MEMBERS: list[int] = []  # a decode step that opens no block here (never mutated)
 # Runs an iterator of side effects to its end, in C.
 _consume: Callable[[Iterable[object]], None] = deque[object](maxlen=0).extend
@@ -187,6 +188,7 @@ class _DecodeGroup:
     def __init__(
         self,
         ids: tuple[str, ...],
+        members: frozenset[str],
         batch: list[Sequence],
         block_size: int,
         core: ModuleType | None,
@@ -195,7 +197,7 @@ class _DecodeGroup:
         """`counts`: the group counts its members' decoded tokens (no prefix caching): each
         member's decode_group becomes this group. `core`: the compiled loops, or None."""
         self.ids = ids
-        self.members = frozenset(ids)
+        self.members = members  # frozenset(ids)
         self.batch = batch
         self.token_lists = list(map(_TOKENS, batch))
         self.num_steps = 0
@@ -758,7 +760,7 @@ class KVCacheManager:
                 if left or self.enable_prefix_caching:  # else nothing is left to do
                     self._finish_step(group, group.num_steps, left)
                 return
-        if any(map((2).__ne__, map(len, pairs))):
+        if not _PAIR_LENGTH.issuperset(map(len, pairs)):
             raise InvalidArgument("a decode step's pairs must each be (seq_id, token)")
         seq_ids, token_ids = zip(*pairs, strict=True) if pairs else ((), ())  # the two columns, as tuples
         self._reserve_step(seq_ids, token_ids)
@@ -785,14 +787,16 @@ class KVCacheManager:
         if self._num_swapped:
             for sid in ids:
                 self._active(sid)
-        if len(set(ids)) != n:
+        members = frozenset(ids)
+        if len(members) != n:
             raise InvalidArgument("a decode batch lists a sequence more than once")
         if n > len(device._free) + len(device.policy):  # else every sequence surely finds its block
             self._check_decode_room(batch)
         bs = self.block_size
         self._drop_group()
         if bs > 1 and all(map(_IS_SIMPLE, batch)):
-            self._group = group = _DecodeGroup(ids, batch, bs, self._core, not self.enable_prefix_caching)
+            caching = self.enable_prefix_caching
+            self._group = group = _DecodeGroup(ids, members, batch, bs, self._core, not caching)
             self._step_group(group, token_ids)
             return batch
         # copy-on-write, a budget, or one-token blocks: one append per sequence
