@@ -46,17 +46,17 @@ def publish(coordinator, engines, name):
 def test_cold_opens_spread_and_hits_follow_the_prefix(cluster):
     coordinator, engines = cluster
     # wait=True: the node Open is asynchronous, and this test calls the engines directly
-    a = coordinator.open("t", list(range(40)), seq_id="a", wait=True)  # 10 blocks on n1 (tie -> smaller id)
-    b = coordinator.open("t", list(range(100, 140)), seq_id="b")  # n1 now looks busier -> n2
-    assert (a.node_id, b.node_id) == ("n1", "n2")
-    engine = engines["n1"]
+    a = coordinator.open("t", list(range(40)), seq_id="a", wait=True)  # 10 blocks (a tie: either node)
+    b = coordinator.open("t", list(range(100, 140)), seq_id="b")  # a's node now looks busier
+    assert {a.node_id, b.node_id} == {"n1", "n2"}
+    engine = engines[a.node_id]
     k = torch.randn(1, 40, 1, 8)
     engine.append("a", list(range(40)), k, k)
-    publish(coordinator, engines, "n1")
-    assert coordinator.lookup("t", list(range(40)) + [5]) == (40, "n1")
+    publish(coordinator, engines, a.node_id)
+    assert coordinator.lookup("t", list(range(40)) + [5]) == (40, a.node_id)
     assert coordinator.lookup("other-tenant", list(range(40)) + [5]) == (0, "")
     c = coordinator.open("t", list(range(40)) + [7], seq_id="c")
-    assert (c.node_id, c.num_cached_tokens) == ("n1", 40)
+    assert (c.node_id, c.num_cached_tokens) == (a.node_id, 40)
     with pytest.raises(PermissionDenied):
         coordinator.close("someone-else", "c")
     for seq_id in ("a", "b", "c"):
@@ -69,10 +69,10 @@ def test_cold_opens_spread_and_hits_follow_the_prefix(cluster):
 
 def test_a_removed_nodes_sequences_are_lost_with_its_name(cluster):
     coordinator, engines = cluster
-    coordinator.open("t", list(range(8)), seq_id="x")
-    coordinator.store.remove_node("n1")
+    x = coordinator.open("t", list(range(8)), seq_id="x")
+    coordinator.store.remove_node(x.node_id)
     coordinator.refresh_nodes()
-    with pytest.raises(NodeLost, match="'x' was lost: .*n1"):
+    with pytest.raises(NodeLost, match=f"'x' was lost: .*{x.node_id}"):
         coordinator.describe("t", "x")
     coordinator.close("t", "x")  # the page table of a lost sequence can still be dropped
 
