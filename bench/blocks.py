@@ -1,5 +1,5 @@
 """Block-manager throughput beside the peers: pagedkv's KVCacheManager (full node
-bookkeeping: chained blake2b keys, refcounts, eviction policy, event queue) vs
+bookkeeping: chained SHA-256-128 keys, refcounts, eviction policy, event queue) vs
 vLLM's BlockPool and KVCacheManager and SGLang's radix cache, on the shared
 kvbench workloads (../shared/peers: W1 allocate/free, W1c with prefix caching,
 W2 shared system prompts with forced eviction).

@@ -1102,7 +1102,7 @@ def render(r: dict) -> str:
         ),
         row("match_prefix script, 71 key arguments", "match_args_script", "the previous form; same reply"),
         row("chain_keys (71 blocks, joined)", "chain_keys_71_blocks", "the keys the coordinator hashes"),
-        row("root_key (per call before, cached now)", "root_key", "one blake2b of the salt"),
+        row("root_key (per call before, cached now)", "root_key", "one SHA-256 of the salt"),
         row("node Open RPC, direct", "node_open_direct", "the hop open sends, off its path (1,024 cached)"),
         row("node Free RPC, direct", "node_free_direct", "the hop close sends, off its path"),
         row("node Health.Check", "node_health", "no-op RPC floor of the node"),

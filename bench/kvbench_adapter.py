@@ -1,7 +1,7 @@
 """pagedkv's adapter for the shared peer benchmark (../shared/peers/kvbench).
 
 Drives the cache node's full bookkeeping -- KVCacheManager with its device and
-host BlockPools, chained blake2b block keys, the eviction policy, integrity-
+host BlockPools, chained SHA-256-128 block keys, the eviction policy, integrity-
 relevant refcounts and the stored/removed event queue a node streams to the
 coordinator -- exactly as the node server calls it, minus the tensor copies
 (a NullMover), which is what the peers' block managers measure too.
@@ -24,7 +24,7 @@ class PagedKVAdapter(Adapter):
     def versions(self) -> dict:
         import pagedkv
 
-        return {"pagedkv": pagedkv.__version__, "policy": self.policy, "prefix_hash": "blake2b-128"}
+        return {"pagedkv": pagedkv.__version__, "policy": self.policy, "prefix_hash": "sha256-128"}
 
     def setup(self, *, num_blocks, block_size, prefix_caching, max_running, max_model_len):
         self.mgr = KVCacheManager(

@@ -271,7 +271,7 @@ class Coordinator:
     # -- helpers ------------------------------------------------------------------
 
     def _salt(self, tenant: str) -> tuple[bytes, bytes]:
-        """The tenant's salt and the root key derived from it (one blake2b saved per call)."""
+        """The tenant's salt and the root key derived from it (one hash saved per call)."""
         entry = self._salts.get(tenant)
         if entry is None:
             salt = self.store.tenant_salt(tenant)

@@ -1,7 +1,8 @@
 """Block keys: the 128-bit chained hash every role computes the same way.
 
-A full block's key is blake2b-128 over (parent key || the block's token ids as
-little-endian int64). The first parent is derived from the tenant's salt, so two
+A full block's key is SHA-256 over (parent key || the block's token ids as
+little-endian int64), truncated to 128 bits. The first parent is derived from
+the tenant's salt, so two
 tenants never produce the same key for the same tokens (prefix hits never cross
 tenants; see vLLM CVE-2025-46570 for the timing side channel this closes).
 Stable across processes and machines: never Python's hash().
@@ -31,7 +32,7 @@ def root_key(salt: bytes | str = b"") -> bytes:
     """The parent key of a sequence's first block, derived from the tenant salt."""
     if isinstance(salt, str):
         salt = salt.encode()
-    return hashlib.blake2b(b"pagedkv-root\0" + salt, digest_size=KEY_BYTES).digest()
+    return hashlib.sha256(b"pagedkv-root\0" + salt).digest()[:KEY_BYTES]
 
 
 def token_bytes(token_ids: Sequence[int] | np.ndarray) -> bytes:
@@ -109,15 +110,14 @@ def chain_keys_python(
     step = block_size * _TOKEN_BYTES
     keys: list[bytes] = []
     append = keys.append
-    # Copying a fresh blake2b-128 state is cheaper than building one from
-    # keyword arguments per block; update(parent) + update(block) hashes the
-    # same bytes as the concatenation.
+    # Copying a fresh state is cheaper than building one per block; update(parent)
+    # + update(block) hashes the same bytes as the concatenation.
     fresh = _FRESH.copy
     for off in range(start_block * step, len(data) - step + 1, step):
         h = fresh()
         h.update(parent)
         h.update(data[off : off + step])
-        parent = h.digest()
+        parent = h.digest()[:KEY_BYTES]
         append(parent)
     return keys
 
@@ -148,11 +148,11 @@ def block_hasher(block_size: int) -> Callable[[bytes, Sequence[int]], bytes]:
         h = fresh()
         h.update(parent)
         h.update(pack(*token_ids))
-        return h.digest()
+        return h.digest()[:KEY_BYTES]
 
     return block_key
 
 
-_FRESH = hashlib.blake2b(digest_size=KEY_BYTES)
+_FRESH = hashlib.sha256()
 _native = get_chain()[0]  # None: hashlib only (no compiler, or PAGEDKV_PURE_KEYS=1)
 _new_buffer = ctypes.create_string_buffer

@@ -8,20 +8,25 @@ builders compile to a private file and rename it into place. Loaded with
 ctypes.PyDLL: the list entry point builds Python objects, so the GIL stays held
 (a call takes microseconds). No torch, no numpy: the coordinator uses it too.
 
-When no compiler works, the library will not load, or PAGEDKV_PURE_KEYS=1,
-get_chain() returns None and keys.py hashes with hashlib: the same bytes, the
-same keys.
+The library hashes with the SHA-256 of the libcrypto that hashlib loaded (its
+SHA256_Init / _Update / _Final, passed in here), and is used only after one key
+it computes equals hashlib's. When no compiler works, there is no such libcrypto,
+the library will not load or disagrees, or PAGEDKV_PURE_KEYS=1, get_chain()
+returns None and keys.py hashes with hashlib: the same bytes, the same keys.
 """
 
 from __future__ import annotations
 
 import ctypes
+import ctypes.util
+import hashlib
 import logging
 import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from . import native_build
 
@@ -32,10 +37,9 @@ _C_FLAGS = ("-O3", "-std=c99", "-shared", "-fPIC")
 # Python's symbols resolve when the library loads (as an extension module's do); macOS's
 # linker must be told to leave them undefined.
 _C_PLATFORM_FLAGS = ("-undefined", "dynamic_lookup") if sys.platform == "darwin" else ()
-# No -march=native: on an AVX-512 host (AMD EPYC here) gcc 12 moves the 64-bit rotates of
-# the compression into vector registers and the keys took 4x longer (72 blocks: 81 vs 18 us,
-# -O3 alone; hashlib: 44 us). The compression is scalar code; portable flags lose nothing.
-_ABI_VERSION = 2
+_ABI_VERSION = 3
+# libcrypto as hashlib's _hashlib links it on common systems (tried after find_library).
+_CRYPTO_NAMES = ("libcrypto.so.3", "libcrypto.so.1.1", "libcrypto.dylib")
 
 
 @dataclass(frozen=True)
@@ -76,11 +80,17 @@ def _load() -> tuple[NativeChain | None, NativeKeysInfo]:
             return None, NativeKeysInfo(
                 False, f"{exc} (cache directory {library.parent}; PAGEDKV_KERNEL_DIR)"
             )
+    crypto = _libcrypto()
+    if crypto is None:
+        return None, NativeKeysInfo(False, "no libcrypto with SHA256_Init/_Update/_Final found")
     try:
         lib = ctypes.PyDLL(str(library))
         if lib.pagedkv_keys_abi_version() != _ABI_VERSION:
             return None, NativeKeysInfo(False, f"{library}: ABI version mismatch")
         from_bytes, from_list = lib.pagedkv_chain_keys, lib.pagedkv_chain_keys_list
+        lib.pagedkv_keys_set_sha256.argtypes = [ctypes.c_void_p] * 3
+        lib.pagedkv_keys_set_sha256.restype = None
+        lib.pagedkv_keys_set_sha256(*(ctypes.cast(f, ctypes.c_void_p) for f in crypto))
     except (OSError, AttributeError) as exc:
         return None, NativeKeysInfo(False, f"cannot load {library}: {exc}")
     i64, c_char_p = ctypes.c_int64, ctypes.c_char_p
@@ -89,7 +99,26 @@ def _load() -> tuple[NativeChain | None, NativeKeysInfo]:
     from_bytes.restype = i64
     from_list.argtypes = [c_char_p, ctypes.py_object, i64, i64, i64]
     from_list.restype = ctypes.py_object
+    parent, tokens = bytes(range(16)), bytes(range(128))
+    out = ctypes.create_string_buffer(16)
+    want = hashlib.sha256(parent + tokens).digest()[:16]
+    if from_bytes(parent, tokens, 16, 1, out) != 0 or out.raw != want:
+        return None, NativeKeysInfo(False, f"{library}: its key disagrees with hashlib's; not used")
     return NativeChain(from_bytes, from_list), NativeKeysInfo(True, detail)
+
+
+def _libcrypto() -> tuple[Any, Any, Any] | None:
+    """SHA256_Init, SHA256_Update and SHA256_Final of the libcrypto hashlib uses, or None."""
+    names = [ctypes.util.find_library("crypto"), *_CRYPTO_NAMES]
+    for name in names:
+        if not name:
+            continue
+        try:
+            lib = ctypes.CDLL(name)
+            return lib.SHA256_Init, lib.SHA256_Update, lib.SHA256_Final
+        except (OSError, AttributeError):
+            continue
+    return None
 
 
 _get = native_build.once(

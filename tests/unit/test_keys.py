@@ -5,6 +5,8 @@ builders share one library."""
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import hashlib
 import json
 import os
@@ -17,7 +19,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedkv.protos import keys
+from pagedkv.protos import keys, keys_native
 from pagedkv.protos.keys import KEY_BYTES, chain_keys, chain_keys_python, root_key
 from pagedkv.protos.keys_native import get_chain
 
@@ -32,7 +34,7 @@ def reference(parent: bytes, tokens: list[int], block_size: int, start_block: in
     for b in range(start_block, len(tokens) // block_size):
         block = tokens[b * block_size : (b + 1) * block_size]
         data = parent + b"".join(t.to_bytes(8, "little", signed=True) for t in block)
-        parent = hashlib.blake2b(data, digest_size=16).digest()
+        parent = hashlib.sha256(data).digest()[:16]
         out.append(parent)
     return out
 
@@ -48,7 +50,7 @@ def reference(parent: bytes, tokens: list[int], block_size: int, start_block: in
 def test_compiled_equals_python_equals_hashlib(tokens, block_size, salt, start_block) -> None:
     parent = root_key(salt)
     if start_block:  # a chain that continues from an earlier block's key
-        parent = hashlib.blake2b(parent + b"earlier", digest_size=16).digest()
+        parent = hashlib.sha256(parent + b"earlier").digest()[:16]
     expected = reference(parent, tokens, block_size, start_block)
     assert chain_keys_python(parent, tokens, block_size, start_block) == expected
     assert chain_keys(parent, tokens, block_size, start_block) == expected  # list entry point
@@ -58,11 +60,12 @@ def test_compiled_equals_python_equals_hashlib(tokens, block_size, salt, start_b
 
 
 @needs_native
-def test_long_chains_and_message_lengths_around_the_128_byte_block() -> None:
-    # 16 + 8 * bs bytes per key: bs 14 is exactly one 128-byte block, 15 spills into a second,
-    # 30 is exactly two, 31 spills into a third.
+def test_long_chains_and_message_lengths_around_sha256_blocks() -> None:
+    # 16 + 8 * bs bytes per key; SHA-256 pads into a new 64-byte block from 56 bytes on: bs 4
+    # (48 bytes) fits one block, 5 (56) needs two, 6 (64) is exactly one before its padding
+    # block, 12 (112) needs two, 13 (120) three.
     rng = np.random.default_rng(7)
-    for block_size in (1, 13, 14, 15, 16, 29, 30, 31, 64, 256):
+    for block_size in (1, 4, 5, 6, 12, 13, 16, 29, 64, 256):
         tokens = rng.integers(-(2**63), 2**63 - 1, size=block_size * 41 - 1, dtype=np.int64).tolist()
         parent = root_key(f"salt-{block_size}")
         expected = reference(parent, tokens, block_size, 0)
@@ -72,11 +75,12 @@ def test_long_chains_and_message_lengths_around_the_128_byte_block() -> None:
 
 
 def test_keys_are_pinned_across_versions_and_machines() -> None:
-    # Any change to the key function breaks every cache and index that outlives a deploy.
-    assert chain_keys(root_key(b""), list(range(40)), 16)[1].hex() == "c8bcb57bea5cddd7c40b9d27f7da7b5d"
+    # Any change to the key function breaks every cache and index that outlives a deploy
+    # (SHA-256-128 since 0.1.0's keys moved off BLAKE2b: hardware SHA on the hosts we run).
+    assert chain_keys(root_key(b""), list(range(40)), 16)[1].hex() == "2cd0964bb28e440f94d54309f9edce1d"
     tokens = [-1, 2**63 - 1, -(2**63), 7]
-    assert chain_keys(root_key("tenant-a"), tokens, 2)[1].hex() == "78cdb35706a248531998842ea9246559"
-    assert chain_keys_python(root_key("tenant-a"), tokens, 2)[1].hex() == "78cdb35706a248531998842ea9246559"
+    assert chain_keys(root_key("tenant-a"), tokens, 2)[1].hex() == "a87f842fda13ab2e0c1ddd4fa17a1141"
+    assert chain_keys_python(root_key("tenant-a"), tokens, 2)[1].hex() == "a87f842fda13ab2e0c1ddd4fa17a1141"
 
 
 def test_salts_separate_tenants_and_partial_blocks_get_no_key() -> None:
@@ -207,3 +211,29 @@ def test_packed_keys_are_the_chain_concatenated_from_any_int_source(tokens, bloc
 def test_packed_keys_refuse_what_is_not_int64_ids(tokens) -> None:
     with pytest.raises(ValueError, match="token ids must be ints"):
         keys.chain_keys_packed(root_key(b""), tokens, 1)
+
+
+def test_without_libcrypto_the_chain_is_not_used(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(keys_native, "_libcrypto", lambda: None)
+    chain, info = keys_native._load()
+    assert chain is None and not info.is_available and "libcrypto" in info.detail
+
+
+@needs_native
+def test_a_library_whose_key_disagrees_with_hashlib_is_not_used(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The loader checks one key against hashlib before using the library: handed another
+    digest (SHA-224, the same context layout), it refuses it."""
+    name = ctypes.util.find_library("crypto")
+    if name is None:
+        pytest.skip("no libcrypto found by name")
+    crypto = ctypes.CDLL(name)
+    monkeypatch.setattr(
+        keys_native, "_libcrypto", lambda: (crypto.SHA224_Init, crypto.SHA224_Update, crypto.SHA224_Final)
+    )
+    try:
+        chain, info = keys_native._load()
+        assert chain is None and "disagrees" in info.detail
+    finally:
+        monkeypatch.undo()
+        assert keys_native._load()[0] is not None  # the shared library hashes with SHA-256 again
+    assert chain_keys(root_key(b""), list(range(40)), 16)[1].hex() == "2cd0964bb28e440f94d54309f9edce1d"
