@@ -28,9 +28,7 @@ class ModelSpec:
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise InvalidArgument(f"ModelSpec.{name} must be a positive int, got {value!r}")
         if self.dtype not in DTYPE_BYTES:
-            raise InvalidArgument(
-                f"ModelSpec.dtype must be one of {sorted(DTYPE_BYTES)}, got {self.dtype!r}"
-            )
+            raise InvalidArgument(f"ModelSpec.dtype must be one of {sorted(DTYPE_BYTES)}, got {self.dtype!r}")
 
     @property
     def bytes_per_token(self) -> int:
