@@ -43,6 +43,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
+from functools import partial
 from itertools import repeat
 from operator import attrgetter, itemgetter
 from types import ModuleType
@@ -176,6 +177,15 @@ class Sequence:
         return self.host_table is not None
 
 
+def _empty_sequence(seq_id: str, root: bytes) -> Sequence:
+    """A sequence that holds nothing yet (what open() makes without a cached prefix); the
+    compiled twin is block_core's new_sequence(_EMPTY_SEQUENCE, seq_id, root)."""
+    return Sequence(seq_id, root, [], [], [], [])
+
+
+_EMPTY_SEQUENCE = _empty_sequence("", b"")  # new_sequence's template: its slots, fresh lists
+
+
 class _DecodeGroup:
     """The batch of the last decode step, kept so the next step with the same
     sequences skips the lookups and checks, and knows without looking which
@@ -254,6 +264,10 @@ class KVCacheManager:
         # One block's key straight from the token list (no slice, no packing) when compiled.
         core = get_core()[0] if native else None
         self._c_block_key = core.block_key if core is not None and core.has_chain else None
+        # open()'s empty sequence by one compiled copy of a template (no generated __init__).
+        self._new_sequence: Callable[[str, bytes], Sequence] = (
+            partial(core.new_sequence, _EMPTY_SEQUENCE) if core is not None else _empty_sequence
+        )
         self.policy_name = policy
         self.enable_prefix_caching = enable_prefix_caching
         self.mover: BlockMover = mover if mover is not None else NullMover()
@@ -350,13 +364,13 @@ class KVCacheManager:
         root = self._roots.get(salt) or self._root(salt)
         self.counters.prefix_query_tokens += len(token_ids)
         if not self.enable_prefix_caching:  # nothing to look up
-            seqs[seq_id] = Sequence(seq_id, root, [], [], [], [])
+            seqs[seq_id] = self._new_sequence(seq_id, root)
             return _NO_HIT
         bs = self.block_size
         limit = len(token_ids) - 1 if max_cached_tokens is None else min(max_cached_tokens, len(token_ids))
         limit = max(limit, 0)
         if limit < bs:  # not a whole block to look up
-            seqs[seq_id] = Sequence(seq_id, root, [], [], [], [])
+            seqs[seq_id] = self._new_sequence(seq_id, root)
             return _NO_HIT
         dev: list[int] = []
         host: list[int] = []

@@ -25,7 +25,7 @@ from test_kv_manager_random import BLOCK_SIZE, Harness
 from pagedkv.cache_node.block_core import get_core
 from pagedkv.cache_node.block_pool import BlockPool
 from pagedkv.cache_node.eviction import LRUPolicy
-from pagedkv.cache_node.kv_manager import KVCacheManager
+from pagedkv.cache_node.kv_manager import _EMPTY_SEQUENCE, KVCacheManager, Sequence, _empty_sequence
 from pagedkv.protos.errors import CapacityExceeded, IntegrityError, InvalidArgument, SequenceNotFound
 from pagedkv.protos.keys import chain_keys, root_key
 
@@ -126,6 +126,9 @@ def state(m: KVCacheManager) -> tuple:
             s.decode_group is m._group,
             s.simple,
             s.chain_intact,
+            s.root,
+            s.hint,
+            s.budget,
         )
         for sid, s in m.seqs.items()
     ]
@@ -255,6 +258,34 @@ def test_core_builds_where_a_compiler_exists() -> None:
     assert info.is_available and info.detail.endswith((".so", ")"))
     assert KVCacheManager(4, 4).device._c is core
     assert KVCacheManager(4, 4, policy="lfu").device._c is None  # heap policies keep the Python loops
+
+
+@needs_core
+def test_new_sequence_is_the_init_made_one() -> None:
+    """open()'s compiled empty sequence equals _empty_sequence's field by field, with fresh
+    lists (not the template's, not shared), and a template it cannot copy is refused."""
+    assert core is not None
+    fields = Sequence.__dataclass_fields__
+    for seq_id, root in (("a", b"r"), ("", b""), ("x" * 100, root_key(b"salt"))):
+        made, want = core.new_sequence(_EMPTY_SEQUENCE, seq_id, root), _empty_sequence(seq_id, root)
+        assert type(made) is Sequence
+        assert [getattr(made, f) for f in fields] == [getattr(want, f) for f in fields]
+        lists = [made.tokens, made.table, made.keys, made.scores]
+        assert len({id(x) for x in lists}) == 4
+        assert not {id(x) for x in lists} & {id(getattr(_EMPTY_SEQUENCE, f)) for f in fields}
+        made.table.append(3)
+        assert _EMPTY_SEQUENCE.table == [] and _empty_sequence("b", b"").table == []
+    assert [getattr(_EMPTY_SEQUENCE, f) for f in fields] == [
+        getattr(_empty_sequence("", b""), f) for f in fields
+    ]
+    with pytest.raises(TypeError, match="template's slot tokens must be an object or an empty list"):
+        core.new_sequence(Sequence("a", b"", [1], [], [], []), "b", b"")
+    with pytest.raises(TypeError, match="__slots__ only"):
+        core.new_sequence(InvalidArgument("x"), "b", b"")
+    with pytest.raises(TypeError, match="takes 3 arguments"):
+        core.new_sequence(_EMPTY_SEQUENCE, "b")
+    assert KVCacheManager(4, 4, policy="lfu")._new_sequence.func is core.new_sequence  # type: ignore[attr-defined]
+    assert KVCacheManager(4, 4, native=False)._new_sequence is _empty_sequence
 
 
 @pytest.mark.parametrize("native", [True, False])
