@@ -774,9 +774,12 @@ class KVCacheManager:
                 if left or self.enable_prefix_caching:  # else nothing is left to do
                     self._finish_step(group, group.num_steps, left)
                 return
-        if not _PAIR_LENGTH.issuperset(map(len, pairs)):
-            raise InvalidArgument("a decode step's pairs must each be (seq_id, token)")
-        seq_ids, token_ids = zip(*pairs, strict=True) if pairs else ((), ())  # the two columns, as tuples
+        columns = core.split_pairs(pairs) if core is not None else None  # None: not all 2-tuples
+        if columns is None:
+            if not _PAIR_LENGTH.issuperset(map(len, pairs)):
+                raise InvalidArgument("a decode step's pairs must each be (seq_id, token)")
+            columns = zip(*pairs, strict=True) if pairs else ((), ())  # the two columns, as tuples
+        seq_ids, token_ids = columns
         self._reserve_step(seq_ids, token_ids)
 
     def _reserve_step(self, seq_ids: Seq[str], token_ids: Seq[int]) -> list[Sequence]:

@@ -1169,6 +1169,44 @@ static PyObject *finish_step(PyObject *self, PyObject *args)
     return PyLong_FromLong(evictions);
 }
 
+/* split_pairs(pairs) -> (ids, tokens) or None
+ *
+ * zip(*pairs) for a decode step's (seq_id, token) pairs when every pair is a tuple of two:
+ * the ids and the tokens as two tuples, in order (an empty list gives two empty tuples).
+ * Returns None when pairs is not a list or tuple or some pair is not a 2-tuple (the caller's
+ * check and zip() take those, with their errors). */
+static PyObject *split_pairs(PyObject *self, PyObject *pairs)
+{
+    if (!PyList_CheckExact(pairs) && !PyTuple_CheckExact(pairs))
+        Py_RETURN_NONE;
+    PyObject *seq = PySequence_Fast(pairs, "pairs must be a sequence");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (!PyTuple_Check(items[i]) || PyTuple_GET_SIZE(items[i]) != 2) {
+            Py_DECREF(seq);
+            Py_RETURN_NONE;
+        }
+    PyObject *ids = PyTuple_New(n), *tokens = PyTuple_New(n);
+    if (ids == NULL || tokens == NULL) {
+        Py_XDECREF(ids);
+        Py_XDECREF(tokens);
+        Py_DECREF(seq);
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyTuple_SET_ITEM(ids, i, Py_NewRef(PyTuple_GET_ITEM(items[i], 0)));
+        PyTuple_SET_ITEM(tokens, i, Py_NewRef(PyTuple_GET_ITEM(items[i], 1)));
+    }
+    Py_DECREF(seq);
+    PyObject *result = PyTuple_Pack(2, ids, tokens);
+    Py_DECREF(ids);
+    Py_DECREF(tokens);
+    return result;
+}
+
 /* new_sequence(template, seq_id, root) -> a Sequence
  *
  * Sequence(seq_id, root, [], [], [], []) without running the generated __init__ (its fourteen
@@ -1279,6 +1317,7 @@ fail:
 }
 
 static PyMethodDef methods[] = {
+    {"split_pairs", split_pairs, METH_O, "zip(*pairs) for (seq_id, token) 2-tuples; see block_core.c."},
     {"new_sequence", (PyCFunction)(void (*)(void))new_sequence, METH_FASTCALL,
      "Sequence(seq_id, root, [], [], [], []) as a copy of a template; see block_core.c."},
     {"group_fills", group_fills, METH_VARARGS, "A new decode group's schedule; see block_core.c."},

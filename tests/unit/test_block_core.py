@@ -67,6 +67,11 @@ class CountingCore:
         self.counts["finish_step" if evicted is not None else "finish_step:declined"] += 1
         return evicted  # type: ignore[no-any-return]
 
+    def split_pairs(self, pairs: Any) -> tuple[tuple, tuple] | None:
+        columns = self._m.split_pairs(pairs)
+        self.counts["split_pairs" if columns is not None else "split_pairs:declined"] += 1
+        return columns  # type: ignore[no-any-return]
+
     def group_fills(self, *args: Any) -> list[list[int]]:
         self.counts["group_fills"] += 1
         return self._m.group_fills(*args)  # type: ignore[no-any-return]
@@ -223,7 +228,7 @@ def test_large_pool_decode_groups_agree(seed: int) -> None:
         assert sides[0].stats()["device_evictions"] > 0 or not caching
         # The compiled pairs step really ran, and declined (changing nothing) when the batch changed.
         assert counts["step_pairs"] > 500 and counts["step_pairs:declined"] > 20, counts
-        assert counts["group_fills"] > 20, counts
+        assert counts["group_fills"] > 20 and counts["split_pairs"] > 20, counts
         # Without prefix caching the ids are only counted (and the pure path counts alike: state()).
         elided = sum(s.num_elided_tokens for s in sides[2].seqs.values())
         assert (elided > 0) != caching, elided
@@ -286,6 +291,21 @@ def test_new_sequence_is_the_init_made_one() -> None:
         core.new_sequence(_EMPTY_SEQUENCE, "b")
     assert KVCacheManager(4, 4, policy="lfu")._new_sequence.func is core.new_sequence  # type: ignore[attr-defined]
     assert KVCacheManager(4, 4, native=False)._new_sequence is _empty_sequence
+
+
+@needs_core
+def test_split_pairs_is_zip_for_two_tuples_only() -> None:
+    assert core is not None
+    pairs = [("a", 1), ("b", 2), ("c", 3)]
+    assert core.split_pairs(pairs) == tuple(zip(*pairs, strict=True)) == core.split_pairs(tuple(pairs))
+    assert core.split_pairs([]) == ((), ())
+    for declined in ([("a", 1), ["b", 2]], [("a", 1), ("b", 2, 3)], [("a",)], iter(pairs), "ab", 7):
+        assert core.split_pairs(declined) is None
+    m = KVCacheManager(16, 4, record_events=True)
+    for sid in ("a", "b"):
+        m.open(sid, [1, 2, 3])
+    m.reserve_token_pairs([("a", 4), ["b", 5]])  # type: ignore[list-item]  # a list pair: Python's zip
+    assert m.get("a").num_tokens == m.get("b").num_tokens == 1
 
 
 @pytest.mark.parametrize("native", [True, False])
