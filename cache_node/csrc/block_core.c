@@ -620,7 +620,50 @@ static int open_blocks(PyObject *batch, PyObject *opened, PyObject *free, PyObje
     return 0;
 }
 
-static PyObject *s_ids, *s_token_lists, *s_batch, *s_by_fill, *s_num_steps; /* a decode group's attributes */
+/* A decode group's slots (_DecodeGroup has __slots__), read and written in place by offset:
+ * step_pairs runs once per decode step, and six generic attribute lookups were about a third
+ * of its fixed cost. The offsets are found by name in the class's member table when a class
+ * is first seen (group_type holds it). */
+enum { G_IDS, G_TOKEN_LISTS, G_BATCH, G_BY_FILL, G_NUM_STEPS, G_NSLOTS };
+static const char *const group_slots[G_NSLOTS] = {"ids", "token_lists", "batch", "by_fill", "num_steps"};
+static PyTypeObject *group_type;
+static Py_ssize_t group_offsets[G_NSLOTS];
+
+/* A pointer to group's slot k; NULL with TypeError when group's class lacks one of the slots. */
+static PyObject **group_slot(PyObject *group, int k)
+{
+    PyTypeObject *tp = Py_TYPE(group);
+    if (tp != group_type) {
+        Py_ssize_t offsets[G_NSLOTS] = {-1, -1, -1, -1, -1};
+        for (PyMemberDef *m = tp->tp_members; m != NULL && m->name != NULL; m++)
+            for (int j = 0; j < G_NSLOTS; j++)
+                if (m->type == T_OBJECT_EX && strcmp(m->name, group_slots[j]) == 0)
+                    offsets[j] = m->offset;
+        for (int j = 0; j < G_NSLOTS; j++)
+            if (offsets[j] < 0) {
+                PyErr_Format(PyExc_TypeError, "step_pairs: the group's class has no slot %s", group_slots[j]);
+                return NULL;
+            }
+        memcpy(group_offsets, offsets, sizeof(offsets));
+        Py_INCREF(tp);
+        Py_XSETREF(group_type, tp);
+    }
+    return (PyObject **)((char *)group + group_offsets[k]);
+}
+
+/* group's slot k (a new reference), or NULL with AttributeError when unset (as getattr). */
+static PyObject *group_get(PyObject *group, int k)
+{
+    PyObject **slot = group_slot(group, k);
+    if (slot == NULL)
+        return NULL;
+    if (*slot == NULL) {
+        PyErr_Format(PyExc_AttributeError, "'%s' object has no attribute '%s'", Py_TYPE(group)->tp_name,
+                     group_slots[k]);
+        return NULL;
+    }
+    return Py_NewRef(*slot);
+}
 
 /* step_pairs(group, pairs, free, refcount, lru, keep_ids) -> list or None
  *
@@ -645,12 +688,9 @@ static PyObject *step_pairs(PyObject *self, PyObject *const *args, Py_ssize_t na
         return NULL;
     PyObject *ids = NULL, *token_lists = NULL, *batch = NULL, *by_fill = NULL, *steps = NULL, *seq = NULL;
     PyObject *result = NULL;
-    ids = PyObject_GetAttr(group, s_ids);
-    token_lists = PyObject_GetAttr(group, s_token_lists);
-    batch = PyObject_GetAttr(group, s_batch);
-    by_fill = PyObject_GetAttr(group, s_by_fill);
-    steps = PyObject_GetAttr(group, s_num_steps);
-    if (!ids || !token_lists || !batch || !by_fill || !steps)
+    if (!(ids = group_get(group, G_IDS)) || !(token_lists = group_get(group, G_TOKEN_LISTS)) ||
+        !(batch = group_get(group, G_BATCH)) || !(by_fill = group_get(group, G_BY_FILL)) ||
+        !(steps = group_get(group, G_NUM_STEPS)))
         goto done;
     if (!PyTuple_CheckExact(ids)) {
         PyErr_SetString(PyExc_TypeError, "step_pairs: the group's ids must be a tuple");
@@ -706,10 +746,9 @@ static PyObject *step_pairs(PyObject *self, PyObject *const *args, Py_ssize_t na
     if (opens_here && open_blocks(batch, opened, free, refcount) < 0)
         goto done;
     PyObject *now = PyLong_FromSsize_t(t);
-    int r = now == NULL ? -1 : PyObject_SetAttr(group, s_num_steps, now);
-    Py_XDECREF(now);
-    if (r < 0)
+    if (now == NULL)
         goto done;
+    Py_XSETREF(*group_slot(group, G_NUM_STEPS), now); /* the class was checked above */
     result = opens_here ? PyList_New(0) : PyList_GetSlice(opened, 0, PyList_GET_SIZE(opened));
 done:
     Py_XDECREF(ids);
@@ -1352,13 +1391,6 @@ PyMODINIT_FUNC PyInit__block_core(void)
     s_num_elided_tokens = PyUnicode_InternFromString("num_elided_tokens");
     s_decode_group = PyUnicode_InternFromString("decode_group");
     if (!s_decode_group)
-        return NULL;
-    s_ids = PyUnicode_InternFromString("ids");
-    s_token_lists = PyUnicode_InternFromString("token_lists");
-    s_batch = PyUnicode_InternFromString("batch");
-    s_by_fill = PyUnicode_InternFromString("by_fill");
-    s_num_steps = PyUnicode_InternFromString("num_steps");
-    if (!s_ids || !s_token_lists || !s_batch || !s_by_fill || !s_num_steps)
         return NULL;
     if (!s_root || !s_hint || !s_chain_intact || !s_num_elided_tokens)
         return NULL;

@@ -308,6 +308,27 @@ def test_split_pairs_is_zip_for_two_tuples_only() -> None:
     assert m.get("a").num_tokens == m.get("b").num_tokens == 1
 
 
+@needs_core
+def test_step_pairs_reads_the_group_slots_it_needs() -> None:
+    """step_pairs reads a _DecodeGroup's slots in place: a group object without those slots,
+    or with one unset, is refused with the error getattr would give, changing nothing."""
+    assert core is not None
+    m = KVCacheManager(16, 4, enable_prefix_caching=False)
+    m.open("a", [1, 2, 3])
+    m.reserve_token_pairs([("a", 4)])
+    group, d = m._group, m.device
+    assert group is not None
+    before = state(m)
+    with pytest.raises(TypeError, match="no slot ids"):
+        core.step_pairs(InvalidArgument("x"), [("a", 5)], d._free, d.refcount, d._lru, False)
+    empty = object.__new__(type(group))
+    with pytest.raises(AttributeError, match="no attribute 'ids'"):
+        core.step_pairs(empty, [("a", 5)], d._free, d.refcount, d._lru, False)
+    assert state(m) == before
+    assert core.step_pairs(group, [("a", 5)], d._free, d.refcount, d._lru, False) == []
+    assert group.num_steps == m.get("a").num_tokens == 2  # open() reserved nothing: two steps
+
+
 @pytest.mark.parametrize("native", [True, False])
 def test_bad_token_pairs_are_refused_and_change_nothing(native: bool) -> None:
     m = KVCacheManager(16, 4, record_events=True, native=native)
