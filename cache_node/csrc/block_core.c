@@ -23,6 +23,62 @@ static PyObject *s_root, *s_hint, *s_chain_intact, *s_num_elided_tokens, *s_deco
 static PyObject *zero_float;                  /* 0.0, the score of a new block */
 static PyObject *one_long;
 
+/* Attribute access by slot offset for the sequences and decode groups (classes with __slots__,
+ * whose slot descriptors are never replaced): the hot paths read and write a handful of their
+ * attributes per call, and each generic PyObject_GetAttr/SetAttr (a type-cache lookup and a
+ * descriptor call) cost about as much as the rest of a decode step's fixed work. A small cache,
+ * indexed by the interned name's address, maps (class, name) to the member's offset, found by
+ * name in the class's own member table; anything else (no such member, an unset slot) takes the
+ * generic path, with its errors. The cache holds a reference to each class it names. */
+#define SLOT_CACHE_SIZE 64
+static struct {
+    PyObject *name;
+    PyTypeObject *type;
+    Py_ssize_t offset; /* -1: not a slot of the class (generic access) */
+} slot_cache[SLOT_CACHE_SIZE];
+
+static Py_ssize_t slot_offset(PyObject *o, PyObject *name)
+{
+    PyTypeObject *tp = Py_TYPE(o);
+    size_t h = ((uintptr_t)name >> 4) % SLOT_CACHE_SIZE;
+    if (slot_cache[h].name == name && slot_cache[h].type == tp)
+        return slot_cache[h].offset;
+    Py_ssize_t offset = -1;
+    const char *want = PyUnicode_AsUTF8(name);
+    if (want == NULL)
+        return -2;
+    for (PyMemberDef *m = tp->tp_members; m != NULL && m->name != NULL; m++)
+        if (m->type == T_OBJECT_EX && strcmp(m->name, want) == 0)
+            offset = m->offset;
+    Py_INCREF(tp);
+    Py_XSETREF(slot_cache[h].type, tp);
+    slot_cache[h].name = name; /* interned: lives as long as this module */
+    slot_cache[h].offset = offset;
+    return offset;
+}
+
+/* getattr(o, name): a new reference, or NULL with the exception getattr raises. */
+static PyObject *slot_get(PyObject *o, PyObject *name)
+{
+    Py_ssize_t offset = slot_offset(o, name);
+    if (offset == -2)
+        return NULL;
+    PyObject *v = offset >= 0 ? *(PyObject **)((char *)o + offset) : NULL;
+    return v != NULL ? Py_NewRef(v) : PyObject_GetAttr(o, name);
+}
+
+/* setattr(o, name, value): 0, or -1 with an exception set. */
+static int slot_set(PyObject *o, PyObject *name, PyObject *value)
+{
+    Py_ssize_t offset = slot_offset(o, name);
+    if (offset == -2)
+        return -1;
+    if (offset < 0)
+        return PyObject_SetAttr(o, name, value);
+    Py_XSETREF(*(PyObject **)((char *)o + offset), Py_NewRef(value));
+    return 0;
+}
+
 /* list[i] for a Python int index, with Python's negative indexing; NULL + IndexError outside. */
 static inline Py_ssize_t list_index(PyObject *list, PyObject *index)
 {
@@ -600,18 +656,18 @@ static int open_blocks(PyObject *batch, PyObject *opened, PyObject *free, PyObje
             return -1;
         }
         list_store(refcount, i, one_long);
-        PyObject *table = PyObject_GetAttr(seq, s_table);
+        PyObject *table = slot_get(seq, s_table);
         int r = table == NULL ? -1 : PyList_Append(table, block);
         Py_XDECREF(table);
         Py_DECREF(block);
         if (r < 0)
             return -1;
-        PyObject *keys = PyObject_GetAttr(seq, s_keys);
+        PyObject *keys = slot_get(seq, s_keys);
         r = keys == NULL ? -1 : PyList_Append(keys, Py_None);
         Py_XDECREF(keys);
         if (r < 0)
             return -1;
-        PyObject *scores = PyObject_GetAttr(seq, s_scores);
+        PyObject *scores = slot_get(seq, s_scores);
         r = scores == NULL ? -1 : PyList_Append(scores, zero_float);
         Py_XDECREF(scores);
         if (r < 0)
@@ -620,50 +676,7 @@ static int open_blocks(PyObject *batch, PyObject *opened, PyObject *free, PyObje
     return 0;
 }
 
-/* A decode group's slots (_DecodeGroup has __slots__), read and written in place by offset:
- * step_pairs runs once per decode step, and six generic attribute lookups were about a third
- * of its fixed cost. The offsets are found by name in the class's member table when a class
- * is first seen (group_type holds it). */
-enum { G_IDS, G_TOKEN_LISTS, G_BATCH, G_BY_FILL, G_NUM_STEPS, G_NSLOTS };
-static const char *const group_slots[G_NSLOTS] = {"ids", "token_lists", "batch", "by_fill", "num_steps"};
-static PyTypeObject *group_type;
-static Py_ssize_t group_offsets[G_NSLOTS];
-
-/* A pointer to group's slot k; NULL with TypeError when group's class lacks one of the slots. */
-static PyObject **group_slot(PyObject *group, int k)
-{
-    PyTypeObject *tp = Py_TYPE(group);
-    if (tp != group_type) {
-        Py_ssize_t offsets[G_NSLOTS] = {-1, -1, -1, -1, -1};
-        for (PyMemberDef *m = tp->tp_members; m != NULL && m->name != NULL; m++)
-            for (int j = 0; j < G_NSLOTS; j++)
-                if (m->type == T_OBJECT_EX && strcmp(m->name, group_slots[j]) == 0)
-                    offsets[j] = m->offset;
-        for (int j = 0; j < G_NSLOTS; j++)
-            if (offsets[j] < 0) {
-                PyErr_Format(PyExc_TypeError, "step_pairs: the group's class has no slot %s", group_slots[j]);
-                return NULL;
-            }
-        memcpy(group_offsets, offsets, sizeof(offsets));
-        Py_INCREF(tp);
-        Py_XSETREF(group_type, tp);
-    }
-    return (PyObject **)((char *)group + group_offsets[k]);
-}
-
-/* group's slot k (a new reference), or NULL with AttributeError when unset (as getattr). */
-static PyObject *group_get(PyObject *group, int k)
-{
-    PyObject **slot = group_slot(group, k);
-    if (slot == NULL)
-        return NULL;
-    if (*slot == NULL) {
-        PyErr_Format(PyExc_AttributeError, "'%s' object has no attribute '%s'", Py_TYPE(group)->tp_name,
-                     group_slots[k]);
-        return NULL;
-    }
-    return Py_NewRef(*slot);
-}
+static PyObject *s_ids, *s_token_lists, *s_batch, *s_by_fill, *s_num_steps; /* a decode group's attributes */
 
 /* step_pairs(group, pairs, free, refcount, lru, keep_ids) -> list or None
  *
@@ -688,9 +701,9 @@ static PyObject *step_pairs(PyObject *self, PyObject *const *args, Py_ssize_t na
         return NULL;
     PyObject *ids = NULL, *token_lists = NULL, *batch = NULL, *by_fill = NULL, *steps = NULL, *seq = NULL;
     PyObject *result = NULL;
-    if (!(ids = group_get(group, G_IDS)) || !(token_lists = group_get(group, G_TOKEN_LISTS)) ||
-        !(batch = group_get(group, G_BATCH)) || !(by_fill = group_get(group, G_BY_FILL)) ||
-        !(steps = group_get(group, G_NUM_STEPS)))
+    if (!(ids = slot_get(group, s_ids)) || !(token_lists = slot_get(group, s_token_lists)) ||
+        !(batch = slot_get(group, s_batch)) || !(by_fill = slot_get(group, s_by_fill)) ||
+        !(steps = slot_get(group, s_num_steps))) /* the first missing one raises */
         goto done;
     if (!PyTuple_CheckExact(ids)) {
         PyErr_SetString(PyExc_TypeError, "step_pairs: the group's ids must be a tuple");
@@ -746,9 +759,10 @@ static PyObject *step_pairs(PyObject *self, PyObject *const *args, Py_ssize_t na
     if (opens_here && open_blocks(batch, opened, free, refcount) < 0)
         goto done;
     PyObject *now = PyLong_FromSsize_t(t);
-    if (now == NULL)
+    int r = now == NULL ? -1 : slot_set(group, s_num_steps, now);
+    Py_XDECREF(now);
+    if (r < 0)
         goto done;
-    Py_XSETREF(*group_slot(group, G_NUM_STEPS), now); /* the class was checked above */
     result = opens_here ? PyList_New(0) : PyList_GetSlice(opened, 0, PyList_GET_SIZE(opened));
 done:
     Py_XDECREF(ids);
@@ -792,14 +806,10 @@ static PyObject *prefill(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     Py_ssize_t n = PyObject_Length(token_ids);
     if (n < 0)
         return NULL;
-    tokens = PyObject_GetAttr(seq, s_tokens);
-    table = PyObject_GetAttr(seq, s_table);
-    keys = PyObject_GetAttr(seq, s_keys);
-    scores = PyObject_GetAttr(seq, s_scores);
-    dropped = PyObject_GetAttr(seq, s_num_dropped_tokens);
-    elided = PyObject_GetAttr(seq, s_num_elided_tokens);
-    if (!tokens || !table || !keys || !scores || !dropped || !elided)
-        goto done;
+    if (!(tokens = slot_get(seq, s_tokens)) || !(table = slot_get(seq, s_table)) ||
+        !(keys = slot_get(seq, s_keys)) || !(scores = slot_get(seq, s_scores)) ||
+        !(dropped = slot_get(seq, s_num_dropped_tokens)) || !(elided = slot_get(seq, s_num_elided_tokens)))
+        goto done; /* the first missing one raises */
     if (!PyList_CheckExact(tokens) || !PyList_CheckExact(table) || !PyList_CheckExact(keys) ||
         !PyList_CheckExact(scores)) {
         PyErr_SetString(PyExc_TypeError, "prefill: the sequence's tokens, table, keys and scores must be lists");
@@ -871,12 +881,12 @@ static PyObject *prefill(PyObject *self, PyObject *const *args, Py_ssize_t nargs
         Py_DECREF(joined);
     } else { /* seq.num_elided_tokens += n */
         PyObject *count = PyLong_FromSsize_t(num_elided + n);
-        int r = count == NULL ? -1 : PyObject_SetAttr(seq, s_num_elided_tokens, count);
+        int r = count == NULL ? -1 : slot_set(seq, s_num_elided_tokens, count);
         Py_XDECREF(count);
         if (r < 0)
             goto done;
     }
-    if (PyObject_SetAttr(seq, s_simple, Py_True) < 0)
+    if (slot_set(seq, s_simple, Py_True) < 0)
         goto done;
     result = PyLong_FromSsize_t(start);
 done:
@@ -944,18 +954,18 @@ static PyObject *open_block(PyObject *self, PyObject *args)
     if (i < 0)
         goto fail_block;
     list_store(refcount, i, one_long);
-    PyObject *table = PyObject_GetAttr(seq, s_table);
+    PyObject *table = slot_get(seq, s_table);
     int r = table == NULL ? -1 : PyList_Append(table, block);
     Py_XDECREF(table);
     if (r < 0)
         goto fail_block;
     Py_DECREF(block);
-    PyObject *keys = PyObject_GetAttr(seq, s_keys);
+    PyObject *keys = slot_get(seq, s_keys);
     r = keys == NULL ? -1 : PyList_Append(keys, Py_None);
     Py_XDECREF(keys);
     if (r < 0)
         goto fail;
-    PyObject *scores = PyObject_GetAttr(seq, s_scores);
+    PyObject *scores = slot_get(seq, s_scores);
     r = scores == NULL ? -1 : PyList_Append(scores, zero_float);
     Py_XDECREF(scores);
     if (r < 0)
@@ -1060,12 +1070,9 @@ static int step_publish(PyObject *seq, Py_ssize_t i, Py_ssize_t bs, PyObject *ke
                         PyObject *event_kinds, PyObject *event_keys, PyObject *stored)
 {
     int r = -1;
-    PyObject *keys = PyObject_GetAttr(seq, s_keys);
-    PyObject *tokens = PyObject_GetAttr(seq, s_tokens);
-    PyObject *table = PyObject_GetAttr(seq, s_table);
-    PyObject *root = NULL, *key = NULL;
-    if (!keys || !tokens || !table)
-        goto done;
+    PyObject *keys = NULL, *tokens = NULL, *table = NULL, *root = NULL, *key = NULL;
+    if (!(keys = slot_get(seq, s_keys)) || !(tokens = slot_get(seq, s_tokens)) || !(table = slot_get(seq, s_table)))
+        goto done; /* the first missing one raises */
     if (!PyList_CheckExact(keys) || !PyList_CheckExact(table) || i >= PyList_GET_SIZE(keys) ||
         i >= PyList_GET_SIZE(table)) {
         PyErr_SetString(PyExc_RuntimeError, "finish_step: a filled block outside the table");
@@ -1075,7 +1082,7 @@ static int step_publish(PyObject *seq, Py_ssize_t i, Py_ssize_t bs, PyObject *ke
     if (i) {
         parent = PyList_GET_ITEM(keys, i - 1);
     } else {
-        root = PyObject_GetAttr(seq, s_root);
+        root = slot_get(seq, s_root);
         if (root == NULL)
             goto done;
         parent = root;
@@ -1155,7 +1162,7 @@ static PyObject *finish_step(PyObject *self, PyObject *args)
                 PyErr_SetString(PyExc_IndexError, "finish_step: member index out of range");
             return NULL;
         }
-        PyObject *hint = PyObject_GetAttr(PyList_GET_ITEM(batch, m), s_hint);
+        PyObject *hint = slot_get(PyList_GET_ITEM(batch, m), s_hint);
         if (hint == NULL)
             return NULL;
         int has_hint = hint != Py_None;
@@ -1183,7 +1190,7 @@ static PyObject *finish_step(PyObject *self, PyObject *args)
             a++;
         } else {
             PyObject *seq = PyList_GET_ITEM(batch, ib);
-            PyObject *intact = PyObject_GetAttr(seq, s_chain_intact);
+            PyObject *intact = slot_get(seq, s_chain_intact);
             if (intact == NULL)
                 return NULL;
             int ok = PyObject_IsTrue(intact);
@@ -1191,7 +1198,7 @@ static PyObject *finish_step(PyObject *self, PyObject *args)
             if (ok < 0)
                 return NULL;
             if (ok) {
-                PyObject *tokens = PyObject_GetAttr(seq, s_tokens);
+                PyObject *tokens = slot_get(seq, s_tokens);
                 if (tokens == NULL)
                     return NULL;
                 Py_ssize_t ntok = PyObject_Length(tokens);
@@ -1330,12 +1337,12 @@ static PyObject *group_fills(PyObject *self, PyObject *args)
     }
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(batch); i++) {
         PyObject *seq = PyList_GET_ITEM(batch, i);
-        PyObject *tokens = PyObject_GetAttr(seq, s_tokens);
+        PyObject *tokens = slot_get(seq, s_tokens);
         Py_ssize_t length = tokens == NULL ? -1 : PyObject_Length(tokens);
         Py_XDECREF(tokens);
         if (length < 0)
             goto fail;
-        PyObject *elided = PyObject_GetAttr(seq, s_num_elided_tokens);
+        PyObject *elided = slot_get(seq, s_num_elided_tokens);
         Py_ssize_t num_elided = elided == NULL ? -1 : PyLong_AsSsize_t(elided);
         Py_XDECREF(elided);
         if (num_elided == -1 && PyErr_Occurred())
@@ -1347,7 +1354,7 @@ static PyObject *group_fills(PyObject *self, PyObject *args)
             goto fail;
     }
     for (Py_ssize_t i = 0; group != Py_None && i < PyList_GET_SIZE(batch); i++)
-        if (PyObject_SetAttr(PyList_GET_ITEM(batch, i), s_decode_group, group) < 0)
+        if (slot_set(PyList_GET_ITEM(batch, i), s_decode_group, group) < 0)
             goto fail;
     return by_fill;
 fail:
@@ -1391,6 +1398,13 @@ PyMODINIT_FUNC PyInit__block_core(void)
     s_num_elided_tokens = PyUnicode_InternFromString("num_elided_tokens");
     s_decode_group = PyUnicode_InternFromString("decode_group");
     if (!s_decode_group)
+        return NULL;
+    s_ids = PyUnicode_InternFromString("ids");
+    s_token_lists = PyUnicode_InternFromString("token_lists");
+    s_batch = PyUnicode_InternFromString("batch");
+    s_by_fill = PyUnicode_InternFromString("by_fill");
+    s_num_steps = PyUnicode_InternFromString("num_steps");
+    if (!s_ids || !s_token_lists || !s_batch || !s_by_fill || !s_num_steps)
         return NULL;
     if (!s_root || !s_hint || !s_chain_intact || !s_num_elided_tokens)
         return NULL;

@@ -16,7 +16,7 @@ from __future__ import annotations
 import random
 import shutil
 from collections import Counter, OrderedDict
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import pytest
@@ -309,9 +309,10 @@ def test_split_pairs_is_zip_for_two_tuples_only() -> None:
 
 
 @needs_core
-def test_step_pairs_reads_the_group_slots_it_needs() -> None:
-    """step_pairs reads a _DecodeGroup's slots in place: a group object without those slots,
-    or with one unset, is refused with the error getattr would give, changing nothing."""
+def test_slot_access_matches_getattr() -> None:
+    """The compiled loops read and write sequences' and groups' slots in place: an object of
+    another class (the generic path) gets getattr's error, an unset slot too, changing nothing;
+    a plain object with the same attributes is stepped as the group is."""
     assert core is not None
     m = KVCacheManager(16, 4, enable_prefix_caching=False)
     m.open("a", [1, 2, 3])
@@ -319,14 +320,21 @@ def test_step_pairs_reads_the_group_slots_it_needs() -> None:
     group, d = m._group, m.device
     assert group is not None
     before = state(m)
-    with pytest.raises(TypeError, match="no slot ids"):
-        core.step_pairs(InvalidArgument("x"), [("a", 5)], d._free, d.refcount, d._lru, False)
-    empty = object.__new__(type(group))
     with pytest.raises(AttributeError, match="no attribute 'ids'"):
-        core.step_pairs(empty, [("a", 5)], d._free, d.refcount, d._lru, False)
+        core.step_pairs(InvalidArgument("x"), [("a", 5)], d._free, d.refcount, d._lru, False)
+    with pytest.raises(AttributeError, match="no attribute 'ids'"):
+        core.step_pairs(object.__new__(type(group)), [("a", 5)], d._free, d.refcount, d._lru, False)
     assert state(m) == before
     assert core.step_pairs(group, [("a", 5)], d._free, d.refcount, d._lru, False) == []
     assert group.num_steps == m.get("a").num_tokens == 2  # open() reserved nothing: two steps
+    plain = SimpleNamespace(**{name: getattr(group, name) for name in type(group).__slots__})
+    assert core.step_pairs(plain, [("a", 6)], d._free, d.refcount, d._lru, False) == []
+    assert plain.num_steps == 3 and group.num_steps == 2
+    with pytest.raises(AttributeError, match="no attribute 'table'"):
+        core.prefill(SimpleNamespace(tokens=[], num_dropped_tokens=0), [1], 4, d._free, d.refcount, False)
+    seq = _empty_sequence("b", b"")
+    assert core.prefill(seq, [1, 2, 3, 4, 5], 4, d._free, d.refcount, False) == 0
+    assert seq.num_elided_tokens == 5 and len(seq.table) == 2 and seq.simple
 
 
 @pytest.mark.parametrize("native", [True, False])
