@@ -28,8 +28,9 @@ static PyObject *one_long;
  * attributes per call, and each generic PyObject_GetAttr/SetAttr (a type-cache lookup and a
  * descriptor call) cost about as much as the rest of a decode step's fixed work. A small cache,
  * indexed by the interned name's address, maps (class, name) to the member's offset, found by
- * name in the class's own member table; anything else (no such member, an unset slot) takes the
- * generic path, with its errors. The cache holds a reference to each class it names. */
+ * name in the class's own member table when the class keeps object's generic getattr and
+ * setattr; anything else (no such member, an unset slot) takes the generic path, with its
+ * errors. The cache holds a reference to each class it names. */
 #define SLOT_CACHE_SIZE 64
 static struct {
     PyObject *name;
@@ -47,7 +48,8 @@ static Py_ssize_t slot_offset(PyObject *o, PyObject *name)
     const char *want = PyUnicode_AsUTF8(name);
     if (want == NULL)
         return -2;
-    for (PyMemberDef *m = tp->tp_members; m != NULL && m->name != NULL; m++)
+    int generic = tp->tp_getattro == PyObject_GenericGetAttr && tp->tp_setattro == PyObject_GenericSetAttr;
+    for (PyMemberDef *m = generic ? tp->tp_members : NULL; m != NULL && m->name != NULL; m++)
         if (m->type == T_OBJECT_EX && strcmp(m->name, want) == 0)
             offset = m->offset;
     Py_INCREF(tp);

@@ -336,6 +336,22 @@ def test_slot_access_matches_getattr() -> None:
     assert core.prefill(seq, [1, 2, 3, 4, 5], 4, d._free, d.refcount, False) == 0
     assert seq.num_elided_tokens == 5 and len(seq.table) == 2 and seq.simple
 
+    class Watched:
+        """Slots of its own and a __setattr__ that sees the writes: the slot path must not bypass it."""
+
+        __slots__ = type(group).__slots__
+
+        def __setattr__(self, name: str, value: Any) -> None:
+            seen.append(name)
+            object.__setattr__(self, name, value)
+
+    seen: list[str] = []
+    watched = Watched()
+    for name in type(group).__slots__:
+        object.__setattr__(watched, name, getattr(group, name))
+    assert core.step_pairs(watched, [("a", 7)], d._free, d.refcount, d._lru, False) == []
+    assert seen == ["num_steps"] and watched.num_steps == 3
+
 
 @pytest.mark.parametrize("native", [True, False])
 def test_bad_token_pairs_are_refused_and_change_nothing(native: bool) -> None:
