@@ -25,7 +25,6 @@ def save(fig: Any, path: Path) -> None:
     fig.tight_layout()
     tmp = path.with_suffix(".png.tmp")
     fig.savefig(tmp, format="png", dpi=110)
-    fig.clf()
     import matplotlib.pyplot as plt
 
     plt.close(fig)

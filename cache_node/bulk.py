@@ -385,14 +385,12 @@ class BulkServer:
             if body_len > bulk.MAX_CALL_BYTES:
                 raise InvalidArgument(f"bulk shm call: a {body_len}-byte body exceeds {bulk.MAX_CALL_BYTES}")
             data = region.view(body_at, body_len, "the call body")
-            region.view(out_at, out_len, "the result area")  # checked before the engine runs
+            area = region.view(out_at, out_len, "the result area")  # checked before the engine runs
         except InvalidArgument as exc:
             self._reply_error(conn, f, exc)
             return
-        parts = self._compute(
-            conn, f, bulk.SHM_OPS[f.op], data, region.view(out_at, out_len, "the result area")
-        )
-        del data
+        parts = self._compute(conn, f, bulk.SHM_OPS[f.op], data, area)
+        del data, area
         if parts is None:
             return
         placed = write_results(region, out_at, out_len, parts)
@@ -690,7 +688,7 @@ def _seq_ids(mv: memoryview, at: int, num_seqs: int, ids_len: int) -> list[str]:
     if extra:
         raise InvalidArgument(f"bulk call: {extra} bytes after the {num_seqs} sequence ids")
     raw = bytes(mv[at + 2 * num_seqs : at + ids_len])
-    starts = [0, *ends[:-1]][:num_seqs]
+    starts = [0, *ends][:-1]
     try:
         if raw.isascii():  # byte offsets are character offsets
             text = raw.decode("ascii")
