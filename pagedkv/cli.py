@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import sys
+
+from pagedkv.process_env import apply_defaults
 
 # subcommand -> (module with main(argv), one-line help)
 SUBCOMMANDS = {
@@ -29,15 +30,8 @@ SUBCOMMANDS = {
 }
 
 
-# Transparent huge pages for torch's large allocations: a fresh 100+ MB tensor
-# (a streamed KV range, a gathered batch) otherwise pays a page fault per 4 KiB,
-# ~4x slower on the VMs measured here. Set before torch is imported; inherited by
-# every process `pagedkv up` and `pagedkv demo` start.
-THP_ENV = ("THP_MEM_ALLOC_ENABLE", "1")
-
-
 def main(argv: list[str] | None = None) -> None:
-    os.environ.setdefault(*THP_ENV)
+    apply_defaults()  # before any subcommand imports torch; inherited by the processes it starts
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(
         prog="pagedkv",

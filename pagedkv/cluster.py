@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import shutil
 import signal
 import socket
@@ -24,6 +23,7 @@ from pathlib import Path
 import grpc
 
 from .health import check as health_check
+from .process_env import child_env
 from .protos import pagedkv_pb2 as pb
 from .protos import pagedkv_pb2_grpc as pb_grpc
 
@@ -82,7 +82,7 @@ class LocalCluster:
 
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
         log = open(Path(self.log_dir) / f"{name}.log", "ab")  # noqa: SIM115 - lives as long as the process
-        env = {"THP_MEM_ALLOC_ENABLE": "1", **os.environ, "PYTHONUNBUFFERED": "1"}
+        env = child_env({"PYTHONUNBUFFERED": "1"})
         proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         self.procs[name] = proc
         return proc

@@ -1,0 +1,48 @@
+"""The environment every pagedkv process starts with.
+
+torch's native libraries read these once, when torch is first imported, so they are set before
+that: by the `pagedkv` command for itself and every process it starts (`pagedkv up`, `pagedkv
+demo`), and by the benchmarks. A value already in the environment wins. Imports no torch.
+
+- THP_MEM_ALLOC_ENABLE=1: transparent huge pages for torch's large allocations. A fresh 100+ MB
+  tensor (a streamed KV range, a gathered batch) otherwise pays a page fault per 4 KiB, ~4x slower
+  on the VMs measured here.
+- OMP_WAIT_POLICY=PASSIVE: a torch intra-op thread that finishes its share of an op sleeps
+  instead of spinning for the next one. A node and its workers share a host's cores, and hand
+  control back and forth every layer: a spinning thread holds a core the other process needs.
+  Measured on a 2-core VM with other work on it: a 2-thread matmul that takes 4.1-5.7 ms
+  with PASSIVE took 16 ms with libgomp's default spin-wait (bench/README.md, "threads").
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+from collections.abc import MutableMapping
+
+DEFAULTS: dict[str, str] = {
+    "THP_MEM_ALLOC_ENABLE": "1",
+    "OMP_WAIT_POLICY": "PASSIVE",
+}
+
+
+def apply_defaults(environ: MutableMapping[str, str] | None = None) -> None:
+    """Set each of DEFAULTS the environment does not set already (os.environ by default).
+    Warns when torch is already imported in this process: its libraries have read theirs."""
+    target = os.environ if environ is None else environ
+    missing = {k: v for k, v in DEFAULTS.items() if k not in target}
+    target.update(missing)
+    if missing and environ is None and "torch" in sys.modules:
+        warnings.warn(
+            f"pagedkv: {', '.join(missing)} set after torch was imported; "
+            "they take effect in child processes only",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+
+
+def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment for a process pagedkv starts: DEFAULTS, overridden by this process's
+    environment, then by `extra`."""
+    return {**DEFAULTS, **os.environ, **(extra or {})}
