@@ -280,21 +280,23 @@ class BulkServer:
         engine call is the gRPC handler's, so are its validation and errors."""
         if f.payload_len > bulk.MAX_CALL_BYTES:  # cannot be drained in bounded time: close
             raise ProtocolError(f"call body of {f.payload_len} bytes exceeds {bulk.MAX_CALL_BYTES}")
-        data = body.take(f.payload_len)
-        bulk.recv_exact(conn, _byte_view(data), "call body")
+        data = _byte_view(body.take(f.payload_len))
+        bulk.recv_exact(conn, data, "call body")
         parts = self._compute(conn, f, f.op, data)
         if parts is not None:
-            self._reply(conn, f, parts, bulk.PLACED_INLINE)
+            self._reply(conn, f, parts[0], bulk.PLACED_INLINE)
 
     def _compute(
-        self, conn: socket.socket, f: Frame, op: int, data: torch.Tensor, area: torch.Tensor | None = None
-    ) -> list[torch.Tensor] | None:
+        self, conn: socket.socket, f: Frame, op: int, data: memoryview, area: memoryview | None = None
+    ) -> tuple[list[torch.Tensor], bool] | None:
         """The engine call of the CALL body in `data` (op: ATTEND or
-        ATTEND_PREFILL_BATCH): its result tensors, or None after an error reply.
-        area: the shared region's result area, where a decode writes out and lse
-        in place (write_results then skips them)."""
+        ATTEND_PREFILL_BATCH): its result tensors and whether they are all in place
+        in `area` already, or None after an error reply. area: the shared region's
+        result area, where a decode writes out and lse in place (write_results then
+        has nothing to do)."""
         method = "Attend" if op == bulk.OP_ATTEND else "AttendPrefillBatch"
         start = time.perf_counter()
+        dst = None
         try:
             call = _parse_call(op, data)
             e = self.engine
@@ -321,7 +323,9 @@ class BulkServer:
             if self.metrics is not None:
                 self._latency[method].observe(time.perf_counter() - start)
         mass = out.block_mass if call.want_mass else None
-        return [t.detach().to("cpu").contiguous() for t in (out.out, out.lse, mass) if t is not None]
+        if dst is not None and mass is None and _is_at(out.out, dst[0]) and _is_at(out.lse, dst[1]):
+            return [out.out, out.lse], True  # the decode kernel wrote them into the region
+        return [t.detach().to("cpu").contiguous() for t in (out.out, out.lse, mass) if t is not None], False
 
     def _reply(self, conn: socket.socket, f: Frame, parts: list[torch.Tensor], placement: int) -> None:
         """FRAME + REPLY, then the tensors' bytes unless they were placed in the region."""
@@ -384,16 +388,17 @@ class BulkServer:
                 )
             if body_len > bulk.MAX_CALL_BYTES:
                 raise InvalidArgument(f"bulk shm call: a {body_len}-byte body exceeds {bulk.MAX_CALL_BYTES}")
-            data = region.view(body_at, body_len, "the call body")
-            area = region.view(out_at, out_len, "the result area")  # checked before the engine runs
+            data = region.memory(body_at, body_len, "the call body")
+            area = region.memory(out_at, out_len, "the result area")  # checked before the engine runs
         except InvalidArgument as exc:
             self._reply_error(conn, f, exc)
             return
-        parts = self._compute(conn, f, bulk.SHM_OPS[f.op], data, area)
+        computed = self._compute(conn, f, bulk.SHM_OPS[f.op], data, area)
         del data, area
-        if parts is None:
+        if computed is None:
             return
-        placed = write_results(region, out_at, out_len, parts)
+        parts, is_placed = computed
+        placed = is_placed or write_results(region, out_at, out_len, parts)
         self._reply(conn, f, parts, bulk.PLACED_REGION if placed else bulk.PLACED_INLINE)
 
     # -- APPEND -----------------------------------------------------------------
@@ -630,10 +635,9 @@ class _Call:
     v: torch.Tensor | None
 
 
-def _parse_call(op: int, data: torch.Tensor) -> _Call:
-    """The CALL body (protos/bulk.py) in `data`; InvalidArgument naming what is
-    wrong when its sections do not add up to its length."""
-    mv = _byte_view(data)
+def _parse_call(op: int, mv: memoryview) -> _Call:
+    """The CALL body (protos/bulk.py) in `mv` (bytes); InvalidArgument naming what
+    is wrong when its sections do not add up to its length."""
     size = len(mv)
 
     def need(at: int, n: int, what: str) -> None:
@@ -698,19 +702,23 @@ def _seq_ids(mv: memoryview, at: int, num_seqs: int, ids_len: int) -> list[str]:
         raise InvalidArgument(f"bulk call: a sequence id is not UTF-8: {exc}") from None
 
 
-def _decode_destination(q: torch.Tensor, area: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+def _decode_destination(q: torch.Tensor, area: memoryview) -> tuple[torch.Tensor, torch.Tensor] | None:
     """out [B, Hq, D] (q's dtype) and lse [B, Hq] (float32) as views of the result
-    area, laid out as write_results lays them; None when q is not [B, Hq, D] or
-    they do not fit (the engine then allocates, validates and reports as usual)."""
+    area (bytes), laid out as write_results lays them; None when q is not [B, Hq, D]
+    or they do not fit (the engine then allocates, validates and reports as usual)."""
     if q.dim() != 3:
         return None
     out_bytes = q.numel() * q.element_size()
     lse_at = out_bytes + bulk.pad(out_bytes)
-    lse_bytes = 4 * q.shape[0] * q.shape[1]
-    if lse_at + lse_bytes > area.numel():
+    if lse_at + 4 * q.shape[0] * q.shape[1] > len(area):
         return None
-    out = area[:out_bytes].view(q.dtype).view(q.shape)
-    return out, area[lse_at : lse_at + lse_bytes].view(torch.float32).view(q.shape[:2])
+    out = tensor_at(area, 0, q.dtype, tuple(q.shape))
+    return out, tensor_at(area, lse_at, torch.float32, tuple(q.shape[:2]))
+
+
+def _is_at(t: torch.Tensor, place: torch.Tensor) -> bool:
+    """t is the tensor at `place` (same memory, shape and dtype): nothing to copy."""
+    return t.data_ptr() == place.data_ptr() and t.shape == place.shape and t.dtype == place.dtype
 
 
 def _close_fds(fds: list[int] | None) -> None:

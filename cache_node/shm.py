@@ -81,6 +81,17 @@ class Region:
             )
         return self._bytes[offset : offset + size]
 
+    def memory(self, offset: int, size: int, what: str) -> memoryview:
+        """region[offset, offset + size) as a writable memoryview, checked as `view`
+        is (numpy and torch views of it cost a fraction of a torch slice's)."""
+        if self._map is None:
+            raise InvalidArgument("bulk: no region mapped on this connection (MAP first)")
+        if offset < 0 or size < 0 or offset + size > self.size:
+            raise InvalidArgument(
+                f"bulk shm: {what} [{offset}, {offset + size}) outside the {self.size}-byte region"
+            )
+        return memoryview(self._map)[offset : offset + size]
+
     def close(self) -> None:
         """Unmap. A view still alive (an engine error's traceback, say) keeps the
         mapping until it is dropped; then the mmap's own finalizer unmaps it."""

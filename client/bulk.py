@@ -34,6 +34,7 @@ READ_SHM), then TCP; append takes the Unix socket.
 from __future__ import annotations
 
 import itertools
+import select
 import socket
 import struct
 import threading
@@ -87,6 +88,7 @@ class BulkChannel:
         self._ids = itertools.count(1)
         self._retry_at = 0.0  # time.monotonic() before which the channel is not tried
         self._local = threading.local()  # reused header buffers, one set per calling thread
+        self._ids_memo = _IdsMemo()  # the last batch's encoded sequence ids
         self.num_calls = 0  # attend calls answered over the channel (OK or a node error)
         self.num_local_calls = 0  # of which over the same-host shared-memory path
         self.num_local_transfers = 0  # append / read_kv over the same-host Unix socket
@@ -109,7 +111,7 @@ class BulkChannel:
             while self._idle:
                 sock = self._idle.pop()
                 if _is_alive(sock):
-                    sock.settimeout(timeout_s)
+                    _set_timeout(sock, timeout_s)
                     return sock
                 sock.close()
         if not self.port:
@@ -150,7 +152,7 @@ class BulkChannel:
             while self._idle_local:
                 conn = self._idle_local.pop()
                 if _is_alive(conn.sock):
-                    conn.sock.settimeout(timeout_s)
+                    _set_timeout(conn.sock, timeout_s)
                     return conn
                 conn.close()
         if self.local_name is None:
@@ -213,7 +215,7 @@ class BulkChannel:
         def body(sock: socket.socket) -> AttentionResult:
             body_at = self._map_region(conn, body_len + bulk.pad(body_len) + out_len, request_id)
             out_at = body_at + body_len + bulk.pad(body_len)
-            shm.write_call(conn.region, body_at, body_head, parts)
+            shm.write_call(conn, body_at, body_head, parts)
             shm_op = bulk.OP_ATTEND_SHM if op == bulk.OP_ATTEND else bulk.OP_ATTEND_PREFILL_BATCH_SHM
             request = Frame(shm_op, request_id, payload_len=bulk.SHM_CALL.size).pack()
             sock.sendall(request + bulk.SHM_CALL.pack(body_at, body_len, out_at, out_len))
@@ -471,7 +473,9 @@ class BulkChannel:
         k = None if k is None else tensors.as_torch(k, "k")
         v = None if v is None else tensors.as_torch(v, "v")
         request_id = next(self._ids)
-        head = _call_head(op, request_id, seq_ids, layer, q, k, v, token_ids, num_tokens, return_block_mass)
+        head = _call_head(
+            op, request_id, seq_ids, layer, q, k, v, token_ids, num_tokens, return_block_mass, self._ids_memo
+        )
         if self.is_local_enabled and self.local_name != "":
             tensors_in = [t for t in (q, k, v) if t is not None]
             try:
@@ -511,6 +515,34 @@ class BulkChannel:
         return buf
 
 
+class _IdsMemo:
+    """The CALL section of the last batch of sequence ids (their u16 lengths, then
+    the UTF-8): a decode loop sends the same batch at every layer of every step.
+    One entry, compared by value (the ids are copied, so a caller that changes its
+    list afterwards gets a fresh encoding); thread-safe (one tuple, swapped whole)."""
+
+    def __init__(self) -> None:
+        self._last: tuple[list[str], bytes] | None = None
+
+    def section(self, seq_ids: Sequence[str]) -> bytes:
+        """The ids' section; struct.error past 65535 bytes an id, AttributeError /
+        TypeError for an id that is not a str."""
+        last = self._last
+        is_list = type(seq_ids) is list
+        if is_list and last is not None and last[0] == seq_ids:
+            return last[1]
+        joined = "".join(seq_ids)
+        if joined.isascii():  # one encode; character lengths are byte lengths
+            lens, id_text = list(map(len, seq_ids)), joined.encode()
+        else:
+            ids = [s.encode() for s in seq_ids]
+            lens, id_text = list(map(len, ids)), b"".join(ids)
+        section = struct.pack(f"<{len(lens)}H", *lens) + id_text
+        if is_list:
+            self._last = (list(seq_ids), section)
+        return section
+
+
 def _call_head(
     op: int,
     request_id: int,
@@ -522,25 +554,21 @@ def _call_head(
     token_ids: codec.TokenIds | None,
     num_tokens: Sequence[int],
     mass: bool,
+    ids_memo: _IdsMemo | None = None,
 ) -> bytes:
     """FRAME + CALL + descriptors + ids + counts + sequence ids (protos/bulk.py);
-    BulkUnavailable for a value the frame cannot carry (the rpc takes it)."""
+    BulkUnavailable for a value the frame cannot carry (the rpc takes it).
+    ids_memo: the channel's encoding of the last batch of ids."""
     try:
-        joined = "".join(seq_ids)
-        if joined.isascii():  # one encode; character lengths are byte lengths
-            lens, id_text = list(map(len, seq_ids)), joined.encode()
-        else:
-            ids = [s.encode() for s in seq_ids]
-            lens, id_text = list(map(len, ids)), b"".join(ids)
-        id_bytes = struct.pack(f"<{len(lens)}H", *lens) + id_text  # (struct.error past 65535 bytes)
+        id_bytes = (ids_memo or _IdsMemo()).section(seq_ids)  # (struct.error past 65535 bytes)
         tokens = b"" if token_ids is None else np.asarray(codec.token_list(token_ids), dtype="<i8").tobytes()
-        counts = struct.pack(f"<{len(num_tokens)}i", *num_tokens)  # (struct.error outside int32)
+        counts = struct.pack(f"<{len(num_tokens)}i", *num_tokens) if num_tokens else b""  # (outside int32)
         flags = (
             (bulk.FLAG_BLOCK_MASS if mass else 0)
             | (0 if k is None else bulk.FLAG_K)
             | (0 if v is None else bulk.FLAG_V)
         )
-        call = bulk.CALL.pack(layer, flags, len(lens), len(num_tokens), len(tokens) // 8, len(id_bytes))
+        call = bulk.CALL.pack(layer, flags, len(seq_ids), len(num_tokens), len(tokens) // 8, len(id_bytes))
         descs = [
             bulk.pack_tensor(tensors.DTYPE_NAMES[t.dtype], tuple(t.shape)) for t in (q, k, v) if t is not None
         ]
@@ -588,15 +616,18 @@ def _read_result(
 
 
 def _is_alive(sock: socket.socket) -> bool:
-    """False when the node closed this idle connection (restart, stop): peek without blocking."""
+    """False when the node closed this idle connection (restart, stop), or when it is
+    readable at all (EOF, or bytes on an idle connection: out of sync). One poll
+    (a peek would need the socket set non-blocking and back: three syscalls)."""
     try:
-        sock.setblocking(False)
-        try:
-            sock.recv(1, socket.MSG_PEEK)  # EOF, or bytes on an idle connection: out of sync
-            return False
-        except BlockingIOError:
-            return True
-        finally:
-            sock.setblocking(True)
-    except OSError:
+        poller = select.poll()
+        poller.register(sock, select.POLLIN)
+        return not poller.poll(0)
+    except (OSError, ValueError):  # closed
         return False
+
+
+def _set_timeout(sock: socket.socket, timeout_s: float) -> None:
+    """settimeout, skipped when it already has this one (each call is an fcntl)."""
+    if sock.gettimeout() != timeout_s:
+        sock.settimeout(timeout_s)

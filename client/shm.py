@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import array
 import contextlib
+import ctypes
 import fcntl
 import math
 import mmap
@@ -73,6 +74,10 @@ class LocalConnection:
         self.size = 0
         self._map: mmap.mmap | None = None
         self.region = torch.empty(0, dtype=torch.uint8)
+        self.address = 0  # of the region's first byte in this process (0: none mapped)
+        # the last ATTEND reply's tensor descriptors and the spans they gave (read_placed):
+        # a decode loop gets the same shapes back on every call
+        self._reply_layout: tuple[bytes, list[tuple[torch.dtype, tuple[int, ...], int]], int] | None = None
         # the span [start, end) of the region whose results the user may still hold,
         # alive while the array under them is (a weak reference to it)
         self._lease: tuple[weakref.ref[np.ndarray], int, int] | None = None
@@ -132,7 +137,7 @@ class LocalConnection:
             self.sock.sendmsg([frame], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])
         finally:
             os.close(fd)  # the mapping (ours and the node's) keeps the memory
-        self.region, self._lease = torch.empty(0, dtype=torch.uint8), None
+        self.region, self._lease, self.address = torch.empty(0, dtype=torch.uint8), None, 0
         if self._map is not None:
             with contextlib.suppress(BufferError):  # results still viewing it: unmapped when dropped
                 self._map.close()
@@ -143,9 +148,10 @@ class LocalConnection:
             raise RegionRefused(reply or Frame(bulk.OP_MAP, text="closed"))
         self._map, self.size = new_map, size
         self.region = torch.frombuffer(new_map, dtype=torch.uint8)
+        self.address = self.region.data_ptr()
 
     def close(self) -> None:
-        self.region, self.size, self._lease = torch.empty(0, dtype=torch.uint8), 0, None
+        self.region, self.size, self._lease, self.address = torch.empty(0, dtype=torch.uint8), 0, None, 0
         if self._map is not None:
             with contextlib.suppress(BufferError):  # a view still held: its finalizer unmaps
                 self._map.close()
@@ -153,22 +159,32 @@ class LocalConnection:
         self.sock.close()
 
 
-def write_call(region: torch.Tensor, body_at: int, head: bytes, parts: Sequence[torch.Tensor]) -> int:
+def write_call(conn: LocalConnection, body_at: int, head: bytes, parts: Sequence[torch.Tensor]) -> int:
     """Lay a CALL body (head = CALL + descriptors + ids, then each tensor at the
-    next ALIGN offset) into the region at body_at (ALIGN-aligned); returns its
-    length. One memcpy per tensor on this thread: torch's copy_ would split a large
-    copy over its intra-op threads, which on a small busy host wait for cores the
-    node needs (measured: 20 ms for 1 MiB)."""
-    mem = region.numpy()
-    mem[body_at : body_at + len(head)] = np.frombuffer(head, dtype=np.uint8)
-    at = body_at + len(head)
+    next ALIGN offset) into conn's region at body_at (ALIGN-aligned); returns its
+    length. ValueError (nothing written) when it would not fit in the region; the
+    tensors must be contiguous CPU tensors (tensors.as_torch). One memmove per
+    tensor on this thread, from its memory to the region's: torch's copy_ would
+    split a large copy over its intra-op threads, which on a small busy host wait
+    for cores the node needs (measured: 20 ms for 1 MiB), and a memmove of raw
+    addresses skips the ~8 torch / numpy views per tensor that a sliced numpy
+    assignment needs (each ~2 us warm, several times that right after the
+    engine streamed the KV through the caches)."""
+    length = body_length(len(head), parts)
+    if conn.address == 0 or body_at < 0 or body_at + length > conn.size:
+        raise ValueError(f"a {length}-byte call body at {body_at} outside the {conn.size}-byte region")
+    base = conn.address + body_at
+    ctypes.memmove(base, head, len(head))
+    at = len(head)
     for t in parts:
         at += bulk.pad(at)
         nbytes = t.numel() * t.element_size()
         if nbytes:
-            mem[at : at + nbytes] = t.contiguous().reshape(-1).view(torch.uint8).numpy()
+            if not t.is_contiguous() or t.device.type != "cpu":
+                raise ValueError(f"a {t.device} tensor {tuple(t.shape)} is not contiguous CPU memory")
+            ctypes.memmove(base + at, t.data_ptr(), nbytes)
         at += nbytes
-    return at - body_at
+    return at
 
 
 def body_length(head_len: int, parts: Sequence[torch.Tensor]) -> int:
@@ -189,7 +205,25 @@ def result_bytes(q: torch.Tensor, block_mass: bool) -> int:
 
 def read_placed(conn: LocalConnection, out_at: int, out_len: int, reply_head: bytearray) -> AttentionResult:
     """The result tensors the node placed at region[out_at, +out_len), as views of
-    conn.results: the leased span itself, or one copy of it (they share it)."""
+    conn.results: the leased span itself, or one copy of it (they share it). The
+    descriptors' layout is kept from the last reply (a decode loop's are the same
+    every call) and worked out again when they differ."""
+    descs = bytes(reply_head)
+    layout = conn._reply_layout
+    if layout is None or layout[0] != descs:
+        layout = conn._reply_layout = (descs, *_placed_spans(reply_head))
+    _, spans, end = layout
+    if end > out_len:
+        raise ProtocolError(f"attend results of {end} bytes overrun the {out_len}-byte area")
+    buf = conn.results(out_at, end)
+    outs = [tensors.tensor_at(buf, a, tdtype, shape) for tdtype, shape, a in spans]
+    return AttentionResult(outs[0], outs[1], outs[2] if len(outs) == 3 else None)
+
+
+def _placed_spans(reply_head: bytearray) -> tuple[list[tuple[torch.dtype, tuple[int, ...], int]], int]:
+    """(dtype, shape, offset) of each result an ATTEND reply describes, laid out as
+    the node's write_results lays them, and the bytes they take; ProtocolError when
+    the descriptors are malformed."""
     (num, _) = bulk.REPLY.unpack_from(reply_head, 0)
     if not 2 <= num <= 3:
         raise ProtocolError(f"attend reply with {num} tensors")
@@ -198,14 +232,9 @@ def read_placed(conn: LocalConnection, out_at: int, out_len: int, reply_head: by
         dtype, shape = bulk.unpack_tensor(reply_head, bulk.REPLY.size + i * bulk.TENSOR.size)
         tdtype = tensors.TORCH_DTYPES[dtype]
         at += bulk.pad(at)
-        nbytes = tdtype.itemsize * math.prod(shape)
-        spans.append((tdtype, shape, at, nbytes))
-        at += nbytes
-    if at > out_len:
-        raise ProtocolError(f"attend results of {at} bytes overrun the {out_len}-byte area")
-    buf = conn.results(out_at, at)
-    outs = [tensors.tensor_at(buf, a, tdtype, shape) for tdtype, shape, a, _ in spans]
-    return AttentionResult(outs[0], outs[1], outs[2] if num == 3 else None)
+        spans.append((tdtype, shape, at))
+        at += tdtype.itemsize * math.prod(shape)
+    return spans, at
 
 
 def read_ring(
