@@ -35,7 +35,7 @@ from ..protos.keys_native import get_chain
 logger = logging.getLogger("pagedkv.cache_node.block_core")
 
 _SOURCE = Path(__file__).with_name("csrc") / "block_core.c"
-_ABI_VERSION = 9
+_ABI_VERSION = 10
 _C_FLAGS = ("-O2", "-std=c99", "-shared", "-fPIC", "-fno-strict-aliasing")
 _C_PLATFORM_FLAGS = ("-undefined", "dynamic_lookup") if sys.platform == "darwin" else ()
 

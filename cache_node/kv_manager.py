@@ -300,6 +300,22 @@ class KVCacheManager:
         # sequence can hit a block whose later layers are still unwritten.
         self.hold_publish = False
         self._held: list[HeldBlocks] = []
+        # The compiled entry points (block_core.c's Entries; LRU only, like the compiled loops):
+        # open, reserve, reserve_token_pairs, take_event_batch and free run their common case
+        # without a Python frame and hand every other case, unchanged, to the methods below.
+        if self._core is not None:
+            entries = self._core.Entries(
+                self,
+                (self.open, self.reserve, self.reserve_token_pairs, self.take_event_batch, self.free),
+                _EMPTY_SEQUENCE,
+                _NO_HIT,
+                _NO_EVENTS,
+            )
+            self.open = entries.open  # type: ignore[method-assign]
+            self.reserve = entries.reserve  # type: ignore[method-assign]
+            self.reserve_token_pairs = entries.reserve_token_pairs  # type: ignore[method-assign]
+            self.take_event_batch = entries.take_event_batch  # type: ignore[method-assign]
+            self.free = entries.free  # type: ignore[method-assign]
 
     # -- lookups ------------------------------------------------------------------
 
@@ -772,7 +788,7 @@ class KVCacheManager:
             left = core.step_pairs(group, pairs, d._free, d.refcount, d._lru, self.enable_prefix_caching)
             if left is not None:  # the step is in; left: the members whose open evicts (Python, in order)
                 if left or self.enable_prefix_caching:  # else nothing is left to do
-                    self._finish_step(group, group.num_steps, left)
+                    self._finish_step(group, group.num_steps, left or _NO_MEMBERS)
                 return
         columns = core.split_pairs(pairs) if core is not None else None  # None: not all 2-tuples
         if columns is None:

@@ -16,75 +16,102 @@
 #include <stdint.h>
 #include <string.h>
 
-#define ABI_VERSION 9
+#define ABI_VERSION 10
 
-static PyObject *s_table, *s_keys, *s_scores, *s_tokens, *s_num_dropped_tokens, *s_simple; /* attribute names */
-static PyObject *s_root, *s_hint, *s_chain_intact, *s_num_elided_tokens, *s_decode_group;
-static PyObject *zero_float;                  /* 0.0, the score of a new block */
+/* Attribute names the compiled loops read or write on sequences and decode groups, by id. */
+enum {
+    s_table_ID, s_keys_ID, s_scores_ID, s_tokens_ID, s_num_dropped_tokens_ID, s_simple_ID, s_root_ID, s_hint_ID,
+    s_chain_intact_ID, s_num_elided_tokens_ID, s_decode_group_ID, s_ids_ID, s_token_lists_ID, s_batch_ID,
+    s_by_fill_ID, s_num_steps_ID, s_host_table_ID, s_budget_ID, NUM_NAMES
+};
+static const char *const name_text[NUM_NAMES] = {
+    "table", "keys", "scores", "tokens", "num_dropped_tokens", "simple", "root", "hint",
+    "chain_intact", "num_elided_tokens", "decode_group", "ids", "token_lists", "batch",
+    "by_fill", "num_steps", "host_table", "budget",
+};
+static PyObject *names[NUM_NAMES]; /* interned */
+static PyObject *zero_float;       /* 0.0, the score of a new block */
 static PyObject *one_long;
+static PyObject *zero_long;
 
 /* Attribute access by slot offset for the sequences and decode groups (classes with __slots__,
  * whose slot descriptors are never replaced): the hot paths read and write a handful of their
  * attributes per call, and each generic PyObject_GetAttr/SetAttr (a type-cache lookup and a
- * descriptor call) cost about as much as the rest of a decode step's fixed work. A small cache,
- * indexed by the interned name's address, maps (class, name) to the member's offset, found by
- * name in the class's own member table when the class keeps object's generic getattr and
- * setattr; anything else (no such member, an unset slot) takes the generic path, with its
- * errors. The cache holds a reference to each class it names. */
-#define SLOT_CACHE_SIZE 64
+ * descriptor call) cost about as much as the rest of a decode step's fixed work. For each name
+ * the last class seen and the member's offset in it are kept (one compare per access: the
+ * sequences and the groups use distinct names), found by name in the class's own member table
+ * when the class keeps object's generic getattr and setattr; anything else (no such member, an
+ * unset slot) takes the generic path, with its errors. The cache holds a reference to each
+ * class it names. */
 static struct {
-    PyObject *name;
     PyTypeObject *type;
     Py_ssize_t offset; /* -1: not a slot of the class (generic access) */
-} slot_cache[SLOT_CACHE_SIZE];
+} slot_cache[NUM_NAMES];
 
-static Py_ssize_t slot_offset(PyObject *o, PyObject *name)
+static Py_ssize_t slot_resolve(PyTypeObject *tp, int id)
 {
-    PyTypeObject *tp = Py_TYPE(o);
-    size_t h = ((uintptr_t)name >> 4) % SLOT_CACHE_SIZE;
-    if (slot_cache[h].name == name && slot_cache[h].type == tp)
-        return slot_cache[h].offset;
     Py_ssize_t offset = -1;
-    const char *want = PyUnicode_AsUTF8(name);
-    if (want == NULL)
-        return -2;
+    const char *want = name_text[id];
     int generic = tp->tp_getattro == PyObject_GenericGetAttr && tp->tp_setattro == PyObject_GenericSetAttr;
     for (PyMemberDef *m = generic ? tp->tp_members : NULL; m != NULL && m->name != NULL; m++)
         if (m->type == T_OBJECT_EX && strcmp(m->name, want) == 0)
             offset = m->offset;
     Py_INCREF(tp);
-    Py_XSETREF(slot_cache[h].type, tp);
-    slot_cache[h].name = name; /* interned: lives as long as this module */
-    slot_cache[h].offset = offset;
+    Py_XSETREF(slot_cache[id].type, tp);
+    slot_cache[id].offset = offset;
     return offset;
 }
 
-/* getattr(o, name): a new reference, or NULL with the exception getattr raises. */
-static PyObject *slot_get(PyObject *o, PyObject *name)
+static inline Py_ssize_t slot_offset(PyObject *o, int id)
 {
-    Py_ssize_t offset = slot_offset(o, name);
-    if (offset == -2)
-        return NULL;
+    PyTypeObject *tp = Py_TYPE(o);
+    return slot_cache[id].type == tp ? slot_cache[id].offset : slot_resolve(tp, id);
+}
+
+/* getattr(o, name): a new reference, or NULL with the exception getattr raises. */
+static inline PyObject *slot_get_id(PyObject *o, int id)
+{
+    Py_ssize_t offset = slot_offset(o, id);
     PyObject *v = offset >= 0 ? *(PyObject **)((char *)o + offset) : NULL;
-    return v != NULL ? Py_NewRef(v) : PyObject_GetAttr(o, name);
+    return v != NULL ? Py_NewRef(v) : PyObject_GetAttr(o, names[id]);
 }
 
 /* setattr(o, name, value): 0, or -1 with an exception set. */
-static int slot_set(PyObject *o, PyObject *name, PyObject *value)
+static inline int slot_set_id(PyObject *o, int id, PyObject *value)
 {
-    Py_ssize_t offset = slot_offset(o, name);
-    if (offset == -2)
-        return -1;
+    Py_ssize_t offset = slot_offset(o, id);
     if (offset < 0)
-        return PyObject_SetAttr(o, name, value);
+        return PyObject_SetAttr(o, names[id], value);
     Py_XSETREF(*(PyObject **)((char *)o + offset), Py_NewRef(value));
     return 0;
+}
+
+#define slot_get(o, name) slot_get_id((o), name##_ID)
+#define slot_set(o, name, value) slot_set_id((o), name##_ID, (value))
+
+/* A Python int's value, with PyLong_AsSsize_t's result and errors; the common case (an exact
+ * int below 2**30) read in place. */
+static inline Py_ssize_t int_value(PyObject *v)
+{
+#if PY_VERSION_HEX < 0x030C0000
+    if (PyLong_CheckExact(v)) {
+        Py_ssize_t size = Py_SIZE(v);
+        if (size == 0)
+            return 0;
+        if (size == 1)
+            return (Py_ssize_t)((PyLongObject *)v)->ob_digit[0];
+    }
+#else
+    if (PyLong_CheckExact(v) && PyUnstable_Long_IsCompact((PyLongObject *)v))
+        return PyUnstable_Long_CompactValue((PyLongObject *)v);
+#endif
+    return PyLong_AsSsize_t(v);
 }
 
 /* list[i] for a Python int index, with Python's negative indexing; NULL + IndexError outside. */
 static inline Py_ssize_t list_index(PyObject *list, PyObject *index)
 {
-    Py_ssize_t i = PyLong_AsSsize_t(index);
+    Py_ssize_t i = int_value(index);
     if (i == -1 && PyErr_Occurred())
         return -1;
     Py_ssize_t n = PyList_GET_SIZE(list);
@@ -106,17 +133,46 @@ static inline void list_store(PyObject *list, Py_ssize_t i, PyObject *value)
     Py_DECREF(old);
 }
 
-/* Pop the last item of a non-empty list: a new reference. */
+/* Pop the last item of a non-empty list: a new reference (the list's reference, handed over;
+ * the list keeps its allocation, as a later append would regrow it). */
 static inline PyObject *list_pop(PyObject *list)
 {
     Py_ssize_t n = PyList_GET_SIZE(list);
     PyObject *item = PyList_GET_ITEM(list, n - 1);
-    Py_INCREF(item);
-    if (PyList_SetSlice(list, n - 1, n, NULL) < 0) {
-        Py_DECREF(item);
-        return NULL;
-    }
+    Py_SET_SIZE(list, n - 1);
     return item;
+}
+
+/* Runs of one value (None, or 0.0) as tuples of each length up to RUN_MAX, made on first use:
+ * a list grows by k copies in one PyList_SetSlice (one resize) instead of k appends. */
+#define RUN_MAX 64
+static PyObject *runs[2][RUN_MAX + 1];
+
+/* list += [value] * k, value being None (which = 0) or 0.0 (which = 1): 0, or -1 with an
+ * exception set (the list then holds what it held). */
+static int extend_run(PyObject *list, int which, Py_ssize_t k)
+{
+    Py_ssize_t n0 = PyList_GET_SIZE(list);
+    while (k > 0) {
+        Py_ssize_t c = k < RUN_MAX ? k : RUN_MAX;
+        PyObject *run = runs[which][c];
+        if (run == NULL) {
+            PyObject *value = which ? zero_float : Py_None;
+            if ((run = PyTuple_New(c)) == NULL)
+                goto fail;
+            for (Py_ssize_t i = 0; i < c; i++)
+                PyTuple_SET_ITEM(run, i, Py_NewRef(value));
+            runs[which][c] = run;
+        }
+        Py_ssize_t n = PyList_GET_SIZE(list);
+        if (PyList_SetSlice(list, n, n, run) < 0)
+            goto fail;
+        k -= c;
+    }
+    return 0;
+fail:
+    PyList_SetSlice(list, n0, PyList_GET_SIZE(list), NULL);
+    return -1;
 }
 
 /* An evicted block's key leaves key_of and block_of_key: returns the key (a new reference),
@@ -541,7 +597,7 @@ static PyObject *release(PyObject *self, PyObject *const *args, Py_ssize_t nargs
         Py_ssize_t i = list_index(refcount, b);
         if (i < 0)
             goto fail;
-        long rc = PyLong_AsLong(PyList_GET_ITEM(refcount, i));
+        Py_ssize_t rc = int_value(PyList_GET_ITEM(refcount, i));
         if (rc == -1 && PyErr_Occurred())
             goto fail;
         rc -= 1;
@@ -551,16 +607,14 @@ static PyObject *release(PyObject *self, PyObject *const *args, Py_ssize_t nargs
                 Py_DECREF(seq);
                 return b;
             }
-            PyObject *v = PyLong_FromLong(rc);
+            PyObject *v = PyLong_FromSsize_t(rc);
             if (v == NULL)
                 goto fail;
             list_store(refcount, i, v);
             Py_DECREF(v);
             continue;
         }
-        PyObject *zero = PyLong_FromLong(0);
-        list_store(refcount, i, zero);
-        Py_DECREF(zero);
+        list_store(refcount, i, zero_long);
         Py_ssize_t ki = list_index(key_of, b);
         if (ki < 0)
             goto fail;
@@ -568,7 +622,7 @@ static PyObject *release(PyObject *self, PyObject *const *args, Py_ssize_t nargs
             if (PyList_Append(free, b) < 0)
                 goto fail;
         } else {
-            int pinned = PyDict_Contains(pins, b);
+            int pinned = PyDict_GET_SIZE(pins) ? PyDict_Contains(pins, b) : 0;
             if (pinned < 0)
                 goto fail;
             if (pinned) {
@@ -642,7 +696,7 @@ static int open_blocks(PyObject *batch, PyObject *opened, PyObject *free, PyObje
 {
     Py_ssize_t nopen = PyList_GET_SIZE(opened);
     for (Py_ssize_t j = 0; j < nopen; j++) {
-        Py_ssize_t idx = PyLong_AsSsize_t(PyList_GET_ITEM(opened, j));
+        Py_ssize_t idx = int_value(PyList_GET_ITEM(opened, j));
         if (idx < 0 || idx >= PyList_GET_SIZE(batch)) {
             if (!PyErr_Occurred())
                 PyErr_SetString(PyExc_IndexError, "step: member index out of range");
@@ -678,8 +732,6 @@ static int open_blocks(PyObject *batch, PyObject *opened, PyObject *free, PyObje
     return 0;
 }
 
-static PyObject *s_ids, *s_token_lists, *s_batch, *s_by_fill, *s_num_steps; /* a decode group's attributes */
-
 /* step_pairs(group, pairs, free, refcount, lru, keep_ids) -> list or None
  *
  * KVCacheManager.reserve_token_pairs(pairs) while `group` (a _DecodeGroup) holds: when the
@@ -689,8 +741,8 @@ static PyObject *s_ids, *s_token_lists, *s_batch, *s_by_fill, *s_num_steps; /* a
  * False: then the step count holds the new tokens), the members opening a block this step
  * (by_fill[(1 - t) % block_size]) take the next free block each when the free list holds
  * enough (else none does: they evict, in Python), and group.num_steps becomes t. Returns the
- * members still to open (an empty list, or all of them), or None, having changed nothing,
- * when the pairs do not fit the group. */
+ * members still to open (an empty tuple, or a list of all of them), or None, having changed
+ * nothing, when the pairs do not fit the group. */
 static PyObject *step_pairs(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     if (check_nargs("step_pairs", nargs, 6))
@@ -742,7 +794,8 @@ static PyObject *step_pairs(PyObject *self, PyObject *const *args, Py_ssize_t na
             result = Py_NewRef(Py_None);
             goto done;
         }
-        int same = PyObject_RichCompareBool(PyTuple_GET_ITEM(pair, 0), PyTuple_GET_ITEM(ids, i), Py_EQ);
+        PyObject *id = PyTuple_GET_ITEM(pair, 0), *want = PyTuple_GET_ITEM(ids, i);
+        int same = id == want ? 1 : PyObject_RichCompareBool(id, want, Py_EQ);
         if (same <= 0) {
             if (same == 0)
                 result = Py_NewRef(Py_None);
@@ -765,7 +818,7 @@ static PyObject *step_pairs(PyObject *self, PyObject *const *args, Py_ssize_t na
     Py_XDECREF(now);
     if (r < 0)
         goto done;
-    result = opens_here ? PyList_New(0) : PyList_GetSlice(opened, 0, PyList_GET_SIZE(opened));
+    result = opens_here ? PyTuple_New(0) : PyList_GetSlice(opened, 0, PyList_GET_SIZE(opened));
 done:
     Py_XDECREF(ids);
     Py_XDECREF(token_lists);
@@ -848,33 +901,31 @@ static PyObject *prefill(PyObject *self, PyObject *const *args, Py_ssize_t nargs
         goto done;
     }
     if (need > 0) {
-        PyObject *blocks = PyList_New(need);
-        if (blocks == NULL)
+        for (Py_ssize_t j = 0; j < need; j++) /* every block a valid index, before changing anything */
+            if (list_index(refcount, PyList_GET_ITEM(free, nfree - 1 - j)) < 0)
+                goto done;
+        /* The table grows by `need` placeholders, keys and scores by None and 0.0 each (one resize
+         * per list; undone if one fails), then the blocks move off the free list's end onto the
+         * table in pop order with refcount 1, as take() + the extends do. */
+        if (extend_run(table, 0, need) < 0)
             goto done;
+        if (extend_run(keys, 0, need) < 0) {
+            PyList_SetSlice(table, ntable, ntable + need, NULL);
+            goto done;
+        }
+        if (extend_run(scores, 1, need) < 0) {
+            PyList_SetSlice(table, ntable, ntable + need, NULL);
+            PyList_SetSlice(keys, PyList_GET_SIZE(keys) - need, PyList_GET_SIZE(keys), NULL);
+            goto done;
+        }
+        PyObject **slots = ((PyListObject *)table)->ob_item + ntable;
         for (Py_ssize_t j = 0; j < need; j++) {
-            PyObject *b = PyList_GET_ITEM(free, nfree - 1 - j);
-            Py_ssize_t i = list_index(refcount, b);
-            if (i < 0) {
-                Py_DECREF(blocks);
-                goto done;
-            }
-            Py_INCREF(b);
-            PyList_SET_ITEM(blocks, j, b);
+            PyObject *b = PyList_GET_ITEM(free, nfree - 1 - j); /* the free list's reference moves */
+            list_store(refcount, list_index(refcount, b), one_long);
+            Py_DECREF(slots[j]); /* the placeholder None */
+            slots[j] = b;
         }
-        /* From here on the state changes, as take() + the table/keys/scores extends do. */
-        if (PyList_SetSlice(free, nfree - need, nfree, NULL) < 0) {
-            Py_DECREF(blocks);
-            goto done;
-        }
-        for (Py_ssize_t j = 0; j < need; j++)
-            list_store(refcount, list_index(refcount, PyList_GET_ITEM(blocks, j)), one_long);
-        int r = PyList_SetSlice(table, ntable, ntable, blocks);
-        Py_DECREF(blocks);
-        if (r < 0)
-            goto done;
-        for (Py_ssize_t j = 0; j < need; j++)
-            if (PyList_Append(keys, Py_None) < 0 || PyList_Append(scores, zero_float) < 0)
-                goto done;
+        Py_SET_SIZE(free, nfree - need);
     }
     if (keep_ids) {
         PyObject *joined = PySequence_InPlaceConcat(tokens, token_ids); /* seq.tokens += token_ids */
@@ -1263,6 +1314,9 @@ static PyObject *split_pairs(PyObject *self, PyObject *pairs)
  * list gets a new empty list (template's must be empty) and seq_id and root are set. template
  * is an instance, made by __init__ with those empty lists, of a class with __slots__ only
  * (no __dict__, no weak references) directly over object. */
+static PyTypeObject *named_type;       /* the last template class new_sequence() saw (a reference) */
+static Py_ssize_t named_offsets[2];     /* and its seq_id and root slots' offsets */
+
 static PyObject *new_sequence(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     if (check_nargs("new_sequence", nargs, 3))
@@ -1283,15 +1337,30 @@ static PyObject *new_sequence(PyObject *self, PyObject *const *args, Py_ssize_t 
             return NULL;
         }
     }
+    if (tp != named_type) { /* find seq_id's and root's offsets once per class */
+        Py_ssize_t id_offset = -1, root_offset = -1;
+        for (PyMemberDef *m = tp->tp_members; m->name != NULL; m++) {
+            if (strcmp(m->name, "seq_id") == 0)
+                id_offset = m->offset;
+            else if (strcmp(m->name, "root") == 0)
+                root_offset = m->offset;
+        }
+        if (id_offset < 0 || root_offset < 0) {
+            PyErr_SetString(PyExc_TypeError, "new_sequence: the template's class has no seq_id or no root slot");
+            return NULL;
+        }
+        Py_INCREF(tp);
+        Py_XSETREF(named_type, tp);
+        named_offsets[0] = id_offset;
+        named_offsets[1] = root_offset;
+    }
     PyObject *seq = tp->tp_alloc(tp, 0); /* every slot NULL (unset) until filled below */
     if (seq == NULL)
         return NULL;
-    int named = 0; /* seq_id and root found */
     for (PyMemberDef *m = tp->tp_members; m->name != NULL; m++) {
         PyObject *v = *(PyObject **)((char *)template + m->offset), *copy;
-        if (strcmp(m->name, "seq_id") == 0 || strcmp(m->name, "root") == 0) {
-            copy = Py_NewRef(args[m->name[0] == 's' ? 1 : 2]);
-            named++;
+        if (m->offset == named_offsets[0] || m->offset == named_offsets[1]) {
+            copy = Py_NewRef(args[m->offset == named_offsets[0] ? 1 : 2]);
         } else if (v != NULL && PyList_Check(v)) {
             if ((copy = PyList_New(0)) == NULL) {
                 Py_DECREF(seq);
@@ -1301,11 +1370,6 @@ static PyObject *new_sequence(PyObject *self, PyObject *const *args, Py_ssize_t 
             copy = Py_XNewRef(v);
         }
         *(PyObject **)((char *)seq + m->offset) = copy;
-    }
-    if (named != 2) {
-        Py_DECREF(seq);
-        PyErr_SetString(PyExc_TypeError, "new_sequence: the template's class has no seq_id or no root slot");
-        return NULL;
     }
     return seq;
 }
@@ -1364,6 +1428,350 @@ fail:
     return NULL;
 }
 
+/* ---- Entry points: KVCacheManager's hot public methods as compiled functions --------------
+ *
+ * Entries(manager, fallbacks, template, no_hit, empty_batch) holds the manager's fixed objects
+ * (its sequence and root dicts, the device pool's lists, the LRU) and the Python methods each
+ * entry falls back to; the manager takes the entries' bound methods as its own open, reserve,
+ * reserve_token_pairs, take_event_batch and free. Each entry runs the common case the way the
+ * Python method does (the same compiled loops, the same order of effects) and hands any other
+ * case, before changing anything, to the Python method: errors, keyword arguments, a cached
+ * prefix, a member of the decode group, a budget, a swapped sequence, a step that evicts. One
+ * Python frame less per call, and no attribute lookups on the manager but the two that change
+ * (_group, the event lists). The manager and the entries form a cycle the GC collects. */
+typedef struct {
+    PyObject_HEAD
+    PyObject *mgr, *seqs, *roots, *free, *refcount, *key_of, *pins, *lru; /* the manager's objects */
+    PyObject *py_open, *py_reserve, *py_pairs, *py_take, *py_free;         /* the Python methods */
+    PyObject *finish_step, *publish_full, *raise_if_bad;                   /* the manager's helpers */
+    PyObject *template, *no_hit, *empty_batch, *block_size;
+    Py_ssize_t bs;
+    int keep_ids; /* prefix caching: token ids are kept and full blocks published */
+} EntriesObject;
+
+static PyObject *s_group, *s_event_kinds, *s_counters, *s_prefix_query_tokens, *s_members, *s_empty_salt;
+static PyObject *no_members; /* an empty list, never mutated: _finish_step's `opened` when none is left */
+
+#define ENTRY_FIELDS(X)                                                                                 \
+    X(mgr) X(seqs) X(roots) X(free) X(refcount) X(key_of) X(pins) X(lru) X(py_open) X(py_reserve)     \
+    X(py_pairs) X(py_take) X(py_free) X(finish_step) X(publish_full) X(raise_if_bad) X(template)      \
+    X(no_hit) X(empty_batch) X(block_size)
+
+static int entries_traverse(EntriesObject *e, visitproc visit, void *arg)
+{
+#define VISIT(f) Py_VISIT(e->f);
+    ENTRY_FIELDS(VISIT)
+#undef VISIT
+    return 0;
+}
+
+static int entries_clear(EntriesObject *e)
+{
+#define CLEAR(f) Py_CLEAR(e->f);
+    ENTRY_FIELDS(CLEAR)
+#undef CLEAR
+    return 0;
+}
+
+static void entries_dealloc(EntriesObject *e)
+{
+    PyObject_GC_UnTrack(e);
+    entries_clear(e);
+    Py_TYPE(e)->tp_free((PyObject *)e);
+}
+
+/* Entries(manager, fallbacks, template, no_hit, empty_batch): fallbacks is the tuple of the
+ * manager's Python open, reserve, reserve_token_pairs, take_event_batch and free (bound). */
+static PyObject *entries_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    PyObject *mgr, *fallbacks, *template, *no_hit, *empty_batch;
+    if (!PyArg_ParseTuple(args, "OO!OOO", &mgr, &PyTuple_Type, &fallbacks, &template, &no_hit, &empty_batch))
+        return NULL;
+    if (PyTuple_GET_SIZE(fallbacks) != 5) {
+        PyErr_SetString(PyExc_TypeError, "Entries: five fallbacks (open, reserve, reserve_token_pairs, "
+                                         "take_event_batch, free)");
+        return NULL;
+    }
+    EntriesObject *e = PyObject_GC_New(EntriesObject, type);
+    if (e == NULL)
+        return NULL;
+#define NUL(f) e->f = NULL;
+    ENTRY_FIELDS(NUL)
+#undef NUL
+    PyObject *device = NULL, *caching = NULL;
+    e->mgr = Py_NewRef(mgr);
+    e->py_open = Py_NewRef(PyTuple_GET_ITEM(fallbacks, 0));
+    e->py_reserve = Py_NewRef(PyTuple_GET_ITEM(fallbacks, 1));
+    e->py_pairs = Py_NewRef(PyTuple_GET_ITEM(fallbacks, 2));
+    e->py_take = Py_NewRef(PyTuple_GET_ITEM(fallbacks, 3));
+    e->py_free = Py_NewRef(PyTuple_GET_ITEM(fallbacks, 4));
+    e->template = Py_NewRef(template);
+    e->no_hit = Py_NewRef(no_hit);
+    e->empty_batch = Py_NewRef(empty_batch);
+    if (!(e->seqs = PyObject_GetAttrString(mgr, "seqs")) || !(e->roots = PyObject_GetAttrString(mgr, "_roots")) ||
+        !(e->block_size = PyObject_GetAttrString(mgr, "block_size")) ||
+        !(e->finish_step = PyObject_GetAttrString(mgr, "_finish_step")) ||
+        !(e->publish_full = PyObject_GetAttrString(mgr, "_publish_full")) ||
+        !(caching = PyObject_GetAttrString(mgr, "enable_prefix_caching")) ||
+        !(device = PyObject_GetAttrString(mgr, "device")) || !(e->free = PyObject_GetAttrString(device, "_free")) ||
+        !(e->refcount = PyObject_GetAttrString(device, "refcount")) ||
+        !(e->key_of = PyObject_GetAttrString(device, "key_of")) ||
+        !(e->pins = PyObject_GetAttrString(device, "pins")) || !(e->lru = PyObject_GetAttrString(device, "_lru")) ||
+        !(e->raise_if_bad = PyObject_GetAttrString(device, "_raise_if_bad")))
+        goto fail;
+    if (!PyDict_CheckExact(e->seqs) || !PyDict_CheckExact(e->roots) || !PyDict_Check(e->pins) ||
+        !PyList_CheckExact(e->free) || !PyList_CheckExact(e->refcount) || !PyList_CheckExact(e->key_of) ||
+        !IS_LRU(e->lru)) {
+        PyErr_SetString(PyExc_TypeError, "Entries: a manager whose device pool has lists, dicts and the LRU");
+        goto fail;
+    }
+    e->bs = PyLong_AsSsize_t(e->block_size);
+    if (e->bs == -1 && PyErr_Occurred())
+        goto fail;
+    if (e->bs <= 0) {
+        PyErr_SetString(PyExc_ValueError, "Entries: block_size must be positive");
+        goto fail;
+    }
+    if ((e->keep_ids = PyObject_IsTrue(caching)) < 0)
+        goto fail;
+    Py_DECREF(caching);
+    Py_DECREF(device);
+    PyObject_GC_Track(e);
+    return (PyObject *)e;
+fail:
+    Py_XDECREF(caching);
+    Py_XDECREF(device);
+    Py_DECREF(e);
+    return NULL;
+}
+
+/* The Python method, with the call's own arguments. */
+static PyObject *fallback(PyObject *method, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
+{
+    return PyObject_Vectorcall(method, args, nargs, kwnames);
+}
+
+/* open(seq_id, token_ids): without prefix caching, a new empty sequence under the default
+ * salt's root, as the Python open() makes it; anything else is the Python open(). */
+static PyObject *entries_open(EntriesObject *e, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
+{
+    if (nargs != 2 || kwnames != NULL || e->keep_ids || !PyList_CheckExact(args[1]))
+        return fallback(e->py_open, args, nargs, kwnames);
+    PyObject *seq_id = args[0];
+    int known = PyDict_Contains(e->seqs, seq_id);
+    PyObject *root = known ? NULL : PyDict_GetItemWithError(e->roots, s_empty_salt); /* borrowed */
+    if (root == NULL) { /* a duplicate or unhashable id, or the root not made yet: Python's answer */
+        PyErr_Clear();
+        return fallback(e->py_open, args, nargs, kwnames);
+    }
+    Py_INCREF(root);
+    PyObject *counters = NULL, *queried = NULL, *sum = NULL, *seq = NULL, *result = NULL;
+    PyObject *n = PyLong_FromSsize_t(PyList_GET_SIZE(args[1]));
+    if (n == NULL || !(counters = PyObject_GetAttr(e->mgr, s_counters)) ||
+        !(queried = PyObject_GetAttr(counters, s_prefix_query_tokens)) || !(sum = PyNumber_Add(queried, n)))
+        goto done;
+    PyObject *ns_args[3] = {e->template, seq_id, root};
+    if (!(seq = new_sequence(NULL, ns_args, 3)))
+        goto done;
+    if (PyObject_SetAttr(counters, s_prefix_query_tokens, sum) < 0)
+        goto done;
+    if (PyDict_SetItem(e->seqs, seq_id, seq) < 0)
+        goto done;
+    result = Py_NewRef(e->no_hit);
+done:
+    Py_DECREF(root);
+    Py_XDECREF(n);
+    Py_XDECREF(counters);
+    Py_XDECREF(queried);
+    Py_XDECREF(sum);
+    Py_XDECREF(seq);
+    return result;
+}
+
+/* reserve(seq_id, token_ids): the compiled prefill of an active sequence without a budget that
+ * is not in the decode group, when it needs no copy and no eviction (then, with prefix caching,
+ * the Python _publish_full of the blocks it filled); anything else is the Python reserve(). */
+static PyObject *entries_reserve(EntriesObject *e, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
+{
+    if (nargs != 2 || kwnames != NULL || !PyList_CheckExact(args[1]) || PyList_GET_SIZE(args[1]) == 0)
+        return fallback(e->py_reserve, args, nargs, kwnames);
+    PyObject *seq_id = args[0], *tokens = args[1];
+    PyObject *seq = PyDict_GetItemWithError(e->seqs, seq_id); /* borrowed */
+    if (seq == NULL) { /* an unknown or unhashable id: Python's answer */
+        PyErr_Clear();
+        return fallback(e->py_reserve, args, nargs, kwnames);
+    }
+    Py_INCREF(seq);
+    PyObject *group = NULL, *members = NULL, *start = NULL, *result = NULL, *v;
+    Py_ssize_t offset = slot_offset(seq, s_host_table_ID), offset2 = slot_offset(seq, s_budget_ID);
+    if (offset < 0 || offset2 < 0 || (v = *(PyObject **)((char *)seq + offset)) != Py_None ||
+        *(PyObject **)((char *)seq + offset2) != Py_None) { /* swapped, a budget, or not a plain Sequence */
+        result = fallback(e->py_reserve, args, nargs, kwnames);
+        goto done;
+    }
+    if (!(group = PyObject_GetAttr(e->mgr, s_group)))
+        goto done;
+    if (group != Py_None) {
+        if (!(members = PyObject_GetAttr(group, s_members)))
+            goto done;
+        int member = PySequence_Contains(members, seq_id);
+        if (member < 0)
+            goto done;
+        if (member) { /* the group is dropped first: Python */
+            result = fallback(e->py_reserve, args, nargs, kwnames);
+            goto done;
+        }
+    }
+    PyObject *pargs[6] = {seq, tokens, e->block_size, e->free, e->refcount, e->keep_ids ? Py_True : Py_False};
+    if (!(start = prefill(NULL, pargs, 6)))
+        goto done;
+    if (start == Py_None) { /* a copy or an eviction: Python (nothing changed) */
+        result = fallback(e->py_reserve, args, nargs, kwnames);
+        goto done;
+    }
+    if (e->keep_ids) {
+        Py_ssize_t first = PyLong_AsSsize_t(start), n = PyList_GET_SIZE(tokens);
+        PyObject *intact = slot_get(seq, s_chain_intact);
+        if (intact == NULL)
+            goto done;
+        int ok = PyObject_IsTrue(intact);
+        Py_DECREF(intact);
+        if (ok < 0)
+            goto done;
+        if (ok && (first + n) / e->bs > first / e->bs) {
+            PyObject *r = PyObject_CallFunction(e->publish_full, "Onn", seq, first / e->bs, (first + n) / e->bs);
+            if (r == NULL)
+                goto done;
+            Py_DECREF(r);
+        }
+    }
+    result = Py_NewRef(start);
+done:
+    Py_DECREF(seq);
+    Py_XDECREF(group);
+    Py_XDECREF(members);
+    Py_XDECREF(start);
+    return result;
+}
+
+/* reserve_token_pairs(pairs): while a decode group holds, step_pairs() (then the Python
+ * _finish_step when a member's open evicts or with prefix caching); anything else (no group,
+ * pairs that do not fit it) is the Python reserve_token_pairs(). */
+static PyObject *entries_pairs(EntriesObject *e, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
+{
+    if (nargs != 1 || kwnames != NULL)
+        return fallback(e->py_pairs, args, nargs, kwnames);
+    PyObject *group = PyObject_GetAttr(e->mgr, s_group);
+    if (group == NULL)
+        return NULL;
+    if (group == Py_None) {
+        Py_DECREF(group);
+        return fallback(e->py_pairs, args, nargs, kwnames);
+    }
+    PyObject *sargs[6] = {group, args[0], e->free, e->refcount, e->lru, e->keep_ids ? Py_True : Py_False};
+    PyObject *left = step_pairs(NULL, sargs, 6), *result = NULL;
+    if (left == NULL)
+        goto done;
+    if (left == Py_None) {
+        result = fallback(e->py_pairs, args, nargs, kwnames);
+        goto done;
+    }
+    if (PyObject_Length(left) > 0 || e->keep_ids) {
+        PyObject *steps = slot_get(group, s_num_steps);
+        if (steps == NULL)
+            goto done;
+        PyObject *fargs[3] = {group, steps, PyList_Check(left) ? left : no_members};
+        PyObject *r = PyObject_Vectorcall(e->finish_step, fargs, 3, NULL);
+        Py_DECREF(steps);
+        if (r == NULL)
+            goto done;
+        Py_DECREF(r);
+    }
+    result = Py_NewRef(Py_None);
+done:
+    Py_DECREF(group);
+    Py_XDECREF(left);
+    return result;
+}
+
+/* take_event_batch(): the shared empty batch when nothing was recorded; else the Python one. */
+static PyObject *entries_take(EntriesObject *e, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
+{
+    if (nargs == 0 && kwnames == NULL) {
+        PyObject *kinds = PyObject_GetAttr(e->mgr, s_event_kinds);
+        if (kinds == NULL)
+            return NULL;
+        int empty = PyList_CheckExact(kinds) && PyList_GET_SIZE(kinds) == 0;
+        Py_DECREF(kinds);
+        if (empty)
+            return Py_NewRef(e->empty_batch);
+    }
+    return fallback(e->py_take, args, nargs, kwnames);
+}
+
+/* free(seq_id): while no decode group holds, an active sequence leaves and its table is
+ * released tail first (an over-released block: the pool's IntegrityError, the sequence gone, as
+ * in Python); anything else is the Python free(). */
+static PyObject *entries_free(EntriesObject *e, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
+{
+    if (nargs != 1 || kwnames != NULL)
+        return fallback(e->py_free, args, nargs, kwnames);
+    PyObject *group = PyObject_GetAttr(e->mgr, s_group);
+    if (group == NULL)
+        return NULL;
+    int grouped = group != Py_None;
+    Py_DECREF(group);
+    PyObject *seq = grouped ? NULL : PyDict_GetItemWithError(e->seqs, args[0]); /* borrowed */
+    if (seq == NULL) { /* a group to drop, an unknown or unhashable id: Python's answer */
+        PyErr_Clear();
+        return fallback(e->py_free, args, nargs, kwnames);
+    }
+    Py_ssize_t offset = slot_offset(seq, s_host_table_ID), toffset = slot_offset(seq, s_table_ID);
+    PyObject *table = toffset >= 0 ? *(PyObject **)((char *)seq + toffset) : NULL;
+    if (offset < 0 || *(PyObject **)((char *)seq + offset) != Py_None || table == NULL)
+        return fallback(e->py_free, args, nargs, kwnames); /* swapped, or not a plain Sequence */
+    Py_INCREF(table);
+    PyObject *result = NULL;
+    if (PyDict_DelItem(e->seqs, args[0]) == 0) {
+        PyObject *rargs[7] = {table, Py_True, e->refcount, e->key_of, e->pins, e->free, e->lru};
+        PyObject *bad = release(NULL, rargs, 7);
+        if (bad == Py_None) {
+            result = bad;
+        } else if (bad != NULL) {
+            result = PyObject_CallOneArg(e->raise_if_bad, bad);
+            Py_DECREF(bad);
+        }
+    }
+    Py_DECREF(table);
+    return result;
+}
+
+static PyMethodDef entries_methods[] = {
+    {"open", (PyCFunction)(void (*)(void))entries_open, METH_FASTCALL | METH_KEYWORDS,
+     "KVCacheManager.open(); see block_core.c."},
+    {"reserve", (PyCFunction)(void (*)(void))entries_reserve, METH_FASTCALL | METH_KEYWORDS,
+     "KVCacheManager.reserve(); see block_core.c."},
+    {"reserve_token_pairs", (PyCFunction)(void (*)(void))entries_pairs, METH_FASTCALL | METH_KEYWORDS,
+     "KVCacheManager.reserve_token_pairs(); see block_core.c."},
+    {"take_event_batch", (PyCFunction)(void (*)(void))entries_take, METH_FASTCALL | METH_KEYWORDS,
+     "KVCacheManager.take_event_batch(); see block_core.c."},
+    {"free", (PyCFunction)(void (*)(void))entries_free, METH_FASTCALL | METH_KEYWORDS,
+     "KVCacheManager.free(); see block_core.c."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject EntriesType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "_block_core.Entries",
+    .tp_basicsize = sizeof(EntriesObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "A KVCacheManager's compiled entry points; see block_core.c.",
+    .tp_new = entries_new,
+    .tp_dealloc = (destructor)entries_dealloc,
+    .tp_traverse = (traverseproc)entries_traverse,
+    .tp_clear = (inquiry)entries_clear,
+    .tp_methods = entries_methods,
+};
+
 static PyMethodDef methods[] = {
     {"split_pairs", split_pairs, METH_O, "zip(*pairs) for (seq_id, token) 2-tuples; see block_core.c."},
     {"new_sequence", (PyCFunction)(void (*)(void))new_sequence, METH_FASTCALL,
@@ -1388,39 +1796,32 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_block_core", NULL, 
 
 PyMODINIT_FUNC PyInit__block_core(void)
 {
-    s_table = PyUnicode_InternFromString("table");
-    s_keys = PyUnicode_InternFromString("keys");
-    s_scores = PyUnicode_InternFromString("scores");
-    s_tokens = PyUnicode_InternFromString("tokens");
-    s_num_dropped_tokens = PyUnicode_InternFromString("num_dropped_tokens");
-    s_simple = PyUnicode_InternFromString("simple");
-    s_root = PyUnicode_InternFromString("root");
-    s_hint = PyUnicode_InternFromString("hint");
-    s_chain_intact = PyUnicode_InternFromString("chain_intact");
-    s_num_elided_tokens = PyUnicode_InternFromString("num_elided_tokens");
-    s_decode_group = PyUnicode_InternFromString("decode_group");
-    if (!s_decode_group)
-        return NULL;
-    s_ids = PyUnicode_InternFromString("ids");
-    s_token_lists = PyUnicode_InternFromString("token_lists");
-    s_batch = PyUnicode_InternFromString("batch");
-    s_by_fill = PyUnicode_InternFromString("by_fill");
-    s_num_steps = PyUnicode_InternFromString("num_steps");
-    if (!s_ids || !s_token_lists || !s_batch || !s_by_fill || !s_num_steps)
-        return NULL;
-    if (!s_root || !s_hint || !s_chain_intact || !s_num_elided_tokens)
-        return NULL;
+    for (int i = 0; i < NUM_NAMES; i++)
+        if ((names[i] = PyUnicode_InternFromString(name_text[i])) == NULL)
+            return NULL;
     zero_float = PyFloat_FromDouble(0.0);
     one_long = PyLong_FromLong(1);
-    if (!s_table || !s_keys || !s_scores || !s_tokens || !s_num_dropped_tokens || !s_simple || !zero_float || !one_long)
+    zero_long = PyLong_FromLong(0);
+    if (!zero_float || !one_long || !zero_long)
         return NULL;
-    if (PyType_Ready(&LRUType) < 0 || PyType_Ready(&LRUIterType) < 0)
+    s_group = PyUnicode_InternFromString("_group");
+    s_event_kinds = PyUnicode_InternFromString("_event_kinds");
+    s_counters = PyUnicode_InternFromString("counters");
+    s_prefix_query_tokens = PyUnicode_InternFromString("prefix_query_tokens");
+    s_members = PyUnicode_InternFromString("members");
+    s_empty_salt = PyBytes_FromStringAndSize("", 0);
+    no_members = PyList_New(0);
+    if (!s_group || !s_event_kinds || !s_counters || !s_prefix_query_tokens || !s_members || !s_empty_salt ||
+        !no_members)
+        return NULL;
+    if (PyType_Ready(&LRUType) < 0 || PyType_Ready(&LRUIterType) < 0 || PyType_Ready(&EntriesType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)
         return NULL;
     if (PyModule_AddIntConstant(m, "ABI_VERSION", ABI_VERSION) < 0 ||
-        PyModule_AddObjectRef(m, "LRU", (PyObject *)&LRUType) < 0) {
+        PyModule_AddObjectRef(m, "LRU", (PyObject *)&LRUType) < 0 ||
+        PyModule_AddObjectRef(m, "Entries", (PyObject *)&EntriesType) < 0) {
         Py_DECREF(m);
         return NULL;
     }

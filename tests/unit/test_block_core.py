@@ -84,8 +84,27 @@ class CountingCore:
         return done  # type: ignore[no-any-return]
 
 
+ENTRY_POINTS = ("open", "reserve", "reserve_token_pairs", "take_event_batch", "free")
+
+
+def has_entries(m: KVCacheManager) -> bool:
+    """Whether the manager's public entry points are block_core's compiled Entries."""
+    return all(type(getattr(m, name).__self__).__name__ == "Entries" for name in ENTRY_POINTS)
+
+
+def without_entries(m: KVCacheManager) -> KVCacheManager:
+    """The manager driven through its Python methods (its compiled entry points removed), so
+    that a CountingCore swapped in afterwards sees every call of the compiled loops."""
+    for name in ENTRY_POINTS:
+        vars(m).pop(name, None)
+    assert not any(name in vars(m) for name in ENTRY_POINTS)
+    return m
+
+
 class Side(Harness):
-    def __init__(self, seed: int, num_host_blocks: int, native: bool, counts: Counter[str]) -> None:
+    def __init__(
+        self, seed: int, num_host_blocks: int, native: bool, counts: Counter[str], entries: bool = False
+    ) -> None:
         super().__init__(seed, "lru", num_host_blocks)
         self.mgr = KVCacheManager(
             28,
@@ -95,8 +114,11 @@ class Side(Harness):
             record_events=True,
             native=native,
         )
-        if native:
+        if native and entries:  # the compiled entry points, over the compiled loops (not counted)
+            assert core is not None and has_entries(self.mgr)
+        elif native:
             assert core is not None and self.mgr._core is core and self.mgr.device._c is core
+            without_entries(self.mgr)
             wrapped = CountingCore(core, counts)
             self.mgr._core = self.mgr.device._c = self.mgr.host._c = wrapped  # type: ignore[assignment]
         else:
@@ -149,13 +171,15 @@ def test_c_and_python_cores_agree_step_by_step(seed: int, num_host_blocks: int) 
     counts: Counter[str] = Counter()
     c_side = Side(seed, num_host_blocks, True, counts)
     py_side = Side(seed, num_host_blocks, False, counts)
+    entry_side = Side(seed, num_host_blocks, True, counts, entries=True)
     for step in range(2000):
-        for side in (c_side, py_side):
+        for side in (c_side, py_side, entry_side):
             side.step()  # one random operation, its own checks (integrity, content, events), drains events
-        assert c_side.counts == py_side.counts, f"step {step}: the operations' outcomes differ"
-        assert state(c_side.mgr) == state(py_side.mgr), f"step {step}: the cores disagree"
+        assert c_side.counts == py_side.counts == entry_side.counts, f"step {step}: the outcomes differ"
+        assert state(c_side.mgr) == state(py_side.mgr) == state(entry_side.mgr), f"step {step}: they disagree"
         c_side.mgr.check_integrity()
         py_side.mgr.check_integrity()
+        entry_side.mgr.check_integrity()
     # The C paths really ran, including eviction and a short free list on a decode step.
     assert counts["take"] > 20 and counts["take:evict"] > 20, counts
     assert counts["release"] > 100 and counts["step"] > 100, counts
@@ -180,7 +204,8 @@ def test_large_pool_decode_groups_agree(seed: int) -> None:
         ]
         counts: Counter[str] = Counter()
         assert core is not None
-        sides[2]._core = sides[2].device._c = CountingCore(core, counts)  # type: ignore[assignment]
+        assert has_entries(sides[0])  # the compiled entry points against the Python ones
+        without_entries(sides[2])._core = sides[2].device._c = CountingCore(core, counts)  # type: ignore[assignment]
         running: list[str] = []
         next_id = 0
         for step in range(1500):
@@ -325,10 +350,10 @@ def test_slot_access_matches_getattr() -> None:
     with pytest.raises(AttributeError, match="no attribute 'ids'"):
         core.step_pairs(object.__new__(type(group)), [("a", 5)], d._free, d.refcount, d._lru, False)
     assert state(m) == before
-    assert core.step_pairs(group, [("a", 5)], d._free, d.refcount, d._lru, False) == []
+    assert core.step_pairs(group, [("a", 5)], d._free, d.refcount, d._lru, False) == ()
     assert group.num_steps == m.get("a").num_tokens == 2  # open() reserved nothing: two steps
     plain = SimpleNamespace(**{name: getattr(group, name) for name in type(group).__slots__})
-    assert core.step_pairs(plain, [("a", 6)], d._free, d.refcount, d._lru, False) == []
+    assert core.step_pairs(plain, [("a", 6)], d._free, d.refcount, d._lru, False) == ()
     assert plain.num_steps == 3 and group.num_steps == 2
     with pytest.raises(AttributeError, match="no attribute 'table'"):
         core.prefill(SimpleNamespace(tokens=[], num_dropped_tokens=0), [1], 4, d._free, d.refcount, False)
@@ -349,7 +374,7 @@ def test_slot_access_matches_getattr() -> None:
     watched = Watched()
     for name in type(group).__slots__:
         object.__setattr__(watched, name, getattr(group, name))
-    assert core.step_pairs(watched, [("a", 7)], d._free, d.refcount, d._lru, False) == []
+    assert core.step_pairs(watched, [("a", 7)], d._free, d.refcount, d._lru, False) == ()
     assert seen == ["num_steps"] and watched.num_steps == 3
 
 

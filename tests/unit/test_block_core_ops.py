@@ -4,7 +4,8 @@ A seeded random mix of opens + prefills, extra prefills, decode steps (as
 reserve_token_pairs, reserve_tokens and append_tokens; the same batch repeated as
 an engine does, then a changed one), forks, frees, swaps, budgets and bad
 requests (unknown, duplicate or malformed ids, steps too big for the pool) runs on
-a native=True and a native=False manager, with prefix caching on and off, LRU and
+a native=True manager driven through its Python methods (its compiled loops counted), one
+through its compiled entry points and a native=False manager, with prefix caching on and off, LRU and
 LFU, with and without a host tier. After every operation both must report the
 same outcome (the result, or the same error) and the same state (state() of
 test_block_core: tables, refcounts, keys, free list, eviction order, token counts,
@@ -19,7 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from test_block_core import CountingCore, core, state
+from test_block_core import CountingCore, core, has_entries, state, without_entries
 
 from pagedkv.cache_node.kv_manager import Budget, KVCacheManager
 from pagedkv.protos.errors import PagedKVError
@@ -52,11 +53,12 @@ class Lockstep:
                 record_events=True,
                 native=native,
             )
-            for native in (True, False)
+            for native in (True, False, True)
         ]
-        native = self.sides[0]
+        native = self.sides[0]  # the compiled loops, counted, under the Python entry points
         if native._core is not None:
-            native._core = native.device._c = CountingCore(native._core, counts)  # type: ignore[assignment]
+            without_entries(native)._core = native.device._c = CountingCore(native._core, counts)  # type: ignore[assignment]
+            assert has_entries(self.sides[2])  # the compiled entry points too
         self.running: list[str] = []
         self.batch: list[str] = []  # the last decode batch, repeated as an engine does
         self.next_id = 0
@@ -64,12 +66,12 @@ class Lockstep:
 
     def apply(self, name: str, fn: Callable[[KVCacheManager], Any]) -> Any:
         results = [outcome(lambda m=m: fn(m)) for m in self.sides]
-        assert results[0] == results[1], f"{name}: {results}"
-        assert state(self.sides[0]) == state(self.sides[1]), name
+        assert results[0] == results[1] == results[2], f"{name}: {results}"
+        assert state(self.sides[0]) == state(self.sides[1]) == state(self.sides[2]), name
         for m in self.sides:
             m.check_integrity()
         kinds, keys = zip(*(tuple(map(list, m.take_event_batch())) for m in self.sides), strict=True)
-        assert kinds[0] == kinds[1] and keys[0] == keys[1], name
+        assert kinds[0] == kinds[1] == kinds[2] and keys[0] == keys[1] == keys[2], name
         return results[0]
 
     def new_id(self) -> str:
