@@ -40,7 +40,7 @@ import socket
 import struct
 import threading
 import time
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -621,8 +621,7 @@ class _CallBuffer:
         return self._buf[:num_bytes]
 
 
-@dataclass(frozen=True)
-class _Call:
+class _Call(NamedTuple):
     """A parsed ATTEND* body: the rpc's arguments, tensors viewing the body."""
 
     layer: int
@@ -658,11 +657,11 @@ def _parse_call(op: int, mv: memoryview) -> _Call:
             raise InvalidArgument(f"bulk call: {name}: {exc}") from None
         at += bulk.TENSOR.size
     need(at, 8 * num_tokens + 4 * num_counts + ids_len, "the token ids, counts and sequence ids")
-    tokens = np.frombuffer(mv, "<i8", num_tokens, at).tolist()
+    tokens = np.frombuffer(mv, "<i8", num_tokens, at).tolist() if num_tokens else []
     at += 8 * num_tokens
-    counts = np.frombuffer(mv, "<i4", num_counts, at).tolist()
+    counts = np.frombuffer(mv, "<i4", num_counts, at).tolist() if num_counts else []
     at += 4 * num_counts
-    seq_ids = _seq_ids(mv, at, num_seqs, ids_len)
+    seq_ids = _IDS.seq_ids(mv, at, num_seqs, ids_len)
     at += ids_len
     views: list[torch.Tensor] = []
     for name, (dtype, shape) in zip(names, descs, strict=True):
@@ -680,24 +679,47 @@ def _parse_call(op: int, mv: memoryview) -> _Call:
     return _Call(layer, bool(flags & bulk.FLAG_BLOCK_MASS), seq_ids, counts, tokens or None, q, k, v)
 
 
-def _seq_ids(mv: memoryview, at: int, num_seqs: int, ids_len: int) -> list[str]:
-    """The CALL's sequence ids: num_seqs u16 lengths, then the ids' UTF-8 back to back
-    (one decode and slices, not a loop over the bytes: a batch of 32 is the common call)."""
+class _IdsMemo:
+    """The last ids section parsed and its ids: a decode loop sends the same batch at
+    every layer of every step. One entry, shared by the connections' threads (one
+    tuple, swapped whole); compared by the section's bytes."""
+
+    def __init__(self) -> None:
+        self._last: tuple[bytes, list[str]] = (b"", [])
+
+    def seq_ids(self, mv: memoryview, at: int, num_seqs: int, ids_len: int) -> list[str]:
+        """A new list of the section's ids (the engine's to keep); InvalidArgument as _seq_ids."""
+        raw, last = bytes(mv[at : at + ids_len]), self._last
+        if raw == last[0] and num_seqs == len(last[1]) and num_seqs:
+            return list(last[1])
+        ids = _seq_ids(raw, num_seqs)
+        self._last = (raw, ids)
+        return list(ids)
+
+
+_IDS = _IdsMemo()
+
+
+def _seq_ids(raw: bytes, num_seqs: int) -> list[str]:
+    """The CALL's sequence ids from their section `raw`: num_seqs u16 lengths, then the
+    ids' UTF-8 back to back (one decode and slices, not a loop over the bytes: a batch
+    of 32 is the common call)."""
+    ids_len = len(raw)
     if 2 * num_seqs > ids_len:
         raise InvalidArgument(f"bulk call: {num_seqs} sequence ids cannot fit in {ids_len} bytes")
-    ends = list(itertools.accumulate(struct.unpack_from(f"<{num_seqs}H", mv, at)))
+    ends = list(itertools.accumulate(struct.unpack_from(f"<{num_seqs}H", raw, 0)))
     extra = ids_len - 2 * num_seqs - (ends[-1] if ends else 0)
     if extra < 0:
         raise InvalidArgument(f"bulk call: {num_seqs} sequence ids overrun their {ids_len} bytes")
     if extra:
         raise InvalidArgument(f"bulk call: {extra} bytes after the {num_seqs} sequence ids")
-    raw = bytes(mv[at + 2 * num_seqs : at + ids_len])
+    text_bytes = raw[2 * num_seqs :]
     starts = [0, *ends][:-1]
     try:
-        if raw.isascii():  # byte offsets are character offsets
-            text = raw.decode("ascii")
+        if text_bytes.isascii():  # byte offsets are character offsets
+            text = text_bytes.decode("ascii")
             return [text[a:b] for a, b in zip(starts, ends, strict=True)]
-        return [raw[a:b].decode("utf-8") for a, b in zip(starts, ends, strict=True)]
+        return [text_bytes[a:b].decode("utf-8") for a, b in zip(starts, ends, strict=True)]
     except UnicodeDecodeError as exc:
         raise InvalidArgument(f"bulk call: a sequence id is not UTF-8: {exc}") from None
 

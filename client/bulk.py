@@ -219,13 +219,13 @@ class BulkChannel:
             shm_op = bulk.OP_ATTEND_SHM if op == bulk.OP_ATTEND else bulk.OP_ATTEND_PREFILL_BATCH_SHM
             request = Frame(shm_op, request_id, payload_len=bulk.SHM_CALL.size).pack()
             sock.sendall(request + bulk.SHM_CALL.pack(body_at, body_len, out_at, out_len))
-            reply = bulk.read_frame(sock, buf=self._local_head())
-            assert reply is not None
+            buf = self._local_reply()
+            reply, ahead = bulk.read_frame_ahead(sock, buf)
             self.num_calls += 1
             self.num_local_calls += 1
             if reply.status != bulk.STATUS_OK:
                 raise self._error(reply)
-            return _read_result(sock, reply.payload_len, self._local_reply(), (conn, out_at, out_len))
+            return _read_result(sock, reply.payload_len, buf, ahead, (conn, out_at, out_len))
 
         give = lambda: self._give_local(conn)  # noqa: E731
         result: AttentionResult = self._on(conn.sock, body, give, conn.close, "bulk transfer (same host)")
@@ -492,12 +492,12 @@ class BulkChannel:
 
         def body(sock: socket.socket) -> AttentionResult:
             bulk.send_parts(sock, parts)
-            reply = bulk.read_frame(sock, buf=self._local_head())
-            assert reply is not None
+            buf = self._local_reply()
+            reply, ahead = bulk.read_frame_ahead(sock, buf)
             self.num_calls += 1
             if reply.status != bulk.STATUS_OK:
                 raise self._error(reply)
-            return _read_result(sock, reply.payload_len, self._local_reply())
+            return _read_result(sock, reply.payload_len, buf, ahead)
 
         result: AttentionResult = self._run(timeout_s, body)
         return result
@@ -509,9 +509,10 @@ class BulkChannel:
         return buf
 
     def _local_reply(self) -> bytearray:
+        """This thread's buffer for an attend reply's FRAME and REPLY (one recv)."""
         buf: bytearray | None = getattr(self._local, "reply", None)
         if buf is None:
-            buf = self._local.reply = bytearray(bulk.REPLY_SIZE)
+            buf = self._local.reply = bytearray(bulk.FRAME.size + bulk.REPLY_SIZE)
         return buf
 
 
@@ -588,24 +589,28 @@ def _read_result(
     sock: socket.socket,
     payload_len: int,
     buf: bytearray,
+    ahead: int,
     area: tuple[shm.LocalConnection, int, int] | None = None,
 ) -> AttentionResult:
-    """out, lse (and block_mass) of an ATTEND* reply, received in place, or copied
-    out of the shared region when the node placed them there (area: region,
-    out_offset, out_len of an ATTEND*_SHM call)."""
+    """out, lse (and block_mass) of an ATTEND* reply, received in place, or viewed
+    in the shared region when the node placed them there (area: region,
+    out_offset, out_len of an ATTEND*_SHM call). buf: FRAME then REPLY, of which
+    `ahead` bytes of REPLY came with the frame (bulk.read_frame_ahead)."""
     if payload_len < bulk.REPLY_SIZE:
         raise ProtocolError(f"attend reply of {payload_len} bytes")
-    bulk.recv_exact(sock, memoryview(buf), "an attend reply")
-    num, placement = bulk.REPLY.unpack_from(buf, 0)
+    head = memoryview(buf)[bulk.FRAME.size :]
+    if ahead < bulk.REPLY_SIZE:
+        bulk.recv_exact(sock, head[ahead:], "an attend reply")
+    num, placement = bulk.REPLY.unpack_from(head, 0)
     if placement == bulk.PLACED_REGION:
         if area is None or payload_len != bulk.REPLY_SIZE:
             raise ProtocolError(f"a region-placed reply of {payload_len} bytes on this connection")
-        return shm.read_placed(*area, buf)
+        return shm.read_placed(*area, head)
     if not 2 <= num <= 3:
         raise ProtocolError(f"attend reply with {num} tensors")
     outs = []
     for i in range(num):
-        dtype, shape = bulk.unpack_tensor(buf, bulk.REPLY.size + i * bulk.TENSOR.size)
+        dtype, shape = bulk.unpack_tensor(head, bulk.REPLY.size + i * bulk.TENSOR.size)
         outs.append(torch.empty(shape, dtype=tensors.TORCH_DTYPES[dtype]))
     if payload_len != bulk.REPLY_SIZE + sum(t.numel() * t.element_size() for t in outs):
         raise ProtocolError(f"attend reply declares {payload_len} bytes for {[tuple(t.shape) for t in outs]}")

@@ -173,6 +173,9 @@ def write_call(conn: LocalConnection, body_at: int, head: bytes, parts: Sequence
     length = body_length(len(head), parts)
     if conn.address == 0 or body_at < 0 or body_at + length > conn.size:
         raise ValueError(f"a {length}-byte call body at {body_at} outside the {conn.size}-byte region")
+    for t in parts:
+        if not t.is_contiguous() or t.device.type != "cpu":
+            raise ValueError(f"a {t.device} tensor {tuple(t.shape)} is not contiguous CPU memory")
     base = conn.address + body_at
     ctypes.memmove(base, head, len(head))
     at = len(head)
@@ -180,8 +183,6 @@ def write_call(conn: LocalConnection, body_at: int, head: bytes, parts: Sequence
         at += bulk.pad(at)
         nbytes = t.numel() * t.element_size()
         if nbytes:
-            if not t.is_contiguous() or t.device.type != "cpu":
-                raise ValueError(f"a {t.device} tensor {tuple(t.shape)} is not contiguous CPU memory")
             ctypes.memmove(base + at, t.data_ptr(), nbytes)
         at += nbytes
     return at
@@ -203,7 +204,7 @@ def result_bytes(q: torch.Tensor, block_mass: bool) -> int:
     return q.numel() * q.element_size() + 4 * rows_heads + 3 * bulk.ALIGN + (64 << 10 if block_mass else 0)
 
 
-def read_placed(conn: LocalConnection, out_at: int, out_len: int, reply_head: bytearray) -> AttentionResult:
+def read_placed(conn: LocalConnection, out_at: int, out_len: int, reply_head: memoryview) -> AttentionResult:
     """The result tensors the node placed at region[out_at, +out_len), as views of
     conn.results: the leased span itself, or one copy of it (they share it). The
     descriptors' layout is kept from the last reply (a decode loop's are the same
@@ -220,7 +221,7 @@ def read_placed(conn: LocalConnection, out_at: int, out_len: int, reply_head: by
     return AttentionResult(outs[0], outs[1], outs[2] if len(outs) == 3 else None)
 
 
-def _placed_spans(reply_head: bytearray) -> tuple[list[tuple[torch.dtype, tuple[int, ...], int]], int]:
+def _placed_spans(reply_head: memoryview) -> tuple[list[tuple[torch.dtype, tuple[int, ...], int]], int]:
     """(dtype, shape, offset) of each result an ATTEND reply describes, laid out as
     the node's write_results lays them, and the bytes they take; ProtocolError when
     the descriptors are malformed."""

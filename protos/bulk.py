@@ -278,19 +278,55 @@ def read_frame(
             return None
         raise ProtocolError("connection closed before a frame header")
     recv_exact(sock, view[first:], "a frame header")
-    magic, version, op, dtype, status, rid, start, end, layers, heads, dim, slab, tlen, xlen, plen = (
-        FRAME.unpack(buf)
-    )
+    fields = _header_fields(buf)
+    tlen, xlen = fields[-3], fields[-2]
+    text = recv_bytes(sock, tlen, "frame text").decode(errors="replace") if tlen else ""
+    extra = recv_bytes(sock, xlen, "frame text").decode(errors="replace") if xlen else ""
+    return _frame(fields, text, extra)
+
+
+def read_frame_ahead(sock: socket.socket, buf: bytearray) -> tuple[Frame, int]:
+    """read_frame for a reply, taking in the same recv whatever of its payload
+    arrived with the header, up to len(buf) - FRAME.size bytes (a reply leaves in
+    one sendmsg: one recv instead of two for an attend's REPLY). Returns the frame
+    and the number of its payload's first bytes now in buf[FRAME.size:] (its texts,
+    if any, moved out of the way). Only for a reply, when nothing but its own
+    payload can follow it; ProtocolError as read_frame."""
+    view = memoryview(buf)
+    got = sock.recv_into(view)
+    if got == 0:
+        raise ProtocolError("connection closed before a frame header")
+    if got < FRAME.size:
+        recv_exact(sock, view[got : FRAME.size], "a frame header")
+        got = FRAME.size
+    fields = _header_fields(buf)
+    num_text = fields[-3] + fields[-2]
+    texts = bytes(view[FRAME.size : min(got, FRAME.size + num_text)])
+    if len(texts) < num_text:
+        texts += recv_bytes(sock, num_text - len(texts), "frame text")
+    ahead = max(0, got - FRAME.size - num_text)
+    if num_text and ahead:
+        view[FRAME.size : FRAME.size + ahead] = bytes(view[FRAME.size + num_text : got])
+    text = texts[: fields[-3]].decode(errors="replace")
+    return _frame(fields, text, texts[fields[-3] :].decode(errors="replace")), ahead
+
+
+def _header_fields(buf: bytearray) -> tuple[int, ...]:
+    """FRAME's fields after the magic and version, checked (ProtocolError)."""
+    magic, version, *fields = FRAME.unpack_from(buf, 0)
     if magic != MAGIC:
         raise ProtocolError(f"bad magic {bytes(magic)!r} (expected {MAGIC!r}): not a pagedkv bulk peer")
     if version != VERSION:
         raise ProtocolError(f"bulk protocol version {version} unsupported (this side speaks {VERSION})")
-    if dtype >= len(DTYPES):
-        raise ProtocolError(f"unknown dtype code {dtype}")
-    if tlen > MAX_TEXT_BYTES or xlen > MAX_TEXT_BYTES:
-        raise ProtocolError(f"frame text of {tlen}+{xlen} bytes exceeds {MAX_TEXT_BYTES}")
-    text = recv_bytes(sock, tlen, "frame text").decode(errors="replace") if tlen else ""
-    extra = recv_bytes(sock, xlen, "frame text").decode(errors="replace") if xlen else ""
+    if fields[1] >= len(DTYPES):
+        raise ProtocolError(f"unknown dtype code {fields[1]}")
+    if fields[-3] > MAX_TEXT_BYTES or fields[-2] > MAX_TEXT_BYTES:
+        raise ProtocolError(f"frame text of {fields[-3]}+{fields[-2]} bytes exceeds {MAX_TEXT_BYTES}")
+    return tuple(fields)
+
+
+def _frame(fields: tuple[int, ...], text: str, extra: str) -> Frame:
+    op, dtype, status, rid, start, end, layers, heads, dim, slab, _, _, plen = fields
     return Frame(op, rid, DTYPES[dtype], status, start, end, layers, heads, dim, slab, text, extra, plen)
 
 

@@ -169,6 +169,46 @@ def test_region_grows_for_a_large_call() -> None:
         node.server.stop(0)
 
 
+def test_what_is_kept_between_calls_follows_each_call(node: Node) -> None:
+    """The pieces a decode loop reuses from call to call (the encoded ids, the reply's
+    result layout, the node's parsed ids) follow every change of batch, ids, shapes
+    and block mass: each call's results equal the rpc's."""
+    for p in ("shm", "grpc"):
+        for i in range(3):
+            node.fill(f"{p}{i}", 6 + 3 * i, seed=i)
+    with CacheClient(node.address) as via_shm, CacheClient(node.address, GRPC) as via_grpc:
+        calls = [([0, 1], False), ([0, 1], True), ([0, 1], False), ([1, 0], False), ([2], False)]
+        calls.append(([0, 1, 2], True))
+        ids = [0, 1]
+        for step, (rows, mass) in enumerate(calls):
+            ids[:] = rows  # the same list object, changed in place between calls
+            q = node.rand(len(rows), Q_HEADS, 8, seed=50 + step)
+            got = via_shm.data.attend([f"shm{i}" for i in ids], 1, q, return_block_mass=mass)
+            want = via_grpc.data.attend([f"grpc{i}" for i in ids], 1, q, return_block_mass=mass)
+            assert bitwise(got.out, want.out) and bitwise(got.lse, want.lse), step
+            assert bitwise(got.block_mass, want.block_mass), step
+        assert channel_of(via_shm).num_local_calls == len(calls)
+    node.state()
+
+
+def test_a_call_body_is_never_written_outside_the_region(node: Node) -> None:
+    node.fill("a", 5, seed=1)
+    with CacheClient(node.address) as client:
+        client.data.attend(["a"], 0, node.rand(1, Q_HEADS, 8, seed=2))
+        conn = channel_of(client)._idle_local[0]
+        before = conn.region.clone()
+        q = node.rand(1, Q_HEADS, 8, seed=3)
+        head = b"\x01" * 100
+        length = client_shm.body_length(len(head), [q])
+        for at in (conn.size - length + 64, -64, conn.size):
+            with pytest.raises(ValueError, match="outside the"):
+                client_shm.write_call(conn, at, head, [q])
+        with pytest.raises(ValueError, match="not contiguous"):
+            client_shm.write_call(conn, 0, head, [node.rand(2, Q_HEADS, 8, seed=4)[:, ::2]])
+        assert torch.equal(conn.region, before)  # nothing written by any of them
+        assert client_shm.write_call(conn, conn.size - length - bulk.pad(length), head, [q]) == length
+
+
 # -- raw peers: malformed maps, headers and offsets -------------------------------------
 
 
