@@ -70,6 +70,21 @@ def _byte_view(t: torch.Tensor) -> memoryview:
     return t.reshape(-1).view(torch.uint8).numpy().data
 
 
+def _as_cpu(t: Any, what: str) -> torch.Tensor:
+    """tensors.as_torch, without its three new tensors when t is already a contiguous
+    CPU tensor of a wire dtype that needs no grad (a decode step's q, k, v): only
+    its memory is read."""
+    if (
+        type(t) is torch.Tensor
+        and t.is_cpu
+        and not t.requires_grad
+        and t.dtype in tensors.DTYPE_NAMES
+        and t.is_contiguous()
+    ):
+        return t
+    return tensors.as_torch(t, what)
+
+
 def _host(address: str) -> str:
     host = address.rsplit(":", 1)[0] if ":" in address else address
     return host.strip("[]")
@@ -469,9 +484,9 @@ class BulkChannel:
         over the channel: same arguments, result and errors as the rpc. Raises
         BulkUnavailable (nothing sent) for what the frame cannot carry, so the
         rpc reports it as it always did."""
-        q = tensors.as_torch(q, "q")
-        k = None if k is None else tensors.as_torch(k, "k")
-        v = None if v is None else tensors.as_torch(v, "v")
+        q = _as_cpu(q, "q")
+        k = None if k is None else _as_cpu(k, "k")
+        v = None if v is None else _as_cpu(v, "v")
         request_id = next(self._ids)
         head = _call_head(
             op, request_id, seq_ids, layer, q, k, v, token_ids, num_tokens, return_block_mass, self._ids_memo
