@@ -281,7 +281,8 @@ class BulkServer:
         if f.payload_len > bulk.MAX_CALL_BYTES:  # cannot be drained in bounded time: close
             raise ProtocolError(f"call body of {f.payload_len} bytes exceeds {bulk.MAX_CALL_BYTES}")
         data = _byte_view(body.take(f.payload_len))
-        bulk.recv_exact(conn, data, "call body")
+        # the connection is blocking: the whole body in one recv (a batch-32 q is 512 KiB)
+        bulk.recv_exact(conn, data, "call body", socket.MSG_WAITALL)
         parts = self._compute(conn, f, f.op, data)
         if parts is not None:
             self._reply(conn, f, parts[0], bulk.PLACED_INLINE)

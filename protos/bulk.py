@@ -246,11 +246,13 @@ class Frame(NamedTuple):
         return head + text + extra
 
 
-def recv_exact(sock: socket.socket, view: memoryview, what: str) -> None:
-    """Fill `view` from the socket; ProtocolError if the peer closes first."""
+def recv_exact(sock: socket.socket, view: memoryview, what: str, flags: int = 0) -> None:
+    """Fill `view` from the socket; ProtocolError if the peer closes first. flags:
+    recv's (socket.MSG_WAITALL on a blocking socket: one call for the whole view
+    instead of one per segment that arrived)."""
     got, n = 0, len(view)
     while got < n:
-        r = sock.recv_into(view[got:])
+        r = sock.recv_into(view[got:], 0, flags)
         if r == 0:
             raise ProtocolError(f"connection closed after {got} of {n} bytes of {what}")
         got += r

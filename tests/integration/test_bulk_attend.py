@@ -12,6 +12,7 @@ import asyncio
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -361,6 +362,14 @@ def test_raw_frames_errors_truncation_and_disconnects(node: Node) -> None:
             bytearray(payload[bulk.REPLY_SIZE : bulk.REPLY_SIZE + 4 * Q_HEADS * 8]), dtype=torch.float32
         )
         assert torch.equal(out.view(1, Q_HEADS, 8), ref.out)
+        # the same call arriving in pieces, with pauses (the node waits for the whole body)
+        data = Frame(bulk.OP_ATTEND, 1, payload_len=len(body)).pack() + body
+        for piece in (data[:70], data[70:-40], data[-40:]):
+            sock.sendall(piece)
+            time.sleep(0.02)
+        reply = bulk.read_frame(sock)
+        assert reply is not None and reply.status == 0
+        assert bulk.recv_bytes(sock, reply.payload_len, "reply") == payload
         # sections that disagree with the body's length: refused after the body is read, in sync after
         for bad, why in (
             (body + bytes(8), "body bytes, its sections take"),
