@@ -14,7 +14,8 @@ advertises it):
   share the worker's GIL).
 
 and, for comparison in the same run, the cached path to the node process with every data call on
-the gRPC rpcs (`process, gRPC only`: ClientConfig(bulk_min_bytes=None)).
+the gRPC rpcs (`process, gRPC only`: ClientConfig(bulk_min_bytes=None)), and with the prefix's K/V
+read back to the worker (`process, gathered KV`: PagedKVCache(mode="gather"), attention local).
 
 Measured in one run, variants interleaved per repeat, medians:
 
@@ -70,6 +71,8 @@ MODELS = {
 }
 TRANSPORTS = ("process", "in-process")
 GRPC_ONLY = ClientConfig(bulk_min_bytes=None)  # every data call on the rpcs
+GATHER = "process, gathered KV"  # PagedKVCache(mode="gather"): the prefix's K/V read back, local attention
+SIDE_VARIANTS = {"process, gRPC only": 600, GATHER: 700}  # on the process node, suffix seeds of their own
 CALLS = "AttendPrefillBatch calls (client wall)"
 ENGINE = "node engine.attend_prefill (append + attention)"
 TRANSPORT = "transport, encode/decode, backend tensor prep (calls - engine)"
@@ -251,7 +254,8 @@ def bench_model(name: str, args: argparse.Namespace, with_decode: bool) -> dict:
     res: dict[str, list[float]] = {"local": [], "local_floor": []}
     for t in TRANSPORTS:
         res[f"cached/{t}"], res[f"node_full/{t}"] = [], []
-    res["cached/process, gRPC only"] = []
+    for t in SIDE_VARIANTS:
+        res[f"cached/{t}"] = []
     hits: list[int] = []
     same_first = True
     decode: dict[str, dict[str, float]] = {}
@@ -260,10 +264,11 @@ def bench_model(name: str, args: argparse.Namespace, with_decode: bool) -> dict:
     with node_process(spec) as addr_p, node_in_process(spec) as addr_i, torch.no_grad():
         backends = {"process": GrpcBackend(addr_p), "in-process": GrpcBackend(addr_i)}
         grpc_only = GrpcBackend(addr_p, GRPC_ONLY)
-        cached_backends = {**backends, "process, gRPC only": grpc_only}
+        cached_backends = {**backends, "process, gRPC only": grpc_only, GATHER: GrpcBackend(addr_p)}
+        mode = {t: "gather" if t == GATHER else "node" for t in cached_backends}
         try:
-            for backend in cached_backends.values():  # warm up + put the prefix in each node's cache
-                with PagedKVCache(model, backend) as cache:
+            for t, backend in cached_backends.items():  # warm up + put the prefix in each node's cache
+                with PagedKVCache(model, backend, mode=mode[t]) as cache:
                     prefill_with_prefix_cache(model, cache, torch.cat([prefix, tokens(2, args.suffix)], 1))
             model(tokens(3, 64), cache=DynamicCache(config=config))
             floor_cache = DynamicCache(config=config)  # the prefix's K/V already local (filled once)
@@ -271,13 +276,16 @@ def bench_model(name: str, args: argparse.Namespace, with_decode: bool) -> dict:
             for r in range(args.repeats):
                 prompt = torch.cat([prefix, tokens(100 + r, args.suffix)], 1)
                 firsts = []
-                # the gRPC-only variant shares the process node: a suffix of its own, so neither
-                # variant's suffix blocks become the other's prefix hit
-                own = torch.cat([prefix, tokens(600 + r, args.suffix)], 1)
+                # the side variants share the process node: suffixes of their own, so no variant's
+                # suffix blocks become another's prefix hit
+                own = {
+                    t: torch.cat([prefix, tokens(seed + r, args.suffix)], 1)
+                    for t, seed in SIDE_VARIANTS.items()
+                }
                 order = list(cached_backends.items())
                 for t, backend in order if r % 2 == 0 else order[::-1]:
-                    p_t = own if t == "process, gRPC only" else prompt
-                    with PagedKVCache(model, backend) as cache:
+                    p_t = own.get(t, prompt)
+                    with PagedKVCache(model, backend, mode=mode[t]) as cache:
                         dt, out = timed(
                             lambda c=cache, p=p_t: prefill_with_prefix_cache(model, c, p, logits_to_keep=1)
                         )
@@ -358,8 +366,9 @@ def bench_model(name: str, args: argparse.Namespace, with_decode: bool) -> dict:
             for t, backend in backends.items():
                 backend.check_integrity()
                 used_after[t] = backend.stats()["used_blocks"]
-            calls_over_bulk = {t: bulk_calls(b) for t, b in cached_backends.items()}
-            calls_same_host = {t: same_host_calls(b) for t, b in cached_backends.items()}
+            attending = {t: b for t, b in cached_backends.items() if t != GATHER}  # gather: no attend calls
+            calls_over_bulk = {t: bulk_calls(b) for t, b in attending.items()}
+            calls_same_host = {t: same_host_calls(b) for t, b in attending.items()}
             if (
                 not (calls_over_bulk["process"] and calls_over_bulk["in-process"])
                 or calls_over_bulk["process, gRPC only"]
@@ -376,7 +385,7 @@ def bench_model(name: str, args: argparse.Namespace, with_decode: bool) -> dict:
         "model": shape,
         "ttft_ms": med,
         "ratio_cached_vs_local_recompute": {
-            t: med[f"cached/{t}"] / med["local"] for t in (*TRANSPORTS, "process, gRPC only")
+            t: med[f"cached/{t}"] / med["local"] for t in (*TRANSPORTS, *SIDE_VARIANTS)
         },
         "ratio_cached_vs_node_recompute": {t: med[f"cached/{t}"] / med[f"node_full/{t}"] for t in TRANSPORTS},
         "raw_ms": {k: [x * 1e3 for x in v] for k, v in res.items()},
@@ -418,12 +427,15 @@ def main() -> None:
             "platform": platform.platform(),
             "load_average_start": load_start,
             "load_average_end": [round(x, 2) for x in os.getloadavg()],
+            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset (libgomp spins)"),
         },
         "transports": {
             "process": "the node in its own process (pagedkv node), as deployed; control calls over gRPC, "
             "data calls over its bulk TCP channel (localhost)",
             "in-process": "the node's server in the worker's process (shared GIL); same transports",
             "process, gRPC only": "the node process, every call over gRPC (bulk_min_bytes=None)",
+            GATHER: "the node process, PagedKVCache(mode='gather'): the cached prefix's K/V read back "
+            "(ReadKV) and attention in the worker; the suffix's K/V appended after the forward",
         },
     }
     RESULTS.mkdir(exist_ok=True)
@@ -437,6 +449,7 @@ PLOTTED = [  # (ttft_ms key, label)
     ("cached/process", "cached prefix,\nnode process"),
     ("cached/in-process", "cached prefix,\nnode in-process"),
     ("cached/process, gRPC only", "cached prefix,\ngRPC only"),
+    (f"cached/{GATHER}", "cached prefix,\nK/V read back"),
     ("local_floor", "floor: suffix on a\nwarm DynamicCache"),
     ("local", "full recompute\n(DynamicCache)"),
 ]
@@ -476,7 +489,8 @@ def render(r: dict) -> str:
         "",
         f"Random Llamas, fp32, CPU ({r['machine']['cpu_threads']} threads, a shared VM; load average "
         f"{r['machine'].get('load_average_start', ['?'])[0]} at the start, "
-        f"{r['machine'].get('load_average_end', ['?'])[0]} at the end), block size "
+        f"{r['machine'].get('load_average_end', ['?'])[0]} at the end; OMP_WAIT_POLICY "
+        f"{r['machine'].get('omp_wait_policy', '?')} for worker and nodes), block size "
         f"{r['block_size']}; {r['prefix_tokens']}-token cached prefix + {r['suffix_tokens']} new tokens; "
         f"medians of {r['repeats']} repeats, variants interleaved. Two node placements on localhost, "
         "control calls over gRPC and the per-layer data calls (AttendPrefillBatch, Attend) over the "
@@ -484,7 +498,9 @@ def render(r: dict) -> str:
         "as the client does by default: **process** = the node in its own "
         "process (`pagedkv node`), as deployed; **in-process** = the node's server inside the worker's "
         "process (shares its GIL). **process, gRPC only** = the node process with every call on the "
-        "gRPC rpcs (the fallback), measured in the same loop.",
+        "gRPC rpcs (the fallback), and **process, gathered KV** = the node process in the cache's "
+        "second mode (the prefix's K/V read back, attention in the worker, the suffix's K/V appended "
+        "after the forward), both measured in the same loop.",
         "",
     ]
     for name, m in r["models"].items():
@@ -495,7 +511,7 @@ def render(r: dict) -> str:
             "| path | TTFT (ms) | vs local recompute |",
             "|---|---:|---:|",
         ]
-        for tr in (*TRANSPORTS, "process, gRPC only"):
+        for tr in (*TRANSPORTS, *SIDE_VARIANTS):
             if f"cached/{tr}" in t:
                 lines.append(f"| cached prefix, node {tr} | {t[f'cached/{tr}']:.1f} | {ratio[tr]:.2f}x |")
         lines.append(f"| full recompute, transformers DynamicCache | {t['local']:.1f} | 1.00x |")
