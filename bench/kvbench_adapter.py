@@ -35,24 +35,35 @@ class PagedKVAdapter(Adapter):
             record_events=True,
         )
         self.num_events = 0
-
-    def start(self, rid, prompt):
+        # The manager's entry points, looked up once (the compiled ones with the LRU policy): the
+        # calls below are the node's calls, on the same manager.
         mgr = self.mgr
-        cached = mgr.open(rid, prompt).num_cached_tokens
+        self._open, self._reserve, self._free = mgr.open, mgr.reserve, mgr.free
+        self._step, self._take_events = mgr.reserve_token_pairs, mgr.take_event_batch
+
+    # Each entry point is read into a local first: an attribute read, where self._open(...) is a
+    # method lookup that finds nothing on the class before it reads the instance.
+    def start(self, rid, prompt):
+        open_, reserve = self._open, self._reserve
+        cached = open_(rid, prompt).num_cached_tokens
         try:
-            mgr.reserve(rid, prompt[cached:] if cached else prompt)
+            reserve(rid, prompt[cached:] if cached else prompt)
         except CapacityExceeded:
-            mgr.free(rid)
+            self.mgr.free(rid)
             return None
         return cached
 
     def decode(self, batch):
         # reserve_tokens(rids, tokens), taking the runner's (rid, token) pairs as they come
-        self.mgr.reserve_token_pairs(batch)
-        self.num_events += len(self.mgr.take_event_batch().keys)  # the node drains these every step
+        step, take_events = self._step, self._take_events
+        step(batch)
+        kinds, keys = take_events()  # the node drains these every step
+        if keys:
+            self.num_events += len(keys)
 
     def finish(self, rid):
-        self.mgr.free(rid)
+        free = self._free
+        free(rid)
 
     def stats(self):
         s = self.mgr.stats()

@@ -108,8 +108,14 @@ static inline Py_ssize_t int_value(PyObject *v)
     return PyLong_AsSsize_t(v);
 }
 
-/* list[i] for a Python int index, with Python's negative indexing; NULL + IndexError outside. */
-static inline Py_ssize_t list_index(PyObject *list, PyObject *index)
+#if defined(__GNUC__)
+#define ALWAYS_INLINE inline __attribute__((always_inline))
+#else
+#define ALWAYS_INLINE inline
+#endif
+
+/* list_index() for anything but an exact int in [0, len(list)): its errors, negative indexing. */
+static Py_ssize_t list_index_slow(PyObject *list, PyObject *index)
 {
     Py_ssize_t i = int_value(index);
     if (i == -1 && PyErr_Occurred())
@@ -122,6 +128,20 @@ static inline Py_ssize_t list_index(PyObject *list, PyObject *index)
         return -1;
     }
     return i;
+}
+
+/* list[i] for a Python int index, with Python's negative indexing; -1 + IndexError outside. A
+ * block id (an exact int in range) is read in place. */
+static ALWAYS_INLINE Py_ssize_t list_index(PyObject *list, PyObject *index)
+{
+#if PY_VERSION_HEX < 0x030C0000
+    if (PyLong_CheckExact(index) && (size_t)Py_SIZE(index) <= 1) {
+        Py_ssize_t i = Py_SIZE(index) ? (Py_ssize_t)((PyLongObject *)index)->ob_digit[0] : 0;
+        if (i < PyList_GET_SIZE(list))
+            return i;
+    }
+#endif
+    return list_index_slow(list, index);
 }
 
 /* list[i] = value (a new reference to value is taken). */
@@ -143,36 +163,30 @@ static inline PyObject *list_pop(PyObject *list)
     return item;
 }
 
-/* Runs of one value (None, or 0.0) as tuples of each length up to RUN_MAX, made on first use:
- * a list grows by k copies in one PyList_SetSlice (one resize) instead of k appends. */
-#define RUN_MAX 64
-static PyObject *runs[2][RUN_MAX + 1];
-
-/* list += [value] * k, value being None (which = 0) or 0.0 (which = 1): 0, or -1 with an
- * exception set (the list then holds what it held). */
-static int extend_run(PyObject *list, int which, Py_ssize_t k)
+/* Room for k more items at the end of a list, in one resize (with list.append's over-allocation):
+ * returns where they go, for the caller to fill before any other use of the list (the size
+ * already counts them), or NULL with MemoryError (the list unchanged). */
+static PyObject **list_grow(PyObject *list, Py_ssize_t k)
 {
-    Py_ssize_t n0 = PyList_GET_SIZE(list);
-    while (k > 0) {
-        Py_ssize_t c = k < RUN_MAX ? k : RUN_MAX;
-        PyObject *run = runs[which][c];
-        if (run == NULL) {
-            PyObject *value = which ? zero_float : Py_None;
-            if ((run = PyTuple_New(c)) == NULL)
-                goto fail;
-            for (Py_ssize_t i = 0; i < c; i++)
-                PyTuple_SET_ITEM(run, i, Py_NewRef(value));
-            runs[which][c] = run;
+    PyListObject *l = (PyListObject *)list;
+    Py_ssize_t n = Py_SIZE(l), size = n + k;
+    if (size > l->allocated) {
+        size_t room = (size_t)size + ((size_t)size >> 3) + 6;
+        room &= ~(size_t)3;
+        if (room > (size_t)PY_SSIZE_T_MAX / sizeof(PyObject *)) {
+            PyErr_NoMemory();
+            return NULL;
         }
-        Py_ssize_t n = PyList_GET_SIZE(list);
-        if (PyList_SetSlice(list, n, n, run) < 0)
-            goto fail;
-        k -= c;
+        PyObject **items = PyMem_Realloc(l->ob_item, room * sizeof(PyObject *));
+        if (items == NULL) {
+            PyErr_NoMemory();
+            return NULL;
+        }
+        l->ob_item = items;
+        l->allocated = (Py_ssize_t)room;
     }
-    return 0;
-fail:
-    PyList_SetSlice(list, n0, PyList_GET_SIZE(list), NULL);
-    return -1;
+    Py_SET_SIZE(l, size);
+    return l->ob_item + n;
 }
 
 /* An evicted block's key leaves key_of and block_of_key: returns the key (a new reference),
@@ -592,6 +606,16 @@ static PyObject *release(PyObject *self, PyObject *const *args, Py_ssize_t nargs
         return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     PyObject **items = PySequence_Fast_ITEMS(seq);
+    int same_size = PyList_GET_SIZE(key_of) == PyList_GET_SIZE(refcount); /* then a block's index is one */
+    /* With the compiled LRU nothing below runs Python code, so the free list grows once by n and
+     * keeps the blocks that become free (its size is set to what it holds on every exit). */
+    Py_ssize_t nfree0 = PyList_GET_SIZE(free), nfreed = 0;
+    PyObject **freed = NULL;
+    if (IS_LRU(lru) && n > 0 && free != blocks) {
+        if ((freed = list_grow(free, n)) == NULL)
+            goto fail;
+        memset(freed, 0, n * sizeof(PyObject *)); /* NULL until filled: what a traversal may see */
+    }
     for (Py_ssize_t j = 0; j < n; j++) {
         PyObject *b = items[reverse ? n - 1 - j : j];
         Py_ssize_t i = list_index(refcount, b);
@@ -603,6 +627,8 @@ static PyObject *release(PyObject *self, PyObject *const *args, Py_ssize_t nargs
         rc -= 1;
         if (rc) {
             if (rc < 0) {
+                if (freed != NULL)
+                    Py_SET_SIZE(free, nfree0 + nfreed);
                 Py_INCREF(b);
                 Py_DECREF(seq);
                 return b;
@@ -615,11 +641,13 @@ static PyObject *release(PyObject *self, PyObject *const *args, Py_ssize_t nargs
             continue;
         }
         list_store(refcount, i, zero_long);
-        Py_ssize_t ki = list_index(key_of, b);
+        Py_ssize_t ki = same_size ? i : list_index(key_of, b);
         if (ki < 0)
             goto fail;
         if (PyList_GET_ITEM(key_of, ki) == Py_None) {
-            if (PyList_Append(free, b) < 0)
+            if (freed != NULL)
+                freed[nfreed++] = Py_NewRef(b);
+            else if (PyList_Append(free, b) < 0)
                 goto fail;
         } else {
             int pinned = PyDict_GET_SIZE(pins) ? PyDict_Contains(pins, b) : 0;
@@ -635,9 +663,13 @@ static PyObject *release(PyObject *self, PyObject *const *args, Py_ssize_t nargs
             }
         }
     }
+    if (freed != NULL)
+        Py_SET_SIZE(free, nfree0 + nfreed);
     Py_DECREF(seq);
     Py_RETURN_NONE;
 fail:
+    if (freed != NULL)
+        Py_SET_SIZE(free, nfree0 + nfreed);
     Py_DECREF(seq);
     return NULL;
 }
@@ -838,7 +870,8 @@ done:
  * are only counted in seq.num_elided_tokens), seq.simple becomes True, and the first new position
  * is returned. The
  * caller publishes the blocks that became full. Returns None, having changed nothing,
- * when the sequence's partial last block is shared or the free list is short. */
+ * when the sequence's partial last block is shared, the free list is short, or the lists
+ * alias one another. */
 static PyObject *prefill(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     if (check_nargs("prefill", nargs, 6))
@@ -904,26 +937,29 @@ static PyObject *prefill(PyObject *self, PyObject *const *args, Py_ssize_t nargs
         for (Py_ssize_t j = 0; j < need; j++) /* every block a valid index, before changing anything */
             if (list_index(refcount, PyList_GET_ITEM(free, nfree - 1 - j)) < 0)
                 goto done;
-        /* The table grows by `need` placeholders, keys and scores by None and 0.0 each (one resize
-         * per list; undone if one fails), then the blocks move off the free list's end onto the
-         * table in pop order with refcount 1, as take() + the extends do. */
-        if (extend_run(table, 0, need) < 0)
-            goto done;
-        if (extend_run(keys, 0, need) < 0) {
-            PyList_SetSlice(table, ntable, ntable + need, NULL);
+        /* The table, keys and scores grow by `need` each (one resize per list, undone if one fails),
+         * then the blocks move off the free list's end onto the table in pop order with refcount
+         * 1, each with a None key and a 0.0 score, as take() + the extends do. */
+        if (table == keys || table == scores || keys == scores || free == table || free == keys || free == scores) {
+            result = Py_NewRef(Py_None); /* lists that alias each other: the Python path */
             goto done;
         }
-        if (extend_run(scores, 1, need) < 0) {
-            PyList_SetSlice(table, ntable, ntable + need, NULL);
-            PyList_SetSlice(keys, PyList_GET_SIZE(keys) - need, PyList_GET_SIZE(keys), NULL);
+        Py_ssize_t nkeys = PyList_GET_SIZE(keys);
+        PyObject **slots = list_grow(table, need), **kslots = NULL, **sslots = NULL;
+        if (slots == NULL || (kslots = list_grow(keys, need)) == NULL ||
+            (sslots = list_grow(scores, need)) == NULL) {
+            if (slots != NULL)
+                Py_SET_SIZE(table, ntable);
+            if (kslots != NULL)
+                Py_SET_SIZE(keys, nkeys);
             goto done;
         }
-        PyObject **slots = ((PyListObject *)table)->ob_item + ntable;
         for (Py_ssize_t j = 0; j < need; j++) {
             PyObject *b = PyList_GET_ITEM(free, nfree - 1 - j); /* the free list's reference moves */
             list_store(refcount, list_index(refcount, b), one_long);
-            Py_DECREF(slots[j]); /* the placeholder None */
             slots[j] = b;
+            kslots[j] = Py_NewRef(Py_None);
+            sslots[j] = Py_NewRef(zero_float);
         }
         Py_SET_SIZE(free, nfree - need);
     }
@@ -1441,7 +1477,7 @@ fail:
  * (_group, the event lists). The manager and the entries form a cycle the GC collects. */
 typedef struct {
     PyObject_HEAD
-    PyObject *mgr, *seqs, *roots, *free, *refcount, *key_of, *pins, *lru; /* the manager's objects */
+    PyObject *mgr, *dict, *seqs, *roots, *counters, *free, *refcount, *key_of, *pins, *lru; /* the manager's */
     PyObject *py_open, *py_reserve, *py_pairs, *py_take, *py_free;         /* the Python methods */
     PyObject *finish_step, *publish_full, *raise_if_bad;                   /* the manager's helpers */
     PyObject *template, *no_hit, *empty_batch, *block_size;
@@ -1449,11 +1485,11 @@ typedef struct {
     int keep_ids; /* prefix caching: token ids are kept and full blocks published */
 } EntriesObject;
 
-static PyObject *s_group, *s_event_kinds, *s_counters, *s_prefix_query_tokens, *s_members, *s_empty_salt;
+static PyObject *s_group, *s_event_kinds, *s_prefix_query_tokens, *s_members, *s_empty_salt;
 static PyObject *no_members; /* an empty list, never mutated: _finish_step's `opened` when none is left */
 
 #define ENTRY_FIELDS(X)                                                                                 \
-    X(mgr) X(seqs) X(roots) X(free) X(refcount) X(key_of) X(pins) X(lru) X(py_open) X(py_reserve)     \
+    X(mgr) X(dict) X(seqs) X(roots) X(counters) X(free) X(refcount) X(key_of) X(pins) X(lru) X(py_open) X(py_reserve)     \
     X(py_pairs) X(py_take) X(py_free) X(finish_step) X(publish_full) X(raise_if_bad) X(template)      \
     X(no_hit) X(empty_batch) X(block_size)
 
@@ -1508,7 +1544,9 @@ static PyObject *entries_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     e->template = Py_NewRef(template);
     e->no_hit = Py_NewRef(no_hit);
     e->empty_batch = Py_NewRef(empty_batch);
-    if (!(e->seqs = PyObject_GetAttrString(mgr, "seqs")) || !(e->roots = PyObject_GetAttrString(mgr, "_roots")) ||
+    if (!(e->dict = PyObject_GenericGetDict(mgr, NULL)) || !(e->seqs = PyObject_GetAttrString(mgr, "seqs")) ||
+        !(e->roots = PyObject_GetAttrString(mgr, "_roots")) ||
+        !(e->counters = PyObject_GetAttrString(mgr, "counters")) ||
         !(e->block_size = PyObject_GetAttrString(mgr, "block_size")) ||
         !(e->finish_step = PyObject_GetAttrString(mgr, "_finish_step")) ||
         !(e->publish_full = PyObject_GetAttrString(mgr, "_publish_full")) ||
@@ -1519,7 +1557,8 @@ static PyObject *entries_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
         !(e->pins = PyObject_GetAttrString(device, "pins")) || !(e->lru = PyObject_GetAttrString(device, "_lru")) ||
         !(e->raise_if_bad = PyObject_GetAttrString(device, "_raise_if_bad")))
         goto fail;
-    if (!PyDict_CheckExact(e->seqs) || !PyDict_CheckExact(e->roots) || !PyDict_Check(e->pins) ||
+    if (!PyDict_CheckExact(e->dict) || !PyDict_CheckExact(e->seqs) || !PyDict_CheckExact(e->roots) ||
+        !PyDict_Check(e->pins) ||
         !PyList_CheckExact(e->free) || !PyList_CheckExact(e->refcount) || !PyList_CheckExact(e->key_of) ||
         !IS_LRU(e->lru)) {
         PyErr_SetString(PyExc_TypeError, "Entries: a manager whose device pool has lists, dicts and the LRU");
@@ -1545,6 +1584,16 @@ fail:
     return NULL;
 }
 
+/* The manager's attribute `name` (a borrowed reference), read from its instance dict, which the
+ * entries hold: NULL, no exception set, when it is not there (the caller takes the Python path). */
+static inline PyObject *mgr_attr(EntriesObject *e, PyObject *name)
+{
+    PyObject *v = PyDict_GetItemWithError(e->dict, name);
+    if (v == NULL)
+        PyErr_Clear();
+    return v;
+}
+
 /* The Python method, with the call's own arguments. */
 static PyObject *fallback(PyObject *method, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
@@ -1565,10 +1614,10 @@ static PyObject *entries_open(EntriesObject *e, PyObject *const *args, Py_ssize_
         return fallback(e->py_open, args, nargs, kwnames);
     }
     Py_INCREF(root);
-    PyObject *counters = NULL, *queried = NULL, *sum = NULL, *seq = NULL, *result = NULL;
+    PyObject *counters = e->counters, *queried = NULL, *sum = NULL, *seq = NULL, *result = NULL;
     PyObject *n = PyLong_FromSsize_t(PyList_GET_SIZE(args[1]));
-    if (n == NULL || !(counters = PyObject_GetAttr(e->mgr, s_counters)) ||
-        !(queried = PyObject_GetAttr(counters, s_prefix_query_tokens)) || !(sum = PyNumber_Add(queried, n)))
+    if (n == NULL || !(queried = PyObject_GetAttr(counters, s_prefix_query_tokens)) ||
+        !(sum = PyNumber_Add(queried, n)))
         goto done;
     PyObject *ns_args[3] = {e->template, seq_id, root};
     if (!(seq = new_sequence(NULL, ns_args, 3)))
@@ -1581,7 +1630,6 @@ static PyObject *entries_open(EntriesObject *e, PyObject *const *args, Py_ssize_
 done:
     Py_DECREF(root);
     Py_XDECREF(n);
-    Py_XDECREF(counters);
     Py_XDECREF(queried);
     Py_XDECREF(sum);
     Py_XDECREF(seq);
@@ -1609,8 +1657,10 @@ static PyObject *entries_reserve(EntriesObject *e, PyObject *const *args, Py_ssi
         result = fallback(e->py_reserve, args, nargs, kwnames);
         goto done;
     }
-    if (!(group = PyObject_GetAttr(e->mgr, s_group)))
+    if (!(group = Py_XNewRef(mgr_attr(e, s_group)))) {
+        result = fallback(e->py_reserve, args, nargs, kwnames);
         goto done;
+    }
     if (group != Py_None) {
         if (!(members = PyObject_GetAttr(group, s_members)))
             goto done;
@@ -1661,13 +1711,10 @@ static PyObject *entries_pairs(EntriesObject *e, PyObject *const *args, Py_ssize
 {
     if (nargs != 1 || kwnames != NULL)
         return fallback(e->py_pairs, args, nargs, kwnames);
-    PyObject *group = PyObject_GetAttr(e->mgr, s_group);
-    if (group == NULL)
-        return NULL;
-    if (group == Py_None) {
-        Py_DECREF(group);
+    PyObject *group = mgr_attr(e, s_group);
+    if (group == NULL || group == Py_None)
         return fallback(e->py_pairs, args, nargs, kwnames);
-    }
+    Py_INCREF(group);
     PyObject *sargs[6] = {group, args[0], e->free, e->refcount, e->lru, e->keep_ids ? Py_True : Py_False};
     PyObject *left = step_pairs(NULL, sargs, 6), *result = NULL;
     if (left == NULL)
@@ -1698,12 +1745,8 @@ done:
 static PyObject *entries_take(EntriesObject *e, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
     if (nargs == 0 && kwnames == NULL) {
-        PyObject *kinds = PyObject_GetAttr(e->mgr, s_event_kinds);
-        if (kinds == NULL)
-            return NULL;
-        int empty = PyList_CheckExact(kinds) && PyList_GET_SIZE(kinds) == 0;
-        Py_DECREF(kinds);
-        if (empty)
+        PyObject *kinds = mgr_attr(e, s_event_kinds);
+        if (kinds != NULL && PyList_CheckExact(kinds) && PyList_GET_SIZE(kinds) == 0)
             return Py_NewRef(e->empty_batch);
     }
     return fallback(e->py_take, args, nargs, kwnames);
@@ -1716,12 +1759,8 @@ static PyObject *entries_free(EntriesObject *e, PyObject *const *args, Py_ssize_
 {
     if (nargs != 1 || kwnames != NULL)
         return fallback(e->py_free, args, nargs, kwnames);
-    PyObject *group = PyObject_GetAttr(e->mgr, s_group);
-    if (group == NULL)
-        return NULL;
-    int grouped = group != Py_None;
-    Py_DECREF(group);
-    PyObject *seq = grouped ? NULL : PyDict_GetItemWithError(e->seqs, args[0]); /* borrowed */
+    PyObject *group = mgr_attr(e, s_group);
+    PyObject *seq = group != Py_None ? NULL : PyDict_GetItemWithError(e->seqs, args[0]); /* borrowed */
     if (seq == NULL) { /* a group to drop, an unknown or unhashable id: Python's answer */
         PyErr_Clear();
         return fallback(e->py_free, args, nargs, kwnames);
@@ -1806,12 +1845,11 @@ PyMODINIT_FUNC PyInit__block_core(void)
         return NULL;
     s_group = PyUnicode_InternFromString("_group");
     s_event_kinds = PyUnicode_InternFromString("_event_kinds");
-    s_counters = PyUnicode_InternFromString("counters");
     s_prefix_query_tokens = PyUnicode_InternFromString("prefix_query_tokens");
     s_members = PyUnicode_InternFromString("members");
     s_empty_salt = PyBytes_FromStringAndSize("", 0);
     no_members = PyList_New(0);
-    if (!s_group || !s_event_kinds || !s_counters || !s_prefix_query_tokens || !s_members || !s_empty_salt ||
+    if (!s_group || !s_event_kinds || !s_prefix_query_tokens || !s_members || !s_empty_salt ||
         !no_members)
         return NULL;
     if (PyType_Ready(&LRUType) < 0 || PyType_Ready(&LRUIterType) < 0 || PyType_Ready(&EntriesType) < 0)

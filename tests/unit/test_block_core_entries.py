@@ -168,3 +168,33 @@ def test_a_manager_with_entries_is_collected() -> None:
     del m
     gc.collect()
     assert ref() is None
+
+
+def test_prefill_declines_aliased_lists() -> None:
+    """prefill grows the table, keys and scores in place: lists that alias one another go to the
+    Python path (None, nothing changed)."""
+    assert core is not None
+    m = KVCacheManager(8, 4)
+    m.open("a", [1, 2, 3])
+    seq = m.seqs["a"]
+    seq.keys = seq.table
+    free, refcount = list(m.device._free), list(m.device.refcount)
+    assert core.prefill(seq, [1, 2, 3], 4, m.device._free, m.device.refcount, False) is None
+    assert m.device._free == free and m.device.refcount == refcount and seq.table == []
+
+
+def test_release_keeps_the_free_list_whole_on_an_over_release() -> None:
+    """release grows the free list once and trims it on every exit: an over-released block leaves
+    the blocks before it released, the free list exactly those, in order."""
+    assert core is not None
+    m = KVCacheManager(8, 4, enable_prefix_caching=False)  # no keys: every released block is free
+    m.open("a", list(range(9)))
+    m.reserve("a", list(range(9)))
+    table = list(m.seqs["a"].table)  # three blocks
+    d = m.device
+    before = list(d._free)
+    bad = core.release(
+        [table[2], table[1], table[1], table[0]], False, d.refcount, d.key_of, d.pins, d._free, d._lru
+    )
+    assert bad == table[1]
+    assert d._free == before + [table[2], table[1]] and d.refcount[table[0]] == 1
