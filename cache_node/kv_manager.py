@@ -114,6 +114,7 @@ class HeldBlocks:
 
 
 _NO_HIT = OpenResult(0, 0)
+_ENTRY_POINTS = ("open", "reserve", "reserve_token_pairs", "take_event_batch", "free")  # compiled when native
 _NO_EVENTS = EventBatch((), ())
 _PAIR_LENGTH = frozenset((2,))  # a decode step's (seq_id, token) pairs
 _NO_MEMBERS: list[int] = []  # a decode step that opens no block here (never mutated)
@@ -303,7 +304,10 @@ class KVCacheManager:
         # The compiled entry points (block_core.c's Entries; LRU only, like the compiled loops):
         # open, reserve, reserve_token_pairs, take_event_batch and free run their common case
         # without a Python frame and hand every other case, unchanged, to the methods below.
-        if self._core is not None:
+        # A subclass that overrides one of them keeps all five in Python.
+        if self._core is not None and all(
+            getattr(type(self), name) is getattr(KVCacheManager, name) for name in _ENTRY_POINTS
+        ):
             entries = self._core.Entries(
                 self,
                 (self.open, self.reserve, self.reserve_token_pairs, self.take_event_batch, self.free),

@@ -198,3 +198,19 @@ def test_release_keeps_the_free_list_whole_on_an_over_release() -> None:
     )
     assert bad == table[1]
     assert d._free == before + [table[2], table[1]] and d.refcount[table[0]] == 1
+
+
+def test_a_subclass_that_overrides_an_entry_point_keeps_python() -> None:
+    freed: list[str] = []
+
+    class Recording(KVCacheManager):
+        def free(self, seq_id: str) -> None:
+            freed.append(seq_id)
+            super().free(seq_id)
+
+    m = Recording(8, 4)
+    assert not any(name in vars(m) for name in ENTRY_POINTS)
+    m.open("a", [1, 2, 3])
+    m.free("a")
+    assert freed == ["a"] and not m.seqs
+    assert has_entries(type("Plain", (KVCacheManager,), {})(8, 4))  # nothing overridden: compiled
