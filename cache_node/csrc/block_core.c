@@ -1477,7 +1477,7 @@ fail:
  * (_group, the event lists). The manager and the entries form a cycle the GC collects. */
 typedef struct {
     PyObject_HEAD
-    PyObject *mgr, *dict, *seqs, *roots, *counters, *free, *refcount, *key_of, *pins, *lru; /* the manager's */
+    PyObject *mgr, *seqs, *roots, *counters, *free, *refcount, *key_of, *pins, *lru; /* the manager's objects */
     PyObject *py_open, *py_reserve, *py_pairs, *py_take, *py_free;         /* the Python methods */
     PyObject *finish_step, *publish_full, *raise_if_bad;                   /* the manager's helpers */
     PyObject *template, *no_hit, *empty_batch, *block_size;
@@ -1489,7 +1489,7 @@ static PyObject *s_group, *s_event_kinds, *s_prefix_query_tokens, *s_members, *s
 static PyObject *no_members; /* an empty list, never mutated: _finish_step's `opened` when none is left */
 
 #define ENTRY_FIELDS(X)                                                                                 \
-    X(mgr) X(dict) X(seqs) X(roots) X(counters) X(free) X(refcount) X(key_of) X(pins) X(lru) X(py_open) X(py_reserve)     \
+    X(mgr) X(seqs) X(roots) X(counters) X(free) X(refcount) X(key_of) X(pins) X(lru) X(py_open) X(py_reserve)     \
     X(py_pairs) X(py_take) X(py_free) X(finish_step) X(publish_full) X(raise_if_bad) X(template)      \
     X(no_hit) X(empty_batch) X(block_size)
 
@@ -1544,7 +1544,7 @@ static PyObject *entries_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     e->template = Py_NewRef(template);
     e->no_hit = Py_NewRef(no_hit);
     e->empty_batch = Py_NewRef(empty_batch);
-    if (!(e->dict = PyObject_GenericGetDict(mgr, NULL)) || !(e->seqs = PyObject_GetAttrString(mgr, "seqs")) ||
+    if (!(e->seqs = PyObject_GetAttrString(mgr, "seqs")) ||
         !(e->roots = PyObject_GetAttrString(mgr, "_roots")) ||
         !(e->counters = PyObject_GetAttrString(mgr, "counters")) ||
         !(e->block_size = PyObject_GetAttrString(mgr, "block_size")) ||
@@ -1557,8 +1557,7 @@ static PyObject *entries_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
         !(e->pins = PyObject_GetAttrString(device, "pins")) || !(e->lru = PyObject_GetAttrString(device, "_lru")) ||
         !(e->raise_if_bad = PyObject_GetAttrString(device, "_raise_if_bad")))
         goto fail;
-    if (!PyDict_CheckExact(e->dict) || !PyDict_CheckExact(e->seqs) || !PyDict_CheckExact(e->roots) ||
-        !PyDict_Check(e->pins) ||
+    if (!PyDict_CheckExact(e->seqs) || !PyDict_CheckExact(e->roots) || !PyDict_Check(e->pins) ||
         !PyList_CheckExact(e->free) || !PyList_CheckExact(e->refcount) || !PyList_CheckExact(e->key_of) ||
         !IS_LRU(e->lru)) {
         PyErr_SetString(PyExc_TypeError, "Entries: a manager whose device pool has lists, dicts and the LRU");
@@ -1584,11 +1583,13 @@ fail:
     return NULL;
 }
 
-/* The manager's attribute `name` (a borrowed reference), read from its instance dict, which the
- * entries hold: NULL, no exception set, when it is not there (the caller takes the Python path). */
+/* The manager's attribute `name` (a new reference), or NULL, no exception set, when it cannot be
+ * read (the caller takes the Python path, which raises). A generic getattr: the manager's
+ * instance dict is left alone (taking it would cost every Python-level attribute read on the
+ * manager its inline-values fast path). */
 static inline PyObject *mgr_attr(EntriesObject *e, PyObject *name)
 {
-    PyObject *v = PyDict_GetItemWithError(e->dict, name);
+    PyObject *v = PyObject_GetAttr(e->mgr, name);
     if (v == NULL)
         PyErr_Clear();
     return v;
@@ -1657,7 +1658,7 @@ static PyObject *entries_reserve(EntriesObject *e, PyObject *const *args, Py_ssi
         result = fallback(e->py_reserve, args, nargs, kwnames);
         goto done;
     }
-    if (!(group = Py_XNewRef(mgr_attr(e, s_group)))) {
+    if (!(group = mgr_attr(e, s_group))) {
         result = fallback(e->py_reserve, args, nargs, kwnames);
         goto done;
     }
@@ -1712,9 +1713,10 @@ static PyObject *entries_pairs(EntriesObject *e, PyObject *const *args, Py_ssize
     if (nargs != 1 || kwnames != NULL)
         return fallback(e->py_pairs, args, nargs, kwnames);
     PyObject *group = mgr_attr(e, s_group);
-    if (group == NULL || group == Py_None)
+    if (group == NULL || group == Py_None) {
+        Py_XDECREF(group);
         return fallback(e->py_pairs, args, nargs, kwnames);
-    Py_INCREF(group);
+    }
     PyObject *sargs[6] = {group, args[0], e->free, e->refcount, e->lru, e->keep_ids ? Py_True : Py_False};
     PyObject *left = step_pairs(NULL, sargs, 6), *result = NULL;
     if (left == NULL)
@@ -1746,7 +1748,9 @@ static PyObject *entries_take(EntriesObject *e, PyObject *const *args, Py_ssize_
 {
     if (nargs == 0 && kwnames == NULL) {
         PyObject *kinds = mgr_attr(e, s_event_kinds);
-        if (kinds != NULL && PyList_CheckExact(kinds) && PyList_GET_SIZE(kinds) == 0)
+        int empty = kinds != NULL && PyList_CheckExact(kinds) && PyList_GET_SIZE(kinds) == 0;
+        Py_XDECREF(kinds);
+        if (empty)
             return Py_NewRef(e->empty_batch);
     }
     return fallback(e->py_take, args, nargs, kwnames);
@@ -1760,7 +1764,9 @@ static PyObject *entries_free(EntriesObject *e, PyObject *const *args, Py_ssize_
     if (nargs != 1 || kwnames != NULL)
         return fallback(e->py_free, args, nargs, kwnames);
     PyObject *group = mgr_attr(e, s_group);
-    PyObject *seq = group != Py_None ? NULL : PyDict_GetItemWithError(e->seqs, args[0]); /* borrowed */
+    int grouped = group != Py_None;
+    Py_XDECREF(group);
+    PyObject *seq = grouped ? NULL : PyDict_GetItemWithError(e->seqs, args[0]); /* borrowed */
     if (seq == NULL) { /* a group to drop, an unknown or unhashable id: Python's answer */
         PyErr_Clear();
         return fallback(e->py_free, args, nargs, kwnames);
