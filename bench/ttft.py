@@ -427,7 +427,9 @@ def main() -> None:
             "platform": platform.platform(),
             "load_average_start": load_start,
             "load_average_end": [round(x, 2) for x in os.getloadavg()],
-            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset (libgomp spins)"),
+            "omp_wait": " ".join(
+                f"{k}={os.environ.get(k, 'unset')}" for k in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")
+            ),
         },
         "transports": {
             "process": "the node in its own process (pagedkv node), as deployed; control calls over gRPC, "
@@ -489,8 +491,8 @@ def render(r: dict) -> str:
         "",
         f"Random Llamas, fp32, CPU ({r['machine']['cpu_threads']} threads, a shared VM; load average "
         f"{r['machine'].get('load_average_start', ['?'])[0]} at the start, "
-        f"{r['machine'].get('load_average_end', ['?'])[0]} at the end; OMP_WAIT_POLICY "
-        f"{r['machine'].get('omp_wait_policy', '?')} for worker and nodes), block size "
+        f"{r['machine'].get('load_average_end', ['?'])[0]} at the end; "
+        f"{r['machine'].get('omp_wait', '?')} for worker and nodes), block size "
         f"{r['block_size']}; {r['prefix_tokens']}-token cached prefix + {r['suffix_tokens']} new tokens; "
         f"medians of {r['repeats']} repeats, variants interleaved. Two node placements on localhost, "
         "control calls over gRPC and the per-layer data calls (AttendPrefillBatch, Attend) over the "

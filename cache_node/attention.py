@@ -25,6 +25,7 @@ Prefill is compute-bound and always uses torch matmuls.
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import math
 import os
@@ -58,6 +59,9 @@ BACKEND_ENV = "PAGEDKV_ATTENTION_BACKEND"
 _DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 # Prefill materializes scores for a chunk of queries at a time; this bounds that chunk (floats).
 _PREFILL_SCORE_BUDGET = 1 << 24
+# A prefill whose folded mask (G*n rows x context_len keys, float32) fits this many elements runs
+# as one masked flash call; a larger one as two unmasked calls merged by their LSEs.
+_MASKED_PREFILL_MAX = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -498,19 +502,35 @@ def paged_prefill(
     return AttentionOutput(out_q, lse_q, block_mass)
 
 
+@functools.lru_cache(maxsize=4)
+def _folded_causal_mask(group: int, num_queries: int, context_len: int) -> Tensor:
+    """[group * n, context_len] additive mask, row g * n + i for query i (keys past
+    context_len - n + i are -inf), read-only: shared by the calls of one shape (a
+    prefill's layers)."""
+    first = context_len - num_queries
+    mask = torch.zeros(num_queries, context_len)
+    mask[:, first:] = torch.full((num_queries, num_queries), -math.inf).triu(1)
+    return mask.repeat(group, 1)
+
+
 def _prefill_flash(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, rows: Tensor, context_len: int, scale: float
 ) -> AttentionOutput:
-    """Prefill through torch's fused CPU flash kernel, which also returns the LSE:
+    """Prefill through torch's fused CPU flash kernel, which also returns the LSE. The G
+    query heads of a KV head fold into one row block (K/V are not expanded), so a KV head's
+    keys are read once for all of them. Small prefills (a suffix after a cached prefix) run
+    as one call with a folded causal mask (_folded_causal_mask); larger ones in two parts
+    with no mask:
 
         keys      0 ........... first | first ............ context_len
-        part A    all n queries see every cached key (no mask): the G query
-                  heads of a KV head fold into one row block, K/V are not expanded
+        part A    all n queries see every cached key (no mask), folded
         part B                        | the n new tokens, causal (square, so the
                                         kernel's top-left causal mask is right)
 
     then A and B merge by their LSEs. No [n, context_len] score matrix is built
-    (the explicit path, kept for block mass, materialises it: ~7x slower)."""
+    (the explicit path, kept for block mass, materialises it: ~7x slower). The one
+    call is fewer ops (on a 2-core VM, a 128-token suffix over 1,152 keys: 2.2 vs
+    2.4 ms, 1.8 vs 3.0 ms with OMP_WAIT_POLICY=PASSIVE, where each op wakes its threads)."""
     num_queries, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     group = num_q_heads // num_kv_heads
@@ -521,6 +541,18 @@ def _prefill_flash(
         k = _gather_float(k_cache, rows, taken).view(num_kv_heads, -1, head_dim)
         v = _gather_float(v_cache, rows, taken).view(num_kv_heads, -1, head_dim)
         qf = q.float()
+        if group * num_queries * context_len <= _MASKED_PREFILL_MAX:
+            mask = _folded_causal_mask(group, num_queries, context_len)
+            q_fold = qf.view(num_queries, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
+            q_fold = q_fold.reshape(1, num_kv_heads, group * num_queries, head_dim)
+            out, lse = flash(q_fold, k[None, :, :context_len], v[None, :, :context_len], 0.0, False,
+                             attn_mask=mask, scale=scale)  # fmt: skip
+            out = out.view(num_kv_heads, group, num_queries, head_dim).permute(2, 0, 1, 3)
+            lse = lse.view(num_kv_heads, group, num_queries).permute(2, 0, 1)
+            return AttentionOutput(
+                out.reshape(num_queries, num_q_heads, head_dim).to(q.dtype),
+                lse.reshape(num_queries, num_q_heads),
+            )
         q_heads = qf.transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
         k_new = k[:, first:context_len].repeat_interleave(group, 0).unsqueeze(0)
         v_new = v[:, first:context_len].repeat_interleave(group, 0).unsqueeze(0)

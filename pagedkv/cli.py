@@ -31,8 +31,9 @@ SUBCOMMANDS = {
 
 
 def main(argv: list[str] | None = None) -> None:
-    apply_defaults()  # before any subcommand imports torch; inherited by the processes it starts
     argv = sys.argv[1:] if argv is None else argv
+    # before any subcommand imports torch; inherited by the processes it starts
+    apply_defaults()
     parser = argparse.ArgumentParser(
         prog="pagedkv",
         description="pagedkv: a distributed paged KV-cache service for LLM inference.",

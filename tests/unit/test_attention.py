@@ -325,13 +325,23 @@ def test_torch_path_workspace_is_reused_and_releasable() -> None:
 # --------------------------------------------------------------------------- prefill
 
 
-@pytest.mark.parametrize("with_mass", [True, False], ids=["explicit+mass", "flash"])
+@pytest.mark.parametrize("path", ["explicit+mass", "flash-masked", "flash-split"])
 @pytest.mark.parametrize("group", [1, 4])
 @pytest.mark.parametrize("block_size", [1, 8, 16])
 @pytest.mark.parametrize(("context_len", "num_queries"), [(1, 1), (16, 16), (37, 37), (37, 9), (50, 1)])
 def test_prefill_matches_reference(
-    group: int, block_size: int, context_len: int, num_queries: int, with_mass: bool
+    group: int,
+    block_size: int,
+    context_len: int,
+    num_queries: int,
+    path: str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """Each prefill path: the explicit one (block mass), the flash kernel's one masked call
+    (small prefills) and its two unmasked calls merged by LSE (large ones; forced here)."""
+    with_mass = path == "explicit+mass"
+    if path == "flash-split":
+        monkeypatch.setattr(attention, "_MASKED_PREFILL_MAX", 0)
     num_kv_heads, head_dim = 2, 32
     sc = make_scenario(
         [context_len],
@@ -341,7 +351,10 @@ def test_prefill_matches_reference(
         seed=context_len + num_queries,
     )
     q = torch.randn(num_queries, num_kv_heads * group, head_dim)
+    masks = attention._folded_causal_mask.cache_info()
     result = paged_prefill(q, sc.k_cache, sc.v_cache, sc.tables[0], context_len, return_block_mass=with_mass)
+    after = attention._folded_causal_mask.cache_info()
+    assert (after.hits + after.misses > masks.hits + masks.misses) == (path == "flash-masked")
     out, lse, mass = reference(
         q, sc.keys[0], sc.values[0], context_len - num_queries, head_dim**-0.5, block_size
     )

@@ -10,31 +10,31 @@ import pytest
 from pagedkv.cluster import LocalCluster
 from pagedkv.process_env import DEFAULTS, apply_defaults, child_env
 
-SHOW = "import os; print(os.environ.get('OMP_WAIT_POLICY'), os.environ.get('THP_MEM_ALLOC_ENABLE'))"
+SHOW = "import os; print(os.environ.get('GOMP_SPINCOUNT'), os.environ.get('THP_MEM_ALLOC_ENABLE'))"
 
 
 def test_apply_defaults_fills_what_is_missing_and_keeps_what_is_set():
-    env = {"OMP_WAIT_POLICY": "ACTIVE", "PATH": "/bin"}
+    env = {"GOMP_SPINCOUNT": "1000", "PATH": "/bin"}
     apply_defaults(env)
-    assert env == {"OMP_WAIT_POLICY": "ACTIVE", "PATH": "/bin", "THP_MEM_ALLOC_ENABLE": "1"}
-    assert DEFAULTS["OMP_WAIT_POLICY"] == "PASSIVE"
+    assert env == {"GOMP_SPINCOUNT": "1000", "PATH": "/bin", "THP_MEM_ALLOC_ENABLE": "1"}
+    assert DEFAULTS["GOMP_SPINCOUNT"] == "30000"
 
 
 def test_child_env_layers_defaults_then_environment_then_extra(monkeypatch):
-    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
     monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "0")
     env = child_env({"PYTHONUNBUFFERED": "1"})
-    assert env["OMP_WAIT_POLICY"] == "PASSIVE"
+    assert env["GOMP_SPINCOUNT"] == "30000"
     assert env["THP_MEM_ALLOC_ENABLE"] == "0"  # the caller's choice wins
     assert env["PYTHONUNBUFFERED"] == "1"
 
 
-@pytest.mark.parametrize("parent, expected", [(None, "PASSIVE"), ("ACTIVE", "ACTIVE")])
+@pytest.mark.parametrize("parent, expected", [(None, "30000"), ("1000", "1000")])
 def test_processes_the_cluster_starts_get_the_defaults_unless_set(tmp_path, monkeypatch, parent, expected):
     if parent is None:
-        monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+        monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
     else:
-        monkeypatch.setenv("OMP_WAIT_POLICY", parent)
+        monkeypatch.setenv("GOMP_SPINCOUNT", parent)
     cluster = LocalCluster(log_dir=str(tmp_path))
     proc = cluster._spawn("probe", [sys.executable, "-c", SHOW])
     assert proc.wait(timeout=60) == 0
@@ -48,11 +48,11 @@ def test_the_pagedkv_command_sets_them_before_torch_and_warns_when_too_late():
         "sys.argv = ['pagedkv', 'health', '127.0.0.1:9', '--timeout-s', '0.01']; "
         "warnings.simplefilter('error')\n"
         "try:\n    main()\nexcept SystemExit:\n    pass\n"
-        "import os; print(os.environ['OMP_WAIT_POLICY'], 'torch' in sys.modules)"
+        "import os; print(os.environ['GOMP_SPINCOUNT'], 'torch' in sys.modules)"
     )
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split()[-2:] == ["PASSIVE", "False"]
+    assert done.stdout.split()[-2:] == ["30000", "False"]
     late = "import torch, warnings; from pagedkv.process_env import apply_defaults; apply_defaults()"
     cmd = [sys.executable, "-W", "error", "-c", late]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
