@@ -543,7 +543,7 @@ def _prefill_flash(
         qf = q.float()
         if group * num_queries * context_len <= _MASKED_PREFILL_MAX:
             mask = _folded_causal_mask(group, num_queries, context_len)
-            q_fold = qf.view(num_queries, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
+            q_fold = qf.reshape(num_queries, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
             q_fold = q_fold.reshape(1, num_kv_heads, group * num_queries, head_dim)
             out, lse = flash(q_fold, k[None, :, :context_len], v[None, :, :context_len], 0.0, False,
                              attn_mask=mask, scale=scale)  # fmt: skip
