@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
-import os
 import platform
 import socket
 import statistics
@@ -48,11 +47,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import torch  # after bench/__init__.py, which sets pagedkv's process environment (THP, OpenMP spin)
+
 from bench import plots
-
-os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # before torch: see pagedkv/cli.py
-
-import torch  # noqa: E402
 
 SPEC = {"num_layers": 1, "num_kv_heads": 8, "head_dim": 128, "dtype": "float32", "block_size": 16}
 NUM_Q_HEADS = 32

@@ -308,18 +308,10 @@ class KVCacheManager:
         if self._core is not None and all(
             getattr(type(self), name) is getattr(KVCacheManager, name) for name in _ENTRY_POINTS
         ):
-            entries = self._core.Entries(
-                self,
-                (self.open, self.reserve, self.reserve_token_pairs, self.take_event_batch, self.free),
-                _EMPTY_SEQUENCE,
-                _NO_HIT,
-                _NO_EVENTS,
-            )
-            self.open = entries.open  # type: ignore[method-assign]
-            self.reserve = entries.reserve  # type: ignore[method-assign]
-            self.reserve_token_pairs = entries.reserve_token_pairs  # type: ignore[method-assign]
-            self.take_event_batch = entries.take_event_batch  # type: ignore[method-assign]
-            self.free = entries.free  # type: ignore[method-assign]
+            methods = tuple(getattr(self, name) for name in _ENTRY_POINTS)
+            entries = self._core.Entries(self, methods, _EMPTY_SEQUENCE, _NO_HIT, _NO_EVENTS)
+            for name in _ENTRY_POINTS:
+                setattr(self, name, getattr(entries, name))
 
     # -- lookups ------------------------------------------------------------------
 
