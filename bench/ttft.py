@@ -72,7 +72,8 @@ MODELS = {
 TRANSPORTS = ("process", "in-process")
 GRPC_ONLY = ClientConfig(bulk_min_bytes=None)  # every data call on the rpcs
 GATHER = "process, gathered KV"  # PagedKVCache(mode="gather"): the prefix's K/V read back, local attention
-SIDE_VARIANTS = {"process, gRPC only": 600, GATHER: 700}  # on the process node, suffix seeds of their own
+HANDLERS = "process, compute thread off"  # pagedkv node --compute-thread off: engine calls on handler threads
+SIDE_VARIANTS = {"process, gRPC only": 600, GATHER: 700, HANDLERS: 800}  # suffix seeds of their own
 CALLS = "AttendPrefillBatch calls (client wall)"
 ENGINE = "node engine.attend_prefill (append + attention)"
 TRANSPORT = "transport, encode/decode, backend tensor prep (calls - engine)"
@@ -109,13 +110,14 @@ def local_floor(model: Any, cache: DynamicCache, suffix: torch.Tensor) -> float:
 
 
 @contextmanager
-def node_process(spec: Any) -> Iterator[str]:
+def node_process(spec: Any, compute_thread: bool = True) -> Iterator[str]:
     """`pagedkv node` in a child process serving `spec`; yields its address."""
     cmd = [
         sys.executable, "-m", "pagedkv", "node", "--listen", "127.0.0.1:0", "--metrics-port", "-1",
         "--num-layers", str(spec.num_layers), "--num-kv-heads", str(spec.num_kv_heads),
         "--head-dim", str(spec.head_dim), "--dtype", spec.dtype, "--block-size", str(spec.block_size),
         "--num-blocks", str(NUM_BLOCKS), "--device", "cpu", "--grace-s", "0",
+        "--compute-thread", "on" if compute_thread else "off",
     ]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     try:
@@ -261,10 +263,20 @@ def bench_model(name: str, args: argparse.Namespace, with_decode: bool) -> dict:
     decode: dict[str, dict[str, float]] = {}
     batch_ttft: dict[str, float] = {}
     used_after: dict[str, int] = {}
-    with node_process(spec) as addr_p, node_in_process(spec) as addr_i, torch.no_grad():
+    with (
+        node_process(spec) as addr_p,
+        node_process(spec, compute_thread=False) as addr_h,
+        node_in_process(spec) as addr_i,
+        torch.no_grad(),
+    ):
         backends = {"process": GrpcBackend(addr_p), "in-process": GrpcBackend(addr_i)}
         grpc_only = GrpcBackend(addr_p, GRPC_ONLY)
-        cached_backends = {**backends, "process, gRPC only": grpc_only, GATHER: GrpcBackend(addr_p)}
+        cached_backends = {
+            **backends,
+            "process, gRPC only": grpc_only,
+            GATHER: GrpcBackend(addr_p),
+            HANDLERS: GrpcBackend(addr_h),
+        }
         mode = {t: "gather" if t == GATHER else "node" for t in cached_backends}
         try:
             for t, backend in cached_backends.items():  # warm up + put the prefix in each node's cache
@@ -438,6 +450,8 @@ def main() -> None:
             "process, gRPC only": "the node process, every call over gRPC (bulk_min_bytes=None)",
             GATHER: "the node process, PagedKVCache(mode='gather'): the cached prefix's K/V read back "
             "(ReadKV) and attention in the worker; the suffix's K/V appended after the forward",
+            HANDLERS: "a second node process run with --compute-thread off: each engine call on the "
+            "handler thread that received it (each with a torch thread pool of its own)",
         },
     }
     RESULTS.mkdir(exist_ok=True)
@@ -502,7 +516,9 @@ def render(r: dict) -> str:
         "process (shares its GIL). **process, gRPC only** = the node process with every call on the "
         "gRPC rpcs (the fallback), and **process, gathered KV** = the node process in the cache's "
         "second mode (the prefix's K/V read back, attention in the worker, the suffix's K/V appended "
-        "after the forward), both measured in the same loop.",
+        "after the forward), and **process, compute thread off** = a second node process whose engine "
+        "calls run on the handler threads that receive them (`--compute-thread off`, the earlier "
+        "default), all measured in the same loop.",
         "",
     ]
     for name, m in r["models"].items():

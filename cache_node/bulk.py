@@ -283,50 +283,60 @@ class BulkServer:
         data = _byte_view(body.take(f.payload_len))
         # the connection is blocking: the whole body in one recv (a batch-32 q is 512 KiB)
         bulk.recv_exact(conn, data, "call body", socket.MSG_WAITALL)
-        parts = self._compute(conn, f, f.op, data)
-        if parts is not None:
-            self._reply(conn, f, parts[0], bulk.PLACED_INLINE)
+        self._attend(conn, f, f.op, data)
 
-    def _compute(
-        self, conn: socket.socket, f: Frame, op: int, data: memoryview, area: memoryview | None = None
-    ) -> tuple[list[torch.Tensor], bool] | None:
+    def _attend(
+        self, conn: socket.socket, f: Frame, op: int, data: memoryview, region: Region | None = None,
+        out_at: int = 0, out_len: int = 0,
+    ) -> None:  # fmt: skip
         """The engine call of the CALL body in `data` (op: ATTEND or
-        ATTEND_PREFILL_BATCH): its result tensors and whether they are all in place
-        in `area` already, or None after an error reply. area: the shared region's
-        result area, where a decode writes out and lse in place (write_results then
-        has nothing to do)."""
+        ATTEND_PREFILL_BATCH) and its reply, both on the engine's compute thread
+        (the reply leaves as soon as the results exist; this thread wakes after).
+        region: the connection's shared region, whose [out_at, +out_len) area a
+        decode writes out and lse into in place, and the results are copied to."""
         method = "Attend" if op == bulk.OP_ATTEND else "AttendPrefillBatch"
-        start = time.perf_counter()
-        dst = None
+        e = self.engine
         try:
             call = _parse_call(op, data)
-            e = self.engine
-            if op == bulk.OP_ATTEND:
-                dst = None if area is None else _decode_destination(call.q, area)
-                out = self.engine.awaiting_open(
-                    lambda: e.attend_decode(
-                        call.seq_ids, call.layer, call.q, call.k, call.v, call.token_ids,
-                        return_block_mass=call.want_mass, out=dst,
-                    )
-                )  # fmt: skip
-            else:
-                out = self.engine.awaiting_open(
-                    lambda: e.attend_prefill_batch(
-                        call.seq_ids, call.layer, call.counts, call.q, call.k, call.v, call.token_ids
-                    )
-                )
-        except Exception as exc:  # every failure becomes a status; the node keeps serving
+            area = None if region is None else region.memory(out_at, out_len, "the result area")
+            dst = None if area is None or op != bulk.OP_ATTEND else _decode_destination(call.q, area)
+        except Exception as exc:
             code = self._reply_error(conn, f, exc)
             if self.metrics is not None:
                 self.metrics.rpc_errors.labels(method, code).inc()
-            return None
-        finally:
+            return
+
+        def attend_and_reply() -> None:
+            start = time.perf_counter()
+            try:
+                if op == bulk.OP_ATTEND:
+                    out = e.attend_decode(
+                        call.seq_ids, call.layer, call.q, call.k, call.v, call.token_ids,
+                        return_block_mass=call.want_mass, out=dst,
+                    )  # fmt: skip
+                else:
+                    out = e.attend_prefill_batch(
+                        call.seq_ids, call.layer, call.counts, call.q, call.k, call.v, call.token_ids
+                    )
+            finally:
+                if self.metrics is not None:
+                    self._latency[method].observe(time.perf_counter() - start)
+            mass = out.block_mass if call.want_mass else None
+            if dst is not None and mass is None and _is_at(out.out, dst[0]) and _is_at(out.lse, dst[1]):
+                parts, placed = [out.out, out.lse], True  # the decode kernel wrote them into the region
+            else:
+                parts = [t.detach().to("cpu").contiguous() for t in (out.out, out.lse, mass) if t is not None]
+                placed = region is not None and write_results(region, out_at, out_len, parts)
+            self._reply(conn, f, parts, bulk.PLACED_REGION if placed else bulk.PLACED_INLINE)
+
+        try:
+            e.awaiting_open(lambda: e.run(attend_and_reply))
+        except OSError:
+            raise  # the reply could not be sent: the connection is gone
+        except Exception as exc:  # every engine failure becomes a status; the node keeps serving
+            code = self._reply_error(conn, f, exc)
             if self.metrics is not None:
-                self._latency[method].observe(time.perf_counter() - start)
-        mass = out.block_mass if call.want_mass else None
-        if dst is not None and mass is None and _is_at(out.out, dst[0]) and _is_at(out.lse, dst[1]):
-            return [out.out, out.lse], True  # the decode kernel wrote them into the region
-        return [t.detach().to("cpu").contiguous() for t in (out.out, out.lse, mass) if t is not None], False
+                self.metrics.rpc_errors.labels(method, code).inc()
 
     def _reply(self, conn: socket.socket, f: Frame, parts: list[torch.Tensor], placement: int) -> None:
         """FRAME + REPLY, then the tensors' bytes unless they were placed in the region."""
@@ -390,17 +400,11 @@ class BulkServer:
             if body_len > bulk.MAX_CALL_BYTES:
                 raise InvalidArgument(f"bulk shm call: a {body_len}-byte body exceeds {bulk.MAX_CALL_BYTES}")
             data = region.memory(body_at, body_len, "the call body")
-            area = region.memory(out_at, out_len, "the result area")  # checked before the engine runs
         except InvalidArgument as exc:
             self._reply_error(conn, f, exc)
             return
-        computed = self._compute(conn, f, bulk.SHM_OPS[f.op], data, area)
-        del data, area
-        if computed is None:
-            return
-        parts, is_placed = computed
-        placed = is_placed or write_results(region, out_at, out_len, parts)
-        self._reply(conn, f, parts, bulk.PLACED_REGION if placed else bulk.PLACED_INLINE)
+        self._attend(conn, f, bulk.SHM_OPS[f.op], data, region, out_at, out_len)
+        del data
 
     # -- APPEND -----------------------------------------------------------------
 

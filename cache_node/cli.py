@@ -145,6 +145,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--node-id", default=_env("NODE_ID", ""), help="stable node name (default: the advertised address)"
     )
     p.add_argument(
+        "--compute-thread",
+        choices=["on", "off"],
+        default=_env("COMPUTE_THREAD", "on"),
+        help="on: every engine call runs on one thread of the node's (one torch thread pool per process; "
+        "off: on the handler thread that received it, each with a pool of its own)",
+    )
+    p.add_argument(
         "--max-workers", type=int, default=int(_env("MAX_WORKERS", "16") or 16), help="gRPC handler threads"
     )
     p.add_argument(
@@ -178,6 +185,7 @@ def main(argv: list[str] | None = None) -> None:
                 host_blocks,
                 policy=args.policy,
                 device="" if args.device == "auto" else args.device,
+                compute_thread=args.compute_thread == "on",
             )
         )
     except InvalidArgument as exc:

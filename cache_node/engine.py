@@ -17,12 +17,16 @@ num_layers calls for a whole batch, with no other round trip.
 Thread safety: every public method holds one lock for its whole duration (the
 bookkeeping is not reentrant-safe and attention must not read blocks another
 thread is reallocating); torch ops inside parallelise across cores themselves.
+With EngineConfig.compute_thread (what `pagedkv node` runs) the pool is made and
+every public method runs on one thread of the engine's own, whichever thread
+calls it (compute_thread.py says why: one torch thread pool per process).
 Every method validates its input before changing anything: a bad request raises
 a domain error (pagedkv.protos.errors) and leaves the engine exactly as it was.
 """
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections import OrderedDict
@@ -37,12 +41,27 @@ import torch
 from ..protos.errors import InvalidArgument, PagedKVError, PrefixEvicted, SequenceNotFound
 from ..protos.spec import ModelSpec
 from .attention import AttentionOutput, paged_decode, paged_prefill
+from .compute_thread import ComputeThread
 from .eviction import POLICIES, ScorePolicy
 from .kv_manager import DEVICE, HOST, BlockEvent, Budget, HeldBlocks, KVCacheManager, OpenResult, Slots
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 MAX_TOKEN_ID = 2**63 - 1
 T = TypeVar("T")
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _computes(method: F) -> F:
+    """A public method that runs on the engine's compute thread when it has one."""
+
+    @functools.wraps(method)
+    def on_compute_thread(self: CacheEngine, *args: Any, **kwargs: Any) -> Any:
+        worker = self._worker
+        if worker is None or worker.is_current():
+            return method(self, *args, **kwargs)
+        return worker.call(method, self, *args, **kwargs)
+
+    return on_compute_thread  # type: ignore[return-value]
 
 
 def default_device() -> str:
@@ -61,6 +80,9 @@ class EngineConfig:
     # connections): an unknown sequence id waits this long for its open before NOT_FOUND.
     unknown_seq_grace_s: float = 0.5
     max_tombstones: int = 4096  # failed asynchronous opens remembered for their first data call
+    # Run every public method (and make the pool) on one thread of the engine's own: a node
+    # process keeps one torch thread pool (compute_thread.py). close() stops it.
+    compute_thread: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.spec, ModelSpec):
@@ -138,10 +160,15 @@ class CacheEngine:
         self.spec = spec = config.spec
         self.device = torch.device(config.device or default_device())
         self.dtype = TORCH_DTYPES[spec.dtype]
+        self._worker = ComputeThread() if config.compute_thread else None
         shape = (spec.num_layers, 2, config.num_blocks, spec.num_kv_heads, spec.block_size, spec.head_dim)
-        self.kv = torch.zeros(shape, dtype=self.dtype, device=self.device)
         host_shape = (*shape[:2], config.num_host_blocks, *shape[3:])
-        self.host_kv = torch.zeros(host_shape, dtype=self.dtype, pin_memory=self.device.type == "cuda")
+        self.kv, self.host_kv = self.run(
+            lambda: (
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(host_shape, dtype=self.dtype, pin_memory=self.device.type == "cuda"),
+            )
+        )
         self.manager = self._new_manager()
         self._lock = threading.RLock()
         self._seq_opened = threading.Condition(self._lock)  # notified by every successful open
@@ -149,6 +176,16 @@ class CacheEngine:
         # Blocks filled at layer 0 of a layer-by-layer write (attend_decode / attend_prefill with
         # new K/V), published once the last layer is written: seq id -> its held blocks.
         self._held: dict[str, list[HeldBlocks]] = {}
+
+    def run(self, fn: Callable[[], T]) -> T:
+        """fn() on the engine's compute thread (inline when it has none): for a
+        caller's own tensor work around an engine call, e.g. a server's reply."""
+        return fn() if self._worker is None else self._worker.call(fn)
+
+    def close(self) -> None:
+        """Stop the compute thread (later calls run on their caller's thread). Idempotent."""
+        if self._worker is not None:
+            self._worker.close()
 
     # -- validation -------------------------------------------------------------
 
@@ -172,6 +209,7 @@ class CacheEngine:
 
     # -- sequences --------------------------------------------------------------
 
+    @_computes
     def open(
         self,
         seq_id: str,
@@ -263,6 +301,7 @@ class CacheEngine:
                     raise
         return fn()
 
+    @_computes
     def lookup(self, token_ids: Seq[int] | np.ndarray, salt: bytes = b"") -> int:
         """Tokens of this prompt cached on the node (device or host). Changes nothing."""
         tokens = _token_list(token_ids, "lookup")
@@ -277,6 +316,7 @@ class CacheEngine:
         v = self._tensor("v", v, shape)
         self.append_slabs(seq_id, token_ids, [(k, v)])
 
+    @_computes
     def append_slabs(self, seq_id: str, token_ids: Seq[int], slabs: Seq[tuple[Any, Any]]) -> None:
         """append() with the K/V given as consecutive token slabs (k_i, v_i), each
         [num_layers, t_i, kv_heads, head_dim], sum t_i = n: what a streamed Append
@@ -343,6 +383,7 @@ class CacheEngine:
         self.kv[layer, 0].transpose(1, 2).index_put_((b, o), k)
         self.kv[layer, 1].transpose(1, 2).index_put_((b, o), v)
 
+    @_computes
     def attend_decode(
         self,
         seq_ids: Seq[str],
@@ -411,6 +452,7 @@ class CacheEngine:
                 self._credit_mass(seqs, res.block_mass)
             return res
 
+    @_computes
     def attend_prefill(
         self,
         seq_id: str,
@@ -460,6 +502,7 @@ class CacheEngine:
                 self._credit_mass([seq], out.block_mass.unsqueeze(0))
             return out
 
+    @_computes
     def attend_prefill_batch(
         self,
         seq_ids: Seq[str],
@@ -605,6 +648,7 @@ class CacheEngine:
                 for i in range(len(seq.table)):
                     seq.scores[i] += float(row[i])
 
+    @_computes
     def read_kv(
         self, seq_id: str, start: int = 0, end: int | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -629,6 +673,7 @@ class CacheEngine:
             )
         return stop
 
+    @_computes
     def read_kv_into(
         self, seq_id: str, start: int, end: int, out_k: torch.Tensor, out_v: torch.Tensor
     ) -> None:
@@ -656,35 +701,42 @@ class CacheEngine:
                     out_v[layer, p : p + c].copy_(kv[layer, 1, block, :, lo : lo + c].transpose(0, 1))
                 pos += c
 
+    @_computes
     def fork(self, parent_id: str, child_id: str) -> None:
         with self._lock:
             self.manager.fork(_seq_id(parent_id), _seq_id(child_id))
 
+    @_computes
     def free(self, seq_id: str) -> None:
         with self._lock:
             self.manager.free(_seq_id(seq_id))
             self._held.pop(seq_id, None)  # its unfinished blocks went back unkeyed
 
+    @_computes
     def swap_out(self, seq_id: str) -> int:
         with self._lock:
             moved = self.manager.swap_out(_seq_id(seq_id))
             self._held.pop(seq_id, None)  # an unfinished step's blocks are not published
             return moved
 
+    @_computes
     def swap_in(self, seq_id: str) -> int:
         with self._lock:
             return self.manager.swap_in(_seq_id(seq_id))
 
+    @_computes
     def pin(self, token_ids: Seq[int], salt: bytes = b"") -> int:
         tokens = _token_list(token_ids, "pin")
         with self._lock:
             return self.manager.pin(tokens, bytes(salt))
 
+    @_computes
     def unpin(self, token_ids: Seq[int], salt: bytes = b"") -> int:
         tokens = _token_list(token_ids, "unpin")
         with self._lock:
             return self.manager.unpin(tokens, bytes(salt))
 
+    @_computes
     def set_budget(
         self, seq_id: str, max_tokens: int | None, sink_blocks: int = 1, recent_blocks: int = 4
     ) -> None:
@@ -694,6 +746,7 @@ class CacheEngine:
         with self._lock:
             self.manager.set_budget(seq_id, budget)
 
+    @_computes
     def reset(self) -> None:
         """Forget every sequence and cached block (the node re-registered after its
         lease lapsed: the coordinator already marked its sequences lost and purged

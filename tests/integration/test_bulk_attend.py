@@ -38,9 +38,11 @@ def spec_of(dtype: str) -> ModelSpec:
 
 
 class Node:
-    def __init__(self, spec: ModelSpec, bulk_port: int | None = 0) -> None:
+    def __init__(self, spec: ModelSpec, bulk_port: int | None = 0, compute_thread: bool = False) -> None:
         self.spec = spec
-        self.engine = CacheEngine(EngineConfig(spec, 96, 8, device="cpu", unknown_seq_grace_s=0.05))
+        self.engine = CacheEngine(
+            EngineConfig(spec, 96, 8, device="cpu", unknown_seq_grace_s=0.05, compute_thread=compute_thread)
+        )
         self.metrics = NodeMetrics()
         self.server: NodeServer
         self.server, port = create_server(
@@ -92,17 +94,20 @@ def transport(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -
     return str(request.param)
 
 
-@pytest.fixture
-def make() -> Iterator[Callable[..., Node]]:
+@pytest.fixture(params=[False, True], ids=["handler-threads", "compute-thread"])
+def make(request: pytest.FixtureRequest) -> Iterator[Callable[..., Node]]:
+    """Nodes whose engine runs on the calling handler threads, and (as `pagedkv node`
+    runs it) on its own compute thread, which also sends the attend replies."""
     nodes: list[Node] = []
 
     def make_node(dtype: str = "float32", bulk_port: int | None = 0) -> Node:
-        nodes.append(Node(spec_of(dtype), bulk_port))
+        nodes.append(Node(spec_of(dtype), bulk_port, compute_thread=request.param))
         return nodes[-1]
 
     yield make_node
     for n in nodes:
         n.server.stop(0)
+        n.engine.close()
 
 
 @pytest.fixture

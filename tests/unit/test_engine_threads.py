@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 
+import pytest
 import torch
 from engine_helpers import Q_HEADS, SPEC, fill, make_engine
 
@@ -57,8 +59,9 @@ def worker(engine, wid: int, steps: int, errors: list) -> None:
         errors.append(exc)
 
 
-def test_many_threads_keep_integrity_and_return_every_block():
-    engine = make_engine(num_blocks=48, num_host_blocks=16)
+@pytest.mark.parametrize("compute_thread", [False, True], ids=["caller-threads", "compute-thread"])
+def test_many_threads_keep_integrity_and_return_every_block(compute_thread: bool):
+    engine = make_engine(num_blocks=48, num_host_blocks=16, compute_thread=compute_thread)
     errors: list = []
     threads = [threading.Thread(target=worker, args=(engine, w, 150, errors)) for w in range(8)]
     checker_stop = threading.Event()
@@ -70,6 +73,9 @@ def test_many_threads_keep_integrity_and_return_every_block():
             except Exception as exc:  # noqa: BLE001
                 errors.append(exc)
                 return
+            # let a waiting thread take the GIL (a busy loop would hand it over only every
+            # 5 ms switch interval: each compute-thread hand-off would wait that long)
+            time.sleep(0)
 
     check_thread = threading.Thread(target=checker)
     check_thread.start()
@@ -84,3 +90,4 @@ def test_many_threads_keep_integrity_and_return_every_block():
     stats = engine.stats()
     assert (stats["num_sequences"], stats["used_blocks"], stats["host_used_blocks"]) == (0, 0, 0)
     assert stats["prefix_hit_tokens"] > 0  # the shared prefixes really were shared
+    engine.close()

@@ -1,0 +1,91 @@
+"""The one thread that runs a node's tensor work.
+
+Why a node funnels its engine calls onto one thread: torch's CPU ops run on
+libgomp, which keeps a pool of worker threads for every thread that starts a
+parallel op, and once the process holds more such threads than it has CPUs it
+cuts every pool's spin-wait to ~100 rounds (its guard against oversubscription).
+From then on each parallel op wakes its workers through the kernel. A node whose
+gRPC and bulk-channel handler threads each called the engine held several pools
+and paid that on every op: on a 2-CPU VM a 147k-element add took 76 us on a
+handler thread against 9 us on the first thread that used torch, and a 128-token
+prefill's attention 1.13 ms against 0.80 ms. With every engine call on one
+thread the process keeps one pool, whose workers stay warm between the ops of a
+call. (A GPU node wants the same: one thread owns the device's streams.)
+
+The hand-off costs two thread wake-ups, ~40 us, once per engine call; the
+introspection getters (lengths, stats, events) run on their caller's thread,
+under the engine lock, since they do no tensor work. A hand-off needs the GIL
+twice (this thread takes the job, the caller resumes), so a thread that keeps
+the GIL busy in pure Python delays each one by up to the interpreter's switch
+interval (5 ms); a node's other threads wait in sockets and gRPC's C core.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+class _Job:
+    __slots__ = ("fn", "args", "kwargs", "done", "result", "error")
+
+    def __init__(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        self.fn, self.args, self.kwargs = fn, args, kwargs
+        self.done = threading.Lock()  # held until the job has run: the cheapest one-shot signal
+        self.done.acquire()
+        self.result: Any = None
+        self.error: BaseException | None = None
+
+
+class ComputeThread:
+    """A daemon thread that runs the functions handed to `call`, one at a time, in order."""
+
+    def __init__(self, name: str = "pagedkv-compute") -> None:
+        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._closed = False
+        self._closing = threading.Lock()  # a job is never queued behind close's stop mark
+        self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
+        self._thread.start()
+
+    def is_current(self) -> bool:
+        return threading.current_thread() is self._thread
+
+    def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """fn(*args, **kwargs) on this thread; its result or its exception, in the
+        caller. Runs inline when called from this thread (a nested call) or after close."""
+        if self.is_current():
+            return fn(*args, **kwargs)
+        job = _Job(fn, args, kwargs)
+        with self._closing:
+            queued = not self._closed
+            if queued:
+                self._jobs.put(job)
+        if not queued:
+            return fn(*args, **kwargs)
+        job.done.acquire()
+        if job.error is not None:
+            raise job.error
+        return job.result  # type: ignore[no-any-return]
+
+    def close(self) -> None:
+        """Stop after the jobs already queued; later calls run inline. Idempotent."""
+        with self._closing:
+            if self._closed:
+                return
+            self._closed = True
+            self._jobs.put(None)
+        if not self.is_current():
+            self._thread.join()
+
+    def _serve(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            try:
+                job.result = job.fn(*job.args, **job.kwargs)
+            except BaseException as exc:  # handed to the caller, which raises it
+                job.error = exc
+            finally:
+                job.done.release()
