@@ -379,7 +379,12 @@ class CacheEngine:
         return Slots(blocks, offsets)
 
     def _write_layer(self, layer: int, slots: Slots, k: torch.Tensor, v: torch.Tensor) -> None:
-        b, o = self._slot_index(slots)
+        self._write_layer_at(layer, *self._slot_index(slots), k, v)
+
+    def _write_layer_at(
+        self, layer: int, b: torch.Tensor, o: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> None:
+        """k, v [n, kv_heads, head_dim] into blocks b at offsets o (index tensors [n])."""
         self.kv[layer, 0].transpose(1, 2).index_put_((b, o), k)
         self.kv[layer, 1].transpose(1, 2).index_put_((b, o), v)
 
@@ -481,12 +486,19 @@ class CacheEngine:
             v = self._tensor("v", v, (n, s.num_kv_heads, s.head_dim))
         with self._lock:
             seq = self.manager._active(seq_id)
+            table = None
             if k is not None:
                 if tokens is not None:
                     slots = self._reserve_layered([seq_id], lambda: self.manager.append(seq_id, tokens))
-                else:
-                    slots = self._tail_slots([seq_id], n)
-                self._write_layer(layer, slots, k, v)
+                    self._write_layer(layer, slots, k, v)
+                else:  # the slots layer 0 reserved: the table's last n positions (no per-token list)
+                    if seq.cache_len < n:
+                        raise InvalidArgument(
+                            f"sequence {seq_id!r} holds {seq.cache_len} tokens; cannot write the last {n}"
+                        )
+                    table = torch.tensor(seq.table, dtype=torch.int64, device=self.device)
+                    pos = torch.arange(seq.cache_len - n, seq.cache_len, device=self.device)
+                    self._write_layer_at(layer, table[pos // s.block_size], pos % s.block_size, k, v)
                 if layer == s.num_layers - 1:
                     self._publish_written([seq_id])
             if seq.cache_len < n:
@@ -494,7 +506,8 @@ class CacheEngine:
                     f"sequence {seq_id!r} holds {seq.cache_len} tokens, fewer than {n} queries"
                 )
             want_mass = return_block_mass or self._tracks_mass([seq])
-            table = torch.tensor(seq.table, dtype=torch.int32, device=self.device)
+            if table is None:
+                table = torch.tensor(seq.table, dtype=torch.int64, device=self.device)
             out = paged_prefill(
                 q, self.kv[layer, 0], self.kv[layer, 1], table, seq.cache_len, return_block_mass=want_mass
             )
@@ -564,6 +577,8 @@ class CacheEngine:
                 )  # fmt: skip
                 outs.append(part.out)
                 lses.append(part.lse)
+        if len(outs) == 1:
+            return AttentionOutput(outs[0], lses[0], None)
         return AttentionOutput(torch.cat(outs), torch.cat(lses), None)
 
     def _reserve_layered(self, ids: list[str], reserve: Callable[[], Slots]) -> Slots:
