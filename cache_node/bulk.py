@@ -213,6 +213,8 @@ class BulkServer:
                     self._append(conn, frame)
                 elif frame.op == bulk.OP_READ:
                     self._read(conn, frame)
+                elif frame.op == bulk.OP_OPEN:
+                    self._open(conn, frame)
                 else:
                     self._reply_error(conn, frame, InvalidArgument(f"bulk: unknown op {frame.op}"))
                     return  # its payload's framing is unknown: close
@@ -470,6 +472,45 @@ class BulkServer:
             slabs.append((slab[0], slab[1]))
             at += t * per_token
         return slabs
+
+    # -- OPEN -------------------------------------------------------------------
+
+    def _open(self, conn: socket.socket, f: Frame) -> None:
+        """The Open rpc over the channel (protos/bulk.py, OPEN): the whole request is
+        read before the engine opens anything, and the engine's open is the rpc's, so
+        are its validation and errors. Recorded under the rpc's name in the metrics:
+        an Open is an Open whichever path carried it."""
+        if f.payload_len > bulk.MAX_CALL_BYTES:  # cannot be drained in bounded time: close
+            raise ProtocolError(f"open request of {f.payload_len} bytes exceeds {bulk.MAX_CALL_BYTES}")
+        num_ids = f.end
+        is_whole = 8 * num_ids <= f.payload_len
+        payload = bytearray(f.payload_len if is_whole else 0)
+        if is_whole:
+            bulk.recv_exact(conn, memoryview(payload), "open payload", socket.MSG_WAITALL)
+        else:
+            self._drain(conn, f.payload_len)
+        started = time.perf_counter()
+        try:
+            if not is_whole:
+                raise InvalidArgument(
+                    f"bulk open: {f.payload_len} payload bytes cannot hold {num_ids} token ids "
+                    f"({8 * num_ids} bytes)"
+                )
+            ids = np.frombuffer(payload, "<i8", num_ids)
+            salt = bytes(payload[8 * num_ids :])
+            res = self.engine.open(f.text, ids, salt, f.start - 1 if f.start else None)
+        except Exception as exc:  # every failure becomes a status; the node keeps serving
+            code = self._reply_error(conn, f, exc)
+            if self.metrics is not None:
+                self.metrics.rpc_errors.labels("Open", code).inc()
+            return
+        finally:
+            if self.metrics is not None:
+                self.metrics.rpc_latency.labels("Open").observe(time.perf_counter() - started)
+        self._bump("num_requests")
+        conn.sendall(
+            Frame(f.op, f.request_id, start=res.num_cached_tokens, end=res.num_host_hit_tokens).pack()
+        )
 
     # -- READ -------------------------------------------------------------------
 

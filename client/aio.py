@@ -213,7 +213,7 @@ class AsyncCacheClient:
             self.routing = AsyncCoordinatorRouting(pb_grpc.CoordinatorStub(channel), self.config, token, spec)
         else:
             node = self.node(self.address)
-            self.routing = AsyncDirectRouting(node.control, self.address)
+            self.routing = AsyncDirectRouting(node.control, self.address, node.data)
             self.control, self.data = node.control, node.data
         self._is_closed = False
 

@@ -29,6 +29,10 @@ channel remembers that and the calls take TCP; results and errors are the same.
 read_kv on the same host prefers READ_SHM (the slabs through a small ring in that
 region, client/shm.py `read_ring`), then the Unix socket's READ (a node without
 READ_SHM), then TCP; append takes the Unix socket.
+
+A direct-mode Open (`open`, OPEN) takes the channel too, by append's path: every
+request pays one before its first token. A node without OPEN says "unknown op"
+once; the channel remembers it and the caller opens over the rpc from then on.
 """
 
 from __future__ import annotations
@@ -50,7 +54,7 @@ from ..protos.bulk import Frame, ProtocolError
 from ..protos.errors import InvalidArgument, PagedKVError, Unavailable
 from ..protos.status import error_from_status, status_name
 from . import codec, shm
-from .types import AttentionResult
+from .types import AttentionResult, OpenResult
 
 MAX_POOLED = 4  # idle connections kept per node
 CONNECT_TIMEOUT_S = 2.0
@@ -114,6 +118,8 @@ class BulkChannel:
         self.is_read_shm = True  # False: read_kv over the Unix socket (an older node; benchmarks, tests)
         self.read_slot_bytes = 0  # a READ_SHM slot the node asked for (a token over shm.READ_SLOT_BYTES)
         self.num_shm_reads = 0  # read_kv through the shared region (counted in num_local_transfers too)
+        self.is_open_supported = True  # False: the node has no OPEN (an older node): opens take the rpc
+        self.num_opens = 0  # opens answered over the channel (OK or a node error)
 
     @property
     def is_backing_off(self) -> bool:
@@ -285,7 +291,7 @@ class BulkChannel:
                 if reply.end > slot:  # the node's bytes per token
                     slot = self.read_slot_bytes = reply.end + bulk.pad(reply.end)
                     continue
-                if "unknown op" in reply.text:  # a node without READ_SHM: it closed the connection
+                if _is_unknown_op(reply):  # a node without READ_SHM: it closed the connection
                     self.is_read_shm = False
                     conn.close()
                     raise BulkUnavailable("the node has no READ_SHM")
@@ -394,6 +400,44 @@ class BulkChannel:
             except BulkUnavailable:
                 pass  # TCP
         result: int = self._run(timeout_s, body)
+        return result
+
+    def open(
+        self,
+        seq_id: str,
+        token_ids: codec.TokenIds,
+        salt: bytes,
+        max_cached_tokens: int | None,
+        timeout_s: float,
+    ) -> OpenResult:
+        """The Open rpc over the channel (OPEN): same result and errors. Takes the
+        same-host Unix socket when there is one, as append does. BulkUnavailable
+        (nothing opened) for what the frame cannot carry, and when the node has no
+        OPEN (it said so once: remembered), so the rpc takes the call."""
+        if not self.is_open_supported:
+            raise BulkUnavailable("the node has no bulk OPEN")
+        request = _open_request(next(self._ids), seq_id, token_ids, salt, max_cached_tokens)
+
+        def body(sock: socket.socket) -> OpenResult:
+            sock.sendall(request)
+            reply = bulk.read_frame(sock, buf=self._local_head())
+            assert reply is not None
+            if _is_unknown_op(reply):  # an older node: it closed the connection (so does this raise)
+                self.is_open_supported = False
+                raise BulkUnavailable("the node has no bulk OPEN")
+            self.num_opens += 1
+            if reply.status != bulk.STATUS_OK:
+                raise self._error(reply)
+            return OpenResult(reply.start, reply.end)
+
+        if self.is_local_enabled and self.local_name != "":
+            try:  # same host: the Unix socket (no TCP stack)
+                local: OpenResult = self._run_local(timeout_s, body)
+                return local
+            except BulkUnavailable:
+                if not self.is_open_supported:
+                    raise
+        result: OpenResult = self._run(timeout_s, body)
         return result
 
     def read_kv(
@@ -598,6 +642,62 @@ def _call_head(
     if size > bulk.MAX_CALL_BYTES:
         raise BulkUnavailable(f"a {size}-byte call exceeds the channel's {bulk.MAX_CALL_BYTES}")
     return Frame(op, request_id, payload_len=size).pack() + body
+
+
+def _open_request(
+    request_id: int, seq_id: str, token_ids: codec.TokenIds, salt: bytes, max_cached_tokens: int | None
+) -> bytes:
+    """FRAME + token ids + salt of an OPEN (protos/bulk.py); BulkUnavailable for a
+    value the frame cannot carry or the rpc's message would judge itself (an id that
+    is not a plain int, a limit outside int64), so the rpc reports it as it always did."""
+    limit = max_cached_tokens
+    if limit is not None and (type(limit) is not int or not 0 <= limit < 2**63):
+        raise BulkUnavailable(f"max_cached_tokens {limit!r} is not expressible on the bulk channel")
+    if not isinstance(seq_id, str) or not isinstance(salt, bytes):
+        raise BulkUnavailable("a sequence id that is not a str, or a salt that is not bytes")
+    try:
+        text_len = len(seq_id.encode())
+    except UnicodeEncodeError as exc:
+        raise BulkUnavailable(f"sequence id not expressible on the bulk channel: {exc}") from exc
+    if text_len > bulk.MAX_TEXT_BYTES:
+        raise BulkUnavailable(f"a {text_len}-byte sequence id exceeds the frame's {bulk.MAX_TEXT_BYTES}")
+    ids = _token_bytes(token_ids)
+    if len(ids) + len(salt) > bulk.MAX_CALL_BYTES:
+        raise BulkUnavailable(f"an open of {len(ids) // 8} tokens exceeds the channel's cap")
+    frame = Frame(
+        bulk.OP_OPEN, request_id, start=0 if limit is None else limit + 1, end=len(ids) // 8, text=seq_id,
+        payload_len=len(ids) + len(salt),
+    )  # fmt: skip
+    return frame.pack() + ids + salt
+
+
+def _token_bytes(token_ids: codec.TokenIds) -> bytes:
+    """The prompt's ids as int64 little-endian bytes; BulkUnavailable unless they are
+    plain ints in int64's range (a list of them, or an integer array or tensor): the
+    rpc path judges anything else (a bool, a float, an out-of-range id) in its own
+    words. A negative id is carried: the node refuses it, as it does the rpc's."""
+    if isinstance(token_ids, torch.Tensor):
+        token_ids = token_ids.numpy(force=True)
+    if isinstance(token_ids, np.ndarray):
+        if token_ids.ndim != 1 or token_ids.dtype.kind not in "iu":
+            raise BulkUnavailable(f"token ids of dtype {token_ids.dtype}, {token_ids.ndim} dims")
+        if token_ids.dtype.kind == "u" and token_ids.size and int(token_ids.max()) >= 2**63:
+            raise BulkUnavailable("a token id over int64's range")
+        return token_ids.astype("<i8", copy=False).tobytes()
+    ids = token_ids if isinstance(token_ids, list | tuple) else list(token_ids)
+    if not set(map(type, ids)) <= {int}:  # a bool or a numpy scalar: the rpc's message judges it
+        raise BulkUnavailable("token ids that are not all ints")
+    try:
+        return np.asarray(ids, dtype="<i8").tobytes()
+    except OverflowError as exc:
+        raise BulkUnavailable(f"a token id over int64's range: {exc}") from exc
+
+
+def _is_unknown_op(reply: Frame) -> bool:
+    """The node does not know the request's op (an older node); it closed the connection.
+    Matched on the whole prefix: an engine error may quote a sequence id of any text."""
+    is_refused = reply.status != bulk.STATUS_OK and status_name(reply.status) == "INVALID_ARGUMENT"
+    return is_refused and reply.text.startswith("bulk: unknown op")
 
 
 def _read_result(

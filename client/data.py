@@ -7,8 +7,9 @@ channel (client/bulk.py) when the node advertises one (Stats.bulk_port, asked
 once per node); otherwise, or when it cannot be reached, over the Append /
 ReadKV rpcs. The per-step calls Attend and AttendPrefillBatch take the channel
 at any size (gRPC-Python costs ~1 ms a call on a small host, the channel a
-fraction of that), with the rpcs as the fallback; `bulk_min_bytes=None` keeps
-every call on gRPC. On the node's host the channel itself prefers its
+fraction of that), with the rpcs as the fallback; so does a direct-mode Open
+(`open`: every request pays one before its first token); `bulk_min_bytes=None`
+keeps every call on gRPC. On the node's host the channel itself prefers its
 same-host path (client/shm.py: shared memory for the per-step calls, a Unix
 socket for KV ranges), negotiated per node; the routing here does not change.
 The asyncio client runs a bulk call in a worker thread.
@@ -34,7 +35,7 @@ from . import codec
 from .bulk import BulkChannel, BulkUnavailable
 from .config import ClientConfig
 from .control import acall, call
-from .types import AttentionResult
+from .types import AttentionResult, OpenResult
 
 _EMPTY = pb.Empty()
 
@@ -102,6 +103,27 @@ class NodeData:
 
     def _t(self, timeout_s: float | None) -> float:
         return self.config.deadline_s if timeout_s is None else timeout_s
+
+    def open(
+        self,
+        seq_id: str,
+        token_ids: codec.TokenIds,
+        max_cached_tokens: int | None,
+        timeout_s: float | None = None,
+    ) -> OpenResult:
+        """Open seq_id on this node with the client's own tenant salt (direct mode: no
+        coordinator). Over the bulk channel when the node has one, whatever the prompt's
+        size, else (or when the node has no bulk OPEN) the Open rpc: same result, same
+        errors."""
+        salt = self.config.tenant_salt
+        bulk = self._bulk(None, self._t(timeout_s), any_size=True)
+        if bulk is not None:
+            try:
+                return bulk.open(seq_id, token_ids, salt, max_cached_tokens, self._t(timeout_s))
+            except BulkUnavailable:
+                pass
+        req = codec.open_request(seq_id, token_ids, salt, max_cached_tokens)
+        return codec.open_result(call(self.stub.Open, req, self._t(timeout_s), where=self.where))
 
     def append(
         self, seq_id: str, token_ids: codec.TokenIds, k: Any, v: Any, timeout_s: float | None = None
@@ -226,6 +248,26 @@ class AsyncNodeData:
 
     def _t(self, timeout_s: float | None) -> float:
         return self.config.deadline_s if timeout_s is None else timeout_s
+
+    async def open(
+        self,
+        seq_id: str,
+        token_ids: codec.TokenIds,
+        max_cached_tokens: int | None,
+        timeout_s: float | None = None,
+    ) -> OpenResult:
+        """See NodeData.open; the bulk call runs in a worker thread."""
+        salt = self.config.tenant_salt
+        bulk = await self._bulk(None, self._t(timeout_s), any_size=True)
+        if bulk is not None:
+            try:
+                return await asyncio.to_thread(
+                    bulk.open, seq_id, token_ids, salt, max_cached_tokens, self._t(timeout_s)
+                )
+            except BulkUnavailable:
+                pass
+        req = codec.open_request(seq_id, token_ids, salt, max_cached_tokens)
+        return codec.open_result(await acall(self.stub.Open, req, self._t(timeout_s), where=self.where))
 
     async def append(
         self, seq_id: str, token_ids: codec.TokenIds, k: Any, v: Any, timeout_s: float | None = None

@@ -3,6 +3,8 @@
 Two planes with one surface, sync and asyncio:
 - Direct*: one node is the whole cache (no coordinator); its address is every
   sequence's route; the tenant salt is the client's own (trusted callers only).
+  Open goes by the node's data path (NodeData.open: its bulk channel when it has
+  one, the Open rpc otherwise): every request pays one Open before its first token.
 - Coordinator*: the coordinator places sequences, keeps their page tables and
   sets the tenant salt from the bearer token; data calls then go straight to
   the node it names (Route), never through it.
@@ -20,20 +22,21 @@ from ..protos.spec import ModelSpec
 from . import codec
 from .config import ClientConfig
 from .control import AsyncNodeControl, NodeControl, acall, call
+from .data import AsyncNodeData, NodeData
 from .types import ClusterStats, NodeEntry, OpenResult, Route
 
 _EMPTY = pb.Empty()
 
 
 class DirectRouting:
-    def __init__(self, node: NodeControl, address: str) -> None:
-        self.node = node
+    def __init__(self, node: NodeControl, address: str, data: NodeData) -> None:
+        self.node, self.data = node, data
         self.route = Route("", address)
 
     def open(
         self, seq_id: str, token_ids: codec.TokenIds, max_cached_tokens: int | None, timeout_s: float | None
     ) -> tuple[OpenResult, Route]:
-        return self.node.open(seq_id, token_ids, max_cached_tokens, timeout_s), self.route
+        return self.data.open(seq_id, token_ids, max_cached_tokens, timeout_s), self.route
 
     def describe(self, seq_id: str, timeout_s: float | None = None) -> Route:
         return self.route
@@ -158,14 +161,14 @@ class CoordinatorRouting(_CoordinatorBase):
 
 
 class AsyncDirectRouting:
-    def __init__(self, node: AsyncNodeControl, address: str) -> None:
-        self.node = node
+    def __init__(self, node: AsyncNodeControl, address: str, data: AsyncNodeData) -> None:
+        self.node, self.data = node, data
         self.route = Route("", address)
 
     async def open(
         self, seq_id: str, token_ids: codec.TokenIds, max_cached_tokens: int | None, timeout_s: float | None
     ) -> tuple[OpenResult, Route]:
-        return await self.node.open(seq_id, token_ids, max_cached_tokens, timeout_s), self.route
+        return await self.data.open(seq_id, token_ids, max_cached_tokens, timeout_s), self.route
 
     async def describe(self, seq_id: str, timeout_s: float | None = None) -> Route:
         return self.route

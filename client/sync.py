@@ -318,7 +318,7 @@ class CacheClient:
             self.routing = CoordinatorRouting(pb_grpc.CoordinatorStub(channel), self.config, token, spec)
         else:
             node = self.node(self.address)
-            self.routing = DirectRouting(node.control, self.address)
+            self.routing = DirectRouting(node.control, self.address, node.data)
             self.control, self.data = node.control, node.data  # direct mode: the one node
         self._is_closed = False
 

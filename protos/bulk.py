@@ -68,6 +68,22 @@ stays usable). Reply: a FRAME with status; when OK, payload_len bytes of
 
 PING (op 5): a bare FRAME both ways (the channel's own no-op floor).
 
+OPEN (op 11), client -> node: the Open rpc of a client that talks to one node
+directly (no coordinator). Time-to-first-token pays one Open per request, ~1-2 ms
+over gRPC on a small host against ~0.1-0.3 ms for a round trip here. FRAME with
+text = seq_id, end = n (the prompt's token ids), start = max_cached_tokens + 1
+(0: not given, the node's default, as the rpc's absent field), payload_len =
+8 * n + len(tenant_salt); the payload is the n token ids (int64), then the tenant
+salt's bytes (TRUSTED, as the rpc's field: whoever reaches the channel could set
+it, as whoever reaches the gRPC port). Validation and errors are the rpc's (the
+engine's). There is no expect_cached_tokens: that is the coordinator's
+asynchronous open, which stays on gRPC. A payload_len below 8 * n is refused
+after the payload was drained (the connection stays usable); one over
+MAX_CALL_BYTES is refused and the connection closed, as for a CALL body. Reply:
+a bare FRAME with status; when OK, start = num_cached_tokens and end =
+num_host_hit_tokens. A node that predates OPEN answers "unknown op" and closes:
+the client then opens over the rpc from then on.
+
 Same-host path (shared memory). Over TCP a batch-32 attend moves ~1.3 MB through
 the loopback stack each way, more than the whole per-call budget; a client on the
 node's host instead passes the bytes through a memory region both processes map.
@@ -82,8 +98,8 @@ process that can reach it (an abstract socket has no file permissions; the bulk
 channel has no authentication either way). A node that predates HELLO answers
 "unknown op" and closes: the client stays on TCP.
 
-A connection to that socket speaks the same FRAMEs (APPEND, READ, PING, ATTEND*
-work on it as on TCP; descriptors sent with any other op than MAP are closed)
+A connection to that socket speaks the same FRAMEs (APPEND, READ, PING, ATTEND*,
+OPEN work on it as on TCP; descriptors sent with any other op than MAP are closed)
 plus:
 
 MAP (op 7), client -> node: a bare FRAME with `end` = the region's size in bytes
@@ -184,6 +200,7 @@ OP_MAP = 7
 OP_ATTEND_SHM = 8
 OP_ATTEND_PREFILL_BATCH_SHM = 9
 OP_READ_SHM = 10
+OP_OPEN = 11
 SHM_OPS = {OP_ATTEND_SHM: OP_ATTEND, OP_ATTEND_PREFILL_BATCH_SHM: OP_ATTEND_PREFILL_BATCH}
 PLACED_INLINE, PLACED_REGION = 0, 1
 MIN_REGION_BYTES = 4096
