@@ -67,9 +67,14 @@ class ComputeThread:
         if not queued:
             return fn(*args, **kwargs)
         job.done.acquire()
-        if job.error is not None:
-            raise job.error
-        return job.result  # type: ignore[no-any-return]
+        error, result = job.error, job.result
+        del job
+        if error is not None:
+            try:
+                raise error
+            finally:  # no cycle error -> traceback -> this frame -> error: the views it holds
+                del error  # (a client's shared region) free as soon as the caller drops it
+        return result  # type: ignore[no-any-return]
 
     def close(self) -> None:
         """Stop after the jobs already queued; later calls run inline. Idempotent."""
@@ -89,3 +94,6 @@ class ComputeThread:
                 job.error = exc
             finally:
                 job.done.release()
+            # Hold nothing of a finished job while waiting for the next: its function and
+            # result may view memory (a client's shared region) that must unmap when dropped.
+            del job

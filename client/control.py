@@ -18,7 +18,7 @@ from ..protos.errors import IntegrityError
 from ..protos.status import error_from_rpc
 from . import codec
 from .config import ClientConfig
-from .types import NodeStats, OpenResult
+from .types import NodeStats
 
 _EMPTY = pb.Empty()
 
@@ -45,12 +45,6 @@ class NodeControl:
 
     def _t(self, timeout_s: float | None) -> float:
         return self.config.deadline_s if timeout_s is None else timeout_s
-
-    def open(
-        self, seq_id: str, token_ids: codec.TokenIds, max_cached_tokens: int | None, timeout_s: float | None
-    ) -> OpenResult:
-        req = codec.open_request(seq_id, token_ids, self.config.tenant_salt, max_cached_tokens)
-        return codec.open_result(call(self.stub.Open, req, self._t(timeout_s)))
 
     def lookup(self, token_ids: codec.TokenIds, timeout_s: float | None = None) -> int:
         req = codec.with_token_ids(pb.LookupRequest, token_ids, tenant_salt=self.config.tenant_salt)
@@ -105,12 +99,6 @@ class AsyncNodeControl:
 
     def _t(self, timeout_s: float | None) -> float:
         return self.config.deadline_s if timeout_s is None else timeout_s
-
-    async def open(
-        self, seq_id: str, token_ids: codec.TokenIds, max_cached_tokens: int | None, timeout_s: float | None
-    ) -> OpenResult:
-        req = codec.open_request(seq_id, token_ids, self.config.tenant_salt, max_cached_tokens)
-        return codec.open_result(await acall(self.stub.Open, req, self._t(timeout_s)))
 
     async def lookup(self, token_ids: codec.TokenIds, timeout_s: float | None = None) -> int:
         req = codec.with_token_ids(pb.LookupRequest, token_ids, tenant_salt=self.config.tenant_salt)

@@ -96,19 +96,19 @@ def test_round_trip_is_byte_exact_for_every_dtype_and_partial_range(dtype: str, 
             with client.open("a", toks[:10]) as seq:
                 assert seq.append(toks[:10], k[:, :10], v[:, :10]) == 10
                 assert seq.append(toks[10:], k[:, 10:], v[:, 10:]) == 39  # a second append, mid-block
-                assert node.bulk.num_requests == 2
+                assert node.bulk.num_requests == 3  # the open and the two appends
                 rk, rv = seq.read_kv()
                 assert same_bytes(rk, k) and same_bytes(rv, v)
                 rk, rv = seq.read_kv(3, 37)  # partial, both ends mid-block
                 assert same_bytes(rk, k[:, 3:37]) and same_bytes(rv, v[:, 3:37])
                 rk, rv = seq.read_kv(5, 5)
                 assert rk.shape == (2, 0, 2, 8) and rv.shape == (2, 0, 2, 8)
-                assert node.bulk.num_requests == 5
+                assert node.bulk.num_requests == 6
                 # the same bytes over the gRPC path (the contract for small calls)
                 with CacheClient(node.address, ClientConfig(bulk_min_bytes=None, chunk_bytes=300)) as grpc_c:
                     gk, gv = grpc_c.sequence("a").read_kv(3, 37)
                 assert same_bytes(gk, k[:, 3:37]) and same_bytes(gv, v[:, 3:37])
-                assert node.bulk.num_requests == 5
+                assert node.bulk.num_requests == 6
                 ch = client.data.route.bulk
                 assert ch is not None and ch.num_local_transfers == (5 if transport == "local" else 0)
             node.engine.check_integrity()
@@ -277,7 +277,7 @@ def test_concurrent_transfers(bulk_node: BulkNode) -> None:
         for t in threads:
             t.join(60)
     assert not errors, errors
-    assert node.bulk.num_requests == 36
+    assert node.bulk.num_requests == 42  # 6 opens, 36 transfers
     node.engine.check_integrity()
     assert node.engine.stats()["used_blocks"] == 0
 
@@ -303,7 +303,7 @@ def test_falls_back_to_grpc_when_the_bulk_port_is_off_or_gone() -> None:
                         assert channel.is_backing_off and channel.port is None
                     else:
                         assert channel.port == 0  # advertised as off
-        assert on.bulk.num_requests == 0
+        assert on.bulk.num_requests == 1  # the open, before the listener stopped
         assert on.server.metrics.rpc_latency.labels("Append")._sum.get() > 0  # the rpc carried it
     finally:
         off.server.stop(0)
@@ -324,7 +324,7 @@ def test_async_client_uses_the_bulk_channel(bulk_node: BulkNode) -> None:
             await seq.close()
 
     asyncio.run(run())
-    assert bulk_node.bulk.num_requests == 2 and bulk_node.bulk.num_errors == 1
+    assert bulk_node.bulk.num_requests == 3 and bulk_node.bulk.num_errors == 1  # open, append, read
     assert bulk_node.engine.stats()["used_blocks"] == 0
 
 
