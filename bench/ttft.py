@@ -72,8 +72,8 @@ MODELS = {
 TRANSPORTS = ("process", "in-process")
 GRPC_ONLY = ClientConfig(bulk_min_bytes=None)  # every data call on the rpcs
 GATHER = "process, gathered KV"  # PagedKVCache(mode="gather"): the prefix's K/V read back, local attention
-HANDLERS = "process, compute thread off"  # pagedkv node --compute-thread off: engine calls on handler threads
-SIDE_VARIANTS = {"process, gRPC only": 600, GATHER: 700, HANDLERS: 800}  # suffix seeds of their own
+ONE_THREAD = "process, compute thread on"  # pagedkv node --compute-thread on: engine calls on one thread
+SIDE_VARIANTS = {"process, gRPC only": 600, GATHER: 700, ONE_THREAD: 800}  # suffix seeds of their own
 CALLS = "AttendPrefillBatch calls (client wall)"
 ENGINE = "node engine.attend_prefill (append + attention)"
 TRANSPORT = "transport, encode/decode, backend tensor prep (calls - engine)"
@@ -110,7 +110,7 @@ def local_floor(model: Any, cache: DynamicCache, suffix: torch.Tensor) -> float:
 
 
 @contextmanager
-def node_process(spec: Any, compute_thread: bool = True) -> Iterator[str]:
+def node_process(spec: Any, compute_thread: bool = False) -> Iterator[str]:
     """`pagedkv node` in a child process serving `spec`; yields its address."""
     cmd = [
         sys.executable, "-m", "pagedkv", "node", "--listen", "127.0.0.1:0", "--metrics-port", "-1",
@@ -265,7 +265,7 @@ def bench_model(name: str, args: argparse.Namespace, with_decode: bool) -> dict:
     used_after: dict[str, int] = {}
     with (
         node_process(spec) as addr_p,
-        node_process(spec, compute_thread=False) as addr_h,
+        node_process(spec, compute_thread=True) as addr_h,
         node_in_process(spec) as addr_i,
         torch.no_grad(),
     ):
@@ -275,7 +275,7 @@ def bench_model(name: str, args: argparse.Namespace, with_decode: bool) -> dict:
             **backends,
             "process, gRPC only": grpc_only,
             GATHER: GrpcBackend(addr_p),
-            HANDLERS: GrpcBackend(addr_h),
+            ONE_THREAD: GrpcBackend(addr_h),
         }
         mode = {t: "gather" if t == GATHER else "node" for t in cached_backends}
         try:
@@ -450,8 +450,8 @@ def main() -> None:
             "process, gRPC only": "the node process, every call over gRPC (bulk_min_bytes=None)",
             GATHER: "the node process, PagedKVCache(mode='gather'): the cached prefix's K/V read back "
             "(ReadKV) and attention in the worker; the suffix's K/V appended after the forward",
-            HANDLERS: "a second node process run with --compute-thread off: each engine call on the "
-            "handler thread that received it (each with a torch thread pool of its own)",
+            ONE_THREAD: "a second node process run with --compute-thread on: every engine call on one "
+            "thread of the node's (one torch thread pool, spinning between ops)",
         },
     }
     RESULTS.mkdir(exist_ok=True)
@@ -516,9 +516,9 @@ def render(r: dict) -> str:
         "process (shares its GIL). **process, gRPC only** = the node process with every call on the "
         "gRPC rpcs (the fallback), and **process, gathered KV** = the node process in the cache's "
         "second mode (the prefix's K/V read back, attention in the worker, the suffix's K/V appended "
-        "after the forward), and **process, compute thread off** = a second node process whose engine "
-        "calls run on the handler threads that receive them (`--compute-thread off`, the earlier "
-        "default), all measured in the same loop.",
+        "after the forward), and **process, compute thread on** = a second node process whose engine "
+        "calls all run on one thread of its own (`--compute-thread on`; the default is off), all "
+        "measured in the same loop.",
         "",
     ]
     for name, m in r["models"].items():

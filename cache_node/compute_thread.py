@@ -12,6 +12,15 @@ prefill's attention 1.13 ms against 0.80 ms. With every engine call on one
 thread the process keeps one pool, whose workers stay warm between the ops of a
 call. (A GPU node wants the same: one thread owns the device's streams.)
 
+It is a trade-off, so `pagedkv node` leaves it off unless asked (--compute-thread
+on): the one pool's threads spin between ops (GOMP_SPINCOUNT, ~1 ms), which is
+what makes its kernels fast, and they go on spinning for that long after each
+call. On a host whose cores the workers share, that spin takes cores from the
+worker's own compute: decode at batch 1 through a node on the same 2 CPUs ran at
+100-118 tok/s with it against 203-219 without (the throttled pools sleep at once),
+while a cached prefill's calls ran 0.3-0.6 ms faster each. A node with cores of
+its own (its own host or container, a GPU node) has only the gain.
+
 The hand-off costs two thread wake-ups, ~40 us, once per engine call; the
 introspection getters (lengths, stats, events) run on their caller's thread,
 under the engine lock, since they do no tensor work. A hand-off needs the GIL

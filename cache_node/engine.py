@@ -17,7 +17,7 @@ num_layers calls for a whole batch, with no other round trip.
 Thread safety: every public method holds one lock for its whole duration (the
 bookkeeping is not reentrant-safe and attention must not read blocks another
 thread is reallocating); torch ops inside parallelise across cores themselves.
-With EngineConfig.compute_thread (what `pagedkv node` runs) the pool is made and
+With EngineConfig.compute_thread (`pagedkv node --compute-thread on`) the pool is made and
 every public method runs on one thread of the engine's own, whichever thread
 calls it (compute_thread.py says why: one torch thread pool per process).
 Every method validates its input before changing anything: a bad request raises
