@@ -38,10 +38,14 @@ def spec_of(dtype: str) -> ModelSpec:
 
 
 class Node:
-    def __init__(self, spec: ModelSpec, bulk_port: int | None = 0, compute_thread: bool = False) -> None:
+    def __init__(
+        self, spec: ModelSpec, bulk_port: int | None = 0, compute_thread: bool = False, num_blocks: int = 96
+    ) -> None:
         self.spec = spec
         self.engine = CacheEngine(
-            EngineConfig(spec, 96, 8, device="cpu", unknown_seq_grace_s=0.05, compute_thread=compute_thread)
+            EngineConfig(
+                spec, num_blocks, 8, device="cpu", unknown_seq_grace_s=0.05, compute_thread=compute_thread
+            )
         )
         self.metrics = NodeMetrics()
         self.server: NodeServer

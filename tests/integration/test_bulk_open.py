@@ -17,10 +17,8 @@ from typing import Any
 
 import pytest
 import torch
+from test_bulk_attend import Node as AttendNode
 
-from pagedkv.cache_node.engine import CacheEngine, EngineConfig
-from pagedkv.cache_node.metrics import NodeMetrics
-from pagedkv.cache_node.server import NodeServer, create_server
 from pagedkv.client import AsyncCacheClient, CacheClient, ClientConfig, shm
 from pagedkv.client.bulk import BulkChannel
 from pagedkv.client.types import OpenResult
@@ -34,35 +32,11 @@ SPEC = ModelSpec(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float32", bloc
 PROMPT = list(range(100, 113))  # 13 tokens: 3 whole blocks and one more token
 
 
-class Node:
+class Node(AttendNode):
+    """test_bulk_attend's node (its counters and state), with a cache of prompts."""
+
     def __init__(self, num_blocks: int, compute_thread: bool) -> None:
-        config = EngineConfig(
-            SPEC, num_blocks, 8, device="cpu", unknown_seq_grace_s=0.05, compute_thread=compute_thread
-        )
-        self.engine = CacheEngine(config)
-        self.metrics = NodeMetrics()
-        self.server: NodeServer
-        self.server, port = create_server(self.engine, "127.0.0.1:0", bulk_port=0, metrics=self.metrics)
-        self.server.start()
-        self.address = f"127.0.0.1:{port}"
-
-    @property
-    def bulk_port(self) -> int:
-        assert self.server.bulk is not None
-        return self.server.bulk.port
-
-    def counters(self) -> tuple[int, int, int]:
-        """Bulk requests served, refused with an error reply, connections dropped."""
-        b = self.server.bulk
-        assert b is not None
-        return b.num_requests, b.num_errors, b.num_dropped
-
-    def state(self) -> tuple[dict[str, int], dict[str, int]]:
-        """Integrity checked; block counts and sequence lengths (what a refusal must keep)."""
-        self.engine.check_integrity()
-        blocks = {k: v for k, v in self.engine.stats().items() if k.endswith("_blocks")}
-        lengths = {sid: self.engine.sequence_length(sid) for sid in list(self.engine.manager.seqs)}
-        return blocks, lengths
+        super().__init__(SPEC, compute_thread=compute_thread, num_blocks=num_blocks)
 
     def cache(self, tokens: list[int], salt: bytes = b"", seq_id: str = "filler") -> None:
         """Leave the KV of `tokens` cached (a sequence filled, then freed)."""
