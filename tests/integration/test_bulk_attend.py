@@ -100,8 +100,8 @@ def transport(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -
 
 @pytest.fixture(params=[False, True], ids=["handler-threads", "compute-thread"])
 def make(request: pytest.FixtureRequest) -> Iterator[Callable[..., Node]]:
-    """Nodes whose engine runs on the calling handler threads, and (as `pagedkv node`
-    runs it) on its own compute thread, which also sends the attend replies."""
+    """Nodes whose engine runs on the calling handler threads, and (`pagedkv node
+    --compute-thread on`) on its own compute thread, which also sends the attend replies."""
     nodes: list[Node] = []
 
     def make_node(dtype: str = "float32", bulk_port: int | None = 0) -> Node:
