@@ -240,12 +240,21 @@ class BulkChannel:
             shm_op = bulk.OP_ATTEND_SHM if op == bulk.OP_ATTEND else bulk.OP_ATTEND_PREFILL_BATCH_SHM
             request = Frame(shm_op, request_id, payload_len=bulk.SHM_CALL.size).pack()
             sock.sendall(request + bulk.SHM_CALL.pack(body_at, body_len, out_at, out_len))
+            expected = shm.expect_placed(conn, out_at, out_len, q, mass)  # while the node computes
             buf = self._local_reply()
             reply, ahead = bulk.read_frame_ahead(sock, buf)
             self.num_calls += 1
             self.num_local_calls += 1
             if reply.status != bulk.STATUS_OK:
                 raise self._error(reply)
+            if (
+                expected is not None
+                and ahead >= bulk.REPLY_SIZE
+                and reply.payload_len == bulk.REPLY_SIZE
+                and buf[bulk.FRAME.size : bulk.FRAME.size + bulk.REPLY_SIZE] == expected[0]
+            ):
+                return expected[1]
+            expected = None  # another layout: its lease goes with it before the general path
             return _read_result(sock, reply.payload_len, buf, ahead, (conn, out_at, out_len))
 
         give = lambda: self._give_local(conn)  # noqa: E731
