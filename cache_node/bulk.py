@@ -326,18 +326,20 @@ class BulkServer:
                     out = e.attend_prefill_batch(
                         call.seq_ids, call.layer, call.counts, call.q, call.k, call.v, call.token_ids
                     )
-            finally:
-                if self.metrics is not None:
-                    self._latency[method].observe(time.perf_counter() - start)
+            except BaseException:
+                self._observe(method, start)
+                raise
+            seconds = time.perf_counter() - start
             mass = out.block_mass if call.want_mass else None
             if dst is not None and mass is None and _is_at(out.out, dst[0]) and _is_at(out.lse, dst[1]):
                 # the decode kernel wrote them into the region: the reply was built ahead
                 self._bump("num_requests")
                 conn.sendall(placed_reply or self._reply_head(f, dst, bulk.PLACED_REGION))
-                return
-            parts = [t.detach().to("cpu").contiguous() for t in (out.out, out.lse, mass) if t is not None]
-            placed = region is not None and write_results(region, out_at, out_len, parts)
-            self._reply(conn, f, parts, bulk.PLACED_REGION if placed else bulk.PLACED_INLINE)
+            else:
+                parts = [t.detach().to("cpu").contiguous() for t in (out.out, out.lse, mass) if t is not None]
+                placed = region is not None and write_results(region, out_at, out_len, parts)
+                self._reply(conn, f, parts, bulk.PLACED_REGION if placed else bulk.PLACED_INLINE)
+            self._observe(method, start, seconds)  # after the reply left: not on the caller's path
 
         try:
             e.awaiting_open(lambda: e.run(attend_and_reply))
@@ -347,6 +349,11 @@ class BulkServer:
             code = self._reply_error(conn, f, exc)
             if self.metrics is not None:
                 self.metrics.rpc_errors.labels(method, code).inc()
+
+    def _observe(self, method: str, start: float, seconds: float | None = None) -> None:
+        """The handler latency metric: the engine call's seconds (from `start` when not given)."""
+        if self.metrics is not None:
+            self._latency[method].observe(time.perf_counter() - start if seconds is None else seconds)
 
     def _reply(self, conn: socket.socket, f: Frame, parts: list[torch.Tensor], placement: int) -> None:
         """FRAME + REPLY, then the tensors' bytes unless they were placed in the region."""
