@@ -101,6 +101,13 @@ def decode_steps(model: Any, cache: Any, first: torch.Tensor, steps: int) -> flo
     return time.perf_counter() - start
 
 
+def node_recompute(model: Any, backend: GrpcBackend, prompt: torch.Tensor) -> float:
+    """Seconds for a prompt with nothing cached, every position's attention on the node."""
+    with PagedKVCache(model, backend) as cache:
+        dt, _ = timed(lambda: prefill_with_prefix_cache(model, cache, prompt, logits_to_keep=1))
+    return dt
+
+
 def local_floor(model: Any, cache: DynamicCache, suffix: torch.Tensor) -> float:
     """Seconds for the suffix's forward on a DynamicCache already holding the prefix (the cached
     path's floor: the same compute with no node, no transport); the suffix is cropped off after."""
@@ -253,7 +260,7 @@ def bench_model(name: str, args: argparse.Namespace, with_decode: bool) -> dict:
     prefix = tokens(1, args.prefix)
     n_prompt = args.prefix + args.suffix
     print(f"model {name} {shape}: {args.prefix} cached + {args.suffix} new tokens", flush=True)
-    res: dict[str, list[float]] = {"local": [], "local_floor": []}
+    res: dict[str, list[float]] = {"local": [], "local_floor": [], "local/in-process phase": []}
     for t in TRANSPORTS:
         res[f"cached/{t}"], res[f"node_full/{t}"] = [], []
     for t in SIDE_VARIANTS:
@@ -266,10 +273,9 @@ def bench_model(name: str, args: argparse.Namespace, with_decode: bool) -> dict:
     with (
         node_process(spec) as addr_p,
         node_process(spec, compute_thread=True) as addr_h,
-        node_in_process(spec) as addr_i,
         torch.no_grad(),
     ):
-        backends = {"process": GrpcBackend(addr_p), "in-process": GrpcBackend(addr_i)}
+        backends = {"process": GrpcBackend(addr_p)}
         grpc_only = GrpcBackend(addr_p, GRPC_ONLY)
         cached_backends = {
             **backends,
@@ -313,14 +319,10 @@ def bench_model(name: str, args: argparse.Namespace, with_decode: bool) -> dict:
                 res["local_floor"].append(local_floor(model, floor_cache, prompt[:, args.prefix :]))
                 unique = tokens(200 + r, n_prompt)  # nothing cached: every position through the node
                 for t, backend in backends.items():
-                    with PagedKVCache(model, backend) as cache:
-                        dt, _ = timed(
-                            lambda c=cache, p=unique: prefill_with_prefix_cache(model, c, p, logits_to_keep=1)
-                        )
-                    res[f"node_full/{t}"].append(dt)
+                    res[f"node_full/{t}"].append(node_recompute(model, backend, unique))
                 print(
                     f"  repeat {r + 1}/{args.repeats}: "
-                    + ", ".join(f"{k} {v[-1] * 1e3:.1f} ms" for k, v in res.items())
+                    + ", ".join(f"{k} {v[-1] * 1e3:.1f} ms" for k, v in res.items() if v)
                     + f" (hit {hits[-1]} tokens)",
                     flush=True,
                 )
@@ -359,7 +361,7 @@ def bench_model(name: str, args: argparse.Namespace, with_decode: bool) -> dict:
                     f"{k} {v:.1f} ms" for k, v in batch8.items() and batch_ttft.items() if k in batch8
                 ), flush=True)  # fmt: skip
             for rows in (1, 8) if with_decode else ():
-                secs: dict[str, list[float]] = {"local": [], **{t: [] for t in TRANSPORTS}}
+                secs: dict[str, list[float]] = {"local": [], **{t: [] for t in backends}}
                 for r in range(max(3, args.repeats // 2)):
                     prompt = torch.cat([prefix.expand(rows, -1), tokens(300 + r, args.suffix, rows)], 1)
                     for t, backend in backends.items():
@@ -381,14 +383,36 @@ def bench_model(name: str, args: argparse.Namespace, with_decode: bool) -> dict:
             attending = {t: b for t, b in cached_backends.items() if t != GATHER}  # gather: no attend calls
             calls_over_bulk = {t: bulk_calls(b) for t, b in attending.items()}
             calls_same_host = {t: same_host_calls(b) for t, b in attending.items()}
-            if (
-                not (calls_over_bulk["process"] and calls_over_bulk["in-process"])
-                or calls_over_bulk["process, gRPC only"]
-            ):
+            if not calls_over_bulk["process"] or calls_over_bulk["process, gRPC only"]:
                 raise RuntimeError(f"data calls over the bulk channel per backend: {calls_over_bulk}")
         finally:
             for backend in cached_backends.values():
                 backend.close()
+    # The node inside the worker's process comes last, on its own: its handler threads' torch
+    # thread pools make libgomp throttle the worker's own (every op then wakes its threads through
+    # the kernel), which slowed the worker's compute in every variant measured beside it (the
+    # 8-layer floor 41 -> 57 ms) and stays so while those threads live.
+    print("  the node in the worker's process", flush=True)
+    with node_in_process(spec) as addr_i, GrpcBackend(addr_i) as backend, torch.no_grad():
+        with PagedKVCache(model, backend) as cache:
+            prefill_with_prefix_cache(model, cache, torch.cat([prefix, tokens(2, args.suffix)], 1))
+        for r in range(args.repeats):
+            prompt = torch.cat([prefix, tokens(100 + r, args.suffix)], 1)
+            with PagedKVCache(model, backend) as cache:
+                dt, out = timed(
+                    lambda c=cache, p=prompt: prefill_with_prefix_cache(model, c, p, logits_to_keep=1)
+                )
+            res["cached/in-process"].append(dt)
+            hits.append(out.num_cached_tokens[0])
+            dt, _ = timed(lambda p=prompt: model(p, cache=DynamicCache(config=config), logits_to_keep=1))
+            res["local/in-process phase"].append(dt)
+            res["node_full/in-process"].append(node_recompute(model, backend, tokens(200 + r, n_prompt)))
+        backend.check_integrity()
+        used_after["in-process"] = backend.stats()["used_blocks"]
+        calls_over_bulk["in-process"] = bulk_calls(backend)
+        calls_same_host["in-process"] = same_host_calls(backend)
+        if not calls_over_bulk["in-process"]:
+            raise RuntimeError("in-process node: no data call over the bulk channel")
     print("  profiling the cached path (in-process node)", flush=True)
     phases = profile_cached(model, config, prefix, args.suffix, args.repeats, ClientConfig())
     phases_grpc = profile_cached(model, config, prefix, args.suffix, args.repeats, GRPC_ONLY)
@@ -397,7 +421,8 @@ def bench_model(name: str, args: argparse.Namespace, with_decode: bool) -> dict:
         "model": shape,
         "ttft_ms": med,
         "ratio_cached_vs_local_recompute": {
-            t: med[f"cached/{t}"] / med["local"] for t in (*TRANSPORTS, *SIDE_VARIANTS)
+            t: med[f"cached/{t}"] / med["local/in-process phase" if t == "in-process" else "local"]
+            for t in (*TRANSPORTS, *SIDE_VARIANTS)
         },
         "ratio_cached_vs_node_recompute": {t: med[f"cached/{t}"] / med[f"node_full/{t}"] for t in TRANSPORTS},
         "raw_ms": {k: [x * 1e3 for x in v] for k, v in res.items()},
@@ -513,12 +538,15 @@ def render(r: dict) -> str:
         "node's bulk channel (its same-host shared-memory path where the node offers one, else TCP), "
         "as the client does by default: **process** = the node in its own "
         "process (`pagedkv node`), as deployed; **in-process** = the node's server inside the worker's "
-        "process (shares its GIL). **process, gRPC only** = the node process with every call on the "
+        "process (shares its GIL), measured after everything else with its own local recompute "
+        "beside it: its handler threads' torch thread pools make libgomp throttle the worker's own, "
+        "which slowed the worker's compute in every variant measured beside it (earlier runs of this "
+        "benchmark did that). **process, gRPC only** = the node process with every call on the "
         "gRPC rpcs (the fallback), and **process, gathered KV** = the node process in the cache's "
         "second mode (the prefix's K/V read back, attention in the worker, the suffix's K/V appended "
         "after the forward), and **process, compute thread on** = a second node process whose engine "
         "calls all run on one thread of its own (`--compute-thread on`; the default is off), all "
-        "measured in the same loop.",
+        "measured in one loop with the local recompute and the floor.",
         "",
     ]
     for name, m in r["models"].items():
@@ -529,7 +557,7 @@ def render(r: dict) -> str:
             "| path | TTFT (ms) | vs local recompute |",
             "|---|---:|---:|",
         ]
-        for tr in (*TRANSPORTS, *SIDE_VARIANTS):
+        for tr in ("process", *SIDE_VARIANTS):
             if f"cached/{tr}" in t:
                 lines.append(f"| cached prefix, node {tr} | {t[f'cached/{tr}']:.1f} | {ratio[tr]:.2f}x |")
         lines.append(f"| full recompute, transformers DynamicCache | {t['local']:.1f} | 1.00x |")
@@ -538,9 +566,16 @@ def render(r: dict) -> str:
                 "| floor: the suffix on a DynamicCache already holding the prefix (no node) "
                 f"| {t['local_floor']:.1f} | {t['local_floor'] / t['local']:.2f}x |"
             )
-        for tr in TRANSPORTS:
-            full = t[f"node_full/{tr}"]
-            lines.append(f"| full recompute, node {tr} | {full:.1f} | {full / t['local']:.2f}x |")
+        lines.append(f"| full recompute, node process | {t['node_full/process']:.1f} "
+                     f"| {t['node_full/process'] / t['local']:.2f}x |")  # fmt: skip
+        in_local = t["local/in-process phase"]
+        lines += [
+            f"| *later, the node in the worker's process:* cached prefix | {t['cached/in-process']:.1f} "
+            f"| {ratio['in-process']:.2f}x |",
+            f"| *later:* full recompute, DynamicCache, beside it | {in_local:.1f} | 1.00x |",
+            f"| *later:* full recompute, node in-process | {t['node_full/in-process']:.1f} "
+            f"| {t['node_full/in-process'] / in_local:.2f}x |",
+        ]
         verdict = "; ".join(
             f"node {tr}: {'met' if ratio[tr] <= goal else 'NOT met'} ({ratio[tr]:.2f}x)" for tr in TRANSPORTS
         )
@@ -558,7 +593,8 @@ def render(r: dict) -> str:
             + ".",
             "",
             "Where the cached TTFT goes (in-process node, separate untimed-for-the-table pass, median ms; "
-            "the data calls over the bulk channel, and over gRPC only):",
+            "the data calls over the bulk channel, and over gRPC only; the worker's own compute runs "
+            "throttled there, as in the in-process rows above):",
             "",
             "| phase | bulk channel (used) | gRPC only |",
             "|---|---:|---:|",
@@ -590,14 +626,12 @@ def render(r: dict) -> str:
             lines += [
                 f"Decode ({r['decode_steps']} steps after the prompt), tokens/s:",
                 "",
-                "| batch | node process | node in-process | local DynamicCache | process / local |",
-                "|---:|---:|---:|---:|---:|",
+                "| batch | node process | local DynamicCache | process / local |",
+                "|---:|---:|---:|---:|",
             ]
             for b, d in m["decode"].items():
-                proc, inproc, local = (d[f"{k}_tokens_per_s"] for k in ("process", "in-process", "local"))
-                lines.append(
-                    f"| {b.split('_')[1]} | {proc:.0f} | {inproc:.0f} | {local:.0f} | {proc / local:.2f}x |"
-                )
+                proc, local = (d[f"{k}_tokens_per_s"] for k in ("process", "local"))
+                lines.append(f"| {b.split('_')[1]} | {proc:.0f} | {local:.0f} | {proc / local:.2f}x |")
             lines.append("")
     lines += [
         "Reading it: the cached path runs the model on the suffix only: one Open rpc before the first "
