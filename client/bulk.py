@@ -560,11 +560,22 @@ class BulkChannel:
 
         def body(sock: socket.socket) -> AttentionResult:
             bulk.send_parts(sock, parts)
+            expected = _expect_inline(q, return_block_mass)  # while the node computes
             buf = self._local_reply()
             reply, ahead = bulk.read_frame_ahead(sock, buf)
             self.num_calls += 1
             if reply.status != bulk.STATUS_OK:
                 raise self._error(reply)
+            if expected is not None:
+                head, res = expected
+                if (
+                    ahead >= bulk.REPLY_SIZE
+                    and reply.payload_len == bulk.REPLY_SIZE + _nbytes(res.out) + _nbytes(res.lse)
+                    and buf[bulk.FRAME.size : bulk.FRAME.size + bulk.REPLY_SIZE] == head
+                ):
+                    bulk.recv_exact(sock, _byte_view(res.out), "attend result")
+                    bulk.recv_exact(sock, _byte_view(res.lse), "attend result")
+                    return res
             return _read_result(sock, reply.payload_len, buf, ahead)
 
         result: AttentionResult = self._run(timeout_s, body)
@@ -707,6 +718,25 @@ def _is_unknown_op(reply: Frame) -> bool:
     Matched on the whole prefix: an engine error may quote a sequence id of any text."""
     is_refused = reply.status != bulk.STATUS_OK and status_name(reply.status) == "INVALID_ARGUMENT"
     return is_refused and reply.text.startswith("bulk: unknown op")
+
+
+def _expect_inline(q: torch.Tensor, block_mass: bool) -> tuple[bytes, AttentionResult] | None:
+    """The REPLY head an attend with this q most likely gets over TCP, and its result
+    tensors allocated with their pages touched: made while the node computes, so after
+    the reply only the head is compared and the bytes received (a fresh 512 KiB result
+    faults in its pages, and after a long engine call every step runs on cold caches)."""
+    head = None if block_mass or q.numel() == 0 else shm.expected_head(q, bulk.PLACED_INLINE)
+    if head is None:
+        return None
+    out = torch.empty(q.shape, dtype=q.dtype)
+    lse = torch.empty(q.shape[:-1], dtype=torch.float32)
+    for t in (out, lse):
+        t.view(torch.uint8).numpy()[:] = 0  # one memset on this thread (no intra-op threads)
+    return head, AttentionResult(out, lse, None)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 def _read_result(

@@ -215,26 +215,35 @@ def expect_placed(
     level), and making the two views then cost ~115 µs at batch 32 against a few
     now. None when it cannot be known ahead (block mass, an earlier result still
     leased: the results are then copied out after the reply) or does not fit."""
-    if block_mass or q.dtype not in tensors.DTYPE_NAMES or conn._live_lease() is not None:
+    if block_mass or conn._live_lease() is not None:
         return None
+    head = expected_head(q, bulk.PLACED_REGION)
     lse_shape = tuple(q.shape[:-1])
     out_bytes = q.numel() * q.element_size()
     lse_at = out_bytes + bulk.pad(out_bytes)
     end = lse_at + 4 * math.prod(lse_shape)
-    if end > out_len:
-        return None
-    try:
-        head = (
-            bulk.REPLY.pack(2, bulk.PLACED_REGION)
-            + bulk.pack_tensor(tensors.DTYPE_NAMES[q.dtype], tuple(q.shape))
-            + bulk.pack_tensor("float32", lse_shape)
-            + bytes(bulk.TENSOR.size)
-        )
-    except ValueError:
+    if head is None or end > out_len:
         return None
     buf = conn.results(out_at, end)
     out = tensors.tensor_at(buf, 0, q.dtype, tuple(q.shape))
     return head, AttentionResult(out, tensors.tensor_at(buf, lse_at, torch.float32, lse_shape), None)
+
+
+def expected_head(q: torch.Tensor, placement: int) -> bytes | None:
+    """The REPLY head (protos/bulk.py) of an attend whose q this is, as the node sends it
+    when nothing is unusual: out in q's shape and dtype, lse float32 per row and head,
+    no block mass; None when q's dtype or shape cannot be described."""
+    if q.dtype not in tensors.DTYPE_NAMES:
+        return None
+    try:
+        return (
+            bulk.REPLY.pack(2, placement)
+            + bulk.pack_tensor(tensors.DTYPE_NAMES[q.dtype], tuple(q.shape))
+            + bulk.pack_tensor("float32", tuple(q.shape[:-1]))
+            + bytes(bulk.TENSOR.size)
+        )
+    except ValueError:
+        return None
 
 
 def read_placed(conn: LocalConnection, out_at: int, out_len: int, reply_head: memoryview) -> AttentionResult:
