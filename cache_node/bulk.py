@@ -293,8 +293,8 @@ class BulkServer:
         out_at: int = 0, out_len: int = 0,
     ) -> None:  # fmt: skip
         """The engine call of the CALL body in `data` (op: ATTEND or
-        ATTEND_PREFILL_BATCH) and its reply, both on the engine's compute thread
-        (the reply leaves as soon as the results exist; this thread wakes after).
+        ATTEND_PREFILL_BATCH) and its reply, both through engine.run (on the engine's
+        compute thread when it has one: the reply leaves as soon as the results exist).
         region: the connection's shared region, whose [out_at, +out_len) area a
         decode writes out and lse into in place, and the results are copied to."""
         method = "Attend" if op == bulk.OP_ATTEND else "AttendPrefillBatch"
@@ -305,13 +305,9 @@ class BulkServer:
             dst = None if area is None or op != bulk.OP_ATTEND else _decode_destination(call.q, area)
             # the reply when the decode kernel writes into the region, built while this process's
             # caches are warm (after a long engine call they are cold: ~50 µs for these few lines)
-            placed_reply = None
-            if dst is not None and not call.want_mass:
-                placed_reply = self._reply_head(f, dst, bulk.PLACED_REGION)
+            placed_reply = b"" if dst is None else self._reply_head(f, dst, bulk.PLACED_REGION)
         except Exception as exc:
-            code = self._reply_error(conn, f, exc)
-            if self.metrics is not None:
-                self.metrics.rpc_errors.labels(method, code).inc()
+            self._refuse(conn, f, method, exc)
             return
 
         def attend_and_reply() -> None:
@@ -334,7 +330,7 @@ class BulkServer:
             if dst is not None and mass is None and _is_at(out.out, dst[0]) and _is_at(out.lse, dst[1]):
                 # the decode kernel wrote them into the region: the reply was built ahead
                 self._bump("num_requests")
-                conn.sendall(placed_reply or self._reply_head(f, dst, bulk.PLACED_REGION))
+                conn.sendall(placed_reply)
             else:
                 parts = [t.detach().to("cpu").contiguous() for t in (out.out, out.lse, mass) if t is not None]
                 placed = region is not None and write_results(region, out_at, out_len, parts)
@@ -346,9 +342,13 @@ class BulkServer:
         except OSError:
             raise  # the reply could not be sent: the connection is gone
         except Exception as exc:  # every engine failure becomes a status; the node keeps serving
-            code = self._reply_error(conn, f, exc)
-            if self.metrics is not None:
-                self.metrics.rpc_errors.labels(method, code).inc()
+            self._refuse(conn, f, method, exc)
+
+    def _refuse(self, conn: socket.socket, f: Frame, method: str, exc: Exception) -> None:
+        """The error reply of a refused call, counted under its rpc's name."""
+        code = self._reply_error(conn, f, exc)
+        if self.metrics is not None:
+            self.metrics.rpc_errors.labels(method, code).inc()
 
     def _observe(self, method: str, start: float, seconds: float | None = None) -> None:
         """The handler latency metric: the engine call's seconds (from `start` when not given)."""
@@ -522,9 +522,7 @@ class BulkServer:
             salt = bytes(payload[8 * num_ids :])
             res = self.engine.open(f.text, ids, salt, f.start - 1 if f.start else None)
         except Exception as exc:  # every failure becomes a status; the node keeps serving
-            code = self._reply_error(conn, f, exc)
-            if self.metrics is not None:
-                self.metrics.rpc_errors.labels("Open", code).inc()
+            self._refuse(conn, f, "Open", exc)
             return
         finally:
             if self.metrics is not None:
