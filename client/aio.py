@@ -114,9 +114,14 @@ class AsyncSequence:
         return AsyncSequence(self.client, child_id, route)
 
     async def read_kv(
-        self, start: int = 0, end: int | None = None, *, timeout_s: float | None = None
+        self,
+        start: int = 0,
+        end: int | None = None,
+        *,
+        out: tuple[torch.Tensor, torch.Tensor] | None = None,
+        timeout_s: float | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return await self.node.data.read_kv(self.seq_id, start, end, timeout_s)
+        return await self.node.data.read_kv(self.seq_id, start, end, timeout_s, out)
 
     async def swap_out(self, *, timeout_s: float | None = None) -> int:
         return await self.client.routing.swap_out(self.seq_id, timeout_s)

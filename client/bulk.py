@@ -94,6 +94,15 @@ def _host(address: str) -> str:
     return host.strip("[]")
 
 
+class _Abandoned(Exception):
+    """Raised inside a body that refuses a reply whose bytes are still arriving (a read
+    into an `out` of another shape): the connection is closed, then `error` raised."""
+
+    def __init__(self, error: PagedKVError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
 class BulkChannel:
     """Bulk transfers to one node at `address` (its gRPC host:port; the bulk
     port is given by `port`, learned from the node's Stats)."""
@@ -276,7 +285,7 @@ class BulkChannel:
             raise BulkUnavailable(f"same-host region not mapped: {exc}") from exc
 
     def _read_shm(
-        self, seq_id: str, start: int, end: int | None, timeout_s: float
+        self, seq_id: str, start: int, end: int | None, timeout_s: float, out: codec.KVOut | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """read_kv through a ring in the connection's region (READ_SHM); BulkUnavailable
         (nothing read) when the path cannot be used: the caller takes the Unix socket."""
@@ -296,7 +305,11 @@ class BulkChannel:
                 reply = bulk.read_frame(sock)
                 assert reply is not None
                 if reply.status == bulk.STATUS_OK:
-                    return shm.read_ring(conn, reply, ring_at, slot, shm.READ_SLOTS, self._error)
+                    try:
+                        dst = shm.ring_destination(reply, out)
+                    except InvalidArgument as exc:
+                        raise _Abandoned(exc) from None
+                    return shm.read_ring(conn, reply, ring_at, slot, shm.READ_SLOTS, self._error, dst)
                 if reply.end > slot:  # the node's bytes per token
                     slot = self.read_slot_bytes = reply.end + bulk.pad(reply.end)
                     continue
@@ -350,6 +363,9 @@ class BulkChannel:
         (raised as Unavailable naming the node and `path`) or on anything else."""
         try:
             result = body(sock)
+        except _Abandoned as exc:
+            close()
+            raise exc.error from None
         except PagedKVError:
             give()
             raise
@@ -450,10 +466,11 @@ class BulkChannel:
         return result
 
     def read_kv(
-        self, seq_id: str, start: int, end: int | None, timeout_s: float
+        self, seq_id: str, start: int, end: int | None, timeout_s: float, out: codec.KVOut | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of positions [start, end) (end None: to the sequence's end),
-        each [num_layers, n, kv_heads, head_dim], received in place."""
+        each [num_layers, n, kv_heads, head_dim], received in place: into `out`
+        (checked by codec.check_kv_out) when given."""
         if start < 0 or (end is not None and end < 0):
             raise InvalidArgument(f"range [{start}, {end}) outside the sequence {seq_id!r}")
         frame = Frame(
@@ -469,8 +486,10 @@ class BulkChannel:
                 raise self._error(reply)
             n = reply.end - reply.start
             shape = (reply.num_layers, n, reply.num_kv_heads, reply.head_dim)
-            dtype = tensors.TORCH_DTYPES[reply.dtype]
-            out_k, out_v = torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype)
+            try:
+                out_k, out_v = codec.kv_destination(out, shape, tensors.TORCH_DTYPES[reply.dtype])
+            except InvalidArgument as exc:
+                raise _Abandoned(exc) from None
             if reply.payload_len != 2 * out_k.numel() * out_k.element_size():
                 raise ProtocolError(f"read reply declares {reply.payload_len} bytes for shape {shape}")
             pos = 0
@@ -488,7 +507,7 @@ class BulkChannel:
 
         if self.is_local_enabled and self.local_name != "" and self.is_read_shm:
             try:  # same host: through the shared region (two copies instead of three)
-                ring = self._read_shm(seq_id, start, end, timeout_s)
+                ring = self._read_shm(seq_id, start, end, timeout_s, out)
                 self.num_local_transfers += 1
                 self.num_shm_reads += 1
                 return ring

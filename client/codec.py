@@ -107,12 +107,57 @@ def append_chunks(
         yield chunk
 
 
+KVOut = tuple[torch.Tensor, torch.Tensor]  # read_kv's caller-owned destination (k, v)
+
+
+def check_kv_out(out: Any) -> KVOut | None:
+    """read_kv's `out` before anything is sent: None, or two contiguous CPU tensors
+    of one 4-d shape and dtype that the wire carries. InvalidArgument names what is wrong."""
+    if out is None:
+        return None
+    if not isinstance(out, (tuple, list)) or len(out) != 2:
+        raise InvalidArgument(f"out must be a (k, v) pair of tensors, got {type(out).__name__}")
+    k, v = out
+    for name, t in (("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise InvalidArgument(f"out {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.device.type != "cpu" or not t.is_contiguous():
+            raise InvalidArgument(
+                f"out {name} must be a contiguous CPU tensor, got {t.device} strides {tuple(t.stride())}"
+            )
+    if k.shape != v.shape or k.dtype != v.dtype or k.dim() != 4:
+        raise InvalidArgument(
+            f"out k {tuple(k.shape)} {k.dtype} and v {tuple(v.shape)} {v.dtype} must be one "
+            "[num_layers, n, kv_heads, head_dim] shape and dtype"
+        )
+    if k.dtype not in tensors.DTYPE_NAMES:
+        raise InvalidArgument(f"out has unsupported dtype {k.dtype}")
+    if k.numel() and k.untyped_storage().data_ptr() == v.untyped_storage().data_ptr():
+        raise InvalidArgument("out k and v share memory")
+    return k, v
+
+
+def kv_destination(out: KVOut | None, shape: tuple[int, ...], dtype: torch.dtype) -> KVOut:
+    """Where a read of this shape and dtype lands: `out` (checked by check_kv_out) when it
+    matches exactly, else InvalidArgument naming both; fresh tensors without one."""
+    if out is None:
+        return torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype)
+    if tuple(out[0].shape) != tuple(shape) or out[0].dtype != dtype:
+        raise InvalidArgument(
+            f"out is {tuple(out[0].shape)} {out[0].dtype}; the range read is {tuple(shape)} {dtype} "
+            "([num_layers, n, kv_heads, head_dim])"
+        )
+    return out
+
+
 class KVReader:
     """Reassembles a ReadKV stream into (k, v), each [num_layers, n, kv_heads, head_dim],
-    allocated once from the header and filled slab by slab."""
+    allocated once from the header (or the caller's `out`, checked by check_kv_out)
+    and filled slab by slab."""
 
-    def __init__(self) -> None:
+    def __init__(self, out: KVOut | None = None) -> None:
         self._reader: tensors.SlabReader | None = None
+        self._out = out
         self._k: torch.Tensor | None = None
         self._v: torch.Tensor | None = None
 
@@ -124,8 +169,7 @@ class KVReader:
             self._reader = tensors.SlabReader(h.dtype, h.shape, "kv")
             _, layers, n, heads, dim = (int(d) for d in h.shape)
             dtype = tensors.TORCH_DTYPES[h.dtype]
-            self._k = torch.empty((layers, n, heads, dim), dtype=dtype)
-            self._v = torch.empty((layers, n, heads, dim), dtype=dtype)
+            self._k, self._v = kv_destination(self._out, (layers, n, heads, dim), dtype)
         at = self._reader.received
         slab = self._reader.add(chunk.num_tokens, chunk.data)
         assert self._k is not None and self._v is not None
@@ -146,8 +190,8 @@ def read_kv_request(seq_id: str, start: int, end: int | None, chunk_bytes: int) 
     return req
 
 
-def kv_from_chunks(chunks: Iterable[pb.KVChunk]) -> tuple[torch.Tensor, torch.Tensor]:
-    reader = KVReader()
+def kv_from_chunks(chunks: Iterable[pb.KVChunk], out: KVOut | None = None) -> KVOut:
+    reader = KVReader(out)
     for c in chunks:
         reader.add(c)
     return reader.result()

@@ -205,20 +205,30 @@ class NodeData:
         )
 
     def read_kv(
-        self, seq_id: str, start: int = 0, end: int | None = None, timeout_s: float | None = None
+        self,
+        seq_id: str,
+        start: int = 0,
+        end: int | None = None,
+        timeout_s: float | None = None,
+        out: codec.KVOut | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        out = codec.check_kv_out(out)
         if self.route.bulk is not None:
             bulk = self._bulk(None, self._t(timeout_s))
             if bulk is not None and self.route.wants(self.route.read_bytes(start, end)):
                 try:
-                    return bulk.read_kv(seq_id, start, end, self._t(timeout_s))
+                    return bulk.read_kv(seq_id, start, end, self._t(timeout_s), out)
                 except BulkUnavailable:
                     pass
         req = codec.read_kv_request(seq_id, start, end, self.config.chunk_bytes)
+        stream = self.stub.ReadKV(req, timeout=self._t(timeout_s))
         try:
-            return codec.kv_from_chunks(self.stub.ReadKV(req, timeout=self._t(timeout_s)))
+            return codec.kv_from_chunks(stream, out)
         except grpc.RpcError as exc:
             raise error_from_rpc(exc, self.where) from exc
+        except BaseException:
+            stream.cancel()  # a refused `out`: the node stops streaming
+            raise
 
 
 class AsyncNodeData:
@@ -355,22 +365,32 @@ class AsyncNodeData:
         )
 
     async def read_kv(
-        self, seq_id: str, start: int = 0, end: int | None = None, timeout_s: float | None = None
+        self,
+        seq_id: str,
+        start: int = 0,
+        end: int | None = None,
+        timeout_s: float | None = None,
+        out: codec.KVOut | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        out = codec.check_kv_out(out)
         if self.route.bulk is not None:
             bulk = await self._bulk(None, self._t(timeout_s))
             if bulk is not None and self.route.wants(self.route.read_bytes(start, end)):
                 try:
-                    return await asyncio.to_thread(bulk.read_kv, seq_id, start, end, self._t(timeout_s))
+                    return await asyncio.to_thread(bulk.read_kv, seq_id, start, end, self._t(timeout_s), out)
                 except BulkUnavailable:
                     pass
         req = codec.read_kv_request(seq_id, start, end, self.config.chunk_bytes)
-        reader = codec.KVReader()
+        reader = codec.KVReader(out)
+        stream = self.stub.ReadKV(req, timeout=self._t(timeout_s))
         try:
-            async for chunk in self.stub.ReadKV(req, timeout=self._t(timeout_s)):
+            async for chunk in stream:
                 reader.add(chunk)
         except grpc.RpcError as exc:
             raise error_from_rpc(exc, self.where) from exc
+        except BaseException:
+            stream.cancel()  # a refused `out`: the node stops streaming
+            raise
         return reader.result()
 
 

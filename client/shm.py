@@ -35,6 +35,7 @@ import torch
 
 from ..protos import bulk, tensors
 from ..protos.bulk import Frame, ProtocolError
+from . import codec
 from .types import AttentionResult
 
 MEMFD_NAME = "pagedkv-shm"  # shows in /proc/PID/maps as /memfd:pagedkv-shm (deleted)
@@ -280,6 +281,15 @@ def _placed_spans(reply_head: memoryview) -> tuple[list[tuple[torch.dtype, tuple
     return spans, at
 
 
+def ring_destination(reply: Frame, out: codec.KVOut | None) -> codec.KVOut:
+    """Where the READ_SHM whose OK reply frame this is lands (codec.kv_destination);
+    ProtocolError for a reply with a negative range."""
+    shape = (reply.num_layers, reply.end - reply.start, reply.num_kv_heads, reply.head_dim)
+    if min(shape) < 0:
+        raise ProtocolError(f"shm read reply: shape {shape}")
+    return codec.kv_destination(out, shape, tensors.TORCH_DTYPES[reply.dtype])
+
+
 def read_ring(
     conn: LocalConnection,
     reply: Frame,
@@ -287,6 +297,7 @@ def read_ring(
     slot_bytes: int,
     num_slots: int,
     error: Callable[..., Exception],
+    dst: codec.KVOut,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The k, v [num_layers, n, kv_heads, head_dim] of a READ_SHM whose OK reply
     frame is `reply`: each slab's SLAB header from the socket, its bytes copied out
@@ -302,10 +313,9 @@ def read_ring(
         raise ProtocolError(f"shm read reply: {step}-token slabs of {n} tokens for {slot_bytes}-byte slots")
     if ring_at + num_slots * slot_bytes > conn.size:
         raise ProtocolError(f"shm read ring of {num_slots} x {slot_bytes} bytes past the region")
-    out_k = torch.empty((layers, n, heads, dim), dtype=dtype)
-    out_v = torch.empty((layers, n, heads, dim), dtype=dtype)
+    out_k, out_v = dst  # ring_destination's: [layers, n, heads, dim] in the reply's dtype
     ring = conn.region.numpy()
-    dst = [t.reshape(-1).view(torch.uint8).numpy().reshape(layers, n * tok_bytes) for t in (out_k, out_v)]
+    rows = [t.reshape(-1).view(torch.uint8).numpy().reshape(layers, n * tok_bytes) for t in dst]
     num_slabs = -(-n // step) if n else 0
     for i in range(num_slabs):
         t, status, text, extra = bulk.read_slab(conn.sock)
@@ -315,7 +325,7 @@ def read_ring(
         if t != min(step, n - pos):
             raise ProtocolError(f"shm read: slab {i} of {t} tokens at {pos} of {n} ({step} per slab)")
         at, nbytes, lo = ring_at + (i % num_slots) * slot_bytes, t * tok_bytes, pos * tok_bytes
-        for part, d in enumerate(dst):  # the slab is [2, layers, t, heads, dim]: one memcpy per row
+        for part, d in enumerate(rows):  # the slab is [2, layers, t, heads, dim]: one memcpy per row
             for layer in range(layers):
                 a = at + (part * layers + layer) * nbytes
                 d[layer, lo : lo + nbytes] = ring[a : a + nbytes]

@@ -241,10 +241,18 @@ class Sequence:
         return Sequence(self.client, child_id, route)
 
     def read_kv(
-        self, start: int = 0, end: int | None = None, *, timeout_s: float | None = None
+        self,
+        start: int = 0,
+        end: int | None = None,
+        *,
+        out: tuple[torch.Tensor, torch.Tensor] | None = None,
+        timeout_s: float | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of positions [start, end): each [num_layers, n, kv_heads, D] (streamed)."""
-        return self.node.data.read_kv(self.seq_id, start, end, timeout_s)
+        """K and V of positions [start, end): each [num_layers, n, kv_heads, D] (streamed).
+        out: a (k, v) pair of contiguous CPU tensors of exactly that shape and the node's
+        dtype to receive them (no allocation per call; returned); InvalidArgument when it
+        does not match, the sequence and the connection untouched."""
+        return self.node.data.read_kv(self.seq_id, start, end, timeout_s, out)
 
     def swap_out(self, *, timeout_s: float | None = None) -> int:
         """Move the sequence to its node's host memory; returns blocks moved."""
