@@ -23,6 +23,13 @@ Overhead is defined as `call_p50 - engine_p50` (encode, transport, decode, serve
 dispatch) and compared with both floors: the goal is overhead <= 1.3 x ping_p50
 (the gRPC Ping); the ratio to the channel's PING says how close it is to its own floor.
 
+A batch-32 call waits ~32 ms for its engine, and on a VM a process that waited that
+long runs its next few hundred microseconds slower (cold caches, an idle vCPU to
+wake). So the run also times the gRPC Ping with both processes idle that long before
+each call (the floor in the batch-32 call's conditions), and a control: batch 32's
+request and reply sizes over sequences of SHORT_LEN tokens (an engine ~60x shorter),
+back to back and with the same idle first.
+
 KV upload and download of a 256 MiB range are timed end to end through the
 client API (tensors in, tensors out, checked byte-exact) over each path -- the
 gRPC rpcs (Append client-streaming, ReadKV server-streaming), the bulk channel's
@@ -30,7 +37,9 @@ TCP socket, its same-host Unix socket and its same-host shared-memory read
 (READ_SHM: slabs through a 2 x 2 MiB ring in the client's memfd region; its
 append takes the Unix socket) (protos/bulk.py), each repeat running every path in
 turn -- and compared with a plain loopback TCP socket moving the same bytes in the
-same loop. `--transfer-only` runs just this part (`--quick`: without the gRPC rows).
+same loop. Downloads are timed into fresh tensors and into the caller's (`out=`,
+allocated once): a fresh 256 MiB's first touch is part of the former.
+`--transfer-only` runs just this part (`--quick`: without the gRPC rows).
 """
 
 from __future__ import annotations
@@ -55,6 +64,8 @@ SPEC = {"num_layers": 1, "num_kv_heads": 8, "head_dim": 128, "dtype": "float32",
 NUM_Q_HEADS = 32
 CONTEXT_LEN = 2048
 BATCHES = (1, 32)
+SHORT_LEN = 64  # the control rows: batch 32's request and reply sizes, an engine ~60x shorter
+IDLE_S = 0.032  # ~the batch-32 engine at L = 2048: the control with the client idle that long first
 TRANSFER_BYTES = 256 << 20
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -80,13 +91,18 @@ def _node_process(conn: Any, quick: bool) -> None:
     spec = ModelSpec(**SPEC)
     per_seq = CONTEXT_LEN // spec.block_size
     transfer_blocks = TRANSFER_BYTES // spec.bytes_per_block + 1
-    engine = CacheEngine(EngineConfig(spec, max(BATCHES) * per_seq + transfer_blocks + 16, device="cpu"))
+    short_blocks = max(BATCHES) * (SHORT_LEN // spec.block_size)
+    num_blocks = max(BATCHES) * per_seq + short_blocks + transfer_blocks + 16
+    engine = CacheEngine(EngineConfig(spec, num_blocks, device="cpu"))
     g = torch.Generator().manual_seed(0)
-    shape = (1, CONTEXT_LEN, spec.num_kv_heads, spec.head_dim)
-    for i in range(max(BATCHES)):
-        toks = list(range(i * 10**6, i * 10**6 + CONTEXT_LEN))  # distinct: no prefix sharing
-        engine.open(f"s{i}", toks)
-        engine.append(f"s{i}", toks, torch.randn(shape, generator=g), torch.randn(shape, generator=g))
+    for prefix, length in (("s", CONTEXT_LEN), ("short", SHORT_LEN)):
+        shape = (1, length, spec.num_kv_heads, spec.head_dim)
+        for i in range(max(BATCHES)):
+            first = i * 10**6 + (0 if prefix == "s" else 500_000)
+            toks = list(range(first, first + length))  # distinct: no prefix sharing
+            engine.open(f"{prefix}{i}", toks)
+            kv = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+            engine.append(f"{prefix}{i}", toks, *kv)
     server, port = create_server(engine, "127.0.0.1:0")
     server.start()
     floor, floor_port = _floor_server(engine, spec.head_dim)
@@ -229,7 +245,12 @@ def _transfers(address: str, results: dict[str, Any], repeats: int, quick: bool 
     }
     if quick:  # the gRPC rows take most of the time
         paths = {name: p for name, p in paths.items() if not name.startswith("gRPC")}
-    runs: dict[str, dict[str, list[float]]] = {name: {"up": [], "down": [], "sock": []} for name in paths}
+    runs: dict[str, dict[str, list[float]]] = {
+        name: {"up": [], "down": [], "down_into": [], "sock": []} for name in paths
+    }
+    # read_kv(out=...): the caller's buffers, touched once here (a fresh 256 MiB allocation's first
+    # touch alone takes 20 ms, or ~320 ms on pages this VM's host reclaimed: free page reporting)
+    into = (torch.ones_like(k), torch.ones_like(v))
     clients = {name: CacheClient(address, cfg) for name, (cfg, _, _) in paths.items()}
     try:
         for r in range(repeats):  # interleaved: each repeat runs every path once, in turn
@@ -248,6 +269,14 @@ def _transfers(address: str, results: dict[str, Any], repeats: int, quick: bool 
                 if not (torch.equal(rk, k) and torch.equal(rv, v)):
                     raise AssertionError(f"{name}: read_kv returned other bytes than appended")
                 del rk, rv
+                t0 = time.perf_counter()
+                rk, rv = seq.read_kv(out=into)
+                run["down_into"].append(TRANSFER_BYTES / (time.perf_counter() - t0) / 1e9)
+                if rk is not into[0] or not (torch.equal(rk, k) and torch.equal(rv, v)):
+                    raise AssertionError(f"{name}: read_kv(out=) returned other bytes than appended")
+                del rk, rv
+                for t in into:
+                    t.fill_(0.0)  # so that the next path's read is checked, not this one's bytes
                 seq.close()
                 run["sock"].append(_loopback_socket_gbps(raw, cfg.chunk_bytes))
         for name, (cfg, local, read_shm) in paths.items():
@@ -255,17 +284,19 @@ def _transfers(address: str, results: dict[str, Any], repeats: int, quick: bool 
             used_bulk = bulk is not None and bool(bulk.port)
             if used_bulk != (cfg.bulk_min_bytes is not None):
                 raise AssertionError(f"{name}: bulk channel used = {used_bulk}")
-            if bulk is not None and bulk.num_local_transfers != (2 * repeats if local else 0):
+            if bulk is not None and bulk.num_local_transfers != (3 * repeats if local else 0):
                 raise AssertionError(f"{name}: {bulk.num_local_transfers} transfers over the Unix socket")
-            if bulk is not None and bulk.num_shm_reads != (repeats if read_shm else 0):
+            if bulk is not None and bulk.num_shm_reads != (2 * repeats if read_shm else 0):
                 raise AssertionError(f"{name}: {bulk.num_shm_reads} reads through the shared region")
             run = runs[name]
             row = {
                 "upload_gbps": statistics.median(run["up"]),
                 "download_gbps": statistics.median(run["down"]),
+                "download_into_gbps": statistics.median(run["down_into"]),
                 "loopback_socket_gbps": statistics.median(run["sock"]),
                 "upload_runs_gbps": run["up"],
                 "download_runs_gbps": run["down"],
+                "download_into_runs_gbps": run["down_into"],
                 "bytes": TRANSFER_BYTES,
                 "repeats": repeats,
             }
@@ -283,13 +314,14 @@ def _handler_sum_s(parent: Any) -> float:
 
 
 def _paths_interleaved(
-    client: Any, channel: Any, parent: Any, ids: list[str], q: Any, iters: int
+    client: Any, channel: Any, parent: Any, ids: list[str], q: Any, iters: int, idle_s: float = 0.0
 ) -> dict[str, Any]:
     """Attend over the channel's TCP socket and its same-host shared-memory path,
     alternating call by call. Per call also `call - handler`: the client's wall minus
     the node's own handler time for that very call (parse + engine), which leaves the
     transport alone and does not move with the engine's run-to-run spread. Then the
-    same request refused by the node's validation over each (the path without the engine)."""
+    same request refused by the node's validation over each (the path without the engine).
+    idle_s: both processes idle that long before each timed call (untimed)."""
     from pagedkv.client import PagedKVError
 
     samples: dict[str, list[float]] = {"tcp": [], "shm": []}
@@ -303,6 +335,8 @@ def _paths_interleaved(
     for i in range(2 * iters):
         path = ("tcp", "shm")[i % 2]
         channel.is_local_enabled = path == "shm"
+        if idle_s:
+            time.sleep(idle_s)
         t0 = time.perf_counter()
         client.attend_batch(ids, 0, q)
         wall = time.perf_counter() - t0
@@ -316,6 +350,8 @@ def _paths_interleaved(
     for i in range(2 * iters):  # the same request refused by validation (layer out of range): no engine
         path = ("tcp", "shm")[i % 2]
         channel.is_local_enabled = path == "shm"
+        if idle_s:
+            time.sleep(idle_s)
         t0 = time.perf_counter()
         try:
             client.data.attend(ids, SPEC["num_layers"], q)
@@ -404,6 +440,14 @@ def main(argv: list[str] | None = None) -> None:
             ping = _pcts(samples)
             results["latency"]["ping"] = ping
             print(f"ping: {ping}", flush=True)
+            samples = []  # the floor in the batch-32 call's conditions: the processes idle that long first
+            for _ in range(2 * _iters(max(BATCHES), args.quick)):
+                time.sleep(IDLE_S)
+                t0 = time.perf_counter()
+                client.ping()
+                samples.append(time.perf_counter() - t0)
+            results["latency"]["ping_idle"] = _pcts(samples)
+            print(f"ping, idle {IDLE_S * 1e3:.0f} ms first: {results['latency']['ping_idle']}", flush=True)
             for b in BATCHES:
                 q = torch.randn(b, NUM_Q_HEADS, SPEC["head_dim"])
                 ids = [f"s{i}" for i in range(b)]
@@ -491,6 +535,20 @@ def main(argv: list[str] | None = None) -> None:
                 }
                 print(f"attend batch {b}: rpc {rpc} engine {eng} overhead {overhead:.3f} ms, "
                       f"bare gRPC floor {floor}, engine in a bare handler {in_rpc}", flush=True)  # fmt: skip
+
+            # The control: batch 32's request and reply sizes over an engine ~60x shorter, back to
+            # back, then with both processes idle for a batch-32 engine's time before each call.
+            b = max(BATCHES)
+            q = torch.randn(b, NUM_Q_HEADS, SPEC["head_dim"])
+            short_ids = [f"short{i}" for i in range(b)]
+            n = 2 * _iters(b, args.quick)
+            for name, idle_s in (("warm", 0.0), ("idle", IDLE_S)):
+                paths = _paths_interleaved(via_bulk, channel, parent, short_ids, q, n, idle_s)
+                for p in paths.values():
+                    p["call_minus_handler_over_ping_p50"] = p["call_minus_handler"]["p50_ms"] / ping["p50_ms"]
+                results["latency"][f"attend_short_{name}"] = {**paths, "idle_s": idle_s}
+                print(f"attend batch {b} at L = {SHORT_LEN}, {name}: {paths}", flush=True)
+            channel.is_local_enabled = False
 
             if not args.no_transfer:
                 _transfers(address, results, args.repeats, args.quick)
@@ -634,6 +692,39 @@ def render(r: dict[str, Any]) -> str:
                     f"{a['overhead_over_ping_p50']:.2f}x | {n['p50_ms']:.3f} | "
                     f"{a['call_minus_handler_over_ping_p50']:.2f}x | {a['refused_call']['p50_ms']:.3f} |"
                 )
+    if "attend_short_warm" in lat and "ping_idle" in lat:
+        b = max(BATCHES)
+        idle_ping = lat["ping_idle"]["p50_ms"]
+        lines += [
+            "",
+            f"Batch {b} against the floor in the same conditions (same run). A call of batch {b} at "
+            f"L = {r['context_len']} waits ~{IDLE_S * 1e3:.0f} ms for its engine, and on this host any "
+            f"process that waited that long runs its next few hundred microseconds slower (cold caches, "
+            f"an idle vCPU to wake): the gRPC Ping with both processes idle {IDLE_S * 1e3:.0f} ms before "
+            f"each call takes {idle_ping:.3f} ms p50 against {ping:.3f} back to back. The control: the "
+            f"same request and reply sizes (q, out, lse of batch {b}) over sequences of L = {SHORT_LEN} "
+            f"(an engine ~60x shorter), back to back and with the same idle first. Each row alternates "
+            f"TCP and shared memory call by call; call - handler as above.",
+            "",
+            f"| path | sequences | before each call | call - handler p50 ms | / Ping back to back "
+            f"({ping:.3f} ms) | / Ping idle first ({idle_ping:.3f} ms) | refused request p50 ms |",
+            "|---|---|---|---:|---:|---:|---:|",
+        ]
+        rows = (
+            (f"L = {r['context_len']}", f"its ~{IDLE_S * 1e3:.0f} ms engine", lat.get(f"attend_paths_b{b}")),
+            (f"L = {SHORT_LEN}", "nothing (back to back)", lat["attend_short_warm"]),
+            (f"L = {SHORT_LEN}", f"idle {IDLE_S * 1e3:.0f} ms", lat["attend_short_idle"]),
+        )
+        for seqs, before, paths in rows:
+            if paths is None:
+                continue
+            for name, key in (("TCP channel", "tcp"), ("same-host shm", "shm")):
+                a = paths[key]
+                n = a["call_minus_handler"]["p50_ms"]
+                lines.append(
+                    f"| {name} | {seqs} | {before} | {n:.3f} | {n / ping:.2f}x | {n / idle_ping:.2f}x "
+                    f"| {a['refused_call']['p50_ms']:.3f} |"
+                )
     lines += [
         "",
         "Overhead = call p50 - in-process engine p50, timed back to back (goal: <= 1.3 x the gRPC Ping p50).",
@@ -668,17 +759,20 @@ def render(r: dict[str, Any]) -> str:
 def render_transfer(r: dict[str, Any]) -> list[str]:
     lines = [
         "",
-        "| path | upload GB/s (append) | download GB/s (read_kv) | loopback socket GB/s (same loop) |",
-        "|---|---:|---:|---:|",
+        "| path | upload GB/s (append) | download GB/s (read_kv) | download GB/s (read_kv into the "
+        "caller's tensors) | loopback socket GB/s (same loop) |",
+        "|---|---:|---:|---:|---:|",
     ]
     for name, t in r["transfer"].items():
+        into = t.get("download_into_gbps")
         lines.append(
             f"| {name} | {t['upload_gbps']:.2f} | {t['download_gbps']:.2f} | "
-            f"{t['loopback_socket_gbps']:.2f} |"
+            f"{'-' if into is None else f'{into:.2f}'} | {t['loopback_socket_gbps']:.2f} |"
         )
     lines += [
         "",
-        f"256 MiB per transfer, end to end through the client API (tensors in / tensors out), median of "
+        f"256 MiB per transfer, end to end through the client API (tensors in / tensors out: fresh ones, "
+        f"or with `out=` the caller's, reused), median of "
         f"{next(iter(r['transfer'].values()), {}).get('repeats', 0)}. Goal: >= 0.8 GB/s both ways.",
         f"Runtime {r['runtime_s']:.0f} s.",
         "",
