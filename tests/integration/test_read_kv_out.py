@@ -85,7 +85,10 @@ def test_reads_land_in_the_callers_tensors(
             rk, rv = seq.read_kv(a, b, out=out)
             assert rk is out[0] and rv is out[1]  # received in place, nothing allocated
             assert bitwise(rk, k[:, a:b]) and bitwise(rv, v[:, a:b]), (a, b)
-        check_path_taken(client, path, len(ranges))
+        stacked = torch.zeros(2, *k.shape, dtype=k.dtype)  # one buffer, k and v its halves
+        rk, rv = seq.read_kv(out=(stacked[0], stacked[1]))
+        assert bitwise(stacked[0], k) and bitwise(stacked[1], v)
+        check_path_taken(client, path, len(ranges) + 1)
     assert node.state() == state
 
 
@@ -93,6 +96,7 @@ def bad_outs(spec: Any) -> dict[str, tuple[Any, str]]:
     """name -> (out, a fragment of the message) for a 10-token read."""
     k, v = empty_like_range(spec, 10)
     wide = torch.zeros(spec.num_layers, 10, spec.num_kv_heads, spec.head_dim * 2)
+    flat = torch.zeros(k.numel() + 8)
     return {
         "too few tokens": (empty_like_range(spec, 9), "range read is"),
         "too many tokens": (empty_like_range(spec, 11), "range read is"),
@@ -103,7 +107,8 @@ def bad_outs(spec: Any) -> dict[str, tuple[Any, str]]:
         "one tensor": (k, "(k, v) pair"),
         "three tensors": ((k, v, k), "(k, v) pair"),
         "not tensors": ((k.numpy(), v.numpy()), "torch.Tensor"),
-        "k is v": ((k, k), "share memory"),
+        "k is v": ((k, k), "overlap"),
+        "k and v overlap": ((flat[: k.numel()].view(k.shape), flat[8:].view(k.shape)), "overlap"),
         "unsupported dtype": (
             (torch.zeros(k.shape, dtype=torch.complex64), torch.zeros(k.shape, dtype=torch.complex64)),
             "unsupported dtype",
