@@ -345,6 +345,13 @@ class AsyncCacheClient:
         for address in await self._addresses(timeout_s):
             await self.node(address).control.ping(timeout_s)
 
+    async def connect(self, *, timeout_s: float | None = None) -> None:
+        """CacheClient.connect: every node's gRPC channel and bulk connections opened now."""
+        for address in await self._addresses(timeout_s):
+            handle = self.node(address)
+            await handle.control.ping(timeout_s)
+            await handle.data.connect(timeout_s)
+
     async def close(self) -> None:
         if not self._is_closed:
             self._is_closed = True

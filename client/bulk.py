@@ -525,6 +525,26 @@ class BulkChannel:
 
     # -- per-step data calls ------------------------------------------------------
 
+    def connect(self, timeout_s: float) -> None:
+        """Open, ahead of the first data call, the connections it will take: a pooled
+        TCP connection (checked with a PING) and, on the node's host, a same-host
+        connection with its shared region mapped. A path that cannot be opened is left
+        as a call would find it (the call then takes the next path)."""
+        try:
+            self.ping(timeout_s)
+        except (BulkUnavailable, PagedKVError):
+            return  # the calls go to gRPC, as they would have
+        if not self.is_local_enabled or self.local_name == "":
+            return
+        room = 2 * shm.READ_SLOTS * shm.READ_SLOT_BYTES  # a read's ring beside a call's leased results
+        try:
+            conn = self._take_local(timeout_s)
+            if conn.size < room:
+                self._map_region(conn, room, next(self._ids))  # (closes conn on failure)
+        except BulkUnavailable:
+            return
+        self._give_local(conn)
+
     def ping(self, timeout_s: float) -> None:
         """The channel's no-op round trip (its latency floor)."""
         frame = Frame(bulk.OP_PING, next(self._ids)).pack()

@@ -98,6 +98,13 @@ class NodeData:
         None when the node has none or the config keeps every call on gRPC."""
         return self._bulk(None, self._t(timeout_s), any_size=True)
 
+    def connect(self, timeout_s: float | None = None) -> None:
+        """The bulk channel's connections opened now (BulkChannel.connect); nothing
+        without a channel."""
+        bulk = self.bulk_channel(timeout_s)
+        if bulk is not None:
+            bulk.connect(self._t(timeout_s))
+
     def close(self) -> None:
         self.route.close()
 
@@ -252,6 +259,13 @@ class AsyncNodeData:
             except PagedKVError:
                 return None
         return r.bulk if r.wants(num_bytes, any_size=any_size) else None
+
+    async def connect(self, timeout_s: float | None = None) -> None:
+        """The bulk channel's connections opened now (BulkChannel.connect, on a worker
+        thread); nothing without a channel."""
+        bulk = await self._bulk(None, self._t(timeout_s), any_size=True)
+        if bulk is not None:
+            await asyncio.to_thread(bulk.connect, self._t(timeout_s))
 
     def close(self) -> None:
         self.route.close()

@@ -2,7 +2,10 @@
 serving requests whose prompts share system prompts. Each request runs twice --
 through the pagedkv cluster (attention on the cache node, the shared prefix
 reused) and with transformers' own DynamicCache (full recompute) -- and one
-JSON line per request reports tokens and time to first token for both.
+JSON line per request reports tokens and time to first token for both. Before
+the first request, untimed, the model runs once and the client opens its
+connections to every node (CacheClient.connect), so that neither path's first
+request pays the process's one-time set-up.
 
     python -m pagedkv.demo_worker COORDINATOR MODEL_DIR REQUESTS_JSON NEW_TOKENS
 """
@@ -45,7 +48,10 @@ def main(coordinator: str, model_dir: str, requests_json: str, new_tokens: str) 
     model = load_model(model_dir)
     n = int(new_tokens)
     kw = {"max_new_tokens": n, "min_new_tokens": n, "do_sample": False}
+    with torch.no_grad():  # untimed: the model's first forward pays one-time set-up, not a path's cost
+        model.generate(torch.zeros(1, 8, dtype=torch.long), cache=DynamicCache(config=model.config), **kw)
     with GrpcBackend(coordinator=coordinator) as backend:
+        backend.client.connect()  # every node's connections opened before the first request, untimed
         for request in json.loads(requests_json):
             ids = torch.tensor(request["prompt"])[None]
             with PagedKVCache(model, backend) as cache, torch.no_grad():

@@ -77,6 +77,22 @@ def test_second_worker_process_reuses_the_first_ones_system_prompt(cluster):
         all_nodes_clean(c)
 
 
+def test_connect_reaches_every_node(cluster):
+    """CacheClient.connect() opens each live node's connections before any request:
+    the bulk port learned, TCP pinged, the same-host listener's name learned."""
+    with client(cluster) as c:
+        nodes = c.cluster_stats().nodes
+        assert len(nodes) >= 2
+        c.connect()
+        for node in nodes:
+            ch = c.node(node.address).data.route.bulk
+            assert ch is not None and ch.port, node.node_id
+            assert ch.local_name, node.node_id  # learned by the HELLO that connect() sent
+        seq = c.open("connected", SYSTEM)  # and the connections serve the requests
+        seq.close()
+        all_nodes_clean(c)
+
+
 def test_tenants_never_hit_each_others_cache(cluster):
     prompt = list(range(5000, 5000 + 64)) + [1]
     run_worker(cluster, "t-alpha", prompt, tenant="alpha")
