@@ -63,6 +63,12 @@ class _BulkRoute:
             and (any_size or num_bytes is None or num_bytes >= self.min_bytes)
         )
 
+    def may_try(self, num_bytes: int | None, *, any_size: bool = False) -> bool:
+        """False when a transfer of num_bytes goes to gRPC without asking the node: no
+        channel, one backing off after a failed connect, or a transfer under min_bytes."""
+        is_small = not any_size and num_bytes is not None and num_bytes < self.min_bytes
+        return self.bulk is not None and not self.bulk.is_backing_off and not is_small
+
     def read_bytes(self, start: int, end: int | None) -> int | None:
         return None if end is None else max(0, end - start) * self.bytes_per_token
 
@@ -71,7 +77,9 @@ class _BulkRoute:
             self.bulk.close()
 
 
-class NodeData:
+class _NodeDataBase:
+    """What the sync and asyncio data handles of one node share."""
+
     def __init__(
         self, stub: pb_grpc.CacheNodeStub, config: ClientConfig, where: str = "", address: str = ""
     ) -> None:
@@ -79,13 +87,21 @@ class NodeData:
         self.where = where  # names the node in error messages
         self.route = _BulkRoute(config, where, address)
 
+    def close(self) -> None:
+        self.route.close()
+
+    def _t(self, timeout_s: float | None) -> float:
+        return self.config.deadline_s if timeout_s is None else timeout_s
+
+
+class NodeData(_NodeDataBase):
     def _bulk(self, num_bytes: int | None, timeout_s: float, *, any_size: bool = False) -> BulkChannel | None:
         """The bulk channel for a transfer of num_bytes (any_size: a per-step data
         call, whatever its size), or None (use gRPC)."""
         r = self.route
-        is_small = not any_size and num_bytes is not None and num_bytes < r.min_bytes
-        if r.bulk is None or r.bulk.is_backing_off or is_small:
+        if not r.may_try(num_bytes, any_size=any_size):
             return None
+        assert r.bulk is not None
         if r.bulk.port is None:
             try:
                 r.learn(call(self.stub.Stats, _EMPTY, timeout_s, where=self.where))
@@ -104,12 +120,6 @@ class NodeData:
         bulk = self.bulk_channel(timeout_s)
         if bulk is not None:
             bulk.connect(self._t(timeout_s))
-
-    def close(self) -> None:
-        self.route.close()
-
-    def _t(self, timeout_s: float | None) -> float:
-        return self.config.deadline_s if timeout_s is None else timeout_s
 
     def open(
         self,
@@ -238,21 +248,14 @@ class NodeData:
             raise
 
 
-class AsyncNodeData:
-    def __init__(
-        self, stub: pb_grpc.CacheNodeStub, config: ClientConfig, where: str = "", address: str = ""
-    ) -> None:
-        self.stub, self.config = stub, config
-        self.where = where  # names the node in error messages
-        self.route = _BulkRoute(config, where, address)
-
+class AsyncNodeData(_NodeDataBase):
     async def _bulk(
         self, num_bytes: int | None, timeout_s: float, *, any_size: bool = False
     ) -> BulkChannel | None:
         r = self.route
-        is_small = not any_size and num_bytes is not None and num_bytes < r.min_bytes
-        if r.bulk is None or r.bulk.is_backing_off or is_small:
+        if not r.may_try(num_bytes, any_size=any_size):
             return None
+        assert r.bulk is not None
         if r.bulk.port is None:
             try:
                 r.learn(await acall(self.stub.Stats, _EMPTY, timeout_s, where=self.where))
@@ -266,12 +269,6 @@ class AsyncNodeData:
         bulk = await self._bulk(None, self._t(timeout_s), any_size=True)
         if bulk is not None:
             await asyncio.to_thread(bulk.connect, self._t(timeout_s))
-
-    def close(self) -> None:
-        self.route.close()
-
-    def _t(self, timeout_s: float | None) -> float:
-        return self.config.deadline_s if timeout_s is None else timeout_s
 
     async def open(
         self,
