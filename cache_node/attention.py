@@ -13,13 +13,17 @@ Every result carries the natural-log LSE of the scaled scores, so attention comp
 over disjoint key sets merges exactly (`merge_partials`, the flash-decoding merge), and optionally the
 attention mass per logical block, which feeds the attention-score-aware eviction policy.
 
-Decode has two backends with one contract:
+Three backends with one contract:
 - "kernel": `csrc/paged_attention.cpp`, a C++/OpenMP kernel that walks the blocks in place (no
   gather), built on first use with the system C++ compiler and cached on disk, called via ctypes.
+  Decode on CPU tensors.
+- "triton": `triton_attention.py`, decode and prefill walking the block tables on the device.
+  The default on CUDA tensors when triton is installed; on CPU tensors only in Triton's
+  interpreter (the tests).
 - "torch": gather the blocks into [B, Hk, L, D] with one index_select, then matmuls with the query
-  heads of each KV head folded together. Used on CUDA tensors and whenever the kernel cannot build.
-Pick one per call (`backend=`) or process-wide with PAGEDKV_ATTENTION_BACKEND=auto|kernel|torch.
-Prefill is compute-bound and always uses torch matmuls.
+  heads of each KV head folded together. Used whenever the others are unavailable.
+Pick one per call (`backend=`) or process-wide with PAGEDKV_ATTENTION_BACKEND=auto|kernel|triton|torch.
+Prefill on CPU uses torch's flash kernel (or explicit matmuls when block mass is asked for).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import os
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Literal
 
 import torch
@@ -54,7 +59,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-Backend = Literal["auto", "kernel", "torch"]
+Backend = Literal["auto", "kernel", "triton", "torch"]
 BACKEND_ENV = "PAGEDKV_ATTENTION_BACKEND"
 _DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 # Prefill materializes scores for a chunk of queries at a time; this bounds that chunk (floats).
@@ -148,16 +153,36 @@ def _check_block_ids(table: Tensor, used: Tensor, num_blocks: int, what: str) ->
         )
 
 
+@functools.cache
+def _triton() -> ModuleType | None:
+    """triton_attention, imported on first use (importing triton takes a second, and on a
+    machine without CUDA it puts triton in interpreter mode); None when triton is missing."""
+    from . import triton_attention
+
+    if not triton_attention.IS_AVAILABLE:
+        logger.info("paged attention: triton is not installed; CUDA tensors use the torch path")
+        return None
+    return triton_attention
+
+
 def _pick_backend(backend: Backend | None, device: torch.device) -> str:
     choice = backend or os.environ.get(BACKEND_ENV, "auto")
-    if choice not in ("auto", "kernel", "torch"):
-        raise InvalidArgument(f"backend must be 'auto', 'kernel' or 'torch', got {choice!r}")
+    if choice not in ("auto", "kernel", "triton", "torch"):
+        raise InvalidArgument(f"backend must be 'auto', 'kernel', 'triton' or 'torch', got {choice!r}")
     if choice == "torch":
         return "torch"
+    if choice == "triton":
+        tri = _triton()
+        if tri is None:
+            raise FailedPrecondition("backend 'triton' needs the triton package (pip install pagedkv[gpu])")
+        if device.type == "cpu" and not tri.IS_INTERPRETED:
+            raise InvalidArgument("the triton kernels run on CPU tensors only under TRITON_INTERPRET=1")
+        return "triton"
     if device.type != "cpu":
         if choice == "kernel":
             raise InvalidArgument(f"the C++ kernel runs on CPU tensors only, got {device}")
-        return "torch"
+        tri = _triton()
+        return "triton" if tri is not None and not tri.IS_INTERPRETED else "torch"
     fn, info = attention_kernel.get_kernel()
     if fn is None:
         if choice == "kernel":
@@ -216,9 +241,13 @@ def paged_decode(
         if return_block_mass:
             empty = AttentionOutput(empty.out, empty.lse, torch.zeros(0, tables.shape[1], device=q.device))
         return empty
-    if _pick_backend(backend, q.device) == "kernel":
+    picked = _pick_backend(backend, q.device)
+    if picked == "kernel":
         return _decode_kernel(q, k_cache, v_cache, tables, lens, scale, return_block_mass, out=out)
-    res = _decode_torch(q, k_cache, v_cache, tables, lens, scale, return_block_mass)
+    if picked == "triton":
+        res = _decode_triton(q, k_cache, v_cache, tables, lens, int(lens.max()), scale, return_block_mass)
+    else:
+        res = _decode_torch(q, k_cache, v_cache, tables, lens, scale, return_block_mass)
     if out is None:
         return res
     out[0].copy_(res.out)
@@ -305,6 +334,22 @@ def _decode_kernel(
     if out is not None and o is not out[0]:
         o = out[0].copy_(o)
     return AttentionOutput(o.to(q.dtype), lse, mass)
+
+
+def _decode_triton(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, tables: Tensor, lens: Tensor, max_len: int, scale: float,
+    with_mass: bool, num_splits: int | None = None,  # tests force the split; None picks from the device
+) -> AttentionOutput:  # fmt: skip
+    tri = _triton()
+    assert tri is not None
+    num_blocks, _, block_size, _ = k_cache.shape
+    tables = tables.to(device=q.device, dtype=torch.int32)
+    lens = lens.to(device=q.device, dtype=torch.int32)
+    num_logical = -(-max_len // block_size)
+    used = torch.arange(num_logical, device=q.device) < ((lens + block_size - 1) // block_size).unsqueeze(1)
+    _check_block_ids(tables[:, :num_logical], used, num_blocks, "block_tables")
+    res = tri.decode(q, k_cache, v_cache, tables, lens, max_len, scale, with_mass, num_splits)
+    return AttentionOutput(*res)
 
 
 class _Workspace:
@@ -427,6 +472,7 @@ def paged_prefill(
     *,
     scale: float | None = None,
     return_block_mass: bool = False,
+    backend: Backend | None = None,
 ) -> AttentionOutput:
     """Causal attention for the last n tokens of one sequence of context_len tokens.
 
@@ -436,7 +482,7 @@ def paged_prefill(
 
     q [n, Hq, D] with 1 <= n <= context_len; block_table [num_blocks_of_seq] with at least
     ceil(context_len / block_size) entries (the rest ignored; their block_mass is 0). Pure, thread-safe.
-    Raises InvalidArgument on malformed input.
+    Raises InvalidArgument on malformed input. backend: "triton" or the CPU paths (any other).
     """
     num_kv_heads, block_size = _check_q_and_cache(q, k_cache, v_cache)
     num_queries, num_q_heads, head_dim = q.shape
@@ -461,6 +507,15 @@ def paged_prefill(
     heads = torch.arange(num_kv_heads, device=device)
     rows = (ids.unsqueeze(0) * num_kv_heads + heads.unsqueeze(1)).reshape(-1)  # [Hk, blocks]
     padded = num_logical * block_size
+    choice = backend or os.environ.get(BACKEND_ENV, "auto")
+    # Only triton has a prefill of its own; on CPU tensors "auto" and "kernel" mean the torch paths.
+    wants_triton = choice == "triton" or (choice == "auto" and device.type != "cpu")
+    if wants_triton and _pick_backend(backend, device) == "triton":
+        tri = _triton()
+        assert tri is not None
+        return AttentionOutput(
+            *tri.prefill(q, k_cache, v_cache, ids, table.shape[0], context_len, scale, return_block_mass)
+        )
     if not return_block_mass and device.type == "cpu":
         return _prefill_flash(q, k_cache, v_cache, rows, context_len, scale)
     qf = q.float().view(num_queries, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)  # [Hk, G, n, D]

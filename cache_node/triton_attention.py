@@ -1,0 +1,373 @@
+"""Triton paged attention for the node's CUDA pool: decode and prefill as one kernel.
+
+Decode is prefill with one query per sequence, so one kernel serves both. A program owns one
+(query tile, sequence, KV head, key split) and walks the sequence's block table:
+
+    rows of a program   | q[t0] head g0 .. g_{G-1} | q[t0+1] head g0 .. | ...   (BLOCK_Q tokens x G)
+    keys of a program   | split s: positions [s * tokens_per_split, ...) cut at the causal end
+
+All G query heads of a KV head sit in one tile (M = BLOCK_Q * G_PAD rows), so each K/V tile is
+read once per group (GQA). Long decodes split the keys over several programs (split-K, the
+flash-decoding scheme); each split writes its partial out and LSE and `_merge_splits` combines
+them by LSE. Token t of sequence b is at block `tables[b, t // block_size]`, slot
+`t % block_size`; slots past a sequence's end are never loaded, so whatever the pool holds
+there (even NaN) cannot leak into a result.
+
+The per-block attention mass (score eviction) needs the final LSE, so it is a second pass
+(`_block_mass`) that recomputes QK for the key tiles and sums exp(s - lse) over the rows; it runs
+only when asked.
+
+Where a score is masked (`visible`) and transformed (`qk_scale`) is one place each in
+`_attend_fwd` and `_block_mass`: a sliding window, a logit soft-cap, sinks (one more term of
+the denominator, folded into the LSE) and a custom scale enter there as parameters.
+
+Without CUDA (or with TRITON_INTERPRET=1) the kernels are built for Triton's interpreter and run
+on CPU tensors: slow, exact, used by the tests. The caller (attention.py) validates everything;
+these functions assume well-formed input.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+import torch
+from torch import Tensor
+
+# Triton's interpreter is a process-wide mode read when triton (and its standard library of
+# @jit functions) is imported, so it is chosen once here: compiled when a CUDA device is
+# present, interpreted otherwise (a CPU node keeps its C++ kernel; the tests use this mode).
+if "triton" not in sys.modules and not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the node still runs: attention.py falls back to the torch path
+    triton = None
+    tl = None
+
+IS_AVAILABLE = triton is not None
+IS_INTERPRETED = IS_AVAILABLE and os.environ.get("TRITON_INTERPRET", "").lower() in ("1", "true", "on")
+_LOG2E = 1.0 / math.log(2.0)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _attend_fwd(
+        Q, K, V, Tables, QStart, QLen, CtxLen, Out, Lse,  # fmt: skip
+        stride_qt, stride_qh,
+        stride_kb, stride_kh, stride_ks,
+        stride_tb,
+        stride_ot, stride_oh, stride_os,
+        stride_lt, stride_lh, stride_ls,
+        qk_scale, num_splits, tokens_per_split,
+        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
+        HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    ):  # fmt: skip
+        q_tile = tl.program_id(0)
+        seq = tl.program_id(1)
+        kv_head = tl.program_id(2) // num_splits
+        split = tl.program_id(2) % num_splits
+        q_len = tl.load(QLen + seq)
+        ctx = tl.load(CtxLen + seq)
+        q_first = tl.load(QStart + seq)
+
+        rows = tl.arange(0, BLOCK_Q * GROUP_PAD)
+        tok = q_tile * BLOCK_Q + rows // GROUP_PAD
+        g = rows % GROUP_PAD
+        row_ok = (tok < q_len) & (g < GROUP)
+        head = kv_head * GROUP + g
+        qpos = ctx - q_len + tok  # the query's position in its sequence
+        d = tl.arange(0, DIM_PAD)
+        d_ok = d < HEAD_DIM
+        q_rows = (q_first + tok).to(tl.int64)
+        q = tl.load(
+            Q + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+            mask=row_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )
+        if UPCAST:
+            q = q.to(tl.float32)
+        # Keys [lo, hi): this split's range, cut at the causal end of the tile's last query
+        # (a tile past q_len gets an empty range).
+        tile_end = tl.minimum(q_tile * BLOCK_Q + BLOCK_Q, q_len)
+        lo = split * tokens_per_split
+        hi = tl.minimum(ctx - q_len + tile_end, lo + tokens_per_split)
+
+        m_i = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_Q * GROUP_PAD], tl.float32)
+        acc = tl.zeros([BLOCK_Q * GROUP_PAD, DIM_PAD], tl.float32)
+        for start in range(lo, hi, BLOCK_N):
+            pos = start + tl.arange(0, BLOCK_N)
+            k_ok = pos < hi
+            phys = tl.load(Tables + seq * stride_tb + pos // BLOCK_SIZE, mask=k_ok, other=0)
+            slot = phys.to(tl.int64) * stride_kb + kv_head * stride_kh + (pos % BLOCK_SIZE) * stride_ks
+            kv_mask = k_ok[:, None] & d_ok[None, :]
+            k = tl.load(K + slot[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            if UPCAST:
+                k = k.to(tl.float32)
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # log2 units
+            visible = k_ok[None, :] & (pos[None, :] <= qpos[:, None])
+            s = tl.where(visible, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            # A row with no visible key yet keeps m = -inf; subtract 0 there, not -inf (NaN).
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_safe)
+            p = tl.exp2(s - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(V + slot[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            if UPCAST:
+                v = v.to(tl.float32)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            m_i = m_new
+
+        empty = l_i == 0.0  # an empty split: out 0, lse -inf, so the merge gives it no weight
+        l_safe = tl.where(empty, 1.0, l_i)
+        out = acc / l_safe[:, None]
+        lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * 0.6931471805599453)
+        o_ptr = Out + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + split * stride_os + d[None, :]
+        tl.store(o_ptr, out, mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(Lse + q_rows * stride_lt + head * stride_lh + split * stride_ls, lse, mask=row_ok)
+
+    @triton.jit
+    def _merge_splits(
+        PartOut, PartLse, Out, Lse,
+        stride_pt, stride_ph, stride_ps,
+        stride_plt, stride_plh, stride_pls,
+        stride_ot, stride_oh, stride_lt, stride_lh,
+        num_splits,
+        HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    ):  # fmt: skip
+        t = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1)
+        s = tl.arange(0, SPLITS_PAD)
+        s_ok = s < num_splits
+        d = tl.arange(0, DIM_PAD)
+        d_ok = d < HEAD_DIM
+        lse_ptr = PartLse + t * stride_plt + h * stride_plh + s * stride_pls
+        lse = tl.load(lse_ptr, mask=s_ok, other=float("-inf"))
+        m = tl.max(lse, 0)
+        m_safe = tl.where(m == float("-inf"), 0.0, m)
+        w = tl.exp(lse - m_safe)
+        total = tl.sum(w, 0)
+        part = tl.load(
+            PartOut + t * stride_pt + h * stride_ph + s[:, None] * stride_ps + d[None, :],
+            mask=s_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )
+        total_safe = tl.where(total == 0.0, 1.0, total)
+        out = tl.sum(w[:, None] * part, 0) / total_safe
+        tl.store(Out + t * stride_ot + h * stride_oh + d, out, mask=d_ok)
+        lse_total = tl.where(total == 0.0, float("-inf"), m_safe + tl.log(total_safe))
+        tl.store(Lse + t * stride_lt + h * stride_lh, lse_total)
+
+    @triton.jit
+    def _block_mass(
+        Q, K, Tables, QStart, QLen, CtxLen, Lse, Mass,
+        stride_qt, stride_qh,
+        stride_kb, stride_kh, stride_ks,
+        stride_tb,
+        stride_lt, stride_lh,
+        stride_mb, stride_mh,
+        qk_scale,
+        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
+        HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    ):  # fmt: skip
+        # Mass[seq, kv_head, t]: the probability key t received (exp(score - final lse)),
+        # summed over the group's heads and the sequence's queries, for one tile of keys.
+        k_tile = tl.program_id(0)
+        seq = tl.program_id(1)
+        kv_head = tl.program_id(2)
+        q_len = tl.load(QLen + seq)
+        ctx = tl.load(CtxLen + seq)
+        q_first = tl.load(QStart + seq)
+        pos = k_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        k_ok = pos < ctx
+        d = tl.arange(0, DIM_PAD)
+        d_ok = d < HEAD_DIM
+        phys = tl.load(Tables + seq * stride_tb + pos // BLOCK_SIZE, mask=k_ok, other=0)
+        slot = phys.to(tl.int64) * stride_kb + kv_head * stride_kh + (pos % BLOCK_SIZE) * stride_ks
+        k = tl.load(K + slot[:, None] + d[None, :], mask=k_ok[:, None] & d_ok[None, :], other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+        rows = tl.arange(0, BLOCK_Q * GROUP_PAD)
+        g = rows % GROUP_PAD
+        head = kv_head * GROUP + g
+        mass = tl.zeros([BLOCK_N], tl.float32)
+        for q_start in range(0, q_len, BLOCK_Q):
+            tok = q_start + rows // GROUP_PAD
+            row_ok = (tok < q_len) & (g < GROUP)
+            qpos = ctx - q_len + tok
+            q_rows = (q_first + tok).to(tl.int64)
+            q = tl.load(
+                Q + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :],
+                other=0.0,
+            )
+            if UPCAST:
+                q = q.to(tl.float32)
+            lse = tl.load(Lse + q_rows * stride_lt + head * stride_lh, mask=row_ok, other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+            visible = row_ok[:, None] & k_ok[None, :] & (pos[None, :] <= qpos[:, None])
+            p = tl.where(visible, tl.exp2(s - lse[:, None] * 1.4426950408889634), 0.0)
+            mass += tl.sum(p, 0)
+        tl.store(Mass + seq * stride_mb + kv_head * stride_mh + pos, mass, mask=k_ok)
+
+
+def _pow2(n: int, floor: int = 1) -> int:
+    return max(floor, 1 << (max(n, 1) - 1).bit_length())
+
+
+def _tiles(group: int, head_dim: int, max_q_len: int) -> tuple[int, int, int, int]:
+    """(GROUP_PAD, BLOCK_Q, BLOCK_N, DIM_PAD): tl.dot needs every side >= 16; a decode tile is
+    the group alone (padded to 16 rows), a prefill tile 64 rows of (token, head) pairs."""
+    group_pad = _pow2(group)
+    dim_pad = _pow2(head_dim, 16)
+    rows = 16 if max_q_len == 1 else 64
+    block_q = max(1, rows // group_pad)
+    block_n = 64 if dim_pad <= 128 else 32
+    return group_pad, block_q, block_n, dim_pad
+
+
+def default_num_splits(device: torch.device, num_programs: int, max_ctx: int) -> int:
+    """Split the keys only when (sequence, KV head) programs are too few to fill the device:
+    about two programs per SM, each split at least 512 keys. The interpreter never splits."""
+    if device.type != "cuda":
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    if num_programs >= sms:
+        return 1
+    return max(1, min(-(-2 * sms // num_programs), max_ctx // 512, 64))
+
+
+def attend(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    tables: Tensor,
+    q_start: Tensor,
+    q_len: Tensor,
+    ctx_len: Tensor,
+    *,
+    max_q_len: int,
+    max_ctx: int,
+    scale: float,
+    with_mass: bool,
+    num_splits: int | None = None,
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Causal paged attention for a batch of sequences.
+
+    q [N, Hq, D] (sequence b owns rows q_start[b] .. q_start[b] + q_len[b], its last q_len[b]
+    tokens of ctx_len[b]); tables [B, max_blocks] int32; q_start, q_len, ctx_len [B] int32, all on
+    q's device. Returns out [N, Hq, D] in q's dtype, lse [N, Hq] float32 and, with with_mass,
+    per-key mass [B, W] float32 (W >= the longest ctx rounded up to whole blocks; summed over
+    heads and queries). num_splits None picks from the device (only rows with q_len 1 gain).
+    """
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
+    batch = tables.shape[0]
+    group = num_q_heads // num_kv_heads
+    group_pad, block_q, block_n, dim_pad = _tiles(group, head_dim, max_q_len)
+    q_tiles = -(-max_q_len // block_q)
+    if num_splits is None:
+        num_splits = 1 if max_q_len > 1 else default_num_splits(q.device, batch * num_kv_heads, max_ctx)
+    num_splits = max(1, min(num_splits, -(-max_ctx // block_n)))
+    tokens_per_split = -(-max_ctx // num_splits)
+    tokens_per_split = -(-tokens_per_split // block_n) * block_n
+    qk_scale = scale * _LOG2E
+    # The interpreter's tl.dot gives wrong bf16 results (triton 3.9): it multiplies in float32.
+    upcast = IS_INTERPRETED and q.dtype == torch.bfloat16
+    precision = "ieee" if q.dtype == torch.float32 or upcast else "tf32"
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    lse = torch.empty(num_tokens, num_q_heads, dtype=torch.float32, device=q.device)
+    if num_splits == 1:
+        part_out, part_lse = out.unsqueeze(2), lse.unsqueeze(2)
+    else:
+        part_out = out.new_empty(num_tokens, num_q_heads, num_splits, head_dim, dtype=torch.float32)
+        part_lse = lse.new_empty(num_tokens, num_q_heads, num_splits)
+    common = dict(
+        GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, HEAD_DIM=head_dim, DIM_PAD=dim_pad,
+        BLOCK_N=block_n, BLOCK_SIZE=block_size, DOT_PRECISION=precision, UPCAST=upcast,
+    )  # fmt: skip
+    _attend_fwd[(q_tiles, batch, num_kv_heads * num_splits)](
+        q, k_cache, v_cache, tables, q_start, q_len, ctx_len, part_out, part_lse,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        tables.stride(0),
+        part_out.stride(0), part_out.stride(1), part_out.stride(2),
+        part_lse.stride(0), part_lse.stride(1), part_lse.stride(2),
+        qk_scale, num_splits, tokens_per_split,
+        **common, num_warps=4,
+    )  # fmt: skip
+    if num_splits > 1:
+        _merge_splits[(num_tokens, num_q_heads)](
+            part_out, part_lse, out, lse,
+            part_out.stride(0), part_out.stride(1), part_out.stride(2),
+            part_lse.stride(0), part_lse.stride(1), part_lse.stride(2),
+            out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
+            num_splits,
+            HEAD_DIM=head_dim, DIM_PAD=dim_pad, SPLITS_PAD=_pow2(num_splits), num_warps=1,
+        )  # fmt: skip
+    if not with_mass:
+        return out, lse, None
+    key_tiles = -(-max_ctx // block_n)
+    width = max(key_tiles * block_n, -(-max_ctx // block_size) * block_size)
+    mass = torch.zeros(batch, num_kv_heads, width, dtype=torch.float32, device=q.device)
+    _block_mass[(key_tiles, batch, num_kv_heads)](
+        q, k_cache, tables, q_start, q_len, ctx_len, lse, mass,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        tables.stride(0),
+        lse.stride(0), lse.stride(1),
+        mass.stride(0), mass.stride(1),
+        qk_scale,
+        **common, num_warps=4,
+    )  # fmt: skip
+    return out, lse, mass.sum(dim=1)
+
+
+def decode(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, tables: Tensor, lens: Tensor, max_len: int, scale: float,
+    with_mass: bool, num_splits: int | None = None,
+) -> tuple[Tensor, Tensor, Tensor | None]:  # fmt: skip
+    """paged_decode's contract (attention.py checked the input): q [B, Hq, D], tables [B, max_blocks]
+    int32, lens [B] int32 on q's device. Returns out, lse and the mass per logical block [B, max_blocks]."""
+    batch = q.shape[0]
+    block_size = k_cache.shape[2]
+    rows = torch.arange(batch, dtype=torch.int32, device=q.device)
+    out, lse, key_mass = attend(
+        q, k_cache, v_cache, tables.contiguous(), rows, torch.ones_like(rows), lens.contiguous(),
+        max_q_len=1, max_ctx=max_len, scale=scale, with_mass=with_mass, num_splits=num_splits,
+    )  # fmt: skip
+    if key_mass is None:
+        return out, lse, None
+    num_logical = -(-max_len // block_size)
+    mass = torch.zeros(batch, tables.shape[1], dtype=torch.float32, device=q.device)
+    mass[:, :num_logical] = key_mass[:, : num_logical * block_size].view(batch, num_logical, -1).sum(-1)
+    return out, lse, mass
+
+
+def prefill(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, ids: Tensor, table_len: int, context_len: int, scale: float,
+    with_mass: bool,
+) -> tuple[Tensor, Tensor, Tensor | None]:  # fmt: skip
+    """paged_prefill's contract as a batch of one: ids are the sequence's ceil(context_len /
+    block_size) checked physical blocks; the mass is per entry of a table of table_len blocks."""
+    num_queries = q.shape[0]
+    block_size = k_cache.shape[2]
+    zero = torch.zeros(1, dtype=torch.int32, device=q.device)
+    out, lse, key_mass = attend(
+        q, k_cache, v_cache, ids.to(torch.int32).unsqueeze(0).contiguous(), zero, zero + num_queries,
+        zero + context_len, max_q_len=num_queries, max_ctx=context_len, scale=scale, with_mass=with_mass,
+    )  # fmt: skip
+    if key_mass is None:
+        return out, lse, None
+    num_logical = ids.shape[0]
+    mass = torch.zeros(table_len, dtype=torch.float32, device=q.device)
+    mass[:num_logical] = key_mass[0, : num_logical * block_size].view(num_logical, -1).sum(-1)
+    return out, lse, mass
