@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from bench import plots
-from pagedkv.cache_node import attention
+from pagedkv.cache_node import attention_kernel
 from pagedkv.cache_node.attention import kernel_info, paged_decode
 
 RESULTS = Path(__file__).with_name("results")
@@ -56,7 +56,7 @@ def _cold_build() -> tuple[float | None, str]:
     with tempfile.TemporaryDirectory() as tmp:
         os.environ["PAGEDKV_KERNEL_DIR"] = tmp
         try:
-            fn, info = attention._build_kernel()
+            fn, info = attention_kernel._build_kernel()
         finally:
             if saved is None:
                 del os.environ["PAGEDKV_KERNEL_DIR"]

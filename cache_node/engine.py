@@ -44,6 +44,7 @@ from .attention import AttentionOutput, paged_decode, paged_prefill
 from .compute_thread import ComputeThread
 from .eviction import POLICIES, ScorePolicy
 from .kv_manager import DEVICE, HOST, BlockEvent, Budget, HeldBlocks, KVCacheManager, OpenResult, Slots
+from .tensor_mover import TensorMover
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 MAX_TOKEN_ID = 2**63 - 1
@@ -99,22 +100,6 @@ class EngineConfig:
             raise InvalidArgument(f"unknown_seq_grace_s must be in [0, 60], got {self.unknown_seq_grace_s}")
         if self.max_tombstones < 1:
             raise InvalidArgument(f"max_tombstones must be >= 1, got {self.max_tombstones}")
-
-
-class TensorMover:
-    """Copies whole blocks between the device and host pool tensors."""
-
-    def __init__(self, pools: dict[str, torch.Tensor]) -> None:
-        self.pools = pools
-
-    def copy_blocks(self, src_tier: str, src: list[int], dst_tier: str, dst: list[int]) -> None:
-        if not src:
-            return
-        src_pool, dst_pool = self.pools[src_tier], self.pools[dst_tier]
-        src_idx = torch.tensor(src, dtype=torch.long, device=src_pool.device)
-        dst_idx = torch.tensor(dst, dtype=torch.long, device=dst_pool.device)
-        data = src_pool.index_select(2, src_idx).to(dst_pool.device, non_blocking=False)
-        dst_pool.index_copy_(2, dst_idx, data)
 
 
 def _token_list(token_ids: Any, what: str) -> list[int]:
