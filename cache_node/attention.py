@@ -343,11 +343,14 @@ def _decode_triton(
     tri = _triton()
     assert tri is not None
     num_blocks, _, block_size, _ = k_cache.shape
+    # Checked where the caller built them (the engine: on the host, so no device sync), then moved.
+    num_logical = -(-max_len // block_size)
+    used = torch.arange(num_logical, device=lens.device) < ((lens + block_size - 1) // block_size).unsqueeze(
+        1
+    )
+    _check_block_ids(tables[:, :num_logical].to(lens.device), used, num_blocks, "block_tables")
     tables = tables.to(device=q.device, dtype=torch.int32)
     lens = lens.to(device=q.device, dtype=torch.int32)
-    num_logical = -(-max_len // block_size)
-    used = torch.arange(num_logical, device=q.device) < ((lens + block_size - 1) // block_size).unsqueeze(1)
-    _check_block_ids(tables[:, :num_logical], used, num_blocks, "block_tables")
     res = tri.decode(q, k_cache, v_cache, tables, lens, max_len, scale, with_mass, num_splits)
     return AttentionOutput(*res)
 

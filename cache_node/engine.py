@@ -433,8 +433,8 @@ class CacheEngine:
                 q,
                 self.kv[layer, 0],
                 self.kv[layer, 1],
-                tables.to(self.device),
-                lens.to(self.device),
+                tables,  # host tensors: the kernels check them there and move them once
+                lens,
                 return_block_mass=want_mass,
                 out=out,
             )
