@@ -17,9 +17,11 @@ The per-block attention mass (score eviction) needs the final LSE, so it is a se
 (`_block_mass`) that recomputes QK for the key tiles and sums exp(s - lse) over the rows; it runs
 only when asked.
 
-Where a score is masked (`visible`) and transformed (`qk_scale`) is one place each in
-`_attend_fwd` and `_block_mass`: a sliding window, a logit soft-cap, sinks (one more term of
-the denominator, folded into the LSE) and a custom scale enter there as parameters.
+A score is made in one place, `_scores` (used by both passes): the scale, and the modifications
+some model families need (`ScoreMods`: a sliding window, chunked attention, a logit soft-cap),
+each a compile-time switch, so the plain kernel carries none of them. Sinks (a per-head logit in
+the softmax denominator) are one more term added at the end of `_attend_fwd`. The public
+paged_decode / paged_prefill do not take them yet (the CPU paths lack them).
 
 Without CUDA (or with TRITON_INTERPRET=1) the kernels are built for Triton's interpreter and run
 on CPU tensors: slow, exact, used by the tests. The caller (attention.py) validates everything;
@@ -31,6 +33,7 @@ from __future__ import annotations
 import math
 import os
 import sys
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -38,7 +41,9 @@ from torch import Tensor
 # Triton's interpreter is a process-wide mode read when triton (and its standard library of
 # @jit functions) is imported, so it is chosen once here: compiled when a CUDA device is
 # present, interpreted otherwise (a CPU node keeps its C++ kernel; the tests use this mode).
-if "triton" not in sys.modules and not torch.cuda.is_available():
+_NO_CUDA = not torch.cuda.is_available()
+_IMPORTED_BEFORE = "triton" in sys.modules
+if _NO_CUDA and not _IMPORTED_BEFORE:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 try:
     import triton
@@ -47,12 +52,53 @@ except ImportError:  # the node still runs: attention.py falls back to the torch
     triton = None
     tl = None
 
+
+def _interpret_imported_triton() -> bool:
+    """triton was imported before this module, compiled (transformers and torch import it), in a
+    process with no CUDA, where compiled kernels cannot run at all: make its standard library's
+    @jit functions interpreted ones and turn the interpreter on, so the kernels below run.
+    Returns whether that worked (it leans on triton internals; without it the kernels are off)."""
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+        from triton.runtime.jit import JITFunction
+
+        for name, module in list(sys.modules.items()):
+            if name.startswith("triton.language") and module is not None:
+                for attr, value in list(vars(module).items()):
+                    if isinstance(value, JITFunction):
+                        setattr(module, attr, InterpretedFunction(value.fn))
+        triton.knobs.runtime.interpret = True
+    except Exception:  # noqa: BLE001 - any failure leaves triton as it was found, kernels off
+        return False
+    os.environ["TRITON_INTERPRET"] = "1"
+    return True
+
+
 IS_AVAILABLE = triton is not None
 IS_INTERPRETED = IS_AVAILABLE and os.environ.get("TRITON_INTERPRET", "").lower() in ("1", "true", "on")
+if IS_AVAILABLE and _NO_CUDA and _IMPORTED_BEFORE and not IS_INTERPRETED:
+    IS_INTERPRETED = _interpret_imported_triton()
 _LOG2E = 1.0 / math.log(2.0)
 
 
 if triton is not None:
+
+    @triton.jit
+    def _scores(
+        q, k, pos, qpos, k_ok, qk_scale, softcap2, window, chunk,
+        DOT_PRECISION: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr,
+        HAS_CHUNK: tl.constexpr,
+    ):  # fmt: skip
+        # The one place a score is made: [rows, keys] in log2 units, -inf where not visible.
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        if HAS_SOFTCAP:  # cap * tanh(s / cap), tanh through exp2 (softcap2 = cap * log2 e)
+            s = softcap2 * (1.0 - 2.0 / (tl.exp2(s * (2.0 * 1.4426950408889634 / softcap2)) + 1.0))
+        visible = k_ok[None, :] & (pos[None, :] <= qpos[:, None])
+        if HAS_WINDOW:  # the last `window` positions, the query's own included
+            visible = visible & (pos[None, :] > qpos[:, None] - window)
+        if HAS_CHUNK:  # only keys of the query's own chunk
+            visible = visible & (pos[None, :] // chunk == qpos[:, None] // chunk)
+        return tl.where(visible, s, float("-inf"))
 
     @triton.jit
     def _attend_fwd(
@@ -63,9 +109,11 @@ if triton is not None:
         stride_ot, stride_oh, stride_os,
         stride_lt, stride_lh, stride_ls,
         qk_scale, num_splits, tokens_per_split,
+        Sinks, softcap2, window, chunk,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
         HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+        HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_CHUNK: tl.constexpr, HAS_SINKS: tl.constexpr,
     ):  # fmt: skip
         q_tile = tl.program_id(0)
         seq = tl.program_id(1)
@@ -96,6 +144,11 @@ if triton is not None:
         tile_end = tl.minimum(q_tile * BLOCK_Q + BLOCK_Q, q_len)
         lo = split * tokens_per_split
         hi = tl.minimum(ctx - q_len + tile_end, lo + tokens_per_split)
+        first_qpos = ctx - q_len + q_tile * BLOCK_Q
+        if HAS_WINDOW:  # skip the keys before the window of the tile's first query
+            lo = tl.maximum(lo, first_qpos - window + 1)
+        if HAS_CHUNK:
+            lo = tl.maximum(lo, (first_qpos // chunk) * chunk)
 
         m_i = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_Q * GROUP_PAD], tl.float32)
@@ -109,9 +162,8 @@ if triton is not None:
             k = tl.load(K + slot[:, None] + d[None, :], mask=kv_mask, other=0.0)
             if UPCAST:
                 k = k.to(tl.float32)
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # log2 units
-            visible = k_ok[None, :] & (pos[None, :] <= qpos[:, None])
-            s = tl.where(visible, s, float("-inf"))
+            s = _scores(q, k, pos, qpos, k_ok, qk_scale, softcap2, window, chunk,
+                        DOT_PRECISION, HAS_SOFTCAP, HAS_WINDOW, HAS_CHUNK)  # fmt: skip
             m_new = tl.maximum(m_i, tl.max(s, 1))
             # A row with no visible key yet keeps m = -inf; subtract 0 there, not -inf (NaN).
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -122,6 +174,15 @@ if triton is not None:
             if UPCAST:
                 v = v.to(tl.float32)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            m_i = m_new
+        if HAS_SINKS:  # a per-head logit in the denominator with no value: once, in split 0
+            sink = tl.load(Sinks + head, mask=row_ok, other=float("-inf")) * 1.4426950408889634
+            sink = tl.where(split == 0, sink, float("-inf"))
+            m_new = tl.maximum(m_i, sink)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_safe)
+            l_i = l_i * alpha + tl.exp2(sink - m_safe)
+            acc = acc * alpha[:, None]
             m_i = m_new
 
         empty = l_i == 0.0  # an empty split: out 0, lse -inf, so the merge gives it no weight
@@ -172,10 +233,11 @@ if triton is not None:
         stride_tb,
         stride_lt, stride_lh,
         stride_mb, stride_mh,
-        qk_scale,
+        qk_scale, softcap2, window, chunk,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
         HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+        HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_CHUNK: tl.constexpr,
     ):  # fmt: skip
         # Mass[seq, kv_head, t]: the probability key t received (exp(score - final lse)),
         # summed over the group's heads and the sequence's queries, for one tile of keys.
@@ -211,11 +273,27 @@ if triton is not None:
             if UPCAST:
                 q = q.to(tl.float32)
             lse = tl.load(Lse + q_rows * stride_lt + head * stride_lh, mask=row_ok, other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-            visible = row_ok[:, None] & k_ok[None, :] & (pos[None, :] <= qpos[:, None])
-            p = tl.where(visible, tl.exp2(s - lse[:, None] * 1.4426950408889634), 0.0)
+            s = _scores(q, k, pos, qpos, k_ok, qk_scale, softcap2, window, chunk,
+                        DOT_PRECISION, HAS_SOFTCAP, HAS_WINDOW, HAS_CHUNK)  # fmt: skip
+            p = tl.where(row_ok[:, None], tl.exp2(s - lse[:, None] * 1.4426950408889634), 0.0)
             mass += tl.sum(p, 0)
         tl.store(Mass + seq * stride_mb + kv_head * stride_mh + pos, mass, mask=k_ok)
+
+
+@dataclass(frozen=True, eq=False)
+class ScoreMods:
+    """What some model families change in the scores (all off by default), applied in `_scores`
+    and the end of `_attend_fwd` only. The scale itself is `attend`'s `scale`."""
+
+    window: int = 0  # only the last `window` positions are visible, the query's own included
+    chunk: int = 0  # only keys in the query's own chunk of `chunk` positions (chunked attention)
+    softcap: float = 0.0  # scores become softcap * tanh(score / softcap)
+    # [Hq] float32 logits, one more term of each head's softmax denominator with no value (sinks);
+    # counted once, in the LSE, so a merge over parts must not count them again.
+    sinks: Tensor | None = None
+
+
+NO_MODS = ScoreMods()
 
 
 def _pow2(n: int, floor: int = 1) -> int:
@@ -258,6 +336,7 @@ def attend(
     scale: float,
     with_mass: bool,
     num_splits: int | None = None,
+    mods: ScoreMods = NO_MODS,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """Causal paged attention for a batch of sequences.
 
@@ -266,6 +345,7 @@ def attend(
     q's device. Returns out [N, Hq, D] in q's dtype, lse [N, Hq] float32 and, with with_mass,
     per-key mass [B, W] float32 (W >= the longest ctx rounded up to whole blocks; summed over
     heads and queries). num_splits None picks from the device (only rows with q_len 1 gain).
+    mods: sliding window, chunks, soft-cap and sinks (ScoreMods).
     """
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
@@ -293,7 +373,11 @@ def attend(
     common = dict(
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, HEAD_DIM=head_dim, DIM_PAD=dim_pad,
         BLOCK_N=block_n, BLOCK_SIZE=block_size, DOT_PRECISION=precision, UPCAST=upcast,
+        HAS_SOFTCAP=mods.softcap > 0, HAS_WINDOW=mods.window > 0, HAS_CHUNK=mods.chunk > 0,
     )  # fmt: skip
+    score_args = (mods.softcap * _LOG2E, mods.window, mods.chunk)
+    num_warps = 8 if block_q * group_pad * dim_pad >= 64 * 256 else 4  # a 64 x 256 float32 accumulator
+    sinks = lse if mods.sinks is None else mods.sinks.to(device=q.device, dtype=torch.float32).contiguous()
     _attend_fwd[(q_tiles, batch, num_kv_heads * num_splits)](
         q, k_cache, v_cache, tables, q_start, q_len, ctx_len, part_out, part_lse,
         q.stride(0), q.stride(1),
@@ -302,7 +386,8 @@ def attend(
         part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_lse.stride(0), part_lse.stride(1), part_lse.stride(2),
         qk_scale, num_splits, tokens_per_split,
-        **common, num_warps=4,
+        sinks, *score_args,
+        **common, HAS_SINKS=mods.sinks is not None, num_warps=num_warps,
     )  # fmt: skip
     if num_splits > 1:
         _merge_splits[(num_tokens, num_q_heads)](
@@ -325,15 +410,15 @@ def attend(
         tables.stride(0),
         lse.stride(0), lse.stride(1),
         mass.stride(0), mass.stride(1),
-        qk_scale,
-        **common, num_warps=4,
+        qk_scale, *score_args,
+        **common, num_warps=num_warps,
     )  # fmt: skip
     return out, lse, mass.sum(dim=1)
 
 
 def decode(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, tables: Tensor, lens: Tensor, max_len: int, scale: float,
-    with_mass: bool, num_splits: int | None = None,
+    with_mass: bool, num_splits: int | None = None, mods: ScoreMods = NO_MODS,
 ) -> tuple[Tensor, Tensor, Tensor | None]:  # fmt: skip
     """paged_decode's contract (attention.py checked the input): q [B, Hq, D], tables [B, max_blocks]
     int32, lens [B] int32 on q's device. Returns out, lse and the mass per logical block [B, max_blocks]."""
@@ -342,7 +427,7 @@ def decode(
     rows = torch.arange(batch, dtype=torch.int32, device=q.device)
     out, lse, key_mass = attend(
         q, k_cache, v_cache, tables.contiguous(), rows, torch.ones_like(rows), lens.contiguous(),
-        max_q_len=1, max_ctx=max_len, scale=scale, with_mass=with_mass, num_splits=num_splits,
+        max_q_len=1, max_ctx=max_len, scale=scale, with_mass=with_mass, num_splits=num_splits, mods=mods,
     )  # fmt: skip
     if key_mass is None:
         return out, lse, None
@@ -354,7 +439,7 @@ def decode(
 
 def prefill(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, ids: Tensor, table_len: int, context_len: int, scale: float,
-    with_mass: bool,
+    with_mass: bool, mods: ScoreMods = NO_MODS,
 ) -> tuple[Tensor, Tensor, Tensor | None]:  # fmt: skip
     """paged_prefill's contract as a batch of one: ids are the sequence's ceil(context_len /
     block_size) checked physical blocks; the mass is per entry of a table of table_len blocks."""
@@ -364,6 +449,7 @@ def prefill(
     out, lse, key_mass = attend(
         q, k_cache, v_cache, ids.to(torch.int32).unsqueeze(0).contiguous(), zero, zero + num_queries,
         zero + context_len, max_q_len=num_queries, max_ctx=context_len, scale=scale, with_mass=with_mass,
+        mods=mods,
     )  # fmt: skip
     if key_mass is None:
         return out, lse, None

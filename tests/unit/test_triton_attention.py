@@ -27,6 +27,11 @@ if not torch.cuda.is_available() and not triton_attention.IS_INTERPRETED:
 DEVICE = torch.device("cuda" if torch.cuda.is_available() and not triton_attention.IS_INTERPRETED else "cpu")
 
 
+@pytest.fixture(autouse=True)
+def _seeded() -> None:
+    torch.manual_seed(0)  # the queries: every run checks the same values
+
+
 def on_device(sc):  # type: ignore[no-untyped-def]
     sc.k_cache, sc.v_cache = sc.k_cache.to(DEVICE), sc.v_cache.to(DEVICE)
     sc.tables, sc.seq_lens = sc.tables.to(DEVICE), sc.seq_lens.to(DEVICE)
@@ -234,3 +239,73 @@ def test_engine_decode_and_prefill_through_triton_match_torch(monkeypatch: pytes
         torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-6)
     assert float(ref_mass.sum()) > 0
     torch.testing.assert_close(tri_mass, ref_mass, rtol=1e-5, atol=1e-6)
+
+
+# --------------------------------------------------------------------------- score modifications
+
+
+def reference_mods(q, keys, values, first_pos: int, scale: float, mods: triton_attention.ScoreMods):
+    """Float64 attention with a window, chunks, soft-cap and sinks: (out, lse, mass per key)."""
+    group = q.shape[1] // keys.shape[1]
+    k64 = keys.double().repeat_interleave(group, dim=1)
+    v64 = values.double().repeat_interleave(group, dim=1)
+    scores = torch.einsum("nhd,lhd->hnl", q.double(), k64) * scale
+    if mods.softcap:
+        scores = mods.softcap * torch.tanh(scores / mods.softcap)
+    query_pos = (first_pos + torch.arange(q.shape[0])).unsqueeze(1)
+    key_pos = torch.arange(keys.shape[0]).unsqueeze(0)
+    hidden = key_pos > query_pos
+    if mods.window:
+        hidden |= key_pos <= query_pos - mods.window
+    if mods.chunk:
+        hidden |= key_pos // mods.chunk != query_pos // mods.chunk
+    scores = scores.masked_fill(hidden, -math.inf)
+    lse = torch.logsumexp(scores, dim=-1)  # [h, n]
+    if mods.sinks is not None:
+        lse = torch.logaddexp(lse, mods.sinks.double().unsqueeze(1))
+    probs = torch.exp(scores - lse.unsqueeze(-1))
+    return torch.einsum("hnl,lhd->nhd", probs, v64), lse.T, probs.sum(dim=(0, 1))
+
+
+MODS = {
+    "window": dict(window=7),
+    "chunk": dict(chunk=8),
+    "softcap": dict(softcap=2.0),
+    "sinks": dict(sinks=True),
+    "all": dict(window=11, chunk=16, softcap=3.0, sinks=True),
+}
+
+
+def _mods(name: str, num_q_heads: int) -> triton_attention.ScoreMods:
+    kw: dict = dict(MODS[name])
+    if kw.pop("sinks", False):
+        kw["sinks"] = torch.linspace(-1.0, 2.0, num_q_heads)
+    return triton_attention.ScoreMods(**kw)
+
+
+@pytest.mark.parametrize("name", list(MODS))
+@pytest.mark.parametrize(("num_queries", "num_splits"), [(1, 1), (1, 3), (20, 1)])  # decode, split, prefill
+def test_score_mods_match_reference(name: str, num_queries: int, num_splits: int) -> None:
+    """The window, chunk, soft-cap and sink hooks the model families need (issue 23), at the
+    kernel: decode (one query per sequence, with and without splits) and prefill."""
+    lens = [1, 6, 23, 40]
+    sc = on_device(make_scenario(lens, num_kv_heads=2, block_size=4, head_dim=32, fork_of_first=1, seed=21))
+    num_q = [min(num_queries, n) for n in lens]
+    starts = torch.tensor([sum(num_q[:i]) for i in range(len(lens))], dtype=torch.int32)
+    q = 3 * torch.randn(sum(num_q), 8, 32)  # large scores, so the soft-cap matters
+    mods = _mods(name, 8)
+    i32 = dict(dtype=torch.int32, device=DEVICE)
+    out, lse, key_mass = triton_attention.attend(
+        q.to(DEVICE), sc.k_cache, sc.v_cache, sc.tables.to(**i32), starts.to(DEVICE),
+        torch.tensor(num_q, **i32), sc.seq_lens.to(**i32), max_q_len=max(num_q), max_ctx=max(lens),
+        scale=32**-0.5, with_mass=True, num_splits=num_splits, mods=mods,
+    )  # fmt: skip
+    assert key_mass is not None
+    for b, n in enumerate(lens):
+        rows = slice(int(starts[b]), int(starts[b]) + num_q[b])
+        want_out, want_lse, want_mass = reference_mods(
+            q[rows], sc.keys[b], sc.values[b], n - num_q[b], 32**-0.5, mods
+        )
+        torch.testing.assert_close(out[rows].cpu().double(), want_out, **OUT_TOL[torch.float32])
+        torch.testing.assert_close(lse[rows].cpu().double(), want_lse, **LSE_TOL)
+        torch.testing.assert_close(key_mass[b, :n].cpu().double(), want_mass, **MASS_TOL)
