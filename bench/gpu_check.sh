@@ -31,6 +31,15 @@ V="$VENV/bin/python"
 # The package itself, editable and without touching the dependencies (torch stays the machine's).
 "$V" -m pip install -q --no-deps --no-build-isolation -e . >>"$OUT/env.txt" 2>&1 \
   || echo "pip install -e . failed (see env.txt)"
+if ! "$V" -c 'import pagedkv.cache_node.attention' 2>/dev/null; then
+  # No install (no setuptools offline): the same package layout from symlinks (pyproject's package-dir).
+  farm=$(mktemp -d)/pagedkv
+  mkdir -p "$farm"
+  for f in pagedkv/*; do ln -s "$PWD/$f" "$farm/"; done
+  for role in protos cache_node client coordinator; do ln -s "$PWD/$role" "$farm/$role"; done
+  export PYTHONPATH="$(dirname "$farm")${PYTHONPATH:+:$PYTHONPATH}"
+  echo "pagedkv from symlinks under $(dirname "$farm")" | tee -a "$OUT/env.txt"
+fi
 for mod in triton pytest pytest_timeout numpy grpc google.protobuf redis prometheus_client hypothesis yaml; do
   "$V" -c "import $mod" 2>/dev/null && continue
   pkg=$mod

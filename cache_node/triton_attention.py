@@ -30,6 +30,7 @@ these functions assume well-formed input.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import sys
@@ -311,15 +312,25 @@ def _tiles(group: int, head_dim: int, max_q_len: int) -> tuple[int, int, int, in
     return group_pad, block_q, block_n, dim_pad
 
 
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return int(torch.cuda.get_device_properties(device_index).multi_processor_count)
+
+
+def num_splits_for(num_sms: int, num_programs: int, max_ctx: int) -> int:
+    """Split the keys only when (sequence, KV head) programs are too few to keep the device's
+    memory busy: about four programs per SM, each split at least 256 keys, at most 64 splits
+    (a guess to be tuned on a device: bench.gpu)."""
+    if num_programs >= 4 * num_sms:
+        return 1
+    return max(1, min(-(-4 * num_sms // num_programs), max_ctx // 256, 64))
+
+
 def default_num_splits(device: torch.device, num_programs: int, max_ctx: int) -> int:
-    """Split the keys only when (sequence, KV head) programs are too few to fill the device:
-    about two programs per SM, each split at least 512 keys. The interpreter never splits."""
+    """num_splits_for this device; the interpreter (CPU tensors) never splits."""
     if device.type != "cuda":
         return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    if num_programs >= sms:
-        return 1
-    return max(1, min(-(-2 * sms // num_programs), max_ctx // 512, 64))
+    return num_splits_for(_num_sms(device.index or 0), num_programs, max_ctx)
 
 
 def attend(

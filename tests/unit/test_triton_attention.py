@@ -309,3 +309,12 @@ def test_score_mods_match_reference(name: str, num_queries: int, num_splits: int
         torch.testing.assert_close(out[rows].cpu().double(), want_out, **OUT_TOL[torch.float32])
         torch.testing.assert_close(lse[rows].cpu().double(), want_lse, **LSE_TOL)
         torch.testing.assert_close(key_mass[b, :n].cpu().double(), want_mass, **MASS_TOL)
+
+
+def test_split_count_fills_the_device_only_when_programs_are_few() -> None:
+    assert triton_attention.num_splits_for(132, 66 * 8, 32768) == 1  # B x Hk programs: 4 per SM already
+    assert triton_attention.num_splits_for(132, 8 * 8, 32768) == 9  # about four programs per SM
+    assert triton_attention.num_splits_for(132, 1, 32768) == 64  # at most 64 splits
+    assert triton_attention.num_splits_for(132, 8, 1024) == 4  # at least 256 keys per split
+    assert triton_attention.num_splits_for(132, 8, 300) == 1
+    assert triton_attention.default_num_splits(torch.device("cpu"), 1, 32768) == 1
