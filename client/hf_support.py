@@ -268,6 +268,28 @@ def mask_refusal(plan: AttentionPlan, mask_function: Any, build: Any, kwargs: di
         causal = build(**{**args, "mask_function": causal_mask_function})
         if wanted is not None and causal is not None and torch.equal(wanted, causal):
             return None
-    what = getattr(mask_function, "__qualname__", type(mask_function).__name__)
+    what = " + ".join(_mask_parts(mask_function)) or repr(mask_function)
     bound = "" if plan.max_tokens is None else f", and it differs from it within max_tokens={plan.max_tokens}"
     return f"the attention mask {what} is not the causal mask (plus left padding) the node applies{bound}"
+
+
+def _mask_parts(mask_function: Any, depth: int = 0) -> list[str]:
+    """The named pieces a transformers mask function is combined from (and_masks / or_masks
+    close over them): sliding_window_overlay + causal_mask_function, chunked_overlay, ..."""
+    name = getattr(mask_function, "__qualname__", "")
+    cells = getattr(mask_function, "__closure__", None) or ()
+    inner = [c.cell_contents for c in cells if _cell_is_set(c)]
+    funcs = [f for v in inner for f in (v if isinstance(v, tuple) else (v,)) if callable(f)]
+    if name.startswith(("and_masks.", "or_masks.")) and funcs and depth < 4:
+        return [part for f in funcs for part in _mask_parts(f, depth + 1)]
+    return [name.split(".<locals>")[0]] if name else []
+
+
+def _cell_is_set(cell: Any) -> bool:
+    try:
+        return cell.cell_contents is not _UNSET
+    except ValueError:  # a closure variable not yet bound
+        return False
+
+
+_UNSET = object()
