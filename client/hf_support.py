@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from transformers.masking_utils import causal_mask_function
 
 from ..protos.errors import InvalidArgument
 
@@ -258,8 +259,6 @@ def mask_refusal(plan: AttentionPlan, mask_function: Any, build: Any, kwargs: di
     positions for this forward (two boolean masks compared: windowed models pay it, the rest
     never do). `build` is sdpa_mask. The refusal is raised by the first layer that receives the
     mask (a model may build a sliding mask that no layer uses)."""
-    from transformers.masking_utils import causal_mask_function
-
     if mask_function is causal_mask_function:
         return None
     if plan.max_tokens is not None:
