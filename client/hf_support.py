@@ -115,12 +115,11 @@ def reaches_attention_interface(model_class: type) -> bool:
     return module is not None and "ALL_ATTENTION_FUNCTIONS" in vars(module)
 
 
-def layer_limits(config: Any) -> list[LayerLimit]:
+def layer_limits(config: Any, model_name: str) -> list[LayerLimit]:
     """Each layer's window or chunk from the config: `layer_types` when the config has them
     (Gemma2/3, Cohere2, Qwen2/3, gpt-oss, Llama 4, ...), else `sliding_window` on every layer
     (Mistral, Phi3, PhiMoE) and `attention_chunk_size` on every layer."""
     config = config.get_text_config(decoder=True)
-    name = type(config).__name__
     window = getattr(config, "sliding_window", None) or None
     chunk = getattr(config, "attention_chunk_size", None) or None
     layer_types = getattr(config, "layer_types", None)
@@ -138,7 +137,7 @@ def layer_limits(config: Any) -> list[LayerLimit]:
         elif kind == "chunked_attention" and chunk:
             limits.append(LayerLimit(layer, "chunked attention", int(chunk)))
         else:
-            raise UnsupportedModel(name, layer, f"layer type {kind!r}", "the node computes full attention")
+            raise UnsupportedModel(model_name, layer, f"layer type {kind!r}", "the node computes attention")
     return limits
 
 
@@ -178,7 +177,16 @@ def plan_attention(model: Any, max_tokens: int | None = None) -> AttentionPlan:
             name, "every layer", "a dynamic mask (keep_window_size)",
             "the model adds a learned per-key bias to the scores, which the node cannot apply",
         )  # fmt: skip
-    limits = layer_limits(config)
+    shape = model_shape(config)
+    qk_dim = (getattr(config, "qk_nope_head_dim", 0) or 0) + (getattr(config, "qk_rope_head_dim", 0) or 0)
+    v_dim = getattr(config, "v_head_dim", None)
+    if v_dim is not None and v_dim != (qk_dim or shape.head_dim):
+        raise UnsupportedModel(
+            name, "every layer", "multi-head latent attention",
+            f"keys have {qk_dim or shape.head_dim} dimensions per head and values {v_dim}; a node stores "
+            "both with one head_dim",
+        )  # fmt: skip
+    limits = layer_limits(config, name)
     for limit in limits:
         if max_tokens is None or max_tokens > limit.size:
             bound = "no max_tokens was given" if max_tokens is None else f"max_tokens={max_tokens}"

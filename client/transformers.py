@@ -4,12 +4,14 @@ transformers is an optional extra: importing this module imports it (nothing els
 does). Importing it also registers the "pagedkv" attention implementation -- before any model is
 built with `attn_implementation="pagedkv"`, as transformers requires.
 
-How transformers' calls map to pagedkv calls (B rows, L layers, see hf_cache / hf_backend):
+How transformers' calls map to pagedkv calls (B rows, L layers, see hf_cache / hf_generate / hf_backend):
 
     generate() / model(...)           pagedkv
     ------------------------------    -----------------------------------------------------------
-    first forward (no open_prompt)    Open(row's real ids, max_cached_tokens=0) per row
-    open_prompt / *_with_prefix_cache Open(full prompt) per row, the node caps the hit -> resume
+    PagedKVCache(model, backend)      nothing on the node: the model is checked (hf_support)
+    generate(), before the forwards   Open(full prompt) per row (x beams), the node caps the hit
+    open_prompt / *_with_prefix_cache   -> the model resumes there (reuse_prefix=False: no Open)
+    first forward (nothing opened)    Open(row's real ids, max_cached_tokens=0) per row
     forward pre-hook                  records input_ids + which positions are real (not pads)
     cache.update(k, v, layer)         node mode: nothing; gather mode: ReadKV per row (layer 0)
     attention(q, k, v), decode        Attend(all rows, layer, q, k, v, token_ids at layer 0)
@@ -19,7 +21,9 @@ How transformers' calls map to pagedkv calls (B rows, L layers, see hf_cache / h
     cache.close()                     Free every row (full blocks stay cached for prefix hits)
 
 The attention function falls back to transformers' sdpa when the forward's cache is not a
-PagedKVCache in node mode, so one model serves DynamicCache, gathered-KV and node attention.
+PagedKVCache in node mode, so one model serves DynamicCache, gathered-KV and node attention
+(except attention sinks, which sdpa would drop: refused there). In node mode it refuses, before
+the first token, anything the node would compute differently (hf_support; docs/models.md).
 """
 
 from __future__ import annotations
@@ -36,7 +40,8 @@ from transformers.masking_utils import AttentionMaskInterface, causal_mask_funct
 from ..protos.errors import FailedPrecondition, InvalidArgument
 from ..protos.spec import ModelSpec
 from .hf_backend import EngineBackend, GrpcBackend, KVBackend
-from .hf_cache import PagedKVCache, PrefixHit, active_cache, install_hooks, open_for_generate
+from .hf_cache import PagedKVCache, PrefixHit, active_cache
+from .hf_generate import install_hooks, open_for_generate
 from .hf_support import (
     ATTENTION_NAME,
     UnsupportedModel,
@@ -54,6 +59,7 @@ __all__ = [
     "PagedKVCache",
     "PrefillResult",
     "PrefixHit",
+    "UnsupportedModel",
     "demo_config",
     "demo_model",
     "generate_with_prefix_cache",
@@ -62,7 +68,6 @@ __all__ = [
     "paged_attention_forward",
     "prefill_with_prefix_cache",
     "register",
-    "UnsupportedModel",
 ]
 
 _SDPA_MASK_SIGNATURE = inspect.signature(sdpa_mask)
@@ -109,7 +114,8 @@ def paged_attention_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
     """The mask function registered with the attention. Node mode: none (the node masks causally
     per sequence and stores no pads, so a [B, 1, T, past + T] mask would be built for nothing:
     ~1 ms per forward at 128 x 1,152), after checking that the model asks for that mask and no
-    other (hf_support.check_mask_function). Otherwise sdpa's (the fallback and gather mode)."""
+    other (hf_support.mask_refusal: a mask it refuses is handed to the layers as a marker that the
+    first layer receiving it refuses). Otherwise sdpa's (the fallback and gather mode)."""
     cache = active_cache()
     if cache is not None and cache.mode == "node":
         if args:  # transformers passes keywords; a positional call is bound to sdpa_mask's names

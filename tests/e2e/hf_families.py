@@ -70,6 +70,10 @@ LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low
 YARN_ROPE = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
              "original_max_position_embeddings": 64}  # fmt: skip
 QWEN_SLIDING = {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 0}
+DEEPSEEK = {"q_lora_rank": None, "kv_lora_rank": 16, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
+            "v_head_dim": 16, "num_key_value_heads": 4, "n_routed_experts": 4, "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32, "first_k_dense_replace": 2, "n_group": 1,
+            "topk_group": 1}  # fmt: skip
 WINDOW_16 = r"layer 0: a sliding window of 16"
 
 # fmt: off
@@ -132,6 +136,10 @@ FAMILIES = [
     Family("gpt-oss-sliding", "GptOssConfig", {**MOE, **SLIDING, "head_dim": 16}, WINDOW_16),
     # A learned dynamic mask: never exact.
     Family("doge", "DogeConfig", {"keep_window_size": 16}, r"dynamic mask"),
+    # Attention the node does not store: latent K/V of another size, state-space layers.
+    Family("deepseek-v3", "DeepseekV3Config", DEEPSEEK, r"multi-head latent attention"),
+    Family("jamba", "JambaConfig", {"num_experts": 1, "attn_layer_period": 2, "attn_layer_offset": 1,
+           "expert_layer_period": 2}, r"JambaForCausalLM layer 0: layer type 'linear_attention'"),
 ]
 # fmt: on
 BY_NAME = {f.name: f for f in FAMILIES}
