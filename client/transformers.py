@@ -256,7 +256,7 @@ def load_model(path: str, **kwargs: Any) -> PreTrainedModel:
     transformers' attention interface; others are refused here, naming the model class)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(path, **{k: v for k, v in kwargs.items() if k == "trust_remote_code"})
+    config = AutoConfig.from_pretrained(path, **{k: v for k, v in kwargs.items() if k in _HUB_KWARGS})
     model_class = _causal_lm_class(config)
     if model_class is not None and not reaches_attention_interface(model_class):
         raise UnsupportedModel(
@@ -268,6 +268,12 @@ def load_model(path: str, **kwargs: Any) -> PreTrainedModel:
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=ATTENTION_NAME, **kwargs).eval()
     install_hooks(model)
     return model
+
+
+# from_pretrained arguments that say where the config lives (the rest concern the weights).
+_HUB_KWARGS = frozenset(
+    {"trust_remote_code", "revision", "token", "cache_dir", "local_files_only", "subfolder"}
+)
 
 
 def _causal_lm_class(config: Any) -> type | None:
