@@ -13,8 +13,9 @@ returns the output with its log-sum-exp. From that, the client makes exact:
 
 Everything else is refused with `UnsupportedModel` (an InvalidArgument) before the first token:
 soft-capping, Doge's learned dynamic mask, bidirectional or packed masks, attention weights as
-output, models whose attention never reaches transformers' attention interface, and any
-attention argument this module does not know. Checks run once per cache (the config) and once
+output, K and V of different head sizes (latent attention), layers that are not attention,
+models whose attention never reaches transformers' attention interface, and any attention
+argument this module does not know. Checks run once per cache (the config) and once
 per layer call (a handful of dict lookups); none touches the tensors.
 """
 
