@@ -61,9 +61,12 @@ class KVBackend(Protocol):
         k: torch.Tensor,
         v: torch.Tensor,
         token_ids: Sequence[int] | None,
-    ) -> torch.Tensor:
+        *,
+        with_lse: bool = False,
+    ) -> Any:
         """Append one token per sequence (k, v [B, Hk, D]; `token_ids` at layer 0 only) and attend
-        q [B, Hq, D] over each whole sequence. Returns out [B, Hq, D]."""
+        q [B, Hq, D] over each whole sequence. Returns out [B, Hq, D]; with `with_lse`, the
+        pair (out, lse [B, Hq] float32, natural log of the sum of exp(scaled scores))."""
         ...
 
     def attend_prefill_batch(
@@ -74,9 +77,12 @@ class KVBackend(Protocol):
         ks: Sequence[torch.Tensor],
         vs: Sequence[torch.Tensor],
         token_ids: Sequence[Sequence[int]] | None,
-    ) -> list[torch.Tensor]:
+        *,
+        with_lse: bool = False,
+    ) -> Any:
         """For each sequence i: append n_i tokens (ks[i], vs[i] [n_i, Hk, D]; token ids at layer 0
-        only) and attend qs[i] [n_i, Hq, D] causally. Returns the outputs [n_i, Hq, D]."""
+        only) and attend qs[i] [n_i, Hq, D] causally. Returns the outputs [n_i, Hq, D]; with
+        `with_lse`, the pair (outputs, LSEs [n_i, Hq])."""
         ...
 
     def append(self, seq_id: str, token_ids: Sequence[int], k: torch.Tensor, v: torch.Tensor) -> None:
@@ -116,8 +122,11 @@ class EngineBackend:
         k: torch.Tensor,
         v: torch.Tensor,
         token_ids: Sequence[int] | None,
-    ) -> torch.Tensor:
-        return self.engine.attend_decode(list(seq_ids), layer, q, k, v, token_ids).out
+        *,
+        with_lse: bool = False,
+    ) -> Any:
+        res = self.engine.attend_decode(list(seq_ids), layer, q, k, v, token_ids)
+        return (res.out, res.lse) if with_lse else res.out
 
     def attend_prefill_batch(
         self,
@@ -127,10 +136,12 @@ class EngineBackend:
         ks: Sequence[torch.Tensor],
         vs: Sequence[torch.Tensor],
         token_ids: Sequence[Sequence[int]] | None,
-    ) -> list[torch.Tensor]:
+        *,
+        with_lse: bool = False,
+    ) -> Any:
         counts, q, k, v, tokens = _concat_rows(qs, ks, vs, token_ids)
-        out = self.engine.attend_prefill_batch(list(seq_ids), layer, counts, q, k, v, tokens).out
-        return list(out.split(counts))
+        res = self.engine.attend_prefill_batch(list(seq_ids), layer, counts, q, k, v, tokens)
+        return _split_rows(res.out, res.lse, counts, with_lse)
 
     def append(self, seq_id: str, token_ids: Sequence[int], k: torch.Tensor, v: torch.Tensor) -> None:
         self.engine.append(seq_id, list(token_ids), k, v)
@@ -199,8 +210,11 @@ class GrpcBackend:
         k: torch.Tensor,
         v: torch.Tensor,
         token_ids: Sequence[int] | None,
-    ) -> torch.Tensor:
-        return self.client.attend_batch([self._seqs[s] for s in seq_ids], layer, q, k, v, token_ids).out
+        *,
+        with_lse: bool = False,
+    ) -> Any:
+        res = self.client.attend_batch([self._seqs[s] for s in seq_ids], layer, q, k, v, token_ids)
+        return (res.out, res.lse) if with_lse else res.out
 
     def attend_prefill_batch(
         self,
@@ -210,11 +224,13 @@ class GrpcBackend:
         ks: Sequence[torch.Tensor],
         vs: Sequence[torch.Tensor],
         token_ids: Sequence[Sequence[int]] | None,
-    ) -> list[torch.Tensor]:
+        *,
+        with_lse: bool = False,
+    ) -> Any:
         counts, q, k, v, tokens = _concat_rows(qs, ks, vs, token_ids)
         seqs = [self._seqs[sid] for sid in seq_ids]
-        out = self.client.attend_prefill_batch(seqs, layer, counts, q, k, v, tokens).out
-        return list(out.split(counts))
+        res = self.client.attend_prefill_batch(seqs, layer, counts, q, k, v, tokens)
+        return _split_rows(res.out, res.lse, counts, with_lse)
 
     def append(self, seq_id: str, token_ids: Sequence[int], k: torch.Tensor, v: torch.Tensor) -> None:
         self._seqs[seq_id].append(list(token_ids), k, v)
@@ -258,6 +274,12 @@ def _concat_rows(
     counts = [q.shape[0] for q in qs]
     tokens = None if token_ids is None else [t for row in token_ids for t in row]
     return counts, join_rows(qs), join_rows(ks), join_rows(vs), tokens
+
+
+def _split_rows(out: torch.Tensor, lse: torch.Tensor, counts: list[int], with_lse: bool) -> Any:
+    """One AttendPrefillBatch result back into per-sequence rows (views, no copy)."""
+    outs = list(out.split(counts))
+    return (outs, list(lse.split(counts))) if with_lse else outs
 
 
 def join_rows(rows: Sequence[torch.Tensor]) -> torch.Tensor:

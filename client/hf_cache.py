@@ -19,7 +19,7 @@ Two modes:
   forward. For comparison: K/V cross the wire every step.
 
 The token ids of a forward (the node keys blocks by them) are taken by a forward pre-hook on the
-model's base module, installed once per model; it also marks the cache active for the attention
+model itself (hf_generate.install_hooks, once per model); it also marks the cache active for the attention
 function (a contextvar: each thread runs its own forward).
 """
 
@@ -36,11 +36,11 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..protos.errors import FailedPrecondition, InvalidArgument, PagedKVError
 from .hf_backend import KVBackend, join_rows
+from .hf_support import ATTENTION_NAME, AttentionPlan, model_shape, plan_attention
 
 Mode = Literal["node", "gather"]
 _ACTIVE: contextvars.ContextVar[PagedKVCache | None] = contextvars.ContextVar("pagedkv_cache", default=None)
 _TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-_HOOKED = "_pagedkv_hooks_installed"
 
 
 def active_cache() -> PagedKVCache | None:
@@ -73,6 +73,7 @@ class _Forward:
     past_k: torch.Tensor | None = None  # gather mode: [L, B, Hk, past_len, D]
     past_v: torch.Tensor | None = None
     new_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    refused_masks: dict[int, tuple[torch.Tensor, str]] = field(default_factory=dict)  # by id: (mask, why)
     num_layers_done: int = 0
 
 
@@ -120,21 +121,32 @@ class _PagedLayer(CacheLayerMixin):
 class PagedKVCache(Cache):
     """A transformers Cache backed by a pagedkv node (see the module docstring).
 
-    `model` is needed once, to install the hook that reads each forward's token ids. Use as a
-    context manager, or call `close()`: it frees every row's node sequence (their full blocks
-    stay cached on the node for later prefix hits). A forward that raised leaves the rows half
-    written: close the cache.
+    `model` is needed once, to check it (hf_support.plan_attention: in node mode a model the node
+    cannot compute exactly is refused here, naming the model class, the layer and the feature)
+    and to install the hooks that read each forward's token ids. `max_tokens` bounds each row
+    (prompt + generated): sliding-window and chunked models are exact, and accepted, only under
+    a bound no larger than their window. `reuse_prefix`: generate() opens the prompt first and
+    feeds the model only its uncached suffix (False: every prompt position is computed). Use as
+    a context manager, or call `close()`: it frees every row's node sequence (their full blocks
+    stay cached on the node for later prefix hits). A forward that raised after its first node
+    call leaves the rows half written: close the cache.
     """
 
     def __init__(
-        self, model: torch.nn.Module, backend: KVBackend, *, mode: Mode = "node", seq_prefix: str = ""
+        self,
+        model: torch.nn.Module,
+        backend: KVBackend,
+        *,
+        mode: Mode = "node",
+        seq_prefix: str = "",
+        max_tokens: int | None = None,
+        reuse_prefix: bool = True,
     ) -> None:
         if mode not in ("node", "gather"):
             raise InvalidArgument(f"mode must be 'node' or 'gather', got {mode!r}")
-        config = cast(Any, model).config.get_text_config(decoder=True)
         spec = backend.spec
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        want = (config.num_hidden_layers, config.num_key_value_heads, head_dim)
+        shape = model_shape(cast(Any, model).config)
+        want = (shape.num_layers, shape.num_kv_heads, shape.head_dim)
         have = (spec.num_layers, spec.num_kv_heads, spec.head_dim)
         if want != have:
             raise InvalidArgument(
@@ -143,9 +155,17 @@ class PagedKVCache(Cache):
         model_dtype = next(model.parameters()).dtype
         if _TORCH_DTYPES[spec.dtype] != model_dtype:
             raise InvalidArgument(f"model runs in {model_dtype}, the node serves {spec.dtype}")
+        if mode == "node":
+            self.plan = plan_attention(model, max_tokens)
+        else:  # the model's own attention runs over gathered K/V: every feature it has works
+            self.plan = AttentionPlan(type(model).__name__, spec.num_layers, max_tokens, ())
         super().__init__(layers=[_PagedLayer(self, i) for i in range(spec.num_layers)])
+        from .hf_generate import install_hooks  # hf_generate imports this module
+
         install_hooks(model)
         self.backend, self.spec, self.mode = backend, spec, mode
+        self.max_tokens, self.reuse_prefix = max_tokens, reuse_prefix
+        self.last_hit: PrefixHit | None = None  # what open_prompt found, if it ran
         self._prefix = seq_prefix or f"hf-{uuid.uuid4().hex[:12]}"
         self._next_id = 0
         self._seq_ids: list[str] = []
@@ -226,7 +246,8 @@ class PagedKVCache(Cache):
         self._stored_until = torch.tensor(stored_until, dtype=torch.long)
         self._max_stored_until = max(stored_until)
         self.num_cached_tokens = cached
-        return PrefixHit(cached, [len(r) for r in real_ids], start)
+        self.last_hit = PrefixHit(cached, [len(r) for r in real_ids], start)
+        return self.last_hit
 
     # -- the forward, driven by the hooks and the attention function ------------------------
 
@@ -239,6 +260,8 @@ class PagedKVCache(Cache):
         if input_ids is None:
             raise InvalidArgument("PagedKVCache needs input_ids (the node keys blocks by token ids)")
         ids = input_ids.detach().to("cpu", torch.long)
+        if ids.ndim != 2:
+            raise InvalidArgument(f"input_ids must be [batch, length], got {tuple(ids.shape)}")
         num_rows, num_new = ids.shape
         if attention_mask is None:
             is_real = torch.ones(num_rows, num_new, dtype=torch.bool)
@@ -252,10 +275,12 @@ class PagedKVCache(Cache):
             if self._seq_ids and not torch.equal(full[:, : self._length], self._real):
                 raise InvalidArgument("attention_mask disagrees with the cached rows' padding")
             is_real = full[:, self._length :]
+        if self._seq_ids and num_rows != len(self._seq_ids):
+            raise InvalidArgument(f"batch of {num_rows} rows, the cache holds {len(self._seq_ids)}")
+        if self.max_tokens is not None:
+            self._check_bound(is_real)
         if not self._seq_ids:
             self._open_fresh(ids, is_real)
-        elif num_rows != len(self._seq_ids):
-            raise InvalidArgument(f"batch of {num_rows} rows, the cache holds {len(self._seq_ids)}")
         if self._max_stored_until <= self._length:  # every row's prompt hit is behind us
             to_store = is_real
         else:
@@ -274,6 +299,36 @@ class PagedKVCache(Cache):
         if self.mode == "gather":
             fwd.past_k, fwd.past_v = self._gather_past()
         self._pending = fwd
+
+    def _check_bound(self, is_real: torch.Tensor) -> None:
+        """Refuse a forward that would take a row past `max_tokens` (before any node call)."""
+        stored = self._real.sum(1) if self._seq_ids else torch.zeros(is_real.shape[0], dtype=torch.long)
+        lengths = stored + is_real.sum(1)
+        longest = int(lengths.max()) if lengths.numel() else 0
+        if longest > cast(int, self.max_tokens):
+            row = int(lengths.argmax())
+            why = f" (which keeps {self.plan.model_name}'s windowed layers exact)" if self.plan.limits else ""
+            raise InvalidArgument(
+                f"row {row} would hold {longest} tokens, beyond max_tokens={self.max_tokens}" + why
+            )
+
+    def refused_mask(self, reason: str) -> torch.Tensor:
+        """A stand-in for a mask the node cannot apply: an empty tensor that the first layer
+        receiving it refuses with `reason` (hf_support.check_call)."""
+        marker = torch.zeros(0, dtype=torch.bool)
+        self._forward().refused_masks[id(marker)] = (marker, reason)
+        return marker
+
+    @property
+    def refused_masks(self) -> dict[int, tuple[torch.Tensor, str]]:
+        return self._pending.refused_masks if self._pending is not None else {}
+
+    def abandon_forward(self) -> None:
+        """A forward refused before its first node call: forget it, nothing was written (its rows
+        stay open and usable). After a node call the rows are half written and stay marked."""
+        if self._pending is not None and self._pending.num_layers_done == 0:
+            self._pending = None
+        _ACTIVE.set(None)
 
     def _open_fresh(self, ids: torch.Tensor, is_real: torch.Tensor) -> None:
         """First forward without open_prompt: plain sequences, no prefix reuse (the model is
@@ -300,9 +355,14 @@ class PagedKVCache(Cache):
         if fwd is None:
             return
         if fwd.num_layers_done != self.spec.num_layers:
-            raise FailedPrecondition(
-                f"the forward ran {fwd.num_layers_done} of {self.spec.num_layers} layers through the cache"
+            cause = (
+                f"the model's attention does not call the {ATTENTION_NAME!r} attention function: build it "
+                f"with attn_implementation={ATTENTION_NAME!r} (pagedkv.client.transformers.load_model does)"
+                if fwd.num_layers_done == 0 and self.mode == "node"
+                else "some layers' attention bypassed the cache"
             )
+            done = f"{fwd.num_layers_done} of {self.spec.num_layers}"
+            raise FailedPrecondition(f"the forward ran {done} layers through the cache: {cause}")
         if self.mode == "gather":
             self._append_new(fwd)
         self._real = torch.cat([self._real, fwd.is_real], dim=1)
@@ -329,36 +389,58 @@ class PagedKVCache(Cache):
         past_v = fwd.past_v[layer].to(value.device)
         return torch.cat([past_k, key], dim=2), torch.cat([past_v, value], dim=2)
 
-    def attend(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    def attend(
+        self,
+        layer: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        *,
+        q_scale: float | None = None,
+        sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Node mode: append this layer's new K/V and attend on the node.
-        query [B, Hq, T, D], key/value [B, Hk, T, D] -> out [B, T, Hq, D] (zeros at pad positions)."""
+        query [B, Hq, T, D], key/value [B, Hk, T, D] -> out [B, T, Hq, D] (zeros at pad positions).
+
+        `q_scale`: the model's score scale over the node's 1/sqrt(D), applied to q (exact: the
+        scores are linear in q). `sinks` [Hq]: one extra logit per head in the softmax
+        denominator (gpt-oss): out * Z / (Z + e^sink) = out * sigmoid(lse - sink), from the LSE."""
         fwd = self._forward()
         num_rows, num_q_heads, num_new, head_dim = query.shape
         device = query.device
         q, k, v = query.detach().cpu(), key.detach().cpu(), value.detach().cpu()
+        if q_scale is not None:
+            q = q * q_scale
+        with_lse = sinks is not None
+        lse: torch.Tensor | None = None  # [B, T, Hq] when with_lse
         if fwd.decode_tokens is not None:
-            out = self.backend.attend_decode(
+            got = self.backend.attend_decode(
                 self._seq_ids, layer, q[:, :, 0].contiguous(), k[:, :, 0].contiguous(),
-                v[:, :, 0].contiguous(), fwd.decode_tokens if layer == 0 else None,
+                v[:, :, 0].contiguous(), fwd.decode_tokens if layer == 0 else None, **_lse_kw(with_lse),
             )  # fmt: skip
+            out, lse = got if with_lse else (got, None)
             result = out.unsqueeze(1)
+            lse = None if lse is None else lse.unsqueeze(1)
         elif fwd.is_full:
             # One transposed copy per tensor for the whole batch; the rows are views of it, so
             # the backend joins them without another copy (hf_backend.join_rows).
             qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, k, v))  # [B, T, H, D]
-            outs = self.backend.attend_prefill_batch(
+            got = self.backend.attend_prefill_batch(
                 self._seq_ids,
                 layer,
                 list(qt.unbind(0)),
                 list(kt.unbind(0)),
                 list(vt.unbind(0)),
                 fwd.token_ids.tolist() if layer == 0 else None,
+                **_lse_kw(with_lse),
             )
+            outs, lses = got if with_lse else (got, None)
             result = join_rows(outs).view(num_rows, num_new, num_q_heads, head_dim)
+            lse = None if lses is None else join_rows(lses).view(num_rows, num_new, num_q_heads)
         else:
             live = [b for b, idx in enumerate(fwd.rows) if idx.numel()]
             pick = [fwd.picks[b] for b in live]
-            outs = self.backend.attend_prefill_batch(
+            got = self.backend.attend_prefill_batch(
                 [self._seq_ids[b] for b in live],
                 layer,
                 [q[b][:, idx].transpose(0, 1).contiguous() for b, idx in zip(live, pick, strict=True)],
@@ -367,11 +449,20 @@ class PagedKVCache(Cache):
                 [fwd.token_ids[b, idx].tolist() for b, idx in zip(live, pick, strict=True)]
                 if layer == 0
                 else None,
+                **_lse_kw(with_lse),
             )
+            outs, lses = got if with_lse else (got, None)
             result = q.new_zeros(num_rows, num_new, num_q_heads, head_dim)
             for b, idx, out in zip(live, pick, outs, strict=True):
                 result[b, idx] = out.to(result.dtype)
+            if lses is not None:
+                lse = torch.zeros(num_rows, num_new, num_q_heads, dtype=torch.float32)
+                for b, idx, row_lse in zip(live, pick, lses, strict=True):
+                    lse[b, idx] = row_lse.float()
         fwd.num_layers_done += 1
+        if sinks is not None:
+            assert lse is not None
+            result = result * torch.sigmoid(lse.float() - sinks).unsqueeze(-1).to(result.dtype)
         return result.to(device)
 
     # -- gathered-KV mode ------------------------------------------------------------------
@@ -472,6 +563,12 @@ class PagedKVCache(Cache):
         self.close()
 
 
+def _lse_kw(with_lse: bool) -> dict[str, bool]:
+    """Ask the backend for the LSE only when it is used (a backend written before the keyword
+    existed keeps working for every model without sinks)."""
+    return {"with_lse": True} if with_lse else {}
+
+
 def _as_slice(idx: torch.Tensor) -> slice | torch.Tensor:
     """Sorted distinct indices as a slice when they are consecutive (the usual case: a row's new
     positions are all real, or its left pads end before them), else unchanged."""
@@ -498,10 +595,10 @@ def _ids_and_mask(
     return ids, mask
 
 
-# -- hooks ------------------------------------------------------------------------------
+# -- hooks (installed by hf_generate.install_hooks) -------------------------------------------
 
 
-def _pre_forward(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+def pre_forward_hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
     if isinstance(cache, PagedKVCache):
         input_ids = kwargs.get("input_ids", args[0] if args else None)
@@ -511,18 +608,8 @@ def _pre_forward(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         _ACTIVE.set(None)
 
 
-def _post_forward(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+def post_forward_hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
     cache = _ACTIVE.get()
     _ACTIVE.set(None)
     if cache is not None:
         cache._end_forward()
-
-
-def install_hooks(model: torch.nn.Module) -> None:
-    """Hook the module that receives input_ids and the cache (the base model), once per model."""
-    base = getattr(model, "base_model", model)
-    if getattr(base, _HOOKED, False):
-        return
-    base.register_forward_pre_hook(_pre_forward, with_kwargs=True)
-    base.register_forward_hook(_post_forward, with_kwargs=True)
-    setattr(base, _HOOKED, True)

@@ -4,12 +4,14 @@ transformers is an optional extra: importing this module imports it (nothing els
 does). Importing it also registers the "pagedkv" attention implementation -- before any model is
 built with `attn_implementation="pagedkv"`, as transformers requires.
 
-How transformers' calls map to pagedkv calls (B rows, L layers, see hf_cache / hf_backend):
+How transformers' calls map to pagedkv calls (B rows, L layers, see hf_cache / hf_generate / hf_backend):
 
     generate() / model(...)           pagedkv
     ------------------------------    -----------------------------------------------------------
-    first forward (no open_prompt)    Open(row's real ids, max_cached_tokens=0) per row
-    open_prompt / *_with_prefix_cache Open(full prompt) per row, the node caps the hit -> resume
+    PagedKVCache(model, backend)      nothing on the node: the model is checked (hf_support)
+    generate(), before the forwards   Open(full prompt) per row (x beams), the node caps the hit
+    open_prompt / *_with_prefix_cache   -> the model resumes there (reuse_prefix=False: no Open)
+    first forward (nothing opened)    Open(row's real ids, max_cached_tokens=0) per row
     forward pre-hook                  records input_ids + which positions are real (not pads)
     cache.update(k, v, layer)         node mode: nothing; gather mode: ReadKV per row (layer 0)
     attention(q, k, v), decode        Attend(all rows, layer, q, k, v, token_ids at layer 0)
@@ -19,23 +21,35 @@ How transformers' calls map to pagedkv calls (B rows, L layers, see hf_cache / h
     cache.close()                     Free every row (full blocks stay cached for prefix hits)
 
 The attention function falls back to transformers' sdpa when the forward's cache is not a
-PagedKVCache in node mode, so one model serves DynamicCache, gathered-KV and node attention.
+PagedKVCache in node mode, so one model serves DynamicCache, gathered-KV and node attention
+(except attention sinks, which sdpa would drop: refused there). In node mode it refuses, before
+the first token, anything the node would compute differently (hf_support; docs/models.md).
 """
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
 from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, sdpa_mask
 
-from ..protos.errors import InvalidArgument
+from ..protos.errors import FailedPrecondition, InvalidArgument
 from ..protos.spec import ModelSpec
 from .hf_backend import EngineBackend, GrpcBackend, KVBackend
-from .hf_cache import PagedKVCache, PrefixHit, active_cache, install_hooks
+from .hf_cache import PagedKVCache, PrefixHit, active_cache
+from .hf_generate import install_hooks, open_for_generate
+from .hf_support import (
+    ATTENTION_NAME,
+    UnsupportedModel,
+    check_call,
+    mask_refusal,
+    model_shape,
+    reaches_attention_interface,
+)
 
 __all__ = [
     "ATTENTION_NAME",
@@ -45,6 +59,7 @@ __all__ = [
     "PagedKVCache",
     "PrefillResult",
     "PrefixHit",
+    "UnsupportedModel",
     "demo_config",
     "demo_model",
     "generate_with_prefix_cache",
@@ -55,7 +70,7 @@ __all__ = [
     "register",
 ]
 
-ATTENTION_NAME = "pagedkv"
+_SDPA_MASK_SIGNATURE = inspect.signature(sdpa_mask)
 
 
 def paged_attention_forward(
@@ -69,30 +84,46 @@ def paged_attention_forward(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention signature: query [B, Hq, T, D], key/value [B, Hk, T, D] (the new
-    tokens only, in node mode) -> ([B, T, Hq, D], None). The node masks causally per sequence and
-    never stores pads, so `attention_mask` is not needed there."""
+    tokens only, in node mode) -> ([B, T, Hq, D], None). In node mode every argument is checked
+    first (hf_support.check_call): what the node cannot compute exactly is refused."""
     cache = active_cache()
     if cache is None or cache.mode != "node":
+        if kwargs.get("s_aux") is not None:  # sdpa would drop the sinks without a word
+            raise InvalidArgument(
+                f"{type(module).__name__}: attention sinks (s_aux) are computed in node mode only; "
+                "run this model with attn_implementation='eager' outside a PagedKVCache"
+            )
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
-    if dropout:
-        raise InvalidArgument("pagedkv attention runs inference only (dropout must be 0)")
-    if scaling is not None and abs(scaling - query.shape[-1] ** -0.5) > 1e-9:
-        raise InvalidArgument(f"the node scales scores by 1/sqrt(head_dim); the model asks for {scaling}")
-    for name in ("sliding_window", "softcap"):
-        if kwargs.get(name) is not None:
-            raise InvalidArgument(f"pagedkv attention does not support {name}")
-    return cache.attend(cast(int, module.layer_idx), query, key, value), None
+    layer = cast(int, getattr(module, "layer_idx", None))
+    try:
+        if not isinstance(layer, int):
+            raise cache.plan.refuse(type(module).__name__, "an attention module without layer_idx",
+                                    "the node keys each layer's K/V by its index")  # fmt: skip
+        call = check_call(
+            cache.plan, layer, query.shape[-1], attention_mask, dropout, scaling, kwargs, cache.refused_masks
+        )
+    except InvalidArgument:
+        cache.abandon_forward()
+        raise
+    return cache.attend(layer, query, key, value, q_scale=call.q_scale, sinks=call.sinks), None
 
 
 def paged_attention_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
-    """The mask function registered with the attention: none in node mode (the node masks
-    causally per sequence and stores no pads, so a [B, 1, T, past + T] mask would be built for
-    nothing: ~1 ms per forward at 128 x 1,152), sdpa's otherwise (the fallback and gather mode)."""
+    """The mask function registered with the attention. Node mode: none (the node masks causally
+    per sequence and stores no pads, so a [B, 1, T, past + T] mask would be built for nothing:
+    ~1 ms per forward at 128 x 1,152), after checking that the model asks for that mask and no
+    other (hf_support.mask_refusal: a mask it refuses is handed to the layers as a marker that the
+    first layer receiving it refuses). Otherwise sdpa's (the fallback and gather mode)."""
     cache = active_cache()
     if cache is not None and cache.mode == "node":
-        return None
+        if args:  # transformers passes keywords; a positional call is bound to sdpa_mask's names
+            bound = dict(_SDPA_MASK_SIGNATURE.bind_partial(*args, **kwargs).arguments)
+            kwargs = {**bound, **bound.pop("kwargs", {})}
+        mask_function = kwargs.get("mask_function", causal_mask_function)
+        reason = mask_refusal(cache.plan, mask_function, sdpa_mask, kwargs)
+        return None if reason is None else cache.refused_mask(reason)
     return sdpa_mask(*args, **kwargs)
 
 
@@ -161,19 +192,18 @@ def generate_with_prefix_cache(
     attention_mask: torch.Tensor | None = None,
     **generate_kwargs: Any,
 ) -> tuple[Any, PrefixHit]:
-    """`model.generate(input_ids, cache=cache, ...)` that prefills only the uncached suffix.
+    """`model.generate(input_ids, cache=cache, ...)`, returning also what the prompt's open found.
 
-    The cache opens the prompt first and reports the resume position as its length, so generate
-    (given the full ids, as it requires) feeds the model only `input_ids[:, start:]`. With beams
-    or several return sequences the rows are opened already expanded, as generate expands them.
-    `cache.fed_lengths[0]` is the number of prompt positions the model computed.
+    generate() on a hooked model already opens the prompt first (PagedKVCache(reuse_prefix=True),
+    the default) and feeds the model only the uncached suffix; this opens it explicitly, so the
+    hit is returned whatever the cache's setting. With beams or several return sequences the rows
+    are opened already expanded, as generate expands them. `cache.fed_lengths[0]` is the number
+    of prompt positions the model computed.
     """
     mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
-    config = generate_kwargs.get("generation_config") or model.generation_config
-    beams = generate_kwargs.get("num_beams", config.num_beams) or 1
-    returns = generate_kwargs.get("num_return_sequences", config.num_return_sequences) or 1
-    expand = max(beams, returns)
-    hit = cache.open_prompt(input_ids.repeat_interleave(expand, 0), mask.repeat_interleave(expand, 0))
+    if cache.seq_ids:
+        raise FailedPrecondition("generate_with_prefix_cache: the cache already holds sequences")
+    hit = cast(PrefixHit, open_for_generate(model, cache, input_ids, mask, generate_kwargs))
     output = cast(Any, model).generate(input_ids, attention_mask=mask, cache=cache, **generate_kwargs)
     return output, hit
 
@@ -222,16 +252,40 @@ def demo_model(seed: int = 0, **config_kwargs: Any) -> tuple[LlamaForCausalLM, L
 
 
 def load_model(path: str, **kwargs: Any) -> PreTrainedModel:
-    """from_pretrained with the pagedkv attention (any causal LM with a standard attention)."""
-    from transformers import AutoModelForCausalLM
+    """from_pretrained with the pagedkv attention (any causal LM whose attention goes through
+    transformers' attention interface; others are refused here, naming the model class)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
+    config = AutoConfig.from_pretrained(path, **{k: v for k, v in kwargs.items() if k in _HUB_KWARGS})
+    model_class = _causal_lm_class(config)
+    if model_class is not None and not reaches_attention_interface(model_class):
+        raise UnsupportedModel(
+            model_class.__name__, "every layer", "its own attention modules",
+            "the model computes attention itself instead of calling transformers' attention interface, "
+            "so it cannot run with attn_implementation='pagedkv' (load it with attn_implementation='sdpa' "
+            "and use PagedKVCache(..., mode='gather'))",
+        )  # fmt: skip
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=ATTENTION_NAME, **kwargs).eval()
     install_hooks(model)
     return model
 
 
+# from_pretrained arguments that say where the config lives (the rest concern the weights).
+_HUB_KWARGS = frozenset(
+    {"trust_remote_code", "revision", "token", "cache_dir", "local_files_only", "subfolder"}
+)
+
+
+def _causal_lm_class(config: Any) -> type | None:
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    try:
+        return cast(type, MODEL_FOR_CAUSAL_LM_MAPPING[type(config)])
+    except KeyError:
+        return None
+
+
 def node_spec(config: Any, block_size: int = 16, dtype: str = "float32") -> ModelSpec:
-    """The ModelSpec a node must serve for this model config."""
-    config = config.get_text_config(decoder=True)
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return ModelSpec(config.num_hidden_layers, config.num_key_value_heads, head_dim, dtype, block_size)
+    """The ModelSpec a node must serve for this model config (no `num_key_value_heads`: MHA)."""
+    shape = model_shape(config)
+    return ModelSpec(shape.num_layers, shape.num_kv_heads, shape.head_dim, dtype, block_size)
