@@ -208,5 +208,7 @@ def create_server(
         [SERVICE_NAME],
         address,
         max_workers=max_workers,
+        # as the node: a second coordinator on a taken port must fail to bind, not share its traffic
+        options=[("grpc.so_reuseport", 0)],
     )
     return GrpcServer(server, health_servicer, [SERVICE_NAME]), port

@@ -21,7 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .cluster import LocalCluster, NodeOptions, add_cluster_args
+from .cluster import LocalCluster, NodeOptions, add_cluster_args, cluster_from_args
+from .usage import Parser, run
 
 
 def make_requests(args: argparse.Namespace, vocab: int) -> list[list[dict]]:
@@ -155,8 +156,7 @@ def plot(results: list[dict], summary: dict, path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="pagedkv demo", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p = Parser(prog="pagedkv demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_cluster_args(p)
     p.add_argument("--workers", type=int, default=3, help="worker processes (default 3)")
     p.add_argument("--requests", type=int, default=4, help="requests per worker (default 4)")
@@ -169,22 +169,23 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="pagedkv-demo", help="folder for demo.png and demo.json")
     args = p.parse_args(argv)
+    run("pagedkv demo", lambda: demo(args))
 
+
+def demo(args: argparse.Namespace) -> None:
     from .client.transformers import demo_model, node_spec
 
     t0 = time.perf_counter()
     model, config = demo_model(seed=args.seed, num_layers=args.layers, hidden_size=args.hidden, num_heads=8,
                                num_kv_heads=2)  # fmt: skip
     spec = node_spec(config, block_size=16)
-    node = NodeOptions(*spec.to_dict().values())
-    node.num_blocks, node.host_blocks, node.policy = args.num_blocks, args.host_blocks, args.policy
+    cluster = cluster_from_args(args, NodeOptions(*spec.to_dict().values()))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="pagedkv-demo-") as tmp:
         model_dir = Path(tmp) / "model"
         model.save_pretrained(model_dir)
-        cluster = LocalCluster(args.nodes, node, redis_url=args.redis, use_redis=not args.embedded,
-                               lease_ttl_s=args.lease_ttl_s, log_dir=tmp)  # fmt: skip
+        cluster.log_dir = tmp
         print(f"model: Llama, {args.layers} layers, hidden {args.hidden}, random weights (seed {args.seed})")
         print("starting a local cluster ...", flush=True)
         with cluster:
