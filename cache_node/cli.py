@@ -18,6 +18,7 @@ import signal
 import sys
 import threading
 
+from pagedkv import __version__
 from pagedkv.logs import add_logging_args, setup_logging
 from pagedkv.usage import (
     Parser,
@@ -270,6 +271,8 @@ def serve(args: argparse.Namespace) -> None:
     except InvalidArgument as exc:
         raise UsageError(str(exc)) from None
     metrics = NodeMetrics()
+    metrics.describe(version=__version__, spec=spec.to_dict(), bytes_per_block=spec.bytes_per_block,
+                     device=str(engine.device), policy=args.policy)  # fmt: skip
     try:
         server, port = create_server(engine, args.listen, max_workers=args.max_workers, metrics=metrics,
                                      bulk_port=args.bulk_port)  # fmt: skip

@@ -19,6 +19,7 @@ import threading
 
 from prometheus_client import start_http_server
 
+from pagedkv import __version__
 from pagedkv.logs import add_logging_args, setup_logging
 from pagedkv.usage import (
     Parser,
@@ -105,7 +106,14 @@ def serve(args: argparse.Namespace) -> None:
     except PagedKVError as exc:
         log.warning("Redis at %s does not answer (%s); serving UNAVAILABLE until it does", args.redis, exc)
     coordinator = Coordinator(store, CoordinatorConfig(lease_ttl_s=args.lease_ttl_s, quotas=tenants.quotas))
-    metrics = CoordinatorMetrics(coordinator)
+    metrics = CoordinatorMetrics(
+        coordinator,
+        tenants=set(tenants.tokens.values()),
+        quotas=tenants.quotas,
+        info={"version": __version__, "store": "redis" if args.redis else "embedded"},
+    )
+    if hasattr(store, "observer"):  # the Redis store reports each call's latency and outcome
+        store.observer = metrics.observe_redis
     try:
         server, port = create_server(coordinator, args.listen, tenants=tenants, metrics=metrics)
     except (OSError, RuntimeError):  # the probe above raced with another process
