@@ -141,3 +141,28 @@ def test_status_imports_no_torch() -> None:
     out = done.stdout.strip().splitlines()
     assert out[-1] == "False", done.stdout + done.stderr
     assert out[0].startswith("pagedkv status: coordinator 127.0.0.1:") and "UNAVAILABLE" in out[0]
+
+
+@pytest.mark.parametrize("version", ["v1", "v1alpha"])
+def test_reflection_lists_the_services_on_v1_and_v1alpha(version: str) -> None:
+    import grpc
+    from grpc_reflection.v1alpha import reflection_pb2
+
+    server, port = create_server(Coordinator(open_store("memory://")), "127.0.0.1:0")
+    server.start()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            call = channel.stream_stream(
+                f"/grpc.reflection.{version}.ServerReflection/ServerReflectionInfo",
+                request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+                response_deserializer=reflection_pb2.ServerReflectionResponse.FromString,
+            )
+            requests = [reflection_pb2.ServerReflectionRequest(list_services=""),
+                        reflection_pb2.ServerReflectionRequest(file_containing_symbol="pagedkv.v1.Coordinator")]
+            listed, described = list(call(iter(requests), timeout=10))  # fmt: skip
+    finally:
+        server.stop(0)
+    assert described.file_descriptor_response.file_descriptor_proto  # `grpcurl describe` works too
+    names = {s.name for s in listed.list_services_response.service}
+    assert {"pagedkv.v1.Coordinator", "grpc.health.v1.Health", "grpc.reflection.v1.ServerReflection",
+            "grpc.reflection.v1alpha.ServerReflection"} <= names  # fmt: skip
