@@ -157,8 +157,10 @@ def test_reflection_lists_the_services_on_v1_and_v1alpha(version: str) -> None:
                 request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
                 response_deserializer=reflection_pb2.ServerReflectionResponse.FromString,
             )
-            requests = [reflection_pb2.ServerReflectionRequest(list_services=""),
-                        reflection_pb2.ServerReflectionRequest(file_containing_symbol="pagedkv.v1.Coordinator")]
+            requests = [
+                reflection_pb2.ServerReflectionRequest(list_services=""),
+                reflection_pb2.ServerReflectionRequest(file_containing_symbol="pagedkv.v1.Coordinator"),
+            ]
             listed, described = list(call(iter(requests), timeout=10))  # fmt: skip
     finally:
         server.stop(0)
