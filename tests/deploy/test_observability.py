@@ -9,6 +9,7 @@ import json
 import re
 import shutil
 import subprocess
+import time
 import urllib.request
 from pathlib import Path
 
@@ -109,14 +110,21 @@ def test_coordinator_tenants_redis_suspects_and_info(tmp_path: Path, redis_url: 
         with CacheClient(coordinator=cluster.coordinator_address, token="tok-a", spec=SPEC) as client:
             with client.open("a1", prompt) as seq:
                 seq.append(prompt, *kv(len(prompt), 1))
-            with client.open("a2", prompt) as seq:  # 12 of 13 tokens cached
-                seq.append(prompt[12:], *(t[:, 12:] for t in kv(len(prompt), 1)))
+            # The node reports a1's blocks to the index asynchronously: wait until it knows them,
+            # so a2's open hits 12 of its 13 tokens.
+            deadline = time.monotonic() + 10
+            while client.lookup(prompt) < 12 and time.monotonic() < deadline:
+                time.sleep(0.02)
+            with client.open("a2", prompt) as seq:
+                cached = seq.num_cached_tokens
+                seq.append(prompt[cached:], *(t[:, cached:] for t in kv(len(prompt), 1)))
                 held = sample(scrape(f"http://127.0.0.1:{cluster.coordinator_metrics_port}/metrics"),
                               "pagedkv_coordinator_tenant_used_blocks", tenant="alpha")  # fmt: skip
         text = scrape(f"http://127.0.0.1:{cluster.coordinator_metrics_port}/metrics")
     assert held >= 1  # a2 holds blocks while open (its last block at least)
     assert sample(text, "pagedkv_coordinator_tenant_open_total", tenant="alpha") == 2
     assert sample(text, "pagedkv_coordinator_tenant_prompt_tokens_total", tenant="alpha") == 26
+    assert cached == 12
     assert sample(text, "pagedkv_coordinator_tenant_cached_tokens_total", tenant="alpha") == 12
     assert sample(text, "pagedkv_coordinator_tenant_used_blocks", tenant="beta") == 0
     assert sample(text, "pagedkv_coordinator_tenant_quota_blocks", tenant="alpha") == 100
