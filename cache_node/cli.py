@@ -3,6 +3,10 @@
 Every flag has an environment default (PAGEDKV_<FLAG>, e.g. PAGEDKV_NUM_BLOCKS),
 so a container is configured by env alone. SIGTERM / SIGINT stop it gracefully:
 health flips to NOT_SERVING, running calls get --grace-s to finish.
+
+Everything a user can get wrong (a port in use, a pool larger than the machine, a device
+it does not have) is checked before the pool is allocated and reported as one line, exit
+code 2 (pagedkv/usage.py).
 """
 
 from __future__ import annotations
@@ -10,25 +14,31 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import re
 import signal
 import sys
 import threading
 
+from pagedkv import __version__
+from pagedkv.logs import add_logging_args, setup_logging
+from pagedkv.usage import (
+    Parser,
+    UsageError,
+    available_memory_bytes,
+    check_port_free,
+    human_bytes,
+    parse_bytes,
+    port_in_use,
+    port_or_off,
+    positive_float,
+    positive_int,
+    run,
+    split_host_port,
+)
+
 from ..protos.errors import InvalidArgument
 from ..protos.spec import ModelSpec
 
-_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6,
-          "mib": 1 << 20, "g": 1 << 30, "gb": 10**9, "gib": 1 << 30, "t": 1 << 40, "tb": 10**12,
-          "tib": 1 << 40}  # fmt: skip
-
-
-def parse_bytes(text: str) -> int:
-    """ "2GiB" -> 2147483648; "512MB" -> 512000000; "1024" -> 1024."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
-    if not m or m.group(2).lower() not in _UNITS:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 2GiB, 512MiB, 1000000)")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+log = logging.getLogger("pagedkv.node")
 
 
 def _env(name: str, default: str | None) -> str | None:
@@ -51,7 +61,9 @@ def _bulk_port(value: str) -> int | None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    # String defaults go through each flag's type, so a bad PAGEDKV_* value is reported
+    # like a bad flag (one line, exit 2) instead of failing while the parser is built.
+    p = Parser(
         prog="pagedkv node",
         description="Run one cache node: a preallocated KV block pool for one model shape, "
         "served over gRPC. Every flag defaults to the environment variable PAGEDKV_<FLAG>.",
@@ -60,18 +72,18 @@ def build_parser() -> argparse.ArgumentParser:
     spec = p.add_argument_group("model spec (the one KV shape this node serves)")
     spec.add_argument(
         "--num-layers",
-        type=int,
-        default=int(_env("NUM_LAYERS", "32") or 32),
+        type=positive_int("--num-layers"),
+        default=_env("NUM_LAYERS", "32"),
         help="transformer layers (KV of every layer lives in each block)",
     )
     spec.add_argument(
         "--num-kv-heads",
-        type=int,
-        default=int(_env("NUM_KV_HEADS", "8") or 8),
+        type=positive_int("--num-kv-heads"),
+        default=_env("NUM_KV_HEADS", "8"),
         help="key/value heads per layer (after GQA grouping)",
     )
     spec.add_argument(
-        "--head-dim", type=int, default=int(_env("HEAD_DIM", "128") or 128), help="head dimension"
+        "--head-dim", type=positive_int("--head-dim"), default=_env("HEAD_DIM", "128"), help="head dimension"
     )
     spec.add_argument(
         "--dtype",
@@ -81,13 +93,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     spec.add_argument(
         "--block-size",
-        type=int,
-        default=int(_env("BLOCK_SIZE", "16") or 16),
+        type=positive_int("--block-size"),
+        default=_env("BLOCK_SIZE", "16"),
         help="tokens per block (the unit of sharing and eviction)",
     )
     pool = p.add_argument_group("memory (give blocks or bytes; bytes are rounded down to whole blocks)")
     pool.add_argument(
-        "--num-blocks", type=int, default=_env("NUM_BLOCKS", None), help="device pool size in blocks"
+        "--num-blocks",
+        type=positive_int("--num-blocks"),
+        default=_env("NUM_BLOCKS", None),
+        help="device pool size in blocks",
     )
     pool.add_argument(
         "--pool-bytes",
@@ -114,23 +129,25 @@ def build_parser() -> argparse.ArgumentParser:
         help="eviction policy for cached blocks (score: least attention mass first)",
     )
     p.add_argument(
-        "--device", default=_env("DEVICE", ""), help="torch device; empty picks cuda when present, else cpu"
+        "--device",
+        default=_env("DEVICE", ""),
+        help="torch device (cpu, cuda, cuda:1); empty or auto picks cuda when present, else cpu",
     )
     p.add_argument(
         "--listen", default=_env("LISTEN", "0.0.0.0:50051"), help="gRPC address host:port (port 0: any)"
     )
     p.add_argument(
         "--metrics-port",
-        type=int,
-        default=int(_env("METRICS_PORT", "9400") or 9400),
-        help="HTTP port for Prometheus /metrics (0: any free port, -1: off)",
+        type=port_or_off("--metrics-port"),
+        default=_env("METRICS_PORT", "9400"),
+        help="HTTP port for Prometheus /metrics on the --listen host (0: any free port, off: none)",
     )
     p.add_argument(
         "--bulk-port",
         type=_bulk_port,
         default=_env("BULK_PORT", "auto"),
-        help="raw TCP side channel (large KV transfers, the per-step attend calls) on the --listen host "
-        "(auto: any free port; 0 or off: none, clients use gRPC); advertised in the node's Stats",
+        help="raw TCP side channel (large KV transfers, the per-step attend calls) on the --listen "
+        "host (auto: any free port; 0 or off: none, clients use gRPC); advertised in the node's Stats",
     )
     cluster = p.add_argument_group("cluster (leave --coordinator empty for a standalone node)")
     cluster.add_argument(
@@ -155,64 +172,143 @@ def build_parser() -> argparse.ArgumentParser:
         "host, decode at batch 1 ran 100-118 tok/s with it on vs 203-219 off)",
     )
     p.add_argument(
-        "--max-workers", type=int, default=int(_env("MAX_WORKERS", "16") or 16), help="gRPC handler threads"
+        "--max-workers",
+        type=positive_int("--max-workers"),
+        default=_env("MAX_WORKERS", "16"),
+        help="gRPC handler threads",
     )
     p.add_argument(
         "--grace-s",
-        type=float,
-        default=float(_env("GRACE_S", "10") or 10),
+        type=positive_float("--grace-s"),
+        default=_env("GRACE_S", "10"),
         help="seconds running calls get to finish on SIGTERM",
     )
+    add_logging_args(p)
     return p  # fmt: skip
+
+
+def check_device(device: str) -> str:
+    """The torch device to use ('' = cuda when present, else cpu); UsageError for one this
+    machine does not have."""
+    import torch
+
+    if device in ("", "auto"):
+        return ""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise UsageError(f"--device {device!r} is not a torch device (cpu, cuda, cuda:1, ...)") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UsageError(
+                f"--device {device}: this machine has no CUDA device (or torch {torch.__version__} was "
+                "built without CUDA): run with --device cpu, or install a CUDA build of torch"
+            )
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise UsageError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) here")
+    elif dev.type != "cpu":
+        raise UsageError(f"--device {device}: pagedkv nodes run on cpu or cuda")
+    return device
+
+
+def check_memory(spec: ModelSpec, num_blocks: int, host_blocks: int, device: str) -> None:
+    """Refuse a pool the machine cannot hold, before allocating it (the allocator's own
+    failure is a traceback, or the OOM killer later)."""
+    import torch
+
+    on_cuda = device.startswith("cuda") or (device == "" and torch.cuda.is_available())
+    device_bytes, host_bytes = num_blocks * spec.bytes_per_block, host_blocks * spec.bytes_per_block
+    checks = [(host_bytes + (0 if on_cuda else device_bytes), available_memory_bytes(), "memory")]
+    if on_cuda:
+        free, _total = torch.cuda.mem_get_info(torch.device(device or "cuda"))
+        checks.append((device_bytes, free, f"free memory on {device or 'cuda'}"))
+    for need, have, what in checks:
+        if have is not None and need > have:
+            raise UsageError(
+                f"the pool needs {human_bytes(need)} ({num_blocks} device + {host_blocks} host blocks of "
+                f"{human_bytes(spec.bytes_per_block)}) but this machine has {human_bytes(have)} of {what} "
+                "available: lower --num-blocks / --pool-bytes (and --host-blocks / --host-bytes)"
+            )
 
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(args.log_level, args.log_format)
+    run("pagedkv node", lambda: serve(args))
+
+
+def serve(args: argparse.Namespace) -> None:
+    host, listen_port = split_host_port(args.listen, "--listen")
+    check_port_free("gRPC", "--listen", host, listen_port)
+    if args.bulk_port:
+        check_port_free("bulk KV", "--bulk-port", host, args.bulk_port)
+    if args.metrics_port:
+        check_port_free("metrics", "--metrics-port", host, args.metrics_port)
+    if args.coordinator:
+        split_host_port(args.coordinator, "--coordinator")
+    try:
+        spec = ModelSpec(args.num_layers, args.num_kv_heads, args.head_dim, args.dtype, args.block_size)
+    except InvalidArgument as exc:
+        raise UsageError(str(exc)) from None
+    num_blocks = args.num_blocks if args.num_blocks is not None else spec.blocks_for_bytes(args.pool_bytes)
+    host_blocks = args.host_blocks if args.host_blocks is not None else spec.blocks_for_bytes(args.host_bytes)
+    if num_blocks < 1:
+        raise UsageError(
+            f"--pool-bytes {args.pool_bytes} holds no block of {spec.bytes_per_block} B: give a larger pool"
+        )
+    if host_blocks < 0:
+        raise UsageError(f"--host-blocks {host_blocks} must be 0 or more")
+
     from .engine import CacheEngine, EngineConfig  # torch loads only when the node runs
     from .metrics import NodeMetrics
     from .server import create_server
 
+    device = check_device(args.device)
+    check_memory(spec, num_blocks, host_blocks, device)
     try:
-        spec = ModelSpec(args.num_layers, args.num_kv_heads, args.head_dim, args.dtype, args.block_size)
-        num_blocks = (
-            int(args.num_blocks) if args.num_blocks is not None else spec.blocks_for_bytes(args.pool_bytes)
-        )
-        host_blocks = (
-            int(args.host_blocks) if args.host_blocks is not None else spec.blocks_for_bytes(args.host_bytes)
-        )
-        engine = CacheEngine(
-            EngineConfig(
-                spec,
-                num_blocks,
-                host_blocks,
-                policy=args.policy,
-                device="" if args.device == "auto" else args.device,
-                compute_thread=args.compute_thread == "on",
-            )
-        )
+        engine = CacheEngine(EngineConfig(spec, num_blocks, host_blocks, policy=args.policy, device=device,
+                                          compute_thread=args.compute_thread == "on"))  # fmt: skip
     except InvalidArgument as exc:
-        raise SystemExit(f"pagedkv node: {exc}") from None
+        raise UsageError(str(exc)) from None
     metrics = NodeMetrics()
-    server, port = create_server(
-        engine, args.listen, max_workers=args.max_workers, metrics=metrics, bulk_port=args.bulk_port
-    )
+    metrics.describe(version=__version__, spec=spec.to_dict(), bytes_per_block=spec.bytes_per_block,
+                     device=str(engine.device), policy=args.policy)  # fmt: skip
+    try:
+        server, port = create_server(engine, args.listen, max_workers=args.max_workers, metrics=metrics,
+                                     bulk_port=args.bulk_port)  # fmt: skip
+    except (OSError, RuntimeError) as exc:  # the probe above raced with another process
+        taken = "bulk KV" if isinstance(exc, OSError) and args.bulk_port else "gRPC"
+        raise port_in_use(taken, "--bulk-port" if taken == "bulk KV" else "--listen", host,
+                          args.bulk_port if taken == "bulk KV" else listen_port) from None  # fmt: skip
+    metrics_address = ""
+    if args.metrics_port is not None:
+        try:
+            http, _ = metrics.serve(args.metrics_port, addr=host)
+        except OSError:
+            server.stop(0)
+            raise port_in_use("metrics", "--metrics-port", host, args.metrics_port) from None
+        metrics_address = f"{host}:{http.server_address[1]}"
     server.start()
-    host = args.listen.rsplit(":", 1)[0]
-    print(f"pagedkv node listening on {host}:{port} ({num_blocks} blocks of {spec.bytes_per_block} B, "
+    shown = args.listen.rsplit(":", 1)[0]
+    print(f"pagedkv node listening on {shown}:{port} ({num_blocks} blocks of {spec.bytes_per_block} B, "
           f"{host_blocks} host blocks, {engine.device}, policy {args.policy})", flush=True)  # fmt: skip
     if server.bulk is not None:
-        print(f"bulk KV channel on {host}:{server.bulk.port}", flush=True)
-    if args.metrics_port >= 0:
-        http, _ = metrics.serve(args.metrics_port)
-        print(f"metrics on http://{host}:{http.server_address[1]}/metrics", flush=True)
+        print(f"bulk KV channel on {shown}:{server.bulk.port}", flush=True)
+    if metrics_address:
+        print(f"metrics on http://{metrics_address}/metrics", flush=True)
 
     link = None
     if args.coordinator:
         from .coordinator_link import CoordinatorLink
 
-        advertise = args.advertise or f"{host}:{port}"
-        link = CoordinatorLink(engine, args.coordinator, args.node_id or advertise, advertise).start()
+        advertise = args.advertise or f"{shown}:{port}"
+        # what Prometheus (and `pagedkv up`) should scrape: the advertised host, the bound port
+        scrape = (
+            f"{advertise.rsplit(':', 1)[0]}:{metrics_address.rsplit(':', 1)[1]}" if metrics_address else ""
+        )
+        link = CoordinatorLink(
+            engine, args.coordinator, args.node_id or advertise, advertise, metrics_address=scrape
+        ).start()
         print(f"joining coordinator {args.coordinator} as {args.node_id or advertise}", flush=True)
 
     stopping = threading.Event()

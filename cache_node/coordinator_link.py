@@ -21,6 +21,7 @@ and retries with capped backoff.
 from __future__ import annotations
 
 import logging
+import random
 import threading
 import time
 
@@ -174,9 +175,13 @@ class CoordinatorLink:
                 self._wait_for_events(next_beat)
             except grpc.RpcError as err:
                 log.warning("coordinator unreachable from node %s: %s", self.node_id, err.code())
-                self._stop.wait(backoff)
-                backoff = min(backoff * 2, 2.0)
+                backoff = self._back_off(backoff)
             except Exception:  # never let the link thread die silently
                 log.exception("coordinator link of node %s failed; retrying", self.node_id)
-                self._stop.wait(backoff)
-                backoff = min(backoff * 2, 2.0)
+                backoff = self._back_off(backoff)
+
+    def _back_off(self, backoff: float) -> float:
+        """Wait `backoff` with jitter (half fixed, half random, so nodes that lost one coordinator
+        do not retry in lockstep); the next is doubled, capped below the lease (2 s)."""
+        self._stop.wait(backoff / 2 + random.uniform(0, backoff / 2))
+        return min(backoff * 2, 2.0)

@@ -5,7 +5,9 @@ global one), so several nodes in one process (tests) never collide. Block
 counts and cache counters are read from `engine.stats()` at scrape time by a
 custom collector: the engine keeps its numbers once and the metrics never
 drift from them. Only what the engine cannot know -- RPC latency and errors --
-is recorded here as it happens.
+is recorded here as it happens. `describe()` adds what the process is (version, model spec,
+device, policy) as `pagedkv_node_info`, as vLLM's cache_config_info does, and the block size
+in bytes that turns block counters into byte counters.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 # Latency buckets from 50 us (Ping on loopback) to 10 s (a large Append).
@@ -35,9 +37,12 @@ _BLOCK_STATES = {
 class EngineCollector(Collector):
     """Gauges and counters derived from a stats() snapshot at scrape time."""
 
-    def __init__(self, stats: Callable[[], dict[str, int]], policy: str) -> None:
+    def __init__(
+        self, stats: Callable[[], dict[str, int]], policy: str, bytes_per_block: Callable[[], int] = lambda: 0
+    ) -> None:
         self._stats = stats
         self._policy = policy
+        self._bytes_per_block = bytes_per_block
 
     def collect(self) -> Iterator[Metric]:
         s = self._stats()
@@ -68,6 +73,11 @@ class EngineCollector(Collector):
             "pagedkv_prefix_cache_hits_tokens", "Prompt tokens served from the prefix cache.",
             s["prefix_hit_tokens"],
         )  # fmt: skip
+        yield _counter(
+            "pagedkv_prefix_cache_host_hits_tokens",
+            "Prompt tokens of prefix hits copied back from the host tier (a subset of the hits).",
+            s["prefix_host_hit_tokens"],
+        )  # fmt: skip
         evictions = CounterMetricFamily(
             "pagedkv_evictions", "Cached blocks evicted, by policy and tier.", labels=["policy", "tier"]
         )
@@ -79,11 +89,32 @@ class EngineCollector(Collector):
         swaps.add_metric(["in"], s["swap_in_blocks"])
         swaps.add_metric(["out"], s["swap_out_blocks"])
         yield swaps
+        if block_bytes := self._bytes_per_block():
+            swap_bytes = CounterMetricFamily(
+                "pagedkv_swap_bytes", "KV bytes copied by sequence swaps.", labels=["direction"]
+            )
+            swap_bytes.add_metric(["in"], s["swap_in_blocks"] * block_bytes)
+            swap_bytes.add_metric(["out"], s["swap_out_blocks"] * block_bytes)
+            yield swap_bytes
         yield _counter("pagedkv_cow_copies", "Shared partial blocks copied on write.", s["cow_copies"])
         yield _counter(
             "pagedkv_budget_dropped_blocks", "Blocks dropped by lossy token budgets.",
             s["budget_dropped_blocks"],
         )  # fmt: skip
+
+
+class Info(Collector):
+    """One constant info metric (`pagedkv_node_info{...} 1`)."""
+
+    def __init__(
+        self, labels: dict[str, str], name: str = "pagedkv_node", doc: str = "What this node serves."
+    ) -> None:
+        self.labels, self.name, self.doc = labels, name, doc
+
+    def collect(self) -> Iterator[Metric]:
+        info = InfoMetricFamily(self.name, self.doc)
+        info.add_metric([], self.labels)
+        yield info
 
 
 def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
@@ -115,14 +146,26 @@ class NodeMetrics:
             registry=self.registry,
         )  # fmt: skip
         self._engine_attached = False
+        self.bytes_per_block = 0  # set by describe(); 0: no byte counters
+        self._info: Info | None = None
         if stats is not None:
             self.attach_engine(stats, policy)
 
     def attach_engine(self, stats: Callable[[], dict[str, int]], policy: str) -> None:
         """Derive the block/cache metrics from `stats()` at scrape time (once per registry)."""
         if not self._engine_attached:
-            self.registry.register(EngineCollector(stats, policy))
+            self.registry.register(EngineCollector(stats, policy, lambda: self.bytes_per_block))
             self._engine_attached = True
+
+    def describe(self, *, version: str, spec: dict[str, Any], bytes_per_block: int, device: str,
+                 policy: str) -> None:  # fmt: skip
+        """Export `pagedkv_node_info` (value 1, the labels say what this node is) and enable the
+        byte counters. Once per registry."""
+        self.bytes_per_block = bytes_per_block
+        if self._info is None:
+            self._info = Info(labels={"version": version, "device": device, "policy": policy,
+                                      **{k: str(v) for k, v in spec.items()}})  # fmt: skip
+            self.registry.register(self._info)
 
     def serve(self, port: int, addr: str = "0.0.0.0") -> Any:
         """Serve /metrics over HTTP on its own port; returns (http server, thread)."""

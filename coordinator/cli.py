@@ -3,6 +3,10 @@
 Every flag has an environment variable (PAGEDKV_*) as its default, for
 containers. Without --redis the state lives in an embedded in-process store
 (fine for one coordinator on one machine; use Redis for restarts and replicas).
+
+A mistake in a flag, the tenants file or the Redis URL, or a port already taken, is
+one line on stderr and exit code 2 (pagedkv/usage.py). Redis being down is not a
+mistake: the coordinator starts, answers UNAVAILABLE, and recovers when Redis does.
 """
 
 from __future__ import annotations
@@ -15,16 +19,32 @@ import threading
 
 from prometheus_client import start_http_server
 
+from pagedkv import __version__
+from pagedkv.logs import add_logging_args, setup_logging
+from pagedkv.usage import (
+    Parser,
+    UsageError,
+    check_port_free,
+    port_in_use,
+    port_or_off,
+    positive_float,
+    run,
+    split_host_port,
+)
+
+from ..protos.errors import InvalidArgument, PagedKVError
 from .auth import Tenants
 from .core import Coordinator, CoordinatorConfig
 from .metrics import CoordinatorMetrics
 from .service import create_server
 from .store import open_store
 
+log = logging.getLogger("pagedkv.coordinator")
+
 
 def build_parser() -> argparse.ArgumentParser:
     env = os.environ.get
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="pagedkv coordinator",
         description="Run the pagedkv coordinator: membership, placement, page tables and the global "
         "prefix index. Flags default to the PAGEDKV_* environment variables named in brackets.",
@@ -41,9 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--metrics-port",
-        type=int,
-        default=int(env("PAGEDKV_METRICS_PORT", "0")),
-        help="serve Prometheus /metrics on this port [PAGEDKV_METRICS_PORT] (0 = off)",
+        type=port_or_off("--metrics-port"),
+        default=env("PAGEDKV_METRICS_PORT", "off"),
+        help="serve Prometheus /metrics on this port of the --listen host [PAGEDKV_METRICS_PORT] "
+        "(0 = any free port, off = none; default off)",
     )
     p.add_argument(
         "--tenants",
@@ -53,28 +74,65 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--lease-ttl-s",
-        type=float,
-        default=float(env("PAGEDKV_LEASE_TTL_S", "3")),
+        type=positive_float("--lease-ttl-s"),
+        default=env("PAGEDKV_LEASE_TTL_S", "3"),
         help="a node is dead after this long without a heartbeat [PAGEDKV_LEASE_TTL_S] (default 3)",
     )
-    p.add_argument("--log-level", default=env("PAGEDKV_LOG_LEVEL", "INFO"), help="logging level")
-    return p  # fmt: skip
+    add_logging_args(p)
+    return p
 
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    tenants = Tenants.load(args.tenants)
-    store = open_store(args.redis or "memory://")
+    setup_logging(args.log_level, args.log_format)
+    run("pagedkv coordinator", lambda: serve(args))
+
+
+def serve(args: argparse.Namespace) -> None:
+    host, port = split_host_port(args.listen, "--listen")
+    check_port_free("gRPC", "--listen", host, port)
+    if args.metrics_port:
+        check_port_free("metrics", "--metrics-port", host, args.metrics_port)
+    try:
+        tenants = Tenants.load(args.tenants)
+    except InvalidArgument as exc:
+        raise UsageError(f"{exc} (--tenants; deploy/tenants.example.json shows the format)") from None
+    try:
+        store = open_store(args.redis or "memory://")
+    except InvalidArgument as exc:
+        raise UsageError(f"--redis: {exc} (e.g. redis://127.0.0.1:6379/0)") from None
+    try:
+        store.ping()
+    except PagedKVError as exc:
+        log.warning("Redis at %s does not answer (%s); serving UNAVAILABLE until it does", args.redis, exc)
     coordinator = Coordinator(store, CoordinatorConfig(lease_ttl_s=args.lease_ttl_s, quotas=tenants.quotas))
-    metrics = CoordinatorMetrics(coordinator)
-    server, port = create_server(coordinator, args.listen, tenants=tenants, metrics=metrics)
+    metrics = CoordinatorMetrics(
+        coordinator,
+        tenants=set(tenants.tokens.values()),
+        quotas=tenants.quotas,
+        info={"version": __version__, "store": "redis" if args.redis else "embedded"},
+    )
+    if hasattr(store, "observer"):  # the Redis store reports each call's latency and outcome
+        store.observer = metrics.observe_redis
+    try:
+        server, port = create_server(coordinator, args.listen, tenants=tenants, metrics=metrics)
+    except (OSError, RuntimeError):  # the probe above raced with another process
+        store.close()
+        raise port_in_use("gRPC", "--listen", host, port) from None
+    metrics_address = ""
+    if args.metrics_port is not None:
+        try:
+            http, _ = start_http_server(args.metrics_port, addr=host, registry=metrics.registry)
+        except OSError:
+            store.close()
+            raise port_in_use("metrics", "--metrics-port", host, args.metrics_port) from None
+        metrics_address = f"{host}:{http.server_address[1]}"
     coordinator.start()
     server.start()
-    if args.metrics_port:
-        start_http_server(args.metrics_port, registry=metrics.registry)
-    host = args.listen.rsplit(":", 1)[0]
-    print(f"pagedkv coordinator listening on {host}:{port} (store: {args.redis or 'embedded'})", flush=True)
+    shown = args.listen.rsplit(":", 1)[0]
+    print(f"pagedkv coordinator listening on {shown}:{port} (store: {args.redis or 'embedded'})", flush=True)
+    if metrics_address:
+        print(f"metrics on http://{metrics_address}/metrics", flush=True)
     done = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: done.set())

@@ -301,6 +301,11 @@ class Coordinator:
             nodes = {k: n for k, n in nodes.items() if n.spec == dict(spec)}
         return nodes
 
+    def _served_specs(self) -> str:
+        """'; live nodes serve [...]': what a refused spec could have been (for its error)."""
+        specs = list({tuple(n.spec.items()): n.spec for n in self._nodes_for(None).values()}.values())
+        return f"; live nodes serve {specs}" if specs else ""
+
     def _block_size(self, nodes: Mapping[str, NodeInfo], spec: Mapping[str, Any] | None) -> int:
         if spec:
             return int(spec["block_size"])
@@ -392,7 +397,8 @@ class Coordinator:
         self._settle(seq_id, raise_error=False)  # a reopen of this id waits for its last node call
         nodes = self._nodes_for(spec)
         if not nodes:
-            raise Unavailable("no live cache node" + (f" serves model spec {dict(spec)}" if spec else ""))
+            raise Unavailable("no live cache node" + (f" serves model spec {dict(spec)}" if spec else "")
+                              + self._served_specs())  # fmt: skip
         bs = self._block_size(nodes, spec)
         salt, root = self._salt(tenant)
         num_tokens = len(token_ids)

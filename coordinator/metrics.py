@@ -1,23 +1,36 @@
 """Prometheus metrics of the coordinator (`pagedkv_coordinator_*`), in a private
 registry. Counters are read from the Coordinator at scrape time (kept once);
-RPC latency and errors are recorded as they happen."""
+RPC latency and errors, Redis call latency and errors, and per-tenant opens and
+hits are recorded as they happen. At scrape time the store also answers the
+suspect-node count and each known tenant's block use (one round trip each; a
+store that is down leaves those out of the scrape and counts as a Redis error)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from ..protos.errors import PagedKVError
 from .core import Coordinator
 
 LATENCY_BUCKETS_S = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
 class CoordinatorCollector(Collector):
-    def __init__(self, coordinator: Coordinator) -> None:
+    def __init__(
+        self,
+        coordinator: Coordinator,
+        tenants: Iterable[str] = (),
+        quotas: Mapping[str, int] | None = None,
+        info: Mapping[str, str] | None = None,
+    ) -> None:
         self.coordinator = coordinator
+        self.tenants = sorted(set(tenants) | set(quotas or {}))
+        self.quotas = dict(quotas or {})
+        self.info = dict(info or {})
 
     def collect(self) -> Iterator[Metric]:
         c = self.coordinator.counters
@@ -42,12 +55,58 @@ class CoordinatorCollector(Collector):
         )
         reaped.add_metric([], c["nodes_reaped"])
         yield reaped
+        if self.info:
+            info = InfoMetricFamily("pagedkv_coordinator", "What this coordinator runs (version, store).")
+            info.add_metric([], self.info)
+            yield info
+        yield from self._from_store()
+
+    def _from_store(self) -> Iterator[Metric]:
+        store = self.coordinator.store
+        try:
+            suspects = len(store.expired_nodes())
+            used = {t: store.tenant_usage(t) for t in self.tenants}
+        except PagedKVError:
+            return  # the store is down: its gauges are absent, not zero
+        suspect = GaugeMetricFamily(
+            "pagedkv_coordinator_nodes_suspect",
+            "Registered nodes whose lease lapsed, not yet reaped (invisible to placement).",
+        )
+        suspect.add_metric([], suspects)
+        yield suspect
+        if not used:
+            return
+        used_blocks = GaugeMetricFamily(
+            "pagedkv_coordinator_tenant_used_blocks",
+            "KV blocks held by each tenant's sequences.",
+            labels=["tenant"],
+        )
+        quota = GaugeMetricFamily(
+            "pagedkv_coordinator_tenant_quota_blocks", "Each tenant's block quota (absent: unlimited).",
+            labels=["tenant"],
+        )  # fmt: skip
+        for tenant, n in used.items():
+            used_blocks.add_metric([tenant], n)
+            if tenant in self.quotas:
+                quota.add_metric([tenant], self.quotas[tenant])
+        yield used_blocks
+        yield quota
 
 
 class CoordinatorMetrics:
-    def __init__(self, coordinator: Coordinator, registry: CollectorRegistry | None = None) -> None:
+    def __init__(
+        self,
+        coordinator: Coordinator,
+        registry: CollectorRegistry | None = None,
+        *,
+        tenants: Iterable[str] = (),
+        quotas: Mapping[str, int] | None = None,
+        info: Mapping[str, str] | None = None,
+    ) -> None:
+        """`tenants` / `quotas`: the tenants whose block use is exported (the tenants file's);
+        `info`: the labels of pagedkv_coordinator_info (version, store)."""
         self.registry = registry or CollectorRegistry()
-        self.registry.register(CoordinatorCollector(coordinator))
+        self.registry.register(CoordinatorCollector(coordinator, tenants, quotas, info))
         self.rpc_latency = Histogram(
             "pagedkv_coordinator_rpc_latency_seconds",
             "Coordinator RPC latency by method.",
@@ -60,7 +119,41 @@ class CoordinatorMetrics:
             ["method", "code"], registry=self.registry,
         )  # fmt: skip
 
+        self.redis_latency = Histogram(
+            "pagedkv_coordinator_redis_latency_seconds", "Coordinator Redis call latency by operation.",
+            ["op"], buckets=LATENCY_BUCKETS_S, registry=self.registry,
+        )  # fmt: skip
+        self.redis_errors = Counter(
+            "pagedkv_coordinator_redis_errors", "Redis calls that failed (after retries) by operation.",
+            ["op"], registry=self.registry,
+        )  # fmt: skip
+        self.tenant_opens = Counter(
+            "pagedkv_coordinator_tenant_open",
+            "Sequences opened, by tenant.",
+            ["tenant"],
+            registry=self.registry,
+        )
+        self.tenant_prompt_tokens = Counter(
+            "pagedkv_coordinator_tenant_prompt_tokens", "Prompt tokens of opened sequences, by tenant.",
+            ["tenant"], registry=self.registry,
+        )  # fmt: skip
+        self.tenant_cached_tokens = Counter(
+            "pagedkv_coordinator_tenant_cached_tokens", "Prompt tokens cached at open, by tenant.",
+            ["tenant"], registry=self.registry,
+        )  # fmt: skip
+
     def observe(self, method: str, seconds: float, code: str) -> None:
         self.rpc_latency.labels(method).observe(seconds)
         if code != "OK":
             self.rpc_errors.labels(method, code).inc()
+
+    def observe_redis(self, op: str, seconds: float, ok: bool) -> None:
+        """RedisStore.observer: one Redis call (op is the store method's name: bounded)."""
+        self.redis_latency.labels(op).observe(seconds)
+        if not ok:
+            self.redis_errors.labels(op).inc()
+
+    def observe_open(self, tenant: str, num_prompt_tokens: int, num_cached_tokens: int) -> None:
+        self.tenant_opens.labels(tenant).inc()
+        self.tenant_prompt_tokens.labels(tenant).inc(num_prompt_tokens)
+        self.tenant_cached_tokens.labels(tenant).inc(num_cached_tokens)

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -440,10 +441,24 @@ class RedisStore(Store):
     def __repr__(self) -> str:
         return f"RedisStore({self._redis.connection_pool!r}, prefix={self._prefix!r})"
 
+    # Called after every Redis call with (op, seconds, ok) when set (the coordinator's metrics).
+    observer: Callable[[str, float, bool], None] | None = None
+
     def _call(self, what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run one Redis call, translating redis-py's errors into the pagedkv hierarchy.
 
         Returns Any: redis-py's reply types are too loose to be useful here."""
+        if self.observer is None:
+            return self._call_redis(what, fn, *args, **kwargs)
+        start, ok = time.perf_counter(), False
+        try:
+            result = self._call_redis(what, fn, *args, **kwargs)
+            ok = True
+            return result
+        finally:
+            self.observer(what, time.perf_counter() - start, ok)
+
+    def _call_redis(self, what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
         except (redis.ConnectionError, redis.TimeoutError) as e:

@@ -92,8 +92,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         def run() -> pb.CoordOpenResponse:
             if not request.seq_id:
                 raise InvalidArgument("Open needs a seq_id (the client picks one, e.g. a uuid)")
+            tenant = self._tenant(context)
             result = self.coordinator.open(
-                self._tenant(context),
+                tenant,
                 request.token_ids,
                 seq_id=request.seq_id,
                 max_cached_tokens=request.max_cached_tokens
@@ -101,6 +102,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 else None,
                 spec=spec_dict(request.spec),
             )
+            self.metrics.observe_open(tenant, len(request.token_ids), result.num_cached_tokens)
             return _open_response(result)
 
         with self.coordinator.node_calls.held():
@@ -208,5 +210,7 @@ def create_server(
         [SERVICE_NAME],
         address,
         max_workers=max_workers,
+        # as the node: a second coordinator on a taken port must fail to bind, not share its traffic
+        options=[("grpc.so_reuseport", 0)],
     )
     return GrpcServer(server, health_servicer, [SERVICE_NAME]), port

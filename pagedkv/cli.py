@@ -8,7 +8,8 @@
     pagedkv health ADDR  exit 0 when ADDR's gRPC health service says SERVING
 
 Each subcommand's module is imported only when it runs, so `pagedkv coordinator`
-never imports torch.
+never imports torch. The roles are extras of one package (`pip install 'pagedkv[node]'`):
+a command whose extra is not installed says which one to install instead of a traceback.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ import argparse
 import importlib
 import sys
 
+from pagedkv import __version__
 from pagedkv.process_env import apply_defaults
+from pagedkv.usage import fail
 
 # subcommand -> (module with main(argv), one-line help)
 SUBCOMMANDS = {
@@ -28,6 +31,24 @@ SUBCOMMANDS = {
     "coordinator": ("pagedkv.coordinator.cli", "run the coordinator"),
     "health": ("pagedkv.health", "probe a gRPC health service; exit 0 when SERVING"),
 }
+
+# an optional distribution's import name -> the extra that brings it (pyproject.toml)
+EXTRA_FOR_MODULE = {
+    "torch": "node",
+    "prometheus_client": "node",
+    "redis": "coordinator",
+    "hiredis": "coordinator",
+    "transformers": "hf",
+    "matplotlib": "hf",
+}
+# the extra each command needs as a whole (`up` and `demo` run every role on this machine)
+EXTRA_FOR_COMMAND = {"up": "all", "demo": "all", "node": "node", "coordinator": "coordinator"}
+
+
+def missing_extra_message(command: str, module: str) -> str:
+    extra = EXTRA_FOR_COMMAND.get(command) or EXTRA_FOR_MODULE[module]
+    return (f"`pagedkv {command}` needs {module}, which is not installed: "
+            f"pip install 'pagedkv[{extra}]'")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -42,11 +63,20 @@ def main(argv: list[str] | None = None) -> None:
     sub = parser.add_subparsers(dest="command", metavar="<command>")
     for name, (_, help_text) in SUBCOMMANDS.items():
         sub.add_parser(name, help=help_text, add_help=False)
+    parser.add_argument("-V", "--version", action="version", version=f"pagedkv {__version__}")
     if not argv or argv[0] in ("-h", "--help"):
         parser.print_help()
         raise SystemExit(0 if argv else 2)
+    if argv[0] in ("-V", "--version"):
+        parser.parse_args(argv[:1])
     name, rest = argv[0], argv[1:]
     if name not in SUBCOMMANDS:
-        parser.error(f"unknown command {name!r}; choose one of {', '.join(SUBCOMMANDS)}")
-    module = importlib.import_module(SUBCOMMANDS[name][0])
-    module.main(rest)
+        fail("pagedkv", f"unknown command {name!r}; choose one of {', '.join(SUBCOMMANDS)}")
+    try:
+        module = importlib.import_module(SUBCOMMANDS[name][0])
+        module.main(rest)
+    except ModuleNotFoundError as exc:
+        root = (exc.name or "").split(".")[0]
+        if root not in EXTRA_FOR_MODULE:
+            raise
+        fail("pagedkv", missing_extra_message(name, root))

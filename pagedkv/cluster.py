@@ -2,6 +2,11 @@
 nodes on free ports, with Redis when one is given or a `redis-server` is on the
 PATH (started on a free port), else the coordinator's embedded store.
 
+The nodes serve one model shape: flags (--num-layers, --num-kv-heads, --head-dim,
+--dtype, --block-size) or a transformers model's config.json (--model PATH). It
+prints every port it opened: each process's gRPC address, each node's bulk KV port
+and every /metrics endpoint.
+
 `LocalCluster` is also what the demo and the integration tests start, so the
 path a newcomer runs is the path the tests check.
 """
@@ -23,9 +28,13 @@ from pathlib import Path
 import grpc
 
 from .health import check as health_check
+from .model_config import kv_shape
 from .process_env import child_env
 from .protos import pagedkv_pb2 as pb
 from .protos import pagedkv_pb2_grpc as pb_grpc
+from .protos.errors import InvalidArgument
+from .protos.spec import ModelSpec
+from .usage import UsageError, available_memory_bytes, human_bytes, parse_bytes, positive_int, run
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -62,6 +71,23 @@ class NodeOptions:
             "dtype": self.dtype, "block_size": self.block_size,
         }  # fmt: skip
 
+    def describe(self) -> str:
+        s = ModelSpec(**self.spec())
+        pool = human_bytes(self.num_blocks * s.bytes_per_block)
+        return (f"{s.num_layers} layers x {s.num_kv_heads} KV heads x head_dim {s.head_dim}, {s.dtype}, "
+                f"{s.block_size} tokens/block; per node {self.num_blocks} blocks ({pool}) "
+                f"+ {self.host_blocks} host blocks")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class NodeEndpoints:
+    """What one running node listens on."""
+
+    node_id: str
+    address: str
+    bulk_port: int  # 0: off
+    metrics_address: str  # "": off
+
 
 @dataclass
 class LocalCluster:
@@ -74,7 +100,9 @@ class LocalCluster:
     log_dir: str = ""
     tenants_file: str = ""
     coordinator_address: str = ""
+    coordinator_metrics_port: int | None = 0  # 0: a free one picked at start; None: off
     node_addresses: list[str] = field(default_factory=list)
+    node_metrics_ports: list[int] = field(default_factory=list)
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     store: str = "embedded"
 
@@ -95,13 +123,22 @@ class LocalCluster:
         while time.monotonic() < deadline:
             proc = self.procs[name]
             if proc.poll() is not None:
-                raise RuntimeError(f"{name} exited with {proc.returncode}; see {self.log_dir}/{name}.log")
+                raise RuntimeError(f"{name} exited with {proc.returncode}: {self.last_log_line(name)} "
+                                   f"(log: {self.log_dir}/{name}.log)")  # fmt: skip
             if health_check(address, timeout_s=1.0) == "SERVING":
                 return
             time.sleep(0.05)
         raise TimeoutError(
             f"{name} at {address} not healthy after {timeout_s}s; see {self.log_dir}/{name}.log"
         )
+
+    def last_log_line(self, name: str) -> str:
+        """The last line a process wrote (a failed pagedkv command's one-line error)."""
+        try:
+            lines = (Path(self.log_dir) / f"{name}.log").read_text(errors="replace").strip().splitlines()
+        except OSError:
+            return ""
+        return lines[-1] if lines else ""
 
     def start(self) -> LocalCluster:
         if not self.log_dir:
@@ -135,6 +172,10 @@ class LocalCluster:
         port = int(self.coordinator_address.rsplit(":", 1)[1]) if self.coordinator_address else free_port()
         self.coordinator_address = f"{self.host}:{port}"
         args = ["coordinator", f"--listen={self.coordinator_address}", f"--lease-ttl-s={self.lease_ttl_s}"]
+        if self.coordinator_metrics_port == 0:
+            self.coordinator_metrics_port = free_port(self.host)  # kept across restarts
+        if self.coordinator_metrics_port is not None:
+            args.append(f"--metrics-port={self.coordinator_metrics_port}")
         if self.redis_url:
             args.append(f"--redis={self.redis_url}")
         if self.tenants_file:
@@ -149,8 +190,11 @@ class LocalCluster:
         else:
             address = f"{self.host}:{free_port()}"
             self.node_addresses.append(address)
+        if i >= len(self.node_metrics_ports):  # picked here, so the cluster knows it; kept across restarts
+            self.node_metrics_ports.append(free_port(self.host))
         args = ["node", f"--listen={address}", f"--node-id={name}", f"--advertise={address}",
-                f"--coordinator={self.coordinator_address}", "--metrics-port=0"]  # fmt: skip
+                f"--coordinator={self.coordinator_address}",
+                f"--metrics-port={self.node_metrics_ports[i]}"]  # fmt: skip
         args += self.node.args()
         self._pagedkv(name, args)
         self._wait_healthy(name, address)
@@ -193,15 +237,36 @@ class LocalCluster:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
+    def endpoints(self) -> list[NodeEndpoints]:
+        """Every node's gRPC, bulk (from its Stats) and metrics endpoints."""
+        out = []
+        for i, address in enumerate(self.node_addresses):
+            with grpc.insecure_channel(address) as channel:
+                bulk = pb_grpc.CacheNodeStub(channel).Stats(pb.Empty(), timeout=5).bulk_port
+            metrics = f"{self.host}:{self.node_metrics_ports[i]}" if i < len(self.node_metrics_ports) else ""
+            out.append(NodeEndpoints(f"node-{i}", address, bulk, metrics))
+        return out
+
     def describe(self) -> str:
-        lines = [f"coordinator  {self.coordinator_address}   (store: {self.store})"]
-        lines += [f"node-{i}       {a}" for i, a in enumerate(self.node_addresses)]
+        """One line per process with every port it opened (the first word after the name is
+        its gRPC address), then the model shape and the log folder."""
+        metrics = (f"   metrics http://{self.host}:{self.coordinator_metrics_port}/metrics"
+                   if self.coordinator_metrics_port else "")  # fmt: skip
+        lines = [f"coordinator  {self.coordinator_address}{metrics}   (store: {self.store})"]
+        for e in self.endpoints():
+            host = e.address.rsplit(":", 1)[0]
+            bulk = f"   bulk {host}:{e.bulk_port}" if e.bulk_port else "   bulk off"
+            node_metrics = f"   metrics http://{e.metrics_address}/metrics" if e.metrics_address else ""
+            lines.append(f"{e.node_id:<12} {e.address}{bulk}{node_metrics}")
+        lines.append(f"model spec   {self.node.describe()}")
         lines.append(f"logs         {self.log_dir}")
         return "\n".join(lines)
 
 
 def add_cluster_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--nodes", type=int, default=2, help="cache nodes to start (default 2)")
+    p.add_argument(
+        "--nodes", type=positive_int("--nodes"), default=2, help="cache nodes to start (default 2)"
+    )
     p.add_argument(
         "--redis", default="", help="use this Redis (redis://host:port/db) instead of starting one"
     )
@@ -210,31 +275,121 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="use the coordinator's embedded store even when redis-server is on the PATH",
     )
-    p.add_argument("--num-blocks", type=int, default=2048, help="device blocks per node (default 2048)")
-    p.add_argument("--host-blocks", type=int, default=1024, help="host-tier blocks per node (default 1024)")
+    p.add_argument(
+        "--num-blocks",
+        type=positive_int("--num-blocks"),
+        default=None,
+        help="device blocks per node (default 2048, or what --pool-bytes holds)",
+    )
+    p.add_argument(
+        "--pool-bytes",
+        type=parse_bytes,
+        default=None,
+        help="device pool per node in bytes, e.g. 256MiB (instead of --num-blocks)",
+    )
+    p.add_argument("--host-blocks", type=int, default=None, help="host-tier blocks per node (default 1024)")
+    p.add_argument(
+        "--host-bytes",
+        type=parse_bytes,
+        default=None,
+        help="host tier per node in bytes (instead of --host-blocks; 0 = none)",
+    )
     p.add_argument("--policy", choices=["lru", "lfu", "score"], default="lru", help="eviction policy")
-    p.add_argument("--lease-ttl-s", type=float, default=3.0, help="node lease (default 3 s)")  # fmt: skip
-    p.add_argument("--bulk-port", choices=["auto", "off"], default="auto",
-                   help="each node's bulk KV port for large transfers (default: a free one)")  # fmt: skip
+    p.add_argument("--lease-ttl-s", type=float, default=3.0, help="node lease (default 3 s)")
+    p.add_argument(
+        "--bulk-port",
+        choices=["auto", "off"],
+        default="auto",
+        help="each node's bulk KV port for large transfers (default: a free one)",
+    )
+    p.add_argument("--coordinator-port", type=int, default=0,
+                   help="the coordinator's gRPC port (default: a free one)")  # fmt: skip
+
+
+def add_shape_args(p: argparse.ArgumentParser) -> None:
+    """The model shape the nodes serve: --model PATH (a transformers config.json) and/or flags,
+    flags winning. Without either, the small float32 shape NodeOptions defaults to."""
+    g = p.add_argument_group("model spec (the KV shape every node serves; must match the workers' model)")
+    g.add_argument(
+        "--model",
+        default="",
+        help="a transformers model folder (or its config.json): "
+        "layers, KV heads, head_dim and dtype come from it",
+    )
+    g.add_argument("--num-layers", type=positive_int("--num-layers"), help="transformer layers (default 2)")
+    g.add_argument(
+        "--num-kv-heads", type=positive_int("--num-kv-heads"), help="KV heads per layer (default 2)"
+    )
+    g.add_argument("--head-dim", type=positive_int("--head-dim"), help="head dimension (default 32)")
+    g.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="KV dtype (default float32)")
+    g.add_argument("--block-size", type=positive_int("--block-size"), help="tokens per block (default 16)")
+    # fmt: on
+
+
+def node_options_from_args(args: argparse.Namespace) -> NodeOptions:
+    """The NodeOptions of add_shape_args' flags (the model's config first, then each flag)."""
+    shape: dict = kv_shape(args.model) if args.model else {}
+    for name in ("num_layers", "num_kv_heads", "head_dim", "dtype", "block_size"):
+        if getattr(args, name) is not None:
+            shape[name] = getattr(args, name)
+    return NodeOptions(**shape)
 
 
 def cluster_from_args(args: argparse.Namespace, node: NodeOptions | None = None) -> LocalCluster:
     node = node or NodeOptions()
-    node.num_blocks, node.host_blocks, node.policy = args.num_blocks, args.host_blocks, args.policy
+    try:
+        spec = ModelSpec(**node.spec())
+    except InvalidArgument as exc:
+        raise UsageError(str(exc)) from None
+    if args.num_blocks is not None:
+        node.num_blocks = args.num_blocks
+    elif args.pool_bytes is not None:
+        node.num_blocks = spec.blocks_for_bytes(args.pool_bytes)
+        if node.num_blocks < 1:
+            raise UsageError(f"--pool-bytes {args.pool_bytes} holds no block of {spec.bytes_per_block} B")
+    if args.host_blocks is not None:
+        node.host_blocks = args.host_blocks
+    elif args.host_bytes is not None:
+        node.host_blocks = spec.blocks_for_bytes(args.host_bytes)
+    node.policy = args.policy
     node.bulk_port = getattr(args, "bulk_port", "auto")
+    port = getattr(args, "coordinator_port", 0)
     return LocalCluster(args.nodes, node, redis_url=args.redis, use_redis=not args.embedded,
-                        lease_ttl_s=args.lease_ttl_s)  # fmt: skip
+                        lease_ttl_s=args.lease_ttl_s,
+                        coordinator_address=f"127.0.0.1:{port}" if port else "")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="pagedkv up", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    from .usage import Parser
+
+    p = Parser(prog="pagedkv up", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_cluster_args(p)
+    add_shape_args(p)
     args = p.parse_args(argv)
-    cluster = cluster_from_args(args)
+    run("pagedkv up", lambda: up(args))
+
+
+def up(args: argparse.Namespace) -> None:
+    cluster = cluster_from_args(args, node_options_from_args(args))
+    node, bytes_per_block = cluster.node, ModelSpec(**cluster.node.spec()).bytes_per_block
+    need = cluster.num_nodes * (node.num_blocks + node.host_blocks) * bytes_per_block
+    have = available_memory_bytes()
+    if have is not None and need > have:  # each node checks its own pool; this is all of them
+        raise UsageError(
+            f"{cluster.num_nodes} nodes of {node.num_blocks} + {node.host_blocks} host blocks need "
+            f"{human_bytes(need)}, this machine has {human_bytes(have)} available: lower --num-blocks / "
+            "--pool-bytes, --host-blocks / --host-bytes or --nodes"
+        )
+    if args.coordinator_port:
+        from .usage import check_port_free
+
+        check_port_free("coordinator gRPC", "--coordinator-port", cluster.host, args.coordinator_port)
     print("starting a local pagedkv cluster ...", flush=True)
     try:
-        cluster.start()
+        try:
+            cluster.start()
+        except (RuntimeError, TimeoutError) as exc:
+            raise UsageError(f"{exc}") from None
         print(cluster.describe(), flush=True)
         print("Ctrl-C stops everything. `pagedkv status --coordinator "
               f"{cluster.coordinator_address}` shows usage.", flush=True)  # fmt: skip

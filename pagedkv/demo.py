@@ -12,16 +12,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import queue
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 import numpy as np
 
-from .cluster import LocalCluster, NodeOptions, add_cluster_args
+from .cluster import LocalCluster, NodeOptions, add_cluster_args, cluster_from_args
+from .usage import Parser, UsageError, run
 
 
 def make_requests(args: argparse.Namespace, vocab: int) -> list[list[dict]]:
@@ -55,20 +58,36 @@ def run_workers(
         )  # fmt: skip
         for reqs in per_worker
     ]
-    results: list[dict] = []
-    total = sum(len(r) for r in per_worker)
-    for w, proc in enumerate(procs):
+    # One reader thread per worker feeds one queue, so progress prints as each request finishes,
+    # interleaved across workers (reading the pipes in turn would print worker 0's to the end first).
+    lines: queue.Queue[tuple[int, str | None]] = queue.Queue()
+
+    def read(w: int, proc: subprocess.Popen) -> None:
         assert proc.stdout is not None
         for line in proc.stdout:
-            row = json.loads(line)
-            row["worker"] = w
-            results.append(row)
-            print(f"  [{len(results):>3}/{total}] worker {w} request {row['request']:>3}: "
-                  f"{row['cached_tokens']:>4}/{row['prompt_tokens']} prompt tokens cached, "
-                  f"TTFT {row['ttft_s'] * 1e3:6.1f} ms (recompute {row['ttft_local_s'] * 1e3:6.1f} ms)",
-                  flush=True)  # fmt: skip
+            lines.put((w, line))
+        lines.put((w, None))
+
+    readers = [threading.Thread(target=read, args=(w, proc), daemon=True) for w, proc in enumerate(procs)]
+    for reader in readers:
+        reader.start()
+    results: list[dict] = []
+    total, running = sum(len(r) for r in per_worker), len(procs)
+    while running:
+        w, line = lines.get()
+        if line is None:
+            running -= 1
+            continue
+        row = json.loads(line)
+        row["worker"] = w
+        results.append(row)
+        print(f"  [{len(results):>3}/{total}] worker {w} request {row['request']:>3}: "
+              f"{row['cached_tokens']:>4}/{row['prompt_tokens']} prompt tokens cached, "
+              f"TTFT {row['ttft_s'] * 1e3:6.1f} ms (recompute {row['ttft_local_s'] * 1e3:6.1f} ms)",
+              flush=True)  # fmt: skip
+    for w, proc in enumerate(procs):
         if proc.wait() != 0:
-            raise SystemExit(f"demo worker {w} failed with exit code {proc.returncode}")
+            raise UsageError(f"demo worker {w} failed with exit code {proc.returncode} (its error is above)")
     return sorted(results, key=lambda r: r["request"])
 
 
@@ -106,7 +125,7 @@ def summarize(results: list[dict], usage: dict[str, dict[str, int]], block_size:
     }
 
 
-def plot(results: list[dict], summary: dict, path: Path) -> None:
+def plot(results: list[dict], summary: dict, path: Path, block_size: int = 16) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -124,7 +143,7 @@ def plot(results: list[dict], summary: dict, path: Path) -> None:
     )
     ax.plot(order, [1e3 * r["ttft_s"] for r in results], "o-", color="#1f77b4", label="pagedkv shared cache")
     ax.set(xlabel="request (arrival order)", ylabel="time to first token (ms)", title="Time to first token")
-    ax.legend()
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2, frameon=False)  # below: off the points
     ax = axes[1]
     hit = [r["cached_tokens"] / r["prompt_tokens"] for r in results]
     running = np.cumsum([r["cached_tokens"] for r in results]) / np.cumsum(
@@ -138,16 +157,24 @@ def plot(results: list[dict], summary: dict, path: Path) -> None:
         ylim=(0, 1),
         title=f"Prefix hit rate {summary['hit_rate']:.0%} ({summary['prefill_tokens_saved']} tokens saved)",
     )
-    ax.legend(loc="lower right")
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2, frameon=False)
     ax = axes[2]
+    # What each node's pool did for the run: the blocks it keeps cached, the blocks prefix hits
+    # reused (hit tokens / block size; a block reused by n requests counts n times) and its
+    # host tier. Free blocks are left out: a demo-sized workload leaves most of the pool free.
     names = sorted(summary["nodes"])
-    bottom = np.zeros(len(names))
-    for state, color in (("used_blocks", "#d62728"), ("cached_blocks", "#1f77b4"), ("free_blocks", "#ddd")):
-        values = np.array([summary["nodes"][n][state] for n in names])
-        ax.bar(names, values, bottom=bottom, color=color, label=state.replace("_", " "))
-        bottom += values
-    ax.set(ylabel="blocks", title="Per-node pool after the run")
-    ax.legend()
+    nodes = [summary["nodes"][n] for n in names]
+    x = np.arange(len(names))
+    bars = (("cached blocks", [c["cached_blocks"] for c in nodes], "#1f77b4"),
+            ("blocks reused by hits", [c["prefix_hit_tokens"] // block_size for c in nodes], "#2ca02c"),
+            ("host-tier blocks", [c["host_cached_blocks"] + c["host_used_blocks"] for c in nodes],
+             "#9467bd"))  # fmt: skip
+    for i, (label, values, color) in enumerate(bars):
+        ax.bar(x + (i - 1) * 0.27, values, width=0.27, color=color, label=label)
+    ax.set_xticks(x, names)
+    pool = nodes[0]["num_blocks"] if nodes else 0
+    ax.set(ylabel="blocks", title=f"What each node's pool held and served ({pool} blocks each)")
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=3, frameon=False, fontsize="small")
     fig.suptitle("pagedkv demo: workers sharing system prompts through a local cluster")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -155,8 +182,7 @@ def plot(results: list[dict], summary: dict, path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="pagedkv demo", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p = Parser(prog="pagedkv demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_cluster_args(p)
     p.add_argument("--workers", type=int, default=3, help="worker processes (default 3)")
     p.add_argument("--requests", type=int, default=4, help="requests per worker (default 4)")
@@ -169,22 +195,23 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="pagedkv-demo", help="folder for demo.png and demo.json")
     args = p.parse_args(argv)
+    run("pagedkv demo", lambda: demo(args))
 
+
+def demo(args: argparse.Namespace) -> None:
     from .client.transformers import demo_model, node_spec
 
     t0 = time.perf_counter()
     model, config = demo_model(seed=args.seed, num_layers=args.layers, hidden_size=args.hidden, num_heads=8,
                                num_kv_heads=2)  # fmt: skip
     spec = node_spec(config, block_size=16)
-    node = NodeOptions(*spec.to_dict().values())
-    node.num_blocks, node.host_blocks, node.policy = args.num_blocks, args.host_blocks, args.policy
+    cluster = cluster_from_args(args, NodeOptions(*spec.to_dict().values()))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="pagedkv-demo-") as tmp:
         model_dir = Path(tmp) / "model"
         model.save_pretrained(model_dir)
-        cluster = LocalCluster(args.nodes, node, redis_url=args.redis, use_redis=not args.embedded,
-                               lease_ttl_s=args.lease_ttl_s, log_dir=tmp)  # fmt: skip
+        cluster.log_dir = tmp
         print(f"model: Llama, {args.layers} layers, hidden {args.hidden}, random weights (seed {args.seed})")
         print("starting a local cluster ...", flush=True)
         with cluster:
@@ -198,7 +225,7 @@ def main(argv: list[str] | None = None) -> None:
     summary = summarize(results, usage, spec.block_size)
     summary["store"] = cluster.store
     (out / "demo.json").write_text(json.dumps({"summary": summary, "requests": results}, indent=1))
-    plot(results, summary, out / "demo.png")
+    plot(results, summary, out / "demo.png", spec.block_size)
     report(summary, usage)
     print(f"plot: {out / 'demo.png'}   data: {out / 'demo.json'}   ({time.perf_counter() - t0:.0f} s)")
 

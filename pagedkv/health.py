@@ -3,10 +3,10 @@ reports SERVING (for docker healthchecks and scripts), 1 otherwise."""
 
 from __future__ import annotations
 
-import argparse
-
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from .usage import Parser
 
 
 def check(address: str, service: str = "", timeout_s: float = 2.0) -> str:
@@ -22,7 +22,7 @@ def check(address: str, service: str = "", timeout_s: float = 2.0) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="pagedkv health", description=__doc__)
+    parser = Parser(prog="pagedkv health", description=__doc__)
     parser.add_argument("address", help="host:port of a pagedkv node or coordinator")
     parser.add_argument("--service", default="", help="service name to ask about ('' = the whole server)")
     parser.add_argument("--timeout-s", type=float, default=2.0, help="deadline of the check (default 2)")

@@ -11,13 +11,14 @@ from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from .status import abort_details
 
 T = TypeVar("T")
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
 
 
 class GrpcServer:
@@ -62,7 +63,17 @@ def build_server(
     for name in ("", *names):
         health_servicer.set(name, NOT_SERVING)
     health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
-    reflection.enable_server_reflection((*names, health_name, reflection.SERVICE_NAME), server)
+    listed = (*names, health_name, reflection.SERVICE_NAME, REFLECTION_V1)
+    reflection.enable_server_reflection(listed, server)
+    # grpcio-reflection ships v1alpha only; v1's messages are the same on the wire, so the same
+    # servicer answers v1 clients (grpcurl, Postman) under the v1 service name.
+    v1 = reflection.ReflectionServicer(listed)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(REFLECTION_V1, {
+        "ServerReflectionInfo": grpc.stream_stream_rpc_method_handler(
+            v1.ServerReflectionInfo,
+            request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
+            response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString,
+        )}),))  # fmt: skip
     port = server.add_insecure_port(address)
     if port == 0:
         raise OSError(f"could not bind a gRPC server to {address}")

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 
 PAGEDKV = [sys.executable, "-m", "pagedkv"]
 
@@ -30,6 +32,13 @@ def test_up_prints_addresses_serves_status_and_stops_cleanly_on_ctrl_c(tmp_path)
         coordinator = next(ln.split()[1] for ln in lines if ln.startswith("coordinator"))
         nodes = [ln.split()[1] for ln in lines if ln.startswith("node-")]
         assert len(nodes) == 2
+        # every port it opened is printed: each node's bulk port, every /metrics endpoint
+        assert re.search(r"^coordinator +\S+ +metrics http://127\.0\.0\.1:\d+/metrics", text, re.M), text
+        node_line = r"^node-\d +\S+ +bulk 127\.0\.0\.1:\d+ +metrics http://\S+/metrics"
+        assert len(re.findall(node_line, text, re.M)) == 2, text
+        assert "model spec   2 layers x 2 KV heads x head_dim 32, float32" in text
+        for url in re.findall(r"metrics (http://\S+/metrics)", text):
+            assert "pagedkv_" in urllib.request.urlopen(url, timeout=10).read().decode()
         status = subprocess.run([*PAGEDKV, "status", "--coordinator", coordinator], capture_output=True,
                                 text=True, timeout=60)  # fmt: skip
         assert status.returncode == 0, status.stderr

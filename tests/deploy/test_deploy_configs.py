@@ -35,8 +35,21 @@ METRICS = {
     "pagedkv_coordinator_nodes_live",
     "pagedkv_coordinator_open_total",
     "pagedkv_coordinator_cached_tokens_total",
+    # tests/deploy/test_observability.py checks each of these against a running process
+    "pagedkv_prefix_cache_host_hits_tokens_total",
+    "pagedkv_swap_bytes_total",
+    "pagedkv_node_info",
+    "pagedkv_coordinator_info",
+    "pagedkv_coordinator_nodes_suspect",
+    "pagedkv_coordinator_tenant_open_total",
+    "pagedkv_coordinator_tenant_prompt_tokens_total",
+    "pagedkv_coordinator_tenant_cached_tokens_total",
+    "pagedkv_coordinator_tenant_used_blocks",
+    "pagedkv_coordinator_tenant_quota_blocks",
+    "pagedkv_coordinator_redis_latency_seconds",
+    "pagedkv_coordinator_redis_errors_total",
 }
-HISTOGRAMS = {"pagedkv_rpc_latency_seconds"}
+HISTOGRAMS = {"pagedkv_rpc_latency_seconds", "pagedkv_coordinator_redis_latency_seconds"}
 # A histogram is queried through its series; a bare histogram name is not a series.
 SERIES = (METRICS - HISTOGRAMS) | {f"{h}{s}" for h in HISTOGRAMS for s in ("_bucket", "_sum", "_count")}
 
@@ -106,8 +119,11 @@ def test_dockerfile(name: str) -> None:
                 assert (ROOT / src).exists(), f"{name} copies {src}, which does not exist"
 
 
-def test_pyproject_pins_the_same_torch() -> None:
-    assert f'"{TORCH_PIN}"' in (ROOT / "pyproject.toml").read_text()
+def test_constraints_pin_the_same_torch() -> None:
+    lines = (ROOT / "constraints.txt").read_text().splitlines()
+    pins = [ln.strip() for ln in lines if ln.startswith("torch")]
+    assert pins == [TORCH_PIN]
+    assert "torch==" not in (ROOT / "pyproject.toml").read_text()  # the package itself declares a range
 
 
 def test_dockerignore() -> None:
