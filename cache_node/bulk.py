@@ -1,7 +1,7 @@
 """The node's bulk listener: large Append / ReadKV ranges, and the per-step
 Attend / AttendPrefillBatch calls, over raw TCP.
 
-The protocol is documented in pagedkv.protos.bulk. This side owns the sockets:
+The protocol is docs/bulk-protocol.md, its codec protos/wire/. This side owns the sockets:
 one thread accepts, one thread serves each connection (at most
 `max_connections`; a connection over the limit is closed at once and the
 client falls back to gRPC). Requests on a connection run one at a time.
@@ -32,25 +32,21 @@ slab of a read from the pool straight into a slot of a small ring in the region.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
-import math
 import os
 import socket
 import struct
 import threading
 import time
 from collections.abc import Sequence
-from typing import NamedTuple
 
 import numpy as np
 import torch
 
-from ..protos import bulk
-from ..protos.bulk import Frame, ProtocolError
+from ..protos import wire
 from ..protos.errors import CapacityExceeded, InvalidArgument, PagedKVError
-from ..protos.status import status_for
 from ..protos.tensors import DTYPE_NAMES, TORCH_DTYPES, tensor_at, tokens_per_chunk
+from ..protos.wire import Frame, ProtocolError, Status
 from .engine import CacheEngine
 from .metrics import NodeMetrics
 from .shm import Region, local_listener, map_region, write_results
@@ -65,11 +61,9 @@ READ_SLAB_BYTES = 2 << 20
 # until the client took nearly all of it; with room for two slabs the node copies the
 # next one out of the pool while the client drains this one (TCP autotunes to this).
 LOCAL_SNDBUF_BYTES = 4 << 20
-
-
-def _byte_view(t: torch.Tensor) -> memoryview:
-    """A writable flat byte view of a contiguous CPU tensor (any dtype, bfloat16 too)."""
-    return t.reshape(-1).view(torch.uint8).numpy().data
+# Ops only a same-host (Unix socket) connection carries: they name its region.
+LOCAL_OPS = frozenset({wire.OP_MAP, wire.OP_ATTEND_SHM, wire.OP_ATTEND_PREFILL_BATCH_SHM, wire.OP_READ_SHM})
+_IDS = wire.IdsMemo()  # the last CALL's sequence ids, shared by the connections' threads
 
 
 class _StagingPool:
@@ -126,6 +120,8 @@ class BulkServer:
         listener = local_listener(max_connections) if local else None
         self._local_sock: socket.socket | None = None if listener is None else listener[0]
         self.local_name = "" if listener is None else listener[1]
+        # What HELLO advertises and the loop serves (a test may narrow it to play a smaller node).
+        self.ops = frozenset(wire.OP_NAMES) - (frozenset() if listener else LOCAL_OPS)
         self._max_connections = max_connections
         self._staging = _StagingPool(max_staging_bytes)
         self._conns: dict[socket.socket, threading.Thread] = {}
@@ -193,38 +189,40 @@ class BulkServer:
     def _serve(self, conn: socket.socket, is_local: bool = False) -> None:
         """One connection's requests, in order. A local (Unix socket) connection
         may also carry MAP and ATTEND*_SHM; its region is unmapped when it ends."""
-        head, body = bytearray(bulk.FRAME.size), _CallBuffer()
+        head, body = bytearray(wire.FRAME.size), _CallBuffer()
         fds: list[int] | None = [] if is_local else None
         region: Region | None = None
         try:
-            while (frame := bulk.read_frame(conn, eof_ok=True, buf=head, fds=fds)) is not None:
-                if frame.op in (bulk.OP_ATTEND, bulk.OP_ATTEND_PREFILL_BATCH):
-                    self._call(conn, frame, body)
-                elif frame.op == bulk.OP_PING:
-                    self._ping(conn, frame)
-                elif frame.op == bulk.OP_HELLO:
-                    self._hello(conn, frame)
-                elif frame.op == bulk.OP_MAP and fds is not None:
-                    region = self._map(conn, frame, fds, region)
-                elif frame.op in bulk.SHM_OPS and fds is not None:
-                    self._shm_call(conn, frame, region)
-                elif frame.op == bulk.OP_READ_SHM and fds is not None:
-                    self._read_shm(conn, frame, region)
-                elif frame.op == bulk.OP_APPEND:
-                    self._append(conn, frame)
-                elif frame.op == bulk.OP_READ:
-                    self._read(conn, frame)
-                elif frame.op == bulk.OP_OPEN:
-                    self._open(conn, frame)
-                else:
+            while (frame := wire.read_frame(conn, eof_ok=True, buf=head, fds=fds)) is not None:
+                if frame.op not in self.ops or (frame.op in LOCAL_OPS and fds is None):
                     self._reply_error(conn, frame, InvalidArgument(f"bulk: unknown op {frame.op}"))
                     return  # its payload's framing is unknown: close
+                if frame.op in (wire.OP_ATTEND, wire.OP_ATTEND_PREFILL_BATCH):
+                    self._call(conn, frame, body)
+                elif frame.op == wire.OP_PING:
+                    self._ping(conn, frame)
+                elif frame.op == wire.OP_HELLO:
+                    self._hello(conn, frame)
+                elif frame.op == wire.OP_MAP:
+                    assert fds is not None
+                    region = self._map(conn, frame, fds, region)
+                elif frame.op in wire.SHM_OPS:
+                    self._shm_call(conn, frame, region)
+                elif frame.op == wire.OP_READ_SHM:
+                    self._read_shm(conn, frame, region)
+                elif frame.op == wire.OP_APPEND:
+                    self._append(conn, frame)
+                elif frame.op == wire.OP_READ:
+                    self._read(conn, frame)
+                else:
+                    self._open(conn, frame)
                 _close_fds(fds)  # descriptors sent with another op than MAP
         except ProtocolError as exc:
             self._bump("num_dropped")
             logger.info("bulk connection dropped: %s", exc)
             with contextlib.suppress(OSError):  # tell the peer why, if it still listens
-                conn.sendall(Frame(0, status=3, text=f"bulk protocol error: {exc}").pack())
+                error = Frame(0, status=Status.INVALID_ARGUMENT, text=f"bulk protocol error: {exc}")
+                conn.sendall(error.pack())
         except OSError as exc:  # reset, broken pipe, stop()
             self._bump("num_dropped")
             logger.info("bulk connection lost: %s", exc)
@@ -241,12 +239,12 @@ class BulkServer:
 
     def _reply_error(self, conn: socket.socket, frame: Frame, exc: Exception) -> str:
         """Send exc as the reply's status; returns the status code's name."""
-        code, details, cls = status_for(exc)
         if not isinstance(exc, PagedKVError):
             logger.error("bulk %s failed", frame.op, exc_info=exc)
         self._bump("num_errors")
-        conn.sendall(Frame(frame.op, frame.request_id, status=code.value[0], text=details, extra=cls).pack())
-        return str(code.name)
+        reply, name = wire.error_frame(frame.op, frame.request_id, exc)
+        conn.sendall(reply.pack())
+        return name
 
     def _bump(self, counter: str) -> None:
         with self._lock:
@@ -257,7 +255,7 @@ class BulkServer:
         view = memoryview(scratch)
         while num_bytes > 0:
             chunk = view[: min(len(view), num_bytes)]
-            bulk.recv_exact(conn, chunk, "a refused payload")
+            wire.recv_exact(conn, chunk, "a refused payload")
             num_bytes -= len(chunk)
 
     # -- ATTEND, ATTEND_PREFILL_BATCH, PING ----------------------------------------
@@ -275,17 +273,18 @@ class BulkServer:
             self._drain(conn, f.payload_len)
             self._reply_error(conn, f, InvalidArgument("bulk hello: the request carries no payload"))
             return
-        conn.sendall(Frame(f.op, f.request_id, text=self.local_name).pack())  # set-up: not counted
+        caps = wire.Capabilities(self.ops, self.local_name).encode()
+        conn.sendall(Frame(f.op, f.request_id, payload_len=len(caps)).pack() + caps)  # set-up: not counted
 
     def _call(self, conn: socket.socket, f: Frame, body: _CallBuffer) -> None:
         """One Attend / AttendPrefillBatch: the whole body is read into the
         connection's reused buffer before anything is checked or changed; the
         engine call is the gRPC handler's, so are its validation and errors."""
-        if f.payload_len > bulk.MAX_CALL_BYTES:  # cannot be drained in bounded time: close
-            raise ProtocolError(f"call body of {f.payload_len} bytes exceeds {bulk.MAX_CALL_BYTES}")
-        data = _byte_view(body.take(f.payload_len))
+        if f.payload_len > wire.MAX_CALL_BYTES:  # cannot be drained in bounded time: close
+            raise ProtocolError(f"call body of {f.payload_len} bytes exceeds {wire.MAX_CALL_BYTES}")
+        data = wire.byte_view(body.take(f.payload_len))
         # the connection is blocking: the whole body in one recv (a batch-32 q is 512 KiB)
-        bulk.recv_exact(conn, data, "call body", socket.MSG_WAITALL)
+        wire.recv_exact(conn, data, "call body", socket.MSG_WAITALL)
         self._attend(conn, f, f.op, data)
 
     def _attend(
@@ -297,15 +296,15 @@ class BulkServer:
         compute thread when it has one: the reply leaves as soon as the results exist).
         region: the connection's shared region, whose [out_at, +out_len) area a
         decode writes out and lse into in place, and the results are copied to."""
-        method = "Attend" if op == bulk.OP_ATTEND else "AttendPrefillBatch"
+        method = "Attend" if op == wire.OP_ATTEND else "AttendPrefillBatch"
         e = self.engine
         try:
-            call = _parse_call(op, data)
+            call = wire.decode_call(op, data, _IDS)
             area = None if region is None else region.memory(out_at, out_len, "the result area")
-            dst = None if area is None or op != bulk.OP_ATTEND else _decode_destination(call.q, area)
+            dst = None if area is None or op != wire.OP_ATTEND else _decode_destination(call.q, area)
             # the reply when the decode kernel writes into the region, built while this process's
             # caches are warm (after a long engine call they are cold: ~50 µs for these few lines)
-            placed_reply = b"" if dst is None else self._reply_head(f, dst, bulk.PLACED_REGION)
+            placed_reply = b"" if dst is None else self._reply_head(f, dst, wire.PLACED_REGION)
         except Exception as exc:
             self._refuse(conn, f, method, exc)
             return
@@ -313,7 +312,7 @@ class BulkServer:
         def attend_and_reply() -> None:
             start = time.perf_counter()
             try:
-                if op == bulk.OP_ATTEND:
+                if op == wire.OP_ATTEND:
                     out = e.attend_decode(
                         call.seq_ids, call.layer, call.q, call.k, call.v, call.token_ids,
                         return_block_mass=call.want_mass, out=dst,
@@ -334,7 +333,7 @@ class BulkServer:
             else:
                 parts = [t.detach().to("cpu").contiguous() for t in (out.out, out.lse, mass) if t is not None]
                 placed = region is not None and write_results(region, out_at, out_len, parts)
-                self._reply(conn, f, parts, bulk.PLACED_REGION if placed else bulk.PLACED_INLINE)
+                self._reply(conn, f, parts, wire.PLACED_REGION if placed else wire.PLACED_INLINE)
             self._observe(method, start, seconds)  # after the reply left: not on the caller's path
 
         try:
@@ -357,20 +356,17 @@ class BulkServer:
 
     def _reply(self, conn: socket.socket, f: Frame, parts: list[torch.Tensor], placement: int) -> None:
         """FRAME + REPLY, then the tensors' bytes unless they were placed in the region."""
-        inline = placement == bulk.PLACED_INLINE
+        inline = placement == wire.PLACED_INLINE
         self._bump("num_requests")
         head = self._reply_head(f, parts, placement)
-        bulk.send_parts(conn, [head, *(_byte_view(t) for t in parts if inline)])
+        wire.send_parts(conn, [head, *(wire.byte_view(t) for t in parts if inline)])
 
     @staticmethod
     def _reply_head(f: Frame, parts: Sequence[torch.Tensor], placement: int) -> bytes:
         """FRAME + REPLY describing `parts` (their bytes follow unless placed in the region)."""
-        descs = [bulk.pack_tensor(DTYPE_NAMES[t.dtype], tuple(t.shape)) for t in parts]
-        descs += [bytes(bulk.TENSOR.size)] * (3 - len(parts))
-        inline = placement == bulk.PLACED_INLINE
-        size = bulk.REPLY_SIZE + (sum(t.numel() * t.element_size() for t in parts) if inline else 0)
-        head = Frame(f.op, f.request_id, payload_len=size).pack() + bulk.REPLY.pack(len(parts), placement)
-        return head + b"".join(descs)
+        descs = [(DTYPE_NAMES[t.dtype], tuple(t.shape)) for t in parts]
+        inline = sum(map(wire.nbytes, parts)) if placement == wire.PLACED_INLINE else 0
+        return wire.encode_reply(f.op, f.request_id, descs, placement, inline)
 
     # -- same host: MAP, ATTEND*_SHM ----------------------------------------------
 
@@ -399,35 +395,35 @@ class BulkServer:
         size (drained, error reply: the connection stays in sync). A payload too large to
         drain is a ProtocolError (the connection closes)."""
         if f.payload_len != layout.size:
-            if f.payload_len > bulk.MAX_CALL_BYTES:
+            if f.payload_len > wire.MAX_CALL_BYTES:
                 raise ProtocolError(f"{what} of {f.payload_len} bytes (expected {layout.size})")
             self._drain(conn, f.payload_len)
             self._reply_error(conn, f, InvalidArgument(f"bulk {what}: {f.payload_len}-byte request"))
             return None
         head = bytearray(layout.size)
-        bulk.recv_exact(conn, memoryview(head), what)
+        wire.recv_exact(conn, memoryview(head), what)
         return layout.unpack(head)
 
     def _shm_call(self, conn: socket.socket, f: Frame, region: Region | None) -> None:
         """An Attend / AttendPrefillBatch whose body and results are in the region."""
-        head = self._fixed_request(conn, f, bulk.SHM_CALL, "shm call")
+        head = self._fixed_request(conn, f, wire.SHM_CALL, "shm call")
         if head is None:
             return
         body_at, body_len, out_at, out_len = head
         try:
             if region is None:
                 raise InvalidArgument("bulk shm call: no region mapped on this connection (MAP first)")
-            if body_at % bulk.ALIGN:
+            if body_at % wire.ALIGN:
                 raise InvalidArgument(
-                    f"bulk shm call: body offset {body_at} is not a multiple of {bulk.ALIGN}"
+                    f"bulk shm call: body offset {body_at} is not a multiple of {wire.ALIGN}"
                 )
-            if body_len > bulk.MAX_CALL_BYTES:
-                raise InvalidArgument(f"bulk shm call: a {body_len}-byte body exceeds {bulk.MAX_CALL_BYTES}")
+            if body_len > wire.MAX_CALL_BYTES:
+                raise InvalidArgument(f"bulk shm call: a {body_len}-byte body exceeds {wire.MAX_CALL_BYTES}")
             data = region.memory(body_at, body_len, "the call body")
         except InvalidArgument as exc:
             self._reply_error(conn, f, exc)
             return
-        self._attend(conn, f, bulk.SHM_OPS[f.op], data, region, out_at, out_len)
+        self._attend(conn, f, wire.SHM_OPS[f.op], data, region, out_at, out_len)
         del data
 
     # -- APPEND -----------------------------------------------------------------
@@ -463,10 +459,10 @@ class BulkServer:
             self._reply_error(conn, f, exc)
             return
         ids = np.empty(n, dtype="<i8")
-        bulk.recv_exact(conn, ids.data.cast("B"), "token ids")
+        wire.recv_exact(conn, ids.data.cast("B"), "token ids")
         staging = self._staging.take(f.payload_len)
         try:
-            bulk.recv_exact(conn, _byte_view(staging), "kv payload")
+            wire.recv_exact(conn, wire.byte_view(staging), "kv payload")
             try:
                 slabs = self._slabs(staging, n, f.slab_tokens)
                 tokens = ids.tolist()
@@ -498,29 +494,22 @@ class BulkServer:
     # -- OPEN -------------------------------------------------------------------
 
     def _open(self, conn: socket.socket, f: Frame) -> None:
-        """The Open rpc over the channel (protos/bulk.py, OPEN): the whole request is
+        """The Open rpc over the channel (docs/bulk-protocol.md, OPEN): the whole request is
         read before the engine opens anything, and the engine's open is the rpc's, so
         are its validation and errors. Recorded under the rpc's name in the metrics:
         an Open is an Open whichever path carried it."""
-        if f.payload_len > bulk.MAX_CALL_BYTES:  # cannot be drained in bounded time: close
-            raise ProtocolError(f"open request of {f.payload_len} bytes exceeds {bulk.MAX_CALL_BYTES}")
-        num_ids = f.end
-        is_whole = 8 * num_ids <= f.payload_len
+        if f.payload_len > wire.MAX_CALL_BYTES:  # cannot be drained in bounded time: close
+            raise ProtocolError(f"open request of {f.payload_len} bytes exceeds {wire.MAX_CALL_BYTES}")
+        is_whole = 8 * f.end <= f.payload_len
         payload = bytearray(f.payload_len if is_whole else 0)
         if is_whole:
-            bulk.recv_exact(conn, memoryview(payload), "open payload", socket.MSG_WAITALL)
+            wire.recv_exact(conn, memoryview(payload), "open payload", socket.MSG_WAITALL)
         else:
             self._drain(conn, f.payload_len)
         started = time.perf_counter()
         try:
-            if not is_whole:
-                raise InvalidArgument(
-                    f"bulk open: {f.payload_len} payload bytes cannot hold {num_ids} token ids "
-                    f"({8 * num_ids} bytes)"
-                )
-            ids = np.frombuffer(payload, "<i8", num_ids)
-            salt = bytes(payload[8 * num_ids :])
-            res = self.engine.open(f.text, ids, salt, f.start - 1 if f.start else None)
+            req = wire.decode_open(f, payload if is_whole else bytes(f.payload_len))
+            res = self.engine.open(req.seq_id, req.token_ids, req.salt, req.max_cached_tokens)
         except Exception as exc:  # every failure becomes a status; the node keeps serving
             self._refuse(conn, f, "Open", exc)
             return
@@ -536,7 +525,7 @@ class BulkServer:
 
     def _read_stop(self, f: Frame) -> int:
         """The end of a READ* request's range, or a domain error (nothing sent yet)."""
-        end = None if f.end == bulk.END_OF_SEQUENCE else f.end
+        end = None if f.end == wire.END_OF_SEQUENCE else f.end
         length = self.engine.awaiting_open(lambda: self.engine.cache_length(f.text))
         stop = length if end is None else end
         if not 0 <= f.start <= stop <= length:
@@ -585,23 +574,22 @@ class BulkServer:
                 try:  # positions are append-only: the range stays valid unless the sequence is freed
                     self.engine.read_kv_into(f.text, pos, pos + t, slab[0], slab[1])
                 except Exception as exc:
-                    code, details, cls = status_for(exc)
                     self._bump("num_errors")
-                    conn.sendall(bulk.pack_slab(0, code.value[0], details, cls))
+                    conn.sendall(wire.error_slab(exc))
                     return
                 pos += t
                 if pos >= stop:
                     self._bump("num_requests")
-                conn.sendall(bulk.pack_slab(t))
-                conn.sendall(_byte_view(slab))
+                conn.sendall(wire.pack_slab(t))
+                conn.sendall(wire.byte_view(slab))
         finally:
             self._staging.give(staging)
 
     def _read_shm(self, conn: socket.socket, f: Frame, region: Region | None) -> None:
-        """A READ whose slabs go through a ring of slots in the region (protos/bulk.py,
+        """A READ whose slabs go through a ring of slots in the region (docs/bulk-protocol.md,
         READ_SHM): each slab is gathered from the pool straight into its slot, the
         socket carries only the SLAB headers and the client's ACKs."""
-        head = self._fixed_request(conn, f, bulk.SHM_READ, "shm read")
+        head = self._fixed_request(conn, f, wire.SHM_READ, "shm read")
         if head is None:
             return
         area_at, slot_bytes, num_slots = head
@@ -610,13 +598,13 @@ class BulkServer:
         try:
             if region is None:
                 raise InvalidArgument("bulk shm read: no region mapped on this connection (MAP first)")
-            if area_at % bulk.ALIGN or slot_bytes % bulk.ALIGN:
+            if area_at % wire.ALIGN or slot_bytes % wire.ALIGN:
                 raise InvalidArgument(
                     f"bulk shm read: ring offset {area_at} and slot size {slot_bytes} must be multiples "
-                    f"of {bulk.ALIGN}"
+                    f"of {wire.ALIGN}"
                 )
-            if not 1 <= num_slots <= bulk.MAX_READ_SLOTS:
-                raise InvalidArgument(f"bulk shm read: {num_slots} slots (1..{bulk.MAX_READ_SLOTS})")
+            if not 1 <= num_slots <= wire.MAX_READ_SLOTS:
+                raise InvalidArgument(f"bulk shm read: {num_slots} slots (1..{wire.MAX_READ_SLOTS})")
             region.view(area_at, slot_bytes * num_slots, "the read ring")
             stop = self._read_stop(f)
         except Exception as exc:
@@ -625,18 +613,16 @@ class BulkServer:
         n = stop - f.start
         if n and slot_bytes < bpt:  # the client grows its region once and asks again
             self._bump("num_errors")
-            code, details, cls = status_for(
-                InvalidArgument(f"bulk shm read: a {slot_bytes}-byte slot is smaller than one token ({bpt})")
+            small = InvalidArgument(
+                f"bulk shm read: a {slot_bytes}-byte slot is smaller than one token ({bpt})"
             )
-            conn.sendall(
-                Frame(f.op, f.request_id, status=code.value[0], end=bpt, text=details, extra=cls).pack()
-            )
+            conn.sendall(wire.error_frame(f.op, f.request_id, small, end=bpt)[0].pack())
             return
         step = self._read_step(f, n, slot_bytes // bpt)
         self._read_reply(conn, f, stop, step, 0)
         dtype = TORCH_DTYPES[s.dtype]
         num_slabs = -(-n // step)
-        ack = bytearray(bulk.READ_ACK.size)
+        ack = bytearray(wire.READ_ACK.size)
         assert region is not None
         for i in range(num_slabs):
             pos = f.start + i * step
@@ -650,9 +636,8 @@ class BulkServer:
                 self.engine.read_kv_into(f.text, pos, pos + t, slab[0], slab[1])
             except Exception as exc:
                 del slab
-                code, details, cls = status_for(exc)
                 self._bump("num_errors")
-                conn.sendall(bulk.pack_slab(0, code.value[0], details, cls))
+                conn.sendall(wire.error_slab(exc))
                 # the client acked slabs 0..i-1 that free a slot; those below i - num_slots + 1 were read
                 for j in range(max(0, i - num_slots + 1), min(i, max(0, num_slabs - num_slots))):
                     self._read_ack(conn, ack, j)
@@ -660,12 +645,12 @@ class BulkServer:
             del slab
             if i == num_slabs - 1:
                 self._bump("num_requests")
-            conn.sendall(bulk.pack_slab(t))
+            conn.sendall(wire.pack_slab(t))
 
     @staticmethod
     def _read_ack(conn: socket.socket, buf: bytearray, expected: int) -> None:
-        bulk.recv_exact(conn, memoryview(buf), "a read ack")
-        (got,) = bulk.READ_ACK.unpack(buf)
+        wire.recv_exact(conn, memoryview(buf), "a read ack")
+        (got,) = wire.READ_ACK.unpack(buf)
         if got != expected:
             raise ProtocolError(f"read ack for slab {got}, expected {expected}")
 
@@ -687,109 +672,6 @@ class _CallBuffer:
         return self._buf[:num_bytes]
 
 
-class _Call(NamedTuple):
-    """A parsed ATTEND* body: the rpc's arguments, tensors viewing the body."""
-
-    layer: int
-    want_mass: bool
-    seq_ids: list[str]
-    counts: list[int]
-    token_ids: list[int] | None
-    q: torch.Tensor
-    k: torch.Tensor | None
-    v: torch.Tensor | None
-
-
-def _parse_call(op: int, mv: memoryview) -> _Call:
-    """The CALL body (protos/bulk.py) in `mv` (bytes); InvalidArgument naming what
-    is wrong when its sections do not add up to its length."""
-    size = len(mv)
-
-    def need(at: int, n: int, what: str) -> None:
-        if at + n > size:
-            raise InvalidArgument(f"bulk call: {what} runs past the {size}-byte body")
-
-    need(0, bulk.CALL.size, "the CALL header")
-    layer, flags, num_seqs, num_counts, num_tokens, ids_len = bulk.CALL.unpack_from(mv, 0)
-    if op == bulk.OP_ATTEND and num_counts:
-        raise InvalidArgument(f"bulk attend: {num_counts} num_tokens given (prefill batch only)")
-    names = ["q"] + ["k"] * bool(flags & bulk.FLAG_K) + ["v"] * bool(flags & bulk.FLAG_V)
-    at, descs = bulk.CALL.size, []
-    for name in names:
-        need(at, bulk.TENSOR.size, f"the {name} descriptor")
-        try:
-            descs.append(bulk.unpack_tensor(mv, at))
-        except ProtocolError as exc:
-            raise InvalidArgument(f"bulk call: {name}: {exc}") from None
-        at += bulk.TENSOR.size
-    need(at, 8 * num_tokens + 4 * num_counts + ids_len, "the token ids, counts and sequence ids")
-    tokens = np.frombuffer(mv, "<i8", num_tokens, at).tolist() if num_tokens else []
-    at += 8 * num_tokens
-    counts = np.frombuffer(mv, "<i4", num_counts, at).tolist() if num_counts else []
-    at += 4 * num_counts
-    seq_ids = _IDS.seq_ids(mv, at, num_seqs, ids_len)
-    at += ids_len
-    views: list[torch.Tensor] = []
-    for name, (dtype, shape) in zip(names, descs, strict=True):
-        at += bulk.pad(at)
-        tdtype = TORCH_DTYPES[dtype]
-        nbytes = math.prod(shape) * tdtype.itemsize
-        need(at, nbytes, f"{name} {list(shape)} {dtype}")
-        views.append(tensor_at(mv, at, tdtype, shape))
-        at += nbytes
-    if at != size:
-        raise InvalidArgument(f"bulk call: {size} body bytes, its sections take {at}")
-    q, k, v = views[0], (views[1] if flags & bulk.FLAG_K else None), None
-    if flags & bulk.FLAG_V:
-        v = views[-1]
-    return _Call(layer, bool(flags & bulk.FLAG_BLOCK_MASS), seq_ids, counts, tokens or None, q, k, v)
-
-
-class _IdsMemo:
-    """The last ids section parsed and its ids: a decode loop sends the same batch at
-    every layer of every step. One entry, shared by the connections' threads (one
-    tuple, swapped whole); compared by the section's bytes."""
-
-    def __init__(self) -> None:
-        self._last: tuple[bytes, list[str]] = (b"", [])
-
-    def seq_ids(self, mv: memoryview, at: int, num_seqs: int, ids_len: int) -> list[str]:
-        """A new list of the section's ids (the engine's to keep); InvalidArgument as _seq_ids."""
-        raw, last = bytes(mv[at : at + ids_len]), self._last
-        if raw == last[0] and num_seqs == len(last[1]) and num_seqs:
-            return list(last[1])
-        ids = _seq_ids(raw, num_seqs)
-        self._last = (raw, ids)
-        return list(ids)
-
-
-_IDS = _IdsMemo()
-
-
-def _seq_ids(raw: bytes, num_seqs: int) -> list[str]:
-    """The CALL's sequence ids from their section `raw`: num_seqs u16 lengths, then the
-    ids' UTF-8 back to back (one decode and slices, not a loop over the bytes: a batch
-    of 32 is the common call)."""
-    ids_len = len(raw)
-    if 2 * num_seqs > ids_len:
-        raise InvalidArgument(f"bulk call: {num_seqs} sequence ids cannot fit in {ids_len} bytes")
-    ends = list(itertools.accumulate(struct.unpack_from(f"<{num_seqs}H", raw, 0)))
-    extra = ids_len - 2 * num_seqs - (ends[-1] if ends else 0)
-    if extra < 0:
-        raise InvalidArgument(f"bulk call: {num_seqs} sequence ids overrun their {ids_len} bytes")
-    if extra:
-        raise InvalidArgument(f"bulk call: {extra} bytes after the {num_seqs} sequence ids")
-    text_bytes = raw[2 * num_seqs :]
-    starts = [0, *ends][:-1]
-    try:
-        if text_bytes.isascii():  # byte offsets are character offsets
-            text = text_bytes.decode("ascii")
-            return [text[a:b] for a, b in zip(starts, ends, strict=True)]
-        return [text_bytes[a:b].decode("utf-8") for a, b in zip(starts, ends, strict=True)]
-    except UnicodeDecodeError as exc:
-        raise InvalidArgument(f"bulk call: a sequence id is not UTF-8: {exc}") from None
-
-
 def _decode_destination(q: torch.Tensor, area: memoryview) -> tuple[torch.Tensor, torch.Tensor] | None:
     """out [B, Hq, D] (q's dtype) and lse [B, Hq] (float32) as views of the result
     area (bytes), laid out as write_results lays them; None when q is not [B, Hq, D]
@@ -797,7 +679,7 @@ def _decode_destination(q: torch.Tensor, area: memoryview) -> tuple[torch.Tensor
     if q.dim() != 3:
         return None
     out_bytes = q.numel() * q.element_size()
-    lse_at = out_bytes + bulk.pad(out_bytes)
+    lse_at = out_bytes + wire.pad(out_bytes)
     if lse_at + 4 * q.shape[0] * q.shape[1] > len(area):
         return None
     out = tensor_at(area, 0, q.dtype, tuple(q.shape))

@@ -1,4 +1,4 @@
-"""The client side of the bulk channel (protocol: pagedkv.protos.bulk).
+"""The client side of the bulk channel (protocol: docs/bulk-protocol.md).
 
 Per-step data calls (Attend, AttendPrefillBatch; `attend`) take the channel at
 any size: one sendmsg of the request header and the tensors' memory, the reply
@@ -40,7 +40,6 @@ from __future__ import annotations
 import itertools
 import select
 import socket
-import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -49,10 +48,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..protos import bulk, tensors
-from ..protos.bulk import Frame, ProtocolError
+from ..protos import tensors, wire
 from ..protos.errors import InvalidArgument, PagedKVError, Unavailable
-from ..protos.status import error_from_status, status_name
+from ..protos.wire import Frame, ProtocolError
 from . import codec, shm
 from .types import AttentionResult, OpenResult
 
@@ -64,14 +62,11 @@ CONNECT_TIMEOUT_S = 2.0
 RETRY_AFTER_S = 30.0
 
 
-class BulkUnavailable(Exception):
+class BulkUnavailable(PagedKVError):
     """The bulk channel cannot be used for this call (off, or no connection):
     nothing was sent, so the caller falls back to gRPC."""
 
-
-def _byte_view(t: torch.Tensor) -> memoryview:
-    """A flat byte view of a contiguous CPU tensor (any dtype, bfloat16 too); writable."""
-    return t.reshape(-1).view(torch.uint8).numpy().data
+    status_name = "UNAVAILABLE"
 
 
 def _as_cpu(t: Any, what: str) -> torch.Tensor:
@@ -116,18 +111,18 @@ class BulkChannel:
         self._ids = itertools.count(1)
         self._retry_at = 0.0  # time.monotonic() before which the channel is not tried
         self._local = threading.local()  # reused header buffers, one set per calling thread
-        self._ids_memo = _IdsMemo()  # the last batch's encoded sequence ids
+        self._ids_memo = wire.IdsMemo()  # the last batch's encoded sequence ids
         self.num_calls = 0  # attend calls answered over the channel (OK or a node error)
         self.num_local_calls = 0  # of which over the same-host shared-memory path
         self.num_local_transfers = 0  # append / read_kv over the same-host Unix socket
+        self.caps: wire.Capabilities | None = None  # the node's HELLO reply (None: not asked yet)
         # The node's same-host listener: None = not asked yet, "" = none or unusable here.
         self.local_name: str | None = None
         self.is_local_enabled = shm.is_supported()  # False: every call over TCP (benchmarks, tests)
         self._idle_local: list[shm.LocalConnection] = []
-        self.is_read_shm = True  # False: read_kv over the Unix socket (an older node; benchmarks, tests)
+        self.is_read_shm = True  # False: read_kv over the Unix socket (benchmarks, tests)
         self.read_slot_bytes = 0  # a READ_SHM slot the node asked for (a token over shm.READ_SLOT_BYTES)
         self.num_shm_reads = 0  # read_kv through the shared region (counted in num_local_transfers too)
-        self.is_open_supported = True  # False: the node has no OPEN (an older node): opens take the rpc
         self.num_opens = 0  # opens answered over the channel (OK or a node error)
 
     @property
@@ -151,7 +146,7 @@ class BulkChannel:
             sock = socket.create_connection(where, timeout=min(timeout_s, CONNECT_TIMEOUT_S))
         except OSError as exc:
             self._retry_at, self.port = time.monotonic() + RETRY_AFTER_S, None  # re-learn it later
-            self.local_name = None
+            self.local_name, self.caps = None, None
             raise BulkUnavailable(f"cannot connect to {where[0]}:{where[1]}: {exc}") from exc
         sock.settimeout(timeout_s)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -186,7 +181,7 @@ class BulkChannel:
                     return conn
                 conn.close()
         if self.local_name is None:
-            self.local_name = self._hello(timeout_s)
+            self.local_name = self.capabilities(timeout_s).local_name
         if not self.local_name:
             raise BulkUnavailable("the node has no same-host listener reachable from here")
         try:
@@ -195,33 +190,23 @@ class BulkChannel:
             self.local_name = ""
             raise BulkUnavailable(f"cannot reach the node's same-host listener: {exc}") from exc
         try:  # a node at its connection cap closes a new one at once: find out (HELLO, not counted)
-            conn.sock.sendall(Frame(bulk.OP_HELLO, next(self._ids)).pack())
-            reply = bulk.read_frame(conn.sock)
-            if reply is None or reply.status != bulk.STATUS_OK:
-                raise ProtocolError(f"hello answered {reply}")
-        except (OSError, ProtocolError) as exc:
+            wire.hello(conn.sock, next(self._ids))
+        except (OSError, PagedKVError) as exc:
             conn.close()
             raise BulkUnavailable(f"the node's same-host listener refused a connection: {exc}") from exc
         conn.sock.settimeout(timeout_s)
         return conn
 
-    def _hello(self, timeout_s: float) -> str:
-        """The node's same-host listener name ("" when it has none or is too old to say)."""
-        frame = Frame(bulk.OP_HELLO, next(self._ids)).pack()
-
-        def body(sock: socket.socket) -> str:
-            sock.sendall(frame)
-            reply = bulk.read_frame(sock)
-            assert reply is not None
-            if reply.status != bulk.STATUS_OK:
-                raise self._error(reply)
-            return reply.text
-
-        try:
-            name: str = self._run(timeout_s, body)
-        except PagedKVError:  # an old node ("unknown op"), or the connection broke: TCP says the rest
-            return ""
-        return name
+    def capabilities(self, timeout_s: float) -> wire.Capabilities:
+        """What the node's bulk listener serves (its HELLO reply, asked once per learned
+        port); no ops at all when the listener cannot be asked (gRPC carries everything)."""
+        if self.caps is None:
+            try:
+                self.caps = self._run(timeout_s, lambda sock: wire.hello(sock, next(self._ids)))
+            except PagedKVError:
+                return wire.Capabilities()  # asked again with the next call
+        assert self.caps is not None
+        return self.caps
 
     def _give_local(self, conn: shm.LocalConnection) -> None:
         with self._lock:
@@ -238,29 +223,29 @@ class BulkChannel:
         FRAME + CALL head. BulkUnavailable when the path cannot be used (nothing
         of this call sent)."""
         conn = self._take_local(timeout_s)
-        body_head = head[bulk.FRAME.size :]
+        body_head = head[wire.FRAME.size :]
         body_len = shm.body_length(len(body_head), parts)
         out_len = shm.result_bytes(q, mass)
 
         def body(sock: socket.socket) -> AttentionResult:
-            body_at = self._map_region(conn, body_len + bulk.pad(body_len) + out_len, request_id)
-            out_at = body_at + body_len + bulk.pad(body_len)
+            body_at = self._map_region(conn, body_len + wire.pad(body_len) + out_len, request_id)
+            out_at = body_at + body_len + wire.pad(body_len)
             shm.write_call(conn, body_at, body_head, parts)
-            shm_op = bulk.OP_ATTEND_SHM if op == bulk.OP_ATTEND else bulk.OP_ATTEND_PREFILL_BATCH_SHM
-            request = Frame(shm_op, request_id, payload_len=bulk.SHM_CALL.size).pack()
-            sock.sendall(request + bulk.SHM_CALL.pack(body_at, body_len, out_at, out_len))
+            shm_op = wire.OP_ATTEND_SHM if op == wire.OP_ATTEND else wire.OP_ATTEND_PREFILL_BATCH_SHM
+            request = Frame(shm_op, request_id, payload_len=wire.SHM_CALL.size).pack()
+            sock.sendall(request + wire.SHM_CALL.pack(body_at, body_len, out_at, out_len))
             expected = shm.expect_placed(conn, out_at, out_len, q, mass)  # while the node computes
             buf = self._local_reply()
-            reply, ahead = bulk.read_frame_ahead(sock, buf)
+            reply, ahead = wire.read_frame_ahead(sock, buf)
             self.num_calls += 1
             self.num_local_calls += 1
-            if reply.status != bulk.STATUS_OK:
+            if reply.status != wire.STATUS_OK:
                 raise self._error(reply)
             if (
                 expected is not None
-                and ahead >= bulk.REPLY_SIZE
-                and reply.payload_len == bulk.REPLY_SIZE
-                and buf[bulk.FRAME.size : bulk.FRAME.size + bulk.REPLY_SIZE] == expected[0]
+                and ahead >= wire.REPLY_SIZE
+                and reply.payload_len == wire.REPLY_SIZE
+                and buf[wire.FRAME.size : wire.FRAME.size + wire.REPLY_SIZE] == expected[0]
             ):
                 return expected[1]
             expected = None  # another layout: its lease goes with it before the general path
@@ -297,26 +282,22 @@ class BulkChannel:
                 request_id = next(self._ids)
                 ring_at = self._map_region(conn, shm.READ_SLOTS * slot, request_id)
                 frame = Frame(
-                    bulk.OP_READ_SHM, request_id, start=start,
-                    end=bulk.END_OF_SEQUENCE if end is None else end, text=seq_id,
-                    payload_len=bulk.SHM_READ.size,
+                    wire.OP_READ_SHM, request_id, start=start,
+                    end=wire.END_OF_SEQUENCE if end is None else end, text=seq_id,
+                    payload_len=wire.SHM_READ.size,
                 )  # fmt: skip
-                sock.sendall(frame.pack() + bulk.SHM_READ.pack(ring_at, slot, shm.READ_SLOTS))
-                reply = bulk.read_frame(sock)
+                sock.sendall(frame.pack() + wire.SHM_READ.pack(ring_at, slot, shm.READ_SLOTS))
+                reply = wire.read_frame(sock)
                 assert reply is not None
-                if reply.status == bulk.STATUS_OK:
+                if reply.status == wire.STATUS_OK:
                     try:
                         dst = shm.ring_destination(reply, out)
                     except InvalidArgument as exc:
                         raise _Abandoned(exc) from None
                     return shm.read_ring(conn, reply, ring_at, slot, shm.READ_SLOTS, self._error, dst)
                 if reply.end > slot:  # the node's bytes per token
-                    slot = self.read_slot_bytes = reply.end + bulk.pad(reply.end)
+                    slot = self.read_slot_bytes = reply.end + wire.pad(reply.end)
                     continue
-                if _is_unknown_op(reply):  # a node without READ_SHM: it closed the connection
-                    self.is_read_shm = False
-                    conn.close()
-                    raise BulkUnavailable("the node has no READ_SHM")
                 raise self._error(reply)
             raise ProtocolError(f"shm read: slot of {slot} bytes refused after growing")
 
@@ -336,9 +317,9 @@ class BulkChannel:
         """The same-host path's no-op round trip (its floor); BulkUnavailable without one."""
         conn = self._take_local(timeout_s)
         try:
-            conn.sock.sendall(Frame(bulk.OP_PING, next(self._ids)).pack())
-            reply = bulk.read_frame(conn.sock, buf=self._local_head())
-            if reply is None or reply.status != bulk.STATUS_OK:
+            conn.sock.sendall(Frame(wire.OP_PING, next(self._ids)).pack())
+            reply = wire.read_frame(conn.sock, buf=self._local_head())
+            if reply is None or reply.status != wire.STATUS_OK:
                 raise ProtocolError(f"same-host ping failed: {reply}")
         except BaseException:
             conn.close()
@@ -347,7 +328,7 @@ class BulkChannel:
 
     def _error(self, f: Frame | tuple[int, str, str]) -> PagedKVError:
         status, text, extra = (f.status, f.text, f.extra) if isinstance(f, Frame) else f
-        return error_from_status(status_name(status), text, extra, self.where)
+        return wire.error_of(status, text, extra, self.where)
 
     def _run(self, timeout_s: float, body: Any) -> Any:
         """body(sock) on a pooled connection; a broken transfer closes it and
@@ -366,13 +347,16 @@ class BulkChannel:
         except _Abandoned as exc:
             close()
             raise exc.error from None
-        except PagedKVError:
-            give()
+        except BulkUnavailable:  # (a region refused: nothing of the call sent, conn closed)
+            close()
             raise
         except (OSError, ProtocolError) as exc:
             close()
             what = "timed out (DEADLINE_EXCEEDED)" if isinstance(exc, TimeoutError) else "failed"
             raise Unavailable(f"{self.where}: {path} {what}: {exc}") from exc
+        except PagedKVError:
+            give()
+            raise
         except BaseException:
             close()
             raise
@@ -400,20 +384,20 @@ class BulkChannel:
         except OverflowError as exc:
             raise InvalidArgument(f"append to {seq_id!r}: a token id is not an int in [0, 2**63)") from exc
         layers, _, heads, dim = k.shape
-        # One slab of all n tokens: stack(k, v) is k's bytes then v's (protos/bulk.py).
+        # One slab of all n tokens: stack(k, v) is k's bytes then v's (docs/bulk-protocol.md).
         frame = Frame(
-            bulk.OP_APPEND, next(self._ids), tensors.DTYPE_NAMES[k.dtype], start=0, end=n,
+            wire.OP_APPEND, next(self._ids), tensors.DTYPE_NAMES[k.dtype], start=0, end=n,
             num_layers=layers, num_kv_heads=heads, head_dim=dim, slab_tokens=max(n, 1), text=seq_id,
             payload_len=2 * k.numel() * k.element_size(),
         )  # fmt: skip
 
         def body(sock: socket.socket) -> int:
             sock.sendall(frame.pack() + ids.tobytes())
-            sock.sendall(_byte_view(k))
-            sock.sendall(_byte_view(v))
-            reply = bulk.read_frame(sock)
+            sock.sendall(wire.byte_view(k))
+            sock.sendall(wire.byte_view(v))
+            reply = wire.read_frame(sock)
             assert reply is not None
-            if reply.status != bulk.STATUS_OK:
+            if reply.status != wire.STATUS_OK:
                 raise self._error(reply)
             return reply.end
 
@@ -439,19 +423,16 @@ class BulkChannel:
         same-host Unix socket when there is one, as append does. BulkUnavailable
         (nothing opened) for what the frame cannot carry, and when the node has no
         OPEN (it said so once: remembered), so the rpc takes the call."""
-        if not self.is_open_supported:
-            raise BulkUnavailable("the node has no bulk OPEN")
+        if not self.capabilities(timeout_s).serves(wire.OP_OPEN):
+            raise BulkUnavailable("the node's bulk listener serves no OPEN")
         request = _open_request(next(self._ids), seq_id, token_ids, salt, max_cached_tokens)
 
         def body(sock: socket.socket) -> OpenResult:
             sock.sendall(request)
-            reply = bulk.read_frame(sock, buf=self._local_head())
+            reply = wire.read_frame(sock, buf=self._local_head())
             assert reply is not None
-            if _is_unknown_op(reply):  # an older node: it closed the connection (so does this raise)
-                self.is_open_supported = False
-                raise BulkUnavailable("the node has no bulk OPEN")
             self.num_opens += 1
-            if reply.status != bulk.STATUS_OK:
+            if reply.status != wire.STATUS_OK:
                 raise self._error(reply)
             return OpenResult(reply.start, reply.end)
 
@@ -460,8 +441,7 @@ class BulkChannel:
                 local: OpenResult = self._run_local(timeout_s, body)
                 return local
             except BulkUnavailable:
-                if not self.is_open_supported:
-                    raise
+                pass  # TCP
         result: OpenResult = self._run(timeout_s, body)
         return result
 
@@ -474,15 +454,15 @@ class BulkChannel:
         if start < 0 or (end is not None and end < 0):
             raise InvalidArgument(f"range [{start}, {end}) outside the sequence {seq_id!r}")
         frame = Frame(
-            bulk.OP_READ, next(self._ids), start=start,
-            end=bulk.END_OF_SEQUENCE if end is None else end, text=seq_id,
+            wire.OP_READ, next(self._ids), start=start,
+            end=wire.END_OF_SEQUENCE if end is None else end, text=seq_id,
         )  # fmt: skip
 
         def body(sock: socket.socket) -> tuple[torch.Tensor, torch.Tensor]:
             sock.sendall(frame.pack())
-            reply = bulk.read_frame(sock)
+            reply = wire.read_frame(sock)
             assert reply is not None
-            if reply.status != bulk.STATUS_OK:
+            if reply.status != wire.STATUS_OK:
                 raise self._error(reply)
             n = reply.end - reply.start
             shape = (reply.num_layers, n, reply.num_kv_heads, reply.head_dim)
@@ -494,18 +474,19 @@ class BulkChannel:
                 raise ProtocolError(f"read reply declares {reply.payload_len} bytes for shape {shape}")
             pos = 0
             while pos < n:
-                t, status, text, extra = bulk.read_slab(sock)
-                if status != bulk.STATUS_OK:
+                t, status, text, extra = wire.read_slab(sock)
+                if status != wire.STATUS_OK:
                     raise self._error((status, text, extra))
                 if not 0 < t <= n - pos:
                     raise ProtocolError(f"slab of {t} tokens at {pos} of {n}")
                 for part in (out_k, out_v):
                     for layer in range(reply.num_layers):
-                        bulk.recv_exact(sock, _byte_view(part[layer, pos : pos + t]), "kv payload")
+                        wire.recv_exact(sock, wire.byte_view(part[layer, pos : pos + t]), "kv payload")
                 pos += t
             return out_k, out_v
 
-        if self.is_local_enabled and self.local_name != "" and self.is_read_shm:
+        is_ring = self.is_read_shm and self.capabilities(timeout_s).serves(wire.OP_READ_SHM)
+        if self.is_local_enabled and self.local_name != "" and is_ring:
             try:  # same host: through the shared region (two copies instead of three)
                 ring = self._read_shm(seq_id, start, end, timeout_s, out)
                 self.num_local_transfers += 1
@@ -547,13 +528,13 @@ class BulkChannel:
 
     def ping(self, timeout_s: float) -> None:
         """The channel's no-op round trip (its latency floor)."""
-        frame = Frame(bulk.OP_PING, next(self._ids)).pack()
+        frame = Frame(wire.OP_PING, next(self._ids)).pack()
 
         def body(sock: socket.socket) -> None:
             sock.sendall(frame)
-            reply = bulk.read_frame(sock, buf=self._local_head())
+            reply = wire.read_frame(sock, buf=self._local_head())
             assert reply is not None
-            if reply.status != bulk.STATUS_OK:
+            if reply.status != wire.STATUS_OK:
                 raise self._error(reply)
 
         self._run(timeout_s, body)
@@ -590,30 +571,30 @@ class BulkChannel:
             except BulkUnavailable:
                 pass  # TCP
         parts: list[bytes | memoryview] = [head]
-        at = len(head) - bulk.FRAME.size
+        at = len(head) - wire.FRAME.size
         for t in (q, k, v):
             if t is not None:
-                parts.append(bytes(bulk.pad(at)))
-                parts.append(_byte_view(t))
-                at += bulk.pad(at) + t.numel() * t.element_size()
+                parts.append(bytes(wire.pad(at)))
+                parts.append(wire.byte_view(t))
+                at += wire.pad(at) + t.numel() * t.element_size()
 
         def body(sock: socket.socket) -> AttentionResult:
-            bulk.send_parts(sock, parts)
+            wire.send_parts(sock, parts)
             expected = _expect_inline(q, return_block_mass)  # while the node computes
             buf = self._local_reply()
-            reply, ahead = bulk.read_frame_ahead(sock, buf)
+            reply, ahead = wire.read_frame_ahead(sock, buf)
             self.num_calls += 1
-            if reply.status != bulk.STATUS_OK:
+            if reply.status != wire.STATUS_OK:
                 raise self._error(reply)
             if expected is not None:
                 head, res = expected
                 if (
-                    ahead >= bulk.REPLY_SIZE
-                    and reply.payload_len == bulk.REPLY_SIZE + _nbytes(res.out) + _nbytes(res.lse)
-                    and buf[bulk.FRAME.size : bulk.FRAME.size + bulk.REPLY_SIZE] == head
+                    ahead >= wire.REPLY_SIZE
+                    and reply.payload_len == wire.REPLY_SIZE + _nbytes(res.out) + _nbytes(res.lse)
+                    and buf[wire.FRAME.size : wire.FRAME.size + wire.REPLY_SIZE] == head
                 ):
-                    bulk.recv_exact(sock, _byte_view(res.out), "attend result")
-                    bulk.recv_exact(sock, _byte_view(res.lse), "attend result")
+                    wire.recv_exact(sock, wire.byte_view(res.out), "attend result")
+                    wire.recv_exact(sock, wire.byte_view(res.lse), "attend result")
                     return res
             return _read_result(sock, reply.payload_len, buf, ahead)
 
@@ -623,43 +604,15 @@ class BulkChannel:
     def _local_head(self) -> bytearray:
         buf: bytearray | None = getattr(self._local, "head", None)
         if buf is None:
-            buf = self._local.head = bytearray(bulk.FRAME.size)
+            buf = self._local.head = bytearray(wire.FRAME.size)
         return buf
 
     def _local_reply(self) -> bytearray:
         """This thread's buffer for an attend reply's FRAME and REPLY (one recv)."""
         buf: bytearray | None = getattr(self._local, "reply", None)
         if buf is None:
-            buf = self._local.reply = bytearray(bulk.FRAME.size + bulk.REPLY_SIZE)
+            buf = self._local.reply = bytearray(wire.FRAME.size + wire.REPLY_SIZE)
         return buf
-
-
-class _IdsMemo:
-    """The CALL section of the last batch of sequence ids (their u16 lengths, then
-    the UTF-8): a decode loop sends the same batch at every layer of every step.
-    One entry, compared by value (the ids are copied, so a caller that changes its
-    list afterwards gets a fresh encoding); thread-safe (one tuple, swapped whole)."""
-
-    def __init__(self) -> None:
-        self._last: tuple[list[str], bytes] | None = None
-
-    def section(self, seq_ids: Sequence[str]) -> bytes:
-        """The ids' section; struct.error past 65535 bytes an id, AttributeError /
-        TypeError for an id that is not a str."""
-        last = self._last
-        is_list = type(seq_ids) is list
-        if is_list and last is not None and last[0] == seq_ids:
-            return last[1]
-        joined = "".join(seq_ids)
-        if joined.isascii():  # one encode; character lengths are byte lengths
-            lens, id_text = list(map(len, seq_ids)), joined.encode()
-        else:
-            ids = [s.encode() for s in seq_ids]
-            lens, id_text = list(map(len, ids)), b"".join(ids)
-        section = struct.pack(f"<{len(lens)}H", *lens) + id_text
-        if is_list:
-            self._last = (list(seq_ids), section)
-        return section
 
 
 def _call_head(
@@ -673,64 +626,36 @@ def _call_head(
     token_ids: codec.TokenIds | None,
     num_tokens: Sequence[int],
     mass: bool,
-    ids_memo: _IdsMemo | None = None,
+    ids_memo: wire.IdsMemo,
 ) -> bytes:
-    """FRAME + CALL + descriptors + ids + counts + sequence ids (protos/bulk.py);
-    BulkUnavailable for a value the frame cannot carry (the rpc takes it).
-    ids_memo: the channel's encoding of the last batch of ids."""
+    """FRAME + the CALL body's head (wire.encode_call_body); BulkUnavailable for a
+    value the frame cannot carry (the rpc takes it)."""
     try:
-        id_bytes = (ids_memo or _IdsMemo()).section(seq_ids)  # (struct.error past 65535 bytes)
-        tokens = b"" if token_ids is None else np.asarray(codec.token_list(token_ids), dtype="<i8").tobytes()
-        counts = struct.pack(f"<{len(num_tokens)}i", *num_tokens) if num_tokens else b""  # (outside int32)
-        flags = (
-            (bulk.FLAG_BLOCK_MASS if mass else 0)
-            | (0 if k is None else bulk.FLAG_K)
-            | (0 if v is None else bulk.FLAG_V)
-        )
-        call = bulk.CALL.pack(layer, flags, len(seq_ids), len(num_tokens), len(tokens) // 8, len(id_bytes))
-        descs = [
-            bulk.pack_tensor(tensors.DTYPE_NAMES[t.dtype], tuple(t.shape)) for t in (q, k, v) if t is not None
-        ]
-    except (AttributeError, TypeError, ValueError, OverflowError, struct.error) as exc:
+        tokens = None if token_ids is None else np.asarray(codec.token_list(token_ids), dtype="<i8")
+        body, size = wire.encode_call_body(seq_ids, layer, q, k, v, tokens, num_tokens, mass, ids_memo)
+    except (wire.Unencodable, OverflowError, TypeError, ValueError) as exc:
         raise BulkUnavailable(f"not expressible on the bulk channel: {exc}") from exc
-    body = b"".join([call, *descs, tokens, counts, id_bytes])
-    size = len(body)
-    for t in (q, k, v):
-        if t is not None:
-            size += bulk.pad(size) + t.numel() * t.element_size()
-    if size > bulk.MAX_CALL_BYTES:
-        raise BulkUnavailable(f"a {size}-byte call exceeds the channel's {bulk.MAX_CALL_BYTES}")
     return Frame(op, request_id, payload_len=size).pack() + body
 
 
 def _open_request(
     request_id: int, seq_id: str, token_ids: codec.TokenIds, salt: bytes, max_cached_tokens: int | None
 ) -> bytes:
-    """FRAME + token ids + salt of an OPEN (protos/bulk.py); BulkUnavailable for a
-    value the frame cannot carry or the rpc's message would judge itself (an id that
-    is not a plain int, a limit outside int64), so the rpc reports it as it always did."""
+    """An OPEN (wire.encode_open); BulkUnavailable for a value the frame cannot carry or
+    the rpc's message would judge itself (an id that is not a plain int, a limit outside
+    int64), so the rpc reports it as it always did."""
     limit = max_cached_tokens
     if limit is not None and (type(limit) is not int or not 0 <= limit < 2**63):
         raise BulkUnavailable(f"max_cached_tokens {limit!r} is not expressible on the bulk channel")
     if not isinstance(seq_id, str) or not isinstance(salt, bytes):
         raise BulkUnavailable("a sequence id that is not a str, or a salt that is not bytes")
     try:
-        text_len = len(seq_id.encode())
-    except UnicodeEncodeError as exc:
-        raise BulkUnavailable(f"sequence id not expressible on the bulk channel: {exc}") from exc
-    if text_len > bulk.MAX_TEXT_BYTES:
-        raise BulkUnavailable(f"a {text_len}-byte sequence id exceeds the frame's {bulk.MAX_TEXT_BYTES}")
-    ids = _token_bytes(token_ids)
-    if len(ids) + len(salt) > bulk.MAX_CALL_BYTES:
-        raise BulkUnavailable(f"an open of {len(ids) // 8} tokens exceeds the channel's cap")
-    frame = Frame(
-        bulk.OP_OPEN, request_id, start=0 if limit is None else limit + 1, end=len(ids) // 8, text=seq_id,
-        payload_len=len(ids) + len(salt),
-    )  # fmt: skip
-    return frame.pack() + ids + salt
+        return wire.encode_open(request_id, seq_id, _token_ids(token_ids), salt, limit)
+    except wire.Unencodable as exc:
+        raise BulkUnavailable(str(exc)) from exc
 
 
-def _token_bytes(token_ids: codec.TokenIds) -> bytes:
+def _token_ids(token_ids: codec.TokenIds) -> np.ndarray:
     """The prompt's ids as int64 little-endian bytes; BulkUnavailable unless they are
     plain ints in int64's range (a list of them, or an integer array or tensor): the
     rpc path judges anything else (a bool, a float, an out-of-range id) in its own
@@ -742,21 +667,14 @@ def _token_bytes(token_ids: codec.TokenIds) -> bytes:
             raise BulkUnavailable(f"token ids of dtype {token_ids.dtype}, {token_ids.ndim} dims")
         if token_ids.dtype.kind == "u" and token_ids.size and int(token_ids.max()) >= 2**63:
             raise BulkUnavailable("a token id over int64's range")
-        return token_ids.astype("<i8", copy=False).tobytes()
+        return token_ids.astype("<i8", copy=False)
     ids = token_ids if isinstance(token_ids, list | tuple) else list(token_ids)
     if not set(map(type, ids)) <= {int}:  # a bool or a numpy scalar: the rpc's message judges it
         raise BulkUnavailable("token ids that are not all ints")
     try:
-        return np.asarray(ids, dtype="<i8").tobytes()
+        return np.asarray(ids, dtype="<i8")
     except OverflowError as exc:
         raise BulkUnavailable(f"a token id over int64's range: {exc}") from exc
-
-
-def _is_unknown_op(reply: Frame) -> bool:
-    """The node does not know the request's op (an older node); it closed the connection.
-    Matched on the whole prefix: an engine error may quote a sequence id of any text."""
-    is_refused = reply.status != bulk.STATUS_OK and status_name(reply.status) == "INVALID_ARGUMENT"
-    return is_refused and reply.text.startswith("bulk: unknown op")
 
 
 def _expect_inline(q: torch.Tensor, block_mass: bool) -> tuple[bytes, AttentionResult] | None:
@@ -764,7 +682,7 @@ def _expect_inline(q: torch.Tensor, block_mass: bool) -> tuple[bytes, AttentionR
     tensors allocated with their pages touched: made while the node computes, so after
     the reply only the head is compared and the bytes received (a fresh 512 KiB result
     faults in its pages, and after a long engine call every step runs on cold caches)."""
-    head = None if block_mass or q.numel() == 0 else shm.expected_head(q, bulk.PLACED_INLINE)
+    head = None if block_mass or q.numel() == 0 else wire.decode_result_head(q, wire.PLACED_INLINE)
     if head is None:
         return None
     out = torch.empty(q.shape, dtype=q.dtype)
@@ -788,28 +706,24 @@ def _read_result(
     """out, lse (and block_mass) of an ATTEND* reply, received in place, or viewed
     in the shared region when the node placed them there (area: region,
     out_offset, out_len of an ATTEND*_SHM call). buf: FRAME then REPLY, of which
-    `ahead` bytes of REPLY came with the frame (bulk.read_frame_ahead)."""
-    if payload_len < bulk.REPLY_SIZE:
+    `ahead` bytes of REPLY came with the frame (wire.read_frame_ahead)."""
+    if payload_len < wire.REPLY_SIZE:
         raise ProtocolError(f"attend reply of {payload_len} bytes")
-    head = memoryview(buf)[bulk.FRAME.size :]
-    if ahead < bulk.REPLY_SIZE:
-        bulk.recv_exact(sock, head[ahead:], "an attend reply")
-    num, placement = bulk.REPLY.unpack_from(head, 0)
-    if placement == bulk.PLACED_REGION:
-        if area is None or payload_len != bulk.REPLY_SIZE:
+    head = memoryview(buf)[wire.FRAME.size :]
+    if ahead < wire.REPLY_SIZE:
+        wire.recv_exact(sock, head[ahead:], "an attend reply")
+    placement, descs = wire.decode_reply(head)
+    if placement == wire.PLACED_REGION:
+        if area is None or payload_len != wire.REPLY_SIZE:
             raise ProtocolError(f"a region-placed reply of {payload_len} bytes on this connection")
         return shm.read_placed(*area, head)
-    if not 2 <= num <= 3:
-        raise ProtocolError(f"attend reply with {num} tensors")
-    outs = []
-    for i in range(num):
-        dtype, shape = bulk.unpack_tensor(head, bulk.REPLY.size + i * bulk.TENSOR.size)
-        outs.append(torch.empty(shape, dtype=tensors.TORCH_DTYPES[dtype]))
-    if payload_len != bulk.REPLY_SIZE + sum(t.numel() * t.element_size() for t in outs):
+    outs = [torch.empty(shape, dtype=dtype) for dtype, shape in descs]
+    num = len(outs)
+    if payload_len != wire.REPLY_SIZE + sum(t.numel() * t.element_size() for t in outs):
         raise ProtocolError(f"attend reply declares {payload_len} bytes for {[tuple(t.shape) for t in outs]}")
     for t in outs:
         if t.numel():
-            bulk.recv_exact(sock, _byte_view(t), "attend result")
+            wire.recv_exact(sock, wire.byte_view(t), "attend result")
     return AttentionResult(outs[0], outs[1], outs[2] if num == 3 else None)
 
 

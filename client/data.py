@@ -28,9 +28,9 @@ import torch
 from ..protos import pagedkv_pb2 as pb
 from ..protos import pagedkv_pb2_grpc as pb_grpc
 from ..protos import tensors
-from ..protos.bulk import OP_ATTEND, OP_ATTEND_PREFILL_BATCH
 from ..protos.errors import PagedKVError
 from ..protos.status import error_from_rpc
+from ..protos.wire import OP_ATTEND, OP_ATTEND_PREFILL_BATCH
 from . import codec
 from .bulk import BulkChannel, BulkUnavailable
 from .config import ClientConfig

@@ -1,4 +1,4 @@
-"""The bulk KV channel (protos/bulk.py) over real sockets: a real node server with
+"""The bulk KV channel (docs/bulk-protocol.md) over real sockets: a real node server with
 its bulk listener on a free port, the real client, and raw sockets for the
 broken peers. Round trips are byte-exact; every bad request gets the gRPC
 path's error, changes nothing, leaks no block, and the node keeps serving."""
@@ -27,9 +27,11 @@ from pagedkv.client import (
     SequenceNotFound,
     shm,
 )
-from pagedkv.protos import bulk
-from pagedkv.protos.bulk import Frame
+from pagedkv.protos import wire
 from pagedkv.protos.spec import ModelSpec
+from pagedkv.protos.wire import Frame
+
+INVALID = wire.Status.INVALID_ARGUMENT
 
 BULK = ClientConfig(bulk_min_bytes=0)  # every KV transfer takes the bulk channel
 SPEC = ModelSpec(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float32", block_size=4)
@@ -174,7 +176,7 @@ def _raw(node: BulkNode) -> socket.socket:
 def _append_frame(seq_id: str, n: int) -> Frame:
     s = SPEC
     return Frame(
-        bulk.OP_APPEND, 7, s.dtype, start=0, end=n, num_layers=s.num_layers, num_kv_heads=s.num_kv_heads,
+        wire.OP_APPEND, 7, s.dtype, start=0, end=n, num_layers=s.num_layers, num_kv_heads=s.num_kv_heads,
         head_dim=s.head_dim, slab_tokens=n, text=seq_id, payload_len=n * s.bytes_per_token,
     )  # fmt: skip
 
@@ -205,8 +207,8 @@ def test_truncated_upload_and_disconnect_mid_read_change_nothing(bulk_node: Bulk
     node.engine.append("s", toks[20:], k[:, 20:], v[:, 20:])
     before = node.state()
     with _raw(node) as sock:
-        sock.sendall(Frame(bulk.OP_READ, 8, text="s", start=0, end=bulk.END_OF_SEQUENCE).pack())
-        reply = bulk.read_frame(sock)
+        sock.sendall(Frame(wire.OP_READ, 8, text="s", start=0, end=wire.END_OF_SEQUENCE).pack())
+        reply = wire.read_frame(sock)
         assert reply is not None and reply.status == 0 and reply.end == 40
         sock.recv(16)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\1\0\0\0\0\0\0\0")  # close with RST
@@ -214,8 +216,8 @@ def test_truncated_upload_and_disconnect_mid_read_change_nothing(bulk_node: Bulk
     # garbage instead of a frame: an error reply naming the problem, then the connection closes
     with _raw(node) as sock:
         sock.sendall(b"GET / HTTP/1.1\r\n\r\n" + b"\0" * 64)
-        reply = bulk.read_frame(sock)
-        assert reply is not None and reply.status == 3 and "bad magic" in reply.text
+        reply = wire.read_frame(sock)
+        assert reply is not None and reply.status == INVALID and "bad magic" in reply.text
         with contextlib.suppress(ConnectionResetError):  # a reset when our garbage was left unread
             assert sock.recv(1) == b""
     # the node still serves, byte-exact
@@ -366,20 +368,21 @@ def test_node_lost_mid_transfer_raises_unavailable_naming_the_node() -> None:
         for _ in range(2):
             conn, _ = listener.accept()
             with conn:
-                f = bulk.read_frame(conn)
+                f = wire.read_frame(conn)
                 assert f is not None
-                if f.op == bulk.OP_READ:
+                if f.op == wire.OP_READ:
                     conn.sendall(
-                        Frame(bulk.OP_READ, f.request_id, start=0, end=8, num_layers=2, num_kv_heads=2,
+                        Frame(wire.OP_READ, f.request_id, start=0, end=8, num_layers=2, num_kv_heads=2,
                               head_dim=8, slab_tokens=8, payload_len=8 * SPEC.bytes_per_token).pack()
-                        + bulk.pack_slab(8) + b"\0" * 100
+                        + wire.pack_slab(8) + b"\0" * 100
                     )  # fmt: skip
 
     thread = threading.Thread(target=fake_node, daemon=True)
     thread.start()
     channel = BulkChannel(f"127.0.0.1:{port}", "node fake")
     channel.port = port
-    channel.local_name = ""  # a TCP-only peer (it would take HELLO as its read)
+    channel.local_name = ""  # a TCP-only peer that answers nothing but READ (no HELLO)
+    channel.caps = wire.Capabilities(frozenset({wire.OP_READ, wire.OP_APPEND}))
     try:
         with pytest.raises(Unavailable, match=r"node fake: bulk transfer failed: connection closed after"):
             channel.read_kv("s", 0, None, timeout_s=5)

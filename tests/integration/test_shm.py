@@ -1,4 +1,4 @@
-"""The bulk channel's same-host path (protos/bulk.py: HELLO, MAP, ATTEND*_SHM) on a
+"""The bulk channel's same-host path (docs/bulk-protocol.md: HELLO, MAP, ATTEND*_SHM) on a
 real node server: results bitwise equal to the rpcs and never overwritten by a later
 call, every malformed region / header / offset refused clearly with nothing changed,
 peers that vanish mid-call or get killed leave no mapping behind on the node, and the
@@ -30,9 +30,11 @@ from pagedkv.cache_node import bulk as node_bulk
 from pagedkv.client import AsyncCacheClient, CacheClient, InvalidArgument
 from pagedkv.client import shm as client_shm
 from pagedkv.client.bulk import BulkChannel
-from pagedkv.protos import bulk
-from pagedkv.protos.bulk import Frame
+from pagedkv.protos import wire
 from pagedkv.protos.spec import ModelSpec
+from pagedkv.protos.wire import Frame
+
+INVALID = wire.Status.INVALID_ARGUMENT
 
 pytestmark = pytest.mark.skipif(not client_shm.is_supported(), reason="needs memfd and Unix sockets (Linux)")
 
@@ -206,7 +208,7 @@ def test_a_call_body_is_never_written_outside_the_region(node: Node) -> None:
         with pytest.raises(ValueError, match="not contiguous"):
             client_shm.write_call(conn, 0, head, [node.rand(2, Q_HEADS, 8, seed=4)[:, ::2]])
         assert torch.equal(conn.region, before)  # nothing written by any of them
-        assert client_shm.write_call(conn, conn.size - length - bulk.pad(length), head, [q]) == length
+        assert client_shm.write_call(conn, conn.size - length - wire.pad(length), head, [q]) == length
 
 
 # -- raw peers: malformed maps, headers and offsets -------------------------------------
@@ -221,10 +223,10 @@ def _connect(node: Node) -> socket.socket:
 
 
 def _send_map(sock: socket.socket, size: int, fd: int | None) -> Frame:
-    frame = Frame(bulk.OP_MAP, 5, end=size).pack()
+    frame = Frame(wire.OP_MAP, 5, end=size).pack()
     fds = [] if fd is None else [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))]
     sock.sendmsg([frame], fds)
-    reply = bulk.read_frame(sock)
+    reply = wire.read_frame(sock)
     assert reply is not None
     return reply
 
@@ -238,25 +240,25 @@ def _memfd(size: int, seals: int) -> int:
 
 
 def _ping_ok(sock: socket.socket) -> bool:
-    sock.sendall(Frame(bulk.OP_PING, 77).pack())
-    reply = bulk.read_frame(sock)
-    return reply is not None and reply.status == bulk.STATUS_OK and reply.request_id == 77
+    sock.sendall(Frame(wire.OP_PING, 77).pack())
+    reply = wire.read_frame(sock)
+    return reply is not None and reply.status == wire.STATUS_OK and reply.request_id == 77
 
 
 def _shm_call(sock: socket.socket, at: int, length: int, out_at: int, out_len: int) -> Frame:
     sock.sendall(
-        Frame(bulk.OP_ATTEND_SHM, 9, payload_len=bulk.SHM_CALL.size).pack()
-        + bulk.SHM_CALL.pack(at, length, out_at, out_len)
+        Frame(wire.OP_ATTEND_SHM, 9, payload_len=wire.SHM_CALL.size).pack()
+        + wire.SHM_CALL.pack(at, length, out_at, out_len)
     )
-    reply = bulk.read_frame(sock)
+    reply = wire.read_frame(sock)
     assert reply is not None
     return reply
 
 
 def _call_body(seq_id: str, q: torch.Tensor, layer: int = 1) -> bytes:
     ids = len(seq_id).to_bytes(2, "little") + seq_id.encode()
-    head = bulk.CALL.pack(layer, 0, 1, 0, 0, len(ids)) + bulk.pack_tensor("float32", tuple(q.shape)) + ids
-    return head + bytes(bulk.pad(len(head))) + q.numpy().tobytes()
+    head = wire.CALL.pack(layer, 0, 1, 0, 0, len(ids)) + wire.pack_tensor("float32", tuple(q.shape)) + ids
+    return head + bytes(wire.pad(len(head))) + q.numpy().tobytes()
 
 
 def test_bad_regions_and_offsets_are_refused_and_change_nothing(node: Node) -> None:
@@ -268,7 +270,7 @@ def test_bad_regions_and_offsets_are_refused_and_change_nothing(node: Node) -> N
     with _connect(node) as sock:
         # a call before any region, then MAPs the node must refuse
         assert "MAP first" in _shm_call(sock, 0, 64, 0, 64).text
-        assert "1 file descriptors" not in (r := _send_map(sock, size, None)).text and r.status == 3
+        assert "1 file descriptors" not in (r := _send_map(sock, size, None)).text and r.status == INVALID
         assert "0 file descriptors" in r.text
         unsealed = _memfd(size, 0)
         assert "sealed against shrinking" in _send_map(sock, size, unsealed).text
@@ -284,7 +286,7 @@ def test_bad_regions_and_offsets_are_refused_and_change_nothing(node: Node) -> N
         os.close(r_fd), os.close(w_fd)
         assert _ping_ok(sock)  # every refusal left the connection usable
         # a good region; then headers pointing outside it, misaligned, or at garbage
-        assert _send_map(sock, size, sealed).status == bulk.STATUS_OK
+        assert _send_map(sock, size, sealed).status == wire.STATUS_OK
         region = mmap.mmap(sealed, size)
         os.close(sealed)
         body = _call_body("s", q)
@@ -305,23 +307,23 @@ def test_bad_regions_and_offsets_are_refused_and_change_nothing(node: Node) -> N
         for name, (args, text) in bad.items():
             requests, errors, _ = node.counters()
             reply = _shm_call(sock, *args)
-            assert reply.status == 3 and text in reply.text, (name, reply.text)
+            assert reply.status == INVALID and text in reply.text, (name, reply.text)
             assert reply.extra == "InvalidArgument", name
             assert node.counters()[:2] == (requests, errors + 1), name
             assert node.state() == state, name
         # the engine's own refusal (layer out of range) comes back as over the rpc
         region[: len(body)] = _call_body("s", q, layer=7)
         reply = _shm_call(sock, 0, len(body), out_at, 4096)
-        assert reply.status == 3 and "layer" in reply.text
+        assert reply.status == INVALID and "layer" in reply.text
         # a good call: results placed in the region
         region[: len(body)] = body
         reply = _shm_call(sock, 0, len(body), out_at, 4096)
-        assert reply.status == bulk.STATUS_OK and reply.payload_len == bulk.REPLY_SIZE
-        head = bytearray(bulk.recv_bytes(sock, bulk.REPLY_SIZE, "reply"))
-        assert bulk.REPLY.unpack_from(head, 0) == (2, bulk.PLACED_REGION)
+        assert reply.status == wire.STATUS_OK and reply.payload_len == wire.REPLY_SIZE
+        head = bytearray(wire.recv_bytes(sock, wire.REPLY_SIZE, "reply"))
+        assert wire.REPLY.unpack_from(head, 0) == (2, wire.PLACED_REGION)
         placed = torch.frombuffer(region, dtype=torch.uint8)[out_at:]
         out_bytes = want.out.numel() * 4
-        lse_at = out_bytes + bulk.pad(out_bytes)
+        lse_at = out_bytes + wire.pad(out_bytes)
         assert bitwise(placed[:out_bytes].view(torch.float32).view(want.out.shape), want.out)
         assert bitwise(
             placed[lse_at : lse_at + want.lse.numel() * 4].view(torch.float32), want.lse.reshape(-1)
@@ -329,15 +331,15 @@ def test_bad_regions_and_offsets_are_refused_and_change_nothing(node: Node) -> N
         del placed
         # a result area too small: the tensors come back inline, as over TCP
         reply = _shm_call(sock, 0, len(body), out_at, 16)
-        head = bytearray(bulk.recv_bytes(sock, bulk.REPLY_SIZE, "reply"))
-        assert bulk.REPLY.unpack_from(head, 0) == (2, bulk.PLACED_INLINE)
-        out = bulk.recv_bytes(sock, reply.payload_len - bulk.REPLY_SIZE, "inline results")
+        head = bytearray(wire.recv_bytes(sock, wire.REPLY_SIZE, "reply"))
+        assert wire.REPLY.unpack_from(head, 0) == (2, wire.PLACED_INLINE)
+        out = wire.recv_bytes(sock, reply.payload_len - wire.REPLY_SIZE, "inline results")
         assert out[: want.out.numel() * 4] == want.out.numpy().tobytes()
         assert _ping_ok(sock)
         # an unknown op closes the connection (its framing is unknown)
         sock.sendall(Frame(99, 1).pack())
-        assert bulk.read_frame(sock) is not None  # the error reply
-        assert bulk.read_frame(sock, eof_ok=True) is None
+        assert wire.read_frame(sock) is not None  # the error reply
+        assert wire.read_frame(sock, eof_ok=True) is None
         region.close()
     assert node.counters()[2] == 0
     assert node.state() == state
@@ -353,12 +355,12 @@ def test_fds_sent_with_other_ops_are_closed(node: Node) -> None:
         for _ in range(5):
             fd = _memfd(4096, fcntl.F_SEAL_SHRINK)
             sock.sendmsg(
-                [Frame(bulk.OP_PING, 77).pack()],
+                [Frame(wire.OP_PING, 77).pack()],
                 [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))],
             )
             os.close(fd)
-            reply = bulk.read_frame(sock)
-            assert reply is not None and reply.status == bulk.STATUS_OK
+            reply = wire.read_frame(sock)
+            assert reply is not None and reply.status == wire.STATUS_OK
         assert wait_for(lambda: open_fds() == before)  # the node closed every descriptor it received
 
 
@@ -380,13 +382,13 @@ def test_disconnect_mid_call_frees_the_region(node: Node) -> None:
     node.engine.attend_decode = slow  # type: ignore[method-assign]
     sock = _connect(node)
     fd = _memfd(1 << 16, fcntl.F_SEAL_SHRINK)
-    assert _send_map(sock, 1 << 16, fd).status == bulk.STATUS_OK
+    assert _send_map(sock, 1 << 16, fd).status == wire.STATUS_OK
     body = _call_body("s", node.rand(1, Q_HEADS, 8, seed=2))
     os.pwrite(fd, body, 0)
     os.close(fd)
     assert node_mappings() == before + 1
-    sock.sendall(Frame(bulk.OP_ATTEND_SHM, 1, payload_len=bulk.SHM_CALL.size).pack()
-                 + bulk.SHM_CALL.pack(0, len(body), 4096, 4096))  # fmt: skip
+    sock.sendall(Frame(wire.OP_ATTEND_SHM, 1, payload_len=wire.SHM_CALL.size).pack()
+                 + wire.SHM_CALL.pack(0, len(body), 4096, 4096))  # fmt: skip
     assert gate.wait(5)
     sock.close()  # gone while the node computes
     release.set()
@@ -399,6 +401,7 @@ def test_disconnect_mid_call_frees_the_region(node: Node) -> None:
 KILLED_CLIENT = """
 import os, signal, sys, torch
 from pagedkv.client import CacheClient
+
 with CacheClient(sys.argv[1]) as c:
     r = c.data.attend(["s"], 1, torch.randn(1, 4, 8))
     assert c.data.route.bulk.num_local_calls == 1
