@@ -25,7 +25,7 @@ from ..protos.spec import ModelSpec
 from . import channels, codec
 from .config import ClientConfig
 from .control import AsyncNodeControl
-from .data import AsyncNodeData
+from .data import AsyncNodeData, NodeData
 from .routing import AsyncCoordinatorRouting, AsyncDirectRouting
 from .sync import (
     BatchPart,
@@ -41,11 +41,15 @@ from .types import AttentionResult, ClusterStats, NodeStats, Route
 
 
 class AsyncNodeHandle:
+    """Control calls over the loop's grpc.aio channel; data calls are the sync client's
+    (NodeData) on worker threads, over the process's shared sync channel."""
+
     def __init__(self, address: str, config: ClientConfig) -> None:
         self.address = address
         stub = pb_grpc.CacheNodeStub(channels.acquire_aio(address, config))
         self.control = AsyncNodeControl(stub, config)
-        self.data = AsyncNodeData(stub, config, where=f"node {address}", address=address)
+        data_stub = pb_grpc.CacheNodeStub(channels.acquire(address, config))
+        self.data = AsyncNodeData(NodeData(data_stub, config, where=f"node {address}", address=address))
 
 
 class AsyncSequence:
@@ -359,6 +363,7 @@ class AsyncCacheClient:
                 await channels.release_aio(self.address, self.config)
             for address, handle in self._nodes.items():
                 handle.data.close()  # its bulk connections
+                channels.release(address, self.config)
                 await channels.release_aio(address, self.config)
 
     async def __aenter__(self) -> AsyncCacheClient:

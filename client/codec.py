@@ -239,3 +239,24 @@ def stats_result(resp: pb.StatsResponse) -> NodeStats:
     s = resp.spec
     spec = ModelSpec(s.num_layers, s.num_kv_heads, s.head_dim, s.dtype, s.block_size)
     return NodeStats(dict(resp.counters), spec, resp.device, resp.policy)
+
+
+def prefill_batch_request(
+    seq_ids: Sequence[str],
+    layer: int,
+    num_tokens: Sequence[int],
+    q: Any,
+    k: Any,
+    v: Any,
+    token_ids: TokenIds | None,
+) -> pb.AttendPrefillBatchRequest:
+    """AttendPrefillBatch: sequence i owns the next num_tokens[i] rows of q, k, v, token_ids."""
+    req = pb.AttendPrefillBatchRequest(
+        seq_ids=list(seq_ids),
+        layer=layer,
+        num_tokens=[int(n) for n in num_tokens],
+        token_ids=token_list(token_ids),
+    )
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _set_tensor(req, name, t)
+    return req

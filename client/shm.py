@@ -299,7 +299,7 @@ def read_ring(
     for i in range(num_slabs):
         t, status, text, extra = wire.read_slab(conn.sock)
         if status != wire.STATUS_OK:
-            raise error((status, text, extra))
+            raise error(status, text, extra)
         pos = i * step
         if t != min(step, n - pos):
             raise ProtocolError(f"shm read: slab {i} of {t} tokens at {pos} of {n} ({step} per slab)")

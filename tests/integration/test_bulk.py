@@ -111,7 +111,7 @@ def test_round_trip_is_byte_exact_for_every_dtype_and_partial_range(dtype: str, 
                     gk, gv = grpc_c.sequence("a").read_kv(3, 37)
                 assert same_bytes(gk, k[:, 3:37]) and same_bytes(gv, v[:, 3:37])
                 assert node.bulk.num_requests == 6
-                ch = client.data.route.bulk
+                ch = client.data.bulk
                 assert ch is not None and ch.num_local_transfers == (5 if transport == "local" else 0)
             node.engine.check_integrity()
             assert node.engine.stats()["used_blocks"] == 0
@@ -299,7 +299,7 @@ def test_falls_back_to_grpc_when_the_bulk_port_is_off_or_gone() -> None:
                     assert seq.append(toks, k, v) == 12
                     rk, rv = seq.read_kv()
                     assert same_bytes(rk, k) and same_bytes(rv, v)
-                    channel = client.data.route.bulk
+                    channel = client.data.bulk
                     assert channel is not None
                     if node is on:  # a failed connect: gRPC for a while, then the port is learned again
                         assert channel.is_backing_off and channel.port is None
@@ -359,7 +359,9 @@ def test_node_lost_mid_transfer_raises_unavailable_naming_the_node() -> None:
     one that hangs up on an append: the client raises Unavailable, not a hang or a
     bare socket error, and does not reuse the broken connection."""
     from pagedkv.client import Unavailable
-    from pagedkv.client.bulk import BulkChannel
+    from pagedkv.client.transport.calls import append_call, read_call
+    from pagedkv.client.transport.link import BulkLink
+    from pagedkv.client.transport.socket import TcpTransport
 
     listener = socket.create_server(("127.0.0.1", 0))
     port = listener.getsockname()[1]
@@ -379,17 +381,17 @@ def test_node_lost_mid_transfer_raises_unavailable_naming_the_node() -> None:
 
     thread = threading.Thread(target=fake_node, daemon=True)
     thread.start()
-    channel = BulkChannel(f"127.0.0.1:{port}", "node fake")
-    channel.port = port
+    channel = BulkLink(f"127.0.0.1:{port}", "node fake", 0, lambda timeout_s: (port, SPEC.bytes_per_token))
     channel.local_name = ""  # a TCP-only peer that answers nothing but READ (no HELLO)
     channel.caps = wire.Capabilities(frozenset({wire.OP_READ, wire.OP_APPEND}))
+    tcp = TcpTransport(channel)
     try:
         with pytest.raises(Unavailable, match=r"node fake: bulk transfer failed: connection closed after"):
-            channel.read_kv("s", 0, None, timeout_s=5)
+            tcp.read_kv(read_call("s", 0, None, None), timeout_s=5)
         k, v = rand_kv(SPEC, 40000, seed=11)  # larger than the socket buffers: the send itself fails
         with pytest.raises(Unavailable, match="node fake: bulk transfer failed"):
-            channel.append("s", list(range(40000)), k, v, timeout_s=5)
-        assert channel._idle == []
+            tcp.append(append_call("s", list(range(40000)), k, v), timeout_s=5)
+        assert channel.num_idle("tcp") == 0
     finally:
         channel.close()
         listener.close()

@@ -23,8 +23,8 @@ from pagedkv.cache_node.engine import CacheEngine, EngineConfig
 from pagedkv.cache_node.metrics import NodeMetrics
 from pagedkv.cache_node.server import NodeServer, create_server
 from pagedkv.client import AsyncCacheClient, CacheClient, ClientConfig, PagedKVError, shm
-from pagedkv.client.bulk import BulkChannel
 from pagedkv.client.data import NodeData
+from pagedkv.client.transport.link import BulkLink
 from pagedkv.protos import wire
 from pagedkv.protos.spec import ModelSpec
 from pagedkv.protos.wire import Frame
@@ -179,7 +179,7 @@ def test_decode_steps_match_the_rpc_bitwise(make: Callable[..., Node], dtype: st
         a = via_bulk.data.attend([name("bulk", 2), "bulk0"], 1, q, return_block_mass=True)
         b = via_grpc.data.attend([name("grpc", 2), "grpc0"], 1, q, return_block_mass=True)
         assert same_result(a, b)
-        channel = via_bulk.data.route.bulk
+        channel = via_bulk.data.bulk
         assert channel is not None and channel.num_local_calls == (7 if transport == "shm" else 0)
     assert node.counters()[0] - before[0] == 3 * 2 + 1  # every bulk call took the channel
     for i, n in enumerate(lengths):
@@ -220,7 +220,7 @@ def test_prefill_batch_matches_the_rpc_bitwise(make: Callable[..., Node], dtype:
         # the client-level call (split by node) takes the channel too
         r = via_bulk.attend_prefill_batch(["bulk-a"], 1, [2], node.rand(2, Q_HEADS, 8, seed=41))
         assert r.out.shape == (2, Q_HEADS, 8)
-        channel = via_bulk.data.route.bulk
+        channel = via_bulk.data.bulk
         assert channel is not None and channel.num_local_calls == (4 if transport == "shm" else 0)
     assert node.counters()[0] - before[0] == 4
     for suffix, n in (("a", 9), ("b", 5), ("c", 12)):
@@ -319,8 +319,8 @@ def test_bad_input_gets_the_rpc_error_and_changes_nothing(make: Callable[..., No
             ok = via_bulk.data.attend(["bulkb"], 1, node.rand(1, Q_HEADS, 8, seed=3))
             ref = via_grpc.data.attend(["grpcb"], 1, node.rand(1, Q_HEADS, 8, seed=3))
             assert same_result(ok, ref), name
-        channel = via_bulk.data.route.bulk
-        assert channel is not None and len(channel._idle) == 1  # one pooled connection did it all
+        channel = via_bulk.data.bulk
+        assert channel is not None and channel.num_idle("tcp") == 1  # one pooled connection did it all
     assert node.counters()[2] == 0  # no connection was dropped
     errs = node.metrics.registry.get_sample_value
     assert errs("pagedkv_rpc_errors_total", {"method": "Attend", "code": "INVALID_ARGUMENT"}) >= 15
@@ -508,7 +508,7 @@ def test_falls_back_to_grpc_when_the_port_is_off_or_gone(make: Callable[..., Nod
     q = off.rand(1, Q_HEADS, 8, seed=2)
     with CacheClient(off.address) as client:
         res = client.data.attend(["s"], 0, q)
-        assert client.data.route.bulk is not None and client.data.route.bulk.port == 0
+        assert client.data.bulk is not None and client.data.bulk.port == 0
     assert (
         off.metrics.registry.get_sample_value("pagedkv_rpc_latency_seconds_count", {"method": "Attend"}) == 1
     )
@@ -520,8 +520,8 @@ def test_falls_back_to_grpc_when_the_port_is_off_or_gone(make: Callable[..., Nod
         assert same_result(client.data.attend(["s"], 0, q), res)
         r = client.data.attend_prefill_batch(["s"], 1, [2], off.rand(2, Q_HEADS, 8, seed=3))
         assert r.out.shape == (2, Q_HEADS, 8)
-        bulk_channel = client.data.route.bulk
-        assert isinstance(bulk_channel, BulkChannel) and bulk_channel.is_backing_off
+        bulk_channel = client.data.bulk
+        assert isinstance(bulk_channel, BulkLink) and bulk_channel.is_backing_off
     count = on.metrics.registry.get_sample_value
     assert count("pagedkv_rpc_latency_seconds_count", {"method": "Attend"}) == 2  # 1 bulk (recorded) + 1 rpc
     assert count("pagedkv_rpc_latency_seconds_count", {"method": "AttendPrefillBatch"}) == 1
@@ -531,10 +531,10 @@ def test_falls_back_to_grpc_when_the_port_is_off_or_gone(make: Callable[..., Nod
 def test_channel_ping(node: Node) -> None:
     with CacheClient(node.address) as client, CacheClient(node.address, GRPC) as via_grpc:
         assert via_grpc.data.bulk_channel() is None  # the config keeps every call on gRPC
-        assert client.data.route.bulk is not None and client.data.route.bulk.port is None  # not learned yet
+        assert client.data.bulk is not None and client.data.bulk.port is None  # not learned yet
         channel = client.data.bulk_channel()
         assert channel is not None and channel.port == node.bulk_port  # learned from Stats
         before = node.counters()[0]
         for _ in range(3):
-            channel.ping(5.0)
+            client.data.transports.get("tcp").ping(5.0)  # type: ignore[union-attr]
         assert node.counters()[0] == before + 3

@@ -20,7 +20,7 @@ import torch
 from test_bulk_attend import Node as AttendNode
 
 from pagedkv.client import AsyncCacheClient, CacheClient, ClientConfig, shm
-from pagedkv.client.bulk import BulkChannel
+from pagedkv.client.transport.link import BulkLink
 from pagedkv.client.types import OpenResult
 from pagedkv.protos import wire
 from pagedkv.protos.errors import InvalidArgument
@@ -85,8 +85,8 @@ def node(make: Callable[..., Node]) -> Node:
     return make()
 
 
-def channel_of(client: CacheClient) -> BulkChannel:
-    channel = client.data.route.bulk
+def channel_of(client: CacheClient) -> BulkLink:
+    channel = client.data.bulk
     assert channel is not None
     return channel
 
@@ -111,7 +111,7 @@ def test_open_reuses_the_cached_prefix_like_the_rpc(node: Node, transport: str) 
         assert node.rpc_count("Open") == 2
         assert got == want == OpenResult(12, 0)
         assert channel_of(via_bulk).num_local_transfers == 0  # an open is not a KV transfer
-        assert via_grpc.data.route.bulk is None
+        assert via_grpc.data.bulk is None
         for seq_id in ("b", "g"):
             via_bulk.sequence(seq_id).close()
     node.assert_nothing_leaked()
@@ -209,7 +209,7 @@ def test_bad_opens_get_the_rpc_error_and_change_nothing(node: Node, transport: s
         channel = channel_of(via_bulk)
         assert channel.capabilities(5.0).serves(wire.OP_OPEN)
         # one pooled connection did it all: the Unix socket on the same host (its TCP one asked HELLO)
-        assert len(channel._idle_local if transport == "shm" else channel._idle) == 1
+        assert channel.num_idle("unix" if transport == "shm" else "tcp") == 1
         via_bulk.sequence("taken").close()
     assert node.counters()[2] == 0  # no connection was dropped
     node.assert_nothing_leaked()

@@ -141,7 +141,7 @@ def test_a_range_larger_than_the_region_reuses_the_ring(make: Callable[..., Node
         ch = channel_of(client)
         rk, rv = client.data.read_kv("big")
         assert bitwise(rk, k) and bitwise(rv, v)
-        conn = ch._idle_local[0]
+        conn = ch._idle["unix"][0]
         assert conn.size < n * spec.bytes_per_token  # the region stayed small
         assert conn.size >= client_shm.READ_SLOTS * client_shm.READ_SLOT_BYTES
         rk, rv = client.data.read_kv("big", 511, 1537)  # slab boundaries of the node's block size
@@ -182,7 +182,7 @@ def test_bad_reads_get_the_rpc_error_and_the_connection_stays_usable(node: Node)
             client.data.read_kv("s", 11, None)
         rk, rv = client.data.read_kv("s", 2, 7)
         assert bitwise(rk, k[:, 2:7]) and bitwise(rv, v[:, 2:7])
-        assert len(ch._idle_local) == 1  # one connection served all of them
+        assert ch.num_idle("unix") == 1  # one connection served all of them
         assert ch.num_shm_reads == 1
         assert node.counters() == (1, 4, 0)
     assert node.state() == state
@@ -311,10 +311,10 @@ def test_sequence_freed_mid_read_is_a_clean_error(
         else:  # never reached: the read completes
             assert client.data.read_kv("s")[0].shape == (2, 10, 2, 8)
         ch = channel_of(client)
-        assert len(ch._idle_local) == 1  # the connection stayed in sync and went back to the pool
+        assert ch.num_idle("unix") == 1  # the connection stayed in sync and went back to the pool
         rk, rv = client.data.read_kv("t")  # on the same connection
         assert bitwise(rk, k) and bitwise(rv, v)
-        assert len(ch._idle_local) == 1
+        assert ch.num_idle("unix") == 1
     assert node.counters()[2] == 0
     node.state()
 
@@ -421,7 +421,7 @@ def test_asyncio_client_reads_through_the_region(node: Node) -> None:
     async def run() -> tuple[torch.Tensor, torch.Tensor, int]:
         async with AsyncCacheClient(node.address, BULK) as client:
             rk, rv = await client.data.read_kv("s", 3, None)
-            ch = client.data.route.bulk
+            ch = client.data.bulk
             assert ch is not None
             return rk, rv, ch.num_shm_reads
 

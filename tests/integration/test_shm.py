@@ -29,7 +29,7 @@ from test_bulk_attend import GRPC, Q_HEADS, Node, bitwise, spec_of
 from pagedkv.cache_node import bulk as node_bulk
 from pagedkv.client import AsyncCacheClient, CacheClient, InvalidArgument
 from pagedkv.client import shm as client_shm
-from pagedkv.client.bulk import BulkChannel
+from pagedkv.client.transport.link import BulkLink
 from pagedkv.protos import wire
 from pagedkv.protos.spec import ModelSpec
 from pagedkv.protos.wire import Frame
@@ -42,8 +42,8 @@ pytestmark = pytest.mark.skipif(not client_shm.is_supported(), reason="needs mem
 make, node = test_bulk_attend.make, test_bulk_attend.node  # the same node fixtures
 
 
-def channel_of(client: CacheClient | AsyncCacheClient) -> BulkChannel:
-    ch = client.data.route.bulk
+def channel_of(client: CacheClient | AsyncCacheClient) -> BulkLink:
+    ch = client.data.bulk
     assert ch is not None
     return ch
 
@@ -93,8 +93,8 @@ def test_results_bitwise_equal_to_the_rpc_and_never_overwritten(
         for got, want in kept:
             assert bitwise(got.out, want.out) and bitwise(got.lse, want.lse)
         channel = channel_of(via_shm)
-        assert channel.num_local_calls == 4 and len(channel._idle_local) == 1
-        region = channel._idle_local[0].region
+        assert channel.num_local_calls == 4 and channel.num_idle("unix") == 1
+        region = channel._idle["unix"][0].region
         lo, hi = region.data_ptr(), region.data_ptr() + region.numel()
         assert not lo <= got.out.data_ptr() < hi and not lo <= got.lse.data_ptr() < hi
     for i in range(2):
@@ -120,14 +120,14 @@ def test_results_view_the_region_while_no_earlier_ones_are_held() -> None:
         assert bitwise(res.out, want.out) and bitwise(res.lse, want.lse)
 
     def in_region(t: torch.Tensor) -> bool:
-        region = channel_of(client)._idle_local[0].region
+        region = channel_of(client)._idle["unix"][0].region
         return region.data_ptr() <= t.data_ptr() < region.data_ptr() + region.numel()
 
     try:
         with CacheClient(node.address) as client:
             qs = [node.rand(1, 32, 128, seed=s) for s in range(2)]
             held = client.data.attend(["a"], 0, qs[0])
-            conn = channel_of(client)._idle_local[0]
+            conn = channel_of(client)._idle["unix"][0]
             assert conn.num_leased == 1 and in_region(held.out) and in_region(held.lse)
             assert conn.size == client_shm.MIN_REGION_BYTES
             big = node.rand(40, 32, 128, seed=9)  # 640 KiB of q and of out: past the 1 MiB region
@@ -159,11 +159,11 @@ def test_region_grows_for_a_large_call() -> None:
         node.fill("b", 16, seed=1)
         with CacheClient(node.address) as via_shm, CacheClient(node.address, GRPC) as via_grpc:
             small = via_shm.data.attend(["a"], 0, q[:1])
-            assert channel_of(via_shm)._idle_local[0].size == client_shm.MIN_REGION_BYTES
+            assert channel_of(via_shm)._idle["unix"][0].size == client_shm.MIN_REGION_BYTES
             got = via_shm.data.attend_prefill_batch(["a"], 0, [rows], q, kv, kv, toks)
             want = via_grpc.data.attend_prefill_batch(["b"], 0, [rows], q, kv, kv, toks)
             assert bitwise(got.out, want.out) and bitwise(got.lse, want.lse)
-            assert channel_of(via_shm)._idle_local[0].size >= 2 * q.numel() * 4
+            assert channel_of(via_shm)._idle["unix"][0].size >= 2 * q.numel() * 4
             assert channel_of(via_shm).num_local_calls == 2
             assert bitwise(small.out, node.engine.attend_decode(["b"], 0, q[:1]).out) is False  # b grew
         node.state()
@@ -197,7 +197,7 @@ def test_a_call_body_is_never_written_outside_the_region(node: Node) -> None:
     node.fill("a", 5, seed=1)
     with CacheClient(node.address) as client:
         client.data.attend(["a"], 0, node.rand(1, Q_HEADS, 8, seed=2))
-        conn = channel_of(client)._idle_local[0]
+        conn = channel_of(client)._idle["unix"][0]
         before = conn.region.clone()
         q = node.rand(1, Q_HEADS, 8, seed=3)
         head = b"\x01" * 100
@@ -404,7 +404,7 @@ from pagedkv.client import CacheClient
 
 with CacheClient(sys.argv[1]) as c:
     r = c.data.attend(["s"], 1, torch.randn(1, 4, 8))
-    assert c.data.route.bulk.num_local_calls == 1
+    assert c.data.bulk.num_local_calls == 1
     print("called", flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
 """
@@ -435,7 +435,7 @@ def test_node_stopped_mid_session_raises_then_falls_back(make: Callable[..., Nod
         with pytest.raises(Exception) as info:  # noqa: PT011 - any transport error naming the node
             c.data.attend(["s"], 1, q, timeout_s=2)
         assert "UNAVAILABLE" in repr(info.value) or "Unavailable" in type(info.value).__name__
-        assert len(channel_of(c)._idle_local) == 0  # the dead connection was not kept
+        assert channel_of(c).num_idle("unix") == 0  # the dead connection was not kept
 
 
 # -- concurrency ----------------------------------------------------------------------
@@ -539,12 +539,12 @@ def test_connection_over_the_nodes_cap_falls_back_to_tcp(node: Node) -> None:
         ch = channel_of(c)
         assert bitwise(c.data.attend(["s"], 1, q).out, want.out)  # 1 TCP (HELLO) + 1 same-host connection
         assert ch.num_local_calls == 1
-        held = ch._take_local(5.0)  # the same-host connection is busy elsewhere
+        held = ch.take("unix", 5.0)  # the same-host connection is busy elsewhere
         try:
             assert bitwise(c.data.attend(["s"], 1, q).out, want.out)  # a second one is refused: TCP
             assert ch.num_calls == 2 and ch.num_local_calls == 1 and ch.local_name
         finally:
-            ch._give_local(held)
+            ch.give("unix", held)
         assert bitwise(c.data.attend(["s"], 1, q).out, want.out)  # the pooled one serves again
         assert ch.num_local_calls == 2
     assert node.counters()[2] == 0

@@ -13,7 +13,7 @@ import threading
 import pytest
 import torch
 
-from pagedkv.client import bulk as client_bulk
+from pagedkv.client.transport import link as client_bulk
 from pagedkv.protos import wire
 from pagedkv.protos.errors import InvalidArgument
 from pagedkv.protos.wire import Frame, ProtocolError
