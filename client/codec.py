@@ -84,17 +84,11 @@ def attention_result(resp: pb.AttendResponse) -> AttentionResult:
 
 
 def append_chunks(
-    seq_id: str, token_ids: TokenIds, k: Any, v: Any, chunk_bytes: int
+    seq_id: str, token_ids: TokenIds, k: torch.Tensor, v: torch.Tensor, chunk_bytes: int
 ) -> Iterator[pb.AppendChunk]:
     """The Append stream: the header with the first slab, then slabs of whole tokens
-    (~chunk_bytes each) of stack(k, v)[:, :, a:b] -- never one payload-sized buffer."""
-    k, v = tensors.as_torch(k, "k"), tensors.as_torch(v, "v")
-    if k.shape != v.shape or k.dtype != v.dtype:
-        raise InvalidArgument(f"k {tuple(k.shape)} {k.dtype} and v {tuple(v.shape)} {v.dtype} differ")
-    if k.dim() != 4:
-        raise InvalidArgument(f"k must be [num_layers, n, kv_heads, head_dim], got shape {tuple(k.shape)}")
-    if k.dtype not in tensors.DTYPE_NAMES:
-        raise InvalidArgument(f"k has unsupported dtype {k.dtype}")
+    (~chunk_bytes each) of stack(k, v)[:, :, a:b] -- never one payload-sized buffer.
+    k, v: as transport/calls.py append_call checked them."""
     header = pb.AppendHeader(
         seq_id=seq_id,
         token_ids=token_list(token_ids),

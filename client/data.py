@@ -6,15 +6,13 @@ Each call's arguments are checked once (transport/calls.py), then carried by the
 first of the node's transports that can (transport/base.py `Fallback`): on the
 node's host its shared memory and Unix socket, then its bulk TCP port, then gRPC,
 as `ClientConfig.transports` lists them. KV ranges under `config.bulk_min_bytes`
-stay on gRPC. The asyncio face runs these same calls on a worker thread.
+stay on gRPC. The asyncio client runs these same calls on its worker threads.
 """
 
 from __future__ import annotations
 
-import asyncio
-import functools
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 
@@ -29,7 +27,6 @@ from .transport.shm import ShmTransport
 from .transport.socket import TcpTransport, UnixTransport
 from .types import AttentionResult, OpenResult
 
-T = TypeVar("T")
 SOCKET_TRANSPORTS: dict[str, Callable[[BulkLink], Transport]] = {
     "shm": ShmTransport,
     "unix": UnixTransport,
@@ -158,65 +155,3 @@ class NodeData:
         call = calls.read_call(seq_id, start, end, out)
         result: tuple[torch.Tensor, torch.Tensor] = self.transports.call("read_kv", call, self._t(timeout_s))
         return result
-
-
-class AsyncNodeData:
-    """The asyncio face of NodeData: the same calls, each on a worker thread (they block
-    on sockets; the event loop keeps running)."""
-
-    def __init__(self, data: NodeData) -> None:
-        self.sync = data
-        self.config, self.where = data.config, data.where
-
-    @property
-    def bulk(self) -> BulkLink | None:
-        return self.sync.bulk
-
-    def bulk_channel(self, timeout_s: float | None = None) -> BulkLink | None:
-        return self.sync.bulk_channel(timeout_s)
-
-    def close(self) -> None:
-        self.sync.close()
-
-    async def _run(self, fn: Callable[..., T], *args: Any, **kw: Any) -> T:
-        return await asyncio.to_thread(functools.partial(fn, *args, **kw))
-
-    async def connect(self, timeout_s: float | None = None) -> None:
-        await self._run(self.sync.connect, timeout_s)
-
-    async def open(
-        self,
-        seq_id: str,
-        token_ids: codec.TokenIds,
-        max_cached_tokens: int | None,
-        timeout_s: float | None = None,
-    ) -> OpenResult:
-        return await self._run(self.sync.open, seq_id, token_ids, max_cached_tokens, timeout_s)
-
-    async def append(
-        self, seq_id: str, token_ids: codec.TokenIds, k: Any, v: Any, timeout_s: float | None = None
-    ) -> int:
-        return await self._run(self.sync.append, seq_id, token_ids, k, v, timeout_s)
-
-    async def attend(
-        self, seq_ids: Sequence[str], layer: int, q: Any, *args: Any, **kw: Any
-    ) -> AttentionResult:
-        return await self._run(self.sync.attend, seq_ids, layer, q, *args, **kw)
-
-    async def attend_prefill(self, seq_id: str, layer: int, q: Any, *args: Any, **kw: Any) -> AttentionResult:
-        return await self._run(self.sync.attend_prefill, seq_id, layer, q, *args, **kw)
-
-    async def attend_prefill_batch(
-        self, seq_ids: Sequence[str], layer: int, num_tokens: Sequence[int], q: Any, *args: Any, **kw: Any
-    ) -> AttentionResult:
-        return await self._run(self.sync.attend_prefill_batch, seq_ids, layer, num_tokens, q, *args, **kw)
-
-    async def read_kv(
-        self,
-        seq_id: str,
-        start: int = 0,
-        end: int | None = None,
-        timeout_s: float | None = None,
-        out: codec.KVOut | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return await self._run(self.sync.read_kv, seq_id, start, end, timeout_s, out)
