@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from ..protos import tensors, wire
+from ..protos.errors import PagedKVError
 from ..protos.wire import Frame, ProtocolError
 from . import codec
 from .types import AttentionResult
@@ -50,9 +51,11 @@ def is_supported() -> bool:
     return hasattr(os, "memfd_create") and hasattr(fcntl, "F_ADD_SEALS") and hasattr(socket, "AF_UNIX")
 
 
-class RegionRefused(Exception):
+class RegionRefused(PagedKVError):
     """The node would not map the region (its error frame is `frame`): the
     connection is in sync, the same-host path is not usable with this node."""
+
+    status_name = "UNAVAILABLE"
 
     def __init__(self, frame: Frame) -> None:
         super().__init__(frame.text)

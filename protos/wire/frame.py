@@ -14,7 +14,7 @@ import struct
 from typing import NamedTuple
 
 from ..errors import PagedKVError
-from ..status import error_from_status, status_for
+from ..status import error_from_status, error_ids, status_for
 from ..tensors import MAX_MESSAGE_BYTES
 
 MAGIC = b"PKVB"
@@ -290,16 +290,23 @@ def error_frame(op: int, request_id: int, exc: BaseException, end: int = 0) -> t
     and trailing metadata carry) and its status name."""
     code, details, cls = status_for(exc)
     status = Status[code.name]
-    return Frame(op, request_id, status=status, end=end, text=details, extra=cls), code.name
+    return Frame(op, request_id, status=status, end=end, text=details, extra=_extra(cls, exc)), code.name
 
 
 def error_slab(exc: BaseException) -> bytes:
     """A SLAB that ends a read with exc's status instead of bytes."""
     code, details, cls = status_for(exc)
-    return pack_slab(0, Status[code.name], details, cls)
+    return pack_slab(0, Status[code.name], details, _extra(cls, exc))
 
 
 def error_of(status: int, text: str, extra: str, where: str) -> PagedKVError:
     """The domain error an error reply stands for (`where` names the node)."""
     name = Status(status).name if status in Status._value2member_map_ else "UNKNOWN"
-    return error_from_status(name, text, extra, where)
+    cls, _, ids = extra.partition(" ")
+    return error_from_status(name, text, cls, where, ids)
+
+
+def _extra(cls: str, exc: BaseException) -> str:
+    """A frame's extra text: the error class name, then a space and its ids (JSON)."""
+    ids = error_ids(exc) if cls else ""
+    return f"{cls} {ids}" if ids else cls

@@ -251,7 +251,7 @@ def test_raw_ring_protocol_and_bad_rings(node: Node) -> None:
         reply = _read_shm(sock, "s", 0, 4, 0, 128, 2)  # a slot smaller than one token
         assert reply.status == INVALID and reply.end == bpt and "smaller than one token" in reply.text
         reply = _read_shm(sock, "gone", 0, 4, 0, 1024, 2)
-        assert reply.status == 5 and reply.extra == "SequenceNotFound"
+        assert reply.status == wire.Status.NOT_FOUND and reply.extra == 'SequenceNotFound {"seq_id": "gone"}'
         reply = _read_shm(sock, "s", 0, 4, 0, 1024, 2, extra=b"\0" * 8)  # a 32-byte request
         assert reply.status == INVALID and "32-byte request" in reply.text
         assert _ping_ok(sock)

@@ -168,8 +168,9 @@ def test_error_replies_carry_the_class_and_status(pair: tuple[socket.socket, soc
         err = wire.error_of(got.status, got.text, got.extra, "node n1")
         assert str(err).startswith("node n1: ")
         if not isinstance(exc, RuntimeError):
-            assert type(err) is type(exc)
+            assert type(err) is type(exc) and vars(err).get("seq_id") == vars(exc).get("seq_id")
     a, b = pair
     a.sendall(wire.error_slab(SequenceNotFound("gone")))
     n, status, text, extra = wire.read_slab(b)
-    assert (n, status, extra) == (0, wire.Status.NOT_FOUND, "SequenceNotFound") and "gone" in text
+    assert (n, status, extra) == (0, wire.Status.NOT_FOUND, 'SequenceNotFound {"seq_id": "gone"}')
+    assert "gone" in text
