@@ -7,7 +7,7 @@ not share a GIL). Measured in the same run:
 
 - attend latency p50/p99 for decode batches of 1 and 32 sequences of L tokens,
   one layer, through the client's `attend_batch` over each data path: the
-  Attend rpc (gRPC) and the node's bulk TCP channel (ATTEND op, protos/bulk.py;
+  Attend rpc (gRPC) and the node's bulk TCP channel (ATTEND op, docs/bulk-protocol.md;
   what the client uses whenever the node advertises the channel);
 - the same engine call in the server process, without a transport (`engine.attend_decode`);
 - a no-op Ping RPC on the same server and channel, and the bulk channel's own
@@ -35,7 +35,7 @@ client API (tensors in, tensors out, checked byte-exact) over each path -- the
 gRPC rpcs (Append client-streaming, ReadKV server-streaming), the bulk channel's
 TCP socket, its same-host Unix socket and its same-host shared-memory read
 (READ_SHM: slabs through a 2 x 2 MiB ring in the client's memfd region; its
-append takes the Unix socket) (protos/bulk.py), each repeat running every path in
+append takes the Unix socket) (docs/bulk-protocol.md), each repeat running every path in
 turn -- and compared with a plain loopback TCP socket moving the same bytes in the
 same loop. Downloads are timed into fresh tensors and into the caller's (`out=`,
 allocated once): a fresh 256 MiB's first touch is part of the former.

@@ -33,9 +33,9 @@ from ..protos.errors import (
 )
 from ..protos.serving import GrpcServer, build_server
 from ..protos.status import abort_details
-from .bulk import BulkServer, bulk_host
 from .engine import CacheEngine
 from .metrics import NodeMetrics
+from .serve import BulkServer, bulk_host
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["CacheNode"].full_name
 SERVER_OPTIONS = [*tensors.MESSAGE_SIZE_OPTIONS, ("grpc.so_reuseport", 0)]

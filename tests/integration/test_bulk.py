@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 import torch
 
-from pagedkv.cache_node import bulk as node_bulk
 from pagedkv.cache_node.engine import CacheEngine, EngineConfig
+from pagedkv.cache_node.serve import kv as node_kv
+from pagedkv.cache_node.serve import listener as node_bulk
 from pagedkv.cache_node.server import NodeServer, create_server
 from pagedkv.client import (
     AsyncCacheClient,
@@ -120,7 +121,7 @@ def test_round_trip_is_byte_exact_for_every_dtype_and_partial_range(dtype: str, 
 
 
 def test_read_in_many_slabs(bulk_node: BulkNode, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(node_bulk, "READ_SLAB_BYTES", 3 * SPEC.bytes_per_token)  # 3-token slabs
+    monkeypatch.setattr(node_kv, "READ_SLAB_BYTES", 3 * SPEC.bytes_per_token)  # 3-token slabs
     with CacheClient(bulk_node.address, BULK) as client:
         toks = list(range(50))
         k, v = rand_kv(SPEC, 50, seed=2)
@@ -231,7 +232,7 @@ def test_error_mid_read_reaches_the_client_and_the_connection_stays_usable(
     bulk_node: BulkNode, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     node = bulk_node
-    monkeypatch.setattr(node_bulk, "READ_SLAB_BYTES", 4 * SPEC.bytes_per_token)
+    monkeypatch.setattr(node_kv, "READ_SLAB_BYTES", 4 * SPEC.bytes_per_token)
     toks = list(range(16))
     k, v = rand_kv(SPEC, 16, seed=7)
     node.engine.open("s", toks)

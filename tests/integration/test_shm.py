@@ -26,7 +26,7 @@ import test_bulk_attend
 import torch
 from test_bulk_attend import GRPC, Q_HEADS, Node, bitwise, spec_of
 
-from pagedkv.cache_node import bulk as node_bulk
+from pagedkv.cache_node.serve import listener as node_bulk
 from pagedkv.client import AsyncCacheClient, CacheClient, InvalidArgument
 from pagedkv.client import shm as client_shm
 from pagedkv.client.transport.link import BulkLink
