@@ -94,7 +94,7 @@ class CacheNodeServicer(pb_grpc.CacheNodeServicer):
         def run() -> pb.OpenResponse:
             limit = request.max_cached_tokens if request.HasField("max_cached_tokens") else None
             exact = request.expect_cached_tokens if request.HasField("expect_cached_tokens") else None
-            ids = np.asarray(request.token_ids)  # one C-level copy (list(): ~30 us per 1,152 ids)
+            ids = np.asarray(request.token_ids)  # one C-level copy, not a Python list
             res = self.engine.open(request.seq_id, ids, request.tenant_salt, limit, exact)
             return pb.OpenResponse(
                 num_cached_tokens=res.num_cached_tokens, num_host_hit_tokens=res.num_host_hit_tokens

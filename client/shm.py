@@ -168,12 +168,9 @@ def write_call(conn: LocalConnection, body_at: int, head: bytes, parts: Sequence
     next ALIGN offset) into conn's region at body_at (ALIGN-aligned); returns its
     length. ValueError (nothing written) when it would not fit in the region; the
     tensors must be contiguous CPU tensors (tensors.as_torch). One memmove per
-    tensor on this thread, from its memory to the region's: torch's copy_ would
-    split a large copy over its intra-op threads, which on a small busy host wait
-    for cores the node needs (measured: 20 ms for 1 MiB), and a memmove of raw
-    addresses skips the ~8 torch / numpy views per tensor that a sliced numpy
-    assignment needs (each ~2 us warm, several times that right after the
-    engine streamed the KV through the caches)."""
+    tensor on this thread: torch's copy_ would split a large copy over intra-op
+    threads that wait for cores the node needs, and raw addresses skip the torch /
+    numpy views a sliced assignment makes per tensor."""
     length = body_length(len(head), parts)
     if conn.address == 0 or body_at < 0 or body_at + length > conn.size:
         raise ValueError(f"a {length}-byte call body at {body_at} outside the {conn.size}-byte region")
@@ -214,11 +211,10 @@ def expect_placed(
     """The reply head a call with this q most likely gets (out in q's shape and dtype,
     lse float32 per row and head, placed in the region) and its results already
     viewed in the region, leased: built while the node computes, so that after the
-    reply only its head is compared. Waking from a long engine call finds this
-    process's caches cold (the node just streamed the KV through the shared last
-    level), and making the two views then cost ~115 µs at batch 32 against a few
-    now. None when it cannot be known ahead (block mass, an earlier result still
-    leased: the results are then copied out after the reply) or does not fit."""
+    reply only its head is compared (after a long engine call this process's caches
+    are cold, and building the views then costs more than the compare). None when it
+    cannot be known ahead (block mass, an earlier result still leased: the results
+    are then copied out after the reply) or does not fit."""
     if block_mass or conn._live_lease() is not None:
         return None
     head = wire.decode_result_head(q, wire.PLACED_REGION)

@@ -59,7 +59,7 @@ class AttendOps:
             area = None if region is None else region.memory(out_at, out_len, "the result area")
             dst = None if area is None or op != wire.OP_ATTEND else _decode_destination(call.q, area)
             # the reply when the decode kernel writes into the region, built while this process's
-            # caches are warm (after a long engine call they are cold: ~50 µs for these few lines)
+            # caches are warm (after a long engine call they are cold)
             placed_reply = b"" if dst is None else self._reply_head(f, dst, wire.PLACED_REGION)
         except Exception as exc:
             self.server.refuse(conn, f, method, exc)
