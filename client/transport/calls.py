@@ -9,6 +9,7 @@ so every transport reports it in the node's words.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -82,9 +83,9 @@ def as_cpu(t: Any, what: str) -> torch.Tensor:
 
 
 def token_array(token_ids: codec.TokenIds | None, *, strict: bool) -> np.ndarray:
-    """Token ids as int64. strict (an open, an append): plain ints only (a list of
-    them, or an integer array or tensor), as the rpc's message judges them; else any
-    value int() takes, as the attend rpcs always did. InvalidArgument otherwise."""
+    """Token ids as int64. strict (an open): plain ints only (a list of them, or an
+    integer array or tensor), as the Open rpc's message judges them; else any value
+    int() takes, as the append and attend rpcs always did. InvalidArgument otherwise."""
     if token_ids is None:
         return np.empty(0, dtype="<i8")
     if isinstance(token_ids, torch.Tensor):
@@ -121,8 +122,10 @@ def attend_call(
     ids = list(seq_ids) if type(seq_ids) is not list else seq_ids
     if not all(type(s) is str for s in ids):
         raise InvalidArgument("sequence ids must be str")
-    if type(layer) is not int:
-        raise InvalidArgument(f"layer must be an int, got {type(layer).__name__}")
+    try:
+        layer = operator.index(layer)  # an int or a numpy integer, not a float
+    except TypeError:
+        raise InvalidArgument(f"layer must be an int, got {type(layer).__name__}") from None
     counts: list[int] = []
     if num_tokens is not None:
         counts = [int(n) for n in num_tokens]
