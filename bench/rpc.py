@@ -7,7 +7,7 @@ not share a GIL). Measured in the same run:
 
 - attend latency p50/p99 for decode batches of 1 and 32 sequences of L tokens,
   one layer, through the client's `attend_batch` over each data path: the
-  Attend rpc (gRPC) and the node's bulk TCP channel (ATTEND op, protos/bulk.py;
+  Attend rpc (gRPC) and the node's bulk TCP channel (ATTEND op, docs/bulk-protocol.md;
   what the client uses whenever the node advertises the channel);
 - the same engine call in the server process, without a transport (`engine.attend_decode`);
 - a no-op Ping RPC on the same server and channel, and the bulk channel's own
@@ -35,7 +35,7 @@ client API (tensors in, tensors out, checked byte-exact) over each path -- the
 gRPC rpcs (Append client-streaming, ReadKV server-streaming), the bulk channel's
 TCP socket, its same-host Unix socket and its same-host shared-memory read
 (READ_SHM: slabs through a 2 x 2 MiB ring in the client's memfd region; its
-append takes the Unix socket) (protos/bulk.py), each repeat running every path in
+append takes the Unix socket) (docs/bulk-protocol.md), each repeat running every path in
 turn -- and compared with a plain loopback TCP socket moving the same bytes in the
 same loop. Downloads are timed into fresh tensors and into the caller's (`out=`,
 allocated once): a fresh 256 MiB's first touch is part of the former.
@@ -239,8 +239,10 @@ def _transfers(address: str, results: dict[str, Any], repeats: int, quick: bool 
     paths = {
         "gRPC, 1 MiB chunks": (ClientConfig(chunk_bytes=1 << 20, bulk_min_bytes=None), False, False),
         "gRPC, 4 MiB chunks": (ClientConfig(chunk_bytes=4 << 20, bulk_min_bytes=None), False, False),
-        "bulk channel, TCP": (ClientConfig(), False, False),
-        "bulk channel, same-host Unix socket": (ClientConfig(), True, False),
+        "bulk channel, TCP": (ClientConfig(transports=("tcp", "grpc")), False, False),
+        "bulk channel, same-host Unix socket": (
+            ClientConfig(transports=("unix", "tcp", "grpc")), True, False
+        ),
         "bulk channel, same-host shared memory (READ_SHM; append: Unix socket)": (ClientConfig(), True, True),
     }
     if quick:  # the gRPC rows take most of the time
@@ -254,11 +256,8 @@ def _transfers(address: str, results: dict[str, Any], repeats: int, quick: bool 
     clients = {name: CacheClient(address, cfg) for name, (cfg, _, _) in paths.items()}
     try:
         for r in range(repeats):  # interleaved: each repeat runs every path once, in turn
-            for name, (cfg, local, read_shm) in paths.items():
+            for name, (cfg, _, _) in paths.items():
                 c, run = clients[name], runs[name]
-                if c.data.route.bulk is not None:
-                    c.data.route.bulk.is_local_enabled = local
-                    c.data.route.bulk.is_read_shm = read_shm
                 seq = c.open(f"up{len(results['transfer'])}-{name}-{r}", toks[:1])  # distinct ids
                 t0 = time.perf_counter()
                 seq.append(toks, k, v)
@@ -280,7 +279,7 @@ def _transfers(address: str, results: dict[str, Any], repeats: int, quick: bool 
                 seq.close()
                 run["sock"].append(_loopback_socket_gbps(raw, cfg.chunk_bytes))
         for name, (cfg, local, read_shm) in paths.items():
-            bulk = clients[name].data.route.bulk
+            bulk = clients[name].data.bulk
             used_bulk = bulk is not None and bool(bulk.port)
             if used_bulk != (cfg.bulk_min_bytes is not None):
                 raise AssertionError(f"{name}: bulk channel used = {used_bulk}")
@@ -314,7 +313,7 @@ def _handler_sum_s(parent: Any) -> float:
 
 
 def _paths_interleaved(
-    client: Any, channel: Any, parent: Any, ids: list[str], q: Any, iters: int, idle_s: float = 0.0
+    clients: dict[str, Any], parent: Any, ids: list[str], q: Any, iters: int, idle_s: float = 0.0
 ) -> dict[str, Any]:
     """Attend over the channel's TCP socket and its same-host shared-memory path,
     alternating call by call. Per call also `call - handler`: the client's wall minus
@@ -326,19 +325,18 @@ def _paths_interleaved(
 
     samples: dict[str, list[float]] = {"tcp": [], "shm": []}
     net: dict[str, list[float]] = {"tcp": [], "shm": []}
+    channel = clients["shm"].data.bulk
     local_before = channel.num_local_calls
     for path in ("tcp", "shm"):  # warm both connections (the region is mapped on the first call)
-        channel.is_local_enabled = path == "shm"
         for _ in range(3):
-            client.attend_batch(ids, 0, q)
+            clients[path].attend_batch(ids, 0, q)
     before = _handler_sum_s(parent)
     for i in range(2 * iters):
         path = ("tcp", "shm")[i % 2]
-        channel.is_local_enabled = path == "shm"
         if idle_s:
             time.sleep(idle_s)
         t0 = time.perf_counter()
-        client.attend_batch(ids, 0, q)
+        clients[path].attend_batch(ids, 0, q)
         wall = time.perf_counter() - t0
         after = _handler_sum_s(parent)
         samples[path].append(wall)
@@ -349,15 +347,13 @@ def _paths_interleaved(
     refused: dict[str, list[float]] = {"tcp": [], "shm": []}
     for i in range(2 * iters):  # the same request refused by validation (layer out of range): no engine
         path = ("tcp", "shm")[i % 2]
-        channel.is_local_enabled = path == "shm"
         if idle_s:
             time.sleep(idle_s)
         t0 = time.perf_counter()
         try:
-            client.data.attend(ids, SPEC["num_layers"], q)
+            clients[path].data.attend(ids, SPEC["num_layers"], q)
         except PagedKVError:
             refused[path].append(time.perf_counter() - t0)
-    channel.is_local_enabled = True
     return {
         p: {"call": _pcts(samples[p]), "call_minus_handler": _pcts(net[p]), "refused_call": _pcts(refused[p])}
         for p in samples
@@ -405,27 +401,33 @@ def main(argv: list[str] | None = None) -> None:
         print("\n".join(render_transfer(results)))
         return
     try:
-        with CacheClient(address, grpc_only) as client, CacheClient(address) as via_bulk:
+        tcp_only = ClientConfig(transports=("tcp", "grpc"))  # the channel rows below are its TCP socket
+        with (
+            CacheClient(address, grpc_only) as client,
+            CacheClient(address, tcp_only) as via_bulk,
+            CacheClient(address) as via_shm,
+        ):
             channel = via_bulk.data.bulk_channel(5.0)
-            if channel is None:
+            if channel is None or via_shm.data.bulk_channel(5.0) is None:
                 raise AssertionError("the node advertises no bulk channel")
-            channel.is_local_enabled = False  # the channel rows below are its TCP socket
+            tcp, unix = via_bulk.data.transports.get("tcp"), via_shm.data.transports.get("unix")
+            both = {"tcp": via_bulk, "shm": via_shm}
             for _ in range(20):
                 client.ping()
-                channel.ping(5.0)
+                tcp.ping(5.0)
             samples = []
             for _ in range(_iters(1, args.quick) * 2):
                 t0 = time.perf_counter()
-                channel.ping(5.0)
+                tcp.ping(5.0)
                 samples.append(time.perf_counter() - t0)
             bulk_ping = _pcts(samples)
             results["latency"]["bulk_ping"] = bulk_ping
             for _ in range(20):
-                channel.ping_local(5.0)
+                unix.ping(5.0)
             samples = []
             for _ in range(_iters(1, args.quick) * 2):
                 t0 = time.perf_counter()
-                channel.ping_local(5.0)
+                unix.ping(5.0)
                 samples.append(time.perf_counter() - t0)
             results["latency"]["shm_ping"] = _pcts(samples)
             print(f"same-host PING: {results['latency']['shm_ping']}", flush=True)
@@ -498,10 +500,8 @@ def main(argv: list[str] | None = None) -> None:
                 n = _iters(b, args.quick)
                 floor = _floor_overhead(floor_port, "Wait", eng["p50_ms"] / 1e3, q.numel() * 4, n)
                 in_rpc = _floor_overhead(floor_port, "Engine", b, q.numel() * 4, n)
-                channel.is_local_enabled = False
                 bulk_overhead = over_bulk["p50_ms"] - eng["p50_ms"]
-                paths = _paths_interleaved(via_bulk, channel, parent, ids, q, 2 * _iters(b, args.quick))
-                channel.is_local_enabled = False
+                paths = _paths_interleaved(both, parent, ids, q, 2 * _iters(b, args.quick))
                 for p in paths.values():
                     p["overhead_p50_ms"] = p["call"]["p50_ms"] - eng["p50_ms"]
                     p["overhead_over_ping_p50"] = p["overhead_p50_ms"] / ping["p50_ms"]
@@ -543,12 +543,11 @@ def main(argv: list[str] | None = None) -> None:
             short_ids = [f"short{i}" for i in range(b)]
             n = 2 * _iters(b, args.quick)
             for name, idle_s in (("warm", 0.0), ("idle", IDLE_S)):
-                paths = _paths_interleaved(via_bulk, channel, parent, short_ids, q, n, idle_s)
+                paths = _paths_interleaved(both, parent, short_ids, q, n, idle_s)
                 for p in paths.values():
                     p["call_minus_handler_over_ping_p50"] = p["call_minus_handler"]["p50_ms"] / ping["p50_ms"]
                 results["latency"][f"attend_short_{name}"] = {**paths, "idle_s": idle_s}
                 print(f"attend batch {b} at L = {SHORT_LEN}, {name}: {paths}", flush=True)
-            channel.is_local_enabled = False
 
             if not args.no_transfer:
                 _transfers(address, results, args.repeats, args.quick)

@@ -194,13 +194,13 @@ class PhaseTimer:
 
 def bulk_calls(backend: GrpcBackend) -> int:
     """Attend / AttendPrefillBatch calls this backend's client answered over the bulk channel."""
-    channel = backend.client.data.route.bulk
+    channel = backend.client.data.bulk
     return 0 if channel is None else channel.num_calls
 
 
 def same_host_calls(backend: GrpcBackend) -> int:
     """Of bulk_calls, those that took the node's same-host shared-memory path."""
-    channel = backend.client.data.route.bulk
+    channel = backend.client.data.bulk
     return 0 if channel is None else getattr(channel, "num_local_calls", 0)
 
 

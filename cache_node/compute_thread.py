@@ -1,32 +1,12 @@
 """The one thread that runs a node's tensor work.
 
-Why a node funnels its engine calls onto one thread: torch's CPU ops run on
-libgomp, which keeps a pool of worker threads for every thread that starts a
-parallel op, and once the process holds more such threads than it has CPUs it
-cuts every pool's spin-wait to ~100 rounds (its guard against oversubscription).
-From then on each parallel op wakes its workers through the kernel. A node whose
-gRPC and bulk-channel handler threads each called the engine held several pools
-and paid that on every op: on a 2-CPU VM a 147k-element add took 76 us on a
-handler thread against 9 us on the first thread that used torch, and a 128-token
-prefill's attention 1.13 ms against 0.80 ms. With every engine call on one
-thread the process keeps one pool, whose workers stay warm between the ops of a
-call. (A GPU node wants the same: one thread owns the device's streams.)
-
-It is a trade-off, so `pagedkv node` leaves it off unless asked (--compute-thread
-on): the one pool's threads spin between ops (GOMP_SPINCOUNT, ~1 ms), which is
-what makes its kernels fast, and they go on spinning for that long after each
-call. On a host whose cores the workers share, that spin takes cores from the
-worker's own compute: decode at batch 1 through a node on the same 2 CPUs ran at
-100-118 tok/s with it against 203-219 without (the throttled pools sleep at once),
-while a cached prefill's calls ran 0.3-0.6 ms faster each. A node with cores of
-its own (its own host or container, a GPU node) has only the gain.
-
-The hand-off costs two thread wake-ups, ~40 us, once per engine call; the
-introspection getters (lengths, stats, events) run on their caller's thread,
-under the engine lock, since they do no tensor work. A hand-off needs the GIL
-twice (this thread takes the job, the caller resumes), so a thread that keeps
-the GIL busy in pure Python delays each one by up to the interpreter's switch
-interval (5 ms); a node's other threads wait in sockets and gRPC's C core.
+torch's CPU ops run on libgomp, which keeps a worker pool per thread that starts a
+parallel op and throttles every pool's spin-wait once the process holds more such
+threads than CPUs; one compute thread keeps one warm pool (and on a GPU node, one
+owner of the device's streams). The price: that pool spins between ops, taking
+cores from anything sharing them, so `pagedkv node` turns it on only when asked
+(--compute-thread on). Introspection getters (lengths, stats, events) do no tensor
+work and run on their caller's thread, under the engine lock.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The node's same-host path of the bulk channel: an abstract Unix socket listener
-and the shared-memory regions its clients map (protocol: pagedkv.protos.bulk,
+and the shared-memory regions its clients map (protocol: docs/bulk-protocol.md,
 ops HELLO, MAP, ATTEND*_SHM).
 
 A region is a client's sealed memfd, mapped shared for the life of its
@@ -21,7 +21,7 @@ import sys
 
 import torch
 
-from ..protos import bulk
+from ..protos import wire
 from ..protos.errors import InvalidArgument
 
 
@@ -50,9 +50,9 @@ class Region:
     def __init__(self, fd: int, size: int) -> None:
         """Maps fd (which the caller still owns and closes); InvalidArgument when
         it is not a memfd of `size` bytes sealed against shrinking."""
-        if not bulk.MIN_REGION_BYTES <= size <= bulk.MAX_REGION_BYTES:
+        if not wire.MIN_REGION_BYTES <= size <= wire.MAX_REGION_BYTES:
             raise InvalidArgument(
-                f"bulk map: region of {size} bytes outside [{bulk.MIN_REGION_BYTES}, {bulk.MAX_REGION_BYTES}]"
+                f"bulk map: region of {size} bytes outside [{wire.MIN_REGION_BYTES}, {wire.MAX_REGION_BYTES}]"
             )
         try:
             seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
@@ -102,7 +102,7 @@ class Region:
                 m.close()
 
 
-def map_region(frame: bulk.Frame, fds: list[int]) -> Region:
+def map_region(frame: wire.Frame, fds: list[int]) -> Region:
     """The region a MAP frame sends (InvalidArgument when its descriptor is missing
     or unusable). The descriptors are the caller's to close."""
     if len(fds) != 1:
@@ -116,7 +116,7 @@ def write_results(region: Region, offset: int, capacity: int, parts: list[torch.
     written) when they do not fit."""
     at, spans = 0, []
     for t in parts:
-        at += bulk.pad(at)
+        at += wire.pad(at)
         nbytes = t.numel() * t.element_size()
         spans.append((at, nbytes))
         at += nbytes

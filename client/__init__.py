@@ -1,7 +1,8 @@
 """The library inference workers import: sync and asyncio clients of the cache.
 
 Never imports cache_node or coordinator (workers install only what they need).
-Errors raised are those of pagedkv.protos.errors, re-raised from gRPC statuses.
+Every error raised is a PagedKVError (pagedkv.protos.errors), re-raised from the
+node's or coordinator's status with the ids it carried.
 """
 
 from ..protos.errors import (
@@ -9,19 +10,39 @@ from ..protos.errors import (
     FailedPrecondition,
     IntegrityError,
     InvalidArgument,
+    NodeLost,
+    NodeNotLive,
     NotFound,
     OpenFailed,
     PagedKVError,
+    PermissionDenied,
     PrefixEvicted,
+    QuotaExceeded,
+    SequenceExists,
     SequenceNotFound,
+    SpecMismatch,
+    Unauthenticated,
     Unavailable,
 )
+from ..protos.wire import ProtocolError
 from .aio import AsyncCacheClient, AsyncSequence
 from .config import ClientConfig
+from .shm import RegionRefused
 from .sync import CacheClient, Sequence
+from .transport import TransportUnavailable
 from .types import AttentionResult, NodeStats, OpenResult
 
 __all__ = [
+    "NodeLost",
+    "NodeNotLive",
+    "PermissionDenied",
+    "ProtocolError",
+    "QuotaExceeded",
+    "RegionRefused",
+    "SequenceExists",
+    "SpecMismatch",
+    "TransportUnavailable",
+    "Unauthenticated",
     "AsyncCacheClient",
     "AsyncSequence",
     "AttentionResult",

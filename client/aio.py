@@ -1,117 +1,100 @@
-"""AsyncCacheClient: the asyncio twin of CacheClient (grpc.aio), same surface.
+"""AsyncCacheClient: the asyncio face of CacheClient, same surface.
 
     async with AsyncCacheClient(coordinator="coord:50050", token="...") as client:
         async with client.open("req-1", prompt_ids) as seq:
             await seq.append(rest_ids, k, v)
             out = await seq.attend(layer, q, k_new, v_new, token_id)
 
-`client.open(...)` is both awaitable (`seq = await client.open(...)`) and an
-async context manager that closes the sequence on exit. Create the client
-inside the running event loop (grpc.aio channels belong to their loop).
+One implementation: every call is CacheClient's, run on the client's worker
+threads (the data calls block on sockets or gRPC either way), so both clients
+route, validate and fail alike. `client.open(...)` is both awaitable
+(`seq = await client.open(...)`) and an async context manager that closes the
+sequence on exit.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Generator
+import functools
+from collections.abc import Callable, Generator
 from collections.abc import Sequence as Seq
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 import torch
 
-from ..protos import pagedkv_pb2_grpc as pb_grpc
-from ..protos.errors import InvalidArgument, NotFound, OpenFailed
+from ..protos.errors import NotFound, OpenFailed
 from ..protos.spec import ModelSpec
-from . import channels, codec
+from . import codec
 from .config import ClientConfig
-from .control import AsyncNodeControl
-from .data import AsyncNodeData
-from .routing import AsyncCoordinatorRouting, AsyncDirectRouting
-from .sync import (
-    BatchPart,
-    PrefillPart,
-    _as_batch,
-    _gather_rows,
-    _squeeze,
-    check_counts,
-    split_batch,
-    split_prefill_batch,
-)
+from .sync import CacheClient, NodeHandle, Sequence
 from .types import AttentionResult, ClusterStats, NodeStats, Route
 
+T = TypeVar("T")
+MAX_THREADS = 32  # concurrent calls in flight per client (the default executor has cpu + 4)
 
-class AsyncNodeHandle:
-    def __init__(self, address: str, config: ClientConfig) -> None:
-        self.address = address
-        stub = pb_grpc.CacheNodeStub(channels.acquire_aio(address, config))
-        self.control = AsyncNodeControl(stub, config)
-        self.data = AsyncNodeData(stub, config, where=f"node {address}", address=address)
+
+class _Face:
+    """Any object's methods as coroutines run on the client's threads (a node's
+    `data` and `control` in direct mode)."""
+
+    def __init__(self, target: Any, run: Callable[..., Any]) -> None:
+        self._target, self._run = target, run
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._target, name)
+        if not callable(attr):
+            return attr
+
+        async def call(*args: Any, **kw: Any) -> Any:
+            return await self._run(attr, *args, **kw)
+
+        return call
 
 
 class AsyncSequence:
-    def __init__(
-        self,
-        client: AsyncCacheClient,
-        seq_id: str,
-        route: Route,
-        num_cached_tokens: int = 0,
-        num_host_hit_tokens: int = 0,
-    ) -> None:
-        self.client = client
-        self.seq_id = seq_id
-        self.route = route
-        self.node = client.node(route.address)
-        self.num_cached_tokens = num_cached_tokens
-        self.num_host_hit_tokens = num_host_hit_tokens
-        self.is_closed = False
+    """The asyncio face of a Sequence."""
+
+    def __init__(self, client: AsyncCacheClient, seq: Sequence) -> None:
+        self.client, self.sync = client, seq
+
+    @property
+    def seq_id(self) -> str:
+        return self.sync.seq_id
+
+    @property
+    def route(self) -> Route:
+        return self.sync.route
+
+    @property
+    def num_cached_tokens(self) -> int:
+        return self.sync.num_cached_tokens
+
+    @property
+    def num_host_hit_tokens(self) -> int:
+        return self.sync.num_host_hit_tokens
+
+    @property
+    def is_closed(self) -> bool:
+        return self.sync.is_closed
 
     def __repr__(self) -> str:
-        where = self.route.node_id or self.route.address
-        return f"AsyncSequence({self.seq_id!r}, node={where}, cached={self.num_cached_tokens})"
+        return "Async" + repr(self.sync)
 
     async def append(
         self, token_ids: codec.TokenIds, k: Any, v: Any, *, timeout_s: float | None = None
     ) -> int:
-        return await self.node.data.append(self.seq_id, token_ids, k, v, timeout_s)
+        return await self.client._run(self.sync.append, token_ids, k, v, timeout_s=timeout_s)
 
-    async def attend(
-        self,
-        layer: int,
-        q: Any,
-        k: Any = None,
-        v: Any = None,
-        token_id: int | None = None,
-        *,
-        return_block_mass: bool = False,
-        timeout_s: float | None = None,
-    ) -> AttentionResult:
-        q, squeeze = _as_batch(q, 3)
-        k, _ = _as_batch(k, 3)
-        v, _ = _as_batch(v, 3)
-        tokens = None if token_id is None else [token_id]
-        res = await self.node.data.attend(
-            [self.seq_id], layer, q, k, v, tokens, return_block_mass=return_block_mass, timeout_s=timeout_s
-        )
-        return _squeeze(res, squeeze)
+    async def attend(self, layer: int, q: Any, *args: Any, **kw: Any) -> AttentionResult:
+        return await self.client._run(self.sync.attend, layer, q, *args, **kw)
 
-    async def attend_prefill(
-        self,
-        layer: int,
-        q: Any,
-        k: Any = None,
-        v: Any = None,
-        token_ids: codec.TokenIds | None = None,
-        *,
-        return_block_mass: bool = False,
-        timeout_s: float | None = None,
-    ) -> AttentionResult:
-        return await self.node.data.attend_prefill(
-            self.seq_id, layer, q, k, v, token_ids, return_block_mass=return_block_mass, timeout_s=timeout_s
-        )
+    async def attend_prefill(self, layer: int, q: Any, *args: Any, **kw: Any) -> AttentionResult:
+        return await self.client._run(self.sync.attend_prefill, layer, q, *args, **kw)
 
     async def fork(self, child_id: str, *, timeout_s: float | None = None) -> AsyncSequence:
-        route = await self.client.routing.fork(self.seq_id, child_id, timeout_s)
-        return AsyncSequence(self.client, child_id, route)
+        child = await self.client._run(self.sync.fork, child_id, timeout_s=timeout_s)
+        return AsyncSequence(self.client, child)
 
     async def read_kv(
         self,
@@ -121,36 +104,20 @@ class AsyncSequence:
         out: tuple[torch.Tensor, torch.Tensor] | None = None,
         timeout_s: float | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return await self.node.data.read_kv(self.seq_id, start, end, timeout_s, out)
+        return await self.client._run(self.sync.read_kv, start, end, out=out, timeout_s=timeout_s)
 
     async def swap_out(self, *, timeout_s: float | None = None) -> int:
-        return await self.client.routing.swap_out(self.seq_id, timeout_s)
+        return await self.client._run(self.sync.swap_out, timeout_s=timeout_s)
 
     async def swap_in(self, *, timeout_s: float | None = None) -> int:
-        num_blocks, route = await self.client.routing.swap_in(self.seq_id, timeout_s)
-        if route != self.route:
-            self.route, self.node = route, self.client.node(route.address)
-        return num_blocks
+        return await self.client._run(self.sync.swap_in, timeout_s=timeout_s)
 
-    async def set_budget(
-        self,
-        max_tokens: int | None,
-        sink_blocks: int = 1,
-        recent_blocks: int = 4,
-        *,
-        timeout_s: float | None = None,
-    ) -> None:
-        await self.node.control.set_budget(self.seq_id, max_tokens, sink_blocks, recent_blocks, timeout_s)
+    async def set_budget(self, max_tokens: int | None, *args: Any, **kw: Any) -> None:
+        await self.client._run(self.sync.set_budget, max_tokens, *args, **kw)
 
     async def close(self, *, timeout_s: float | None = None) -> None:
         """See Sequence.close."""
-        if not self.is_closed:
-            try:
-                await self.client.routing.close(self.seq_id, timeout_s)
-            except (OpenFailed, NotFound):
-                self.is_closed = True
-                raise
-            self.is_closed = True
+        await self.client._run(self.sync.close, timeout_s=timeout_s)
 
     async def __aenter__(self) -> AsyncSequence:
         return self
@@ -166,21 +133,13 @@ class AsyncSequence:
 class _Opening:
     """`await client.open(...)` or `async with client.open(...) as seq`."""
 
-    def __init__(
-        self,
-        client: AsyncCacheClient,
-        seq_id: str,
-        token_ids: codec.TokenIds,
-        max_cached_tokens: int | None,
-        timeout_s: float | None,
-    ) -> None:
-        self._args = (client, seq_id, token_ids, max_cached_tokens, timeout_s)
+    def __init__(self, client: AsyncCacheClient, args: tuple[Any, ...], kw: dict[str, Any]) -> None:
+        self._client, self._args, self._kw = client, args, kw
         self._seq: AsyncSequence | None = None
 
     async def _open(self) -> AsyncSequence:
-        client, seq_id, token_ids, max_cached, timeout_s = self._args
-        res, route = await client.routing.open(seq_id, token_ids, max_cached, timeout_s)
-        return AsyncSequence(client, seq_id, route, res.num_cached_tokens, res.num_host_hit_tokens)
+        seq = await self._client._run(self._client.sync.open, *self._args, **self._kw)
+        return AsyncSequence(self._client, seq)
 
     def __await__(self) -> Generator[Any, None, AsyncSequence]:
         return self._open().__await__()
@@ -196,7 +155,7 @@ class _Opening:
 
 class AsyncCacheClient:
     """asyncio client of a pagedkv cluster (`coordinator=`) or one node (`address`);
-    see CacheClient. Create it inside the running event loop."""
+    see CacheClient."""
 
     def __init__(
         self,
@@ -207,26 +166,24 @@ class AsyncCacheClient:
         token: str | None = None,
         spec: ModelSpec | None = None,
     ) -> None:
-        if (address is None) == (coordinator is None):
-            raise InvalidArgument("AsyncCacheClient needs a node address or coordinator=, not both")
-        self.config = config if config is not None else ClientConfig()
-        self._nodes: dict[str, AsyncNodeHandle] = {}
-        self.address = address or coordinator or ""
-        self.routing: AsyncDirectRouting | AsyncCoordinatorRouting
-        if coordinator is not None:
-            channel = channels.acquire_aio(coordinator, self.config)
-            self.routing = AsyncCoordinatorRouting(pb_grpc.CoordinatorStub(channel), self.config, token, spec)
-        else:
-            node = self.node(self.address)
-            self.routing = AsyncDirectRouting(node.control, self.address, node.data)
-            self.control, self.data = node.control, node.data
-        self._is_closed = False
+        self.sync = CacheClient(address, config, coordinator=coordinator, token=token, spec=spec)
+        self.config, self.address = self.sync.config, self.sync.address
+        self._threads = ThreadPoolExecutor(MAX_THREADS, thread_name_prefix="pagedkv-aio")
+        if not self.sync.is_cluster:  # direct mode: the one node's calls, as CacheClient has them
+            self.control = _Face(self.sync.control, self._run)
+            self.data = _Face(self.sync.data, self._run)
 
-    def node(self, address: str) -> AsyncNodeHandle:
-        handle = self._nodes.get(address)
-        if handle is None:
-            handle = self._nodes[address] = AsyncNodeHandle(address, self.config)
-        return handle
+    async def _run(self, fn: Callable[..., T], *args: Any, **kw: Any) -> T:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._threads, functools.partial(fn, *args, **kw))
+
+    @property
+    def is_cluster(self) -> bool:
+        return self.sync.is_cluster
+
+    def node(self, address: str) -> NodeHandle:
+        """The (cached) sync handle of the node at `address` (its data and control calls)."""
+        return self.sync.node(address)
 
     def open(
         self,
@@ -236,130 +193,60 @@ class AsyncCacheClient:
         max_cached_tokens: int | None = None,
         timeout_s: float | None = None,
     ) -> _Opening:
-        return _Opening(self, seq_id, token_ids, max_cached_tokens, timeout_s)
+        return _Opening(
+            self, (seq_id, token_ids), {"max_cached_tokens": max_cached_tokens, "timeout_s": timeout_s}
+        )
 
     async def sequence(self, seq_id: str, *, timeout_s: float | None = None) -> AsyncSequence:
-        return AsyncSequence(self, seq_id, await self.routing.describe(seq_id, timeout_s))
+        return AsyncSequence(self, await self._run(self.sync.sequence, seq_id, timeout_s=timeout_s))
 
-    async def _where(self, seqs: Seq[AsyncSequence | str], timeout_s: float | None) -> list[tuple[str, str]]:
-        """(node address, sequence id) of each (see CacheClient._where)."""
-        return [
-            (s.route.address, s.seq_id)
-            if isinstance(s, AsyncSequence)
-            else ((await self.routing.describe(s, timeout_s)).address, s)
-            for s in seqs
-        ]
+    @staticmethod
+    def _unwrap(seqs: Seq[AsyncSequence | str]) -> list[Sequence | str]:
+        return [s.sync if isinstance(s, AsyncSequence) else s for s in seqs]
 
     async def attend_batch(
-        self,
-        seqs: Seq[AsyncSequence | str],
-        layer: int,
-        q: Any,
-        k: Any = None,
-        v: Any = None,
-        token_ids: codec.TokenIds | None = None,
-        *,
-        return_block_mass: bool = False,
-        timeout_s: float | None = None,
+        self, seqs: Seq[AsyncSequence | str], layer: int, q: Any, *args: Any, **kw: Any
     ) -> AttentionResult:
-        """One decode step of one layer for a batch; one RPC per node, all nodes concurrently."""
-        if isinstance(self.routing, AsyncDirectRouting):  # one node: nothing to route or split
-            ids = [s.seq_id if isinstance(s, AsyncSequence) else s for s in seqs]
-            return await self.data.attend(
-                ids, layer, q, k, v, token_ids, return_block_mass=return_block_mass, timeout_s=timeout_s
-            )
-        split = split_batch(await self._where(seqs, timeout_s), q, k, v, token_ids)
-
-        async def one(p: BatchPart) -> tuple[list[int], AttentionResult]:
-            data = self.node(p.address).data
-            res = await data.attend(p.seq_ids, layer, p.q, p.k, p.v, p.token_ids,
-                                    return_block_mass=return_block_mass, timeout_s=timeout_s)  # fmt: skip
-            return p.rows, res
-
-        parts = await asyncio.gather(*(one(p) for p in split))
-        return parts[0][1] if len(parts) == 1 else _gather_rows(list(parts), len(seqs))
+        return await self._run(self.sync.attend_batch, self._unwrap(seqs), layer, q, *args, **kw)
 
     async def attend_prefill_batch(
-        self,
-        seqs: Seq[AsyncSequence | str],
-        layer: int,
-        num_tokens: Seq[int],
-        q: Any,
-        k: Any = None,
-        v: Any = None,
-        token_ids: codec.TokenIds | None = None,
-        *,
-        timeout_s: float | None = None,
+        self, seqs: Seq[AsyncSequence | str], layer: int, num_tokens: Seq[int], q: Any, *args: Any, **kw: Any
     ) -> AttentionResult:
-        """Prefill of B sequences at one layer (see CacheClient.attend_prefill_batch); one RPC per
-        node, all nodes concurrently."""
-        if isinstance(self.routing, AsyncDirectRouting):
-            check_counts(num_tokens, len(seqs))
-            ids = [s.seq_id if isinstance(s, AsyncSequence) else s for s in seqs]
-            return await self.data.attend_prefill_batch(ids, layer, num_tokens, q, k, v, token_ids,
-                                                        timeout_s=timeout_s)  # fmt: skip
-        where = await self._where(seqs, timeout_s)
-
-        async def one(p: PrefillPart) -> tuple[list[int], AttentionResult]:
-            data = self.node(p.address).data
-            res = await data.attend_prefill_batch(p.seq_ids, layer, p.num_tokens, p.q, p.k, p.v, p.token_ids,
-                                                  timeout_s=timeout_s)  # fmt: skip
-            return p.rows, res
-
-        split = split_prefill_batch(where, num_tokens, q, k, v, token_ids)
-        parts = await asyncio.gather(*(one(p) for p in split))
-        return parts[0][1] if len(parts) == 1 else _gather_rows(list(parts), sum(len(r) for r, _ in parts))
+        return await self._run(
+            self.sync.attend_prefill_batch, self._unwrap(seqs), layer, num_tokens, q, *args, **kw
+        )
 
     async def lookup(self, token_ids: codec.TokenIds, *, timeout_s: float | None = None) -> int:
-        return await self.routing.lookup(token_ids, timeout_s)
+        return await self._run(self.sync.lookup, token_ids, timeout_s=timeout_s)
 
     async def pin(self, token_ids: codec.TokenIds, *, timeout_s: float | None = None) -> int:
-        return await self.routing.pin(token_ids, timeout_s)
+        return await self._run(self.sync.pin, token_ids, timeout_s=timeout_s)
 
     async def unpin(self, token_ids: codec.TokenIds, *, timeout_s: float | None = None) -> int:
-        return await self.routing.unpin(token_ids, timeout_s)
+        return await self._run(self.sync.unpin, token_ids, timeout_s=timeout_s)
 
     async def stats(self, *, timeout_s: float | None = None) -> NodeStats:
-        if isinstance(self.routing, AsyncCoordinatorRouting):
-            raise InvalidArgument("stats() is per node: use cluster_stats() or node_stats(address)")
-        return await self.control.stats(timeout_s)
+        return await self._run(self.sync.stats, timeout_s=timeout_s)
 
     async def cluster_stats(self, *, timeout_s: float | None = None) -> ClusterStats:
-        if not isinstance(self.routing, AsyncCoordinatorRouting):
-            raise InvalidArgument("cluster_stats() needs a client made with coordinator=")
-        return await self.routing.stats(timeout_s)
+        return await self._run(self.sync.cluster_stats, timeout_s=timeout_s)
 
     async def node_stats(self, address: str, *, timeout_s: float | None = None) -> NodeStats:
-        return await self.node(address).control.stats(timeout_s)
-
-    async def _addresses(self, timeout_s: float | None) -> list[str]:
-        if isinstance(self.routing, AsyncCoordinatorRouting):
-            return [n.address for n in (await self.routing.stats(timeout_s)).nodes]
-        return [self.address]
+        return await self._run(self.sync.node_stats, address, timeout_s=timeout_s)
 
     async def check_integrity(self, *, timeout_s: float | None = None) -> None:
-        for address in await self._addresses(timeout_s):
-            await self.node(address).control.check_integrity(timeout_s)
+        await self._run(self.sync.check_integrity, timeout_s=timeout_s)
 
     async def ping(self, *, timeout_s: float | None = None) -> None:
-        for address in await self._addresses(timeout_s):
-            await self.node(address).control.ping(timeout_s)
+        await self._run(self.sync.ping, timeout_s=timeout_s)
 
     async def connect(self, *, timeout_s: float | None = None) -> None:
         """CacheClient.connect: every node's gRPC channel and bulk connections opened now."""
-        for address in await self._addresses(timeout_s):
-            handle = self.node(address)
-            await handle.control.ping(timeout_s)
-            await handle.data.connect(timeout_s)
+        await self._run(self.sync.connect, timeout_s=timeout_s)
 
     async def close(self) -> None:
-        if not self._is_closed:
-            self._is_closed = True
-            if isinstance(self.routing, AsyncCoordinatorRouting):
-                await channels.release_aio(self.address, self.config)
-            for address, handle in self._nodes.items():
-                handle.data.close()  # its bulk connections
-                await channels.release_aio(address, self.config)
+        await self._run(self.sync.close)
+        self._threads.shutdown(wait=False)
 
     async def __aenter__(self) -> AsyncCacheClient:
         return self

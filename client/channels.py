@@ -2,24 +2,20 @@
 
 gRPC channels are expensive (a TCP connection, HTTP/2 state) and multiplex
 any number of concurrent calls, so clients borrow them from here and give them
-back; the last release closes the channel. asyncio channels belong to the event
-loop that made them, so they are shared per loop.
+back; the last release closes the channel.
 """
 
 from __future__ import annotations
 
-import asyncio
 import threading
 from typing import Any
 
 import grpc
-import grpc.aio
 
 from .config import ClientConfig
 
 _lock = threading.Lock()
 _sync: dict[tuple[str, str], list[Any]] = {}  # key -> [channel, refcount]
-_aio: dict[tuple[str, str, int], list[Any]] = {}
 
 
 def _key(address: str, config: ClientConfig) -> tuple[str, str]:
@@ -47,27 +43,3 @@ def release(address: str, config: ClientConfig) -> None:
             return
         del _sync[key]
     entry[0].close()
-
-
-def acquire_aio(address: str, config: ClientConfig) -> grpc.aio.Channel:
-    key = (*_key(address, config), id(asyncio.get_running_loop()))
-    with _lock:
-        entry = _aio.get(key)
-        if entry is None:
-            channel = grpc.aio.insecure_channel(address, options=config.channel_options())
-            entry = _aio[key] = [channel, 0]
-        entry[1] += 1
-        return entry[0]
-
-
-async def release_aio(address: str, config: ClientConfig) -> None:
-    key = (*_key(address, config), id(asyncio.get_running_loop()))
-    with _lock:
-        entry = _aio.get(key)
-        if entry is None:
-            return
-        entry[1] -= 1
-        if entry[1] > 0:
-            return
-        del _aio[key]
-    await entry[0].close()

@@ -17,6 +17,7 @@ NODE_SERVICE = "pagedkv.v1.CacheNode"
 IDEMPOTENT_METHODS = ("Lookup", "Stats", "ReadKV", "Ping")
 COORDINATOR_SERVICE = "pagedkv.v1.Coordinator"
 IDEMPOTENT_COORDINATOR_METHODS = ("Lookup", "Stats", "Describe")
+TRANSPORTS = ("shm", "unix", "tcp", "grpc")
 
 
 @dataclass(frozen=True)
@@ -28,9 +29,14 @@ class ClientConfig:
     backoff_multiplier: float = 2.0
     chunk_bytes: int = CHUNK_BYTES  # streamed payload pieces (Append, ReadKV)
     tenant_salt: bytes = b""  # direct-to-node mode only: a trusted caller's salt (see the .proto)
-    # KV ranges of at least this many bytes take the node's bulk TCP channel
-    # (client/bulk.py) when it has one; None: always the Append/ReadKV rpcs.
+    # KV ranges of at least this many bytes take the node's bulk listener when it has
+    # one (smaller ones, gRPC); None: every data call on gRPC, whatever `transports` says.
     bulk_min_bytes: int | None = 1 << 20
+    # The ways a data call may reach its node, tried in this order (client/transport/):
+    # "shm" (same-host shared memory), "unix" (same-host socket), "tcp" (the bulk
+    # port), "grpc" (always last: it carries every call). Same-host ones are skipped
+    # where the platform has none or the node is on another host.
+    transports: tuple[str, ...] = TRANSPORTS
 
     def __post_init__(self) -> None:
         if self.deadline_s <= 0:
@@ -41,6 +47,16 @@ class ClientConfig:
             raise InvalidArgument(f"chunk_bytes must be positive, got {self.chunk_bytes}")
         if self.bulk_min_bytes is not None and self.bulk_min_bytes < 0:
             raise InvalidArgument(f"bulk_min_bytes must be >= 0 or None, got {self.bulk_min_bytes}")
+        names = tuple(self.transports)
+        unknown = [n for n in names if n not in TRANSPORTS]
+        if unknown or len(set(names)) != len(names) or not names or names[-1] != "grpc":
+            raise InvalidArgument(
+                f"transports must be distinct names of {TRANSPORTS} ending with 'grpc', got {names}"
+            )
+
+    def data_transports(self) -> tuple[str, ...]:
+        """The transports data calls take (gRPC alone when bulk_min_bytes is None)."""
+        return ("grpc",) if self.bulk_min_bytes is None else self.transports
 
     def service_config(self) -> str:
         policy = {

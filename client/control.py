@@ -1,9 +1,6 @@
-"""Control calls: sequence lifecycle, prefix lookups, pins, swaps, stats.
-
-Today they go straight to the node. When the coordinator lands, these classes
-are what changes (they will call the Coordinator service, which places the
-sequence and returns the node address for the data calls); the user-facing
-CacheClient / Sequence API stays the same.
+"""Control calls to one node: sequence lifecycle, prefix lookups, pins, swaps,
+stats. In a cluster the coordinator takes the lifecycle calls (routing.py); the
+per-node ones (stats, budgets, integrity) still come here.
 """
 
 from __future__ import annotations
@@ -28,13 +25,6 @@ def call(rpc: Any, request: Any, timeout_s: float, metadata: Any = None, where: 
     (`where`, e.g. "node 127.0.0.1:5000", prefixes its message)."""
     try:
         return rpc(request, timeout=timeout_s, metadata=metadata)
-    except grpc.RpcError as exc:
-        raise error_from_rpc(exc, where) from exc
-
-
-async def acall(rpc: Any, request: Any, timeout_s: float, metadata: Any = None, where: str = "") -> Any:
-    try:
-        return await rpc(request, timeout=timeout_s, metadata=metadata)
     except grpc.RpcError as exc:
         raise error_from_rpc(exc, where) from exc
 
@@ -91,58 +81,3 @@ class NodeControl:
 
     def ping(self, timeout_s: float | None = None) -> None:
         call(self.stub.Ping, _EMPTY, self._t(timeout_s))
-
-
-class AsyncNodeControl:
-    def __init__(self, stub: pb_grpc.CacheNodeStub, config: ClientConfig) -> None:
-        self.stub, self.config = stub, config
-
-    def _t(self, timeout_s: float | None) -> float:
-        return self.config.deadline_s if timeout_s is None else timeout_s
-
-    async def lookup(self, token_ids: codec.TokenIds, timeout_s: float | None = None) -> int:
-        req = codec.with_token_ids(pb.LookupRequest, token_ids, tenant_salt=self.config.tenant_salt)
-        return (await acall(self.stub.Lookup, req, self._t(timeout_s))).num_cached_tokens
-
-    async def fork(self, parent_id: str, child_id: str, timeout_s: float | None = None) -> None:
-        req = pb.ForkRequest(parent_id=parent_id, child_id=child_id)
-        await acall(self.stub.Fork, req, self._t(timeout_s))
-
-    async def free(self, seq_id: str, timeout_s: float | None = None) -> None:
-        await acall(self.stub.Free, pb.SeqRequest(seq_id=seq_id), self._t(timeout_s))
-
-    async def swap_out(self, seq_id: str, timeout_s: float | None = None) -> int:
-        return (await acall(self.stub.SwapOut, pb.SeqRequest(seq_id=seq_id), self._t(timeout_s))).num_blocks
-
-    async def swap_in(self, seq_id: str, timeout_s: float | None = None) -> int:
-        return (await acall(self.stub.SwapIn, pb.SeqRequest(seq_id=seq_id), self._t(timeout_s))).num_blocks
-
-    async def pin(self, token_ids: codec.TokenIds, timeout_s: float | None = None) -> int:
-        req = pb.PinRequest(token_ids=codec.token_list(token_ids), tenant_salt=self.config.tenant_salt)
-        return (await acall(self.stub.Pin, req, self._t(timeout_s))).num_tokens
-
-    async def unpin(self, token_ids: codec.TokenIds, timeout_s: float | None = None) -> int:
-        req = pb.PinRequest(token_ids=codec.token_list(token_ids), tenant_salt=self.config.tenant_salt)
-        return (await acall(self.stub.Unpin, req, self._t(timeout_s))).num_tokens
-
-    async def set_budget(
-        self,
-        seq_id: str,
-        max_tokens: int | None,
-        sink_blocks: int,
-        recent_blocks: int,
-        timeout_s: float | None,
-    ) -> None:
-        req = codec.budget_request(seq_id, max_tokens, sink_blocks, recent_blocks)
-        await acall(self.stub.SetBudget, req, self._t(timeout_s))
-
-    async def stats(self, timeout_s: float | None = None) -> NodeStats:
-        return codec.stats_result(await acall(self.stub.Stats, _EMPTY, self._t(timeout_s)))
-
-    async def check_integrity(self, timeout_s: float | None = None) -> None:
-        resp = await acall(self.stub.CheckIntegrity, _EMPTY, self._t(timeout_s))
-        if not resp.ok:
-            raise IntegrityError(resp.message)
-
-    async def ping(self, timeout_s: float | None = None) -> None:
-        await acall(self.stub.Ping, _EMPTY, self._t(timeout_s))

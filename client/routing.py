@@ -1,6 +1,6 @@
 """Where control calls go, and where each sequence lives.
 
-Two planes with one surface, sync and asyncio:
+Two planes with one surface (the asyncio client runs these on its threads):
 - Direct*: one node is the whole cache (no coordinator); its address is every
   sequence's route; the tenant salt is the client's own (trusted callers only).
   Open goes by the node's data path (NodeData.open: its bulk channel when it has
@@ -21,8 +21,8 @@ from ..protos import pagedkv_pb2_grpc as pb_grpc
 from ..protos.spec import ModelSpec
 from . import codec
 from .config import ClientConfig
-from .control import AsyncNodeControl, NodeControl, acall, call
-from .data import AsyncNodeData, NodeData
+from .control import NodeControl, call
+from .data import NodeData
 from .types import ClusterStats, NodeEntry, OpenResult, Route
 
 _EMPTY = pb.Empty()
@@ -87,7 +87,7 @@ def cluster_stats(resp: pb.CoordStatsResponse) -> ClusterStats:
     return ClusterStats(dict(resp.counters), nodes)
 
 
-class _CoordinatorBase:
+class CoordinatorRouting:
     def __init__(
         self, stub: pb_grpc.CoordinatorStub, config: ClientConfig, token: str | None, spec: ModelSpec | None
     ):
@@ -96,7 +96,7 @@ class _CoordinatorBase:
         self._spec_cache: tuple[ModelSpec | None, pb.ModelSpec | None] = (spec, _spec(spec))
 
     def _spec_msg(self) -> pb.ModelSpec | None:
-        """The spec as a message, built once per spec (asdict + message: ~6 us per open);
+        """The spec as a message, built once per spec (not once per open);
         a request copies it in."""
         spec, msg = self._spec_cache
         if spec is not self.spec:
@@ -117,8 +117,6 @@ class _CoordinatorBase:
     def _pin_request(self, token_ids: codec.TokenIds) -> pb.CoordPinRequest:
         return pb.CoordPinRequest(token_ids=codec.token_list(token_ids), spec=self._spec_msg())
 
-
-class CoordinatorRouting(_CoordinatorBase):
     def _call(self, method: str, request: Any, timeout_s: float | None) -> Any:
         return call(getattr(self.stub, method), request, self._t(timeout_s), self.metadata, "coordinator")
 
@@ -158,82 +156,3 @@ class CoordinatorRouting(_CoordinatorBase):
 
     def stats(self, timeout_s: float | None = None) -> ClusterStats:
         return cluster_stats(self._call("Stats", _EMPTY, timeout_s))
-
-
-class AsyncDirectRouting:
-    def __init__(self, node: AsyncNodeControl, address: str, data: AsyncNodeData) -> None:
-        self.node, self.data = node, data
-        self.route = Route("", address)
-
-    async def open(
-        self, seq_id: str, token_ids: codec.TokenIds, max_cached_tokens: int | None, timeout_s: float | None
-    ) -> tuple[OpenResult, Route]:
-        return await self.data.open(seq_id, token_ids, max_cached_tokens, timeout_s), self.route
-
-    async def describe(self, seq_id: str, timeout_s: float | None = None) -> Route:
-        return self.route
-
-    async def fork(self, parent_id: str, child_id: str, timeout_s: float | None = None) -> Route:
-        await self.node.fork(parent_id, child_id, timeout_s)
-        return self.route
-
-    async def close(self, seq_id: str, timeout_s: float | None = None) -> None:
-        await self.node.free(seq_id, timeout_s)
-
-    async def swap_out(self, seq_id: str, timeout_s: float | None = None) -> int:
-        return await self.node.swap_out(seq_id, timeout_s)
-
-    async def swap_in(self, seq_id: str, timeout_s: float | None = None) -> tuple[int, Route]:
-        return await self.node.swap_in(seq_id, timeout_s), self.route
-
-    async def lookup(self, token_ids: codec.TokenIds, timeout_s: float | None = None) -> int:
-        return await self.node.lookup(token_ids, timeout_s)
-
-    async def pin(self, token_ids: codec.TokenIds, timeout_s: float | None = None) -> int:
-        return await self.node.pin(token_ids, timeout_s)
-
-    async def unpin(self, token_ids: codec.TokenIds, timeout_s: float | None = None) -> int:
-        return await self.node.unpin(token_ids, timeout_s)
-
-
-class AsyncCoordinatorRouting(_CoordinatorBase):
-    async def _call(self, method: str, request: Any, timeout_s: float | None) -> Any:
-        return await acall(
-            getattr(self.stub, method), request, self._t(timeout_s), self.metadata, "coordinator"
-        )
-
-    async def open(
-        self, seq_id: str, token_ids: codec.TokenIds, max_cached_tokens: int | None, timeout_s: float | None
-    ) -> tuple[OpenResult, Route]:
-        resp = await self._call("Open", self._open_request(seq_id, token_ids, max_cached_tokens), timeout_s)
-        return OpenResult(resp.num_cached_tokens, resp.num_host_hit_tokens), _route(resp)
-
-    async def describe(self, seq_id: str, timeout_s: float | None = None) -> Route:
-        return _route(await self._call("Describe", pb.CoordSeqRequest(seq_id=seq_id), timeout_s))
-
-    async def fork(self, parent_id: str, child_id: str, timeout_s: float | None = None) -> Route:
-        req = pb.CoordForkRequest(parent_id=parent_id, child_id=child_id)
-        return _route(await self._call("Fork", req, timeout_s))
-
-    async def close(self, seq_id: str, timeout_s: float | None = None) -> None:
-        await self._call("Close", pb.CoordSeqRequest(seq_id=seq_id), timeout_s)
-
-    async def swap_out(self, seq_id: str, timeout_s: float | None = None) -> int:
-        return (await self._call("SwapOut", pb.CoordSeqRequest(seq_id=seq_id), timeout_s)).num_blocks
-
-    async def swap_in(self, seq_id: str, timeout_s: float | None = None) -> tuple[int, Route]:
-        resp = await self._call("SwapIn", pb.CoordSeqRequest(seq_id=seq_id), timeout_s)
-        return resp.num_blocks, _route(resp)
-
-    async def lookup(self, token_ids: codec.TokenIds, timeout_s: float | None = None) -> int:
-        req = codec.with_token_ids(pb.CoordLookupRequest, token_ids, spec=self._spec_msg())
-        return (await self._call("Lookup", req, timeout_s)).num_cached_tokens
-
-    async def pin(self, token_ids: codec.TokenIds, timeout_s: float | None = None) -> int:
-        return (await self._call("Pin", self._pin_request(token_ids), timeout_s)).num_tokens
-
-    async def unpin(self, token_ids: codec.TokenIds, timeout_s: float | None = None) -> int:
-        return (await self._call("Unpin", self._pin_request(token_ids), timeout_s)).num_tokens
-
-    async def stats(self, timeout_s: float | None = None) -> ClusterStats:
-        return cluster_stats(await self._call("Stats", _EMPTY, timeout_s))

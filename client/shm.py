@@ -1,5 +1,5 @@
 """The client side of the bulk channel's same-host path (protocol:
-pagedkv.protos.bulk, ops HELLO, MAP, ATTEND*_SHM, READ_SHM).
+docs/bulk-protocol.md, ops HELLO, MAP, ATTEND*_SHM, READ_SHM).
 
 A `LocalConnection` is a Unix-socket connection to the node (the abstract name
 its HELLO reply gave) with a memfd region that both processes map. A call writes
@@ -33,14 +33,15 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from ..protos import bulk, tensors
-from ..protos.bulk import Frame, ProtocolError
+from ..protos import tensors, wire
+from ..protos.errors import PagedKVError
+from ..protos.wire import Frame, ProtocolError
 from . import codec
 from .types import AttentionResult
 
 MEMFD_NAME = "pagedkv-shm"  # shows in /proc/PID/maps as /memfd:pagedkv-shm (deleted)
 MIN_REGION_BYTES = 1 << 20
-# READ_SHM's ring (protos/bulk.py): the node gathers slab i + 1 into one slot while
+# READ_SHM's ring (docs/bulk-protocol.md): the node gathers slab i + 1 into one slot while
 # this side copies slab i out of the other. Small and reused: memfd pages have no THP.
 READ_SLOTS = 2
 READ_SLOT_BYTES = 2 << 20
@@ -50,9 +51,11 @@ def is_supported() -> bool:
     return hasattr(os, "memfd_create") and hasattr(fcntl, "F_ADD_SEALS") and hasattr(socket, "AF_UNIX")
 
 
-class RegionRefused(Exception):
+class RegionRefused(PagedKVError):
     """The node would not map the region (its error frame is `frame`): the
     connection is in sync, the same-host path is not usable with this node."""
+
+    status_name = "UNAVAILABLE"
 
     def __init__(self, frame: Frame) -> None:
         super().__init__(frame.text)
@@ -93,7 +96,7 @@ class LocalConnection:
         if lease is None or num_bytes <= lease[0]:
             self.ensure(num_bytes, request_id)
             return 0
-        at = lease[1] + bulk.pad(lease[1])
+        at = lease[1] + wire.pad(lease[1])
         if at + num_bytes <= self.size:
             return at
         self.ensure(max(self.size + 1, 2 * num_bytes), request_id)  # a new region: no lease in it
@@ -125,15 +128,15 @@ class LocalConnection:
         if num_bytes <= self.size:
             return
         size = max(MIN_REGION_BYTES, 1 << (num_bytes - 1).bit_length())
-        size = min(size, bulk.MAX_REGION_BYTES)
+        size = min(size, wire.MAX_REGION_BYTES)
         if size < num_bytes:
-            raise RegionRefused(Frame(bulk.OP_MAP, text=f"{num_bytes} bytes exceed the region cap"))
+            raise RegionRefused(Frame(wire.OP_MAP, text=f"{num_bytes} bytes exceed the region cap"))
         fd = os.memfd_create(MEMFD_NAME, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(fd, size)
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
             new_map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-            frame = Frame(bulk.OP_MAP, request_id, end=size).pack()
+            frame = Frame(wire.OP_MAP, request_id, end=size).pack()
             fds = array.array("i", [fd])
             self.sock.sendmsg([frame], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])
         finally:
@@ -143,10 +146,10 @@ class LocalConnection:
             with contextlib.suppress(BufferError):  # results still viewing it: unmapped when dropped
                 self._map.close()
         self._map, self.size = None, 0
-        reply = bulk.read_frame(self.sock)
-        if reply is None or reply.status != bulk.STATUS_OK:
+        reply = wire.read_frame(self.sock)
+        if reply is None or reply.status != wire.STATUS_OK:
             new_map.close()
-            raise RegionRefused(reply or Frame(bulk.OP_MAP, text="closed"))
+            raise RegionRefused(reply or Frame(wire.OP_MAP, text="closed"))
         self._map, self.size = new_map, size
         self.region = torch.frombuffer(new_map, dtype=torch.uint8)
         self.address = self.region.data_ptr()
@@ -165,12 +168,9 @@ def write_call(conn: LocalConnection, body_at: int, head: bytes, parts: Sequence
     next ALIGN offset) into conn's region at body_at (ALIGN-aligned); returns its
     length. ValueError (nothing written) when it would not fit in the region; the
     tensors must be contiguous CPU tensors (tensors.as_torch). One memmove per
-    tensor on this thread, from its memory to the region's: torch's copy_ would
-    split a large copy over its intra-op threads, which on a small busy host wait
-    for cores the node needs (measured: 20 ms for 1 MiB), and a memmove of raw
-    addresses skips the ~8 torch / numpy views per tensor that a sliced numpy
-    assignment needs (each ~2 us warm, several times that right after the
-    engine streamed the KV through the caches)."""
+    tensor on this thread: torch's copy_ would split a large copy over intra-op
+    threads that wait for cores the node needs, and raw addresses skip the torch /
+    numpy views a sliced assignment makes per tensor."""
     length = body_length(len(head), parts)
     if conn.address == 0 or body_at < 0 or body_at + length > conn.size:
         raise ValueError(f"a {length}-byte call body at {body_at} outside the {conn.size}-byte region")
@@ -181,7 +181,7 @@ def write_call(conn: LocalConnection, body_at: int, head: bytes, parts: Sequence
     ctypes.memmove(base, head, len(head))
     at = len(head)
     for t in parts:
-        at += bulk.pad(at)
+        at += wire.pad(at)
         nbytes = t.numel() * t.element_size()
         if nbytes:
             ctypes.memmove(base + at, t.data_ptr(), nbytes)
@@ -193,7 +193,7 @@ def body_length(head_len: int, parts: Sequence[torch.Tensor]) -> int:
     """Bytes of a CALL body with this head and these tensors (as write_call lays it)."""
     at = head_len
     for t in parts:
-        at += bulk.pad(at) + t.numel() * t.element_size()
+        at += wire.pad(at) + t.numel() * t.element_size()
     return at
 
 
@@ -202,7 +202,7 @@ def result_bytes(q: torch.Tensor, block_mass: bool) -> int:
     dtype, lse one float32 per row and head; block_mass has no size known ahead
     (a little room; a larger one comes back inline)."""
     rows_heads = q.numel() // q.shape[-1] if q.dim() and q.shape[-1] else q.numel()
-    return q.numel() * q.element_size() + 4 * rows_heads + 3 * bulk.ALIGN + (64 << 10 if block_mass else 0)
+    return q.numel() * q.element_size() + 4 * rows_heads + 3 * wire.ALIGN + (64 << 10 if block_mass else 0)
 
 
 def expect_placed(
@@ -211,40 +211,22 @@ def expect_placed(
     """The reply head a call with this q most likely gets (out in q's shape and dtype,
     lse float32 per row and head, placed in the region) and its results already
     viewed in the region, leased: built while the node computes, so that after the
-    reply only its head is compared. Waking from a long engine call finds this
-    process's caches cold (the node just streamed the KV through the shared last
-    level), and making the two views then cost ~115 µs at batch 32 against a few
-    now. None when it cannot be known ahead (block mass, an earlier result still
-    leased: the results are then copied out after the reply) or does not fit."""
+    reply only its head is compared (after a long engine call this process's caches
+    are cold, and building the views then costs more than the compare). None when it
+    cannot be known ahead (block mass, an earlier result still leased: the results
+    are then copied out after the reply) or does not fit."""
     if block_mass or conn._live_lease() is not None:
         return None
-    head = expected_head(q, bulk.PLACED_REGION)
+    head = wire.decode_result_head(q, wire.PLACED_REGION)
     lse_shape = tuple(q.shape[:-1])
     out_bytes = q.numel() * q.element_size()
-    lse_at = out_bytes + bulk.pad(out_bytes)
+    lse_at = out_bytes + wire.pad(out_bytes)
     end = lse_at + 4 * math.prod(lse_shape)
     if head is None or end > out_len:
         return None
     buf = conn.results(out_at, end)
     out = tensors.tensor_at(buf, 0, q.dtype, tuple(q.shape))
     return head, AttentionResult(out, tensors.tensor_at(buf, lse_at, torch.float32, lse_shape), None)
-
-
-def expected_head(q: torch.Tensor, placement: int) -> bytes | None:
-    """The REPLY head (protos/bulk.py) of an attend whose q this is, as the node sends it
-    when nothing is unusual: out in q's shape and dtype, lse float32 per row and head,
-    no block mass; None when q's dtype or shape cannot be described."""
-    if q.dtype not in tensors.DTYPE_NAMES:
-        return None
-    try:
-        return (
-            bulk.REPLY.pack(2, placement)
-            + bulk.pack_tensor(tensors.DTYPE_NAMES[q.dtype], tuple(q.shape))
-            + bulk.pack_tensor("float32", tuple(q.shape[:-1]))
-            + bytes(bulk.TENSOR.size)
-        )
-    except ValueError:
-        return None
 
 
 def read_placed(conn: LocalConnection, out_at: int, out_len: int, reply_head: memoryview) -> AttentionResult:
@@ -268,14 +250,10 @@ def _placed_spans(reply_head: memoryview) -> tuple[list[tuple[torch.dtype, tuple
     """(dtype, shape, offset) of each result an ATTEND reply describes, laid out as
     the node's write_results lays them, and the bytes they take; ProtocolError when
     the descriptors are malformed."""
-    (num, _) = bulk.REPLY.unpack_from(reply_head, 0)
-    if not 2 <= num <= 3:
-        raise ProtocolError(f"attend reply with {num} tensors")
+    _, descs = wire.decode_reply(reply_head)
     spans, at = [], 0
-    for i in range(num):
-        dtype, shape = bulk.unpack_tensor(reply_head, bulk.REPLY.size + i * bulk.TENSOR.size)
-        tdtype = tensors.TORCH_DTYPES[dtype]
-        at += bulk.pad(at)
+    for tdtype, shape in descs:
+        at += wire.pad(at)
         spans.append((tdtype, shape, at))
         at += tdtype.itemsize * math.prod(shape)
     return spans, at
@@ -302,7 +280,7 @@ def read_ring(
     """The k, v [num_layers, n, kv_heads, head_dim] of a READ_SHM whose OK reply
     frame is `reply`: each slab's SLAB header from the socket, its bytes copied out
     of slot i % num_slots of the ring at region[ring_at, + num_slots * slot_bytes), then the
-    slot freed with an ACK (protos/bulk.py). An error SLAB raises error((status,
+    slot freed with an ACK (docs/bulk-protocol.md). An error SLAB raises error((status,
     text, extra)); anything inconsistent raises ProtocolError."""
     n = reply.end - reply.start
     layers, heads, dim = reply.num_layers, reply.num_kv_heads, reply.head_dim
@@ -318,9 +296,9 @@ def read_ring(
     rows = [t.reshape(-1).view(torch.uint8).numpy().reshape(layers, n * tok_bytes) for t in dst]
     num_slabs = -(-n // step) if n else 0
     for i in range(num_slabs):
-        t, status, text, extra = bulk.read_slab(conn.sock)
-        if status != bulk.STATUS_OK:
-            raise error((status, text, extra))
+        t, status, text, extra = wire.read_slab(conn.sock)
+        if status != wire.STATUS_OK:
+            raise error(status, text, extra)
         pos = i * step
         if t != min(step, n - pos):
             raise ProtocolError(f"shm read: slab {i} of {t} tokens at {pos} of {n} ({step} per slab)")
@@ -330,5 +308,5 @@ def read_ring(
                 a = at + (part * layers + layer) * nbytes
                 d[layer, lo : lo + nbytes] = ring[a : a + nbytes]
         if i + num_slots < num_slabs:
-            conn.sock.sendall(bulk.READ_ACK.pack(i))
+            conn.sock.sendall(wire.READ_ACK.pack(i))
     return out_k, out_v

@@ -52,8 +52,8 @@ import numpy as np
 from ..protos import pagedkv_pb2 as pb
 from ..protos import pagedkv_pb2_grpc as pb_grpc
 from ..protos.errors import (
-    FailedPrecondition,
     InvalidArgument,
+    NodeLost,
     NotFound,
     PagedKVError,
     PermissionDenied,
@@ -97,14 +97,6 @@ class OpenResult:
     placement: Placement
     num_host_hit_tokens: int = 0
     num_blocks: int = 0  # swap_in: blocks copied back
-
-
-class NodeLost(FailedPrecondition):
-    """A sequence's node died (or restarted): its KV is gone."""
-
-    def __init__(self, seq_id: str, reason: str) -> None:
-        self.seq_id = seq_id
-        super().__init__(f"sequence {seq_id!r} was lost: {reason}")
 
 
 class NodeCall:

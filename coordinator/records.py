@@ -12,31 +12,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from pagedkv.protos.errors import FailedPrecondition, InvalidArgument
+from pagedkv.protos.errors import InvalidArgument, NodeNotLive, SequenceExists
 from pagedkv.protos.keys import KEY_BYTES
 
 from .placement import PlacementWeights
 
+__all__ = ["NodeNotLive", "SequenceExists"]  # (defined with every error in protos/errors.py)
+
 SEQUENCE_STATES = ("active", "swapped", "lost")
 UPDATABLE_SEQUENCE_FIELDS = ("extents", "num_tokens", "state", "lost_reason")
-
-
-class SequenceExists(FailedPrecondition):
-    """create_sequence was given an id that is already taken (nothing was changed).
-
-    A FailedPrecondition until protos/errors.py grows an ALREADY_EXISTS class."""
-
-    def __init__(self, seq_id: str) -> None:
-        self.seq_id = seq_id
-        super().__init__(f"sequence {seq_id!r} already exists")
-
-
-class NodeNotLive(FailedPrecondition):
-    """The call needs a live node (registered, heartbeat not lapsed) and this one is not."""
-
-    def __init__(self, node_id: str, what: str) -> None:
-        self.node_id = node_id
-        super().__init__(f"node {node_id!r} is not live (unknown or heartbeat lapsed): {what}")
 
 
 class Extent(NamedTuple):

@@ -1,9 +1,10 @@
 """One error hierarchy for every role.
 
 Each error names the gRPC status code it travels as (`status_name`), so the
-server side and the client side each translate in one function and agree on the
-mapping. Errors carry the ids they are about, so a message names what was wrong.
-Builtins (ConnectionError, TimeoutError) are never shadowed.
+server side and the client side each translate in one function (protos/status.py)
+and agree on the mapping. Errors carry the ids they are about (`exc.seq_id`), on
+the client side too: the ids travel beside the message. Builtins
+(ConnectionError, TimeoutError) are never shadowed.
 """
 
 from __future__ import annotations
@@ -92,6 +93,30 @@ class PrefixEvicted(OpenFailed):
             seq_id,
             f"prefix evicted: node holds {num_held_tokens} of {num_promised_tokens} promised tokens",
         )
+
+
+class SequenceExists(FailedPrecondition):
+    """An open or fork was given a sequence id that is already taken (nothing was changed)."""
+
+    def __init__(self, seq_id: str) -> None:
+        self.seq_id = seq_id
+        super().__init__(f"sequence {seq_id!r} already exists")
+
+
+class NodeNotLive(FailedPrecondition):
+    """The call needs a live node (registered, heartbeat not lapsed) and this one is not."""
+
+    def __init__(self, node_id: str, what: str) -> None:
+        self.node_id = node_id
+        super().__init__(f"node {node_id!r} is not live (unknown or heartbeat lapsed): {what}")
+
+
+class NodeLost(FailedPrecondition):
+    """A sequence's node died (or restarted): its KV is gone. Open the sequence again."""
+
+    def __init__(self, seq_id: str, reason: str) -> None:
+        self.seq_id = seq_id
+        super().__init__(f"sequence {seq_id!r} was lost: {reason}")
 
 
 class Unavailable(PagedKVError):

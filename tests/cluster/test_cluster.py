@@ -85,7 +85,7 @@ def test_connect_reaches_every_node(cluster):
         assert len(nodes) >= 2
         c.connect()
         for node in nodes:
-            ch = c.node(node.address).data.route.bulk
+            ch = c.node(node.address).data.bulk
             assert ch is not None and ch.port, node.node_id
             assert ch.local_name, node.node_id  # learned by the HELLO that connect() sent
         seq = c.open("connected", SYSTEM)  # and the connections serve the requests

@@ -1,4 +1,4 @@
-"""The bulk KV channel (protos/bulk.py) over real sockets: a real node server with
+"""The bulk KV channel (docs/bulk-protocol.md) over real sockets: a real node server with
 its bulk listener on a free port, the real client, and raw sockets for the
 broken peers. Round trips are byte-exact; every bad request gets the gRPC
 path's error, changes nothing, leaks no block, and the node keeps serving."""
@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 import torch
 
-from pagedkv.cache_node import bulk as node_bulk
 from pagedkv.cache_node.engine import CacheEngine, EngineConfig
+from pagedkv.cache_node.serve import kv as node_kv
+from pagedkv.cache_node.serve import listener as node_bulk
 from pagedkv.cache_node.server import NodeServer, create_server
 from pagedkv.client import (
     AsyncCacheClient,
@@ -27,9 +28,11 @@ from pagedkv.client import (
     SequenceNotFound,
     shm,
 )
-from pagedkv.protos import bulk
-from pagedkv.protos.bulk import Frame
+from pagedkv.protos import wire
 from pagedkv.protos.spec import ModelSpec
+from pagedkv.protos.wire import Frame
+
+INVALID = wire.Status.INVALID_ARGUMENT
 
 BULK = ClientConfig(bulk_min_bytes=0)  # every KV transfer takes the bulk channel
 SPEC = ModelSpec(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float32", block_size=4)
@@ -109,7 +112,7 @@ def test_round_trip_is_byte_exact_for_every_dtype_and_partial_range(dtype: str, 
                     gk, gv = grpc_c.sequence("a").read_kv(3, 37)
                 assert same_bytes(gk, k[:, 3:37]) and same_bytes(gv, v[:, 3:37])
                 assert node.bulk.num_requests == 6
-                ch = client.data.route.bulk
+                ch = client.data.bulk
                 assert ch is not None and ch.num_local_transfers == (5 if transport == "local" else 0)
             node.engine.check_integrity()
             assert node.engine.stats()["used_blocks"] == 0
@@ -118,7 +121,7 @@ def test_round_trip_is_byte_exact_for_every_dtype_and_partial_range(dtype: str, 
 
 
 def test_read_in_many_slabs(bulk_node: BulkNode, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(node_bulk, "READ_SLAB_BYTES", 3 * SPEC.bytes_per_token)  # 3-token slabs
+    monkeypatch.setattr(node_kv, "READ_SLAB_BYTES", 3 * SPEC.bytes_per_token)  # 3-token slabs
     with CacheClient(bulk_node.address, BULK) as client:
         toks = list(range(50))
         k, v = rand_kv(SPEC, 50, seed=2)
@@ -174,7 +177,7 @@ def _raw(node: BulkNode) -> socket.socket:
 def _append_frame(seq_id: str, n: int) -> Frame:
     s = SPEC
     return Frame(
-        bulk.OP_APPEND, 7, s.dtype, start=0, end=n, num_layers=s.num_layers, num_kv_heads=s.num_kv_heads,
+        wire.OP_APPEND, 7, s.dtype, start=0, end=n, num_layers=s.num_layers, num_kv_heads=s.num_kv_heads,
         head_dim=s.head_dim, slab_tokens=n, text=seq_id, payload_len=n * s.bytes_per_token,
     )  # fmt: skip
 
@@ -205,8 +208,8 @@ def test_truncated_upload_and_disconnect_mid_read_change_nothing(bulk_node: Bulk
     node.engine.append("s", toks[20:], k[:, 20:], v[:, 20:])
     before = node.state()
     with _raw(node) as sock:
-        sock.sendall(Frame(bulk.OP_READ, 8, text="s", start=0, end=bulk.END_OF_SEQUENCE).pack())
-        reply = bulk.read_frame(sock)
+        sock.sendall(Frame(wire.OP_READ, 8, text="s", start=0, end=wire.END_OF_SEQUENCE).pack())
+        reply = wire.read_frame(sock)
         assert reply is not None and reply.status == 0 and reply.end == 40
         sock.recv(16)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\1\0\0\0\0\0\0\0")  # close with RST
@@ -214,8 +217,8 @@ def test_truncated_upload_and_disconnect_mid_read_change_nothing(bulk_node: Bulk
     # garbage instead of a frame: an error reply naming the problem, then the connection closes
     with _raw(node) as sock:
         sock.sendall(b"GET / HTTP/1.1\r\n\r\n" + b"\0" * 64)
-        reply = bulk.read_frame(sock)
-        assert reply is not None and reply.status == 3 and "bad magic" in reply.text
+        reply = wire.read_frame(sock)
+        assert reply is not None and reply.status == INVALID and "bad magic" in reply.text
         with contextlib.suppress(ConnectionResetError):  # a reset when our garbage was left unread
             assert sock.recv(1) == b""
     # the node still serves, byte-exact
@@ -229,7 +232,7 @@ def test_error_mid_read_reaches_the_client_and_the_connection_stays_usable(
     bulk_node: BulkNode, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     node = bulk_node
-    monkeypatch.setattr(node_bulk, "READ_SLAB_BYTES", 4 * SPEC.bytes_per_token)
+    monkeypatch.setattr(node_kv, "READ_SLAB_BYTES", 4 * SPEC.bytes_per_token)
     toks = list(range(16))
     k, v = rand_kv(SPEC, 16, seed=7)
     node.engine.open("s", toks)
@@ -297,7 +300,7 @@ def test_falls_back_to_grpc_when_the_bulk_port_is_off_or_gone() -> None:
                     assert seq.append(toks, k, v) == 12
                     rk, rv = seq.read_kv()
                     assert same_bytes(rk, k) and same_bytes(rv, v)
-                    channel = client.data.route.bulk
+                    channel = client.data.bulk
                     assert channel is not None
                     if node is on:  # a failed connect: gRPC for a while, then the port is learned again
                         assert channel.is_backing_off and channel.port is None
@@ -357,7 +360,9 @@ def test_node_lost_mid_transfer_raises_unavailable_naming_the_node() -> None:
     one that hangs up on an append: the client raises Unavailable, not a hang or a
     bare socket error, and does not reuse the broken connection."""
     from pagedkv.client import Unavailable
-    from pagedkv.client.bulk import BulkChannel
+    from pagedkv.client.transport.calls import append_call, read_call
+    from pagedkv.client.transport.link import BulkLink
+    from pagedkv.client.transport.socket import TcpTransport
 
     listener = socket.create_server(("127.0.0.1", 0))
     port = listener.getsockname()[1]
@@ -366,27 +371,28 @@ def test_node_lost_mid_transfer_raises_unavailable_naming_the_node() -> None:
         for _ in range(2):
             conn, _ = listener.accept()
             with conn:
-                f = bulk.read_frame(conn)
+                f = wire.read_frame(conn)
                 assert f is not None
-                if f.op == bulk.OP_READ:
+                if f.op == wire.OP_READ:
                     conn.sendall(
-                        Frame(bulk.OP_READ, f.request_id, start=0, end=8, num_layers=2, num_kv_heads=2,
+                        Frame(wire.OP_READ, f.request_id, start=0, end=8, num_layers=2, num_kv_heads=2,
                               head_dim=8, slab_tokens=8, payload_len=8 * SPEC.bytes_per_token).pack()
-                        + bulk.pack_slab(8) + b"\0" * 100
+                        + wire.pack_slab(8) + b"\0" * 100
                     )  # fmt: skip
 
     thread = threading.Thread(target=fake_node, daemon=True)
     thread.start()
-    channel = BulkChannel(f"127.0.0.1:{port}", "node fake")
-    channel.port = port
-    channel.local_name = ""  # a TCP-only peer (it would take HELLO as its read)
+    channel = BulkLink(f"127.0.0.1:{port}", "node fake", 0, lambda timeout_s: (port, SPEC.bytes_per_token))
+    channel.local_name = ""  # a TCP-only peer that answers nothing but READ (no HELLO)
+    channel.caps = wire.Capabilities(frozenset({wire.OP_READ, wire.OP_APPEND}))
+    tcp = TcpTransport(channel)
     try:
         with pytest.raises(Unavailable, match=r"node fake: bulk transfer failed: connection closed after"):
-            channel.read_kv("s", 0, None, timeout_s=5)
+            tcp.read_kv(read_call("s", 0, None, None), timeout_s=5)
         k, v = rand_kv(SPEC, 40000, seed=11)  # larger than the socket buffers: the send itself fails
         with pytest.raises(Unavailable, match="node fake: bulk transfer failed"):
-            channel.append("s", list(range(40000)), k, v, timeout_s=5)
-        assert channel._idle == []
+            tcp.append(append_call("s", list(range(40000)), k, v), timeout_s=5)
+        assert channel.num_idle("tcp") == 0
     finally:
         channel.close()
         listener.close()

@@ -1,4 +1,4 @@
-"""Attend and AttendPrefillBatch over the bulk channel (protos/bulk.py, ops ATTEND,
+"""Attend and AttendPrefillBatch over the bulk channel (docs/bulk-protocol.md, ops ATTEND,
 ATTEND_PREFILL_BATCH, PING) against the rpcs, on a real node server with its bulk
 listener on a free port. Every comparison runs the same call through two clients of
 one node: `bulk` (the default config: the channel) and `grpc` (bulk_min_bytes=None:
@@ -23,11 +23,13 @@ from pagedkv.cache_node.engine import CacheEngine, EngineConfig
 from pagedkv.cache_node.metrics import NodeMetrics
 from pagedkv.cache_node.server import NodeServer, create_server
 from pagedkv.client import AsyncCacheClient, CacheClient, ClientConfig, PagedKVError, shm
-from pagedkv.client.bulk import BulkChannel
 from pagedkv.client.data import NodeData
-from pagedkv.protos import bulk
-from pagedkv.protos.bulk import Frame
+from pagedkv.client.transport.link import BulkLink
+from pagedkv.protos import wire
 from pagedkv.protos.spec import ModelSpec
+from pagedkv.protos.wire import Frame
+
+INVALID = wire.Status.INVALID_ARGUMENT
 
 GRPC = ClientConfig(bulk_min_bytes=None)
 Q_HEADS = 4  # GQA: 2 query heads per kv head
@@ -177,7 +179,7 @@ def test_decode_steps_match_the_rpc_bitwise(make: Callable[..., Node], dtype: st
         a = via_bulk.data.attend([name("bulk", 2), "bulk0"], 1, q, return_block_mass=True)
         b = via_grpc.data.attend([name("grpc", 2), "grpc0"], 1, q, return_block_mass=True)
         assert same_result(a, b)
-        channel = via_bulk.data.route.bulk
+        channel = via_bulk.data.bulk
         assert channel is not None and channel.num_local_calls == (7 if transport == "shm" else 0)
     assert node.counters()[0] - before[0] == 3 * 2 + 1  # every bulk call took the channel
     for i, n in enumerate(lengths):
@@ -218,7 +220,7 @@ def test_prefill_batch_matches_the_rpc_bitwise(make: Callable[..., Node], dtype:
         # the client-level call (split by node) takes the channel too
         r = via_bulk.attend_prefill_batch(["bulk-a"], 1, [2], node.rand(2, Q_HEADS, 8, seed=41))
         assert r.out.shape == (2, Q_HEADS, 8)
-        channel = via_bulk.data.route.bulk
+        channel = via_bulk.data.bulk
         assert channel is not None and channel.num_local_calls == (4 if transport == "shm" else 0)
     assert node.counters()[0] - before[0] == 4
     for suffix, n in (("a", 9), ("b", 5), ("c", 12)):
@@ -317,8 +319,8 @@ def test_bad_input_gets_the_rpc_error_and_changes_nothing(make: Callable[..., No
             ok = via_bulk.data.attend(["bulkb"], 1, node.rand(1, Q_HEADS, 8, seed=3))
             ref = via_grpc.data.attend(["grpcb"], 1, node.rand(1, Q_HEADS, 8, seed=3))
             assert same_result(ok, ref), name
-        channel = via_bulk.data.route.bulk
-        assert channel is not None and len(channel._idle) == 1  # one pooled connection did it all
+        channel = via_bulk.data.bulk
+        assert channel is not None and channel.num_idle("tcp") == 1  # one pooled connection did it all
     assert node.counters()[2] == 0  # no connection was dropped
     errs = node.metrics.registry.get_sample_value
     assert errs("pagedkv_rpc_errors_total", {"method": "Attend", "code": "INVALID_ARGUMENT"}) >= 15
@@ -334,15 +336,15 @@ def _raw(node: Node) -> socket.socket:
 
 
 def _ping_ok(sock: socket.socket) -> bool:
-    sock.sendall(Frame(bulk.OP_PING, 77).pack())
-    reply = bulk.read_frame(sock)
-    return reply is not None and reply.status == bulk.STATUS_OK and reply.request_id == 77
+    sock.sendall(Frame(wire.OP_PING, 77).pack())
+    reply = wire.read_frame(sock)
+    return reply is not None and reply.status == wire.STATUS_OK and reply.request_id == 77
 
 
 def _call_body(seq_id: str, q: torch.Tensor) -> bytes:
     ids = len(seq_id).to_bytes(2, "little") + seq_id.encode()
-    head = bulk.CALL.pack(1, 0, 1, 0, 0, len(ids)) + bulk.pack_tensor("float32", tuple(q.shape)) + ids
-    return head + bytes(bulk.pad(len(head))) + q.numpy().tobytes()
+    head = wire.CALL.pack(1, 0, 1, 0, 0, len(ids)) + wire.pack_tensor("float32", tuple(q.shape)) + ids
+    return head + bytes(wire.pad(len(head))) + q.numpy().tobytes()
 
 
 def _wait(cond: Callable[[], bool]) -> bool:
@@ -363,59 +365,59 @@ def test_raw_frames_errors_truncation_and_disconnects(node: Node) -> None:
     with _raw(node) as sock:
         assert _ping_ok(sock)
         # a well-formed raw call answers with the rpc's result
-        sock.sendall(Frame(bulk.OP_ATTEND, 1, payload_len=len(body)).pack() + body)
-        reply = bulk.read_frame(sock)
+        sock.sendall(Frame(wire.OP_ATTEND, 1, payload_len=len(body)).pack() + body)
+        reply = wire.read_frame(sock)
         assert reply is not None and reply.status == 0
-        payload = bulk.recv_bytes(sock, reply.payload_len, "reply")
+        payload = wire.recv_bytes(sock, reply.payload_len, "reply")
         out = torch.frombuffer(
-            bytearray(payload[bulk.REPLY_SIZE : bulk.REPLY_SIZE + 4 * Q_HEADS * 8]), dtype=torch.float32
+            bytearray(payload[wire.REPLY_SIZE : wire.REPLY_SIZE + 4 * Q_HEADS * 8]), dtype=torch.float32
         )
         assert torch.equal(out.view(1, Q_HEADS, 8), ref.out)
         # the same call arriving in pieces, with pauses (the node waits for the whole body)
-        data = Frame(bulk.OP_ATTEND, 1, payload_len=len(body)).pack() + body
+        data = Frame(wire.OP_ATTEND, 1, payload_len=len(body)).pack() + body
         for piece in (data[:70], data[70:-40], data[-40:]):
             sock.sendall(piece)
             time.sleep(0.02)
-        reply = bulk.read_frame(sock)
+        reply = wire.read_frame(sock)
         assert reply is not None and reply.status == 0
-        assert bulk.recv_bytes(sock, reply.payload_len, "reply") == payload
+        assert wire.recv_bytes(sock, reply.payload_len, "reply") == payload
         # sections that disagree with the body's length: refused after the body is read, in sync after
         for bad, why in (
             (body + bytes(8), "body bytes, its sections take"),
-            (body[: bulk.CALL.size + 4], "runs past"),
+            (body[: wire.CALL.size + 4], "runs past"),
             (body[:-4], "runs past"),
-            (bulk.CALL.pack(1, 0, 1, 0, 0, 40) + body[bulk.CALL.size :], "bytes after the 1 sequence ids"),
-            (bulk.CALL.pack(1, 0, 2, 0, 0, 3) + body[bulk.CALL.size :], "cannot fit"),
-            (bulk.CALL.pack(1, 0, 2, 0, 0, 4) + body[bulk.CALL.size :], "overrun"),
+            (wire.CALL.pack(1, 0, 1, 0, 0, 40) + body[wire.CALL.size :], "bytes after the 1 sequence ids"),
+            (wire.CALL.pack(1, 0, 2, 0, 0, 3) + body[wire.CALL.size :], "cannot fit"),
+            (wire.CALL.pack(1, 0, 2, 0, 0, 4) + body[wire.CALL.size :], "overrun"),
             (body[:24] + struct.pack("<BB", 99, 3) + body[26:], "bad tensor descriptor"),
-            (bulk.CALL.pack(1, 0, 1, 1, 0, 3) + body[bulk.CALL.size :], "prefill batch only"),
+            (wire.CALL.pack(1, 0, 1, 1, 0, 3) + body[wire.CALL.size :], "prefill batch only"),
         ):
-            sock.sendall(Frame(bulk.OP_ATTEND, 2, payload_len=len(bad)).pack() + bad)
-            reply = bulk.read_frame(sock)
-            assert reply is not None and reply.status == 3 and why in reply.text, (why, reply)
+            sock.sendall(Frame(wire.OP_ATTEND, 2, payload_len=len(bad)).pack() + bad)
+            reply = wire.read_frame(sock)
+            assert reply is not None and reply.status == INVALID and why in reply.text, (why, reply)
             assert reply.extra == "InvalidArgument" and reply.payload_len == 0
             assert _ping_ok(sock), why
         # a ping with a payload is refused and drained
-        sock.sendall(Frame(bulk.OP_PING, 3, payload_len=5).pack() + b"12345")
-        reply = bulk.read_frame(sock)
-        assert reply is not None and reply.status == 3 and "no payload" in reply.text
+        sock.sendall(Frame(wire.OP_PING, 3, payload_len=5).pack() + b"12345")
+        reply = wire.read_frame(sock)
+        assert reply is not None and reply.status == INVALID and "no payload" in reply.text
         assert _ping_ok(sock)
     assert node.state() == state
     # oversized: refused and closed (it cannot be drained)
     with _raw(node) as sock:
-        sock.sendall(Frame(bulk.OP_ATTEND, 4, payload_len=bulk.MAX_CALL_BYTES + 1).pack())
-        reply = bulk.read_frame(sock)
-        assert reply is not None and reply.status == 3 and "exceeds" in reply.text
+        sock.sendall(Frame(wire.OP_ATTEND, 4, payload_len=wire.MAX_CALL_BYTES + 1).pack())
+        reply = wire.read_frame(sock)
+        assert reply is not None and reply.status == INVALID and "exceeds" in reply.text
         assert sock.recv(1) == b""  # closed
     # truncated: the peer goes away mid-frame / mid-body / mid-tensor; nothing changes
     dropped = node.counters()[2]
     kv = node.rand(1, 2, 8, seed=9)
     ids = (1).to_bytes(2, "little") + b"s"
-    head = bulk.CALL.pack(0, bulk.FLAG_K | bulk.FLAG_V, 1, 0, 1, len(ids))
-    head += bulk.pack_tensor("float32", tuple(q.shape)) + bulk.pack_tensor("float32", (1, 2, 8)) * 2
+    head = wire.CALL.pack(0, wire.FLAG_K | wire.FLAG_V, 1, 0, 1, len(ids))
+    head += wire.pack_tensor("float32", tuple(q.shape)) + wire.pack_tensor("float32", (1, 2, 8)) * 2
     head += (123).to_bytes(8, "little") + ids
-    append_body = head + bytes(bulk.pad(len(head))) + q.numpy().tobytes() + kv.numpy().tobytes() * 2
-    frame = Frame(bulk.OP_ATTEND, 5, payload_len=len(append_body)).pack()
+    append_body = head + bytes(wire.pad(len(head))) + q.numpy().tobytes() + kv.numpy().tobytes() * 2
+    frame = Frame(wire.OP_ATTEND, 5, payload_len=len(append_body)).pack()
     for cut in (10, len(frame), len(frame) + 30, len(frame) + len(append_body) - 1):
         with _raw(node) as sock:
             sock.sendall((frame + append_body)[:cut])
@@ -425,7 +427,7 @@ def test_raw_frames_errors_truncation_and_disconnects(node: Node) -> None:
     # the complete request does append (the truncated ones were the only difference)
     with _raw(node) as sock:
         sock.sendall(frame + append_body)
-        reply = bulk.read_frame(sock)
+        reply = wire.read_frame(sock)
         assert reply is not None and reply.status == 0
     assert node.engine.sequence_length("s") == 7
     node.state()
@@ -506,7 +508,7 @@ def test_falls_back_to_grpc_when_the_port_is_off_or_gone(make: Callable[..., Nod
     q = off.rand(1, Q_HEADS, 8, seed=2)
     with CacheClient(off.address) as client:
         res = client.data.attend(["s"], 0, q)
-        assert client.data.route.bulk is not None and client.data.route.bulk.port == 0
+        assert client.data.bulk is not None and client.data.bulk.port == 0
     assert (
         off.metrics.registry.get_sample_value("pagedkv_rpc_latency_seconds_count", {"method": "Attend"}) == 1
     )
@@ -518,8 +520,8 @@ def test_falls_back_to_grpc_when_the_port_is_off_or_gone(make: Callable[..., Nod
         assert same_result(client.data.attend(["s"], 0, q), res)
         r = client.data.attend_prefill_batch(["s"], 1, [2], off.rand(2, Q_HEADS, 8, seed=3))
         assert r.out.shape == (2, Q_HEADS, 8)
-        bulk_channel = client.data.route.bulk
-        assert isinstance(bulk_channel, BulkChannel) and bulk_channel.is_backing_off
+        bulk_channel = client.data.bulk
+        assert isinstance(bulk_channel, BulkLink) and bulk_channel.is_backing_off
     count = on.metrics.registry.get_sample_value
     assert count("pagedkv_rpc_latency_seconds_count", {"method": "Attend"}) == 2  # 1 bulk (recorded) + 1 rpc
     assert count("pagedkv_rpc_latency_seconds_count", {"method": "AttendPrefillBatch"}) == 1
@@ -529,10 +531,10 @@ def test_falls_back_to_grpc_when_the_port_is_off_or_gone(make: Callable[..., Nod
 def test_channel_ping(node: Node) -> None:
     with CacheClient(node.address) as client, CacheClient(node.address, GRPC) as via_grpc:
         assert via_grpc.data.bulk_channel() is None  # the config keeps every call on gRPC
-        assert client.data.route.bulk is not None and client.data.route.bulk.port is None  # not learned yet
+        assert client.data.bulk is not None and client.data.bulk.port is None  # not learned yet
         channel = client.data.bulk_channel()
         assert channel is not None and channel.port == node.bulk_port  # learned from Stats
         before = node.counters()[0]
         for _ in range(3):
-            channel.ping(5.0)
+            client.data.transports.get("tcp").ping(5.0)  # type: ignore[union-attr]
         assert node.counters()[0] == before + 3

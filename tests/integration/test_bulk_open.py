@@ -1,4 +1,4 @@
-"""Open over the bulk channel (protos/bulk.py, op OPEN): a client talking to one node
+"""Open over the bulk channel (docs/bulk-protocol.md, op OPEN): a client talking to one node
 directly opens its sequences there instead of with the Open rpc, which stays the
 fallback. Real node servers on port 0 with their bulk listener; every comparison runs
 the same open through two clients: `bulk` (the default config: the channel) and `grpc`
@@ -20,12 +20,14 @@ import torch
 from test_bulk_attend import Node as AttendNode
 
 from pagedkv.client import AsyncCacheClient, CacheClient, ClientConfig, shm
-from pagedkv.client.bulk import BulkChannel
+from pagedkv.client.transport.link import BulkLink
 from pagedkv.client.types import OpenResult
-from pagedkv.protos import bulk
-from pagedkv.protos.bulk import Frame
+from pagedkv.protos import wire
 from pagedkv.protos.errors import InvalidArgument
 from pagedkv.protos.spec import ModelSpec
+from pagedkv.protos.wire import Frame
+
+INVALID = wire.Status.INVALID_ARGUMENT
 
 GRPC = ClientConfig(bulk_min_bytes=None)
 SPEC = ModelSpec(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float32", block_size=4)
@@ -83,8 +85,8 @@ def node(make: Callable[..., Node]) -> Node:
     return make()
 
 
-def channel_of(client: CacheClient) -> BulkChannel:
-    channel = client.data.route.bulk
+def channel_of(client: CacheClient) -> BulkLink:
+    channel = client.data.bulk
     assert channel is not None
     return channel
 
@@ -109,7 +111,7 @@ def test_open_reuses_the_cached_prefix_like_the_rpc(node: Node, transport: str) 
         assert node.rpc_count("Open") == 2
         assert got == want == OpenResult(12, 0)
         assert channel_of(via_bulk).num_local_transfers == 0  # an open is not a KV transfer
-        assert via_grpc.data.route.bulk is None
+        assert via_grpc.data.bulk is None
         for seq_id in ("b", "g"):
             via_bulk.sequence(seq_id).close()
     node.assert_nothing_leaked()
@@ -205,9 +207,9 @@ def test_bad_opens_get_the_rpc_error_and_change_nothing(node: Node, transport: s
             assert open_result(via_bulk, "ok", PROMPT) == OpenResult(12, 0), name
             via_bulk.sequence("ok").close()
         channel = channel_of(via_bulk)
-        assert channel.is_open_supported
+        assert channel.capabilities(5.0).serves(wire.OP_OPEN)
         # one pooled connection did it all: the Unix socket on the same host (its TCP one asked HELLO)
-        assert len(channel._idle_local if transport == "shm" else channel._idle) == 1
+        assert channel.num_idle("unix" if transport == "shm" else "tcp") == 1
         via_bulk.sequence("taken").close()
     assert node.counters()[2] == 0  # no connection was dropped
     node.assert_nothing_leaked()
@@ -223,7 +225,7 @@ def test_empty_prompt_opens_like_the_rpc(node: Node) -> None:
     node.assert_nothing_leaked()
 
 
-# -- raw frames, older nodes --------------------------------------------------------------
+# -- raw frames, smaller nodes --------------------------------------------------------------
 
 
 def _raw(node: Node) -> socket.socket:
@@ -233,18 +235,18 @@ def _raw(node: Node) -> socket.socket:
 
 
 def _ping_ok(sock: socket.socket) -> bool:
-    sock.sendall(Frame(bulk.OP_PING, 77).pack())
-    reply = bulk.read_frame(sock)
-    return reply is not None and reply.status == bulk.STATUS_OK and reply.request_id == 77
+    sock.sendall(Frame(wire.OP_PING, 77).pack())
+    reply = wire.read_frame(sock)
+    return reply is not None and reply.status == wire.STATUS_OK and reply.request_id == 77
 
 
 def _open_frame(
     seq_id: str, tokens: list[int], salt: bytes = b"", *, payload_len: int | None = None
 ) -> bytes:
-    """An OPEN request (protos/bulk.py); payload_len: declared instead of the true one."""
+    """An OPEN request (docs/bulk-protocol.md); payload_len: declared instead of the true one."""
     ids = struct.pack(f"<{len(tokens)}q", *tokens)
     size = len(ids) + len(salt) if payload_len is None else payload_len
-    return Frame(bulk.OP_OPEN, 5, start=0, end=len(tokens), text=seq_id, payload_len=size).pack() + ids + salt
+    return Frame(wire.OP_OPEN, 5, start=0, end=len(tokens), text=seq_id, payload_len=size).pack() + ids + salt
 
 
 def test_raw_frames_malformed_and_oversized(node: Node) -> None:
@@ -253,28 +255,28 @@ def test_raw_frames_malformed_and_oversized(node: Node) -> None:
     with _raw(node) as sock:
         # 4 ids announced, a payload of 3: refused after the payload was drained
         sock.sendall(_open_frame("raw", PROMPT[:4], payload_len=24)[:-8])
-        reply = bulk.read_frame(sock)
+        reply = wire.read_frame(sock)
         assert reply is not None and reply.request_id == 5
-        assert reply.status == 3 and reply.extra == "InvalidArgument"  # INVALID_ARGUMENT
+        assert reply.status == INVALID and reply.extra == "InvalidArgument"
         assert reply.text == "bulk open: 24 payload bytes cannot hold 4 token ids (32 bytes)"
         assert _ping_ok(sock)  # still in sync
         # a well-formed open with a salt answers like the rpc's
         sock.sendall(_open_frame("raw", PROMPT, b"salt"))
-        reply = bulk.read_frame(sock)
-        assert reply is not None and reply.status == bulk.STATUS_OK and (reply.start, reply.end) == (0, 0)
+        reply = wire.read_frame(sock)
+        assert reply is not None and reply.status == wire.STATUS_OK and (reply.start, reply.end) == (0, 0)
         sock.sendall(_open_frame("raw2", PROMPT))
-        reply = bulk.read_frame(sock)
-        assert reply is not None and reply.status == bulk.STATUS_OK and (reply.start, reply.end) == (12, 0)
+        reply = wire.read_frame(sock)
+        assert reply is not None and reply.status == wire.STATUS_OK and (reply.start, reply.end) == (12, 0)
         assert _ping_ok(sock)
     node.engine.free("raw")
     node.engine.free("raw2")
     assert node.state() == state
     dropped = node.counters()[2]
     with _raw(node) as sock:  # a payload too large to drain: refused, and the connection closes
-        sock.sendall(Frame(bulk.OP_OPEN, 7, end=1, text="big", payload_len=bulk.MAX_CALL_BYTES + 1).pack())
-        reply = bulk.read_frame(sock)
-        assert reply is not None and reply.status == 3 and "exceeds" in reply.text
-        assert bulk.read_frame(sock, eof_ok=True) is None
+        sock.sendall(Frame(wire.OP_OPEN, 7, end=1, text="big", payload_len=wire.MAX_CALL_BYTES + 1).pack())
+        reply = wire.read_frame(sock)
+        assert reply is not None and reply.status == INVALID and "exceeds" in reply.text
+        assert wire.read_frame(sock, eof_ok=True) is None
     assert node.counters()[2] == dropped + 1
     assert node.state() == state
     node.assert_nothing_leaked()
@@ -284,16 +286,12 @@ def test_node_without_open_gets_the_rpc_from_then_on(node: Node, transport: str)
     server = node.server.bulk
     assert server is not None
 
-    def older_node(conn: socket.socket, f: Frame) -> None:  # as a node before OPEN
-        server._reply_error(conn, f, InvalidArgument(f"bulk: unknown op {f.op}"))
-        raise OSError("closed after an unknown op")
-
-    server._open = older_node  # type: ignore[method-assign]
+    server.ops = server.ops - {wire.OP_OPEN}  # its HELLO says so
     node.cache(PROMPT[:12])
     with CacheClient(node.address) as client:
         assert open_result(client, "a", PROMPT) == OpenResult(12, 0)  # the rpc answered
         channel = channel_of(client)
-        assert not channel.is_open_supported and channel.num_opens == 0
+        assert not channel.capabilities(5.0).serves(wire.OP_OPEN) and channel.num_opens == 0
         errors = node.counters()[1]
         assert open_result(client, "b", PROMPT) == OpenResult(12, 0)
         assert node.counters()[1] == errors  # the channel was not asked again

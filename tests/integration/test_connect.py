@@ -14,7 +14,7 @@ import test_bulk_attend
 from test_bulk_attend import GRPC, Q_HEADS, Node, bitwise
 from test_shm import channel_of, node_mappings
 
-from pagedkv.client import AsyncCacheClient, CacheClient, Unavailable
+from pagedkv.client import AsyncCacheClient, CacheClient, ClientConfig, Unavailable
 from pagedkv.client import shm as client_shm
 
 pytestmark = pytest.mark.skipif(not client_shm.is_supported(), reason="needs memfd and Unix sockets (Linux)")
@@ -53,10 +53,9 @@ def test_connect_opens_every_path_before_the_first_call(node: Node) -> None:
 
 def test_connect_over_tcp_only_opens_the_tcp_connection(node: Node) -> None:
     conns, mappings = node_connections(node), node_mappings()
-    with CacheClient(node.address) as client:
+    with CacheClient(node.address, ClientConfig(transports=("tcp", "grpc"))) as client:  # another host's
         ch = client.data.bulk_channel()
         assert ch is not None
-        ch.is_local_enabled = False  # a client on another host
         client.connect()
         assert node_connections(node) == conns + 1 and node_mappings() == mappings
 

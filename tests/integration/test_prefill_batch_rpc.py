@@ -12,8 +12,8 @@ import torch
 from kvref import SPEC, assert_attention, rand_kv, rand_q
 
 from pagedkv.client import AsyncCacheClient, CacheClient, CapacityExceeded, InvalidArgument, SequenceNotFound
+from pagedkv.client.codec import prefill_batch_request
 from pagedkv.client.control import call
-from pagedkv.client.data import prefill_batch_request
 from pagedkv.client.sync import split_prefill_batch
 
 BS = SPEC.block_size
@@ -130,7 +130,7 @@ def test_the_node_checks_counts_itself(client: CacheClient, node: Any) -> None:
         before = _state(client, [a, b])
         req = prefill_batch_request(["a", "b"], 1, [2], rand_q(2, seed=2), None, None, None)
         with pytest.raises(InvalidArgument, match=r"num_tokens must hold one count >= 1 per sequence \(2\)"):
-            call(client.node(node.address).data.stub.AttendPrefillBatch, req, 5.0)
+            call(client.node(node.address).data.grpc.stub.AttendPrefillBatch, req, 5.0)
         _assert_same(before, _state(client, [a, b]))
 
 

@@ -8,6 +8,7 @@ sequences and the next read (on the same client) untouched."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import re
 from collections.abc import Callable
 from typing import Any
@@ -26,11 +27,11 @@ GRPC = ClientConfig(bulk_min_bytes=None)  # every read_kv over the ReadKV rpc, i
 GRPC_SMALL_CHUNKS = ClientConfig(bulk_min_bytes=None, chunk_bytes=256)
 
 # path -> (client config, same-host path allowed, READ_SHM allowed)
-PATHS: dict[str, tuple[ClientConfig, bool, bool]] = {
-    "grpc": (GRPC_SMALL_CHUNKS, False, False),
-    "tcp": (BULK, False, False),
-    "unix": (BULK, True, False),
-    "shm": (BULK, True, True),
+PATHS: dict[str, ClientConfig] = {
+    "grpc": GRPC_SMALL_CHUNKS,
+    "tcp": dataclasses.replace(BULK, transports=("tcp", "grpc")),
+    "unix": dataclasses.replace(BULK, transports=("unix", "tcp", "grpc")),
+    "shm": BULK,
 }
 
 
@@ -41,16 +42,11 @@ def make(read_shm_make: Callable[..., Node]) -> Callable[..., Node]:  # noqa: F8
 
 
 def client_on(node: Node, path: str) -> CacheClient:
-    cfg, local, read_shm = PATHS[path]
-    client = CacheClient(node.address, cfg)
-    if cfg.bulk_min_bytes is not None:
-        ch = channel_of(client)
-        ch.is_local_enabled, ch.is_read_shm = local, read_shm
-    return client
+    return CacheClient(node.address, PATHS[path])
 
 
 def check_path_taken(client: CacheClient, path: str, num_reads: int) -> None:
-    ch = client.data.route.bulk
+    ch = client.data.bulk
     if path == "grpc":
         assert ch is None or ch.num_calls == 0
         return
@@ -179,7 +175,7 @@ def test_async_reads_land_in_the_callers_tensors(make: Callable[..., Node], path
                 await seq.read_kv(out=(out[0].transpose(1, 2), out[1]))
             rk, rv = await seq.read_kv()
             assert bitwise(rk, k) and bitwise(rv, v)
-            ch = client.data.route.bulk
+            ch = client.data.bulk
             assert (ch is not None and ch.num_calls + ch.num_local_transfers > 0) == (path == "bulk")
 
     asyncio.run(run())

@@ -1,4 +1,4 @@
-"""READ_SHM (protos/bulk.py): read_kv through a small ring of slots in the client's
+"""READ_SHM (docs/bulk-protocol.md): read_kv through a small ring of slots in the client's
 shared region, on a real node server. Byte-exact against the engine for ranges
 crossing slab and block boundaries and larger than the region, every bad request
 refused clearly with nothing changed and the connection usable, a sequence freed
@@ -28,9 +28,11 @@ from pagedkv.cache_node.engine import CacheEngine, EngineConfig
 from pagedkv.cache_node.server import NodeServer, create_server
 from pagedkv.client import AsyncCacheClient, CacheClient, ClientConfig, InvalidArgument, SequenceNotFound
 from pagedkv.client import shm as client_shm
-from pagedkv.protos import bulk
-from pagedkv.protos.bulk import Frame
+from pagedkv.protos import wire
 from pagedkv.protos.spec import ModelSpec
+from pagedkv.protos.wire import Frame
+
+INVALID = wire.Status.INVALID_ARGUMENT
 
 pytestmark = pytest.mark.skipif(not client_shm.is_supported(), reason="needs memfd and Unix sockets (Linux)")
 
@@ -98,7 +100,7 @@ def node(make: Callable[..., Node]) -> Node:
 def small_slots(monkeypatch: pytest.MonkeyPatch, spec: ModelSpec, tokens: int) -> int:
     """Client slots of about `tokens` tokens (a multiple of ALIGN bytes): many slabs, the ring reused."""
     size = tokens * spec.bytes_per_token
-    size += bulk.pad(size)
+    size += wire.pad(size)
     monkeypatch.setattr(client_shm, "READ_SLOT_BYTES", size)
     return size // spec.bytes_per_token
 
@@ -139,7 +141,7 @@ def test_a_range_larger_than_the_region_reuses_the_ring(make: Callable[..., Node
         ch = channel_of(client)
         rk, rv = client.data.read_kv("big")
         assert bitwise(rk, k) and bitwise(rv, v)
-        conn = ch._idle_local[0]
+        conn = ch._idle["unix"][0]
         assert conn.size < n * spec.bytes_per_token  # the region stayed small
         assert conn.size >= client_shm.READ_SLOTS * client_shm.READ_SLOT_BYTES
         rk, rv = client.data.read_kv("big", 511, 1537)  # slab boundaries of the node's block size
@@ -180,7 +182,7 @@ def test_bad_reads_get_the_rpc_error_and_the_connection_stays_usable(node: Node)
             client.data.read_kv("s", 11, None)
         rk, rv = client.data.read_kv("s", 2, 7)
         assert bitwise(rk, k[:, 2:7]) and bitwise(rv, v[:, 2:7])
-        assert len(ch._idle_local) == 1  # one connection served all of them
+        assert ch.num_idle("unix") == 1  # one connection served all of them
         assert ch.num_shm_reads == 1
         assert node.counters() == (1, 4, 0)
     assert node.state() == state
@@ -199,30 +201,30 @@ def _map(sock: socket.socket, size: int) -> int:
     os.ftruncate(fd, size)
     fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
     sock.sendmsg(
-        [Frame(bulk.OP_MAP, 5, end=size).pack()],
+        [Frame(wire.OP_MAP, 5, end=size).pack()],
         [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))],
     )
-    reply = bulk.read_frame(sock)
-    assert reply is not None and reply.status == bulk.STATUS_OK
+    reply = wire.read_frame(sock)
+    assert reply is not None and reply.status == wire.STATUS_OK
     return fd
 
 
 def _read_shm(
     sock: socket.socket, seq: str, start: int, end: int, at: int, slot: int, slots: int, extra: bytes = b""
 ) -> Frame:
-    head = bulk.SHM_READ.pack(at, slot, slots) + extra
+    head = wire.SHM_READ.pack(at, slot, slots) + extra
     sock.sendall(
-        Frame(bulk.OP_READ_SHM, 9, start=start, end=end, text=seq, payload_len=len(head)).pack() + head
+        Frame(wire.OP_READ_SHM, 9, start=start, end=end, text=seq, payload_len=len(head)).pack() + head
     )
-    reply = bulk.read_frame(sock)
+    reply = wire.read_frame(sock)
     assert reply is not None
     return reply
 
 
 def _ping_ok(sock: socket.socket) -> bool:
-    sock.sendall(Frame(bulk.OP_PING, 77).pack())
-    reply = bulk.read_frame(sock)
-    return reply is not None and reply.status == bulk.STATUS_OK and reply.request_id == 77
+    sock.sendall(Frame(wire.OP_PING, 77).pack())
+    reply = wire.read_frame(sock)
+    return reply is not None and reply.status == wire.STATUS_OK and reply.request_id == 77
 
 
 def test_raw_ring_protocol_and_bad_rings(node: Node) -> None:
@@ -232,7 +234,7 @@ def test_raw_ring_protocol_and_bad_rings(node: Node) -> None:
     before = node_mappings()
     with _connect(node) as sock:
         reply = _read_shm(sock, "s", 0, 4, 0, 1024, 2)
-        assert reply.status == 3 and "no region mapped" in reply.text
+        assert reply.status == INVALID and "no region mapped" in reply.text
         assert _ping_ok(sock)
         fd = _map(sock, 1 << 16)
         refused = {
@@ -244,39 +246,39 @@ def test_raw_ring_protocol_and_bad_rings(node: Node) -> None:
         }
         for text, (at, slot, slots) in refused.items():
             reply = _read_shm(sock, "s", 0, 4, at, slot, slots)
-            assert reply.status == 3 and text in reply.text, (text, reply)
+            assert reply.status == INVALID and text in reply.text, (text, reply)
             assert _ping_ok(sock)
         reply = _read_shm(sock, "s", 0, 4, 0, 128, 2)  # a slot smaller than one token
-        assert reply.status == 3 and reply.end == bpt and "smaller than one token" in reply.text
+        assert reply.status == INVALID and reply.end == bpt and "smaller than one token" in reply.text
         reply = _read_shm(sock, "gone", 0, 4, 0, 1024, 2)
-        assert reply.status == 5 and reply.extra == "SequenceNotFound"
+        assert reply.status == wire.Status.NOT_FOUND and reply.extra == 'SequenceNotFound {"seq_id": "gone"}'
         reply = _read_shm(sock, "s", 0, 4, 0, 1024, 2, extra=b"\0" * 8)  # a 32-byte request
-        assert reply.status == 3 and "32-byte request" in reply.text
+        assert reply.status == INVALID and "32-byte request" in reply.text
         assert _ping_ok(sock)
         # a valid read by hand: slots of 3 tokens, slab i in slot i % 2, ACK when a slot is needed again
         reply = _read_shm(sock, "s", 1, 10, 4096, 3 * bpt, 2)
-        assert reply.status == bulk.STATUS_OK and (reply.start, reply.end, reply.slab_tokens) == (1, 10, 3)
+        assert reply.status == wire.STATUS_OK and (reply.start, reply.end, reply.slab_tokens) == (1, 10, 3)
         assert reply.payload_len == 0
         for i in range(3):
-            t, status, _, _ = bulk.read_slab(sock)
+            t, status, _, _ = wire.read_slab(sock)
             assert (t, status) == (3, 0)
             slab = os.pread(fd, t * bpt, 4096 + (i % 2) * 3 * bpt)
             got = torch.frombuffer(bytearray(slab), dtype=torch.float32).view(2, 2, t, 2, 8)
             a = 1 + 3 * i
             assert torch.equal(got[0], k[:, a : a + t]) and torch.equal(got[1], v[:, a : a + t])
             if i + 2 < 3:
-                sock.sendall(bulk.READ_ACK.pack(i))
+                sock.sendall(wire.READ_ACK.pack(i))
         assert _ping_ok(sock)
         # an ACK for the wrong slab breaks the framing: the connection closes, the region goes
-        assert _read_shm(sock, "s", 0, 10, 0, bpt, 2).status == bulk.STATUS_OK
-        bulk.read_slab(sock)
-        sock.sendall(bulk.READ_ACK.pack(7))
+        assert _read_shm(sock, "s", 0, 10, 0, bpt, 2).status == wire.STATUS_OK
+        wire.read_slab(sock)
+        sock.sendall(wire.READ_ACK.pack(7))
         assert wait_for(lambda: node.counters()[2] == 1)
         os.close(fd)
     assert wait_for(lambda: node_mappings() == before)
     with socket.create_connection(("127.0.0.1", node.server.bulk.port), timeout=5) as tcp:  # type: ignore[union-attr]
         reply = _read_shm(tcp, "s", 0, 4, 0, 1024, 2)  # not on TCP: unknown op, closed
-        assert reply.status == 3 and "unknown op" in reply.text
+        assert reply.status == INVALID and "unknown op" in reply.text
         with contextlib.suppress(ConnectionResetError):  # a reset when our payload was left unread
             assert tcp.recv(1) == b""
     assert node.state() == state
@@ -309,10 +311,10 @@ def test_sequence_freed_mid_read_is_a_clean_error(
         else:  # never reached: the read completes
             assert client.data.read_kv("s")[0].shape == (2, 10, 2, 8)
         ch = channel_of(client)
-        assert len(ch._idle_local) == 1  # the connection stayed in sync and went back to the pool
+        assert ch.num_idle("unix") == 1  # the connection stayed in sync and went back to the pool
         rk, rv = client.data.read_kv("t")  # on the same connection
         assert bitwise(rk, k) and bitwise(rv, v)
-        assert len(ch._idle_local) == 1
+        assert ch.num_idle("unix") == 1
     assert node.counters()[2] == 0
     node.state()
 
@@ -325,8 +327,8 @@ def test_reader_gone_mid_read_leaves_no_mapping(node: Node) -> None:
     fd = _map(sock, 1 << 16)
     os.close(fd)
     reply = _read_shm(sock, "s", 0, 40, 0, 4 * node.spec.bytes_per_token, 2)
-    assert reply.status == bulk.STATUS_OK
-    bulk.read_slab(sock)
+    assert reply.status == wire.STATUS_OK
+    wire.read_slab(sock)
     sock.close()  # the node waits for an ACK that never comes
     assert wait_for(lambda: node.counters()[2] == 1)
     assert wait_for(lambda: node_mappings() == before)
@@ -337,16 +339,17 @@ KILLED_READER = """
 import os, signal, sys
 from pagedkv.client import CacheClient, ClientConfig
 from pagedkv.client import shm
-from pagedkv.protos import bulk
+from pagedkv.protos import wire
+
 shm.READ_SLOT_BYTES = 4 * 256
-real, calls = bulk.read_slab, []
+real, calls = wire.read_slab, []
 def read_slab(sock):
     calls.append(1)
     if len(calls) == 3:
         print("killed mid-read", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
     return real(sock)
-bulk.read_slab = read_slab
+wire.read_slab = read_slab
 with CacheClient(sys.argv[1], ClientConfig(bulk_min_bytes=0)) as c:
     c.data.read_kv("s")
 """
@@ -400,18 +403,15 @@ def test_node_without_read_shm_gets_the_unix_socket_read(node: Node) -> None:
     server = node.server.bulk
     assert server is not None
 
-    def older_node(conn: socket.socket, f: Frame, region: object) -> None:  # as a node before READ_SHM
-        server._reply_error(conn, f, InvalidArgument(f"bulk: unknown op {f.op}"))
-        raise OSError("closed after an unknown op")
-
-    server._read_shm = older_node  # type: ignore[method-assign]
+    server.ops = server.ops - {wire.OP_READ_SHM}  # its HELLO says so
     k, v = node.fill("s", 12, seed=11)
     with CacheClient(node.address, BULK) as client:
         ch = channel_of(client)
         for _ in range(2):
             rk, rv = client.data.read_kv("s", 2, None)
             assert bitwise(rk, k[:, 2:]) and bitwise(rv, v[:, 2:])
-        assert not ch.is_read_shm and ch.num_shm_reads == 0 and ch.num_local_transfers == 2
+        assert not ch.capabilities(5.0).serves(wire.OP_READ_SHM)
+        assert ch.num_shm_reads == 0 and ch.num_local_transfers == 2
     node.state()
 
 
@@ -421,7 +421,7 @@ def test_asyncio_client_reads_through_the_region(node: Node) -> None:
     async def run() -> tuple[torch.Tensor, torch.Tensor, int]:
         async with AsyncCacheClient(node.address, BULK) as client:
             rk, rv = await client.data.read_kv("s", 3, None)
-            ch = client.data.route.bulk
+            ch = client.data.bulk
             assert ch is not None
             return rk, rv, ch.num_shm_reads
 

@@ -1,4 +1,4 @@
-"""The bulk channel's same-host path (protos/bulk.py: HELLO, MAP, ATTEND*_SHM) on a
+"""The bulk channel's same-host path (docs/bulk-protocol.md: HELLO, MAP, ATTEND*_SHM) on a
 real node server: results bitwise equal to the rpcs and never overwritten by a later
 call, every malformed region / header / offset refused clearly with nothing changed,
 peers that vanish mid-call or get killed leave no mapping behind on the node, and the
@@ -26,13 +26,15 @@ import test_bulk_attend
 import torch
 from test_bulk_attend import GRPC, Q_HEADS, Node, bitwise, spec_of
 
-from pagedkv.cache_node import bulk as node_bulk
+from pagedkv.cache_node.serve import listener as node_bulk
 from pagedkv.client import AsyncCacheClient, CacheClient, InvalidArgument
 from pagedkv.client import shm as client_shm
-from pagedkv.client.bulk import BulkChannel
-from pagedkv.protos import bulk
-from pagedkv.protos.bulk import Frame
+from pagedkv.client.transport.link import BulkLink
+from pagedkv.protos import wire
 from pagedkv.protos.spec import ModelSpec
+from pagedkv.protos.wire import Frame
+
+INVALID = wire.Status.INVALID_ARGUMENT
 
 pytestmark = pytest.mark.skipif(not client_shm.is_supported(), reason="needs memfd and Unix sockets (Linux)")
 
@@ -40,8 +42,8 @@ pytestmark = pytest.mark.skipif(not client_shm.is_supported(), reason="needs mem
 make, node = test_bulk_attend.make, test_bulk_attend.node  # the same node fixtures
 
 
-def channel_of(client: CacheClient | AsyncCacheClient) -> BulkChannel:
-    ch = client.data.route.bulk
+def channel_of(client: CacheClient | AsyncCacheClient) -> BulkLink:
+    ch = client.data.bulk
     assert ch is not None
     return ch
 
@@ -91,8 +93,8 @@ def test_results_bitwise_equal_to_the_rpc_and_never_overwritten(
         for got, want in kept:
             assert bitwise(got.out, want.out) and bitwise(got.lse, want.lse)
         channel = channel_of(via_shm)
-        assert channel.num_local_calls == 4 and len(channel._idle_local) == 1
-        region = channel._idle_local[0].region
+        assert channel.num_local_calls == 4 and channel.num_idle("unix") == 1
+        region = channel._idle["unix"][0].region
         lo, hi = region.data_ptr(), region.data_ptr() + region.numel()
         assert not lo <= got.out.data_ptr() < hi and not lo <= got.lse.data_ptr() < hi
     for i in range(2):
@@ -118,14 +120,14 @@ def test_results_view_the_region_while_no_earlier_ones_are_held() -> None:
         assert bitwise(res.out, want.out) and bitwise(res.lse, want.lse)
 
     def in_region(t: torch.Tensor) -> bool:
-        region = channel_of(client)._idle_local[0].region
+        region = channel_of(client)._idle["unix"][0].region
         return region.data_ptr() <= t.data_ptr() < region.data_ptr() + region.numel()
 
     try:
         with CacheClient(node.address) as client:
             qs = [node.rand(1, 32, 128, seed=s) for s in range(2)]
             held = client.data.attend(["a"], 0, qs[0])
-            conn = channel_of(client)._idle_local[0]
+            conn = channel_of(client)._idle["unix"][0]
             assert conn.num_leased == 1 and in_region(held.out) and in_region(held.lse)
             assert conn.size == client_shm.MIN_REGION_BYTES
             big = node.rand(40, 32, 128, seed=9)  # 640 KiB of q and of out: past the 1 MiB region
@@ -157,11 +159,11 @@ def test_region_grows_for_a_large_call() -> None:
         node.fill("b", 16, seed=1)
         with CacheClient(node.address) as via_shm, CacheClient(node.address, GRPC) as via_grpc:
             small = via_shm.data.attend(["a"], 0, q[:1])
-            assert channel_of(via_shm)._idle_local[0].size == client_shm.MIN_REGION_BYTES
+            assert channel_of(via_shm)._idle["unix"][0].size == client_shm.MIN_REGION_BYTES
             got = via_shm.data.attend_prefill_batch(["a"], 0, [rows], q, kv, kv, toks)
             want = via_grpc.data.attend_prefill_batch(["b"], 0, [rows], q, kv, kv, toks)
             assert bitwise(got.out, want.out) and bitwise(got.lse, want.lse)
-            assert channel_of(via_shm)._idle_local[0].size >= 2 * q.numel() * 4
+            assert channel_of(via_shm)._idle["unix"][0].size >= 2 * q.numel() * 4
             assert channel_of(via_shm).num_local_calls == 2
             assert bitwise(small.out, node.engine.attend_decode(["b"], 0, q[:1]).out) is False  # b grew
         node.state()
@@ -195,7 +197,7 @@ def test_a_call_body_is_never_written_outside_the_region(node: Node) -> None:
     node.fill("a", 5, seed=1)
     with CacheClient(node.address) as client:
         client.data.attend(["a"], 0, node.rand(1, Q_HEADS, 8, seed=2))
-        conn = channel_of(client)._idle_local[0]
+        conn = channel_of(client)._idle["unix"][0]
         before = conn.region.clone()
         q = node.rand(1, Q_HEADS, 8, seed=3)
         head = b"\x01" * 100
@@ -206,7 +208,7 @@ def test_a_call_body_is_never_written_outside_the_region(node: Node) -> None:
         with pytest.raises(ValueError, match="not contiguous"):
             client_shm.write_call(conn, 0, head, [node.rand(2, Q_HEADS, 8, seed=4)[:, ::2]])
         assert torch.equal(conn.region, before)  # nothing written by any of them
-        assert client_shm.write_call(conn, conn.size - length - bulk.pad(length), head, [q]) == length
+        assert client_shm.write_call(conn, conn.size - length - wire.pad(length), head, [q]) == length
 
 
 # -- raw peers: malformed maps, headers and offsets -------------------------------------
@@ -221,10 +223,10 @@ def _connect(node: Node) -> socket.socket:
 
 
 def _send_map(sock: socket.socket, size: int, fd: int | None) -> Frame:
-    frame = Frame(bulk.OP_MAP, 5, end=size).pack()
+    frame = Frame(wire.OP_MAP, 5, end=size).pack()
     fds = [] if fd is None else [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))]
     sock.sendmsg([frame], fds)
-    reply = bulk.read_frame(sock)
+    reply = wire.read_frame(sock)
     assert reply is not None
     return reply
 
@@ -238,25 +240,25 @@ def _memfd(size: int, seals: int) -> int:
 
 
 def _ping_ok(sock: socket.socket) -> bool:
-    sock.sendall(Frame(bulk.OP_PING, 77).pack())
-    reply = bulk.read_frame(sock)
-    return reply is not None and reply.status == bulk.STATUS_OK and reply.request_id == 77
+    sock.sendall(Frame(wire.OP_PING, 77).pack())
+    reply = wire.read_frame(sock)
+    return reply is not None and reply.status == wire.STATUS_OK and reply.request_id == 77
 
 
 def _shm_call(sock: socket.socket, at: int, length: int, out_at: int, out_len: int) -> Frame:
     sock.sendall(
-        Frame(bulk.OP_ATTEND_SHM, 9, payload_len=bulk.SHM_CALL.size).pack()
-        + bulk.SHM_CALL.pack(at, length, out_at, out_len)
+        Frame(wire.OP_ATTEND_SHM, 9, payload_len=wire.SHM_CALL.size).pack()
+        + wire.SHM_CALL.pack(at, length, out_at, out_len)
     )
-    reply = bulk.read_frame(sock)
+    reply = wire.read_frame(sock)
     assert reply is not None
     return reply
 
 
 def _call_body(seq_id: str, q: torch.Tensor, layer: int = 1) -> bytes:
     ids = len(seq_id).to_bytes(2, "little") + seq_id.encode()
-    head = bulk.CALL.pack(layer, 0, 1, 0, 0, len(ids)) + bulk.pack_tensor("float32", tuple(q.shape)) + ids
-    return head + bytes(bulk.pad(len(head))) + q.numpy().tobytes()
+    head = wire.CALL.pack(layer, 0, 1, 0, 0, len(ids)) + wire.pack_tensor("float32", tuple(q.shape)) + ids
+    return head + bytes(wire.pad(len(head))) + q.numpy().tobytes()
 
 
 def test_bad_regions_and_offsets_are_refused_and_change_nothing(node: Node) -> None:
@@ -268,7 +270,7 @@ def test_bad_regions_and_offsets_are_refused_and_change_nothing(node: Node) -> N
     with _connect(node) as sock:
         # a call before any region, then MAPs the node must refuse
         assert "MAP first" in _shm_call(sock, 0, 64, 0, 64).text
-        assert "1 file descriptors" not in (r := _send_map(sock, size, None)).text and r.status == 3
+        assert "1 file descriptors" not in (r := _send_map(sock, size, None)).text and r.status == INVALID
         assert "0 file descriptors" in r.text
         unsealed = _memfd(size, 0)
         assert "sealed against shrinking" in _send_map(sock, size, unsealed).text
@@ -284,7 +286,7 @@ def test_bad_regions_and_offsets_are_refused_and_change_nothing(node: Node) -> N
         os.close(r_fd), os.close(w_fd)
         assert _ping_ok(sock)  # every refusal left the connection usable
         # a good region; then headers pointing outside it, misaligned, or at garbage
-        assert _send_map(sock, size, sealed).status == bulk.STATUS_OK
+        assert _send_map(sock, size, sealed).status == wire.STATUS_OK
         region = mmap.mmap(sealed, size)
         os.close(sealed)
         body = _call_body("s", q)
@@ -305,23 +307,23 @@ def test_bad_regions_and_offsets_are_refused_and_change_nothing(node: Node) -> N
         for name, (args, text) in bad.items():
             requests, errors, _ = node.counters()
             reply = _shm_call(sock, *args)
-            assert reply.status == 3 and text in reply.text, (name, reply.text)
+            assert reply.status == INVALID and text in reply.text, (name, reply.text)
             assert reply.extra == "InvalidArgument", name
             assert node.counters()[:2] == (requests, errors + 1), name
             assert node.state() == state, name
         # the engine's own refusal (layer out of range) comes back as over the rpc
         region[: len(body)] = _call_body("s", q, layer=7)
         reply = _shm_call(sock, 0, len(body), out_at, 4096)
-        assert reply.status == 3 and "layer" in reply.text
+        assert reply.status == INVALID and "layer" in reply.text
         # a good call: results placed in the region
         region[: len(body)] = body
         reply = _shm_call(sock, 0, len(body), out_at, 4096)
-        assert reply.status == bulk.STATUS_OK and reply.payload_len == bulk.REPLY_SIZE
-        head = bytearray(bulk.recv_bytes(sock, bulk.REPLY_SIZE, "reply"))
-        assert bulk.REPLY.unpack_from(head, 0) == (2, bulk.PLACED_REGION)
+        assert reply.status == wire.STATUS_OK and reply.payload_len == wire.REPLY_SIZE
+        head = bytearray(wire.recv_bytes(sock, wire.REPLY_SIZE, "reply"))
+        assert wire.REPLY.unpack_from(head, 0) == (2, wire.PLACED_REGION)
         placed = torch.frombuffer(region, dtype=torch.uint8)[out_at:]
         out_bytes = want.out.numel() * 4
-        lse_at = out_bytes + bulk.pad(out_bytes)
+        lse_at = out_bytes + wire.pad(out_bytes)
         assert bitwise(placed[:out_bytes].view(torch.float32).view(want.out.shape), want.out)
         assert bitwise(
             placed[lse_at : lse_at + want.lse.numel() * 4].view(torch.float32), want.lse.reshape(-1)
@@ -329,15 +331,15 @@ def test_bad_regions_and_offsets_are_refused_and_change_nothing(node: Node) -> N
         del placed
         # a result area too small: the tensors come back inline, as over TCP
         reply = _shm_call(sock, 0, len(body), out_at, 16)
-        head = bytearray(bulk.recv_bytes(sock, bulk.REPLY_SIZE, "reply"))
-        assert bulk.REPLY.unpack_from(head, 0) == (2, bulk.PLACED_INLINE)
-        out = bulk.recv_bytes(sock, reply.payload_len - bulk.REPLY_SIZE, "inline results")
+        head = bytearray(wire.recv_bytes(sock, wire.REPLY_SIZE, "reply"))
+        assert wire.REPLY.unpack_from(head, 0) == (2, wire.PLACED_INLINE)
+        out = wire.recv_bytes(sock, reply.payload_len - wire.REPLY_SIZE, "inline results")
         assert out[: want.out.numel() * 4] == want.out.numpy().tobytes()
         assert _ping_ok(sock)
         # an unknown op closes the connection (its framing is unknown)
         sock.sendall(Frame(99, 1).pack())
-        assert bulk.read_frame(sock) is not None  # the error reply
-        assert bulk.read_frame(sock, eof_ok=True) is None
+        assert wire.read_frame(sock) is not None  # the error reply
+        assert wire.read_frame(sock, eof_ok=True) is None
         region.close()
     assert node.counters()[2] == 0
     assert node.state() == state
@@ -353,12 +355,12 @@ def test_fds_sent_with_other_ops_are_closed(node: Node) -> None:
         for _ in range(5):
             fd = _memfd(4096, fcntl.F_SEAL_SHRINK)
             sock.sendmsg(
-                [Frame(bulk.OP_PING, 77).pack()],
+                [Frame(wire.OP_PING, 77).pack()],
                 [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))],
             )
             os.close(fd)
-            reply = bulk.read_frame(sock)
-            assert reply is not None and reply.status == bulk.STATUS_OK
+            reply = wire.read_frame(sock)
+            assert reply is not None and reply.status == wire.STATUS_OK
         assert wait_for(lambda: open_fds() == before)  # the node closed every descriptor it received
 
 
@@ -380,13 +382,13 @@ def test_disconnect_mid_call_frees_the_region(node: Node) -> None:
     node.engine.attend_decode = slow  # type: ignore[method-assign]
     sock = _connect(node)
     fd = _memfd(1 << 16, fcntl.F_SEAL_SHRINK)
-    assert _send_map(sock, 1 << 16, fd).status == bulk.STATUS_OK
+    assert _send_map(sock, 1 << 16, fd).status == wire.STATUS_OK
     body = _call_body("s", node.rand(1, Q_HEADS, 8, seed=2))
     os.pwrite(fd, body, 0)
     os.close(fd)
     assert node_mappings() == before + 1
-    sock.sendall(Frame(bulk.OP_ATTEND_SHM, 1, payload_len=bulk.SHM_CALL.size).pack()
-                 + bulk.SHM_CALL.pack(0, len(body), 4096, 4096))  # fmt: skip
+    sock.sendall(Frame(wire.OP_ATTEND_SHM, 1, payload_len=wire.SHM_CALL.size).pack()
+                 + wire.SHM_CALL.pack(0, len(body), 4096, 4096))  # fmt: skip
     assert gate.wait(5)
     sock.close()  # gone while the node computes
     release.set()
@@ -399,9 +401,10 @@ def test_disconnect_mid_call_frees_the_region(node: Node) -> None:
 KILLED_CLIENT = """
 import os, signal, sys, torch
 from pagedkv.client import CacheClient
+
 with CacheClient(sys.argv[1]) as c:
     r = c.data.attend(["s"], 1, torch.randn(1, 4, 8))
-    assert c.data.route.bulk.num_local_calls == 1
+    assert c.data.bulk.num_local_calls == 1
     print("called", flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
 """
@@ -432,7 +435,7 @@ def test_node_stopped_mid_session_raises_then_falls_back(make: Callable[..., Nod
         with pytest.raises(Exception) as info:  # noqa: PT011 - any transport error naming the node
             c.data.attend(["s"], 1, q, timeout_s=2)
         assert "UNAVAILABLE" in repr(info.value) or "Unavailable" in type(info.value).__name__
-        assert len(channel_of(c)._idle_local) == 0  # the dead connection was not kept
+        assert channel_of(c).num_idle("unix") == 0  # the dead connection was not kept
 
 
 # -- concurrency ----------------------------------------------------------------------
@@ -536,12 +539,12 @@ def test_connection_over_the_nodes_cap_falls_back_to_tcp(node: Node) -> None:
         ch = channel_of(c)
         assert bitwise(c.data.attend(["s"], 1, q).out, want.out)  # 1 TCP (HELLO) + 1 same-host connection
         assert ch.num_local_calls == 1
-        held = ch._take_local(5.0)  # the same-host connection is busy elsewhere
+        held = ch.take("unix", 5.0)  # the same-host connection is busy elsewhere
         try:
             assert bitwise(c.data.attend(["s"], 1, q).out, want.out)  # a second one is refused: TCP
             assert ch.num_calls == 2 and ch.num_local_calls == 1 and ch.local_name
         finally:
-            ch._give_local(held)
+            ch.give("unix", held)
         assert bitwise(c.data.attend(["s"], 1, q).out, want.out)  # the pooled one serves again
         assert ch.num_local_calls == 2
     assert node.counters()[2] == 0

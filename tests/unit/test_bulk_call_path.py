@@ -13,13 +13,12 @@ import threading
 import pytest
 import torch
 
-from pagedkv.cache_node import bulk as node_bulk
-from pagedkv.client import bulk as client_bulk
-from pagedkv.protos import bulk
-from pagedkv.protos.bulk import Frame, ProtocolError
+from pagedkv.client.transport import link as client_bulk
+from pagedkv.protos import wire
 from pagedkv.protos.errors import InvalidArgument
+from pagedkv.protos.wire import Frame, ProtocolError
 
-REPLY = bulk.REPLY.pack(2, bulk.PLACED_REGION) + bytes(range(3 * bulk.TENSOR.size))
+REPLY = wire.REPLY.pack(2, wire.PLACED_REGION) + bytes(range(3 * wire.TENSOR.size))
 
 
 @pytest.fixture
@@ -31,7 +30,7 @@ def pair() -> tuple[socket.socket, socket.socket]:
 
 
 def reply_buf() -> bytearray:
-    return bytearray(bulk.FRAME.size + bulk.REPLY_SIZE)
+    return bytearray(wire.FRAME.size + wire.REPLY_SIZE)
 
 
 # -- read_frame_ahead -------------------------------------------------------------
@@ -39,78 +38,78 @@ def reply_buf() -> bytearray:
 
 def test_ok_reply_and_its_head_come_in_one_recv(pair: tuple[socket.socket, socket.socket]) -> None:
     a, b = pair
-    frame = Frame(bulk.OP_ATTEND_SHM, 7, payload_len=bulk.REPLY_SIZE)
+    frame = Frame(wire.OP_ATTEND_SHM, 7, payload_len=wire.REPLY_SIZE)
     b.sendall(frame.pack() + REPLY)
     buf = reply_buf()
-    got, ahead = bulk.read_frame_ahead(a, buf)
-    assert got == frame and ahead == bulk.REPLY_SIZE
-    assert bytes(buf[bulk.FRAME.size :]) == REPLY
+    got, ahead = wire.read_frame_ahead(a, buf)
+    assert got == frame and ahead == wire.REPLY_SIZE
+    assert bytes(buf[wire.FRAME.size :]) == REPLY
 
 
 def test_reply_payload_past_the_buffer_stays_in_the_socket(pair: tuple[socket.socket, socket.socket]) -> None:
     """Over TCP the tensors follow REPLY: only REPLY_SIZE bytes are taken with the frame."""
     a, b = pair
     tail = bytes(range(200))
-    b.sendall(Frame(bulk.OP_ATTEND, 1, payload_len=bulk.REPLY_SIZE + len(tail)).pack() + REPLY + tail)
+    b.sendall(Frame(wire.OP_ATTEND, 1, payload_len=wire.REPLY_SIZE + len(tail)).pack() + REPLY + tail)
     buf = reply_buf()
-    got, ahead = bulk.read_frame_ahead(a, buf)
-    assert ahead == bulk.REPLY_SIZE and got.payload_len == bulk.REPLY_SIZE + len(tail)
-    assert bulk.recv_bytes(a, len(tail), "tail") == tail
+    got, ahead = wire.read_frame_ahead(a, buf)
+    assert ahead == wire.REPLY_SIZE and got.payload_len == wire.REPLY_SIZE + len(tail)
+    assert wire.recv_bytes(a, len(tail), "tail") == tail
 
 
 def test_error_texts_are_read_and_moved_out_of_the_way(pair: tuple[socket.socket, socket.socket]) -> None:
     a, b = pair
-    err = Frame(bulk.OP_ATTEND_SHM, 3, status=3, text="bad q: ünïcode", extra="InvalidArgument")
+    err = Frame(wire.OP_ATTEND_SHM, 3, status=3, text="bad q: ünïcode", extra="InvalidArgument")
     b.sendall(err.pack())
-    got, ahead = bulk.read_frame_ahead(a, reply_buf())
+    got, ahead = wire.read_frame_ahead(a, reply_buf())
     assert got == err and ahead == 0
     # texts followed by payload bytes in the same send: the payload lands at FRAME.size
-    b.sendall(Frame(bulk.OP_ATTEND, 4, text="t", extra="xy", payload_len=bulk.REPLY_SIZE).pack() + REPLY)
+    b.sendall(Frame(wire.OP_ATTEND, 4, text="t", extra="xy", payload_len=wire.REPLY_SIZE).pack() + REPLY)
     buf = reply_buf()
-    got, ahead = bulk.read_frame_ahead(a, buf)
-    assert (got.text, got.extra) == ("t", "xy") and 0 < ahead <= bulk.REPLY_SIZE
-    assert bytes(buf[bulk.FRAME.size : bulk.FRAME.size + ahead]) == REPLY[:ahead]
-    rest = bulk.recv_bytes(a, bulk.REPLY_SIZE - ahead, "rest")
-    assert bytes(buf[bulk.FRAME.size : bulk.FRAME.size + ahead]) + rest == REPLY
+    got, ahead = wire.read_frame_ahead(a, buf)
+    assert (got.text, got.extra) == ("t", "xy") and 0 < ahead <= wire.REPLY_SIZE
+    assert bytes(buf[wire.FRAME.size : wire.FRAME.size + ahead]) == REPLY[:ahead]
+    rest = wire.recv_bytes(a, wire.REPLY_SIZE - ahead, "rest")
+    assert bytes(buf[wire.FRAME.size : wire.FRAME.size + ahead]) + rest == REPLY
 
 
 def test_a_header_split_over_sends_is_completed(pair: tuple[socket.socket, socket.socket]) -> None:
     a, b = pair
-    err = Frame(bulk.OP_ATTEND, 9, status=5, text="x" * 300, extra="SequenceNotFound")
+    err = Frame(wire.OP_ATTEND, 9, status=5, text="x" * 300, extra="SequenceNotFound")
     data = err.pack()
     b.sendall(data[:10])
     later = threading.Timer(0.05, lambda: b.sendall(data[10:]))
     later.start()
-    got, ahead = bulk.read_frame_ahead(a, reply_buf())
+    got, ahead = wire.read_frame_ahead(a, reply_buf())
     later.join()
     assert got == err and ahead == 0
 
 
 def test_read_frame_ahead_refuses_what_read_frame_refuses(pair: tuple[socket.socket, socket.socket]) -> None:
     a, b = pair
-    b.sendall(b"XXXX" + Frame(bulk.OP_PING).pack()[4:])
+    b.sendall(b"XXXX" + Frame(wire.OP_PING).pack()[4:])
     with pytest.raises(ProtocolError, match="bad magic"):
-        bulk.read_frame_ahead(a, reply_buf())
-    b.sendall(Frame(bulk.OP_PING).pack()[:20])
+        wire.read_frame_ahead(a, reply_buf())
+    b.sendall(Frame(wire.OP_PING).pack()[:20])
     b.shutdown(socket.SHUT_WR)
     with pytest.raises(ProtocolError, match="closed after .* of a frame header"):
-        bulk.read_frame_ahead(a, reply_buf())
+        wire.read_frame_ahead(a, reply_buf())
     with pytest.raises(ProtocolError, match="closed before a frame header"):
-        bulk.read_frame_ahead(a, reply_buf())
+        wire.read_frame_ahead(a, reply_buf())
 
 
 def test_frames_round_trip(pair: tuple[socket.socket, socket.socket]) -> None:
     a, b = pair
     frames = [
-        Frame(bulk.OP_READ, 2**40, "bfloat16", 0, 5, bulk.END_OF_SEQUENCE, 3, 4, 128, 77, "seq-é", "", 9),
-        Frame(bulk.OP_PING),
-        Frame(bulk.OP_ATTEND, 1, status=13, text="boom", extra="Internal"),
+        Frame(wire.OP_READ, 2**40, "bfloat16", 0, 5, wire.END_OF_SEQUENCE, 3, 4, 128, 77, "seq-é", "", 9),
+        Frame(wire.OP_PING),
+        Frame(wire.OP_ATTEND, 1, status=13, text="boom", extra="Internal"),
     ]
     for f in frames:
         b.sendall(f.pack())
-        assert bulk.read_frame(a) == f
-    assert Frame(bulk.OP_PING).dtype == "float32"
-    assert frames[0]._replace(op=bulk.OP_APPEND).op == bulk.OP_APPEND
+        assert wire.read_frame(a) == f
+    assert Frame(wire.OP_PING).dtype == "float32"
+    assert frames[0]._replace(op=wire.OP_APPEND).op == wire.OP_APPEND
 
 
 # -- the client's encoding of the sequence ids ---------------------------------------
@@ -122,25 +121,25 @@ def fresh_section(ids: list[str]) -> bytes:
 
 
 def test_client_reuses_the_last_batchs_ids_by_value() -> None:
-    memo = client_bulk._IdsMemo()
+    memo = wire.IdsMemo()
     ids = [f"seq-{i}" for i in range(32)]
-    first = memo.section(ids)
+    first = memo.encode(ids)
     assert first == fresh_section(ids)
-    assert memo.section(list(ids)) is first  # an equal list: reused
+    assert memo.encode(list(ids)) is first  # an equal list: reused
     ids[3] = "seq-ü"  # the caller changed its list: encoded again, non-ASCII too
-    again = memo.section(ids)
+    again = memo.encode(ids)
     assert again is not first and again == fresh_section(ids)
-    assert memo.section(tuple(ids)) == again  # any sequence works (a tuple is not memoized)
-    assert memo.section([]) == b""
+    assert memo.encode(tuple(ids)) == again  # any sequence works (a tuple is not memoized)
+    assert memo.encode([]) == b""
 
 
-def test_ids_the_frame_cannot_carry_still_fall_back() -> None:
+def test_ids_the_frame_cannot_carry_are_refused_before_sending() -> None:
     q = torch.zeros(1, 2, 4)
-    memo = client_bulk._IdsMemo()
+    memo = wire.IdsMemo()
     for bad in (["x" * 70_000], [3]):
-        with pytest.raises(client_bulk.BulkUnavailable):
-            client_bulk._call_head(bulk.OP_ATTEND, 1, bad, 0, q, None, None, None, (), False, memo)  # type: ignore[list-item]
-    head = client_bulk._call_head(bulk.OP_ATTEND, 1, ["a", "b"], 0, q, None, None, None, (), False, memo)
+        with pytest.raises(wire.Unencodable):
+            wire.encode_call_body(bad, 0, q, None, None, None, (), False, memo)  # type: ignore[arg-type]
+    head, _ = wire.encode_call_body(["a", "b"], 0, q, None, None, None, (), False, memo)
     assert head.endswith(fresh_section(["a", "b"]))
 
 
@@ -148,20 +147,19 @@ def test_ids_the_frame_cannot_carry_still_fall_back() -> None:
 
 
 def test_node_reuses_the_last_parse_only_for_the_same_bytes_and_count() -> None:
-    memo = node_bulk._IdsMemo()
+    memo = wire.IdsMemo()
     ids = ["a", "bb", "ccc"]
     raw = fresh_section(ids)
-    mv = memoryview(b"\0" * 8 + raw)
-    first = memo.seq_ids(mv, 8, 3, len(raw))
+    first = memo.decode(raw, 3)
     assert first == ids
     first.append("mutated")  # the engine's to keep: the memo holds its own list
-    assert memo.seq_ids(mv, 8, 3, len(raw)) == ids
+    assert memo.decode(raw, 3) == ids
     # the same bytes with another count are parsed again (and refused)
     with pytest.raises(InvalidArgument, match="overrun|bytes after"):
-        memo.seq_ids(mv, 8, 2, len(raw))
+        memo.decode(raw, 2)
     with pytest.raises(InvalidArgument, match="not UTF-8"):
-        memo.seq_ids(memoryview(b"\x01\x00\xff"), 0, 1, 3)
-    assert memo.seq_ids(mv, 8, 3, len(raw)) == ids
+        memo.decode(b"\x01\x00\xff", 1)
+    assert memo.decode(raw, 3) == ids
 
 
 # -- idle connections ----------------------------------------------------------------

@@ -1,0 +1,263 @@
+"""One node's bulk listener as this client sees it, shared by the socket transports
+(tcp, unix, shm): where it is (the port, learned from the node's Stats; the
+capabilities, from its HELLO), the pooled connections of each kind, and the
+counters tests and benchmarks read. The redis-py shape: the pool and the protocol
+are written once, each transport only says how its connection opens.
+
+Connections are pooled per kind, one request at a time on each, so concurrent calls
+from several threads each get their own. After a failed TCP connect the node's
+listener is left alone for RETRY_AFTER_S (gRPC carries the calls), then learned
+again: a firewalled port costs one short connect timeout per interval, and a
+restarted node's new port is found.
+"""
+
+from __future__ import annotations
+
+import itertools
+import select
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from ...protos import wire
+from ...protos.errors import PagedKVError, Unavailable
+from .. import shm
+from .base import TransportUnavailable
+
+MAX_POOLED = 4  # idle connections kept per kind
+CONNECT_TIMEOUT_S = 2.0
+RETRY_AFTER_S = 30.0
+
+
+class Connection(Protocol):
+    sock: socket.socket
+
+    def close(self) -> None: ...
+
+
+class TcpConnection:
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class Abandoned(Exception):
+    """Raised inside a body that refuses a reply whose bytes are still arriving (a read
+    into an `out` of another shape): the connection is closed, then `error` raised."""
+
+    def __init__(self, error: PagedKVError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+class BulkLink:
+    """The bulk listener of the node at `address` (its gRPC host:port). `learn_port`
+    asks the node for its bulk port (its Stats over gRPC; 0: off)."""
+
+    def __init__(
+        self, address: str, where: str, min_bytes: int, learn_port: Callable[[float], tuple[int, int]]
+    ) -> None:
+        self.host = _host(address)
+        self.where = where
+        self.min_bytes = min_bytes  # KV transfers below this take gRPC
+        self._learn_port = learn_port
+        self.port: int | None = None  # None: not learned yet; 0: the node has it off
+        self.bytes_per_token = 0
+        self.caps: wire.Capabilities | None = None  # the node's HELLO reply (None: not asked yet)
+        # The node's same-host listener: None = not asked yet, "" = none or unusable here.
+        self.local_name: str | None = None
+        self._idle: dict[str, list[Any]] = {"tcp": [], "unix": []}
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._retry_at = 0.0  # time.monotonic() before which the listener is not tried
+        self._local = threading.local()  # reused header buffers, one set per calling thread
+        self.ids_memo = wire.IdsMemo()  # the last batch's encoded sequence ids
+        self.read_slot_bytes = 0  # a READ_SHM slot the node asked for (a token over shm.READ_SLOT_BYTES)
+        self.num_calls = 0  # attend calls answered over the listener (OK or a node error)
+        self.num_local_calls = 0  # of which through the shared region
+        self.num_local_transfers = 0  # append / read_kv over the same-host Unix socket
+        self.num_shm_reads = 0  # read_kv through the shared region (counted in num_local_transfers too)
+        self.num_opens = 0  # opens answered over the listener (OK or a node error)
+
+    def next_id(self) -> int:
+        return next(self._ids)
+
+    @property
+    def is_backing_off(self) -> bool:
+        return time.monotonic() < self._retry_at
+
+    def num_idle(self, kind: str) -> int:
+        return len(self._idle[kind])
+
+    # -- where the listener is ----------------------------------------------------
+
+    def ensure_port(self, timeout_s: float) -> int:
+        """The node's bulk port, learned once; TransportUnavailable when it is off,
+        backing off after a failed connect, or cannot be learned (gRPC says why)."""
+        if self.is_backing_off:
+            raise TransportUnavailable("the node's bulk listener failed a connect lately")
+        if self.port is None:
+            try:
+                self.port, self.bytes_per_token = self._learn_port(timeout_s)
+            except PagedKVError as exc:
+                raise TransportUnavailable(f"the node's bulk port is not known: {exc}") from exc
+        if not self.port:
+            raise TransportUnavailable("the node's bulk port is off")
+        return self.port
+
+    def wants(self, num_bytes: int | None) -> None:
+        """TransportUnavailable for a KV transfer under min_bytes (None: unknown size)."""
+        if num_bytes is not None and num_bytes < self.min_bytes:
+            raise TransportUnavailable(f"a {num_bytes}-byte transfer is under {self.min_bytes}: gRPC")
+
+    def capabilities(self, timeout_s: float) -> wire.Capabilities:
+        """What the node's listener serves (its HELLO reply, asked once per learned port);
+        no ops at all when it cannot be asked now (gRPC carries everything)."""
+        if self.caps is None:
+            try:
+                self.caps = self.run("tcp", timeout_s, lambda c: wire.hello(c.sock, self.next_id()))
+            except PagedKVError:
+                return wire.Capabilities()  # asked again with the next call
+        assert self.caps is not None
+        return self.caps
+
+    def require(self, op: int, timeout_s: float) -> None:
+        if not self.capabilities(timeout_s).serves(op):
+            raise TransportUnavailable(f"the node's bulk listener serves no {wire.OP_NAMES[op]}")
+
+    def same_host_name(self, timeout_s: float) -> str:
+        """The node's same-host listener; TransportUnavailable when there is none or it
+        cannot be reached from this process."""
+        if self.local_name is None:
+            self.local_name = self.capabilities(timeout_s).local_name
+        if not self.local_name:
+            raise TransportUnavailable("the node has no same-host listener reachable from here")
+        return self.local_name
+
+    # -- connections ----------------------------------------------------------------
+
+    def take(self, kind: str, timeout_s: float) -> Any:
+        """A pooled or new connection of this kind ("tcp", "unix": a shm.LocalConnection);
+        TransportUnavailable (nothing sent) when none can be opened."""
+        with self._lock:
+            idle = self._idle[kind]
+            while idle:
+                conn = idle.pop()
+                if _is_alive(conn.sock):
+                    _set_timeout(conn.sock, timeout_s)
+                    return conn
+                conn.close()
+        return self._open_tcp(timeout_s) if kind == "tcp" else self._open_unix(timeout_s)
+
+    def give(self, kind: str, conn: Any) -> None:
+        with self._lock:
+            if len(self._idle[kind]) < MAX_POOLED:
+                self._idle[kind].append(conn)
+                return
+        conn.close()
+
+    def _open_tcp(self, timeout_s: float) -> TcpConnection:
+        where = (self.host, self.ensure_port(timeout_s))
+        try:
+            sock = socket.create_connection(where, timeout=min(timeout_s, CONNECT_TIMEOUT_S))
+        except OSError as exc:
+            self._retry_at, self.port = time.monotonic() + RETRY_AFTER_S, None  # re-learn it later
+            self.local_name, self.caps = None, None
+            raise TransportUnavailable(f"cannot connect to {where[0]}:{where[1]}: {exc}") from exc
+        sock.settimeout(timeout_s)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return TcpConnection(sock)
+
+    def _open_unix(self, timeout_s: float) -> shm.LocalConnection:
+        name = self.same_host_name(timeout_s)
+        try:
+            conn = shm.LocalConnection(name, min(timeout_s, CONNECT_TIMEOUT_S))
+        except OSError as exc:  # another host or network namespace, or the node went away
+            self.local_name = ""
+            raise TransportUnavailable(f"cannot reach the node's same-host listener: {exc}") from exc
+        try:  # a node at its connection cap closes a new one at once: find out (HELLO, not counted)
+            wire.hello(conn.sock, self.next_id())
+        except (OSError, PagedKVError) as exc:
+            conn.close()
+            raise TransportUnavailable(f"the node's same-host listener refused a connection: {exc}") from exc
+        conn.sock.settimeout(timeout_s)
+        return conn
+
+    def close(self) -> None:
+        with self._lock:
+            idle = [c for conns in self._idle.values() for c in conns]
+            self._idle = {kind: [] for kind in self._idle}
+        for conn in idle:
+            conn.close()
+
+    def run(self, kind: str, timeout_s: float, body: Callable[[Any], Any], conn: Any = None) -> Any:
+        """body(conn) on a taken connection of this kind (or on `conn`, already taken):
+        given back after a reply (an error reply included: the connection is in sync),
+        closed when the transfer broke (Unavailable naming the node) or on anything else."""
+        if conn is None:
+            conn = self.take(kind, timeout_s)
+        try:
+            result = body(conn)
+        except Abandoned as exc:
+            conn.close()
+            raise exc.error from None
+        except TransportUnavailable:  # (a region refused: nothing of the call sent)
+            conn.close()
+            raise
+        except (OSError, wire.ProtocolError) as exc:
+            conn.close()
+            what = "timed out (DEADLINE_EXCEEDED)" if isinstance(exc, TimeoutError) else "failed"
+            path = "bulk transfer" if kind == "tcp" else "bulk transfer (same host)"
+            raise Unavailable(f"{self.where}: {path} {what}: {exc}") from exc
+        except PagedKVError:
+            self.give(kind, conn)
+            raise
+        except BaseException:
+            conn.close()
+            raise
+        self.give(kind, conn)
+        return result
+
+    def error(self, status: int, text: str, extra: str) -> PagedKVError:
+        return wire.error_of(status, text, extra, self.where)
+
+    def head_buffer(self) -> bytearray:
+        """This thread's buffer for a bare reply FRAME."""
+        buf: bytearray | None = getattr(self._local, "head", None)
+        if buf is None:
+            buf = self._local.head = bytearray(wire.FRAME.size)
+        return buf
+
+    def reply_buffer(self) -> bytearray:
+        """This thread's buffer for an attend reply's FRAME and REPLY (one recv)."""
+        buf: bytearray | None = getattr(self._local, "reply", None)
+        if buf is None:
+            buf = self._local.reply = bytearray(wire.FRAME.size + wire.REPLY_SIZE)
+        return buf
+
+
+def _host(address: str) -> str:
+    host = address.rsplit(":", 1)[0] if ":" in address else address
+    return host.strip("[]")
+
+
+def _is_alive(sock: socket.socket) -> bool:
+    """False when the node closed this idle connection (restart, stop), or when it is
+    readable at all (EOF, or bytes on an idle connection: out of sync). One poll
+    (a peek would need the socket set non-blocking and back: three syscalls)."""
+    try:
+        poller = select.poll()
+        poller.register(sock, select.POLLIN)
+        return not poller.poll(0)
+    except (OSError, ValueError):  # closed
+        return False
+
+
+def _set_timeout(sock: socket.socket, timeout_s: float) -> None:
+    """settimeout, skipped when it already has this one (each call is an fcntl)."""
+    if sock.gettimeout() != timeout_s:
+        sock.settimeout(timeout_s)

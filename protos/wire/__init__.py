@@ -1,0 +1,48 @@
+"""The bulk channel's wire codec, written once for both ends (spec:
+docs/bulk-protocol.md): framing and socket helpers (frame), request and reply
+bodies (call), capabilities (hello)."""
+
+from .call import (
+    Call,
+    IdsMemo,
+    Open,
+    Unencodable,
+    byte_view,
+    call_parts,
+    decode_call,
+    decode_open,
+    decode_reply,
+    decode_result_head,
+    encode_call_body,
+    encode_open,
+    encode_reply,
+    nbytes,
+    reply_body,
+)
+from .frame import *  # noqa: F403 - the constants and helpers are the module's surface
+from .frame import Frame, ProtocolError, Status
+from .hello import MAX_HELLO_BYTES, Capabilities, hello
+
+__all__ = [
+    "MAX_HELLO_BYTES",
+    "Call",
+    "Capabilities",
+    "Frame",
+    "IdsMemo",
+    "Open",
+    "ProtocolError",
+    "Status",
+    "Unencodable",
+    "byte_view",
+    "call_parts",
+    "decode_call",
+    "decode_open",
+    "decode_reply",
+    "decode_result_head",
+    "encode_call_body",
+    "encode_open",
+    "encode_reply",
+    "hello",
+    "nbytes",
+    "reply_body",
+]
