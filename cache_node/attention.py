@@ -464,19 +464,25 @@ def _decode_torch(
     tables = tables.to(device=device, dtype=torch.int64)
     lens = lens.to(device=device, dtype=torch.int64)
     num_logical = -(-int(lens.max()) // block_size)  # only as many blocks as the longest sequence uses
-    # With a window or chunks, gather from the first block any query sees (start), not from 0.
-    firsts = _first_blocks(spec, lens, block_size)
-    start = int(firsts.min()) if spec.masks else 0
-    table = tables[:, start:num_logical]
-    logical = torch.arange(start, num_logical, device=device)
-    used = logical < ((lens + block_size - 1) // block_size).unsqueeze(1)
+    seq_blocks = (lens + block_size - 1) // block_size
     if spec.masks:
-        used &= logical >= firsts.unsqueeze(1)
+        # A window or chunks: each sequence gathers its own band of blocks from the first one its
+        # query sees (logical[b] = firsts[b] + 0 .. span-1), so the work follows the window.
+        firsts = _first_blocks(spec, lens, block_size)
+        span = int((seq_blocks - firsts).max())
+        logical = firsts.unsqueeze(1) + torch.arange(span, device=device)
+        logical = logical.clamp_(max=tables.shape[1] - 1)  # past a sequence's end: unused anyway
+        table = torch.gather(tables, 1, logical)
+        used = firsts.unsqueeze(1) + torch.arange(span, device=device) < seq_blocks.unsqueeze(1)
+    else:
+        span = num_logical
+        table = tables[:, :num_logical]
+        used = torch.arange(num_logical, device=device) < seq_blocks.unsqueeze(1)
     _check_block_ids(table, used, num_blocks, "block_tables")
     ids = torch.where(used, table, 0)  # padding reads block 0; masked out of the softmax below
     heads = torch.arange(num_kv_heads, device=device)
     rows = (ids.unsqueeze(1) * num_kv_heads + heads.view(1, -1, 1)).reshape(-1)  # [B, Hk, blocks]
-    length = (num_logical - start) * block_size
+    length = span * block_size
     taken: list[Tensor] = []
     try:
         k = _gather_float(k_cache, rows, taken).view(batch * num_kv_heads, length, head_dim)
@@ -486,9 +492,12 @@ def _decode_torch(
         qf = q.float().view(batch * num_kv_heads, group, head_dim)
         scores = torch.bmm(qf, k.transpose(1, 2)).mul_(scale).view(batch, num_kv_heads, group, length)
         spec.cap_(scores)
-        key_pos = torch.arange(start * block_size, num_logical * block_size, device=device)
-        # [B, L]: past the end (and before the window, in other chunks)
-        beyond = spec.hidden(lens - 1, key_pos) if spec.masks else key_pos >= lens.unsqueeze(1)
+        slots = torch.arange(length, device=device)
+        if spec.masks:  # [B, L]: past the end, before the window, in other chunks
+            key_pos = (firsts * block_size).unsqueeze(1) + slots
+            beyond = spec.hidden((lens - 1).unsqueeze(1), key_pos)
+        else:
+            beyond = slots >= lens.unsqueeze(1)
         scores.masked_fill_(beyond.view(batch, 1, 1, length), -math.inf)
         # Slots past a sequence's end hold whatever the pool had (maybe NaN) and 0 * NaN = NaN:
         # zero those V rows (few: the tails and the padding blocks).
@@ -506,7 +515,11 @@ def _decode_torch(
     mass = None
     if with_mass:
         mass = torch.zeros(batch, tables.shape[1], dtype=torch.float32, device=device)
-        mass[:, start:num_logical] = probs.sum(dim=(1, 2)).view(batch, -1, block_size).sum(-1)
+        per_block = probs.sum(dim=(1, 2)).view(batch, span, block_size).sum(-1)
+        if spec.masks:  # hidden slots have probability 0, so the clamped indices add nothing
+            mass.scatter_add_(1, logical, per_block)
+        else:
+            mass[:, :num_logical] = per_block
     return AttentionOutput(out.to(q.dtype), lse.view(batch, num_q_heads), mass)
 
 
@@ -606,7 +619,7 @@ def paged_prefill(
             scores = spec.cap_(scores.view(num_kv_heads, group, stop - begin, hi - lo))
             query_pos = torch.arange(first_pos + begin, first_pos + stop, device=device)
             key_pos = torch.arange(key_base + lo, key_base + hi, device=device)
-            scores.masked_fill_(spec.hidden(query_pos, key_pos), -math.inf)
+            scores.masked_fill_(spec.hidden(query_pos.unsqueeze(1), key_pos), -math.inf)
             chunk_lse = torch.logsumexp(scores, dim=-1)
             if sinks is not None:  # one more denominator term per head (attention_spec.py)
                 chunk_lse = torch.logaddexp(chunk_lse, sinks.view(num_kv_heads, group, 1))
@@ -644,7 +657,7 @@ def _folded_spec_mask(
 ) -> Tensor:
     """_folded_causal_mask for keys key_base .. context_len - 1 under a window or chunks."""
     query_pos = torch.arange(context_len - num_queries, context_len)
-    hidden = spec.hidden(query_pos, torch.arange(key_base, context_len))
+    hidden = spec.hidden(query_pos.unsqueeze(1), torch.arange(key_base, context_len))
     return torch.zeros(hidden.shape).masked_fill_(hidden, -math.inf).repeat(group, 1)
 
 

@@ -123,13 +123,13 @@ class AttentionSpec:
         return lo
 
     def hidden(self, query_pos: Tensor, key_pos: Tensor) -> Tensor:
-        """Bool [len(query_pos), len(key_pos)]: True where the key is NOT visible to the query."""
-        qp, kp = query_pos.unsqueeze(-1), key_pos.unsqueeze(0)
-        out = kp > qp
+        """Bool, the broadcast of query_pos and key_pos (e.g. [n, 1] and [L]): True where the key
+        is NOT visible to the query."""
+        out = key_pos > query_pos
         if self.window:
-            out |= kp <= qp - self.window
+            out |= key_pos <= query_pos - self.window
         if self.chunk:
-            out |= kp // self.chunk != qp // self.chunk
+            out |= key_pos // self.chunk != query_pos // self.chunk
         return out
 
     def cap_(self, scores: Tensor) -> Tensor:
