@@ -24,6 +24,7 @@ visible position, and the backends never read blocks wholly before it (those may
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -31,7 +32,7 @@ from torch import Tensor
 
 from pagedkv.protos.errors import InvalidArgument
 
-__all__ = ["PLAIN", "AttentionSpec", "apply_sinks"]
+__all__ = ["PLAIN", "AttentionSpec", "apply_sinks", "dead_prefix_blocks"]
 
 
 def _nonneg_int(value: object, name: str) -> int:
@@ -147,6 +148,20 @@ class AttentionSpec:
 
 
 PLAIN = AttentionSpec()
+
+
+def dead_prefix_blocks(specs: Sequence[AttentionSpec], next_pos: int, block_size: int) -> int:
+    """How many leading logical blocks of a sequence no query at `next_pos` or later sees in any
+    of the layers' specs: the blocks a window lets the node release as decoding moves on.
+    first_visible never decreases with the position, so a block dead now stays dead; one full
+    layer (no window, no chunks) keeps every block."""
+    if isinstance(next_pos, bool) or not isinstance(next_pos, int) or next_pos < 0:
+        raise InvalidArgument(f"next_pos must be an int >= 0, got {next_pos!r}")
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise InvalidArgument(f"block_size must be an int >= 1, got {block_size!r}")
+    if not specs:
+        return 0
+    return min(spec.first_visible(next_pos) for spec in specs) // block_size
 
 
 def apply_sinks(out: Tensor, lse: Tensor, sinks: Tensor) -> tuple[Tensor, Tensor]:

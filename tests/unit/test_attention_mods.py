@@ -13,7 +13,7 @@ from test_attention import LSE_TOL, MASS_TOL, OUT_TOL, make_scenario
 
 from pagedkv.cache_node import attention
 from pagedkv.cache_node.attention import AttentionSpec, merge_partials, paged_decode, paged_prefill
-from pagedkv.cache_node.attention_spec import apply_sinks
+from pagedkv.cache_node.attention_spec import PLAIN, apply_sinks, dead_prefix_blocks
 from pagedkv.protos.errors import InvalidArgument
 
 BACKENDS = ["kernel", "torch"]
@@ -284,3 +284,29 @@ def test_spec_checked_against_the_call() -> None:
     bad[0, 2] = 99
     with pytest.raises(InvalidArgument, match="not a physical block id"):
         paged_decode(q, sc.k_cache, sc.v_cache, bad, sc.seq_lens, spec=AttentionSpec(window=3))
+
+
+# --------------------------------------------------------------------------- releasable blocks
+
+
+def test_dead_prefix_blocks_follow_every_layers_window() -> None:
+    w8, w20, c16 = AttentionSpec(window=8), AttentionSpec(window=20), AttentionSpec(chunk=16)
+    # the query at 8 sees 1..8 with window 8: block 0 of size 1 is dead, of size 4 not
+    assert dead_prefix_blocks([w8], 8, 1) == 1
+    assert dead_prefix_blocks([w8], 8, 4) == 0
+    assert dead_prefix_blocks([w8], 11, 4) == 1  # sees 4..11
+    assert dead_prefix_blocks([w8, w20], 30, 4) == 2  # the widest window rules: sees 11..30
+    assert dead_prefix_blocks([w8, PLAIN], 1000, 4) == 0  # a full layer keeps everything
+    assert dead_prefix_blocks([c16], 31, 4) == 4 and dead_prefix_blocks([c16], 32, 4) == 8
+    assert dead_prefix_blocks([], 50, 4) == 0
+    # a block counted dead is never visible to a later query of any layer (the release is safe)
+    specs = [w8, AttentionSpec(window=13, chunk=32)]
+    dead = [dead_prefix_blocks(specs, p, 4) for p in range(200)]
+    assert dead == sorted(dead) and dead[-1] > 0
+    for p, n in enumerate(dead):
+        for later in range(p, 200):
+            assert all(spec.first_visible(later) >= n * 4 for spec in specs)
+    with pytest.raises(InvalidArgument, match="block_size"):
+        dead_prefix_blocks([w8], 10, 0)
+    with pytest.raises(InvalidArgument, match="next_pos"):
+        dead_prefix_blocks([w8], -1, 4)
