@@ -46,9 +46,11 @@ from pagedkv.protos.errors import FailedPrecondition, InvalidArgument
 
 from . import attention_kernel
 from .attention_kernel import KernelInfo, kernel_info
+from .attention_spec import PLAIN, AttentionSpec, apply_sinks
 
 __all__ = [
     "AttentionOutput",
+    "AttentionSpec",
     "KernelInfo",
     "kernel_info",
     "merge_partials",
@@ -135,14 +137,6 @@ def _check_q_and_cache(q: Tensor, k_cache: Tensor, v_cache: Tensor) -> tuple[int
     return num_kv_heads, block_size
 
 
-def _resolve_scale(scale: float | None, head_dim: int) -> float:
-    if scale is None:
-        return head_dim**-0.5
-    if isinstance(scale, bool) or not isinstance(scale, int | float) or not math.isfinite(scale):
-        raise InvalidArgument(f"scale must be a finite number, got {scale!r}")
-    return float(scale)
-
-
 def _check_block_ids(table: Tensor, used: Tensor, num_blocks: int, what: str) -> None:
     """table[used] must be valid physical block ids; names the first offender."""
     bad = used & ((table < 0) | (table >= num_blocks))
@@ -205,6 +199,7 @@ def paged_decode(
     return_block_mass: bool = False,
     backend: Backend | None = None,
     out: tuple[Tensor, Tensor] | None = None,
+    spec: AttentionSpec = PLAIN,
 ) -> AttentionOutput:
     """One decode step for a batch: query b attends to all seq_lens[b] tokens of its sequence.
 
@@ -215,12 +210,14 @@ def paged_decode(
     FailedPrecondition when backend="kernel" is forced but the kernel cannot be built.
     out: contiguous [B, Hq, D] in q's dtype and [B, Hq] float32 CPU tensors to write out and lse
     into (the node's same-host path passes the client's shared region), returned as the result's.
+    spec: the layer's window, chunks, soft-cap, sinks and scale (attention_spec.py); with a window
+    or chunks, blocks wholly before the query's first visible key are never read (any value).
     """
     num_kv_heads, block_size = _check_q_and_cache(q, k_cache, v_cache)
     batch, num_q_heads, head_dim = q.shape
     if out is not None:
         _check_out(out, (batch, num_q_heads, head_dim), q.dtype)
-    scale = _resolve_scale(scale, head_dim)
+    scale = _check_spec(spec, num_q_heads).resolve_scale(scale, head_dim)
     tables = _as_index_tensor(block_tables, "block_tables")
     lens = _as_index_tensor(seq_lens, "seq_lens")
     if tables.dim() != 2 or tables.shape[0] != batch:
@@ -243,16 +240,32 @@ def paged_decode(
         return empty
     picked = _pick_backend(backend, q.device)
     if picked == "kernel":
-        return _decode_kernel(q, k_cache, v_cache, tables, lens, scale, return_block_mass, out=out)
+        return _decode_kernel(q, k_cache, v_cache, tables, lens, scale, return_block_mass, out=out, spec=spec)
     if picked == "triton":
-        res = _decode_triton(q, k_cache, v_cache, tables, lens, int(lens.max()), scale, return_block_mass)
+        res = _decode_triton(
+            q, k_cache, v_cache, tables, lens, int(lens.max()), scale, return_block_mass, spec=spec
+        )
     else:
-        res = _decode_torch(q, k_cache, v_cache, tables, lens, scale, return_block_mass)
+        res = _decode_torch(q, k_cache, v_cache, tables, lens, scale, return_block_mass, spec)
     if out is None:
         return res
     out[0].copy_(res.out)
     out[1].copy_(res.lse)
     return AttentionOutput(out[0], out[1], res.block_mass)
+
+
+def _check_spec(spec: AttentionSpec, num_q_heads: int) -> AttentionSpec:
+    if not isinstance(spec, AttentionSpec):
+        raise InvalidArgument(f"spec must be an AttentionSpec, got {type(spec).__name__}")
+    spec.check_heads(num_q_heads)
+    return spec
+
+
+def _first_blocks(spec: AttentionSpec, lens: Tensor, block_size: int) -> Tensor:
+    """[B] the first logical block each decode query (at lens - 1) can see."""
+    if not spec.masks:
+        return torch.zeros_like(lens)
+    return spec.first_visible_t(lens - 1) // block_size
 
 
 def _check_out(out: tuple[Tensor, Tensor], shape: tuple[int, int, int], dtype: torch.dtype) -> None:
@@ -276,6 +289,7 @@ def _decode_kernel(
     with_mass: bool,
     num_partitions: int | None = None,  # tests force the split; None picks from the thread count
     out: tuple[Tensor, Tensor] | None = None,
+    spec: AttentionSpec = PLAIN,
 ) -> AttentionOutput:
     fn = attention_kernel.get_kernel()[0]
     assert fn is not None
@@ -300,6 +314,7 @@ def _decode_kernel(
             max_logical = -(-int(lens.max()) // block_size)
             num_partitions = max(1, min(-(-4 * num_threads // (batch * num_kv_heads)), max_logical // 8))
     bad = (ctypes.c_int64 * 3)()
+    sinks = spec.sinks_tensor(torch.device("cpu"))
     status = fn(
         _DTYPE_CODES[q.dtype],
         q32.data_ptr(),
@@ -316,6 +331,10 @@ def _decode_kernel(
         tables.shape[1],
         num_partitions,
         scale,
+        spec.window,
+        spec.chunk,
+        spec.softcap,
+        0 if sinks is None else sinks.data_ptr(),
         o.data_ptr(),
         lse.data_ptr(),
         0 if block_lse is None else block_lse.data_ptr(),
@@ -339,20 +358,35 @@ def _decode_kernel(
 def _decode_triton(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, tables: Tensor, lens: Tensor, max_len: int, scale: float,
     with_mass: bool, num_splits: int | None = None,  # tests force the split; None picks from the device
+    spec: AttentionSpec = PLAIN,
 ) -> AttentionOutput:  # fmt: skip
     tri = _triton()
     assert tri is not None
     num_blocks, _, block_size, _ = k_cache.shape
     # Checked where the caller built them (the engine: on the host, so no device sync), then moved.
     num_logical = -(-max_len // block_size)
-    used = torch.arange(num_logical, device=lens.device) < ((lens + block_size - 1) // block_size).unsqueeze(
-        1
-    )
-    _check_block_ids(tables[:, :num_logical].to(lens.device), used, num_blocks, "block_tables")
+    logical = torch.arange(num_logical, device=lens.device)
+    used = logical < ((lens + block_size - 1) // block_size).unsqueeze(1)
+    if spec.masks:  # blocks before a window are never attended; the mass pass reads block 0 there
+        used &= logical >= _first_blocks(spec, lens, block_size).unsqueeze(1)
+    tables = tables.to(lens.device)
+    _check_block_ids(tables[:, :num_logical], used, num_blocks, "block_tables")
+    if spec.masks:
+        tables = tables.clone()
+        tables[:, :num_logical] = torch.where(used, tables[:, :num_logical], 0)
     tables = tables.to(device=q.device, dtype=torch.int32)
     lens = lens.to(device=q.device, dtype=torch.int32)
-    res = tri.decode(q, k_cache, v_cache, tables, lens, max_len, scale, with_mass, num_splits)
+    res = tri.decode(q, k_cache, v_cache, tables, lens, max_len, scale, with_mass, num_splits, _mods(spec, q))
     return AttentionOutput(*res)
+
+
+def _mods(spec: AttentionSpec, q: Tensor) -> object:
+    """The Triton kernels' compile-time score hooks for a spec (the scale travels apart)."""
+    tri = _triton()
+    assert tri is not None
+    if spec.is_plain:
+        return tri.NO_MODS
+    return tri.ScoreMods(spec.window, spec.chunk, spec.softcap, spec.sinks_tensor(q.device))
 
 
 class _Workspace:
@@ -420,8 +454,9 @@ def _gather_float(cache: Tensor, rows: Tensor, taken: list[Tensor]) -> Tensor:
 
 
 def _decode_torch(
-    q: Tensor, k_cache: Tensor, v_cache: Tensor, tables: Tensor, lens: Tensor, scale: float, with_mass: bool
-) -> AttentionOutput:
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, tables: Tensor, lens: Tensor, scale: float, with_mass: bool,
+    spec: AttentionSpec = PLAIN,
+) -> AttentionOutput:  # fmt: skip
     batch, num_q_heads, head_dim = q.shape
     num_blocks, num_kv_heads, block_size, _ = k_cache.shape
     group = num_q_heads // num_kv_heads
@@ -429,13 +464,25 @@ def _decode_torch(
     tables = tables.to(device=device, dtype=torch.int64)
     lens = lens.to(device=device, dtype=torch.int64)
     num_logical = -(-int(lens.max()) // block_size)  # only as many blocks as the longest sequence uses
-    table = tables[:, :num_logical]
-    used = torch.arange(num_logical, device=device) < ((lens + block_size - 1) // block_size).unsqueeze(1)
+    seq_blocks = (lens + block_size - 1) // block_size
+    if spec.masks:
+        # A window or chunks: each sequence gathers its own band of blocks from the first one its
+        # query sees (logical[b] = firsts[b] + 0 .. span-1), so the work follows the window.
+        firsts = _first_blocks(spec, lens, block_size)
+        span = int((seq_blocks - firsts).max())
+        logical = firsts.unsqueeze(1) + torch.arange(span, device=device)
+        logical = logical.clamp_(max=tables.shape[1] - 1)  # past a sequence's end: unused anyway
+        table = torch.gather(tables, 1, logical)
+        used = firsts.unsqueeze(1) + torch.arange(span, device=device) < seq_blocks.unsqueeze(1)
+    else:
+        span = num_logical
+        table = tables[:, :num_logical]
+        used = torch.arange(num_logical, device=device) < seq_blocks.unsqueeze(1)
     _check_block_ids(table, used, num_blocks, "block_tables")
     ids = torch.where(used, table, 0)  # padding reads block 0; masked out of the softmax below
     heads = torch.arange(num_kv_heads, device=device)
     rows = (ids.unsqueeze(1) * num_kv_heads + heads.view(1, -1, 1)).reshape(-1)  # [B, Hk, blocks]
-    length = num_logical * block_size
+    length = span * block_size
     taken: list[Tensor] = []
     try:
         k = _gather_float(k_cache, rows, taken).view(batch * num_kv_heads, length, head_dim)
@@ -444,13 +491,22 @@ def _decode_torch(
         # per group. bmm on 3-d views: 4-d matmul takes a slower path for M = 1 (~2x on p @ v).
         qf = q.float().view(batch * num_kv_heads, group, head_dim)
         scores = torch.bmm(qf, k.transpose(1, 2)).mul_(scale).view(batch, num_kv_heads, group, length)
-        beyond = torch.arange(length, device=device) >= lens.unsqueeze(1)  # [B, L]
+        spec.cap_(scores)
+        slots = torch.arange(length, device=device)
+        if spec.masks:  # [B, L]: past the end, before the window, in other chunks
+            key_pos = (firsts * block_size).unsqueeze(1) + slots
+            beyond = spec.hidden((lens - 1).unsqueeze(1), key_pos)
+        else:
+            beyond = slots >= lens.unsqueeze(1)
         scores.masked_fill_(beyond.view(batch, 1, 1, length), -math.inf)
         # Slots past a sequence's end hold whatever the pool had (maybe NaN) and 0 * NaN = NaN:
         # zero those V rows (few: the tails and the padding blocks).
         tail_b, tail_pos = beyond.nonzero(as_tuple=True)
         v.view(batch, num_kv_heads, length, head_dim)[tail_b, :, tail_pos] = 0.0
         lse = torch.logsumexp(scores, dim=-1)
+        sinks = spec.sinks_tensor(device)
+        if sinks is not None:  # one more denominator term per head (attention_spec.py)
+            lse = torch.logaddexp(lse, sinks.view(1, num_kv_heads, group))
         probs = scores.sub_(lse.unsqueeze(-1)).exp_()
         out = torch.bmm(probs.view(batch * num_kv_heads, group, length), v)
     finally:
@@ -459,7 +515,11 @@ def _decode_torch(
     mass = None
     if with_mass:
         mass = torch.zeros(batch, tables.shape[1], dtype=torch.float32, device=device)
-        mass[:, :num_logical] = probs.sum(dim=(1, 2)).view(batch, num_logical, block_size).sum(-1)
+        per_block = probs.sum(dim=(1, 2)).view(batch, span, block_size).sum(-1)
+        if spec.masks:  # hidden slots have probability 0, so the clamped indices add nothing
+            mass.scatter_add_(1, logical, per_block)
+        else:
+            mass[:, :num_logical] = per_block
     return AttentionOutput(out.to(q.dtype), lse.view(batch, num_q_heads), mass)
 
 
@@ -476,6 +536,7 @@ def paged_prefill(
     scale: float | None = None,
     return_block_mass: bool = False,
     backend: Backend | None = None,
+    spec: AttentionSpec = PLAIN,
 ) -> AttentionOutput:
     """Causal attention for the last n tokens of one sequence of context_len tokens.
 
@@ -486,10 +547,11 @@ def paged_prefill(
     q [n, Hq, D] with 1 <= n <= context_len; block_table [num_blocks_of_seq] with at least
     ceil(context_len / block_size) entries (the rest ignored; their block_mass is 0). Pure, thread-safe.
     Raises InvalidArgument on malformed input. backend: "triton" or the CPU paths (any other).
+    spec: as for paged_decode; blocks wholly before q[0]'s first visible key are never read.
     """
     num_kv_heads, block_size = _check_q_and_cache(q, k_cache, v_cache)
     num_queries, num_q_heads, head_dim = q.shape
-    scale = _resolve_scale(scale, head_dim)
+    scale = _check_spec(spec, num_q_heads).resolve_scale(scale, head_dim)
     table = _as_index_tensor(block_table, "block_table")
     if table.dim() != 1:
         raise InvalidArgument(f"block_table must be 1-d, got shape {tuple(table.shape)}")
@@ -503,52 +565,70 @@ def paged_prefill(
     device = q.device
     num_blocks = k_cache.shape[0]
     num_logical = -(-context_len // block_size)
+    first_pos = context_len - num_queries
+    start = spec.first_visible(first_pos) // block_size  # the first block any query sees
     ids = table[:num_logical].to(device=device, dtype=torch.int64)
-    _check_block_ids(ids, torch.ones_like(ids, dtype=torch.bool), num_blocks, "block_table")
+    used = torch.arange(num_logical, device=device) >= start
+    _check_block_ids(ids, used, num_blocks, "block_table")
+    if start > 0:
+        ids = torch.where(used, ids, 0)
     group = num_q_heads // num_kv_heads
 
-    heads = torch.arange(num_kv_heads, device=device)
-    rows = (ids.unsqueeze(0) * num_kv_heads + heads.unsqueeze(1)).reshape(-1)  # [Hk, blocks]
-    padded = num_logical * block_size
     choice = backend or os.environ.get(BACKEND_ENV, "auto")
     # Only triton has a prefill of its own; on CPU tensors "auto" and "kernel" mean the torch paths.
     wants_triton = choice == "triton" or (choice == "auto" and device.type != "cpu")
     if wants_triton and _pick_backend(backend, device) == "triton":
         tri = _triton()
         assert tri is not None
-        return AttentionOutput(
-            *tri.prefill(q, k_cache, v_cache, ids, table.shape[0], context_len, scale, return_block_mass)
+        mods = _mods(spec, q)
+        res = tri.prefill(
+            q, k_cache, v_cache, ids, table.shape[0], context_len, scale, return_block_mass, mods
         )
-    if not return_block_mass and device.type == "cpu":
-        return _prefill_flash(q, k_cache, v_cache, rows, context_len, scale)
+        return AttentionOutput(*res)
+    heads = torch.arange(num_kv_heads, device=device)
+    rows = (ids[start:].unsqueeze(0) * num_kv_heads + heads.unsqueeze(1)).reshape(-1)  # [Hk, blocks]
+    key_base = start * block_size  # position of the first gathered key
+    padded = num_logical * block_size - key_base
+    # The flash kernel takes an additive mask but no soft-cap; sinks fold in after it.
+    flash_ok = spec.softcap == 0.0 and (
+        not spec.masks or group * num_queries * (context_len - key_base) <= _MASKED_PREFILL_MAX
+    )
+    if not return_block_mass and device.type == "cpu" and flash_ok:
+        res = _prefill_flash(q, k_cache, v_cache, rows, context_len, scale, spec, key_base)
+        sinks = spec.sinks_tensor(device)
+        return res if sinks is None else AttentionOutput(*apply_sinks(res.out, res.lse, sinks))
     qf = q.float().view(num_queries, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)  # [Hk, G, n, D]
     out = torch.empty(num_kv_heads, group, num_queries, head_dim, dtype=torch.float32, device=device)
     lse = torch.empty(num_kv_heads, group, num_queries, dtype=torch.float32, device=device)
     mass = torch.zeros(padded, dtype=torch.float32, device=device) if return_block_mass else None
-    first_pos = context_len - num_queries
-    # Chunk the queries so the score tensor stays bounded; query i needs keys [0, first_pos + i].
+    sinks = spec.sinks_tensor(device)
+    # Chunk the queries so the score tensor stays bounded; query i needs keys [lo_i, first_pos + i]
+    # (lo_i = 0 but for a window or chunks); indices below are relative to key_base.
     chunk = max(1, _PREFILL_SCORE_BUDGET // (num_q_heads * context_len))
     taken: list[Tensor] = []
     try:
         k = _gather_float(k_cache, rows, taken).view(num_kv_heads, padded, head_dim)
         v = _gather_float(v_cache, rows, taken).view(num_kv_heads, padded, head_dim)
-        for start in range(0, num_queries, chunk):
-            stop = min(num_queries, start + chunk)
-            num_keys = first_pos + stop
-            rows_q = group * (stop - start)  # the G heads of a KV head folded into one matmul
-            q_chunk = qf[:, :, start:stop].reshape(num_kv_heads, rows_q, head_dim)
-            scores = torch.bmm(q_chunk, k[:, :num_keys].transpose(1, 2)).mul_(scale)
-            scores = scores.view(num_kv_heads, group, stop - start, num_keys)
-            query_pos = torch.arange(first_pos + start, first_pos + stop, device=device)
-            future = torch.arange(num_keys, device=device).unsqueeze(0) > query_pos.unsqueeze(1)
-            scores.masked_fill_(future, -math.inf)
+        for begin in range(0, num_queries, chunk):
+            stop = min(num_queries, begin + chunk)
+            lo = spec.first_visible(first_pos + begin) - key_base
+            hi = first_pos + stop - key_base
+            rows_q = group * (stop - begin)  # the G heads of a KV head folded into one matmul
+            q_chunk = qf[:, :, begin:stop].reshape(num_kv_heads, rows_q, head_dim)
+            scores = torch.bmm(q_chunk, k[:, lo:hi].transpose(1, 2)).mul_(scale)
+            scores = spec.cap_(scores.view(num_kv_heads, group, stop - begin, hi - lo))
+            query_pos = torch.arange(first_pos + begin, first_pos + stop, device=device)
+            key_pos = torch.arange(key_base + lo, key_base + hi, device=device)
+            scores.masked_fill_(spec.hidden(query_pos.unsqueeze(1), key_pos), -math.inf)
             chunk_lse = torch.logsumexp(scores, dim=-1)
+            if sinks is not None:  # one more denominator term per head (attention_spec.py)
+                chunk_lse = torch.logaddexp(chunk_lse, sinks.view(num_kv_heads, group, 1))
             probs = scores.sub_(chunk_lse.unsqueeze(-1)).exp_()
-            chunk_out = torch.bmm(probs.view(num_kv_heads, rows_q, num_keys), v[:, :num_keys])
-            out[:, :, start:stop] = chunk_out.view(num_kv_heads, group, stop - start, head_dim)
-            lse[:, :, start:stop] = chunk_lse
+            chunk_out = torch.bmm(probs.view(num_kv_heads, rows_q, hi - lo), v[:, lo:hi])
+            out[:, :, begin:stop] = chunk_out.view(num_kv_heads, group, stop - begin, head_dim)
+            lse[:, :, begin:stop] = chunk_lse
             if mass is not None:
-                mass[:num_keys] += probs.sum(dim=(0, 1, 2))
+                mass[lo:hi] += probs.sum(dim=(0, 1, 2))
     finally:
         _workspace.give(taken)
     out_q = out.permute(2, 0, 1, 3).reshape(num_queries, num_q_heads, head_dim).to(q.dtype)
@@ -556,7 +636,7 @@ def paged_prefill(
     block_mass = None
     if mass is not None:
         block_mass = torch.zeros(table.shape[0], dtype=torch.float32, device=device)
-        block_mass[:num_logical] = mass.view(num_logical, block_size).sum(-1)
+        block_mass[start:num_logical] = mass.view(-1, block_size).sum(-1)
     return AttentionOutput(out_q, lse_q, block_mass)
 
 
@@ -571,9 +651,20 @@ def _folded_causal_mask(group: int, num_queries: int, context_len: int) -> Tenso
     return mask.repeat(group, 1)
 
 
+@functools.lru_cache(maxsize=4)
+def _folded_spec_mask(
+    group: int, num_queries: int, context_len: int, key_base: int, spec: AttentionSpec
+) -> Tensor:
+    """_folded_causal_mask for keys key_base .. context_len - 1 under a window or chunks."""
+    query_pos = torch.arange(context_len - num_queries, context_len)
+    hidden = spec.hidden(query_pos.unsqueeze(1), torch.arange(key_base, context_len))
+    return torch.zeros(hidden.shape).masked_fill_(hidden, -math.inf).repeat(group, 1)
+
+
 def _prefill_flash(
-    q: Tensor, k_cache: Tensor, v_cache: Tensor, rows: Tensor, context_len: int, scale: float
-) -> AttentionOutput:
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, rows: Tensor, context_len: int, scale: float,
+    spec: AttentionSpec = PLAIN, key_base: int = 0,
+) -> AttentionOutput:  # fmt: skip
     """Prefill through torch's fused CPU flash kernel, which also returns the LSE. The G
     query heads of a KV head fold into one row block (K/V are not expanded), so a KV head's
     keys are read once for all of them. Small prefills (a suffix after a cached prefix) run
@@ -588,7 +679,9 @@ def _prefill_flash(
     then A and B merge by their LSEs. No [n, context_len] score matrix is built
     (the explicit path, kept for block mass, materialises it: ~7x slower). The one
     call is fewer ops (on a 2-core VM, a 128-token suffix over 1,152 keys: 2.2 vs
-    2.4 ms, 1.8 vs 3.0 ms with OMP_WAIT_POLICY=PASSIVE, where each op wakes its threads)."""
+    2.4 ms, 1.8 vs 3.0 ms with OMP_WAIT_POLICY=PASSIVE, where each op wakes its threads).
+    A window or chunks always take the one masked call (the caller checked it fits), over the
+    keys from key_base; sinks are the caller's."""
     num_queries, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     group = num_q_heads // num_kv_heads
@@ -599,11 +692,15 @@ def _prefill_flash(
         k = _gather_float(k_cache, rows, taken).view(num_kv_heads, -1, head_dim)
         v = _gather_float(v_cache, rows, taken).view(num_kv_heads, -1, head_dim)
         qf = q.float()
-        if group * num_queries * context_len <= _MASKED_PREFILL_MAX:
-            mask = _folded_causal_mask(group, num_queries, context_len)
+        if spec.masks or group * num_queries * context_len <= _MASKED_PREFILL_MAX:
+            if spec.masks:
+                mask = _folded_spec_mask(group, num_queries, context_len, key_base, spec)
+            else:
+                mask = _folded_causal_mask(group, num_queries, context_len)
             q_fold = qf.reshape(num_queries, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
             q_fold = q_fold.reshape(1, num_kv_heads, group * num_queries, head_dim)
-            out, lse = flash(q_fold, k[None, :, :context_len], v[None, :, :context_len], 0.0, False,
+            num_keys = context_len - key_base
+            out, lse = flash(q_fold, k[None, :, :num_keys], v[None, :, :num_keys], 0.0, False,
                              attn_mask=mask, scale=scale)  # fmt: skip
             out = out.view(num_kv_heads, group, num_queries, head_dim).permute(2, 0, 1, 3)
             lse = lse.view(num_kv_heads, group, num_queries).permute(2, 0, 1)

@@ -45,7 +45,7 @@ _CXX_FLAGS = (
 # Tried in order: a compiler without -march=native support or without OpenMP (Apple clang) still
 # gets a kernel, portable or single-threaded, rather than none.
 _CXX_OPTIONAL_FLAGS = (("-march=native", "-fopenmp"), ("-fopenmp",), ())
-_ABI_VERSION = 1
+_ABI_VERSION = 2
 DecodeFn = Callable[..., int]  # the ctypes function pagedkv_paged_decode
 
 
@@ -79,7 +79,10 @@ def _build_kernel() -> tuple[DecodeFn | None, KernelInfo]:
         return None, KernelInfo(False, f"cannot load {library}: {exc}", build_s)
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     argtypes: list[Any] = (
-        [i64, ptr, ptr, ptr, ptr, ptr] + [i64] * 8 + [ctypes.c_float, ptr, ptr, ptr, i64, ptr]
+        [i64, ptr, ptr, ptr, ptr, ptr]
+        + [i64] * 8
+        + [ctypes.c_float, i64, i64, ctypes.c_float]
+        + [ptr, ptr, ptr, ptr, i64, ptr]
     )
     fn.argtypes = argtypes
     fn.restype = i64

@@ -20,8 +20,8 @@ only when asked.
 A score is made in one place, `_scores` (used by both passes): the scale, and the modifications
 some model families need (`ScoreMods`: a sliding window, chunked attention, a logit soft-cap),
 each a compile-time switch, so the plain kernel carries none of them. Sinks (a per-head logit in
-the softmax denominator) are one more term added at the end of `_attend_fwd`. The public
-paged_decode / paged_prefill do not take them yet (the CPU paths lack them).
+the softmax denominator) are one more term added at the end of `_attend_fwd`. paged_decode /
+paged_prefill build them from an AttentionSpec (attention_spec.py: the semantics all backends share).
 
 Without CUDA (or with TRITON_INTERPRET=1) the kernels are built for Triton's interpreter and run
 on CPU tensors: slow, exact, used by the tests. The caller (attention.py) validates everything;

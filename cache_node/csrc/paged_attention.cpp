@@ -47,6 +47,13 @@ inline float exp_nonpos(float x) {
   return x < -87.0f ? 0.0f : y * scale;
 }
 
+// tanh through exp_nonpos (vectorizes, unlike std::tanh): |error| ~1e-7, fine for a soft-cap's
+// cap * tanh(s / cap) next to float32 scores.
+inline float tanh_fast(float x) {
+  const float e = exp_nonpos(-2.0f * std::fabs(x));
+  return std::copysign((1.0f - e) / (1.0f + e), x);
+}
+
 inline float half_to_float(uint16_t h) {
 #if defined(__F16C__)
   return _cvtsh_ss(h);
@@ -177,6 +184,9 @@ struct Params {
   const int64_t* seq_lens;     // [B]
   int64_t B, Hq, Hk, D, bs, num_blocks, table_stride, num_partitions;
   float scale;
+  int64_t window, chunk;  // 0 = off: keys p - window < t (the last `window`), t // chunk == p // chunk
+  float softcap;          // 0 = off: s = softcap * tanh(s / softcap) on the scaled score
+  const float* sinks;     // [Hq] or null: one more denominator term per query head, no value
   float* out;        // [B, Hq, D] float32
   float* lse;        // [B, Hq]
   float* block_lse;  // [B, Hq, table_stride] or null; entries of blocks never visited are left alone
@@ -196,8 +206,14 @@ bool attend_item(const Params& p, int64_t b, int64_t h, int64_t part, float* wor
   const int64_t G = p.Hq / p.Hk, D = p.D, bs = p.bs;
   const int64_t seq_len = p.seq_lens[b];
   const int64_t num_logical = (seq_len + bs - 1) / bs;
-  const int64_t per_part = (num_logical + p.num_partitions - 1) / p.num_partitions;
-  const int64_t j0 = std::min(num_logical, part * per_part);
+  // The lowest key the query (at seq_len - 1) sees: blocks wholly before it are never read.
+  const int64_t qpos = seq_len - 1;
+  int64_t lo = 0;
+  if (p.window > 0) lo = std::max<int64_t>(lo, qpos - p.window + 1);
+  if (p.chunk > 0) lo = std::max<int64_t>(lo, qpos - qpos % p.chunk);
+  const int64_t first = lo / bs;
+  const int64_t per_part = (num_logical - first + p.num_partitions - 1) / p.num_partitions;
+  const int64_t j0 = std::min(num_logical, first + part * per_part);
   const int64_t j1 = std::min(num_logical, j0 + per_part);
   const int64_t* table = p.block_tables + b * p.table_stride;
   for (int64_t j = j0; j < j1; ++j) {
@@ -223,8 +239,9 @@ bool attend_item(const Params& p, int64_t b, int64_t h, int64_t part, float* wor
   const T* kc = static_cast<const T*>(p.k_cache);
   const T* vc = static_cast<const T*>(p.v_cache);
   for (int64_t j = j0; j < j1; ++j) {
-    const int64_t n = std::min(bs, seq_len - j * bs);
-    const int64_t base = (table[j] * p.Hk + h) * bs * D;
+    const int64_t skip = std::max<int64_t>(0, lo - j * bs);  // rows before the window (first block)
+    const int64_t n = std::min(bs, seq_len - j * bs) - skip;
+    const int64_t base = ((table[j] * p.Hk + h) * bs + skip) * D;
     if (j + 1 < j1) {  // the next block is elsewhere in memory: start pulling its first lines early
       const int64_t next = (table[j + 1] * p.Hk + h) * bs * D;
       __builtin_prefetch(kc + next);
@@ -232,6 +249,14 @@ bool attend_item(const Params& p, int64_t b, int64_t h, int64_t part, float* wor
     }
     const float* K = L::rows(kc + base, conv, n * D);
     for (int64_t g = 0; g < G; ++g) score_rows(qs + g * D, K, n, D, s + g * bs);
+    if (p.softcap > 0.0f) {
+      const float cap = p.softcap, inv = 1.0f / p.softcap;
+      for (int64_t g = 0; g < G; ++g) {
+        float* sg = s + g * bs;
+#pragma omp simd
+        for (int64_t t = 0; t < n; ++t) sg[t] = cap * tanh_fast(sg[t] * inv);
+      }
+    }
     for (int64_t g = 0; g < G; ++g) {
       float* sg = s + g * bs;
       float block_max = kNegInf;
@@ -257,6 +282,17 @@ bool attend_item(const Params& p, int64_t b, int64_t h, int64_t part, float* wor
     }
     const float* V = L::rows(vc + base, conv, n * D);
     for (int64_t g = 0; g < G; ++g) accumulate_rows(s + g * bs, V, n, D, acc + g * D);
+  }
+
+  if (p.sinks != nullptr && part == 0) {  // the sink joins one partition only, so the merge counts it once
+    for (int64_t g = 0; g < G; ++g) {
+      const float sink = p.sinks[h * G + g];
+      const float m_new = std::max(m[g], sink);
+      const float alpha = std::exp(m[g] - m_new);  // 0 when the partition saw no key (m = -inf)
+      l[g] = l[g] * alpha + std::exp(sink - m_new);
+      for (int64_t d = 0; d < D; ++d) acc[g * D + d] *= alpha;
+      m[g] = m_new;
+    }
   }
 
   if (part_out == nullptr) {  // single partition: normalize in place
@@ -346,17 +382,18 @@ int64_t decode(const Params& p, int max_threads, int64_t* bad) {
 
 extern "C" {
 
-int pagedkv_abi_version() { return 1; }
+int pagedkv_abi_version() { return 2; }
 
 // dtype: 0 = float32, 1 = float16, 2 = bfloat16 (of k_cache / v_cache). Returns 0 on success, 1 when
 // a physical block id is out of range (bad = {sequence, logical block, id}); out/lse are then garbage.
 int64_t pagedkv_paged_decode(int64_t dtype, const float* q, const void* k_cache, const void* v_cache,
                              const int64_t* block_tables, const int64_t* seq_lens, int64_t B, int64_t Hq,
                              int64_t Hk, int64_t D, int64_t block_size, int64_t num_blocks,
-                             int64_t table_stride, int64_t num_partitions, float scale, float* out, float* lse,
+                             int64_t table_stride, int64_t num_partitions, float scale, int64_t window,
+                             int64_t chunk, float softcap, const float* sinks, float* out, float* lse,
                              float* block_lse, int64_t num_threads, int64_t* bad) {
   const Params p{q, k_cache, v_cache, block_tables, seq_lens, B, Hq, Hk, D, block_size, num_blocks,
-                 table_stride, num_partitions, scale, out, lse, block_lse};
+                 table_stride, num_partitions, scale, window, chunk, softcap, sinks, out, lse, block_lse};
   const int threads = static_cast<int>(std::max<int64_t>(1, num_threads));
   switch (dtype) {
     case 0: return decode<F32>(p, threads, bad);
