@@ -60,7 +60,7 @@ def _build_kernel() -> tuple[DecodeFn | None, KernelInfo]:
     flag_sets = [(*_CXX_FLAGS, *optional) for optional in _CXX_OPTIONAL_FLAGS]
     library = native_build.library_path("paged_attention", source, flag_sets, cxx)
     build_s, detail = 0.0, str(library)
-    if not library.exists():
+    if not native_build.is_built(library):
         start = time.perf_counter()
         try:
             flags = native_build.compile_library(cxx, _SOURCE, library, flag_sets, 300)

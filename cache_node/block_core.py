@@ -67,7 +67,7 @@ def _load() -> tuple[ModuleType | None, BlockCoreInfo]:
     flag_sets = [(*_C_FLAGS, *_C_PLATFORM_FLAGS, f"-I{include}", f'-DPAGEDKV_EXT_SUFFIX="{suffix}"')]
     library = native_build.library_path("block_core", source, flag_sets, cc)
     detail = str(library)
-    if not library.exists():
+    if not native_build.is_built(library):
         try:
             detail += f" (built with {native_build.compile_library(cc, _SOURCE, library, flag_sets, 120)})"
         except OSError as exc:

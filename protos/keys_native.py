@@ -73,7 +73,7 @@ def _load() -> tuple[NativeChain | None, NativeKeysInfo]:
     flag_sets = [(*_C_FLAGS, *_C_PLATFORM_FLAGS)]
     library = native_build.library_path("chain_keys", source, flag_sets, cc)
     detail = str(library)
-    if not library.exists():
+    if not native_build.is_built(library):
         try:
             detail += f" (built with {native_build.compile_library(cc, _SOURCE, library, flag_sets, 120)})"
         except OSError as exc:

@@ -58,6 +58,18 @@ def library_path(stem: str, source: bytes, flag_sets: Sequence[Sequence[str]], c
     return cache_dir() / f"{stem}_{digest}.so"
 
 
+def is_built(library: Path) -> bool:
+    """Whether a usable build of `library` is cached. An empty file (left by an earlier
+    build that wrote nothing) is removed, so the caller rebuilds instead of failing to load."""
+    try:
+        if library.stat().st_size > 0:
+            return True
+    except FileNotFoundError:
+        return False
+    library.unlink(missing_ok=True)
+    return False
+
+
 def compile_library(
     compiler: str, source: Path, library: Path, flag_sets: Sequence[Sequence[str]], timeout_s: float
 ) -> str:
@@ -74,9 +86,12 @@ def compile_library(
                 proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
             except (OSError, subprocess.SubprocessError) as exc:
                 raise OSError(f"{compiler}: {exc}") from exc
-            if proc.returncode == 0:
+            # A compiler that exits 0 without output (a sandbox that stubs subprocesses) is a failure.
+            if proc.returncode == 0 and os.path.getsize(tmp) > 0:
                 os.replace(tmp, library)
                 return " ".join(flags)
+            if proc.returncode == 0:
+                raise OSError(f"{compiler} exited 0 but wrote an empty library")
             errors.append(" | ".join(proc.stderr.strip().splitlines()[-3:]))
         raise OSError(f"{compiler} failed: {errors[0]}")
     finally:
