@@ -402,9 +402,10 @@ class Coordinator:
         num_blocks = max(1, -(-num_tokens // bs))
         rooms = []
         for node in nodes.values():
-            load = node.load
-            free = load.get("free_blocks", node.num_blocks) + load.get("cached_blocks", 0)
-            rooms.append(NodeRoom(node.node_id, min(free, node.num_blocks), node.num_blocks))
+            # Cached blocks nobody holds are room, not idle capacity: placement counts them apart.
+            load, total = node.load, node.num_blocks
+            free = min(load.get("free_blocks", total), total)
+            rooms.append(NodeRoom(node.node_id, free, total, min(load.get("cached_blocks", 0), total - free)))
         quota = self.config.quotas.get(tenant)
         new = NewSequence(
             seq_id, tenant, num_tokens, num_blocks, bs, keys, tuple(rooms), self.config.weights, quota
