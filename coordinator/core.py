@@ -78,10 +78,14 @@ class CoordinatorConfig:
     free_retries: int = 3  # a failed asynchronous node Free is sent again this often (then counted)
     quotas: Mapping[str, int] = field(default_factory=dict)  # tenant -> max blocks; absent = unlimited
     weights: PlacementWeights = field(default_factory=PlacementWeights)
+    # Placement's balance counts each node's opens with this half-life (in opens, cluster-wide).
+    balance_half_life_opens: float = 512.0
 
     def __post_init__(self) -> None:
         if not self.lease_ttl_s > 0:
             raise InvalidArgument(f"lease_ttl_s must be > 0, got {self.lease_ttl_s}")
+        if not self.balance_half_life_opens > 0:
+            raise InvalidArgument(f"balance_half_life_opens must be > 0, got {self.balance_half_life_opens}")
 
     @property
     def heartbeat_interval_s(self) -> float:
@@ -157,6 +161,9 @@ class Coordinator:
         self.config = config or CoordinatorConfig()
         self._salts: dict[str, tuple[bytes, bytes]] = {}  # tenant -> (salt, root key): never change
         self._nodes: dict[str, NodeInfo] = {}
+        # Recent opens per node, decayed: node -> opens * growth at their time; value / growth now.
+        self._recent_opens: dict[str, float] = {}
+        self._open_growth = 1.0
         self._stubs: dict[str, tuple[grpc.Channel, pb_grpc.CacheNodeStub]] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -331,6 +338,19 @@ class Coordinator:
             raise NodeLost(record.seq_id, f"node {node_id} is not live")
         return node
 
+    def _opens_of(self, node_id: str) -> float:
+        return self._recent_opens.get(node_id, 0.0) / self._open_growth
+
+    def _count_open(self, node_id: str) -> None:
+        """One more open on node_id; every count decays by the configured half-life (O(1): the
+        counts are kept scaled by a growing factor, rescaled before it overflows)."""
+        with self._lock:
+            self._open_growth *= 2.0 ** (1.0 / self.config.balance_half_life_opens)
+            if self._open_growth > 1e100:
+                self._recent_opens = {n: v / self._open_growth for n, v in self._recent_opens.items()}
+                self._open_growth = 1.0
+            self._recent_opens[node_id] = self._recent_opens.get(node_id, 0.0) + self._open_growth
+
     def _account(self, node_id: str, blocks: int) -> None:
         """Count a placement (blocks > 0: taken from free, then from cached) or a close
         (blocks < 0: the sequence's blocks become cached, room again) against the node's
@@ -405,7 +425,8 @@ class Coordinator:
             # Cached blocks nobody holds are room, not idle capacity: placement counts them apart.
             load, total = node.load, node.num_blocks
             free = min(load.get("free_blocks", total), total)
-            rooms.append(NodeRoom(node.node_id, free, total, min(load.get("cached_blocks", 0), total - free)))
+            evictable = min(load.get("cached_blocks", 0), total - free)
+            rooms.append(NodeRoom(node.node_id, free, total, evictable, self._opens_of(node.node_id)))
         quota = self.config.quotas.get(tenant)
         new = NewSequence(
             seq_id, tenant, num_tokens, num_blocks, bs, keys, tuple(rooms), self.config.weights, quota
@@ -428,6 +449,7 @@ class Coordinator:
         )
         self._send_open(node, request, call, tenant if quota is not None else None)
         self._account(node.node_id, placement.new_blocks)
+        self._count_open(node.node_id)
         self.counters["opens"] += 1
         self.counters["prompt_tokens"] += num_tokens
         self.counters["cached_tokens"] += num_cached

@@ -219,6 +219,7 @@ class MemoryStore(Store):
                     c.total_blocks,
                     c.evictable_blocks,
                     self._pending_on(c.node_id, keys, counts[c.node_id]),
+                    c.recent_opens,
                 )
                 for c in live
             ]

@@ -10,8 +10,11 @@ blocks (as the Dynamo KV router and SGLang's cache-aware router do), under a bal
     active  = total - free - evictable              blocks running sequences hold there
     cost    = overlap_weight * work + load_weight * (active + new)        (lower wins)
 
-    bound   : active + new <= (1 + balance_slack) * fair + needed
-    fair    = (sum of active over candidates + needed) * total / (sum of total)
+    bound   : opens + 1 <= (1 + balance_slack) * fair + 1,  or  cached >= affinity_share * needed
+    fair    = (sum of opens over candidates + 1) * total / (sum of total)
+
+where `opens` is the node's recent opens (the coordinator's count, decayed by a half-life),
+so the bound keeps requests, not only blocks, spread in proportion to node size.
 
 Evictable cached blocks are room (an allocation may take them) but neither load nor idle
 capacity: a node full of cache nobody holds is exactly as loaded as its running sequences.
@@ -22,8 +25,12 @@ is worth its length only against nodes that do not have it, so once a node is bu
 others by that much, the next request lands elsewhere, computes the prefix there, and from then
 on every node has it: hot prefixes replicate by their own misses instead of herding every
 request onto one node. The bound caps that herding outright: a node more than `balance_slack`
-above its fair share of the active blocks (plus one request's worth, so that a quiet cluster
-still places by cache) is not chosen while another is within it; the least loaded node always is.
+above its fair share of recent opens (plus one open, so that a quiet cluster still places by
+cache) is not chosen for a small gain while another is within it: only a prompt it holds at
+least `affinity_share` of (a conversation's next turn) may still go there. New conversations
+and one-shot prompts are what the bound moves, which is cheap (their cached part is the shared
+prefix) and keeps the requests spread; the node with the fewest opens for its size is always
+within it.
 
 Concurrent opens of one uncached prefix (in-flight dedup): an open that computes blocks no node
 holds leaves a marker on its first uncached key naming its node and how many keys it brings,
@@ -59,7 +66,7 @@ class NodeCandidate:
     free_blocks: never-keyed blocks; evictable_blocks: cached blocks no sequence holds (room,
     at the price of the cache they hold); the rest of total_blocks is active (running
     sequences, pins). pending_blocks: blocks after the cached prefix that an open in flight
-    is bringing to this node.
+    is bringing to this node. recent_opens: the opens placed on it lately (decayed).
     """
 
     node_id: str
@@ -68,12 +75,16 @@ class NodeCandidate:
     total_blocks: int
     evictable_blocks: int = 0
     pending_blocks: int = 0
+    recent_opens: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("cached_blocks", "free_blocks", "total_blocks", "evictable_blocks", "pending_blocks"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise InvalidArgument(f"NodeCandidate.{name} must be an int >= 0, got {value!r}")
+        opens = self.recent_opens
+        if not isinstance(opens, int | float) or isinstance(opens, bool) or not 0 <= opens < math.inf:
+            raise InvalidArgument(f"NodeCandidate.recent_opens must be a finite number >= 0, got {opens!r}")
         if self.free_blocks + self.evictable_blocks > self.total_blocks:
             raise InvalidArgument(
                 f"node {self.node_id!r}: free_blocks {self.free_blocks} + evictable_blocks "
@@ -93,15 +104,17 @@ class NodeCandidate:
 @dataclass(frozen=True)
 class PlacementWeights:
     """overlap_weight: cost of one block of prefill; load_weight: cost of one active block;
-    balance_slack: how far above its fair share of active blocks a node may be and still be
-    chosen (math.inf: no bound)."""
+    balance_slack: how far above its fair share of recent opens a node may be and still be
+    chosen (math.inf: no bound); affinity_share: the share of a prompt a node must hold to be
+    chosen above the bound (above 1: never)."""
 
     overlap_weight: float = 1.0
     load_weight: float = 1.0
     balance_slack: float = 0.1
+    affinity_share: float = 0.5
 
     def __post_init__(self) -> None:
-        for name in ("overlap_weight", "load_weight", "balance_slack"):
+        for name in ("overlap_weight", "load_weight", "balance_slack", "affinity_share"):
             value = getattr(self, name)
             ok = isinstance(value, int | float) and not isinstance(value, bool) and value >= 0
             if not ok or (name != "balance_slack" and not math.isfinite(value)) or math.isnan(value):
@@ -146,7 +159,7 @@ def place(
         raise InvalidArgument("candidates must have distinct node ids")
 
     need = num_blocks_needed
-    sum_active = sum(c.active_blocks for c in candidates)
+    sum_opens = sum(c.recent_opens for c in candidates)
     sum_total = sum(c.total_blocks for c in candidates)
     scores: dict[str, float] = {}
     rejected: list[str] = []
@@ -161,8 +174,9 @@ def place(
         after = c.active_blocks + new
         cost = weights.overlap_weight * (new - pending) + weights.load_weight * after
         scores[c.node_id] = -cost
-        fair = (sum_active + need) * c.total_blocks / sum_total if sum_total else 0.0
-        over = after > (1.0 + weights.balance_slack) * fair + need
+        fair = (sum_opens + 1) * c.total_blocks / sum_total if sum_total else 0.0
+        over = c.recent_opens + 1 > (1.0 + weights.balance_slack) * fair + 1
+        over = over and cached < weights.affinity_share * need
         rank = (over, cost, tie_rank(tie_key, c.node_id))  # within the bound first; deterministic
         if best is None or rank < best[0]:
             best = (rank, c, cached, pending)

@@ -113,12 +113,14 @@ class PurgeResult:
 
 class NodeRoom(NamedTuple):
     """A node an open may go on, with the room the coordinator's node cache gives it:
-    free_blocks never keyed, evictable_blocks cached but unheld (room, not idle capacity)."""
+    free_blocks never keyed, evictable_blocks cached but unheld (room, not idle capacity),
+    recent_opens the opens the coordinator placed there lately (decayed; placement's balance)."""
 
     node_id: str
     free_blocks: int
     total_blocks: int
     evictable_blocks: int = 0
+    recent_opens: float = 0.0
 
 
 _DEFAULT_WEIGHTS = PlacementWeights()
@@ -164,15 +166,20 @@ class NewSequence:
         check_count("pending_ttl_ms", self.pending_ttl_ms)
         rooms = []
         for c in self.candidates:
-            if not isinstance(c, tuple) or len(c) not in (3, 4):
+            if not isinstance(c, tuple) or not 3 <= len(c) <= 5:
                 raise InvalidArgument(
-                    f"a candidate must be (node_id, free_blocks, total_blocks[, evictable_blocks]), got {c!r}"
+                    "a candidate must be (node_id, free_blocks, total_blocks[, evictable_blocks"
+                    f"[, recent_opens]]), got {c!r}"
                 )
+            opens = c[4] if len(c) == 5 else 0.0
+            if not isinstance(opens, int | float) or isinstance(opens, bool) or not 0 <= opens < math.inf:
+                raise InvalidArgument(f"candidate recent_opens must be a finite number >= 0, got {opens!r}")
             room = NodeRoom(
                 check_name("candidate node_id", c[0]),
                 check_count("candidate free_blocks", c[1]),
                 check_count("candidate total_blocks", c[2]),
-                check_count("candidate evictable_blocks", c[3] if len(c) == 4 else 0),
+                check_count("candidate evictable_blocks", c[3] if len(c) >= 4 else 0),
+                float(opens),
             )
             if room.free_blocks + room.evictable_blocks > room.total_blocks:
                 raise InvalidArgument(

@@ -236,8 +236,8 @@ return out
 # The whole open in one round trip: match, placement.place ported to Lua, quota, page table,
 # and the in-flight marker (placement.py) on the first uncached key.
 # ARGV: P, seq_id, tenant, num_tokens, num_blocks, overlap_weight, load_weight, quota ('' = none),
-#       keys_blob, balance_slack ('-1' = no bound), pending_ttl_ms, then (node_id, free_blocks,
-#       total_blocks, evictable_blocks) per candidate, sorted by node_id.
+#       keys_blob, balance_slack ('-1' = no bound), pending_ttl_ms, affinity_share, then
+#       (node_id, free_blocks, total_blocks, evictable_blocks, recent_opens) per candidate, by node_id.
 # Returns {1, node, cached, {node, score, ...}, {rejected...}, pending} | {0} (no live candidate)
 #       | {-1, fewest uncached, most room} (no room) | {-2, used} (quota) | {-3} (id taken).
 # Scores travel as %.17g strings (Redis truncates Lua numbers to integers), which parse back
@@ -250,14 +250,15 @@ local P, s, tenant = ARGV[1], ARGV[2], ARGV[3]
 local need = tonumber(ARGV[5])
 local ow, lw = tonumber(ARGV[6]), tonumber(ARGV[7])
 local keys = split_keys(ARGV[9])
-local slack, ttl = tonumber(ARGV[10]), tonumber(ARGV[11])
+local slack, ttl, aff = tonumber(ARGV[10]), tonumber(ARGV[11]), tonumber(ARGV[12])
 local tie = keys[1] or ''
 local nodes = {}
-local sum_active, sum_total = 0, 0
-for j = 12, #ARGV, 4 do
+local sum_opens, sum_total = 0, 0
+for j = 13, #ARGV, 5 do
   local id = ARGV[j]
   if redis.call('EXISTS', P .. 'alive:' .. id) == 1 then
     local free, total, evictable = tonumber(ARGV[j + 1]), tonumber(ARGV[j + 2]), tonumber(ARGV[j + 3])
+    local opens = tonumber(ARGV[j + 4])
     local held = leading(P, id, keys)
     local pending = 0
     if held < #keys then
@@ -267,8 +268,8 @@ for j = 12, #ARGV, 4 do
         if owner == id then pending = math.max(0, math.min(tonumber(count), #keys) - held) end
       end
     end
-    nodes[#nodes + 1] = {id, free + evictable, total, math.min(held, need), pending}
-    sum_active = sum_active + total - free - evictable
+    nodes[#nodes + 1] = {id, free + evictable, total, math.min(held, need), pending, opens}
+    sum_opens = sum_opens + opens
     sum_total = sum_total + total
   end
 end
@@ -289,8 +290,8 @@ for _, n in ipairs(nodes) do
     local cost = ow * (new - pending) + lw * after
     scores[#scores + 1] = id; scores[#scores + 1] = string.format('%.17g', -cost)
     local fair = 0.0
-    if sum_total > 0 then fair = (sum_active + need) * total / sum_total end
-    local over = slack >= 0 and after > (1.0 + slack) * fair + need
+    if sum_total > 0 then fair = (sum_opens + 1) * total / sum_total end
+    local over = slack >= 0 and n[6] + 1 > (1.0 + slack) * fair + 1 and cached < aff * need
     local rank = redis.sha1hex(tie .. id)
     local better = best == nil
     if not better then
@@ -596,9 +597,10 @@ class RedisStore(Store):
             new.keys,
             repr(float(w.balance_slack)) if math.isfinite(w.balance_slack) else "-1",
             new.pending_ttl_ms,
+            repr(float(w.affinity_share)),
         ]
         for c in new.candidates:
-            args += c
+            args += (c.node_id, c.free_blocks, c.total_blocks, c.evictable_blocks, repr(c.recent_opens))
         reply = self._call("open_sequence", self._kept.run, self._open_seq, args)
         code = reply[0]
         if code == 1:

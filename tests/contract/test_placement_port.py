@@ -48,12 +48,14 @@ def scenarios(draw: Any) -> dict[str, Any]:
                 "total": total,
                 "free": free,
                 "evictable": draw(st.integers(0, total - free)),
+                "opens": draw(st.sampled_from([0.0, 1.0, 3.0]) | st.floats(0, 20, allow_nan=False)),
                 "cached": draw(st.integers(0, MAX_KEYS)),
                 "live": draw(st.booleans() | st.just(True)),
             }
         )
     weight = st.sampled_from([0, 1, 1.0, 8.0, 0.5]) | st.floats(0, 50, allow_nan=False)
     slack = st.sampled_from([0.0, 0.1, 0.5, math.inf]) | st.floats(0, 3, allow_nan=False)
+    affinity = st.sampled_from([0.0, 0.5, 1.0, 2.0]) | st.floats(0, 2, allow_nan=False)
     marker = st.none() | st.tuples(
         st.sampled_from(NODE_IDS), st.integers(0, MAX_KEYS - 1), st.integers(0, 14)
     )
@@ -62,7 +64,7 @@ def scenarios(draw: Any) -> dict[str, Any]:
         "marker": draw(marker),  # an open in flight: (its node, the key it marks, its key count)
         "num_keys": draw(st.integers(0, MAX_KEYS)),
         "num_blocks": draw(st.integers(0, 14)),
-        "weights": PlacementWeights(draw(weight), draw(weight), draw(slack)),
+        "weights": PlacementWeights(draw(weight), draw(weight), draw(slack), draw(affinity)),
         "quota": draw(st.none() | st.integers(0, 20)),
         "used": draw(st.integers(0, 10)),
         "taken": draw(st.booleans()),  # the seq id already exists
@@ -78,7 +80,9 @@ def expected(sc: dict[str, Any]) -> tuple[str, Any]:
         pending, marker = 0, sc["marker"]
         if marker is not None and marker[0] == n["id"] and marker[1] == held < sc["num_keys"]:
             pending = max(0, min(marker[2], sc["num_keys"]) - held)
-        candidates.append(NodeCandidate(n["id"], held, n["free"], n["total"], n["evictable"], pending))
+        candidates.append(
+            NodeCandidate(n["id"], held, n["free"], n["total"], n["evictable"], pending, n["opens"])
+        )
     try:
         placement = place(
             candidates, sc["num_blocks"], BLOCK, sc["weights"], KEYS[0] if sc["num_keys"] else b""
@@ -124,7 +128,9 @@ def build(store: Store, sc: dict[str, Any]) -> NewSequence:
         else:
             assert isinstance(store, RedisStore)
             store._redis.set(b"port:pend:" + KEYS[index], f"{count}:{node_id}".encode(), px=30_000)
-    rooms = tuple(NodeRoom(n["id"], n["free"], n["total"], n["evictable"]) for n in reversed(sc["nodes"]))
+    rooms = tuple(
+        NodeRoom(n["id"], n["free"], n["total"], n["evictable"], n["opens"]) for n in reversed(sc["nodes"])
+    )
     return NewSequence(
         "s1", "acme", 3 * sc["num_blocks"], sc["num_blocks"], BLOCK,
         b"".join(KEYS[: sc["num_keys"]]), rooms, sc["weights"], sc["quota"], pending_ttl_ms=0,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -46,15 +47,33 @@ def test_a_shared_system_prompt_does_not_herd_every_request_onto_its_node() -> N
     assert place([node("n1", 4, free=60), node("n2", 0, free=62)], 10, BLOCK).node_id == "n1"
 
 
-def test_the_balance_bound_caps_a_node_far_above_its_fair_share() -> None:
-    # A heavy overlap weight makes n1's full prefix worth 100 blocks of load: by cost it wins,
-    # but it runs 80 of the cluster's 80 active blocks (fair share 45 after this open; the bound
-    # is 1.1 * 45 + 10 = 59.5), so the idle n2 is chosen.
+def test_the_balance_bound_moves_small_gains_off_a_node_far_above_its_fair_share_of_opens() -> None:
+    # n1 holds 4 of the 10 blocks and by cost wins (10 * 6 + 16 vs 10 * 10 + 10), but it took 9
+    # of the last 10 opens: its fair share of 11 is 5.5, the bound 1.1 * 5.5 + 1 = 7.05 < 10.
     heavy = PlacementWeights(overlap_weight=10.0)
-    nodes = [node("n1", cached=10, free=20), node("n2", cached=0, free=100)]
-    assert place(nodes, 10, BLOCK, heavy).scores == {"n1": -80.0, "n2": -110.0}
-    assert place(nodes, 10, BLOCK, heavy).node_id == "n2"
-    assert place(nodes, 10, BLOCK, PlacementWeights(10.0, 1.0, math.inf)).node_id == "n1"
+    nodes = [
+        NodeCandidate("n1", 4, 90, 100, recent_opens=9.0),
+        NodeCandidate("n2", 0, 100, 100, recent_opens=1.0),
+    ]
+    result = place(nodes, 10, BLOCK, heavy)
+    assert (result.node_id, result.scores) == ("n2", {"n1": -76.0, "n2": -110.0})
+    assert place(nodes, 10, BLOCK, PlacementWeights(10.0, 1.0, math.inf)).node_id == "n1"  # no bound
+    # Within the bound (6 of 10: 7 <= 7.05) the cost decides.
+    within = [replace(nodes[0], recent_opens=6.0), replace(nodes[1], recent_opens=4.0)]
+    assert place(within, 10, BLOCK, heavy).node_id == "n1"
+    # A prompt the node holds half of (a conversation's next turn) may still go there.
+    history = [replace(nodes[0], cached_blocks=5), nodes[1]]
+    assert place(history, 10, BLOCK, heavy).node_id == "n1"
+    assert place(history, 10, BLOCK, PlacementWeights(10.0, affinity_share=0.6)).node_id == "n2"
+    # Fair shares follow node size: with 5 opens each, the small node (a third of the blocks) is
+    # over its share (6 > 1.1 * 11 / 3 + 1) and the big one within it, though only the small one caches.
+    sized = [
+        NodeCandidate("big", 0, 200, 200, recent_opens=5.0),
+        NodeCandidate("small", 1, 100, 100, recent_opens=5.0),
+    ]
+    assert place(sized, 4, BLOCK).node_id == "big"
+    equal = [replace(sized[0], total_blocks=100, free_blocks=100), sized[1]]
+    assert place(equal, 4, BLOCK).node_id == "small"
 
 
 def test_evictable_cache_is_room_but_not_load() -> None:
