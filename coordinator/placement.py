@@ -10,7 +10,8 @@ blocks (as the Dynamo KV router and SGLang's cache-aware router do), under a bal
     active  = total - free - evictable              blocks running sequences hold there
     cost    = overlap_weight * work + load_weight * (active + new)        (lower wins)
 
-    bound   : opens + 1 <= (1 + balance_slack) * fair + 1,  or  cached >= affinity_share * needed
+    bound   : opens + 1 <= (1 + balance_slack) * fair + 1, or else both
+              cached >= affinity_share * needed  and  opens + 1 <= (1 + 2 * balance_slack) * fair + 1
     fair    = (sum of opens over candidates + 1) * total / (sum of total)
 
 where `opens` is the node's recent opens (the coordinator's count, decayed by a half-life),
@@ -18,23 +19,26 @@ so the bound keeps requests, not only blocks, spread in proportion to node size.
 
 Evictable cached blocks are room (an allocation may take them) but neither load nor idle
 capacity: a node full of cache nobody holds is exactly as loaded as its running sequences.
-With the default weights (1, 1) a cached block saves one block of prefill, a block of someone
-else's running sequence costs one: a conversation goes where its history is unless that node is
-busier by more than the history's size. A prefix that every request shares (a system prompt)
+With the default weights (1, 0.1) a cached block saves one block of prefill and ten blocks of
+someone else's running sequences cost as much: a conversation goes where its history is unless
+that node is busier by ten times the history's size (the weights and the slack were picked by
+replaying bench.cluster's chat workload: at load weight 1 a history was recomputed elsewhere
+whenever its node ran a few more requests, 0.95x of one pooled node's hit rate; at 0 the
+busiest node took 1.29x the mean opens). A prefix that every request shares (a system prompt)
 is worth its length only against nodes that do not have it, so once a node is busier than the
 others by that much, the next request lands elsewhere, computes the prefix there, and from then
 on every node has it: hot prefixes replicate by their own misses instead of herding every
 request onto one node. The bound caps that herding outright: a node more than `balance_slack`
 above its fair share of recent opens (plus one open, so that a quiet cluster still places by
 cache) is not chosen for a small gain while another is within it: only a prompt it holds at
-least `affinity_share` of (a conversation's next turn) may still go there. New conversations
-and one-shot prompts are what the bound moves, which is cheap (their cached part is the shared
-prefix) and keeps the requests spread; the node with the fewest opens for its size is always
-within it.
+least `affinity_share` of (a conversation's next turn) may still go there, up to twice the
+slack. New conversations and one-shot prompts are what the bound moves, which is cheap (their
+cached part is the shared prefix) and keeps the requests spread; the node with the fewest
+opens for its size is always within it.
 
 Concurrent opens of one uncached prefix (in-flight dedup): an open that computes blocks no node
 holds leaves a marker on its first uncached key naming its node and how many keys it brings,
-for `pending_ttl_s`. A later open whose prompt continues through that key counts those blocks
+for the open's `pending_ttl_ms`. A later open whose prompt continues through that key counts those blocks
 as `pending` on that node (work it will not have to do there once the first open publishes),
 so both land on one node and the prefix is computed and cached once. Pending blocks change the
 choice only: `cached_blocks` (what the node will take) counts held blocks alone.
@@ -109,7 +113,7 @@ class PlacementWeights:
     chosen above the bound (above 1: never)."""
 
     overlap_weight: float = 1.0
-    load_weight: float = 1.0
+    load_weight: float = 0.1
     balance_slack: float = 0.1
     affinity_share: float = 0.5
 
@@ -175,8 +179,10 @@ def place(
         cost = weights.overlap_weight * (new - pending) + weights.load_weight * after
         scores[c.node_id] = -cost
         fair = (sum_opens + 1) * c.total_blocks / sum_total if sum_total else 0.0
-        over = c.recent_opens + 1 > (1.0 + weights.balance_slack) * fair + 1
-        over = over and cached < weights.affinity_share * need
+        opens = c.recent_opens + 1
+        slack = weights.balance_slack
+        over = opens > (1.0 + slack) * fair + 1
+        over = over and (cached < weights.affinity_share * need or opens > (1.0 + 2 * slack) * fair + 1)
         rank = (over, cost, tie_rank(tie_key, c.node_id))  # within the bound first; deterministic
         if best is None or rank < best[0]:
             best = (rank, c, cached, pending)

@@ -291,7 +291,9 @@ for _, n in ipairs(nodes) do
     scores[#scores + 1] = id; scores[#scores + 1] = string.format('%.17g', -cost)
     local fair = 0.0
     if sum_total > 0 then fair = (sum_opens + 1) * total / sum_total end
-    local over = slack >= 0 and n[6] + 1 > (1.0 + slack) * fair + 1 and cached < aff * need
+    local opens = n[6] + 1
+    local over = slack >= 0 and opens > (1.0 + slack) * fair + 1
+    over = over and (cached < aff * need or opens > (1.0 + 2 * slack) * fair + 1)
     local rank = redis.sha1hex(tie .. id)
     local better = best == nil
     if not better then

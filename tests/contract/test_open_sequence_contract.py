@@ -51,6 +51,7 @@ def register(store: Store, *node_ids: str, ttl_s: float = 30.0) -> None:
 def new(seq_id: str = "s1", *, num_keys: int = 6, num_blocks: int = 8, rooms=None, **kw) -> NewSequence:  # type: ignore[no-untyped-def]
     rooms = rooms if rooms is not None else (NodeRoom("n1", 50, 100), NodeRoom("n2", 90, 100))
     kw.setdefault("pending_ttl_ms", 0)  # no in-flight markers, but where a test is about them
+    kw.setdefault("weights", PlacementWeights(load_weight=1.0))  # round numbers
     return NewSequence(
         seq_id, kw.pop("tenant", "acme"), num_blocks * BS - 3, num_blocks, BS, keys(num_keys), rooms, **kw
     )
@@ -108,7 +109,7 @@ def test_load_breaks_ties_and_exact_ties_go_by_rendezvous_rank(store: Store) -> 
     store.apply_events("n1", [key(1), key(2)], [])
     rooms = (NodeRoom("n3", 90, 100), NodeRoom("n2", 90, 100), NodeRoom("n1", 85, 100))
     assert store.open_sequence(new("b0", num_keys=2, rooms=rooms)).node_id == winner(key(1))  # 27 vs 26
-    prefill = PlacementWeights(overlap_weight=4.0)  # 4 * 6 + 21 = 45 vs 4 * 8 + 18 = 50
+    prefill = PlacementWeights(overlap_weight=4.0, load_weight=1.0)  # 4 * 6 + 21 = 45 vs 4 * 8 + 18 = 50
     assert store.open_sequence(new("b", num_keys=2, rooms=rooms, weights=prefill)).node_id == "n1"
     heavy = PlacementWeights(overlap_weight=4.0, load_weight=8.0)  # 24 + 168 vs 32 + 144
     assert store.open_sequence(new("c", num_keys=2, rooms=rooms, weights=heavy)).node_id == winner(key(1))
