@@ -41,6 +41,7 @@ import logging
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -60,7 +61,7 @@ from ..protos.errors import (
     SequenceNotFound,
     Unavailable,
 )
-from ..protos.keys import chain_keys, chain_keys_packed, root_key
+from ..protos.keys import KEY_BYTES, chain_keys, chain_keys_packed, root_key
 from ..protos.status import error_from_rpc
 from .node_calls import NodeCalls
 from .placement import Placement, PlacementWeights
@@ -68,6 +69,7 @@ from .records import NewSequence, NodeInfo, NodeRoom, SequenceRecord
 from .store import Store
 
 log = logging.getLogger("pagedkv.coordinator")
+_REMOVED_MEMORY = 1 << 18  # keys of recent REMOVED events kept to explain misses (~10 MB)
 STORED_KIND = 1  # pb.BlockEvent.STORED
 
 
@@ -181,7 +183,14 @@ class Coordinator:
             "nodes_reaped": 0,
             "open_failures": 0,  # asynchronous node opens that failed (page table dropped)
             "free_failures": 0,  # node Frees given up after free_retries
+            # Why an open's first uncached block missed (the prompt's own, tenant-salted keys):
+            "misses_in_flight": 0,  # an open in flight is computing it on the chosen node
+            "misses_other_node": 0,  # another live node holds more of the prompt (load, balance)
+            "misses_evicted": 0,  # a node reported it removed (evicted) lately
+            "misses_not_cached": 0,  # never cached, or evicted before the memory below
         }
+        # Recently removed keys (REMOVED events), bounded: what tells "evicted" from "never cached".
+        self._removed: OrderedDict[bytes, None] = OrderedDict()
 
     # -- lifecycle ----------------------------------------------------------------
 
@@ -273,7 +282,28 @@ class Coordinator:
         stored = [k for k, held in final.items() if held]
         removed = [k for k, held in final.items() if not held]
         self.store.apply_events(node_id, stored, removed)
+        with self._lock:
+            memory = self._removed
+            for key in removed:
+                memory[key] = None
+            while len(memory) > _REMOVED_MEMORY:
+                memory.popitem(last=False)
         return len(events)
+
+    def _count_miss(self, placement: Placement, keys: bytes) -> None:
+        """The reason the open's first uncached block missed, counted (nothing when all hit)."""
+        first = placement.cached_blocks * KEY_BYTES
+        if first >= len(keys):
+            return
+        if placement.pending_blocks:
+            reason = "in_flight"
+        elif placement.cached_elsewhere_blocks > placement.cached_blocks:
+            reason = "other_node"
+        elif keys[first : first + KEY_BYTES] in self._removed:
+            reason = "evicted"
+        else:
+            reason = "not_cached"
+        self.counters["misses_" + reason] += 1
 
     # -- helpers ------------------------------------------------------------------
 
@@ -450,6 +480,7 @@ class Coordinator:
         self._send_open(node, request, call, tenant if quota is not None else None)
         self._account(node.node_id, placement.new_blocks)
         self._count_open(node.node_id)
+        self._count_miss(placement, keys)
         self.counters["opens"] += 1
         self.counters["prompt_tokens"] += num_tokens
         self.counters["cached_tokens"] += num_cached

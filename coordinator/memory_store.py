@@ -143,9 +143,12 @@ class MemoryStore(Store):
             if not self._is_live(node_id):
                 raise NodeNotLive(node_id, "events ignored; register again")
             held = self._keys.setdefault(node_id, set())
+            pending = self._pending
             for key in stored:
                 held.add(key)
                 self._holders.setdefault(key, set()).add(node_id)
+                if pending:  # an in-flight marker on a key now stored: its wait is over
+                    pending.pop(key, None)
             for key in removed:
                 if key in held:
                     held.discard(key)

@@ -10,8 +10,9 @@ blocks (as the Dynamo KV router and SGLang's cache-aware router do), under a bal
     active  = total - free - evictable              blocks running sequences hold there
     cost    = overlap_weight * work + load_weight * (active + new)        (lower wins)
 
-    bound   : opens + 1 <= (1 + balance_slack) * fair + 1, or else both
-              cached >= affinity_share * needed  and  opens + 1 <= (1 + 2 * balance_slack) * fair + 1
+    bound   : opens + 1 <= (1 + balance_slack) * fair + balance_margin, or else both
+              cached >= affinity_share * needed  and
+              opens + 1 <= (1 + 2 * balance_slack) * fair + 2 * balance_margin
     fair    = (sum of opens over candidates + 1) * total / (sum of total)
 
 where `opens` is the node's recent opens (the coordinator's count, decayed by a half-life),
@@ -29,8 +30,8 @@ is worth its length only against nodes that do not have it, so once a node is bu
 others by that much, the next request lands elsewhere, computes the prefix there, and from then
 on every node has it: hot prefixes replicate by their own misses instead of herding every
 request onto one node. The bound caps that herding outright: a node more than `balance_slack`
-above its fair share of recent opens (plus one open, so that a quiet cluster still places by
-cache) is not chosen for a small gain while another is within it: only a prompt it holds at
+above its fair share of recent opens (plus `balance_margin` opens, so that a quiet cluster
+still places by cache) is not chosen for a small gain while another is within it: only a prompt it holds at
 least `affinity_share` of (a conversation's next turn) may still go there, up to twice the
 slack. New conversations and one-shot prompts are what the bound moves, which is cheap (their
 cached part is the shared prefix) and keeps the requests spread; the node with the fewest
@@ -109,16 +110,17 @@ class NodeCandidate:
 class PlacementWeights:
     """overlap_weight: cost of one block of prefill; load_weight: cost of one active block;
     balance_slack: how far above its fair share of recent opens a node may be and still be
-    chosen (math.inf: no bound); affinity_share: the share of a prompt a node must hold to be
-    chosen above the bound (above 1: never)."""
+    chosen (math.inf: no bound), plus balance_margin opens; affinity_share: the share of a
+    prompt a node must hold to be chosen above the bound (above 1: never)."""
 
     overlap_weight: float = 1.0
     load_weight: float = 0.1
     balance_slack: float = 0.1
     affinity_share: float = 0.5
+    balance_margin: float = 4.0
 
     def __post_init__(self) -> None:
-        for name in ("overlap_weight", "load_weight", "balance_slack", "affinity_share"):
+        for name in ("overlap_weight", "load_weight", "balance_slack", "affinity_share", "balance_margin"):
             value = getattr(self, name)
             ok = isinstance(value, int | float) and not isinstance(value, bool) and value >= 0
             if not ok or (name != "balance_slack" and not math.isfinite(value)) or math.isnan(value):
@@ -136,6 +138,7 @@ class Placement:
     scores: Mapping[str, float] = field(default_factory=dict)  # feasible nodes only
     rejected: tuple[str, ...] = ()  # nodes without room for their uncached remainder
     pending_blocks: int = 0  # of new_blocks, those an open in flight brings to the node
+    cached_elsewhere_blocks: int = 0  # the most any other candidate holds (why a miss missed)
 
 
 def place(
@@ -181,8 +184,11 @@ def place(
         fair = (sum_opens + 1) * c.total_blocks / sum_total if sum_total else 0.0
         opens = c.recent_opens + 1
         slack = weights.balance_slack
-        over = opens > (1.0 + slack) * fair + 1
-        over = over and (cached < weights.affinity_share * need or opens > (1.0 + 2 * slack) * fair + 1)
+        margin = weights.balance_margin
+        over = opens > (1.0 + slack) * fair + margin
+        over = over and (
+            cached < weights.affinity_share * need or opens > (1.0 + 2 * slack) * fair + 2 * margin
+        )
         rank = (over, cost, tie_rank(tie_key, c.node_id))  # within the bound first; deterministic
         if best is None or rank < best[0]:
             best = (rank, c, cached, pending)
@@ -191,6 +197,7 @@ def place(
         fewest = min(need - min(c.cached_blocks, need) for c in candidates)
         raise no_room(need, fewest, max(c.room_blocks for c in candidates))
     _, chosen, cached, pending = best
+    elsewhere = max((min(c.cached_blocks, need) for c in candidates if c is not chosen), default=0)
     return Placement(
         node_id=chosen.node_id,
         cached_blocks=cached,
@@ -199,6 +206,7 @@ def place(
         scores=scores,
         rejected=tuple(sorted(rejected)),
         pending_blocks=pending,
+        cached_elsewhere_blocks=elsewhere,
     )
 
 

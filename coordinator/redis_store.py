@@ -180,10 +180,14 @@ local P, id = ARGV[1], ARGV[2]
 if redis.call('EXISTS', P .. 'alive:' .. id) == 0 then return 0 end
 local n = tonumber(ARGV[3])
 local nk = P .. 'nkeys:' .. id
+local done = {}  -- in-flight markers (placement.py) of keys now stored: their wait is over
 for i = 4, 3 + n do
   redis.call('SADD', P .. 'idx:' .. ARGV[i], id)
   redis.call('SADD', nk, ARGV[i])
+  done[#done + 1] = P .. 'pend:' .. ARGV[i]
+  if #done == 4000 then redis.call('DEL', unpack(done)); done = {} end
 end
+if #done > 0 then redis.call('DEL', unpack(done)) end
 for i = 4 + n, #ARGV do
   if redis.call('SREM', nk, ARGV[i]) == 1 then redis.call('SREM', P .. 'idx:' .. ARGV[i], id) end
 end
@@ -236,9 +240,10 @@ return out
 # The whole open in one round trip: match, placement.place ported to Lua, quota, page table,
 # and the in-flight marker (placement.py) on the first uncached key.
 # ARGV: P, seq_id, tenant, num_tokens, num_blocks, overlap_weight, load_weight, quota ('' = none),
-#       keys_blob, balance_slack ('-1' = no bound), pending_ttl_ms, affinity_share, then
+#       keys_blob, balance_slack ('-1' = no bound), pending_ttl_ms, affinity_share, balance_margin, then
 #       (node_id, free_blocks, total_blocks, evictable_blocks, recent_opens) per candidate, by node_id.
-# Returns {1, node, cached, {node, score, ...}, {rejected...}, pending} | {0} (no live candidate)
+# Returns {1, node, cached, {node, score, ...}, {rejected...}, pending, cached elsewhere}
+#       | {0} (no live candidate)
 #       | {-1, fewest uncached, most room} (no room) | {-2, used} (quota) | {-3} (id taken).
 # Scores travel as %.17g strings (Redis truncates Lua numbers to integers), which parse back
 # to the same doubles (the arithmetic is place()'s, in its order); ties go to the smallest
@@ -250,11 +255,11 @@ local P, s, tenant = ARGV[1], ARGV[2], ARGV[3]
 local need = tonumber(ARGV[5])
 local ow, lw = tonumber(ARGV[6]), tonumber(ARGV[7])
 local keys = split_keys(ARGV[9])
-local slack, ttl, aff = tonumber(ARGV[10]), tonumber(ARGV[11]), tonumber(ARGV[12])
+local slack, ttl, aff, margin = tonumber(ARGV[10]), tonumber(ARGV[11]), tonumber(ARGV[12]), tonumber(ARGV[13])
 local tie = keys[1] or ''
 local nodes = {}
 local sum_opens, sum_total = 0, 0
-for j = 13, #ARGV, 5 do
+for j = 14, #ARGV, 5 do
   local id = ARGV[j]
   if redis.call('EXISTS', P .. 'alive:' .. id) == 1 then
     local free, total, evictable = tonumber(ARGV[j + 1]), tonumber(ARGV[j + 2]), tonumber(ARGV[j + 3])
@@ -292,8 +297,8 @@ for _, n in ipairs(nodes) do
     local fair = 0.0
     if sum_total > 0 then fair = (sum_opens + 1) * total / sum_total end
     local opens = n[6] + 1
-    local over = slack >= 0 and opens > (1.0 + slack) * fair + 1
-    over = over and (cached < aff * need or opens > (1.0 + 2 * slack) * fair + 1)
+    local over = slack >= 0 and opens > (1.0 + slack) * fair + margin
+    over = over and (cached < aff * need or opens > (1.0 + 2 * slack) * fair + 2 * margin)
     local rank = redis.sha1hex(tie .. id)
     local better = best == nil
     if not better then
@@ -307,6 +312,10 @@ for _, n in ipairs(nodes) do
   end
 end
 if best == nil then return {-1, fewest_new, most_room} end
+local elsewhere = 0
+for _, n in ipairs(nodes) do
+  if n[1] ~= best and n[4] > elsewhere then elsewhere = n[4] end
+end
 local uk = P .. 'usage:' .. tenant
 if ARGV[8] ~= '' then
   local used = tonumber(redis.call('GET', uk) or '0')
@@ -321,7 +330,7 @@ if ARGV[8] ~= '' and need > 0 then redis.call('INCRBY', uk, need) end
 if ttl > 0 and best_cached < #keys then
   redis.call('SET', P .. 'pend:' .. keys[best_cached + 1], #keys .. ':' .. best, 'PX', ttl)
 end
-return {1, best, best_cached, scores, rejected, best_pending}
+return {1, best, best_cached, scores, rejected, best_pending, elsewhere}
 """
 )
 
@@ -600,6 +609,7 @@ class RedisStore(Store):
             repr(float(w.balance_slack)) if math.isfinite(w.balance_slack) else "-1",
             new.pending_ttl_ms,
             repr(float(w.affinity_share)),
+            repr(float(w.balance_margin)),
         ]
         for c in new.candidates:
             args += (c.node_id, c.free_blocks, c.total_blocks, c.evictable_blocks, repr(c.recent_opens))
@@ -616,6 +626,7 @@ class RedisStore(Store):
                 scores={_s(flat[i]): float(flat[i + 1]) for i in range(0, len(flat), 2)},
                 rejected=tuple(sorted(_s(n) for n in reply[4])),
                 pending_blocks=int(reply[5]),
+                cached_elsewhere_blocks=int(reply[6]),
             )
         if code == 0:
             raise Unavailable("no live cache node to place a sequence on")

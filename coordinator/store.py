@@ -144,7 +144,8 @@ class Store(ABC):
            is taken.
         5. mark: with new.pending_ttl_ms > 0 and keys left uncached on the chosen
            node, the first of them names that node and the prompt's key count for
-           that long (the last open to mark a key wins).
+           that long (the last open to mark a key wins), or until a node reports
+           that key stored (apply_events drops the marker).
 
         Checked in that order; any error changes nothing. Returns the Placement.
         """

@@ -137,6 +137,12 @@ def test_concurrent_opens_of_one_uncached_prefix_land_on_one_node(store: Store) 
     rooms = (NodeRoom(first.node_id, 85, 100), NodeRoom(other, 90, 100))
     second = store.open_sequence(new("b", rooms=rooms, **ttl))
     assert (second.node_id, second.cached_blocks, second.pending_blocks) == (first.node_id, 0, 6)
+    # Once the first open's node reports the keys stored, they count as cached and the marker goes.
+    store.apply_events(first.node_id, [key(i) for i in range(1, 7)], [])
+    third = store.open_sequence(new("b2", rooms=rooms, **ttl))
+    assert (third.node_id, third.cached_blocks, third.pending_blocks) == (first.node_id, 6, 0)
+    store.apply_events(first.node_id, [], [key(1)])  # evicted: no stale marker steers the next open
+    assert store.open_sequence(new("b3", rooms=rooms, **ttl)).pending_blocks == 0
     # Without a marker (pending_ttl_ms=0, or once it lapsed) the load decides.
     fresh = replace(new("d", rooms=rooms, pending_ttl_ms=0), keys=b"".join(key(i) for i in range(40, 46)))
     assert store.open_sequence(fresh).pending_blocks == 0

@@ -56,6 +56,7 @@ def scenarios(draw: Any) -> dict[str, Any]:
     weight = st.sampled_from([0, 1, 1.0, 8.0, 0.5]) | st.floats(0, 50, allow_nan=False)
     slack = st.sampled_from([0.0, 0.1, 0.5, math.inf]) | st.floats(0, 3, allow_nan=False)
     affinity = st.sampled_from([0.0, 0.5, 1.0, 2.0]) | st.floats(0, 2, allow_nan=False)
+    margin = st.sampled_from([0.0, 1.0, 4.0]) | st.floats(0, 8, allow_nan=False)
     marker = st.none() | st.tuples(
         st.sampled_from(NODE_IDS), st.integers(0, MAX_KEYS - 1), st.integers(0, 14)
     )
@@ -64,7 +65,7 @@ def scenarios(draw: Any) -> dict[str, Any]:
         "marker": draw(marker),  # an open in flight: (its node, the key it marks, its key count)
         "num_keys": draw(st.integers(0, MAX_KEYS)),
         "num_blocks": draw(st.integers(0, 14)),
-        "weights": PlacementWeights(draw(weight), draw(weight), draw(slack), draw(affinity)),
+        "weights": PlacementWeights(draw(weight), draw(weight), draw(slack), draw(affinity), draw(margin)),
         "quota": draw(st.none() | st.integers(0, 20)),
         "used": draw(st.integers(0, 10)),
         "taken": draw(st.booleans()),  # the seq id already exists
