@@ -19,23 +19,23 @@ where `opens` is the node's recent opens (the coordinator's count, decayed by a 
 so the bound keeps requests, not only blocks, spread in proportion to node size.
 
 Evictable cached blocks are room (an allocation may take them) but neither load nor idle
-capacity: a node full of cache nobody holds is exactly as loaded as its running sequences.
-With the default weights (1, 0.1) a cached block saves one block of prefill and ten blocks of
-someone else's running sequences cost as much: a conversation goes where its history is unless
-that node is busier by ten times the history's size (the weights and the slack were picked by
+capacity: a node full of cache nobody holds is exactly as loaded as its running sequences. With
+the default weights (1, 0.1) a cached block saves one block of prefill and ten blocks of someone
+else's running sequences cost as much: a conversation goes where its history is unless that node
+is busier by ten times the history's size (weights, slack 0.05 and margin 4 were picked by
 replaying bench.cluster's chat workload: at load weight 1 a history was recomputed elsewhere
-whenever its node ran a few more requests, 0.95x of one pooled node's hit rate; at 0 the
-busiest node took 1.29x the mean opens). A prefix that every request shares (a system prompt)
-is worth its length only against nodes that do not have it, so once a node is busier than the
-others by that much, the next request lands elsewhere, computes the prefix there, and from then
-on every node has it: hot prefixes replicate by their own misses instead of herding every
-request onto one node. The bound caps that herding outright: a node more than `balance_slack`
-above its fair share of recent opens (plus `balance_margin` opens, so that a quiet cluster
-still places by cache) is not chosen for a small gain while another is within it: only a prompt it holds at
-least `affinity_share` of (a conversation's next turn) may still go there, up to twice the
-slack. New conversations and one-shot prompts are what the bound moves, which is cheap (their
-cached part is the shared prefix) and keeps the requests spread; the node with the fewest
-opens for its size is always within it.
+whenever its node ran a few more requests, 0.95x of one pooled node's hit rate; at 0 the busiest
+node took 1.29x the mean opens; at slack 0.1, 1.13-1.15x). A prefix that every request shares (a
+system prompt) is worth its length only against nodes that do not have it, so once a node is
+busier than the others by that much, the next request lands elsewhere, computes the prefix
+there, and from then on every node has it: hot prefixes replicate by their own misses instead of
+herding every request onto one node. The bound caps that herding outright: a node more than
+`balance_slack` above its fair share of recent opens (plus `balance_margin` opens, so that a
+quiet cluster still places by cache) is not chosen for a small gain while another is within it:
+only a prompt it holds at least `affinity_share` of (a conversation's next turn) may still go
+there, up to twice the slack. New conversations and one-shot prompts are what the bound moves,
+which is cheap (their cached part is the shared prefix) and keeps the requests spread; the node
+with the fewest opens for its size is always within it.
 
 Concurrent opens of one uncached prefix (in-flight dedup): an open that computes blocks no node
 holds leaves a marker on its first uncached key naming its node and how many keys it brings,
@@ -115,7 +115,7 @@ class PlacementWeights:
 
     overlap_weight: float = 1.0
     load_weight: float = 0.1
-    balance_slack: float = 0.1
+    balance_slack: float = 0.05
     affinity_share: float = 0.5
     balance_margin: float = 4.0
 

@@ -14,7 +14,7 @@ from pagedkv.coordinator.placement import NodeCandidate, Placement, PlacementWei
 from pagedkv.protos.errors import CapacityExceeded, InvalidArgument, Unavailable
 
 BLOCK = 16
-LW1 = PlacementWeights(load_weight=1.0, balance_margin=1.0)  # round numbers, a tight bound
+LW1 = PlacementWeights(load_weight=1.0, balance_slack=0.1, balance_margin=1.0)  # round numbers, a tight bound
 
 
 def node(
@@ -51,7 +51,7 @@ def test_a_shared_system_prompt_does_not_herd_every_request_onto_its_node() -> N
 def test_the_balance_bound_moves_small_gains_off_a_node_far_above_its_fair_share_of_opens() -> None:
     # n1 holds 4 of the 10 blocks and by cost wins (10 * 6 + 16 vs 10 * 10 + 10), but it took 9
     # of the last 10 opens: its fair share of 11 is 5.5, the bound 1.1 * 5.5 + 1 = 7.05 < 10.
-    heavy = PlacementWeights(overlap_weight=10.0, load_weight=1.0, balance_margin=1.0)
+    heavy = PlacementWeights(overlap_weight=10.0, load_weight=1.0, balance_slack=0.1, balance_margin=1.0)
     nodes = [
         NodeCandidate("n1", 4, 90, 100, recent_opens=9.0),
         NodeCandidate("n2", 0, 100, 100, recent_opens=1.0),
@@ -69,7 +69,12 @@ def test_the_balance_bound_moves_small_gains_off_a_node_far_above_its_fair_share
     history = [replace(near[0], cached_blocks=5), near[1]]
     assert place(history, 10, BLOCK, heavy).node_id == "n1"
     assert (
-        place(history, 10, BLOCK, PlacementWeights(10.0, 1.0, affinity_share=0.6, balance_margin=1.0)).node_id
+        place(
+            history,
+            10,
+            BLOCK,
+            PlacementWeights(10.0, 1.0, affinity_share=0.6, balance_slack=0.1, balance_margin=1.0),
+        ).node_id
         == "n2"
     )
     # Beyond twice the slack (9 of 10) not even a conversation's history keeps it there.
