@@ -203,11 +203,15 @@ def plot(summary: dict, path: Path, title: str) -> None:
     names = list(summary)
     a.bar(names, [summary[n]["hit_rate"] for n in names], color=["C0", "C1", "C2"][: len(names)])
     a.set(ylabel="prefix hit rate", title=title)
-    for i, n in enumerate(names):
+    spread = [n for n in names if len(summary[n]["opens_per_node"]) > 1]
+    for i, n in enumerate(spread):
         counts = summary[n]["opens_per_node"]
-        b.scatter([i] * len(counts), counts, label=n)
-    b.set_xticks(range(len(names)), names)
-    b.set(ylabel="opens per node", title="balance")
+        mean = sum(counts) / len(counts)
+        b.scatter([i] * len(counts), [c / mean for c in counts], label=n)
+    b.axhline(1.1, color="grey", linestyle=":", label="goal: busiest <= 1.1x")
+    b.set_xticks(range(len(spread)), spread)
+    b.set(ylabel="opens per node / mean", title="balance")
+    b.legend(fontsize=8)
     plots.save(fig, path)
 
 

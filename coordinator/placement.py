@@ -38,11 +38,12 @@ which is cheap (their cached part is the shared prefix) and keeps the requests s
 with the fewest opens for its size is always within it.
 
 Concurrent opens of one uncached prefix (in-flight dedup): an open that computes blocks no node
-holds leaves a marker on its first uncached key naming its node and how many keys it brings,
-for the open's `pending_ttl_ms`. A later open whose prompt continues through that key counts those blocks
-as `pending` on that node (work it will not have to do there once the first open publishes),
-so both land on one node and the prefix is computed and cached once. Pending blocks change the
-choice only: `cached_blocks` (what the node will take) counts held blocks alone.
+holds leaves a marker on its first uncached key naming its node and how many keys it brings, for
+the open's `pending_ttl_ms` or until a node reports that key stored. A later open whose prompt
+continues through that key counts those blocks as `pending` on that node (work it will not have
+to do there once the first open publishes), so both land on one node and the prefix is computed
+and cached once. Pending blocks change the choice only: `cached_blocks` (what the node will
+take) counts held blocks alone.
 
 Remaining ties go by rendezvous hashing: to the node whose sha1(tie_key + node_id) is smallest,
 tie_key being the prompt's first block key, so every replica picks alike and prompts that start
