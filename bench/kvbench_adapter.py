@@ -96,3 +96,8 @@ class HarnessFloorAdapter(Adapter):
 
     def finish(self, rid):
         pass
+
+
+class PagedKVSLRUAdapter(PagedKVAdapter):
+    name = "pagedkv-slru"
+    policy = "slru"

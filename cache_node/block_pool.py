@@ -55,6 +55,7 @@ class BlockPool:
         self.key_of: list[bytes | None] = [None] * num_blocks
         self.block_of_key: dict[bytes, int] = {}
         self.pins: dict[int, int] = {}  # block -> pin count
+        self.policy.bind_keys(self.key_of)
         # Pop from the end: block 0 is handed out first, which keeps tests' ids readable.
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
         self.num_evictions = 0

@@ -124,9 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--policy",
-        choices=["lru", "lfu", "score"],
+        choices=["lru", "lfu", "score", "slru"],
         default=_env("POLICY", "lru"),
-        help="eviction policy for cached blocks (score: least attention mass first)",
+        help="eviction policy for cached blocks (score: least attention mass first; slru: scan-resistant)",
     )
     p.add_argument(
         "--device",

@@ -59,7 +59,7 @@ from ..protos.errors import (
 from ..protos.keys import block_hasher, chain_keys, root_key
 from .block_core import get_core
 from .block_pool import BlockPool
-from .eviction import make_policy
+from .eviction import EvictionPolicy, make_policy
 
 DEVICE, HOST = "device", "host"
 
@@ -245,7 +245,7 @@ class KVCacheManager:
         block_size: int,
         *,
         num_host_blocks: int = 0,
-        policy: str = "lru",
+        policy: str | EvictionPolicy = "lru",
         enable_prefix_caching: bool = True,
         mover: BlockMover | None = None,
         record_events: bool = False,
@@ -269,7 +269,7 @@ class KVCacheManager:
         self._new_sequence: Callable[[str, bytes], Sequence] = (
             partial(core.new_sequence, _EMPTY_SEQUENCE) if core is not None else _empty_sequence
         )
-        self.policy_name = policy
+        self.policy_name = policy if isinstance(policy, str) else policy.name
         self.enable_prefix_caching = enable_prefix_caching
         self.mover: BlockMover = mover if mover is not None else NullMover()
         self.record_events = record_events

@@ -41,6 +41,7 @@ import logging
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -60,7 +61,7 @@ from ..protos.errors import (
     SequenceNotFound,
     Unavailable,
 )
-from ..protos.keys import chain_keys, chain_keys_packed, root_key
+from ..protos.keys import KEY_BYTES, chain_keys, chain_keys_packed, root_key
 from ..protos.status import error_from_rpc
 from .node_calls import NodeCalls
 from .placement import Placement, PlacementWeights
@@ -68,6 +69,7 @@ from .records import NewSequence, NodeInfo, NodeRoom, SequenceRecord
 from .store import Store
 
 log = logging.getLogger("pagedkv.coordinator")
+_REMOVED_MEMORY = 1 << 18  # keys of recent REMOVED events kept to explain misses (~10 MB)
 STORED_KIND = 1  # pb.BlockEvent.STORED
 
 
@@ -78,10 +80,14 @@ class CoordinatorConfig:
     free_retries: int = 3  # a failed asynchronous node Free is sent again this often (then counted)
     quotas: Mapping[str, int] = field(default_factory=dict)  # tenant -> max blocks; absent = unlimited
     weights: PlacementWeights = field(default_factory=PlacementWeights)
+    # Placement's balance counts each node's opens with this half-life (in opens, cluster-wide).
+    balance_half_life_opens: float = 512.0
 
     def __post_init__(self) -> None:
         if not self.lease_ttl_s > 0:
             raise InvalidArgument(f"lease_ttl_s must be > 0, got {self.lease_ttl_s}")
+        if not self.balance_half_life_opens > 0:
+            raise InvalidArgument(f"balance_half_life_opens must be > 0, got {self.balance_half_life_opens}")
 
     @property
     def heartbeat_interval_s(self) -> float:
@@ -149,6 +155,9 @@ class Coordinator:
         self.config = config or CoordinatorConfig()
         self._salts: dict[str, tuple[bytes, bytes]] = {}  # tenant -> (salt, root key): never change
         self._nodes: dict[str, NodeInfo] = {}
+        # Recent opens per node, decayed: node -> opens * growth at their time; value / growth now.
+        self._recent_opens: dict[str, float] = {}
+        self._open_growth = 1.0
         self._stubs: dict[str, tuple[grpc.Channel, pb_grpc.CacheNodeStub]] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -166,7 +175,14 @@ class Coordinator:
             "nodes_reaped": 0,
             "open_failures": 0,  # asynchronous node opens that failed (page table dropped)
             "free_failures": 0,  # node Frees given up after free_retries
+            # Why an open's first uncached block missed (the prompt's own, tenant-salted keys):
+            "misses_in_flight": 0,  # an open in flight is computing it on the chosen node
+            "misses_other_node": 0,  # another live node holds more of the prompt (load, balance)
+            "misses_evicted": 0,  # a node reported it removed (evicted) lately
+            "misses_not_cached": 0,  # never cached, or evicted before the memory below
         }
+        # Recently removed keys (REMOVED events), bounded: what tells "evicted" from "never cached".
+        self._removed: OrderedDict[bytes, None] = OrderedDict()
 
     # -- lifecycle ----------------------------------------------------------------
 
@@ -258,7 +274,28 @@ class Coordinator:
         stored = [k for k, held in final.items() if held]
         removed = [k for k, held in final.items() if not held]
         self.store.apply_events(node_id, stored, removed)
+        with self._lock:
+            memory = self._removed
+            for key in removed:
+                memory[key] = None
+            while len(memory) > _REMOVED_MEMORY:
+                memory.popitem(last=False)
         return len(events)
+
+    def _count_miss(self, placement: Placement, keys: bytes) -> None:
+        """The reason the open's first uncached block missed, counted (nothing when all hit)."""
+        first = placement.cached_blocks * KEY_BYTES
+        if first >= len(keys):
+            return
+        if placement.pending_blocks:
+            reason = "in_flight"
+        elif placement.cached_elsewhere_blocks > placement.cached_blocks:
+            reason = "other_node"
+        elif keys[first : first + KEY_BYTES] in self._removed:
+            reason = "evicted"
+        else:
+            reason = "not_cached"
+        self.counters["misses_" + reason] += 1
 
     # -- helpers ------------------------------------------------------------------
 
@@ -327,6 +364,19 @@ class Coordinator:
                 )
             raise NodeLost(record.seq_id, f"node {node_id} is not live")
         return node
+
+    def _opens_of(self, node_id: str) -> float:
+        return self._recent_opens.get(node_id, 0.0) / self._open_growth
+
+    def _count_open(self, node_id: str) -> None:
+        """One more open on node_id; every count decays by the configured half-life (O(1): the
+        counts are kept scaled by a growing factor, rescaled before it overflows)."""
+        with self._lock:
+            self._open_growth *= 2.0 ** (1.0 / self.config.balance_half_life_opens)
+            if self._open_growth > 1e100:
+                self._recent_opens = {n: v / self._open_growth for n, v in self._recent_opens.items()}
+                self._open_growth = 1.0
+            self._recent_opens[node_id] = self._recent_opens.get(node_id, 0.0) + self._open_growth
 
     def _account(self, node_id: str, blocks: int) -> None:
         """Count a placement (blocks > 0: taken from free, then from cached) or a close
@@ -400,9 +450,11 @@ class Coordinator:
         num_blocks = max(1, -(-num_tokens // bs))
         rooms = []
         for node in nodes.values():
-            load = node.load
-            free = load.get("free_blocks", node.num_blocks) + load.get("cached_blocks", 0)
-            rooms.append(NodeRoom(node.node_id, min(free, node.num_blocks), node.num_blocks))
+            # Cached blocks nobody holds are room, not idle capacity: placement counts them apart.
+            load, total = node.load, node.num_blocks
+            free = min(load.get("free_blocks", total), total)
+            evictable = min(load.get("cached_blocks", 0), total - free)
+            rooms.append(NodeRoom(node.node_id, free, total, evictable, self._opens_of(node.node_id)))
         quota = self.config.quotas.get(tenant)
         new = NewSequence(
             seq_id, tenant, num_tokens, num_blocks, bs, keys, tuple(rooms), self.config.weights, quota
@@ -425,6 +477,8 @@ class Coordinator:
         )
         self._send_open(node, request, call, tenant if quota is not None else None)
         self._account(node.node_id, placement.new_blocks)
+        self._count_open(node.node_id)
+        self._count_miss(placement, keys)
         self.counters["opens"] += 1
         self.counters["prompt_tokens"] += num_tokens
         self.counters["cached_tokens"] += num_cached

@@ -51,6 +51,8 @@ class MemoryStore(Store):
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
         self._lock = threading.Lock()
+        # first uncached key of an open in flight -> (its node, its prompt's key count, expiry)
+        self._pending: dict[bytes, tuple[str, int, float]] = {}
         self._nodes: dict[str, NodeInfo] = {}
         self._deadline_s: dict[str, float] = {}  # node -> clock() value its TTL lapses at
         self._holders: dict[bytes, set[str]] = {}  # block key -> nodes
@@ -141,9 +143,12 @@ class MemoryStore(Store):
             if not self._is_live(node_id):
                 raise NodeNotLive(node_id, "events ignored; register again")
             held = self._keys.setdefault(node_id, set())
+            pending = self._pending
             for key in stored:
                 held.add(key)
                 self._holders.setdefault(key, set()).add(node_id)
+                if pending:  # an in-flight marker on a key now stored: its wait is over
+                    pending.pop(key, None)
             for key in removed:
                 if key in held:
                     held.discard(key)
@@ -210,7 +215,16 @@ class MemoryStore(Store):
             keys = new.key_list()
             counts = self._match([c.node_id for c in live], keys)
             candidates = [
-                NodeCandidate(c.node_id, counts[c.node_id], c.free_blocks, c.total_blocks) for c in live
+                NodeCandidate(
+                    c.node_id,
+                    counts[c.node_id],
+                    c.free_blocks,
+                    c.total_blocks,
+                    c.evictable_blocks,
+                    self._pending_on(c.node_id, keys, counts[c.node_id]),
+                    c.recent_opens,
+                )
+                for c in live
             ]
             placement = place(
                 candidates, new.num_blocks, new.block_size, new.weights, keys[0] if keys else b""
@@ -225,7 +239,26 @@ class MemoryStore(Store):
             self._node_seqs.setdefault(placement.node_id, set()).add(new.seq_id)
             if new.quota is not None and new.num_blocks:
                 self._usage[new.tenant] = used + new.num_blocks
+            if new.pending_ttl_ms and placement.cached_blocks < len(keys):
+                now = self._clock()
+                expiry = now + new.pending_ttl_ms / 1000
+                if len(self._pending) > 4096:  # markers nobody asked about again: drop the lapsed ones
+                    self._pending = {k: m for k, m in self._pending.items() if m[2] > now}
+                self._pending[keys[placement.cached_blocks]] = (placement.node_id, len(keys), expiry)
             return placement
+
+    def _pending_on(self, node_id: str, keys: list[bytes], cached: int) -> int:
+        """Blocks after the node's cached prefix that an open in flight brings it (placement.py's
+        in-flight marker on the first uncached key); the caller holds the lock."""
+        if cached >= len(keys):
+            return 0
+        marker = self._pending.get(keys[cached])
+        if marker is None or marker[0] != node_id:
+            return 0
+        if marker[2] <= self._clock():
+            del self._pending[keys[cached]]
+            return 0
+        return max(0, min(marker[1], len(keys)) - cached)
 
     def get_sequence(self, seq_id: str) -> SequenceRecord:
         check_name("seq_id", seq_id)

@@ -50,6 +50,14 @@ class CoordinatorCollector(Collector):
         )
         cached.add_metric([], c["cached_tokens"])
         yield cached
+        misses = CounterMetricFamily(
+            "pagedkv_coordinator_open_misses",
+            "Opens whose prompt missed the prefix cache, by why its first uncached block missed.",
+            labels=["reason"],
+        )
+        for reason in ("in_flight", "other_node", "evicted", "not_cached"):
+            misses.add_metric([reason], c["misses_" + reason])
+        yield misses
         reaped = CounterMetricFamily(
             "pagedkv_coordinator_nodes_reaped", "Nodes declared dead (lease lapsed)."
         )

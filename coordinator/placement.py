@@ -1,30 +1,57 @@
 """Placement: which node gets a new sequence. One pure function, `place`.
 
-Scored the way the Dynamo KV router does: the cached prefix first, then load.
-For each candidate node
+The rule: N nodes should cache like one pool. Work saved is traded against load in one unit,
+blocks (as the Dynamo KV router and SGLang's cache-aware router do), under a balance bound:
 
-    cached  = leading prompt blocks the node already holds (match_prefix), at most `needed`
-    new     = needed - cached                 blocks it must allocate
-    load    = (used_blocks + new) / total     its utilisation after the placement, in [0, 1]
+    cached  = leading prompt blocks the node holds (match_prefix), at most `needed`
+    pending = further leading blocks an open in flight will put there (see below)
+    new     = needed - cached                       blocks it must allocate (and compute)
+    work    = new - pending                         prefill left for this open on that node
+    active  = total - free - evictable              blocks running sequences hold there
+    cost    = overlap_weight * work + load_weight * (active + new)        (lower wins)
 
-    score   = overlap_weight * cached - load_weight * load          (higher wins)
+    bound   : opens + 1 <= (1 + balance_slack) * fair + balance_margin, or else both
+              cached >= affinity_share * needed  and
+              opens + 1 <= (1 + 2 * balance_slack) * fair + 2 * balance_margin
+    fair    = (sum of opens over candidates + 1) * total / (sum of total)
 
-With the defaults (1.0, 1.0) one cached block outweighs any difference in load,
-so the longest cached prefix wins and load only breaks ties between equal
-prefixes; raise load_weight to trade cache hits for balance (load_weight = 8:
-an idle node beats a full one unless the full one caches 8 more blocks).
-Remaining ties (equally loaded nodes caching none of the prompt: a new system
-prompt on an idle cluster) go by rendezvous hashing: to the node whose
-sha1(tie_key + node_id) is smallest, tie_key being the prompt's first block key.
-Every coordinator replica picks the same node for the same inputs, prompts that
-start alike land together (their prefix will be cached there), and different
-prompts spread over the nodes instead of all going to the smallest node id.
+where `opens` is the node's recent opens (the coordinator's count, decayed by a half-life),
+so the bound keeps requests, not only blocks, spread in proportion to node size.
 
-A node whose free blocks cannot hold `new` is never chosen (it is listed in
-`rejected`); if no node can, CapacityExceeded names the need.
+Evictable cached blocks are room (an allocation may take them) but neither load nor idle
+capacity: a node full of cache nobody holds is exactly as loaded as its running sequences. With
+the default weights (1, 0.1) a cached block saves one block of prefill and ten blocks of someone
+else's running sequences cost as much: a conversation goes where its history is unless that node
+is busier by ten times the history's size (weights, slack 0.05 and margin 4 were picked by
+replaying bench.cluster's chat workload: at load weight 1 a history was recomputed elsewhere
+whenever its node ran a few more requests, 0.95x of one pooled node's hit rate; at 0 the busiest
+node took 1.29x the mean opens; at slack 0.1, 1.13-1.15x). A prefix that every request shares (a
+system prompt) is worth its length only against nodes that do not have it, so once a node is
+busier than the others by that much, the next request lands elsewhere, computes the prefix
+there, and from then on every node has it: hot prefixes replicate by their own misses instead of
+herding every request onto one node. The bound caps that herding outright: a node more than
+`balance_slack` above its fair share of recent opens (plus `balance_margin` opens, so that a
+quiet cluster still places by cache) is not chosen for a small gain while another is within it:
+only a prompt it holds at least `affinity_share` of (a conversation's next turn) may still go
+there, up to twice the slack. New conversations and one-shot prompts are what the bound moves,
+which is cheap (their cached part is the shared prefix) and keeps the requests spread; the node
+with the fewest opens for its size is always within it.
 
-This function is the specification: RedisStore.open_sequence runs a Lua port of
-it inside Redis (match, place and write in one round trip), and a property test
+Concurrent opens of one uncached prefix (in-flight dedup): an open that computes blocks no node
+holds leaves a marker on its first uncached key naming its node and how many keys it brings, for
+the open's `pending_ttl_ms` or until a node reports that key stored. A later open whose prompt
+continues through that key counts those blocks as `pending` on that node (work it will not have
+to do there once the first open publishes), so both land on one node and the prefix is computed
+and cached once. Pending blocks change the choice only: `cached_blocks` (what the node will
+take) counts held blocks alone.
+
+Remaining ties go by rendezvous hashing: to the node whose sha1(tie_key + node_id) is smallest,
+tie_key being the prompt's first block key, so every replica picks alike and prompts that start
+alike land together while different ones spread. A node without room for `new` (free +
+evictable) is never chosen (listed in `rejected`); if none has room, CapacityExceeded.
+
+This function is the specification: RedisStore.open_sequence runs a Lua port of it inside Redis
+(match, place and write in one round trip), MemoryStore calls it, and a property test
 (tests/contract/test_placement_port.py) checks that both choose alike.
 """
 
@@ -40,47 +67,70 @@ from pagedkv.protos.errors import CapacityExceeded, InvalidArgument, Unavailable
 
 @dataclass(frozen=True)
 class NodeCandidate:
-    """A live node as placement sees it (from live_nodes() load and match_prefix()).
+    """A live node as placement sees it (from its load report and match_prefix()).
 
-    free_blocks: blocks it can allocate now (free, plus cached-but-evictable ones
-    if its heartbeat counts them so), not counting the cached prefix itself.
+    free_blocks: never-keyed blocks; evictable_blocks: cached blocks no sequence holds (room,
+    at the price of the cache they hold); the rest of total_blocks is active (running
+    sequences, pins). pending_blocks: blocks after the cached prefix that an open in flight
+    is bringing to this node. recent_opens: the opens placed on it lately (decayed).
     """
 
     node_id: str
     cached_blocks: int
     free_blocks: int
     total_blocks: int
+    evictable_blocks: int = 0
+    pending_blocks: int = 0
+    recent_opens: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("cached_blocks", "free_blocks", "total_blocks"):
+        for name in ("cached_blocks", "free_blocks", "total_blocks", "evictable_blocks", "pending_blocks"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise InvalidArgument(f"NodeCandidate.{name} must be an int >= 0, got {value!r}")
-        if self.free_blocks > self.total_blocks:
+        opens = self.recent_opens
+        if not isinstance(opens, int | float) or isinstance(opens, bool) or not 0 <= opens < math.inf:
+            raise InvalidArgument(f"NodeCandidate.recent_opens must be a finite number >= 0, got {opens!r}")
+        if self.free_blocks + self.evictable_blocks > self.total_blocks:
             raise InvalidArgument(
-                f"node {self.node_id!r}: free_blocks {self.free_blocks} > total_blocks {self.total_blocks}"
+                f"node {self.node_id!r}: free_blocks {self.free_blocks} + evictable_blocks "
+                f"{self.evictable_blocks} > total_blocks {self.total_blocks}"
             )
 
     @property
-    def used_blocks(self) -> int:
-        return self.total_blocks - self.free_blocks
+    def room_blocks(self) -> int:
+        """What an allocation can take: free plus evictable."""
+        return self.free_blocks + self.evictable_blocks
+
+    @property
+    def active_blocks(self) -> int:
+        return self.total_blocks - self.room_blocks
 
 
 @dataclass(frozen=True)
 class PlacementWeights:
+    """overlap_weight: cost of one block of prefill; load_weight: cost of one active block;
+    balance_slack: how far above its fair share of recent opens a node may be and still be
+    chosen (math.inf: no bound), plus balance_margin opens; affinity_share: the share of a
+    prompt a node must hold to be chosen above the bound (above 1: never)."""
+
     overlap_weight: float = 1.0
-    load_weight: float = 1.0
+    load_weight: float = 0.1
+    balance_slack: float = 0.05
+    affinity_share: float = 0.5
+    balance_margin: float = 4.0
 
     def __post_init__(self) -> None:
-        for name in ("overlap_weight", "load_weight"):
+        for name in ("overlap_weight", "load_weight", "balance_slack", "affinity_share", "balance_margin"):
             value = getattr(self, name)
-            if not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
-                raise InvalidArgument(f"PlacementWeights.{name} must be a finite number >= 0, got {value!r}")
+            ok = isinstance(value, int | float) and not isinstance(value, bool) and value >= 0
+            if not ok or (name != "balance_slack" and not math.isfinite(value)) or math.isnan(value):
+                raise InvalidArgument(f"PlacementWeights.{name} must be a number >= 0, got {value!r}")
 
 
 @dataclass(frozen=True)
 class Placement:
-    """The chosen node, what it already caches, and every score (for debugging and metrics)."""
+    """The chosen node, what it already caches, and every score (-cost, higher wins)."""
 
     node_id: str
     cached_blocks: int
@@ -88,6 +138,8 @@ class Placement:
     new_blocks: int
     scores: Mapping[str, float] = field(default_factory=dict)  # feasible nodes only
     rejected: tuple[str, ...] = ()  # nodes without room for their uncached remainder
+    pending_blocks: int = 0  # of new_blocks, those an open in flight brings to the node
+    cached_elsewhere_blocks: int = 0  # the most any other candidate holds (why a miss missed)
 
 
 def place(
@@ -114,34 +166,48 @@ def place(
     if len({c.node_id for c in candidates}) != len(candidates):
         raise InvalidArgument("candidates must have distinct node ids")
 
+    need = num_blocks_needed
+    sum_opens = sum(c.recent_opens for c in candidates)
+    sum_total = sum(c.total_blocks for c in candidates)
     scores: dict[str, float] = {}
     rejected: list[str] = []
-    best: tuple[tuple[float, str], str] | None = None
+    best: tuple[tuple[bool, float, str], NodeCandidate, int, int] | None = None
     for c in candidates:
-        cached = min(c.cached_blocks, num_blocks_needed)
-        new = num_blocks_needed - cached
-        if new > c.free_blocks:
+        cached = min(c.cached_blocks, need)
+        new = need - cached
+        if new > c.room_blocks:
             rejected.append(c.node_id)
             continue
-        load = (c.used_blocks + new) / c.total_blocks if c.total_blocks else 1.0
-        score = weights.overlap_weight * cached - weights.load_weight * load
-        scores[c.node_id] = score
-        rank = (-score, tie_rank(tie_key, c.node_id))  # deterministic across replicas
+        pending = min(c.pending_blocks, new)
+        after = c.active_blocks + new
+        cost = weights.overlap_weight * (new - pending) + weights.load_weight * after
+        scores[c.node_id] = -cost
+        fair = (sum_opens + 1) * c.total_blocks / sum_total if sum_total else 0.0
+        opens = c.recent_opens + 1
+        slack = weights.balance_slack
+        margin = weights.balance_margin
+        over = opens > (1.0 + slack) * fair + margin
+        over = over and (
+            cached < weights.affinity_share * need or opens > (1.0 + 2 * slack) * fair + 2 * margin
+        )
+        rank = (over, cost, tie_rank(tie_key, c.node_id))  # within the bound first; deterministic
         if best is None or rank < best[0]:
-            best = (rank, c.node_id)
+            best = (rank, c, cached, pending)
 
     if best is None:
-        need = min(num_blocks_needed - min(c.cached_blocks, num_blocks_needed) for c in candidates)
-        raise no_room(num_blocks_needed, need, max(c.free_blocks for c in candidates))
-    chosen = next(c for c in candidates if c.node_id == best[1])
-    cached = min(chosen.cached_blocks, num_blocks_needed)
+        fewest = min(need - min(c.cached_blocks, need) for c in candidates)
+        raise no_room(need, fewest, max(c.room_blocks for c in candidates))
+    _, chosen, cached, pending = best
+    elsewhere = max((min(c.cached_blocks, need) for c in candidates if c is not chosen), default=0)
     return Placement(
         node_id=chosen.node_id,
         cached_blocks=cached,
         cached_tokens=cached * block_size,
-        new_blocks=num_blocks_needed - cached,
+        new_blocks=need - cached,
         scores=scores,
         rejected=tuple(sorted(rejected)),
+        pending_blocks=pending,
+        cached_elsewhere_blocks=elsewhere,
     )
 
 
@@ -151,10 +217,10 @@ def tie_rank(tie_key: bytes, node_id: str) -> str:
     return hashlib.sha1(tie_key + node_id.encode()).hexdigest()
 
 
-def no_room(num_blocks_needed: int, fewest_uncached: int, most_free: int) -> CapacityExceeded:
+def no_room(num_blocks_needed: int, fewest_uncached: int, most_room: int) -> CapacityExceeded:
     """place()'s error when no candidate has room (the Redis store's Lua port raises the same)."""
     return CapacityExceeded(
         f"no node can hold a {num_blocks_needed}-block sequence (fewest uncached blocks on any node)",
         requested=fewest_uncached,
-        available=most_free,
+        available=most_room,
     )

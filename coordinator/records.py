@@ -96,11 +96,15 @@ class PurgeResult:
 
 
 class NodeRoom(NamedTuple):
-    """A node an open may go on, with the room the coordinator's node cache gives it."""
+    """A node an open may go on, with the room the coordinator's node cache gives it:
+    free_blocks never keyed, evictable_blocks cached but unheld (room, not idle capacity),
+    recent_opens the opens the coordinator placed there lately (decayed; placement's balance)."""
 
     node_id: str
     free_blocks: int
     total_blocks: int
+    evictable_blocks: int = 0
+    recent_opens: float = 0.0
 
 
 _DEFAULT_WEIGHTS = PlacementWeights()
@@ -115,6 +119,8 @@ class NewSequence:
     candidates: the nodes it may go on (the caller's cached view of their room);
     normalised to node_id order, which is how ties resolve (smallest id wins).
     quota: the tenant's block quota, or None (unlimited).
+    pending_ttl_ms: how long this open's in-flight marker steers opens of the same uncached
+    prefix to its node (placement.py); 0: leave none.
     """
 
     seq_id: str
@@ -126,6 +132,7 @@ class NewSequence:
     candidates: tuple[NodeRoom, ...]
     weights: PlacementWeights = _DEFAULT_WEIGHTS
     quota: int | None = None
+    pending_ttl_ms: int = 10_000
 
     def __post_init__(self) -> None:
         check_name("seq_id", self.seq_id)
@@ -140,19 +147,28 @@ class NewSequence:
             raise InvalidArgument(f"weights must be PlacementWeights, got {self.weights!r}")
         if self.quota is not None:
             check_count("quota", self.quota)
+        check_count("pending_ttl_ms", self.pending_ttl_ms)
         rooms = []
         for c in self.candidates:
-            if not isinstance(c, tuple) or len(c) != 3:
-                raise InvalidArgument(f"a candidate must be (node_id, free_blocks, total_blocks), got {c!r}")
+            if not isinstance(c, tuple) or not 3 <= len(c) <= 5:
+                raise InvalidArgument(
+                    "a candidate must be (node_id, free_blocks, total_blocks[, evictable_blocks"
+                    f"[, recent_opens]]), got {c!r}"
+                )
+            opens = c[4] if len(c) == 5 else 0.0
+            if not isinstance(opens, int | float) or isinstance(opens, bool) or not 0 <= opens < math.inf:
+                raise InvalidArgument(f"candidate recent_opens must be a finite number >= 0, got {opens!r}")
             room = NodeRoom(
                 check_name("candidate node_id", c[0]),
                 check_count("candidate free_blocks", c[1]),
                 check_count("candidate total_blocks", c[2]),
+                check_count("candidate evictable_blocks", c[3] if len(c) >= 4 else 0),
+                float(opens),
             )
-            if room.free_blocks > room.total_blocks:
+            if room.free_blocks + room.evictable_blocks > room.total_blocks:
                 raise InvalidArgument(
-                    f"node {room.node_id!r}: free_blocks {room.free_blocks} > "
-                    f"total_blocks {room.total_blocks}"
+                    f"node {room.node_id!r}: free_blocks {room.free_blocks} + evictable_blocks "
+                    f"{room.evictable_blocks} > total_blocks {room.total_blocks}"
                 )
             rooms.append(room)
         rooms.sort()

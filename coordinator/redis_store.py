@@ -31,6 +31,7 @@ connection kept for them, without redis-py's per-call machinery.
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -180,10 +181,14 @@ local P, id = ARGV[1], ARGV[2]
 if redis.call('EXISTS', P .. 'alive:' .. id) == 0 then return 0 end
 local n = tonumber(ARGV[3])
 local nk = P .. 'nkeys:' .. id
+local done = {}  -- in-flight markers (placement.py) of keys now stored: their wait is over
 for i = 4, 3 + n do
   redis.call('SADD', P .. 'idx:' .. ARGV[i], id)
   redis.call('SADD', nk, ARGV[i])
+  done[#done + 1] = P .. 'pend:' .. ARGV[i]
+  if #done == 4000 then redis.call('DEL', unpack(done)); done = {} end
 end
+if #done > 0 then redis.call('DEL', unpack(done)) end
 for i = 4 + n, #ARGV do
   if redis.call('SREM', nk, ARGV[i]) == 1 then redis.call('SREM', P .. 'idx:' .. ARGV[i], id) end
 end
@@ -233,13 +238,17 @@ return out
 """
 )
 
-# The whole open in one round trip: match, placement.place ported to Lua, quota, page table.
+# The whole open in one round trip: match, placement.place ported to Lua, quota, page table,
+# and the in-flight marker (placement.py) on the first uncached key.
 # ARGV: P, seq_id, tenant, num_tokens, num_blocks, overlap_weight, load_weight, quota ('' = none),
-#       keys_blob, then (node_id, free_blocks, total_blocks) per candidate, sorted by node_id.
-# Returns {1, node, cached, {node, score, ...}, {rejected...}} | {0} (no live candidate)
-#       | {-1, fewest uncached, most free} (no room) | {-2, used} (quota) | {-3} (id taken).
+#       keys_blob, balance_slack ('-1' = no bound), pending_ttl_ms, affinity_share, balance_margin, then
+#       (node_id, free_blocks, total_blocks, evictable_blocks, recent_opens) per candidate, by node_id.
+# Returns {1, node, cached, {node, score, ...}, {rejected...}, pending, cached elsewhere}
+#       | {0} (no live candidate)
+#       | {-1, fewest uncached, most room} (no room) | {-2, used} (quota) | {-3} (id taken).
 # Scores travel as %.17g strings (Redis truncates Lua numbers to integers), which parse back
-# to the same doubles; ties go to the smallest sha1hex(first key .. node id), as place()'s tie_rank.
+# to the same doubles (the arithmetic is place()'s, in its order); ties go to the smallest
+# sha1hex(first key .. node id), as place()'s tie_rank.
 _OPEN_SEQ = (
     _MATCH
     + """
@@ -247,35 +256,67 @@ local P, s, tenant = ARGV[1], ARGV[2], ARGV[3]
 local need = tonumber(ARGV[5])
 local ow, lw = tonumber(ARGV[6]), tonumber(ARGV[7])
 local keys = split_keys(ARGV[9])
+local slack, ttl, aff, margin = tonumber(ARGV[10]), tonumber(ARGV[11]), tonumber(ARGV[12]), tonumber(ARGV[13])
 local tie = keys[1] or ''
-local best, best_score, best_rank, best_cached
-local scores, rejected = {}, {}
-local live, fewest_new, most_free = 0, nil, 0
-for j = 10, #ARGV, 3 do
+local nodes = {}
+local sum_opens, sum_total = 0, 0
+for j = 14, #ARGV, 5 do
   local id = ARGV[j]
   if redis.call('EXISTS', P .. 'alive:' .. id) == 1 then
-    live = live + 1
-    local free, total = tonumber(ARGV[j + 1]), tonumber(ARGV[j + 2])
-    local cached = math.min(leading(P, id, keys), need)
-    local new = need - cached
-    if fewest_new == nil or new < fewest_new then fewest_new = new end
-    if free > most_free then most_free = free end
-    if new > free then
-      rejected[#rejected + 1] = id
-    else
-      local load = 1.0
-      if total > 0 then load = (total - free + new) / total end
-      local score = ow * cached - lw * load
-      scores[#scores + 1] = id; scores[#scores + 1] = string.format('%.17g', score)
-      local rank = redis.sha1hex(tie .. id)
-      if best == nil or score > best_score or (score == best_score and rank < best_rank) then
-        best, best_score, best_rank, best_cached = id, score, rank, cached
+    local free, total, evictable = tonumber(ARGV[j + 1]), tonumber(ARGV[j + 2]), tonumber(ARGV[j + 3])
+    local opens = tonumber(ARGV[j + 4])
+    local held = leading(P, id, keys)
+    local pending = 0
+    if held < #keys then
+      local marker = redis.call('GET', P .. 'pend:' .. keys[held + 1])
+      if marker then
+        local count, owner = string.match(marker, '^(%d+):(.*)$')
+        if owner == id then pending = math.max(0, math.min(tonumber(count), #keys) - held) end
       end
+    end
+    nodes[#nodes + 1] = {id, free + evictable, total, math.min(held, need), pending, opens}
+    sum_opens = sum_opens + opens
+    sum_total = sum_total + total
+  end
+end
+if #nodes == 0 then return {0} end
+local best, best_over, best_cost, best_rank, best_cached, best_pending
+local scores, rejected = {}, {}
+local fewest_new, most_room = nil, 0
+for _, n in ipairs(nodes) do
+  local id, room, total, cached = n[1], n[2], n[3], n[4]
+  local new = need - cached
+  if fewest_new == nil or new < fewest_new then fewest_new = new end
+  if room > most_room then most_room = room end
+  if new > room then
+    rejected[#rejected + 1] = id
+  else
+    local pending = math.min(n[5], new)
+    local after = total - room + new
+    local cost = ow * (new - pending) + lw * after
+    scores[#scores + 1] = id; scores[#scores + 1] = string.format('%.17g', -cost)
+    local fair = 0.0
+    if sum_total > 0 then fair = (sum_opens + 1) * total / sum_total end
+    local opens = n[6] + 1
+    local over = slack >= 0 and opens > (1.0 + slack) * fair + margin
+    over = over and (cached < aff * need or opens > (1.0 + 2 * slack) * fair + 2 * margin)
+    local rank = redis.sha1hex(tie .. id)
+    local better = best == nil
+    if not better then
+      if over ~= best_over then better = not over
+      elseif cost ~= best_cost then better = cost < best_cost
+      else better = rank < best_rank end
+    end
+    if better then
+      best, best_over, best_cost, best_rank, best_cached, best_pending = id, over, cost, rank, cached, pending
     end
   end
 end
-if live == 0 then return {0} end
-if best == nil then return {-1, fewest_new, most_free} end
+if best == nil then return {-1, fewest_new, most_room} end
+local elsewhere = 0
+for _, n in ipairs(nodes) do
+  if n[1] ~= best and n[4] > elsewhere then elsewhere = n[4] end
+end
 local uk = P .. 'usage:' .. tenant
 if ARGV[8] ~= '' then
   local used = tonumber(redis.call('GET', uk) or '0')
@@ -287,7 +328,10 @@ redis.call('HSET', sk, 'tenant', tenant, 'extents', cjson.encode({{best, 0, need
            'num_tokens', ARGV[4], 'state', 'active', 'lost_reason', '')
 redis.call('SADD', P .. 'nseqs:' .. best, s)
 if ARGV[8] ~= '' and need > 0 then redis.call('INCRBY', uk, need) end
-return {1, best, best_cached, scores, rejected}
+if ttl > 0 and best_cached < #keys then
+  redis.call('SET', P .. 'pend:' .. keys[best_cached + 1], #keys .. ':' .. best, 'PX', ttl)
+end
+return {1, best, best_cached, scores, rejected, best_pending, elsewhere}
 """
 )
 
@@ -577,9 +621,13 @@ class RedisStore(Store):
             repr(float(w.load_weight)),
             "" if new.quota is None else new.quota,
             new.keys,
+            repr(float(w.balance_slack)) if math.isfinite(w.balance_slack) else "-1",
+            new.pending_ttl_ms,
+            repr(float(w.affinity_share)),
+            repr(float(w.balance_margin)),
         ]
         for c in new.candidates:
-            args += c
+            args += (c.node_id, c.free_blocks, c.total_blocks, c.evictable_blocks, repr(c.recent_opens))
         reply = self._call("open_sequence", self._kept.run, self._open_seq, args)
         code = reply[0]
         if code == 1:
@@ -592,6 +640,8 @@ class RedisStore(Store):
                 new_blocks=new.num_blocks - cached,
                 scores={_s(flat[i]): float(flat[i + 1]) for i in range(0, len(flat), 2)},
                 rejected=tuple(sorted(_s(n) for n in reply[4])),
+                pending_blocks=int(reply[5]),
+                cached_elsewhere_blocks=int(reply[6]),
             )
         if code == 0:
             raise Unavailable("no live cache node to place a sequence on")

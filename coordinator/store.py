@@ -128,7 +128,9 @@ class Store(ABC):
         """Match, place and record a new sequence, atomically: the whole open in one round trip.
 
         1. match: each candidate that is live gets its leading cached blocks of
-           new.keys, exactly as match_prefix counts them; the others are skipped.
+           new.keys, exactly as match_prefix counts them, and the blocks an open in
+           flight brings it (placement.py's marker on its first uncached key); the
+           others are skipped.
         2. place: placement.place(those candidates with their room, new.num_blocks,
            new.block_size, new.weights, the first of new.keys or b"" as tie_key):
            the same node, cached blocks, scores and
@@ -140,6 +142,10 @@ class Store(ABC):
         4. write: the page table (one extent [0, num_blocks) on the chosen node,
            num_tokens, state active) and its node link; SequenceExists if the id
            is taken.
+        5. mark: with new.pending_ttl_ms > 0 and keys left uncached on the chosen
+           node, the first of them names that node and the prompt's key count for
+           that long (the last open to mark a key wins), or until a node reports
+           that key stored (apply_events drops the marker).
 
         Checked in that order; any error changes nothing. Returns the Placement.
         """

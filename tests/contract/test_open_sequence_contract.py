@@ -50,6 +50,8 @@ def register(store: Store, *node_ids: str, ttl_s: float = 30.0) -> None:
 
 def new(seq_id: str = "s1", *, num_keys: int = 6, num_blocks: int = 8, rooms=None, **kw) -> NewSequence:  # type: ignore[no-untyped-def]
     rooms = rooms if rooms is not None else (NodeRoom("n1", 50, 100), NodeRoom("n2", 90, 100))
+    kw.setdefault("pending_ttl_ms", 0)  # no in-flight markers, but where a test is about them
+    kw.setdefault("weights", PlacementWeights(load_weight=1.0))  # round numbers
     return NewSequence(
         seq_id, kw.pop("tenant", "acme"), num_blocks * BS - 3, num_blocks, BS, keys(num_keys), rooms, **kw
     )
@@ -64,14 +66,15 @@ def test_the_longest_cached_prefix_wins_and_the_page_table_is_written(store: Sto
     register(store, "n1", "n2")
     store.apply_events("n1", [key(i) for i in (1, 2, 3, 4)], [])  # 4 leading blocks
     store.apply_events("n2", [key(1), key(3), key(4), key(5), key(6)], [])  # a gap after block 1
-    placement = store.open_sequence(new())
+    # n1 runs 5 blocks more than n2 but saves 3 more blocks of prefill: cost 4 + 19 vs 7 + 17.
+    placement = store.open_sequence(new(rooms=(NodeRoom("n1", 85, 100), NodeRoom("n2", 90, 100))))
     assert (placement.node_id, placement.cached_blocks, placement.cached_tokens, placement.new_blocks) == (
         "n1",
         4,
         64,
         4,
     )
-    assert placement.scores == {"n1": 4 - (50 + 4) / 100, "n2": 1 - (10 + 7) / 100}
+    assert placement.scores == {"n1": -(4 + 15 + 4), "n2": -(7 + 10 + 7)}
     assert placement.rejected == ()
     record = store.get_sequence("s1")
     assert (record.tenant, record.extents, record.num_tokens, record.state) == (
@@ -101,11 +104,54 @@ def test_load_breaks_ties_and_exact_ties_go_by_rendezvous_rank(store: Store) -> 
             opened = store.open_sequence(replace(new(f"t{first}.{i}", rooms=order), keys=prompt))
             assert opened.node_id == winner(key(first))
     assert store.open_sequence(new("a", rooms=rooms)).node_id == winner(key(1))
-    # The load weight can make an idle node beat a cached prefix.
+    # A cached prefix wins when the prefill it saves outweighs the extra load; a heavier load
+    # weight makes the idler node win instead.
     store.apply_events("n1", [key(1), key(2)], [])
-    heavy = PlacementWeights(load_weight=8.0)
-    assert store.open_sequence(new("b", num_keys=2, rooms=rooms)).node_id == "n1"
+    rooms = (NodeRoom("n3", 90, 100), NodeRoom("n2", 90, 100), NodeRoom("n1", 85, 100))
+    assert store.open_sequence(new("b0", num_keys=2, rooms=rooms)).node_id == winner(key(1))  # 27 vs 26
+    prefill = PlacementWeights(overlap_weight=4.0, load_weight=1.0)  # 4 * 6 + 21 = 45 vs 4 * 8 + 18 = 50
+    assert store.open_sequence(new("b", num_keys=2, rooms=rooms, weights=prefill)).node_id == "n1"
+    heavy = PlacementWeights(overlap_weight=4.0, load_weight=8.0)  # 24 + 168 vs 32 + 144
     assert store.open_sequence(new("c", num_keys=2, rooms=rooms, weights=heavy)).node_id == winner(key(1))
+
+
+def test_evictable_blocks_are_room_not_load(store: Store) -> None:
+    register(store, "n1", "n2")
+    # n1: no free block but 90 evictable (idle, full of cache); n2: 30 free, 70 active.
+    rooms = (NodeRoom("n1", 0, 100, 90), NodeRoom("n2", 30, 100))
+    placement = store.open_sequence(new(rooms=rooms))
+    assert (placement.node_id, placement.scores) == ("n1", {"n1": -(8 + 18), "n2": -(8 + 78)})
+    with pytest.raises(CapacityExceeded) as err:  # 8 blocks fit in neither 0 + 7 nor 5
+        store.open_sequence(new("s2", rooms=(NodeRoom("n1", 0, 100, 7), NodeRoom("n2", 5, 100))))
+    assert (err.value.requested, err.value.available) == (8, 7)
+
+
+def test_concurrent_opens_of_one_uncached_prefix_land_on_one_node(store: Store) -> None:
+    register(store, "n1", "n2")
+    ttl = {"pending_ttl_ms": 10_000}
+    first = store.open_sequence(new("a", rooms=(NodeRoom("n1", 90, 100), NodeRoom("n2", 90, 100)), **ttl))
+    other = "n2" if first.node_id == "n1" else "n1"
+    # Before n(first) reports the blocks, it looks 5 blocks busier (the coordinator's account):
+    # alone that sends the next open elsewhere (8 + 18 vs 8 + 23), but the first open is
+    # bringing all 6 keys there, so 2 + 23 < 26 and the second open follows it.
+    rooms = (NodeRoom(first.node_id, 85, 100), NodeRoom(other, 90, 100))
+    second = store.open_sequence(new("b", rooms=rooms, **ttl))
+    assert (second.node_id, second.cached_blocks, second.pending_blocks) == (first.node_id, 0, 6)
+    # Once the first open's node reports the keys stored, they count as cached and the marker goes.
+    store.apply_events(first.node_id, [key(i) for i in range(1, 7)], [])
+    third = store.open_sequence(new("b2", rooms=rooms, **ttl))
+    assert (third.node_id, third.cached_blocks, third.pending_blocks) == (first.node_id, 6, 0)
+    store.apply_events(first.node_id, [], [key(1)])  # evicted: no stale marker steers the next open
+    assert store.open_sequence(new("b3", rooms=rooms, **ttl)).pending_blocks == 0
+    # Without a marker (pending_ttl_ms=0, or once it lapsed) the load decides.
+    fresh = replace(new("d", rooms=rooms, pending_ttl_ms=0), keys=b"".join(key(i) for i in range(40, 46)))
+    assert store.open_sequence(fresh).pending_blocks == 0
+    assert store.open_sequence(replace(fresh, seq_id="e")).node_id == other
+    brief = replace(new("f", pending_ttl_ms=30, rooms=rooms), keys=b"".join(key(i) for i in range(50, 56)))
+    assert store.open_sequence(brief).node_id == other
+    time.sleep(0.25)
+    rooms2 = (NodeRoom(first.node_id, 90, 100), NodeRoom(other, 85, 100))
+    assert store.open_sequence(replace(brief, seq_id="g", candidates=rooms2)).pending_blocks == 0
 
 
 def test_candidates_that_are_not_live_are_skipped(store: Store) -> None:
@@ -226,7 +272,7 @@ def test_the_quota_is_never_exceeded_under_16_threads(store: Store) -> None:
     [
         ({"keys": b"x" * 17}, "16-byte"),
         ({"keys": [key(1)]}, "16-byte"),
-        ({"candidates": (NodeRoom("n1", 5, 4),)}, "free_blocks 5 > total_blocks 4"),
+        ({"candidates": (NodeRoom("n1", 5, 4),)}, "free_blocks 5 \\+ evictable_blocks 0 > total_blocks 4"),
         ({"candidates": (NodeRoom("n1", 1, 4), NodeRoom("n1", 2, 4))}, "distinct"),
         ({"candidates": (("n1", 1),)}, "candidate"),
         ({"candidates": (NodeRoom("", 1, 4),)}, "node_id"),

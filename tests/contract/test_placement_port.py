@@ -10,6 +10,8 @@ the same error with the same numbers, and on success the same page table.
 
 from __future__ import annotations
 
+import math
+import time
 from typing import Any
 
 import pytest
@@ -39,21 +41,31 @@ def scenarios(draw: Any) -> dict[str, Any]:
     nodes = []
     for node_id in ids:
         total = draw(st.integers(0, 12))
+        free = draw(st.integers(0, total))
         nodes.append(
             {
                 "id": node_id,
                 "total": total,
-                "free": draw(st.integers(0, total)),
+                "free": free,
+                "evictable": draw(st.integers(0, total - free)),
+                "opens": draw(st.sampled_from([0.0, 1.0, 3.0]) | st.floats(0, 20, allow_nan=False)),
                 "cached": draw(st.integers(0, MAX_KEYS)),
                 "live": draw(st.booleans() | st.just(True)),
             }
         )
     weight = st.sampled_from([0, 1, 1.0, 8.0, 0.5]) | st.floats(0, 50, allow_nan=False)
+    slack = st.sampled_from([0.0, 0.1, 0.5, math.inf]) | st.floats(0, 3, allow_nan=False)
+    affinity = st.sampled_from([0.0, 0.5, 1.0, 2.0]) | st.floats(0, 2, allow_nan=False)
+    margin = st.sampled_from([0.0, 1.0, 4.0]) | st.floats(0, 8, allow_nan=False)
+    marker = st.none() | st.tuples(
+        st.sampled_from(NODE_IDS), st.integers(0, MAX_KEYS - 1), st.integers(0, 14)
+    )
     return {
         "nodes": nodes,
+        "marker": draw(marker),  # an open in flight: (its node, the key it marks, its key count)
         "num_keys": draw(st.integers(0, MAX_KEYS)),
         "num_blocks": draw(st.integers(0, 14)),
-        "weights": PlacementWeights(draw(weight), draw(weight)),
+        "weights": PlacementWeights(draw(weight), draw(weight), draw(slack), draw(affinity), draw(margin)),
         "quota": draw(st.none() | st.integers(0, 20)),
         "used": draw(st.integers(0, 10)),
         "taken": draw(st.booleans()),  # the seq id already exists
@@ -63,9 +75,15 @@ def scenarios(draw: Any) -> dict[str, Any]:
 def expected(sc: dict[str, Any]) -> tuple[str, Any]:
     """What the specification says: ("ok", Placement) or (error class name, its numbers)."""
     live = sorted((n for n in sc["nodes"] if n["live"]), key=lambda n: n["id"])
-    candidates = [
-        NodeCandidate(n["id"], min(n["cached"], sc["num_keys"]), n["free"], n["total"]) for n in live
-    ]
+    candidates = []
+    for n in live:
+        held = min(n["cached"], sc["num_keys"])
+        pending, marker = 0, sc["marker"]
+        if marker is not None and marker[0] == n["id"] and marker[1] == held < sc["num_keys"]:
+            pending = max(0, min(marker[2], sc["num_keys"]) - held)
+        candidates.append(
+            NodeCandidate(n["id"], held, n["free"], n["total"], n["evictable"], pending, n["opens"])
+        )
     try:
         placement = place(
             candidates, sc["num_blocks"], BLOCK, sc["weights"], KEYS[0] if sc["num_keys"] else b""
@@ -104,10 +122,19 @@ def build(store: Store, sc: dict[str, Any]) -> NewSequence:
     if sc["taken"]:
         store.register_node("old", "old:1", SPEC, 1, 30.0)
         store.create_sequence(SequenceRecord("s1", "acme", (Extent("old", 0, 1),)))
-    rooms = tuple(NodeRoom(n["id"], n["free"], n["total"]) for n in reversed(sc["nodes"]))
+    if sc["marker"] is not None:  # what an earlier open leaves (placement.py's in-flight marker)
+        node_id, index, count = sc["marker"]
+        if isinstance(store, MemoryStore):
+            store._pending[KEYS[index]] = (node_id, count, time.monotonic() + 30)
+        else:
+            assert isinstance(store, RedisStore)
+            store._redis.set(b"port:pend:" + KEYS[index], f"{count}:{node_id}".encode(), px=30_000)
+    rooms = tuple(
+        NodeRoom(n["id"], n["free"], n["total"], n["evictable"], n["opens"]) for n in reversed(sc["nodes"])
+    )
     return NewSequence(
         "s1", "acme", 3 * sc["num_blocks"], sc["num_blocks"], BLOCK,
-        b"".join(KEYS[: sc["num_keys"]]), rooms, sc["weights"], sc["quota"],
+        b"".join(KEYS[: sc["num_keys"]]), rooms, sc["weights"], sc["quota"], pending_ttl_ms=0,
     )  # fmt: skip
 
 

@@ -134,3 +134,38 @@ def test_open_close_bursts_between_heartbeats_do_not_fill_a_node(cluster):
     for e in engines.values():
         e.check_integrity()
         assert e.stats()["used_blocks"] == 0
+
+
+def test_misses_are_counted_by_why_the_first_uncached_block_missed(cluster):
+    coordinator, engines = cluster
+    prompt = list(range(200, 240))  # 10 blocks, 9 of them matchable (the last token is computed)
+    a = coordinator.open("t", prompt, seq_id="a", wait=True)
+    assert coordinator.counters["misses_not_cached"] == 1
+    # A second open of the same prompt before a's blocks are reported: a's in-flight marker
+    # sends it to a's node, and the miss is counted as in flight.
+    b = coordinator.open("t", prompt, seq_id="b", wait=True)
+    assert b.node_id == a.node_id and coordinator.counters["misses_in_flight"] == 1
+    k = torch.randn(1, 40, 1, 8)
+    engines[a.node_id].append("a", prompt, k, k)
+    publish(coordinator, engines, a.node_id)
+    assert coordinator.open("t", prompt, seq_id="c").num_cached_tokens == 36  # a hit: nothing counted
+    # The node reports the first block removed (evicted): the next open's miss says so.
+    assert coordinator.open("t", prompt + [1], seq_id="d").placement.cached_blocks == 10  # all 10 hit
+    key0 = engines[a.node_id].manager.block_keys(prompt[:4], coordinator._salt("t")[0])[0]
+    coordinator.report_events(a.node_id, [(2, key0)])
+    coordinator.open("t", prompt, seq_id="e")
+    counts = {
+        r: coordinator.counters["misses_" + r] for r in ("in_flight", "other_node", "evicted", "not_cached")
+    }
+    assert counts == {"in_flight": 1, "other_node": 0, "evicted": 1, "not_cached": 1}
+
+
+def test_a_miss_where_another_node_holds_more_counts_as_other_node():
+    from pagedkv.coordinator.placement import Placement
+
+    coordinator = Coordinator(MemoryStore(), CoordinatorConfig(lease_ttl_s=30))
+    keys = bytes(16 * 4)
+    coordinator._count_miss(Placement("n1", 1, 4, 3, cached_elsewhere_blocks=3), keys)
+    coordinator._count_miss(Placement("n1", 3, 12, 1, cached_elsewhere_blocks=3), keys)
+    coordinator._count_miss(Placement("n1", 4, 16, 0, cached_elsewhere_blocks=4), keys)  # all hit
+    assert (coordinator.counters["misses_other_node"], coordinator.counters["misses_not_cached"]) == (1, 1)

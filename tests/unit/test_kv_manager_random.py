@@ -462,7 +462,7 @@ def _run(seed: int, policy: str, num_host_blocks: int, steps: int) -> Harness:
 
 
 @pytest.mark.parametrize("num_host_blocks", [0, 12])
-@pytest.mark.parametrize("policy", ["lru", "lfu", "score"])
+@pytest.mark.parametrize("policy", ["lru", "lfu", "score", "slru"])
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_random_operations_keep_every_invariant(seed: int, policy: str, num_host_blocks: int) -> None:
     h = _run(seed, policy, num_host_blocks, steps=1500)

@@ -1,8 +1,12 @@
-"""place(): narrated scenarios with exact choices (no store, no network)."""
+"""place(): narrated scenarios with exact choices (no store, no network). The rule (placement.py):
+cost = overlap_weight * (new - pending) + load_weight * (active + new), lowest wins, among the
+nodes within the balance bound first."""
 
 from __future__ import annotations
 
 import hashlib
+import math
+from dataclasses import replace
 
 import pytest
 
@@ -10,50 +14,111 @@ from pagedkv.coordinator.placement import NodeCandidate, Placement, PlacementWei
 from pagedkv.protos.errors import CapacityExceeded, InvalidArgument, Unavailable
 
 BLOCK = 16
+LW1 = PlacementWeights(load_weight=1.0, balance_slack=0.1, balance_margin=1.0)  # round numbers, a tight bound
 
 
-def node(node_id: str, cached: int, free: int, total: int = 100) -> NodeCandidate:
-    return NodeCandidate(node_id, cached_blocks=cached, free_blocks=free, total_blocks=total)
+def node(
+    node_id: str, cached: int, free: int, total: int = 100, evictable: int = 0, pending: int = 0
+) -> NodeCandidate:
+    return NodeCandidate(node_id, cached, free, total, evictable, pending)
 
 
-def test_the_longest_cached_prefix_wins_over_load() -> None:
-    # n1 is busy (90% used) but holds 8 of the 10 prompt blocks; n2 is idle and holds none.
-    result = place([node("n1", cached=8, free=10), node("n2", cached=0, free=100)], 10, BLOCK)
-    assert result.node_id == "n1"
-    assert (result.cached_blocks, result.cached_tokens, result.new_blocks) == (8, 128, 2)
-    assert result.scores == {"n1": pytest.approx(8 - 92 / 100), "n2": pytest.approx(-10 / 100)}
+def test_a_conversation_follows_its_history_unless_that_node_is_much_busier() -> None:
+    # n1 holds 40 of the 50 prompt blocks and runs 30 blocks more than n2.
+    result = place([node("n1", cached=40, free=60), node("n2", cached=0, free=90)], 50, BLOCK, LW1)
+    assert (result.node_id, result.cached_blocks, result.cached_tokens, result.new_blocks) == (
+        "n1",
+        40,
+        640,
+        10,
+    )
+    assert result.scores == {"n1": -(10 + 50), "n2": -(50 + 60)}
+    # Busier by more than the history saves (195 blocks vs 40): the history is recomputed elsewhere.
+    assert (
+        place([node("n1", 40, free=0, total=200), node("n2", 0, free=195, total=200)], 50, BLOCK, LW1).node_id
+        == "n2"
+    )
 
 
-def test_load_breaks_ties_between_equal_prefixes() -> None:
-    # Both cache 4 blocks; n2 has more room, so it ends up less loaded.
-    result = place([node("n1", 4, free=20), node("n2", 4, free=60), node("n3", 3, free=100)], 6, BLOCK)
-    assert result.node_id == "n2"
-    assert result.new_blocks == 2
+def test_a_shared_system_prompt_does_not_herd_every_request_onto_its_node() -> None:
+    # Only n1 holds the 4-block system prompt; once it runs 8 blocks more than n2, n2 gets the
+    # request (and computes the prompt: from then on both hold it).
+    system_only = [node("n1", cached=4, free=60), node("n2", cached=0, free=68)]
+    assert place(system_only, 10, BLOCK, LW1).node_id == "n2"
+    assert place([node("n1", 4, free=60), node("n2", 0, free=62)], 10, BLOCK, LW1).node_id == "n1"
 
 
-def test_a_heavier_load_weight_trades_cache_hits_for_balance() -> None:
-    busy, idle = node("busy", cached=2, free=10), node("idle", cached=0, free=100)
-    assert place([busy, idle], 4, BLOCK).node_id == "busy"
-    # load_weight 8: the busy node's 2 cached blocks (score 2 - 8*0.92) lose to the idle one (-8*0.04).
-    assert place([busy, idle], 4, BLOCK, PlacementWeights(load_weight=8.0)).node_id == "idle"
+def test_the_balance_bound_moves_small_gains_off_a_node_far_above_its_fair_share_of_opens() -> None:
+    # n1 holds 4 of the 10 blocks and by cost wins (10 * 6 + 16 vs 10 * 10 + 10), but it took 9
+    # of the last 10 opens: its fair share of 11 is 5.5, the bound 1.1 * 5.5 + 1 = 7.05 < 10.
+    heavy = PlacementWeights(overlap_weight=10.0, load_weight=1.0, balance_slack=0.1, balance_margin=1.0)
+    nodes = [
+        NodeCandidate("n1", 4, 90, 100, recent_opens=9.0),
+        NodeCandidate("n2", 0, 100, 100, recent_opens=1.0),
+    ]
+    result = place(nodes, 10, BLOCK, heavy)
+    assert (result.node_id, result.scores) == ("n2", {"n1": -76.0, "n2": -110.0})
+    assert place(nodes, 10, BLOCK, PlacementWeights(10.0, 1.0, math.inf)).node_id == "n1"  # no bound
+    # Within the bound (6 of 10: 7 <= 7.05) the cost decides.
+    within = [replace(nodes[0], recent_opens=6.0), replace(nodes[1], recent_opens=4.0)]
+    assert place(within, 10, BLOCK, heavy).node_id == "n1"
+    # Between the bound and twice its slack (6.5 of 10: 7.05 < 7.5 <= 7.6) a prompt the node
+    # holds half of (a conversation's next turn) may still go there; one it holds less of may not.
+    near = [replace(nodes[0], recent_opens=6.5), replace(nodes[1], recent_opens=3.5)]
+    assert place(near, 10, BLOCK, heavy).node_id == "n2"
+    history = [replace(near[0], cached_blocks=5), near[1]]
+    assert place(history, 10, BLOCK, heavy).node_id == "n1"
+    assert (
+        place(
+            history,
+            10,
+            BLOCK,
+            PlacementWeights(10.0, 1.0, affinity_share=0.6, balance_slack=0.1, balance_margin=1.0),
+        ).node_id
+        == "n2"
+    )
+    # Beyond twice the slack (9 of 10) not even a conversation's history keeps it there.
+    assert place([replace(nodes[0], cached_blocks=5), nodes[1]], 10, BLOCK, heavy).node_id == "n2"
+    # Fair shares follow node size: with 5 opens each, the small node (a third of the blocks) is
+    # over its share (6 > 1.1 * 11 / 3 + 1) and the big one within it, though only the small one caches.
+    sized = [
+        NodeCandidate("big", 0, 200, 200, recent_opens=5.0),
+        NodeCandidate("small", 1, 100, 100, recent_opens=5.0),
+    ]
+    assert place(sized, 4, BLOCK, LW1).node_id == "big"
+    equal = [replace(sized[0], total_blocks=100, free_blocks=100), sized[1]]
+    assert place(equal, 4, BLOCK, LW1).node_id == "small"
+
+
+def test_evictable_cache_is_room_but_not_load() -> None:
+    # n1 is full of cache nobody holds (idle); n2 has free blocks but runs 90 blocks.
+    nodes = [node("n1", 0, free=0, evictable=90), node("n2", 0, free=10)]
+    result = place(nodes, 5, BLOCK, LW1)
+    assert result.node_id == "n1" and result.scores == {"n1": -(5 + 15), "n2": -(5 + 95)}
+    assert node("n1", 0, free=0, evictable=90).active_blocks == 10
+
+
+def test_an_open_in_flight_steers_a_second_open_of_the_same_prefix_to_its_node() -> None:
+    # Neither node holds the prompt yet; an open placed on n2 a moment ago is computing 8 of it.
+    nodes = [node("n1", 0, free=100), node("n2", 0, free=92, pending=8)]
+    result = place(nodes, 10, BLOCK, LW1)
+    assert (result.node_id, result.cached_blocks, result.pending_blocks) == ("n2", 0, 8)
 
 
 def test_a_node_without_room_for_its_uncached_remainder_is_never_chosen() -> None:
-    # n1 caches 2 of 12 blocks but has only 5 free (needs 10); n2 has room.
-    result = place([node("n1", 2, free=5), node("n2", 0, free=12)], 12, BLOCK)
+    # n1 caches 2 of 12 blocks but has only 5 of room (needs 10); n2 has room.
+    result = place([node("n1", 2, free=3, evictable=2), node("n2", 0, free=12)], 12, BLOCK, LW1)
     assert result.node_id == "n2"
     assert result.rejected == ("n1",)
     assert set(result.scores) == {"n2"}
 
 
-def test_a_full_cached_prefix_needs_no_free_blocks() -> None:
-    result = place([node("n1", 5, free=0), node("n2", 0, free=50)], 5, BLOCK)
+def test_a_full_cached_prefix_needs_no_room_and_caps_at_the_need() -> None:
+    result = place(
+        [node("n1", 5, free=0, total=10), node("n2", 0, free=50)], 5, BLOCK, PlacementWeights(2.0, 1.0)
+    )
     assert (result.node_id, result.new_blocks, result.cached_tokens) == ("n1", 0, 80)
-
-
-def test_cached_blocks_beyond_the_need_are_capped() -> None:
-    result = place([node("n1", 9, free=0)], 3, BLOCK)
-    assert (result.cached_blocks, result.new_blocks) == (3, 0)
+    assert place([node("n1", 9, free=0)], 3, BLOCK, LW1).new_blocks == 0
 
 
 def test_exact_ties_go_by_rendezvous_hash_of_the_first_key_whatever_the_order() -> None:
@@ -75,27 +140,31 @@ def test_new_prompts_spread_over_idle_nodes() -> None:
 
 def test_nothing_fits_raises_capacity_exceeded_naming_the_need() -> None:
     with pytest.raises(CapacityExceeded) as info:
-        place([node("n1", 2, free=3), node("n2", 0, free=7)], 10, BLOCK)
+        place([node("n1", 2, free=3), node("n2", 0, free=4, evictable=3)], 10, BLOCK, LW1)
     assert (info.value.requested, info.value.available) == (8, 7)
     assert "10-block sequence" in str(info.value)
 
 
 def test_no_candidates_is_unavailable() -> None:
     with pytest.raises(Unavailable, match="no live cache node"):
-        place([], 1, BLOCK)
+        place([], 1, BLOCK, LW1)
 
 
 def test_bad_input_is_invalid_argument() -> None:
     with pytest.raises(InvalidArgument, match="free_blocks"):
-        NodeCandidate("n1", 0, free_blocks=11, total_blocks=10)
+        NodeCandidate("n1", 0, free_blocks=6, total_blocks=10, evictable_blocks=5)
+    with pytest.raises(InvalidArgument, match="pending_blocks"):
+        NodeCandidate("n1", 0, 1, 10, pending_blocks=-1)
     with pytest.raises(InvalidArgument, match="distinct"):
-        place([node("n1", 0, 5), node("n1", 0, 5)], 1, BLOCK)
+        place([node("n1", 0, 5), node("n1", 0, 5)], 1, BLOCK, LW1)
     with pytest.raises(InvalidArgument, match="num_blocks_needed"):
-        place([node("n1", 0, 5)], -1, BLOCK)
+        place([node("n1", 0, 5)], -1, BLOCK, LW1)
     with pytest.raises(InvalidArgument, match="load_weight"):
         PlacementWeights(load_weight=float("nan"))
+    with pytest.raises(InvalidArgument, match="balance_slack"):
+        PlacementWeights(balance_slack=-0.5)
 
 
 def test_placement_is_a_plain_value() -> None:
-    result = place([node("n1", 0, 5)], 0, BLOCK)
-    assert result == Placement("n1", 0, 0, 0, {"n1": pytest.approx(-0.95)}, ())
+    result = place([node("n1", 0, 5)], 0, BLOCK, LW1)
+    assert result == Placement("n1", 0, 0, 0, {"n1": -95.0}, ())

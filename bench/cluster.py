@@ -1,0 +1,261 @@
+"""Cluster-level prefix caching: does a coordinator + N nodes cache like one pool?
+
+    python -m bench.cluster [--quick] [--workload chat|trace] [--nodes 4] [--pool 2048]
+
+The same request stream (bench/workloads.py: the multi-turn chat workload, with a shared
+system prompt, growing histories and long one-shot documents; or the first requests of the
+Mooncake trace) is replayed by one worker through three real set-ups, each started fresh
+(redis-server, `pagedkv coordinator`, `pagedkv node` processes on free ports):
+
+- cluster: a coordinator and N nodes of P blocks; the coordinator places every open;
+- one node: a coordinator and one node of N x P blocks (the same memory, pooled);
+- random: N standalone nodes of P blocks, each open sent to a node chosen by a seeded RNG.
+
+The worker keeps `concurrency` sequences open (a request's KV is appended after its open,
+tiny model shape, zeros), closing the oldest as the next one opens. Reported: the prefix hit
+rate (cached prompt tokens over prompt tokens, from each open's reply), opens per node and the
+busiest node over the mean. Writes bench/results/cluster[_quick].{json,md,png}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter, deque
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from bench import plots
+from bench.workloads import ChatShape, Request, chat_requests, trace_requests
+from pagedkv.client import CacheClient
+from pagedkv.cluster import LocalCluster, NodeOptions, free_port
+from pagedkv.protos.errors import CapacityExceeded, PrefixEvicted
+from pagedkv.protos.spec import ModelSpec
+
+ROOT = Path(__file__).resolve().parents[1]
+SHAPE = {"num_layers": 1, "num_kv_heads": 1, "head_dim": 8, "dtype": "float16", "block_size": 16}
+SPEC = ModelSpec(**SHAPE)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class Setup:
+    name: str
+    num_nodes: int
+    pool: int
+    placement: str  # "coordinator" or "random"
+
+
+@dataclass
+class Replay:
+    hit_tokens: int = 0
+    prompt_tokens: int = 0
+    seconds: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.opens: Counter[str] = Counter()
+        self.reopens = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+def node_options(pool: int, policy: str) -> NodeOptions:
+    return NodeOptions(**SHAPE, num_blocks=pool, host_blocks=0, policy=policy, bulk_port="off")  # type: ignore[arg-type]
+
+
+@contextmanager
+def started(num_nodes: int, options: NodeOptions, log_dir: str, coordinator: bool) -> Iterator[LocalCluster]:
+    """redis-server, a coordinator and N nodes (coordinator=True), or N standalone nodes: the
+    nodes' processes start side by side (each imports torch: seconds), then all are waited for."""
+    cluster = LocalCluster(num_nodes, options, use_redis=coordinator, log_dir=log_dir)
+    try:
+        if coordinator:
+            cluster.num_nodes = 0  # LocalCluster.start() brings up Redis and the coordinator only
+            cluster.start()
+        for i in range(num_nodes):
+            address = f"127.0.0.1:{free_port()}"
+            cluster.node_addresses.append(address)
+            link = [f"--coordinator={cluster.coordinator_address}", f"--advertise={address}"]
+            link = link if coordinator else []
+            cluster._pagedkv(f"node-{i}", ["node", f"--listen={address}", f"--node-id=node-{i}",
+                                           "--metrics-port=0", *link, *options.args()])  # fmt: skip
+        for i, address in enumerate(cluster.node_addresses):
+            cluster._wait_healthy(f"node-{i}", address)
+        if coordinator:
+            cluster.wait_registered(num_nodes)
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def replay(clients: list[CacheClient], names: list[str], requests: list[Request], concurrency: int,
+           rng: random.Random | None) -> Replay:  # fmt: skip
+    """One worker: open, append the uncached rest, keep `concurrency` open, close the oldest.
+    With one client (a coordinator) the open goes where it places it; with several (standalone
+    nodes) to a node drawn by `rng`."""
+    out = Replay()
+    running: deque = deque()
+    start = time.perf_counter()
+    for i, r in enumerate(requests):
+        while len(running) >= concurrency:
+            running.popleft().close()
+        pick = rng.randrange(len(clients)) if rng is not None else 0
+        for attempt in range(8):
+            seq = clients[pick].open(f"r{i}.{attempt}", r.tokens)
+            cached = seq.num_cached_tokens
+            n = len(r.tokens) - cached
+            kv = torch.zeros(SPEC.num_layers, n, SPEC.num_kv_heads, SPEC.head_dim, dtype=torch.float16)
+            try:
+                seq.append(r.tokens[cached:], kv, kv)
+                break
+            except PrefixEvicted:  # the index promised blocks the node evicted since: open again
+                out.reopens += 1
+            except CapacityExceeded:  # placed on a node the running ones fill: wait for the oldest
+                seq.close()
+                if not running:
+                    raise
+                running.popleft().close()
+                out.reopens += 1
+        else:
+            raise RuntimeError(f"request {i}: no room or its prefix evicted under eight opens in a row")
+        running.append(seq)
+        out.opens[seq.route.node_id or names[pick]] += 1
+        out.hit_tokens += cached
+        out.prompt_tokens += len(r.tokens)
+    for seq in running:
+        seq.close()
+    out.seconds = time.perf_counter() - start
+    return out
+
+
+def run_setup(setup: Setup, requests: list[Request], concurrency: int, policy: str, log_dir: str) -> Replay:
+    coordinator = setup.placement == "coordinator"
+    with started(setup.num_nodes, node_options(setup.pool, policy), log_dir, coordinator) as cluster:
+        if coordinator:
+            with CacheClient(coordinator=cluster.coordinator_address, spec=SPEC) as client:
+                return replay([client], ["?"], requests, concurrency, None)
+        clients = [CacheClient(a) for a in cluster.node_addresses]
+        try:
+            names = [f"node-{i}" for i in range(len(clients))]
+            return replay(clients, names, requests, concurrency, random.Random(0))
+        finally:
+            for c in clients:
+                c.close()
+
+
+def workload(name: str, quick: bool, limit: int | None) -> tuple[list[Request], int]:
+    """The requests and the concurrency they run at."""
+    if name == "trace":
+        return trace_requests(limit or (60 if quick else 400)), 8
+    if name != "chat":
+        raise SystemExit(f"unknown workload {name!r} (chat or trace)")
+    shape = ChatShape(active=64, document_every=4, document_tokens=(1024, 4096))
+    if quick:
+        shape = ChatShape(num_conversations=24, active=12, document_every=4, document_tokens=(512, 1024))
+    reqs = chat_requests(shape)
+    return reqs[:limit] if limit else reqs, 8
+
+
+def summarize(results: dict[str, Replay], num_nodes: int) -> dict:
+    out = {}
+    for name, r in results.items():
+        counts = [r.opens.get(f"node-{i}", 0) for i in range(num_nodes if name != "one node" else 1)]
+        mean = sum(counts) / len(counts)
+        out[name] = {
+            "hit_rate": r.hit_rate,
+            "opens_per_node": counts,
+            "busiest_over_mean": max(counts) / mean if mean else 0.0,
+            "seconds": r.seconds,
+            "reopens": r.reopens,
+        }
+    return out
+
+
+def markdown(summary: dict, meta: dict) -> str:
+    lines = ["# Cluster replay (bench/cluster.py)", "", meta["note"], "",
+             "| configuration | prefix hit rate | vs one node | opens per node | busiest / mean | s |",
+             "|---|---:|---:|---|---:|---:|"]  # fmt: skip
+    one = summary.get("one node", {}).get("hit_rate", 0.0)
+    for name, row in summary.items():
+        ratio = f"{row['hit_rate'] / one:.2f}x" if one else "-"
+        per = " / ".join(str(c) for c in row["opens_per_node"])
+        lines.append(f"| {name} | {row['hit_rate']:.4f} | {ratio} | {per} | {row['busiest_over_mean']:.2f} | "
+                     f"{row['seconds']:.0f} |")  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def plot(summary: dict, path: Path, title: str) -> None:
+    plt = plots.pyplot()
+    if plt is None:
+        return
+    fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.6))
+    names = list(summary)
+    a.bar(names, [summary[n]["hit_rate"] for n in names], color=["C0", "C1", "C2"][: len(names)])
+    a.set(ylabel="prefix hit rate", title=title)
+    spread = [n for n in names if len(summary[n]["opens_per_node"]) > 1]
+    for i, n in enumerate(spread):
+        counts = summary[n]["opens_per_node"]
+        mean = sum(counts) / len(counts)
+        b.scatter([i] * len(counts), [c / mean for c in counts], label=n)
+    b.axhline(1.1, color="grey", linestyle=":", label="goal: busiest <= 1.1x")
+    b.set_xticks(range(len(spread)), spread)
+    b.set(ylabel="opens per node / mean", title="balance")
+    b.legend(fontsize=8)
+    plots.save(fig, path)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m bench.cluster", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("--workload", default="chat", choices=["chat", "trace"])
+    p.add_argument("--nodes", type=int, default=4)
+    p.add_argument("--pool", type=int, default=None, help="blocks per node (default: 2048, quick 1024)")
+    p.add_argument("--limit", type=int, default=None, help="replay only the first LIMIT requests")
+    p.add_argument("--policy", default="lru", help="every node's eviction policy")
+    p.add_argument("--setups", default="cluster,one node,random", help="which of the three to run")
+    p.add_argument("--quick", action="store_true", help="a small replay (CI smoke, well under a minute)")
+    p.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    args = p.parse_args(argv)
+    pool = args.pool or (1024 if args.quick else 2048)
+    requests, concurrency = workload(args.workload, args.quick, args.limit)
+    setups = [Setup("cluster", args.nodes, pool, "coordinator"),
+              Setup("one node", 1, args.nodes * pool, "coordinator"),
+              Setup("random", args.nodes, pool, "random")]  # fmt: skip
+    setups = [s for s in setups if s.name in args.setups.split(",")]
+    log_dir = tempfile.mkdtemp(prefix="pagedkv-bench-cluster-")
+    start = time.perf_counter()
+    results = {}
+    for s in setups:
+        results[s.name] = run_setup(s, requests, concurrency, args.policy, log_dir)
+        print(f"{s.name:<9} hit rate {results[s.name].hit_rate:.4f}  opens {dict(results[s.name].opens)}  "
+              f"{results[s.name].seconds:.1f} s", flush=True)  # fmt: skip
+    summary = summarize(results, args.nodes)
+    tokens = sum(len(r.tokens) for r in requests)
+    note = (f"{args.workload}: {len(requests)} requests, {tokens:,} prompt tokens, {concurrency} open at "
+            f"once; {args.nodes} nodes x {pool} blocks of 16 tokens vs one node of {args.nodes * pool}; "
+            f"policy {args.policy}; tiny shape {SHAPE}; load {os.getloadavg()[0]:.1f}; "
+            f"{time.perf_counter() - start:.0f} s in all.")  # fmt: skip
+    stem = "cluster_quick" if args.quick else f"cluster_{args.workload}"
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"note": note, "args": vars(args)}
+    (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "summary": summary}, indent=1))
+    (out / f"{stem}.md").write_text(markdown(summary, meta))
+    plot(summary, out / f"{stem}.png", f"{args.workload}, {args.nodes} x {pool} blocks")
+    print(markdown(summary, meta))
+    subprocess.run(["rm", "-rf", log_dir], check=False)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,237 @@
+"""Prefix hit rates of the eviction policies, replayed through the node's KVCacheManager, beside
+the offline optimum. Deterministic (no timing), so the numbers do not depend on the machine.
+
+    python -m bench.hitrate [--quick] [--workloads trace,trace1000,chat,chat-light,chat-nodoc]
+
+Each request is admitted as the node does it (open: the cached prefix; reserve: the rest), stays
+running while the next `concurrency` requests are admitted (its blocks referenced, so no policy
+may evict them), then is released tail first. A request that does not fit waits for the oldest
+running ones to finish. The hit rate is cached prompt tokens over prompt tokens (a prompt's last
+token is always computed). `belady` is the offline optimum of the same replay: it evicts the
+evictable block whose key is next wanted furthest in the future (running requests' blocks
+pinned, as for every policy); `ideal` is an unbounded pool. Writes bench/results/hitrate.{json,md,png}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import itertools
+import json
+import sys
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench import plots
+from bench.workloads import TRACE_BLOCK_TOKENS, ChatShape, Request, chat_requests, trace_requests
+from pagedkv.cache_node.eviction import EvictionPolicy
+from pagedkv.cache_node.kv_manager import KVCacheManager
+
+ROOT = Path(__file__).resolve().parents[1]
+POLICIES = ["lru", "lfu", "slru"]
+
+
+class BeladyPolicy(EvictionPolicy):
+    """The offline optimum for a known request stream: the evictable block whose key is wanted
+    furthest in the future goes first (never-again first of all, LRU order among equals). The
+    replay calls `advance(keys)` before each request with the keys that request wants, so the
+    next use of every key stays exact (a request that misses a key's parent passes it by too)."""
+
+    name = "belady"
+
+    def __init__(self, wanted: list[list[bytes]]) -> None:
+        self._uses: dict[bytes, deque[int]] = {}
+        for i, keys in enumerate(wanted):
+            for key in keys:
+                self._uses.setdefault(key, deque()).append(i)
+        self._heap: list[tuple[int, int, int]] = []  # (-next use, tick, block)
+        self._live: dict[int, int] = {}
+        self._tick = itertools.count()
+        self._key_of: list[bytes | None] = []
+
+    def bind_keys(self, key_of: list[bytes | None]) -> None:
+        self._key_of = key_of
+
+    def _next_use(self, block: int) -> int:
+        key = self._key_of[block]
+        uses = self._uses.get(key) if key is not None else None
+        return uses[0] if uses else sys.maxsize
+
+    def advance(self, keys: list[bytes], block_of_key: dict[bytes, int]) -> None:
+        """Request i is next: its keys' use i is spent; evictable holders get their new priority."""
+        for key in keys:
+            uses = self._uses[key]
+            uses.popleft()
+            block = block_of_key.get(key)
+            if block is not None and block in self._live:
+                self.add(block)  # a fresh entry; the old one goes stale
+
+    def add(self, block: int) -> None:
+        tick = next(self._tick)
+        self._live[block] = tick
+        heapq.heappush(self._heap, (-self._next_use(block), tick, block))
+
+    def remove(self, block: int) -> None:
+        del self._live[block]
+
+    def pop_victim(self) -> int:
+        heap, live = self._heap, self._live
+        while heap:
+            _, tick, block = heapq.heappop(heap)
+            if live.get(block) == tick:
+                del live[block]
+                return block
+        raise IndexError("no evictable block")
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    def __contains__(self, block: int) -> bool:
+        return block in self._live
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    requests: list[Request]
+    block_size: int
+    concurrency: int
+    pools: list[int]
+
+
+def replay(w: Workload, num_blocks: int, policy: str | Callable[[KVCacheManager], EvictionPolicy]) -> float:
+    """The workload through one manager of `num_blocks`; returns the prefix hit rate."""
+    bs = w.block_size
+    wanted = [
+        KVCacheManager(1, bs).block_keys(r.tokens[: (len(r.tokens) - 1) // bs * bs]) for r in w.requests
+    ]
+    oracle = BeladyPolicy(wanted) if policy == "belady" else None
+    mgr = KVCacheManager(num_blocks, bs, policy=policy if oracle is None else oracle)  # type: ignore[arg-type]
+    device = mgr.device
+    running: deque[str] = deque()
+    hit = total = 0
+    for i, r in enumerate(w.requests):
+        need = -(-len(r.tokens) // bs)
+        if need > num_blocks:
+            raise ValueError(f"{w.name}: request {i} needs {need} blocks, the pool has {num_blocks}")
+        while running and (len(running) >= w.concurrency or device.num_available < need):
+            mgr.free(running.popleft())
+        if oracle is not None:
+            oracle.advance(wanted[i], device.block_of_key)
+        rid = str(i)
+        cached = mgr.open(rid, r.tokens).num_cached_tokens
+        mgr.reserve(rid, r.tokens[cached:])
+        running.append(rid)
+        hit += cached
+        total += len(r.tokens)
+    return hit / total
+
+
+def workloads(names: list[str], quick: bool) -> list[Workload]:
+    out: list[Workload] = []
+    for name in names:
+        if name in ("trace", "trace1000"):
+            limit = 1000 if name == "trace1000" else None
+            reqs = trace_requests((150 if limit else 300) if quick else limit)
+            bs, conc = TRACE_BLOCK_TOKENS, 32
+        elif name.startswith("chat"):
+            shape = {
+                "chat": ChatShape(active=64, document_every=4, document_tokens=(1024, 4096)),
+                "chat-light": ChatShape(active=16, document_every=8, document_tokens=(1024, 4096)),
+                "chat-nodoc": ChatShape(active=64, document_every=0),
+            }[name]
+            if quick:
+                shape = ChatShape(**{**shape.__dict__, "num_conversations": 40})
+            reqs = chat_requests(shape)
+            bs, conc = 16, 8
+        else:
+            raise SystemExit(f"unknown workload {name!r}")
+        distinct = len({k for r in reqs for k in KVCacheManager(1, bs).block_keys(r.tokens)})
+        if name.startswith("trace"):  # 5 / 10 / 20 / 40 % of the distinct blocks
+            pools = [max(distinct * p // 100, 1) for p in (5, 10, 20, 40)]
+        else:
+            pools = [1024, 2048, 4096] if quick else [2048, 4096, 8192]
+        longest = max(-(-len(r.tokens) // bs) for r in reqs)
+        out.append(Workload(name, reqs, bs, conc, [max(p, longest) for p in pools]))
+    return out
+
+
+def run(names: list[str], policies: list[str], quick: bool) -> dict:
+    results: dict = {}
+    for w in workloads(names, quick):
+        unbounded = sum(-(-len(r.tokens) // w.block_size) for r in w.requests)
+        row: dict = {"ideal": replay(w, unbounded, "lru"), "pools": {}}
+        for pool in w.pools:
+            cell = {p: replay(w, pool, p) for p in [*policies, "belady"]}
+            row["pools"][pool] = cell
+            print(
+                f"{w.name:<11} pool {pool:>6}  " + "  ".join(f"{p} {v:.4f}" for p, v in cell.items()),
+                flush=True,
+            )
+        results[w.name] = row
+    return results
+
+
+def markdown(results: dict, policies: list[str]) -> str:
+    lines = [
+        "# Prefix hit rate by eviction policy (bench/hitrate.py)",
+        "",
+        "Deterministic replay through KVCacheManager. belady: the offline optimum, running requests pinned.",
+        "",
+        "| workload | pool blocks | "
+        + " | ".join(policies)
+        + " | belady | slru / belady | lru / belady | slru vs lru | ideal |",
+        "|---|---:|" + "---:|" * (len(policies) + 5),
+    ]
+    for name, row in results.items():
+        for pool, cell in row["pools"].items():
+            opt, lru, slru = cell["belady"], cell.get("lru", 0.0), cell.get("slru", 0.0)
+            lines.append(
+                f"| {name} | {pool} | " + " | ".join(f"{cell[p]:.4f}" for p in policies)
+                + f" | {opt:.4f} | {slru / opt:.2f} | {lru / opt:.2f} | {slru / lru - 1 if lru else 0.0:+.1%}"
+                f" | {row['ideal']:.4f} |"
+            )  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: dict, policies: list[str], path: Path) -> None:
+    plt = plots.pyplot()
+    if plt is None:
+        return
+    fig, axes = plt.subplots(1, len(results), figsize=(4 * len(results), 3.6), squeeze=False)
+    for ax, (name, row) in zip(axes[0], results.items(), strict=True):
+        pools = list(row["pools"])
+        for p in [*policies, "belady"]:
+            ax.plot(pools, [row["pools"][q][p] for q in pools], marker="o", label=p)
+        ax.axhline(row["ideal"], color="grey", linestyle=":", label="unbounded")
+        ax.set(title=name, xlabel="pool blocks", ylabel="prefix hit rate", xscale="log")
+    axes[0][0].legend(fontsize=8)
+    plots.save(fig, path)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m bench.hitrate", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("--workloads", default="trace,trace1000,chat,chat-light,chat-nodoc")
+    p.add_argument("--policies", default=",".join(POLICIES))
+    p.add_argument("--quick", action="store_true", help="small sizes (a smoke run)")
+    p.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    args = p.parse_args(argv)
+    policies = args.policies.split(",")
+    start = time.perf_counter()
+    results = run(args.workloads.split(","), policies, args.quick)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = "hitrate_quick" if args.quick else "hitrate"
+    (out / f"{stem}.json").write_text(json.dumps(results, indent=1))
+    (out / f"{stem}.md").write_text(markdown(results, policies))
+    plot(results, policies, out / f"{stem}.png")
+    print(markdown(results, policies))
+    print(f"{time.perf_counter() - start:.0f} s")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
