@@ -79,6 +79,12 @@ def test_wheel_builds_cleanly_with_the_proto_types_and_license(wheel: tuple[Path
         "pagedkv/coordinator/cli.py",
     }
     assert needed <= names, needed - names
+    # Every module of every role ships: a subpackage left out of pyproject's list fails here.
+    roles = {"pagedkv": "pagedkv", "protos": "pagedkv/protos", "cache_node": "pagedkv/cache_node",
+             "client": "pagedkv/client", "coordinator": "pagedkv/coordinator"}  # fmt: skip
+    sources = {f"{dest}/{py.relative_to(ROOT / src).as_posix()}" for src, dest in roles.items()
+               for py in (ROOT / src).rglob("*.py") if "__pycache__" not in py.parts}  # fmt: skip
+    assert sources <= names, sorted(sources - names)
     assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)
     assert not any(n.startswith(("tests/", "bench/")) for n in names)
     assert meta["License-Expression"] == "Apache-2.0"
