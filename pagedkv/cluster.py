@@ -369,6 +369,10 @@ def main(argv: list[str] | None = None) -> None:
     run("pagedkv up", lambda: up(args))
 
 
+def _stop(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def up(args: argparse.Namespace) -> None:
     cluster = cluster_from_args(args, node_options_from_args(args))
     node, bytes_per_block = cluster.node, ModelSpec(**cluster.node.spec()).bytes_per_block
@@ -393,7 +397,9 @@ def up(args: argparse.Namespace) -> None:
         print(cluster.describe(), flush=True)
         print("Ctrl-C stops everything. `pagedkv status --coordinator "
               f"{cluster.coordinator_address}` shows usage.", flush=True)  # fmt: skip
-        signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+        # Both stop the cluster, also when started from a shell that ignores SIGINT (a background job).
+        signal.signal(signal.SIGINT, _stop)
+        signal.signal(signal.SIGTERM, _stop)
         while all(p.poll() is None for p in cluster.procs.values()):
             time.sleep(0.5)
         dead = [n for n, p in cluster.procs.items() if p.poll() is not None]
