@@ -294,7 +294,7 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="host tier per node in bytes (instead of --host-blocks; 0 = none)",
     )
-    p.add_argument("--policy", choices=["lru", "lfu", "score"], default="lru", help="eviction policy")
+    p.add_argument("--policy", choices=["lru", "lfu", "score", "slru"], default="lru", help="eviction policy")
     p.add_argument("--lease-ttl-s", type=float, default=3.0, help="node lease (default 3 s)")
     p.add_argument(
         "--bulk-port",
