@@ -43,6 +43,7 @@ import torch
 from torch import Tensor
 
 from pagedkv.protos.errors import FailedPrecondition, InvalidArgument
+from pagedkv.protos.merge import merge_partials  # the node's and the client's one merge
 
 from . import attention_kernel
 from .attention_kernel import KernelInfo, kernel_info
@@ -727,30 +728,3 @@ def _prefill_flash(
     finally:
         _workspace.give(taken)
     return AttentionOutput(out.transpose(0, 1).to(q.dtype), lse.transpose(0, 1).contiguous())
-
-
-# --------------------------------------------------------------------------- merge
-
-
-def merge_partials(outs: Sequence[Tensor], lses: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
-    """Merge attention computed over disjoint key sets of the same queries (flash-decoding merge).
-
-    outs[i] [..., D] and lses[i] [...] (natural log) as returned by paged_decode / paged_prefill on
-    each part. A part with lse = -inf (no keys) contributes nothing. Returns (out in outs[0]'s dtype,
-    lse float32). Pure.
-    """
-    if len(outs) == 0 or len(outs) != len(lses):
-        raise InvalidArgument(f"need as many outs as lses, at least one; got {len(outs)} and {len(lses)}")
-    for i, (o, s) in enumerate(zip(outs, lses, strict=True)):
-        if o.shape != outs[0].shape or s.shape != o.shape[:-1]:
-            raise InvalidArgument(
-                f"part {i}: out {tuple(o.shape)} / lse {tuple(s.shape)} do not match part 0's "
-                f"out {tuple(outs[0].shape)}"
-            )
-    stacked_lse = torch.stack([s.float() for s in lses])  # [P, ...]
-    total = torch.logsumexp(stacked_lse, dim=0)
-    # All parts empty -> total is -inf; weights 0 rather than exp(-inf - -inf) = nan.
-    weights = torch.exp(stacked_lse - total.unsqueeze(0)).nan_to_num_(0.0)
-    out = sum(w.unsqueeze(-1) * o.float() for w, o in zip(weights, outs, strict=True))
-    assert isinstance(out, Tensor)
-    return out.to(outs[0].dtype), total

@@ -30,7 +30,7 @@ def merge_partials(
     total = torch.logsumexp(stacked, dim=0)
     # every part empty: total is -inf, and exp(-inf - -inf) would be nan; such a weight is 0
     weights = torch.exp(stacked - total.unsqueeze(0)).nan_to_num_(0.0)
-    merged = torch.zeros(outs[0].shape, dtype=torch.float32)
+    merged = torch.zeros(outs[0].shape, dtype=torch.float32, device=outs[0].device)
     for w, o in zip(weights, outs, strict=True):
         merged += w.unsqueeze(-1) * o.float()
     return merged.to(outs[0].dtype), total
