@@ -21,7 +21,7 @@ demo: venv
 
 lint: venv
 	$(BIN)/ruff check .
-	$(BIN)/ruff format --check cache_node/engine.py cache_node/attention.py cache_node/attention_kernel.py
+	$(BIN)/ruff format --check .
 	$(BIN)/mypy protos cache_node client coordinator pagedkv
 
 test: lint

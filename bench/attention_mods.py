@@ -60,8 +60,10 @@ def main() -> None:
             times[key].append(this[key])
             ratios[key].append(this[key] / this[(key[0], "plain")])
     load_after = os.getloadavg()[0]
-    print(f"L={length}, batch {BATCH}, {NUM_Q_HEADS}/{NUM_KV_HEADS} heads, D {HEAD_DIM}, "
-          f"{torch.get_num_threads()} threads, load {load_before:.2f} -> {load_after:.2f}")  # fmt: skip
+    print(
+        f"L={length}, batch {BATCH}, {NUM_Q_HEADS}/{NUM_KV_HEADS} heads, D {HEAD_DIM}, "
+        f"{torch.get_num_threads()} threads, load {load_before:.2f} -> {load_after:.2f}"
+    )
     print("| backend | spec | median ms | vs plain |\n|---|---|---:|---:|")
     for key in variants:
         med, ratio = statistics.median(times[key]) * 1e3, statistics.median(ratios[key])

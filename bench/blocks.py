@@ -59,10 +59,21 @@ def ensure_venv() -> Path:
 
 
 def one_run(python: Path, adapter: str, workload: str, clock: str = "wall") -> dict:
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{PEERS}", "OMP_NUM_THREADS": "1",
-           "MKL_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}  # fmt: skip
-    done = subprocess.run([str(python), "-c", RUN, adapter, workload, clock], capture_output=True, text=True,
-                          env=env, cwd=PEERS, timeout=900)  # fmt: skip
+    env = {
+        **os.environ,
+        "PYTHONPATH": f"{ROOT}{os.pathsep}{PEERS}",
+        "OMP_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+        "PYTHONHASHSEED": "0",
+    }
+    done = subprocess.run(
+        [str(python), "-c", RUN, adapter, workload, clock],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=PEERS,
+        timeout=900,
+    )
     for line in done.stdout.splitlines():
         if line.startswith("KVBENCH_RESULT "):
             return json.loads(line.removeprefix("KVBENCH_RESULT "))
@@ -86,9 +97,16 @@ def summarize(runs: list[dict]) -> dict:
         for adapter, rs in by_adapter.items():
             out[workload][adapter] = {
                 k: statistics.median(r[k] for r in rs)
-                for k in ("ops_per_s", "us_per_start", "us_per_token_append", "us_per_finish", "hit_rate",
-                          "peak_rss_mb", "rss_delta_mb")
-            } | {"runs": len(rs)}  # fmt: skip
+                for k in (
+                    "ops_per_s",
+                    "us_per_start",
+                    "us_per_token_append",
+                    "us_per_finish",
+                    "hit_rate",
+                    "peak_rss_mb",
+                    "rss_delta_mb",
+                )
+            } | {"runs": len(rs)}
         base = out[workload].get("vllm-blockpool", {}).get("ops_per_s")
         for row in out[workload].values():
             row["vs_vllm_blockpool"] = row["ops_per_s"] / base if base else None
@@ -96,10 +114,18 @@ def summarize(runs: list[dict]) -> dict:
 
 
 def markdown(summary: dict, meta: dict) -> str:
-    head = ("| workload | adapter | ops/s | vs vLLM BlockPool | start µs | append µs | finish µs | hit rate "
-            "| peak RSS MB | RSS Δ MB | runs |")  # fmt: skip
-    lines = ["# Block-manager throughput beside the peers (bench/blocks.py)", "", meta["note"], "", head,
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    head = (
+        "| workload | adapter | ops/s | vs vLLM BlockPool | start µs | append µs | finish µs | hit rate "
+        "| peak RSS MB | RSS Δ MB | runs |"
+    )
+    lines = [
+        "# Block-manager throughput beside the peers (bench/blocks.py)",
+        "",
+        meta["note"],
+        "",
+        head,
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for workload in sorted(summary):
         for adapter, r in sorted(summary[workload].items(), key=lambda kv: -kv[1]["ops_per_s"]):
             ratio = f"{r['vs_vllm_blockpool']:.2f}x" if r["vs_vllm_blockpool"] else "-"
@@ -129,17 +155,24 @@ def plot(summary: dict, path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m bench.blocks", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p = argparse.ArgumentParser(
+        prog="python -m bench.blocks",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--workloads", default="W1,W1c,W2")
     p.add_argument("--adapters", default=",".join(ADAPTERS))
     p.add_argument("--out", default=str(ROOT / "bench" / "results"))
-    p.add_argument("--clock", choices=["wall", "cpu"], default="wall",
-                   help="what the runner's timers read: wall time (perf_counter, as kvbench does), or "
-                        "this thread's CPU time (thread_time), which time slices lost to other processes "
-                        "on a shared machine do not inflate; each read costs ~0.5 us more, for every "
-                        "adapter")  # fmt: skip
+    p.add_argument(
+        "--clock",
+        choices=["wall", "cpu"],
+        default="wall",
+        help="what the runner's timers read: wall time (perf_counter, as kvbench does), or "
+        "this thread's CPU time (thread_time), which time slices lost to other processes "
+        "on a shared machine do not inflate; each read costs ~0.5 us more, for every "
+        "adapter",
+    )
     args = p.parse_args(argv)
     python = ensure_venv()
     adapters = args.adapters.split(",")
@@ -160,10 +193,12 @@ def main(argv: list[str] | None = None) -> None:
             )
     summary = summarize(runs)
     clock = "wall time" if args.clock == "wall" else "timers reading thread CPU time (--clock cpu)"
-    note = (f"{args.runs} runs per cell, {clock}, each a fresh process (OMP_NUM_THREADS=1), adapters "
-            f"interleaved in a shuffled order per run; medians. Load average {os.getloadavg()[0]:.2f} at the "
-            f"end; runtime {time.perf_counter() - start:.0f} s. `harness-floor` is a no-op adapter: the "
-            f"runner's own loop, so its ops/s is the most any adapter can show here.")  # fmt: skip
+    note = (
+        f"{args.runs} runs per cell, {clock}, each a fresh process (OMP_NUM_THREADS=1), adapters "
+        f"interleaved in a shuffled order per run; medians. Load average {os.getloadavg()[0]:.2f} at the "
+        f"end; runtime {time.perf_counter() - start:.0f} s. `harness-floor` is a no-op adapter: the "
+        f"runner's own loop, so its ops/s is the most any adapter can show here."
+    )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"note": note, "runs": args.runs, "clock": args.clock}

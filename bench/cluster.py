@@ -88,8 +88,17 @@ def started(num_nodes: int, options: NodeOptions, log_dir: str, coordinator: boo
             cluster.node_addresses.append(address)
             link = [f"--coordinator={cluster.coordinator_address}", f"--advertise={address}"]
             link = link if coordinator else []
-            cluster._pagedkv(f"node-{i}", ["node", f"--listen={address}", f"--node-id=node-{i}",
-                                           "--metrics-port=0", *link, *options.args()])  # fmt: skip
+            cluster._pagedkv(
+                f"node-{i}",
+                [
+                    "node",
+                    f"--listen={address}",
+                    f"--node-id=node-{i}",
+                    "--metrics-port=0",
+                    *link,
+                    *options.args(),
+                ],
+            )
         for i, address in enumerate(cluster.node_addresses):
             cluster._wait_healthy(f"node-{i}", address)
         if coordinator:
@@ -99,8 +108,13 @@ def started(num_nodes: int, options: NodeOptions, log_dir: str, coordinator: boo
         cluster.stop()
 
 
-def replay(clients: list[CacheClient], names: list[str], requests: list[Request], concurrency: int,
-           rng: random.Random | None) -> Replay:  # fmt: skip
+def replay(
+    clients: list[CacheClient],
+    names: list[str],
+    requests: list[Request],
+    concurrency: int,
+    rng: random.Random | None,
+) -> Replay:
     """One worker: open, append the uncached rest, keep `concurrency` open, close the oldest.
     With one client (a coordinator) the open goes where it places it; with several (standalone
     nodes) to a node drawn by `rng`."""
@@ -183,15 +197,22 @@ def summarize(results: dict[str, Replay], num_nodes: int) -> dict:
 
 
 def markdown(summary: dict, meta: dict) -> str:
-    lines = ["# Cluster replay (bench/cluster.py)", "", meta["note"], "",
-             "| configuration | prefix hit rate | vs one node | opens per node | busiest / mean | s |",
-             "|---|---:|---:|---|---:|---:|"]  # fmt: skip
+    lines = [
+        "# Cluster replay (bench/cluster.py)",
+        "",
+        meta["note"],
+        "",
+        "| configuration | prefix hit rate | vs one node | opens per node | busiest / mean | s |",
+        "|---|---:|---:|---|---:|---:|",
+    ]
     one = summary.get("one node", {}).get("hit_rate", 0.0)
     for name, row in summary.items():
         ratio = f"{row['hit_rate'] / one:.2f}x" if one else "-"
         per = " / ".join(str(c) for c in row["opens_per_node"])
-        lines.append(f"| {name} | {row['hit_rate']:.4f} | {ratio} | {per} | {row['busiest_over_mean']:.2f} | "
-                     f"{row['seconds']:.0f} |")  # fmt: skip
+        lines.append(
+            f"| {name} | {row['hit_rate']:.4f} | {ratio} | {per} | {row['busiest_over_mean']:.2f} | "
+            f"{row['seconds']:.0f} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -216,8 +237,11 @@ def plot(summary: dict, path: Path, title: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m bench.cluster", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p = argparse.ArgumentParser(
+        prog="python -m bench.cluster",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--workload", default="chat", choices=["chat", "trace"])
     p.add_argument("--nodes", type=int, default=4)
     p.add_argument("--pool", type=int, default=None, help="blocks per node (default: 2048, quick 1024)")
@@ -229,23 +253,30 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     pool = args.pool or (1024 if args.quick else 2048)
     requests, concurrency = workload(args.workload, args.quick, args.limit)
-    setups = [Setup("cluster", args.nodes, pool, "coordinator"),
-              Setup("one node", 1, args.nodes * pool, "coordinator"),
-              Setup("random", args.nodes, pool, "random")]  # fmt: skip
+    setups = [
+        Setup("cluster", args.nodes, pool, "coordinator"),
+        Setup("one node", 1, args.nodes * pool, "coordinator"),
+        Setup("random", args.nodes, pool, "random"),
+    ]
     setups = [s for s in setups if s.name in args.setups.split(",")]
     log_dir = tempfile.mkdtemp(prefix="pagedkv-bench-cluster-")
     start = time.perf_counter()
     results = {}
     for s in setups:
         results[s.name] = run_setup(s, requests, concurrency, args.policy, log_dir)
-        print(f"{s.name:<9} hit rate {results[s.name].hit_rate:.4f}  opens {dict(results[s.name].opens)}  "
-              f"{results[s.name].seconds:.1f} s", flush=True)  # fmt: skip
+        print(
+            f"{s.name:<9} hit rate {results[s.name].hit_rate:.4f}  opens {dict(results[s.name].opens)}  "
+            f"{results[s.name].seconds:.1f} s",
+            flush=True,
+        )
     summary = summarize(results, args.nodes)
     tokens = sum(len(r.tokens) for r in requests)
-    note = (f"{args.workload}: {len(requests)} requests, {tokens:,} prompt tokens, {concurrency} open at "
-            f"once; {args.nodes} nodes x {pool} blocks of 16 tokens vs one node of {args.nodes * pool}; "
-            f"policy {args.policy}; tiny shape {SHAPE}; load {os.getloadavg()[0]:.1f}; "
-            f"{time.perf_counter() - start:.0f} s in all.")  # fmt: skip
+    note = (
+        f"{args.workload}: {len(requests)} requests, {tokens:,} prompt tokens, {concurrency} open at "
+        f"once; {args.nodes} nodes x {pool} blocks of 16 tokens vs one node of {args.nodes * pool}; "
+        f"policy {args.policy}; tiny shape {SHAPE}; load {os.getloadavg()[0]:.1f}; "
+        f"{time.perf_counter() - start:.0f} s in all."
+    )
     stem = "cluster_quick" if args.quick else f"cluster_{args.workload}"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -89,8 +89,15 @@ from pagedkv.protos.keys import chain_keys, root_key
 from pagedkv.protos.spec import ModelSpec
 
 RESULTS = Path(__file__).resolve().parent / "results"
-NODE = NodeOptions(num_layers=2, num_kv_heads=2, head_dim=32, dtype="float32", block_size=16,
-                   num_blocks=2048, host_blocks=256)  # fmt: skip
+NODE = NodeOptions(
+    num_layers=2,
+    num_kv_heads=2,
+    head_dim=32,
+    dtype="float32",
+    block_size=16,
+    num_blocks=2048,
+    host_blocks=256,
+)
 TENANT = "default"  # no tenants file: auth off, one tenant
 PREFIX = "pkv:"
 N_SYSTEM, SYSTEM_LEN, SUFFIX_LEN = 8, 1024, 128
@@ -158,8 +165,15 @@ class BenchCluster(LocalCluster):
         """A coordinator on the same redis-server, importing pagedkv from import_root (None:
         this working tree). It sees the nodes through Redis (replica style)."""
         address = f"{self.host}:{free_port()}"
-        args = [sys.executable, "-m", "pagedkv", "coordinator", f"--listen={address}",
-                f"--lease-ttl-s={self.lease_ttl_s}", f"--redis={self.redis_url}"]  # fmt: skip
+        args = [
+            sys.executable,
+            "-m",
+            "pagedkv",
+            "coordinator",
+            f"--listen={address}",
+            f"--lease-ttl-s={self.lease_ttl_s}",
+            f"--redis={self.redis_url}",
+        ]
         if metrics_port:
             args.append(f"--metrics-port={metrics_port}")
         log_file = open(Path(self.log_dir) / f"{name}.log", "ab")  # noqa: SIM115
@@ -213,8 +227,9 @@ def baseline_import_root(rev: str) -> tuple[Path, str]:
     worktree list are untouched), and a `pagedkv` package there that maps the roles'
     top-level folders the way the editable install does (pyproject's package-dir)."""
     repo = Path(__file__).resolve().parent.parent
-    sha = subprocess.run(["git", "rev-parse", "--short", rev], cwd=repo, check=True, capture_output=True,
-                         text=True).stdout.strip()  # fmt: skip
+    sha = subprocess.run(
+        ["git", "rev-parse", "--short", rev], cwd=repo, check=True, capture_output=True, text=True
+    ).stdout.strip()
     tree = Path(tempfile.gettempdir()) / f"pagedkv-baseline-{sha}"
     if not (tree / "coordinator").exists():
         tree.mkdir(parents=True, exist_ok=True)
@@ -362,8 +377,14 @@ def summarize_profile(raw_path: Path) -> dict[str, Any]:
         n = int(count)
         frames = [_fname(f) for f in stack.split(";")]
         totals["all"] += n
-        handler = next((h for h in ("CoordinatorServicer.Open@service.py", "CoordinatorServicer.Close@service.py")
-                        if h in frames), None)  # fmt: skip
+        handler = next(
+            (
+                h
+                for h in ("CoordinatorServicer.Open@service.py", "CoordinatorServicer.Close@service.py")
+                if h in frames
+            ),
+            None,
+        )
         if handler is None:
             threads["other (idle pool workers, reaper, grpc, metrics)"] += n
             continue
@@ -789,8 +810,10 @@ def run(cluster: BenchCluster, args: argparse.Namespace, systems, prompts, sourc
                 )
                 / n,
             }
-            log(f"  {phase}: {counts[phase]['per_op_total']:.2f} Redis commands per {phase} "
-                f"{counts[phase]['per_op_by_command']} (background in window: {bg})")  # fmt: skip
+            log(
+                f"  {phase}: {counts[phase]['per_op_total']:.2f} Redis commands per {phase} "
+                f"{counts[phase]['per_op_by_command']} (background in window: {bg})"
+            )
         # server-side time of the match_prefix script, keys packed vs one argument each, and of open_sequence
         r.slowlog_reset()
         for p in prompts[:100]:
@@ -855,8 +878,22 @@ def run(cluster: BenchCluster, args: argparse.Namespace, systems, prompts, sourc
         pid = cluster.procs["coordinator-current"].pid
         raw = Path(cluster.log_dir) / "coordinator.pyspy.txt"
         log(f"profiling the coordinator (pid {pid}) with py-spy for {args.profile_s:.0f} s ...")
-        cmd = [pyspy, "record", "--pid", str(pid), "--duration", str(int(args.profile_s)), "--rate", "1000",
-               "--idle", "--format", "raw", "--output", str(raw), "--nonblocking"]  # fmt: skip
+        cmd = [
+            pyspy,
+            "record",
+            "--pid",
+            str(pid),
+            "--duration",
+            str(int(args.profile_s)),
+            "--rate",
+            "1000",
+            "--idle",
+            "--format",
+            "raw",
+            "--output",
+            str(raw),
+            "--nonblocking",
+        ]
         spy = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         time.sleep(0.5)
         n_ops = 0
@@ -866,8 +903,13 @@ def run(cluster: BenchCluster, args: argparse.Namespace, systems, prompts, sourc
         err = spy.stderr.read().decode()[-500:] if spy.stderr else ""
         if spy.returncode == 0 and raw.exists():
             profile = summarize_profile(raw)
-            profile.update({"tool": "py-spy record --idle --rate 1000 --nonblocking (wall clock)",
-                            "open_close_ops": n_ops, "raw": str(raw)})  # fmt: skip
+            profile.update(
+                {
+                    "tool": "py-spy record --idle --rate 1000 --nonblocking (wall clock)",
+                    "open_close_ops": n_ops,
+                    "raw": str(raw),
+                }
+            )
             Path(args.out).mkdir(parents=True, exist_ok=True)
             shutil.copy(raw, Path(args.out) / "control.pyspy.txt")
             for m in ("Open", "Close"):
@@ -895,8 +937,12 @@ def run(cluster: BenchCluster, args: argparse.Namespace, systems, prompts, sourc
         except md.PackageNotFoundError:
             return "-"
 
-    git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                         cwd=Path(__file__).resolve().parent).stdout.strip()  # fmt: skip
+    git = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).resolve().parent,
+    ).stdout.strip()
     open_p50, health_p50 = lat["open"]["p50_ms"], lat["coord_health"]["p50_ms"]
     return {
         "benchmark": "bench/control.py (issue 4: control-plane latency)",
@@ -907,7 +953,7 @@ def run(cluster: BenchCluster, args: argparse.Namespace, systems, prompts, sourc
             "suffix_len": SUFFIX_LEN,
             "cached_tokens_per_open": cached_measured,
             "baseline_cached_tokens_per_open": dict(base_cached_seen),
-        },  # fmt: skip
+        },
         "spec": NODE.spec(),
         "cluster": {
             "nodes": 2,
@@ -939,7 +985,7 @@ def run(cluster: BenchCluster, args: argparse.Namespace, systems, prompts, sourc
             "redis-server": redis_info.get("redis_version"),
             "torch": torch.__version__,
             "pagedkv_git": git,
-        },  # fmt: skip
+        },
         "host": {"cpus": os.cpu_count(), "machine": platform.machine(), "platform": platform.platform()},
     }
 
@@ -1196,8 +1242,13 @@ def render(r: dict) -> str:
         ]
     prof = r.get("profile") or {}
     if "Open" in prof:
-        lines += [f"## Where the coordinator's Open handler spends its wall time ({prof['tool']}, "
-                  f"{prof['open_close_ops']} open+close)", "", "| Open handler was in | share |", "|---|---:|"]  # fmt: skip
+        lines += [
+            f"## Where the coordinator's Open handler spends its wall time ({prof['tool']}, "
+            f"{prof['open_close_ops']} open+close)",
+            "",
+            "| Open handler was in | share |",
+            "|---|---:|",
+        ]
         lines += [f"| {b['what']} | {b['share']:.1%} |" for b in prof["Open"]["breakdown"][:10]]
         lines += ["", "| Close handler was in | share |", "|---|---:|"]
         lines += [f"| {b['what']} | {b['share']:.1%} |" for b in prof["Close"]["breakdown"][:8]]

@@ -190,10 +190,11 @@ def markdown(results: dict, policies: list[str]) -> str:
         for pool, cell in row["pools"].items():
             opt, lru, slru = cell["belady"], cell.get("lru", 0.0), cell.get("slru", 0.0)
             lines.append(
-                f"| {name} | {pool} | " + " | ".join(f"{cell[p]:.4f}" for p in policies)
+                f"| {name} | {pool} | "
+                + " | ".join(f"{cell[p]:.4f}" for p in policies)
                 + f" | {opt:.4f} | {slru / opt:.2f} | {lru / opt:.2f} | {slru / lru - 1 if lru else 0.0:+.1%}"
                 f" | {row['ideal']:.4f} |"
-            )  # fmt: skip
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -213,8 +214,11 @@ def plot(results: dict, policies: list[str], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m bench.hitrate", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p = argparse.ArgumentParser(
+        prog="python -m bench.hitrate",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--workloads", default="trace,trace1000,chat,chat-light,chat-nodoc")
     p.add_argument("--policies", default=",".join(POLICIES))
     p.add_argument("--quick", action="store_true", help="small sizes (a smoke run)")

@@ -68,9 +68,11 @@ def main() -> None:
     result["goal_met"] = result["paged_waste"] <= 0.04
     out = ROOT / "bench" / "results" / "memory_waste.json"
     out.write_text(json.dumps(result, indent=1))
-    print(f"W1, {steps} decode steps sampled: paged waste {result['paged_waste']:.2%} "
-          f"(goal <= 4%: {'met' if result['goal_met'] else 'NOT met'}), "
-          f"contiguous max-length waste {result['contiguous_waste']:.2%}")  # fmt: skip
+    print(
+        f"W1, {steps} decode steps sampled: paged waste {result['paged_waste']:.2%} "
+        f"(goal <= 4%: {'met' if result['goal_met'] else 'NOT met'}), "
+        f"contiguous max-length waste {result['contiguous_waste']:.2%}"
+    )
 
 
 if __name__ == "__main__":

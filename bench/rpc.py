@@ -241,7 +241,9 @@ def _transfers(address: str, results: dict[str, Any], repeats: int, quick: bool 
         "gRPC, 4 MiB chunks": (ClientConfig(chunk_bytes=4 << 20, bulk_min_bytes=None), False, False),
         "bulk channel, TCP": (ClientConfig(transports=("tcp", "grpc")), False, False),
         "bulk channel, same-host Unix socket": (
-            ClientConfig(transports=("unix", "tcp", "grpc")), True, False
+            ClientConfig(transports=("unix", "tcp", "grpc")),
+            True,
+            False,
         ),
         "bulk channel, same-host shared memory (READ_SHM; append: Unix socket)": (ClientConfig(), True, True),
     }
@@ -366,10 +368,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=3, help="transfers per direction (median reported)")
     parser.add_argument("--no-transfer", action="store_true", help="latency only (no KV transfers)")
     parser.add_argument(
-        "--transfer-only", action="store_true",
+        "--transfer-only",
+        action="store_true",
         help="KV transfers only (no latency part): prints the table, writes no results;\n"
         "with --quick, without the gRPC rows",
-    )  # fmt: skip
+    )
     args = parser.parse_args(argv)
     from pagedkv.client import CacheClient, ClientConfig, InvalidArgument
 
@@ -521,8 +524,10 @@ def main(argv: list[str] | None = None) -> None:
                     "overhead_over_ping_p50": bulk_overhead / ping["p50_ms"],
                     "overhead_over_bulk_ping_p50": bulk_overhead / bulk_ping["p50_ms"],
                 }
-                print(f"attend batch {b} over the bulk channel: {over_bulk}, overhead {bulk_overhead:.3f} ms",
-                      flush=True)  # fmt: skip
+                print(
+                    f"attend batch {b} over the bulk channel: {over_bulk}, overhead {bulk_overhead:.3f} ms",
+                    flush=True,
+                )
                 results["latency"][f"attend_b{b}"] = {
                     "rpc": rpc,
                     "engine": eng,
@@ -533,8 +538,11 @@ def main(argv: list[str] | None = None) -> None:
                     "engine_paced": paced,
                     "engine_in_bare_grpc_handler": in_rpc,
                 }
-                print(f"attend batch {b}: rpc {rpc} engine {eng} overhead {overhead:.3f} ms, "
-                      f"bare gRPC floor {floor}, engine in a bare handler {in_rpc}", flush=True)  # fmt: skip
+                print(
+                    f"attend batch {b}: rpc {rpc} engine {eng} overhead {overhead:.3f} ms, "
+                    f"bare gRPC floor {floor}, engine in a bare handler {in_rpc}",
+                    flush=True,
+                )
 
             # The control: batch 32's request and reply sizes over an engine ~60x shorter, back to
             # back, then with both processes idle for a batch-32 engine's time before each call.
@@ -590,26 +598,38 @@ def plot(r: dict[str, Any], path: Path) -> bool:
                 groups.append((f"{names[p]} b{max(BATCHES)}\n{label}", ms, waits))
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.8))
     xs = list(range(len(groups)))
-    bars = left.bar([x - 0.2 for x in xs], [g[1] / ping for g in groups], 0.4,
-                    label=f"/ Ping back to back ({ping:.2f} ms)")  # fmt: skip
+    bars = left.bar(
+        [x - 0.2 for x in xs],
+        [g[1] / ping for g in groups],
+        0.4,
+        label=f"/ Ping back to back ({ping:.2f} ms)",
+    )
     left.bar_label(bars, labels=[f"{g[1] / ping:.2f}" for g in groups], fontsize=7)
     if idle_ping is not None:
         waited = [(x, g) for x, g in zip(xs, groups, strict=True) if g[2]]
-        bars = left.bar([x + 0.2 for x, _ in waited], [g[1] / idle_ping for _, g in waited], 0.4,
-                        label=f"/ Ping idle 32 ms first ({idle_ping:.2f} ms): same conditions")  # fmt: skip
+        bars = left.bar(
+            [x + 0.2 for x, _ in waited],
+            [g[1] / idle_ping for _, g in waited],
+            0.4,
+            label=f"/ Ping idle 32 ms first ({idle_ping:.2f} ms): same conditions",
+        )
         left.bar_label(bars, labels=[f"{g[1] / idle_ping:.2f}" for _, g in waited], fontsize=7)
     left.axhline(1.3, color="k", linestyle="--", linewidth=1, label="goal 1.3x")
     left.set_xticks(xs, [g[0] for g in groups], fontsize=7)
     left.set_ylim(0, 1.3 * max(g[1] / ping for g in groups))
     left.set_ylabel("attend call - node handler, p50 / gRPC Ping p50")
-    left.set_title(f"Attend transport, L={r['context_len']} (control: L=64), one layer (lower is better)",
-                   fontsize=10)  # fmt: skip
+    left.set_title(
+        f"Attend transport, L={r['context_len']} (control: L=64), one layer (lower is better)", fontsize=10
+    )
     left.legend(fontsize=7, loc="upper left")
     if r["transfer"]:
         paths = list(r["transfer"])
-        series = [("upload_gbps", "upload"), ("download_gbps", "download, fresh tensors"),
-                  ("download_into_gbps", "download into the caller's (out=)"),
-                  ("loopback_socket_gbps", "loopback socket")]  # fmt: skip
+        series = [
+            ("upload_gbps", "upload"),
+            ("download_gbps", "download, fresh tensors"),
+            ("download_into_gbps", "download into the caller's (out=)"),
+            ("loopback_socket_gbps", "loopback socket"),
+        ]
         width = 0.8 / len(series)
         for i, (key, label) in enumerate(series):
             at = [j + (i - (len(series) - 1) / 2) * width for j in range(len(paths))]

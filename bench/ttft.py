@@ -120,12 +120,33 @@ def local_floor(model: Any, cache: DynamicCache, suffix: torch.Tensor) -> float:
 def node_process(spec: Any, compute_thread: bool = False) -> Iterator[str]:
     """`pagedkv node` in a child process serving `spec`; yields its address."""
     cmd = [
-        sys.executable, "-m", "pagedkv", "node", "--listen", "127.0.0.1:0", "--metrics-port", "-1",
-        "--num-layers", str(spec.num_layers), "--num-kv-heads", str(spec.num_kv_heads),
-        "--head-dim", str(spec.head_dim), "--dtype", spec.dtype, "--block-size", str(spec.block_size),
-        "--num-blocks", str(NUM_BLOCKS), "--device", "cpu", "--grace-s", "0",
-        "--compute-thread", "on" if compute_thread else "off",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "pagedkv",
+        "node",
+        "--listen",
+        "127.0.0.1:0",
+        "--metrics-port",
+        "-1",
+        "--num-layers",
+        str(spec.num_layers),
+        "--num-kv-heads",
+        str(spec.num_kv_heads),
+        "--head-dim",
+        str(spec.head_dim),
+        "--dtype",
+        spec.dtype,
+        "--block-size",
+        str(spec.block_size),
+        "--num-blocks",
+        str(NUM_BLOCKS),
+        "--device",
+        "cpu",
+        "--grace-s",
+        "0",
+        "--compute-thread",
+        "on" if compute_thread else "off",
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None
@@ -357,9 +378,13 @@ def bench_model(name: str, args: argparse.Namespace, with_decode: bool) -> dict:
                     raise RuntimeError(
                         f"batch-8 prompts fed {batch_fed} tokens, not the {args.suffix} suffix"
                     )
-                print("  batch 8 TTFT (node process): " + ", ".join(
-                    f"{k} {v:.1f} ms" for k, v in batch8.items() and batch_ttft.items() if k in batch8
-                ), flush=True)  # fmt: skip
+                print(
+                    "  batch 8 TTFT (node process): "
+                    + ", ".join(
+                        f"{k} {v:.1f} ms" for k, v in batch8.items() and batch_ttft.items() if k in batch8
+                    ),
+                    flush=True,
+                )
             for rows in (1, 8) if with_decode else ():
                 secs: dict[str, list[float]] = {"local": [], **{t: [] for t in backends}}
                 for r in range(max(3, args.repeats // 2)):
@@ -374,9 +399,11 @@ def bench_model(name: str, args: argparse.Namespace, with_decode: bool) -> dict:
                 decode[f"batch_{rows}"] = {
                     f"{k}_tokens_per_s": rows * args.decode / statistics.median(v) for k, v in secs.items()
                 }
-                print(f"  decode batch {rows}: " + ", ".join(
-                    f"{k} {v:.0f}" for k, v in decode[f"batch_{rows}"].items()
-                ), flush=True)  # fmt: skip
+                print(
+                    f"  decode batch {rows}: "
+                    + ", ".join(f"{k} {v:.0f}" for k, v in decode[f"batch_{rows}"].items()),
+                    flush=True,
+                )
             for t, backend in backends.items():
                 backend.check_integrity()
                 used_after[t] = backend.stats()["used_blocks"]
@@ -566,8 +593,10 @@ def render(r: dict) -> str:
                 "| floor: the suffix on a DynamicCache already holding the prefix (no node) "
                 f"| {t['local_floor']:.1f} | {t['local_floor'] / t['local']:.2f}x |"
             )
-        lines.append(f"| full recompute, node process | {t['node_full/process']:.1f} "
-                     f"| {t['node_full/process'] / t['local']:.2f}x |")  # fmt: skip
+        lines.append(
+            f"| full recompute, node process | {t['node_full/process']:.1f} "
+            f"| {t['node_full/process'] / t['local']:.2f}x |"
+        )
         in_local = t["local/in-process phase"]
         lines += [
             f"| *later, the node in the worker's process:* cached prefix | {t['cached/in-process']:.1f} "

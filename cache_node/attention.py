@@ -357,10 +357,17 @@ def _decode_kernel(
 
 
 def _decode_triton(
-    q: Tensor, k_cache: Tensor, v_cache: Tensor, tables: Tensor, lens: Tensor, max_len: int, scale: float,
-    with_mass: bool, num_splits: int | None = None,  # tests force the split; None picks from the device
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    tables: Tensor,
+    lens: Tensor,
+    max_len: int,
+    scale: float,
+    with_mass: bool,
+    num_splits: int | None = None,  # tests force the split; None picks from the device
     spec: AttentionSpec = PLAIN,
-) -> AttentionOutput:  # fmt: skip
+) -> AttentionOutput:
     tri = _triton()
     assert tri is not None
     num_blocks, _, block_size, _ = k_cache.shape
@@ -455,9 +462,15 @@ def _gather_float(cache: Tensor, rows: Tensor, taken: list[Tensor]) -> Tensor:
 
 
 def _decode_torch(
-    q: Tensor, k_cache: Tensor, v_cache: Tensor, tables: Tensor, lens: Tensor, scale: float, with_mass: bool,
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    tables: Tensor,
+    lens: Tensor,
+    scale: float,
+    with_mass: bool,
     spec: AttentionSpec = PLAIN,
-) -> AttentionOutput:  # fmt: skip
+) -> AttentionOutput:
     batch, num_q_heads, head_dim = q.shape
     num_blocks, num_kv_heads, block_size, _ = k_cache.shape
     group = num_q_heads // num_kv_heads
@@ -663,9 +676,15 @@ def _folded_spec_mask(
 
 
 def _prefill_flash(
-    q: Tensor, k_cache: Tensor, v_cache: Tensor, rows: Tensor, context_len: int, scale: float,
-    spec: AttentionSpec = PLAIN, key_base: int = 0,
-) -> AttentionOutput:  # fmt: skip
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    rows: Tensor,
+    context_len: int,
+    scale: float,
+    spec: AttentionSpec = PLAIN,
+    key_base: int = 0,
+) -> AttentionOutput:
     """Prefill through torch's fused CPU flash kernel, which also returns the LSE. The G
     query heads of a KV head fold into one row block (K/V are not expanded), so a KV head's
     keys are read once for all of them. Small prefills (a suffix after a cached prefix) run
@@ -701,8 +720,9 @@ def _prefill_flash(
             q_fold = qf.reshape(num_queries, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
             q_fold = q_fold.reshape(1, num_kv_heads, group * num_queries, head_dim)
             num_keys = context_len - key_base
-            out, lse = flash(q_fold, k[None, :, :num_keys], v[None, :, :num_keys], 0.0, False,
-                             attn_mask=mask, scale=scale)  # fmt: skip
+            out, lse = flash(
+                q_fold, k[None, :, :num_keys], v[None, :, :num_keys], 0.0, False, attn_mask=mask, scale=scale
+            )
             out = out.view(num_kv_heads, group, num_queries, head_dim).permute(2, 0, 1, 3)
             lse = lse.view(num_kv_heads, group, num_queries).permute(2, 0, 1)
             return AttentionOutput(
@@ -717,8 +737,9 @@ def _prefill_flash(
         if first > 0:
             q_fold = qf.reshape(num_queries, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
             q_fold = q_fold.reshape(1, num_kv_heads, group * num_queries, head_dim)
-            out_a, lse_a = flash(q_fold, k[None, :, :first], v[None, :, :first], 0.0, False,
-                                 attn_mask=None, scale=scale)  # fmt: skip
+            out_a, lse_a = flash(
+                q_fold, k[None, :, :first], v[None, :, :first], 0.0, False, attn_mask=None, scale=scale
+            )
             out_a = out_a.reshape(num_q_heads, num_queries, head_dim)
             lse_a = lse_a.reshape(num_q_heads, num_queries)
             # out = (e^lse_a out_a + e^lse out) / (e^lse_a + e^lse): one lerp by A's share of the mass

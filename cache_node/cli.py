@@ -184,7 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds running calls get to finish on SIGTERM",
     )
     add_logging_args(p)
-    return p  # fmt: skip
+    return p
 
 
 def check_device(device: str) -> str:
@@ -266,20 +266,38 @@ def serve(args: argparse.Namespace) -> None:
     device = check_device(args.device)
     check_memory(spec, num_blocks, host_blocks, device)
     try:
-        engine = CacheEngine(EngineConfig(spec, num_blocks, host_blocks, policy=args.policy, device=device,
-                                          compute_thread=args.compute_thread == "on"))  # fmt: skip
+        engine = CacheEngine(
+            EngineConfig(
+                spec,
+                num_blocks,
+                host_blocks,
+                policy=args.policy,
+                device=device,
+                compute_thread=args.compute_thread == "on",
+            )
+        )
     except InvalidArgument as exc:
         raise UsageError(str(exc)) from None
     metrics = NodeMetrics()
-    metrics.describe(version=__version__, spec=spec.to_dict(), bytes_per_block=spec.bytes_per_block,
-                     device=str(engine.device), policy=args.policy)  # fmt: skip
+    metrics.describe(
+        version=__version__,
+        spec=spec.to_dict(),
+        bytes_per_block=spec.bytes_per_block,
+        device=str(engine.device),
+        policy=args.policy,
+    )
     try:
-        server, port = create_server(engine, args.listen, max_workers=args.max_workers, metrics=metrics,
-                                     bulk_port=args.bulk_port)  # fmt: skip
+        server, port = create_server(
+            engine, args.listen, max_workers=args.max_workers, metrics=metrics, bulk_port=args.bulk_port
+        )
     except (OSError, RuntimeError) as exc:  # the probe above raced with another process
         taken = "bulk KV" if isinstance(exc, OSError) and args.bulk_port else "gRPC"
-        raise port_in_use(taken, "--bulk-port" if taken == "bulk KV" else "--listen", host,
-                          args.bulk_port if taken == "bulk KV" else listen_port) from None  # fmt: skip
+        raise port_in_use(
+            taken,
+            "--bulk-port" if taken == "bulk KV" else "--listen",
+            host,
+            args.bulk_port if taken == "bulk KV" else listen_port,
+        ) from None
     metrics_address = ""
     if args.metrics_port is not None:
         try:
@@ -290,8 +308,11 @@ def serve(args: argparse.Namespace) -> None:
         metrics_address = f"{host}:{http.server_address[1]}"
     server.start()
     shown = args.listen.rsplit(":", 1)[0]
-    print(f"pagedkv node listening on {shown}:{port} ({num_blocks} blocks of {spec.bytes_per_block} B, "
-          f"{host_blocks} host blocks, {engine.device}, policy {args.policy})", flush=True)  # fmt: skip
+    print(
+        f"pagedkv node listening on {shown}:{port} ({num_blocks} blocks of {spec.bytes_per_block} B, "
+        f"{host_blocks} host blocks, {engine.device}, policy {args.policy})",
+        flush=True,
+    )
     if server.bulk is not None:
         print(f"bulk KV channel on {shown}:{server.bulk.port}", flush=True)
     if metrics_address:

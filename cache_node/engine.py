@@ -556,10 +556,13 @@ class CacheEngine:
             for i, sid in enumerate(ids):
                 a, b = bounds[i], bounds[i + 1]
                 part = self.attend_prefill(
-                    sid, layer, q[a:b],
-                    None if k is None else k[a:b], None if v is None else v[a:b],
+                    sid,
+                    layer,
+                    q[a:b],
+                    None if k is None else k[a:b],
+                    None if v is None else v[a:b],
                     None if tokens is None else tokens[a:b],
-                )  # fmt: skip
+                )
                 outs.append(part.out)
                 lses.append(part.lse)
         if len(outs) == 1:

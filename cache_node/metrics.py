@@ -21,8 +21,24 @@ from prometheus_client.registry import Collector
 
 # Latency buckets from 50 us (Ping on loopback) to 10 s (a large Append).
 LATENCY_BUCKETS_S = (
-    5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
-)  # fmt: skip
+    5e-5,
+    1e-4,
+    2.5e-4,
+    5e-4,
+    1e-3,
+    2.5e-3,
+    5e-3,
+    1e-2,
+    2.5e-2,
+    5e-2,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+)
 
 _BLOCK_STATES = {
     "free": "free_blocks",
@@ -66,18 +82,20 @@ class EngineCollector(Collector):
         swapped.add_metric([], s["num_swapped"])
         yield swapped
         yield _counter(
-            "pagedkv_prefix_cache_queries_tokens", "Prompt tokens looked up in the prefix cache.",
+            "pagedkv_prefix_cache_queries_tokens",
+            "Prompt tokens looked up in the prefix cache.",
             s["prefix_query_tokens"],
-        )  # fmt: skip
+        )
         yield _counter(
-            "pagedkv_prefix_cache_hits_tokens", "Prompt tokens served from the prefix cache.",
+            "pagedkv_prefix_cache_hits_tokens",
+            "Prompt tokens served from the prefix cache.",
             s["prefix_hit_tokens"],
-        )  # fmt: skip
+        )
         yield _counter(
             "pagedkv_prefix_cache_host_hits_tokens",
             "Prompt tokens of prefix hits copied back from the host tier (a subset of the hits).",
             s["prefix_host_hit_tokens"],
-        )  # fmt: skip
+        )
         evictions = CounterMetricFamily(
             "pagedkv_evictions", "Cached blocks evicted, by policy and tier.", labels=["policy", "tier"]
         )
@@ -98,9 +116,10 @@ class EngineCollector(Collector):
             yield swap_bytes
         yield _counter("pagedkv_cow_copies", "Shared partial blocks copied on write.", s["cow_copies"])
         yield _counter(
-            "pagedkv_budget_dropped_blocks", "Blocks dropped by lossy token budgets.",
+            "pagedkv_budget_dropped_blocks",
+            "Blocks dropped by lossy token budgets.",
             s["budget_dropped_blocks"],
-        )  # fmt: skip
+        )
 
 
 class Info(Collector):
@@ -142,9 +161,11 @@ class NodeMetrics:
             registry=self.registry,
         )
         self.rpc_errors = Counter(
-            "pagedkv_rpc_errors", "RPCs that failed, by method and status code.", ["method", "code"],
+            "pagedkv_rpc_errors",
+            "RPCs that failed, by method and status code.",
+            ["method", "code"],
             registry=self.registry,
-        )  # fmt: skip
+        )
         self._engine_attached = False
         self.bytes_per_block = 0  # set by describe(); 0: no byte counters
         self._info: Info | None = None
@@ -157,14 +178,21 @@ class NodeMetrics:
             self.registry.register(EngineCollector(stats, policy, lambda: self.bytes_per_block))
             self._engine_attached = True
 
-    def describe(self, *, version: str, spec: dict[str, Any], bytes_per_block: int, device: str,
-                 policy: str) -> None:  # fmt: skip
+    def describe(
+        self, *, version: str, spec: dict[str, Any], bytes_per_block: int, device: str, policy: str
+    ) -> None:
         """Export `pagedkv_node_info` (value 1, the labels say what this node is) and enable the
         byte counters. Once per registry."""
         self.bytes_per_block = bytes_per_block
         if self._info is None:
-            self._info = Info(labels={"version": version, "device": device, "policy": policy,
-                                      **{k: str(v) for k, v in spec.items()}})  # fmt: skip
+            self._info = Info(
+                labels={
+                    "version": version,
+                    "device": device,
+                    "policy": policy,
+                    **{k: str(v) for k, v in spec.items()},
+                }
+            )
             self.registry.register(self._info)
 
     def serve(self, port: int, addr: str = "0.0.0.0") -> Any:

@@ -86,10 +86,20 @@ if triton is not None:
 
     @triton.jit
     def _scores(
-        q, k, pos, qpos, k_ok, qk_scale, softcap2, window, chunk,
-        DOT_PRECISION: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr,
+        q,
+        k,
+        pos,
+        qpos,
+        k_ok,
+        qk_scale,
+        softcap2,
+        window,
+        chunk,
+        DOT_PRECISION: tl.constexpr,
+        HAS_SOFTCAP: tl.constexpr,
+        HAS_WINDOW: tl.constexpr,
         HAS_CHUNK: tl.constexpr,
-    ):  # fmt: skip
+    ):
         # The one place a score is made: [rows, keys] in log2 units, -inf where not visible.
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         if HAS_SOFTCAP:  # cap * tanh(s / cap), tanh through exp2 (softcap2 = cap * log2 e)
@@ -103,19 +113,48 @@ if triton is not None:
 
     @triton.jit
     def _attend_fwd(
-        Q, K, V, Tables, QStart, QLen, CtxLen, Out, Lse,  # fmt: skip
-        stride_qt, stride_qh,
-        stride_kb, stride_kh, stride_ks,
+        Q,
+        K,
+        V,
+        Tables,
+        QStart,
+        QLen,
+        CtxLen,
+        Out,
+        Lse,
+        stride_qt,
+        stride_qh,
+        stride_kb,
+        stride_kh,
+        stride_ks,
         stride_tb,
-        stride_ot, stride_oh, stride_os,
-        stride_lt, stride_lh, stride_ls,
-        qk_scale, num_splits, tokens_per_split,
-        Sinks, softcap2, window, chunk,
-        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
-        HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
-        BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-        HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_CHUNK: tl.constexpr, HAS_SINKS: tl.constexpr,
-    ):  # fmt: skip
+        stride_ot,
+        stride_oh,
+        stride_os,
+        stride_lt,
+        stride_lh,
+        stride_ls,
+        qk_scale,
+        num_splits,
+        tokens_per_split,
+        Sinks,
+        softcap2,
+        window,
+        chunk,
+        GROUP: tl.constexpr,
+        GROUP_PAD: tl.constexpr,
+        BLOCK_Q: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        DIM_PAD: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
+        UPCAST: tl.constexpr,
+        HAS_SOFTCAP: tl.constexpr,
+        HAS_WINDOW: tl.constexpr,
+        HAS_CHUNK: tl.constexpr,
+        HAS_SINKS: tl.constexpr,
+    ):
         q_tile = tl.program_id(0)
         seq = tl.program_id(1)
         kv_head = tl.program_id(2) // num_splits
@@ -163,8 +202,21 @@ if triton is not None:
             k = tl.load(K + slot[:, None] + d[None, :], mask=kv_mask, other=0.0)
             if UPCAST:
                 k = k.to(tl.float32)
-            s = _scores(q, k, pos, qpos, k_ok, qk_scale, softcap2, window, chunk,
-                        DOT_PRECISION, HAS_SOFTCAP, HAS_WINDOW, HAS_CHUNK)  # fmt: skip
+            s = _scores(
+                q,
+                k,
+                pos,
+                qpos,
+                k_ok,
+                qk_scale,
+                softcap2,
+                window,
+                chunk,
+                DOT_PRECISION,
+                HAS_SOFTCAP,
+                HAS_WINDOW,
+                HAS_CHUNK,
+            )
             m_new = tl.maximum(m_i, tl.max(s, 1))
             # A row with no visible key yet keeps m = -inf; subtract 0 there, not -inf (NaN).
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -196,13 +248,25 @@ if triton is not None:
 
     @triton.jit
     def _merge_splits(
-        PartOut, PartLse, Out, Lse,
-        stride_pt, stride_ph, stride_ps,
-        stride_plt, stride_plh, stride_pls,
-        stride_ot, stride_oh, stride_lt, stride_lh,
+        PartOut,
+        PartLse,
+        Out,
+        Lse,
+        stride_pt,
+        stride_ph,
+        stride_ps,
+        stride_plt,
+        stride_plh,
+        stride_pls,
+        stride_ot,
+        stride_oh,
+        stride_lt,
+        stride_lh,
         num_splits,
-        HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,
-    ):  # fmt: skip
+        HEAD_DIM: tl.constexpr,
+        DIM_PAD: tl.constexpr,
+        SPLITS_PAD: tl.constexpr,
+    ):
         t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         s = tl.arange(0, SPLITS_PAD)
@@ -228,18 +292,41 @@ if triton is not None:
 
     @triton.jit
     def _block_mass(
-        Q, K, Tables, QStart, QLen, CtxLen, Lse, Mass,
-        stride_qt, stride_qh,
-        stride_kb, stride_kh, stride_ks,
+        Q,
+        K,
+        Tables,
+        QStart,
+        QLen,
+        CtxLen,
+        Lse,
+        Mass,
+        stride_qt,
+        stride_qh,
+        stride_kb,
+        stride_kh,
+        stride_ks,
         stride_tb,
-        stride_lt, stride_lh,
-        stride_mb, stride_mh,
-        qk_scale, softcap2, window, chunk,
-        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
-        HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
-        BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-        HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_CHUNK: tl.constexpr,
-    ):  # fmt: skip
+        stride_lt,
+        stride_lh,
+        stride_mb,
+        stride_mh,
+        qk_scale,
+        softcap2,
+        window,
+        chunk,
+        GROUP: tl.constexpr,
+        GROUP_PAD: tl.constexpr,
+        BLOCK_Q: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        DIM_PAD: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
+        UPCAST: tl.constexpr,
+        HAS_SOFTCAP: tl.constexpr,
+        HAS_WINDOW: tl.constexpr,
+        HAS_CHUNK: tl.constexpr,
+    ):
         # Mass[seq, kv_head, t]: the probability key t received (exp(score - final lse)),
         # summed over the group's heads and the sequence's queries, for one tile of keys.
         k_tile = tl.program_id(0)
@@ -274,8 +361,21 @@ if triton is not None:
             if UPCAST:
                 q = q.to(tl.float32)
             lse = tl.load(Lse + q_rows * stride_lt + head * stride_lh, mask=row_ok, other=0.0)
-            s = _scores(q, k, pos, qpos, k_ok, qk_scale, softcap2, window, chunk,
-                        DOT_PRECISION, HAS_SOFTCAP, HAS_WINDOW, HAS_CHUNK)  # fmt: skip
+            s = _scores(
+                q,
+                k,
+                pos,
+                qpos,
+                k_ok,
+                qk_scale,
+                softcap2,
+                window,
+                chunk,
+                DOT_PRECISION,
+                HAS_SOFTCAP,
+                HAS_WINDOW,
+                HAS_CHUNK,
+            )
             p = tl.where(row_ok[:, None], tl.exp2(s - lse[:, None] * 1.4426950408889634), 0.0)
             mass += tl.sum(p, 0)
         tl.store(Mass + seq * stride_mb + kv_head * stride_mh + pos, mass, mask=k_ok)
@@ -382,64 +482,139 @@ def attend(
         part_out = out.new_empty(num_tokens, num_q_heads, num_splits, head_dim, dtype=torch.float32)
         part_lse = lse.new_empty(num_tokens, num_q_heads, num_splits)
     common = dict(
-        GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, HEAD_DIM=head_dim, DIM_PAD=dim_pad,
-        BLOCK_N=block_n, BLOCK_SIZE=block_size, DOT_PRECISION=precision, UPCAST=upcast,
-        HAS_SOFTCAP=mods.softcap > 0, HAS_WINDOW=mods.window > 0, HAS_CHUNK=mods.chunk > 0,
-    )  # fmt: skip
+        GROUP=group,
+        GROUP_PAD=group_pad,
+        BLOCK_Q=block_q,
+        HEAD_DIM=head_dim,
+        DIM_PAD=dim_pad,
+        BLOCK_N=block_n,
+        BLOCK_SIZE=block_size,
+        DOT_PRECISION=precision,
+        UPCAST=upcast,
+        HAS_SOFTCAP=mods.softcap > 0,
+        HAS_WINDOW=mods.window > 0,
+        HAS_CHUNK=mods.chunk > 0,
+    )
     score_args = (mods.softcap * _LOG2E, mods.window, mods.chunk)
     num_warps = 8 if block_q * group_pad * dim_pad >= 64 * 256 else 4  # a 64 x 256 float32 accumulator
     sinks = lse if mods.sinks is None else mods.sinks.to(device=q.device, dtype=torch.float32).contiguous()
     _attend_fwd[(q_tiles, batch, num_kv_heads * num_splits)](
-        q, k_cache, v_cache, tables, q_start, q_len, ctx_len, part_out, part_lse,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        q,
+        k_cache,
+        v_cache,
+        tables,
+        q_start,
+        q_len,
+        ctx_len,
+        part_out,
+        part_lse,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
         tables.stride(0),
-        part_out.stride(0), part_out.stride(1), part_out.stride(2),
-        part_lse.stride(0), part_lse.stride(1), part_lse.stride(2),
-        qk_scale, num_splits, tokens_per_split,
-        sinks, *score_args,
-        **common, HAS_SINKS=mods.sinks is not None, num_warps=num_warps,
-    )  # fmt: skip
+        part_out.stride(0),
+        part_out.stride(1),
+        part_out.stride(2),
+        part_lse.stride(0),
+        part_lse.stride(1),
+        part_lse.stride(2),
+        qk_scale,
+        num_splits,
+        tokens_per_split,
+        sinks,
+        *score_args,
+        **common,
+        HAS_SINKS=mods.sinks is not None,
+        num_warps=num_warps,
+    )
     if num_splits > 1:
         _merge_splits[(num_tokens, num_q_heads)](
-            part_out, part_lse, out, lse,
-            part_out.stride(0), part_out.stride(1), part_out.stride(2),
-            part_lse.stride(0), part_lse.stride(1), part_lse.stride(2),
-            out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
+            part_out,
+            part_lse,
+            out,
+            lse,
+            part_out.stride(0),
+            part_out.stride(1),
+            part_out.stride(2),
+            part_lse.stride(0),
+            part_lse.stride(1),
+            part_lse.stride(2),
+            out.stride(0),
+            out.stride(1),
+            lse.stride(0),
+            lse.stride(1),
             num_splits,
-            HEAD_DIM=head_dim, DIM_PAD=dim_pad, SPLITS_PAD=_pow2(num_splits), num_warps=1,
-        )  # fmt: skip
+            HEAD_DIM=head_dim,
+            DIM_PAD=dim_pad,
+            SPLITS_PAD=_pow2(num_splits),
+            num_warps=1,
+        )
     if not with_mass:
         return out, lse, None
     key_tiles = -(-max_ctx // block_n)
     width = max(key_tiles * block_n, -(-max_ctx // block_size) * block_size)
     mass = torch.zeros(batch, num_kv_heads, width, dtype=torch.float32, device=q.device)
     _block_mass[(key_tiles, batch, num_kv_heads)](
-        q, k_cache, tables, q_start, q_len, ctx_len, lse, mass,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        q,
+        k_cache,
+        tables,
+        q_start,
+        q_len,
+        ctx_len,
+        lse,
+        mass,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
         tables.stride(0),
-        lse.stride(0), lse.stride(1),
-        mass.stride(0), mass.stride(1),
-        qk_scale, *score_args,
-        **common, num_warps=num_warps,
-    )  # fmt: skip
+        lse.stride(0),
+        lse.stride(1),
+        mass.stride(0),
+        mass.stride(1),
+        qk_scale,
+        *score_args,
+        **common,
+        num_warps=num_warps,
+    )
     return out, lse, mass.sum(dim=1)
 
 
 def decode(
-    q: Tensor, k_cache: Tensor, v_cache: Tensor, tables: Tensor, lens: Tensor, max_len: int, scale: float,
-    with_mass: bool, num_splits: int | None = None, mods: ScoreMods = NO_MODS,
-) -> tuple[Tensor, Tensor, Tensor | None]:  # fmt: skip
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    tables: Tensor,
+    lens: Tensor,
+    max_len: int,
+    scale: float,
+    with_mass: bool,
+    num_splits: int | None = None,
+    mods: ScoreMods = NO_MODS,
+) -> tuple[Tensor, Tensor, Tensor | None]:
     """paged_decode's contract (attention.py checked the input): q [B, Hq, D], tables [B, max_blocks]
     int32, lens [B] int32 on q's device. Returns out, lse and the mass per logical block [B, max_blocks]."""
     batch = q.shape[0]
     block_size = k_cache.shape[2]
     rows = torch.arange(batch, dtype=torch.int32, device=q.device)
     out, lse, key_mass = attend(
-        q, k_cache, v_cache, tables.contiguous(), rows, torch.ones_like(rows), lens.contiguous(),
-        max_q_len=1, max_ctx=max_len, scale=scale, with_mass=with_mass, num_splits=num_splits, mods=mods,
-    )  # fmt: skip
+        q,
+        k_cache,
+        v_cache,
+        tables.contiguous(),
+        rows,
+        torch.ones_like(rows),
+        lens.contiguous(),
+        max_q_len=1,
+        max_ctx=max_len,
+        scale=scale,
+        with_mass=with_mass,
+        num_splits=num_splits,
+        mods=mods,
+    )
     if key_mass is None:
         return out, lse, None
     num_logical = -(-max_len // block_size)
@@ -449,19 +624,35 @@ def decode(
 
 
 def prefill(
-    q: Tensor, k_cache: Tensor, v_cache: Tensor, ids: Tensor, table_len: int, context_len: int, scale: float,
-    with_mass: bool, mods: ScoreMods = NO_MODS,
-) -> tuple[Tensor, Tensor, Tensor | None]:  # fmt: skip
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    ids: Tensor,
+    table_len: int,
+    context_len: int,
+    scale: float,
+    with_mass: bool,
+    mods: ScoreMods = NO_MODS,
+) -> tuple[Tensor, Tensor, Tensor | None]:
     """paged_prefill's contract as a batch of one: ids are the sequence's ceil(context_len /
     block_size) checked physical blocks; the mass is per entry of a table of table_len blocks."""
     num_queries = q.shape[0]
     block_size = k_cache.shape[2]
     zero = torch.zeros(1, dtype=torch.int32, device=q.device)
     out, lse, key_mass = attend(
-        q, k_cache, v_cache, ids.to(torch.int32).unsqueeze(0).contiguous(), zero, zero + num_queries,
-        zero + context_len, max_q_len=num_queries, max_ctx=context_len, scale=scale, with_mass=with_mass,
+        q,
+        k_cache,
+        v_cache,
+        ids.to(torch.int32).unsqueeze(0).contiguous(),
+        zero,
+        zero + num_queries,
+        zero + context_len,
+        max_q_len=num_queries,
+        max_ctx=context_len,
+        scale=scale,
+        with_mass=with_mass,
         mods=mods,
-    )  # fmt: skip
+    )
     if key_mass is None:
         return out, lse, None
     num_logical = ids.shape[0]

@@ -415,9 +415,14 @@ class PagedKVCache(Cache):
         lse: torch.Tensor | None = None  # [B, T, Hq] when with_lse
         if fwd.decode_tokens is not None:
             got = self.backend.attend_decode(
-                self._seq_ids, layer, q[:, :, 0].contiguous(), k[:, :, 0].contiguous(),
-                v[:, :, 0].contiguous(), fwd.decode_tokens if layer == 0 else None, **_lse_kw(with_lse),
-            )  # fmt: skip
+                self._seq_ids,
+                layer,
+                q[:, :, 0].contiguous(),
+                k[:, :, 0].contiguous(),
+                v[:, :, 0].contiguous(),
+                fwd.decode_tokens if layer == 0 else None,
+                **_lse_kw(with_lse),
+            )
             out, lse = got if with_lse else (got, None)
             result = out.unsqueeze(1)
             lse = None if lse is None else lse.unsqueeze(1)

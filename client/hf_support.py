@@ -154,49 +154,61 @@ def plan_attention(model: Any, max_tokens: int | None = None) -> AttentionPlan:
         raise InvalidArgument(f"max_tokens must be a positive int or None, got {max_tokens!r}")
     if not reaches_attention_interface(type(model)):
         raise UnsupportedModel(
-            name, "every layer", "its own attention modules",
+            name,
+            "every layer",
+            "its own attention modules",
             "the model computes attention itself instead of calling transformers' attention interface, "
             "so the node never sees it (gathered-KV mode, mode='gather', still works)",
-        )  # fmt: skip
+        )
     for cfg in {id(c): c for c in (model.config, config)}.values():
         impl = getattr(cfg, "_attn_implementation", None)
         if impl != ATTENTION_NAME:
             raise UnsupportedModel(
-                name, "every layer", f"attn_implementation={impl!r}",
+                name,
+                "every layer",
+                f"attn_implementation={impl!r}",
                 f"node mode needs attn_implementation={ATTENTION_NAME!r}: build the model with "
                 f"from_pretrained(..., attn_implementation={ATTENTION_NAME!r}) or "
                 "pagedkv.client.transformers.load_model (or use mode='gather')",
-            )  # fmt: skip
+            )
     if getattr(config, "attn_logit_softcapping", None) is not None:
         raise UnsupportedModel(
-            name, "every layer", "attention logit soft-capping",
+            name,
+            "every layer",
+            "attention logit soft-capping",
             f"attn_logit_softcapping={config.attn_logit_softcapping} needs a node kernel (None only if "
             "the checkpoint was trained without it)",
-        )  # fmt: skip
+        )
     if getattr(config, "keep_window_size", None) is not None:
         raise UnsupportedModel(
-            name, "every layer", "a dynamic mask (keep_window_size)",
+            name,
+            "every layer",
+            "a dynamic mask (keep_window_size)",
             "the model adds a learned per-key bias to the scores, which the node cannot apply",
-        )  # fmt: skip
+        )
     shape = model_shape(config)
     qk_dim = (getattr(config, "qk_nope_head_dim", 0) or 0) + (getattr(config, "qk_rope_head_dim", 0) or 0)
     v_dim = getattr(config, "v_head_dim", None)
     if v_dim is not None and v_dim != (qk_dim or shape.head_dim):
         raise UnsupportedModel(
-            name, "every layer", "multi-head latent attention",
+            name,
+            "every layer",
+            "multi-head latent attention",
             f"keys have {qk_dim or shape.head_dim} dimensions per head and values {v_dim}; a node stores "
             "both with one head_dim",
-        )  # fmt: skip
+        )
     limits = layer_limits(config, name)
     for limit in limits:
         if max_tokens is None or max_tokens > limit.size:
             bound = "no max_tokens was given" if max_tokens is None else f"max_tokens={max_tokens}"
             raise UnsupportedModel(
-                name, limit.layer, f"a {limit.feature} of {limit.size} tokens",
+                name,
+                limit.layer,
+                f"a {limit.feature} of {limit.size} tokens",
                 f"the node attends over every token of a sequence, so this is exact only while no row holds "
                 f"more than {limit.size} tokens ({bound}): pass PagedKVCache(..., max_tokens=N) with "
                 f"N <= {limit.size}",
-            )  # fmt: skip
+            )
     return AttentionPlan(name, num_layers, max_tokens, tuple(limits))
 
 
@@ -228,10 +240,11 @@ def check_call(
         if refused is not None and refused[0] is attention_mask:
             raise plan.refuse(layer, "its attention mask", refused[1])
         raise plan.refuse(
-            layer, "a mask built by the model itself",
+            layer,
+            "a mask built by the model itself",
             "the attention received a mask that pagedkv's mask function did not make (the node masks "
             "causally and skips pads; it cannot apply another mask)",
-        )  # fmt: skip
+        )
     if dropout:
         raise plan.refuse(layer, f"dropout={dropout}", "pagedkv attention runs inference only (model.eval())")
     sinks = None

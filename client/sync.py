@@ -84,11 +84,17 @@ def split_batch(
     parts = []
     for address, rows in groups.items():
         pick = torch.tensor(rows)
-        parts.append(BatchPart(
-            address, rows, [where[i][1] for i in rows], q[pick],
-            None if k is None else k[pick], None if v is None else v[pick],
-            None if tokens is None else [tokens[i] for i in rows],
-        ))  # fmt: skip
+        parts.append(
+            BatchPart(
+                address,
+                rows,
+                [where[i][1] for i in rows],
+                q[pick],
+                None if k is None else k[pick],
+                None if v is None else v[pick],
+                None if tokens is None else [tokens[i] for i in rows],
+            )
+        )
     return parts
 
 
@@ -137,11 +143,18 @@ def split_prefill_batch(
     for address, members in groups.items():
         rows = [r for i in members for r in range(starts[i], starts[i + 1])]
         pick = torch.tensor(rows)
-        parts.append(PrefillPart(
-            address, rows, [where[i][1] for i in members], [counts[i] for i in members], q[pick],
-            None if k is None else k[pick], None if v is None else v[pick],
-            None if tokens is None else [tokens[r] for r in rows],
-        ))  # fmt: skip
+        parts.append(
+            PrefillPart(
+                address,
+                rows,
+                [where[i][1] for i in members],
+                [counts[i] for i in members],
+                q[pick],
+                None if k is None else k[pick],
+                None if v is None else v[pick],
+                None if tokens is None else [tokens[r] for r in rows],
+            )
+        )
     return parts
 
 
@@ -377,13 +390,22 @@ class CacheClient:
         spans (usually one); rows come back in the batch's order."""
         if not self.is_cluster:  # one node: nothing to route or split
             ids = [s.seq_id if isinstance(s, Sequence) else s for s in seqs]
-            return self.data.attend(ids, layer, q, k, v, token_ids,
-                                    return_block_mass=return_block_mass, timeout_s=timeout_s)  # fmt: skip
+            return self.data.attend(
+                ids, layer, q, k, v, token_ids, return_block_mass=return_block_mass, timeout_s=timeout_s
+            )
         parts = []
         for p in split_batch(self._where(seqs, timeout_s), q, k, v, token_ids):
             data = self.node(p.address).data
-            res = data.attend(p.seq_ids, layer, p.q, p.k, p.v, p.token_ids,
-                              return_block_mass=return_block_mass, timeout_s=timeout_s)  # fmt: skip
+            res = data.attend(
+                p.seq_ids,
+                layer,
+                p.q,
+                p.k,
+                p.v,
+                p.token_ids,
+                return_block_mass=return_block_mass,
+                timeout_s=timeout_s,
+            )
             parts.append((p.rows, res))
         return parts[0][1] if len(parts) == 1 else _gather_rows(parts, len(seqs))
 
@@ -405,14 +427,16 @@ class CacheClient:
         if not self.is_cluster:  # one node: nothing to route or split
             check_counts(num_tokens, len(seqs))
             ids = [s.seq_id if isinstance(s, Sequence) else s for s in seqs]
-            return self.data.attend_prefill_batch(ids, layer, num_tokens, q, k, v, token_ids,
-                                                  timeout_s=timeout_s)  # fmt: skip
+            return self.data.attend_prefill_batch(
+                ids, layer, num_tokens, q, k, v, token_ids, timeout_s=timeout_s
+            )
         where = self._where(seqs, timeout_s)
         parts = []
         for p in split_prefill_batch(where, num_tokens, q, k, v, token_ids):
             data = self.node(p.address).data
-            res = data.attend_prefill_batch(p.seq_ids, layer, p.num_tokens, p.q, p.k, p.v, p.token_ids,
-                                            timeout_s=timeout_s)  # fmt: skip
+            res = data.attend_prefill_batch(
+                p.seq_ids, layer, p.num_tokens, p.q, p.k, p.v, p.token_ids, timeout_s=timeout_s
+            )
             parts.append((p.rows, res))
         return parts[0][1] if len(parts) == 1 else _gather_rows(parts, sum(len(r) for r, _ in parts))
 

@@ -99,8 +99,11 @@ def paged_attention_forward(
     layer = cast(int, getattr(module, "layer_idx", None))
     try:
         if not isinstance(layer, int):
-            raise cache.plan.refuse(type(module).__name__, "an attention module without layer_idx",
-                                    "the node keys each layer's K/V by its index")  # fmt: skip
+            raise cache.plan.refuse(
+                type(module).__name__,
+                "an attention module without layer_idx",
+                "the node keys each layer's K/V by its index",
+            )
         call = check_call(
             cache.plan, layer, query.shape[-1], attention_mask, dropout, scaling, kwargs, cache.refused_masks
         )
@@ -260,11 +263,13 @@ def load_model(path: str, **kwargs: Any) -> PreTrainedModel:
     model_class = _causal_lm_class(config)
     if model_class is not None and not reaches_attention_interface(model_class):
         raise UnsupportedModel(
-            model_class.__name__, "every layer", "its own attention modules",
+            model_class.__name__,
+            "every layer",
+            "its own attention modules",
             "the model computes attention itself instead of calling transformers' attention interface, "
             "so it cannot run with attn_implementation='pagedkv' (load it with attn_implementation='sdpa' "
             "and use PagedKVCache(..., mode='gather'))",
-        )  # fmt: skip
+        )
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=ATTENTION_NAME, **kwargs).eval()
     install_hooks(model)
     return model

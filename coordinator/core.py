@@ -439,8 +439,11 @@ class Coordinator:
         self._settle(seq_id, raise_error=False)  # a reopen of this id waits for its last node call
         nodes = self._nodes_for(spec)
         if not nodes:
-            raise Unavailable("no live cache node" + (f" serves model spec {dict(spec)}" if spec else "")
-                              + self._served_specs())  # fmt: skip
+            raise Unavailable(
+                "no live cache node"
+                + (f" serves model spec {dict(spec)}" if spec else "")
+                + self._served_specs()
+            )
         bs = self._block_size(nodes, spec)
         salt, root = self._salt(tenant)
         num_tokens = len(token_ids)

@@ -90,9 +90,10 @@ class CoordinatorCollector(Collector):
             labels=["tenant"],
         )
         quota = GaugeMetricFamily(
-            "pagedkv_coordinator_tenant_quota_blocks", "Each tenant's block quota (absent: unlimited).",
+            "pagedkv_coordinator_tenant_quota_blocks",
+            "Each tenant's block quota (absent: unlimited).",
             labels=["tenant"],
-        )  # fmt: skip
+        )
         for tenant, n in used.items():
             used_blocks.add_metric([tenant], n)
             if tenant in self.quotas:
@@ -123,18 +124,25 @@ class CoordinatorMetrics:
             registry=self.registry,
         )
         self.rpc_errors = Counter(
-            "pagedkv_coordinator_rpc_errors", "Failed coordinator RPCs by method and status code.",
-            ["method", "code"], registry=self.registry,
-        )  # fmt: skip
+            "pagedkv_coordinator_rpc_errors",
+            "Failed coordinator RPCs by method and status code.",
+            ["method", "code"],
+            registry=self.registry,
+        )
 
         self.redis_latency = Histogram(
-            "pagedkv_coordinator_redis_latency_seconds", "Coordinator Redis call latency by operation.",
-            ["op"], buckets=LATENCY_BUCKETS_S, registry=self.registry,
-        )  # fmt: skip
+            "pagedkv_coordinator_redis_latency_seconds",
+            "Coordinator Redis call latency by operation.",
+            ["op"],
+            buckets=LATENCY_BUCKETS_S,
+            registry=self.registry,
+        )
         self.redis_errors = Counter(
-            "pagedkv_coordinator_redis_errors", "Redis calls that failed (after retries) by operation.",
-            ["op"], registry=self.registry,
-        )  # fmt: skip
+            "pagedkv_coordinator_redis_errors",
+            "Redis calls that failed (after retries) by operation.",
+            ["op"],
+            registry=self.registry,
+        )
         self.tenant_opens = Counter(
             "pagedkv_coordinator_tenant_open",
             "Sequences opened, by tenant.",
@@ -142,13 +150,17 @@ class CoordinatorMetrics:
             registry=self.registry,
         )
         self.tenant_prompt_tokens = Counter(
-            "pagedkv_coordinator_tenant_prompt_tokens", "Prompt tokens of opened sequences, by tenant.",
-            ["tenant"], registry=self.registry,
-        )  # fmt: skip
+            "pagedkv_coordinator_tenant_prompt_tokens",
+            "Prompt tokens of opened sequences, by tenant.",
+            ["tenant"],
+            registry=self.registry,
+        )
         self.tenant_cached_tokens = Counter(
-            "pagedkv_coordinator_tenant_cached_tokens", "Prompt tokens cached at open, by tenant.",
-            ["tenant"], registry=self.registry,
-        )  # fmt: skip
+            "pagedkv_coordinator_tenant_cached_tokens",
+            "Prompt tokens cached at open, by tenant.",
+            ["tenant"],
+            registry=self.registry,
+        )
 
     def observe(self, method: str, seconds: float, code: str) -> None:
         self.rpc_latency.labels(method).observe(seconds)

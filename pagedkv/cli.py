@@ -47,8 +47,7 @@ EXTRA_FOR_COMMAND = {"up": "all", "demo": "all", "node": "node", "coordinator": 
 
 def missing_extra_message(command: str, module: str) -> str:
     extra = EXTRA_FOR_COMMAND.get(command) or EXTRA_FOR_MODULE[module]
-    return (f"`pagedkv {command}` needs {module}, which is not installed: "
-            f"pip install 'pagedkv[{extra}]'")  # fmt: skip
+    return f"`pagedkv {command}` needs {module}, which is not installed: pip install 'pagedkv[{extra}]'"
 
 
 def main(argv: list[str] | None = None) -> None:

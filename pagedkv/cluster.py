@@ -59,24 +59,34 @@ class NodeOptions:
 
     def args(self) -> list[str]:
         return [
-            f"--num-layers={self.num_layers}", f"--num-kv-heads={self.num_kv_heads}",
-            f"--head-dim={self.head_dim}", f"--dtype={self.dtype}", f"--block-size={self.block_size}",
-            f"--num-blocks={self.num_blocks}", f"--host-blocks={self.host_blocks}", f"--policy={self.policy}",
+            f"--num-layers={self.num_layers}",
+            f"--num-kv-heads={self.num_kv_heads}",
+            f"--head-dim={self.head_dim}",
+            f"--dtype={self.dtype}",
+            f"--block-size={self.block_size}",
+            f"--num-blocks={self.num_blocks}",
+            f"--host-blocks={self.host_blocks}",
+            f"--policy={self.policy}",
             f"--bulk-port={self.bulk_port}",
-        ]  # fmt: skip
+        ]
 
     def spec(self) -> dict:
         return {
-            "num_layers": self.num_layers, "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim,
-            "dtype": self.dtype, "block_size": self.block_size,
-        }  # fmt: skip
+            "num_layers": self.num_layers,
+            "num_kv_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "dtype": self.dtype,
+            "block_size": self.block_size,
+        }
 
     def describe(self) -> str:
         s = ModelSpec(**self.spec())
         pool = human_bytes(self.num_blocks * s.bytes_per_block)
-        return (f"{s.num_layers} layers x {s.num_kv_heads} KV heads x head_dim {s.head_dim}, {s.dtype}, "
-                f"{s.block_size} tokens/block; per node {self.num_blocks} blocks ({pool}) "
-                f"+ {self.host_blocks} host blocks")  # fmt: skip
+        return (
+            f"{s.num_layers} layers x {s.num_kv_heads} KV heads x head_dim {s.head_dim}, {s.dtype}, "
+            f"{s.block_size} tokens/block; per node {self.num_blocks} blocks ({pool}) "
+            f"+ {self.host_blocks} host blocks"
+        )
 
 
 @dataclass(frozen=True)
@@ -123,8 +133,10 @@ class LocalCluster:
         while time.monotonic() < deadline:
             proc = self.procs[name]
             if proc.poll() is not None:
-                raise RuntimeError(f"{name} exited with {proc.returncode}: {self.last_log_line(name)} "
-                                   f"(log: {self.log_dir}/{name}.log)")  # fmt: skip
+                raise RuntimeError(
+                    f"{name} exited with {proc.returncode}: {self.last_log_line(name)} "
+                    f"(log: {self.log_dir}/{name}.log)"
+                )
             if health_check(address, timeout_s=1.0) == "SERVING":
                 return
             time.sleep(0.05)
@@ -146,8 +158,10 @@ class LocalCluster:
         redis_bin = shutil.which("redis-server")
         if not self.redis_url and self.use_redis and redis_bin:
             port = free_port(self.host)
-            self._spawn("redis", [redis_bin, "--port", str(port), "--bind", self.host, "--save", "",
-                                  "--appendonly", "no"])  # fmt: skip
+            self._spawn(
+                "redis",
+                [redis_bin, "--port", str(port), "--bind", self.host, "--save", "", "--appendonly", "no"],
+            )
             self.redis_url = f"redis://{self.host}:{port}/0"
             self._wait_redis()
         self.store = self.redis_url or "embedded"
@@ -192,9 +206,14 @@ class LocalCluster:
             self.node_addresses.append(address)
         if i >= len(self.node_metrics_ports):  # picked here, so the cluster knows it; kept across restarts
             self.node_metrics_ports.append(free_port(self.host))
-        args = ["node", f"--listen={address}", f"--node-id={name}", f"--advertise={address}",
-                f"--coordinator={self.coordinator_address}",
-                f"--metrics-port={self.node_metrics_ports[i]}"]  # fmt: skip
+        args = [
+            "node",
+            f"--listen={address}",
+            f"--node-id={name}",
+            f"--advertise={address}",
+            f"--coordinator={self.coordinator_address}",
+            f"--metrics-port={self.node_metrics_ports[i]}",
+        ]
         args += self.node.args()
         self._pagedkv(name, args)
         self._wait_healthy(name, address)
@@ -250,8 +269,11 @@ class LocalCluster:
     def describe(self) -> str:
         """One line per process with every port it opened (the first word after the name is
         its gRPC address), then the model shape and the log folder."""
-        metrics = (f"   metrics http://{self.host}:{self.coordinator_metrics_port}/metrics"
-                   if self.coordinator_metrics_port else "")  # fmt: skip
+        metrics = (
+            f"   metrics http://{self.host}:{self.coordinator_metrics_port}/metrics"
+            if self.coordinator_metrics_port
+            else ""
+        )
         lines = [f"coordinator  {self.coordinator_address}{metrics}   (store: {self.store})"]
         for e in self.endpoints():
             host = e.address.rsplit(":", 1)[0]
@@ -302,8 +324,9 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
         default="auto",
         help="each node's bulk KV port for large transfers (default: a free one)",
     )
-    p.add_argument("--coordinator-port", type=int, default=0,
-                   help="the coordinator's gRPC port (default: a free one)")  # fmt: skip
+    p.add_argument(
+        "--coordinator-port", type=int, default=0, help="the coordinator's gRPC port (default: a free one)"
+    )
 
 
 def add_shape_args(p: argparse.ArgumentParser) -> None:
@@ -323,7 +346,6 @@ def add_shape_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--head-dim", type=positive_int("--head-dim"), help="head dimension (default 32)")
     g.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="KV dtype (default float32)")
     g.add_argument("--block-size", type=positive_int("--block-size"), help="tokens per block (default 16)")
-    # fmt: on
 
 
 def node_options_from_args(args: argparse.Namespace) -> NodeOptions:
@@ -354,9 +376,14 @@ def cluster_from_args(args: argparse.Namespace, node: NodeOptions | None = None)
     node.policy = args.policy
     node.bulk_port = getattr(args, "bulk_port", "auto")
     port = getattr(args, "coordinator_port", 0)
-    return LocalCluster(args.nodes, node, redis_url=args.redis, use_redis=not args.embedded,
-                        lease_ttl_s=args.lease_ttl_s,
-                        coordinator_address=f"127.0.0.1:{port}" if port else "")  # fmt: skip
+    return LocalCluster(
+        args.nodes,
+        node,
+        redis_url=args.redis,
+        use_redis=not args.embedded,
+        lease_ttl_s=args.lease_ttl_s,
+        coordinator_address=f"127.0.0.1:{port}" if port else "",
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -395,8 +422,11 @@ def up(args: argparse.Namespace) -> None:
         except (RuntimeError, TimeoutError) as exc:
             raise UsageError(f"{exc}") from None
         print(cluster.describe(), flush=True)
-        print("Ctrl-C stops everything. `pagedkv status --coordinator "
-              f"{cluster.coordinator_address}` shows usage.", flush=True)  # fmt: skip
+        print(
+            "Ctrl-C stops everything. `pagedkv status --coordinator "
+            f"{cluster.coordinator_address}` shows usage.",
+            flush=True,
+        )
         # Both stop the cluster, also when started from a shell that ignores SIGINT (a background job).
         signal.signal(signal.SIGINT, _stop)
         signal.signal(signal.SIGTERM, _stop)

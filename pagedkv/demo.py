@@ -55,7 +55,7 @@ def run_workers(
             ],
             stdout=subprocess.PIPE,
             text=True,
-        )  # fmt: skip
+        )
         for reqs in per_worker
     ]
     # One reader thread per worker feeds one queue, so progress prints as each request finishes,
@@ -81,10 +81,12 @@ def run_workers(
         row = json.loads(line)
         row["worker"] = w
         results.append(row)
-        print(f"  [{len(results):>3}/{total}] worker {w} request {row['request']:>3}: "
-              f"{row['cached_tokens']:>4}/{row['prompt_tokens']} prompt tokens cached, "
-              f"TTFT {row['ttft_s'] * 1e3:6.1f} ms (recompute {row['ttft_local_s'] * 1e3:6.1f} ms)",
-              flush=True)  # fmt: skip
+        print(
+            f"  [{len(results):>3}/{total}] worker {w} request {row['request']:>3}: "
+            f"{row['cached_tokens']:>4}/{row['prompt_tokens']} prompt tokens cached, "
+            f"TTFT {row['ttft_s'] * 1e3:6.1f} ms (recompute {row['ttft_local_s'] * 1e3:6.1f} ms)",
+            flush=True,
+        )
     for w, proc in enumerate(procs):
         if proc.wait() != 0:
             raise UsageError(f"demo worker {w} failed with exit code {proc.returncode} (its error is above)")
@@ -165,10 +167,11 @@ def plot(results: list[dict], summary: dict, path: Path, block_size: int = 16) -
     names = sorted(summary["nodes"])
     nodes = [summary["nodes"][n] for n in names]
     x = np.arange(len(names))
-    bars = (("cached blocks", [c["cached_blocks"] for c in nodes], "#1f77b4"),
-            ("blocks reused by hits", [c["prefix_hit_tokens"] // block_size for c in nodes], "#2ca02c"),
-            ("host-tier blocks", [c["host_cached_blocks"] + c["host_used_blocks"] for c in nodes],
-             "#9467bd"))  # fmt: skip
+    bars = (
+        ("cached blocks", [c["cached_blocks"] for c in nodes], "#1f77b4"),
+        ("blocks reused by hits", [c["prefix_hit_tokens"] // block_size for c in nodes], "#2ca02c"),
+        ("host-tier blocks", [c["host_cached_blocks"] + c["host_used_blocks"] for c in nodes], "#9467bd"),
+    )
     for i, (label, values, color) in enumerate(bars):
         ax.bar(x + (i - 1) * 0.27, values, width=0.27, color=color, label=label)
     ax.set_xticks(x, names)
@@ -178,7 +181,7 @@ def plot(results: list[dict], summary: dict, path: Path, block_size: int = 16) -
     fig.suptitle("pagedkv demo: workers sharing system prompts through a local cluster")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)  # fmt: skip
+    plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -202,8 +205,9 @@ def demo(args: argparse.Namespace) -> None:
     from .client.transformers import demo_model, node_spec
 
     t0 = time.perf_counter()
-    model, config = demo_model(seed=args.seed, num_layers=args.layers, hidden_size=args.hidden, num_heads=8,
-                               num_kv_heads=2)  # fmt: skip
+    model, config = demo_model(
+        seed=args.seed, num_layers=args.layers, hidden_size=args.hidden, num_heads=8, num_kv_heads=2
+    )
     spec = node_spec(config, block_size=16)
     cluster = cluster_from_args(args, NodeOptions(*spec.to_dict().values()))
     out = Path(args.out)
@@ -218,8 +222,11 @@ def demo(args: argparse.Namespace) -> None:
             print(cluster.describe(), flush=True)
             per_worker = make_requests(args, config.vocab_size)
             shape = f"{args.system_prompts} system prompts of {args.system_tokens} tokens"
-            print(f"{args.workers} workers x {args.requests} requests; {shape} + {args.user_tokens} unique "
-                  "tokens each", flush=True)  # fmt: skip
+            print(
+                f"{args.workers} workers x {args.requests} requests; {shape} + {args.user_tokens} unique "
+                "tokens each",
+                flush=True,
+            )
             results = run_workers(cluster, model_dir, per_worker, args.new_tokens)
             usage = node_usage(cluster)
     summary = summarize(results, usage, spec.block_size)

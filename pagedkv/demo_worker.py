@@ -61,12 +61,21 @@ def main(coordinator: str, model_dir: str, requests_json: str, new_tokens: str) 
             with torch.no_grad():
                 local = FirstTokenTimer()
                 ref = model.generate(ids, cache=DynamicCache(config=model.config), streamer=local, **kw)
-            print(json.dumps({
-                "request": request["id"], "system": request["system"], "prompt_tokens": ids.shape[1],
-                "cached_tokens": hit.num_cached_tokens[0], "fed_tokens": fed,
-                "ttft_s": timer.first_token_s, "ttft_local_s": local.first_token_s,
-                "same_tokens": out.tolist() == ref.tolist(),
-            }), flush=True)  # fmt: skip
+            print(
+                json.dumps(
+                    {
+                        "request": request["id"],
+                        "system": request["system"],
+                        "prompt_tokens": ids.shape[1],
+                        "cached_tokens": hit.num_cached_tokens[0],
+                        "fed_tokens": fed,
+                        "ttft_s": timer.first_token_s,
+                        "ttft_local_s": local.first_token_s,
+                        "same_tokens": out.tolist() == ref.tolist(),
+                    }
+                ),
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -63,8 +63,12 @@ class TextFormatter(logging.Formatter):
 
 class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
-        entry = {"ts": _timestamp(record), "level": record.levelname, "logger": record.name,
-                 "msg": record.getMessage()}  # fmt: skip
+        entry = {
+            "ts": _timestamp(record),
+            "level": record.levelname,
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
         if record.exc_info:
             entry["exc"] = self.formatException(record.exc_info)
         return json.dumps(entry)

@@ -48,5 +48,9 @@ def kv_shape(path: str | Path) -> dict[str, Any]:
             "--num-kv-heads and --head-dim instead"
         ) from None
     dtype = str(c.get("dtype") or c.get("torch_dtype") or "float32")
-    return {"num_layers": layers, "num_kv_heads": kv_heads, "head_dim": head_dim,
-            "dtype": dtype if dtype in KV_DTYPES else "float32"}  # fmt: skip
+    return {
+        "num_layers": layers,
+        "num_kv_heads": kv_heads,
+        "head_dim": head_dim,
+        "dtype": dtype if dtype in KV_DTYPES else "float32",
+    }

@@ -36,17 +36,22 @@ def main(argv: list[str] | None = None) -> None:
 
     with grpc.insecure_channel(args.coordinator) as channel:
         try:
-            cluster = pb_grpc.CoordinatorStub(channel).Stats(pb.Empty(), timeout=args.timeout_s,
-                                                             metadata=metadata)  # fmt: skip
+            cluster = pb_grpc.CoordinatorStub(channel).Stats(
+                pb.Empty(), timeout=args.timeout_s, metadata=metadata
+            )
         except grpc.RpcError as err:
             raise _fail(args.coordinator, "coordinator", err) from None
     c = cluster.counters
     hit = c["cached_tokens"] / c["prompt_tokens"] if c.get("prompt_tokens") else 0.0
     live, opens, reaped = c.get("nodes_live", 0), c.get("opens", 0), c.get("nodes_reaped", 0)
-    print(f"coordinator {args.coordinator}: {live} live nodes, {opens} opens, "
-          f"prefix hit rate {hit:.1%} at open, {reaped} nodes reaped")  # fmt: skip
-    print(f"{'node':<10} {'address':<22} {'usage':>6} {'used':>6} {'cached':>6} {'free':>6} "
-          f"{'host':>6} {'seqs':>5} {'hit rate':>8}  spec")  # fmt: skip
+    print(
+        f"coordinator {args.coordinator}: {live} live nodes, {opens} opens, "
+        f"prefix hit rate {hit:.1%} at open, {reaped} nodes reaped"
+    )
+    print(
+        f"{'node':<10} {'address':<22} {'usage':>6} {'used':>6} {'cached':>6} {'free':>6} "
+        f"{'host':>6} {'seqs':>5} {'hit rate':>8}  spec"
+    )
     for node in cluster.nodes:
         spec = node.spec
         shape = f"{spec.num_layers}x{spec.num_kv_heads}x{spec.head_dim} {spec.dtype} /{spec.block_size}"
@@ -59,6 +64,8 @@ def main(argv: list[str] | None = None) -> None:
         usage = s["used_blocks"] / s["num_blocks"] if s["num_blocks"] else 0.0
         rate = s["prefix_hit_tokens"] / s["prefix_query_tokens"] if s["prefix_query_tokens"] else 0.0
         host = s["host_used_blocks"] + s["host_cached_blocks"]
-        print(f"{node.node_id:<10} {node.address:<22} {usage:>6.1%} {s['used_blocks']:>6} "
-              f"{s['cached_blocks']:>6} {s['free_blocks']:>6} {host:>6} "
-              f"{s['num_sequences']:>5} {rate:>8.1%}  {shape}")  # fmt: skip
+        print(
+            f"{node.node_id:<10} {node.address:<22} {usage:>6.1%} {s['used_blocks']:>6} "
+            f"{s['cached_blocks']:>6} {s['free_blocks']:>6} {host:>6} "
+            f"{s['num_sequences']:>5} {rate:>8.1%}  {shape}"
+        )

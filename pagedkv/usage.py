@@ -91,9 +91,22 @@ def positive_int(flag: str) -> Callable[[str], int]:
     return parse
 
 
-_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6,
-          "mib": 1 << 20, "g": 1 << 30, "gb": 10**9, "gib": 1 << 30, "t": 1 << 40, "tb": 10**12,
-          "tib": 1 << 40}  # fmt: skip
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1 << 10,
+    "kb": 1000,
+    "kib": 1 << 10,
+    "m": 1 << 20,
+    "mb": 10**6,
+    "mib": 1 << 20,
+    "g": 1 << 30,
+    "gb": 10**9,
+    "gib": 1 << 30,
+    "t": 1 << 40,
+    "tb": 10**12,
+    "tib": 1 << 40,
+}
 
 
 def parse_bytes(text: str) -> int:

@@ -68,12 +68,20 @@ def build_server(
     # grpcio-reflection ships v1alpha only; v1's messages are the same on the wire, so the same
     # servicer answers v1 clients (grpcurl, Postman) under the v1 service name.
     v1 = reflection.ReflectionServicer(listed)
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(REFLECTION_V1, {
-        "ServerReflectionInfo": grpc.stream_stream_rpc_method_handler(
-            v1.ServerReflectionInfo,
-            request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
-            response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString,
-        )}),))  # fmt: skip
+    server.add_generic_rpc_handlers(
+        (
+            grpc.method_handlers_generic_handler(
+                REFLECTION_V1,
+                {
+                    "ServerReflectionInfo": grpc.stream_stream_rpc_method_handler(
+                        v1.ServerReflectionInfo,
+                        request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
+                        response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString,
+                    )
+                },
+            ),
+        )
+    )
     port = server.add_insecure_port(address)
     if port == 0:
         raise OSError(f"could not bind a gRPC server to {address}")

@@ -44,9 +44,15 @@ class AttendOps:
         self._attend(conn, f, f.op, data)
 
     def _attend(
-        self, conn: socket.socket, f: Frame, op: int, data: memoryview, region: Region | None = None,
-        out_at: int = 0, out_len: int = 0,
-    ) -> None:  # fmt: skip
+        self,
+        conn: socket.socket,
+        f: Frame,
+        op: int,
+        data: memoryview,
+        region: Region | None = None,
+        out_at: int = 0,
+        out_len: int = 0,
+    ) -> None:
         """The engine call of the CALL body in `data` (op: ATTEND or
         ATTEND_PREFILL_BATCH) and its reply, both through engine.run (on the engine's
         compute thread when it has one: the reply leaves as soon as the results exist).
@@ -70,9 +76,15 @@ class AttendOps:
             try:
                 if op == wire.OP_ATTEND:
                     out = e.attend_decode(
-                        call.seq_ids, call.layer, call.q, call.k, call.v, call.token_ids,
-                        return_block_mass=call.want_mass, out=dst,
-                    )  # fmt: skip
+                        call.seq_ids,
+                        call.layer,
+                        call.q,
+                        call.k,
+                        call.v,
+                        call.token_ids,
+                        return_block_mass=call.want_mass,
+                        out=dst,
+                    )
                 else:
                     out = e.attend_prefill_batch(
                         call.seq_ids, call.layer, call.counts, call.q, call.k, call.v, call.token_ids

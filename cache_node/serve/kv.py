@@ -146,10 +146,19 @@ class KVOps:
         if stop == f.start:
             self.server.bump("num_requests")  # counted before the reply's last bytes leave
         conn.sendall(
-            Frame(f.op, f.request_id, s.dtype, start=f.start, end=stop, num_layers=s.num_layers,
-                  num_kv_heads=s.num_kv_heads, head_dim=s.head_dim, slab_tokens=step,
-                  payload_len=payload_len).pack()
-        )  # fmt: skip
+            Frame(
+                f.op,
+                f.request_id,
+                s.dtype,
+                start=f.start,
+                end=stop,
+                num_layers=s.num_layers,
+                num_kv_heads=s.num_kv_heads,
+                head_dim=s.head_dim,
+                slab_tokens=step,
+                payload_len=payload_len,
+            ).pack()
+        )
 
     def read(self, conn: socket.socket, f: Frame) -> None:
         s = self.engine.spec

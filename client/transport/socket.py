@@ -219,9 +219,16 @@ def encode_call(call: AttendCall, link: BulkLink) -> tuple[bytes, int]:
     cannot carry (an id over 64 KiB: gRPC carries it)."""
     try:
         return wire.encode_call_body(
-            call.seq_ids, call.layer, call.q, call.k, call.v, call.token_ids, call.num_tokens,
-            call.return_block_mass, link.ids_memo,
-        )  # fmt: skip
+            call.seq_ids,
+            call.layer,
+            call.q,
+            call.k,
+            call.v,
+            call.token_ids,
+            call.num_tokens,
+            call.return_block_mass,
+            link.ids_memo,
+        )
     except wire.Unencodable as exc:
         raise TransportUnavailable(str(exc)) from exc
 

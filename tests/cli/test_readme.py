@@ -68,8 +68,12 @@ def test_readme_snippet_runs_against_its_pagedkv_up(index: int, model_dir: Path,
 
     argv = shlex.split(substitute(up))
     assert argv[:2] == ["pagedkv", "up"]
-    cluster = subprocess.Popen([sys.executable, "-m", "pagedkv", *argv[1:], "--embedded"],
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    cluster = subprocess.Popen(
+        [sys.executable, "-m", "pagedkv", *argv[1:], "--embedded"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         assert cluster.stdout is not None
         seen = []
@@ -82,8 +86,12 @@ def test_readme_snippet_runs_against_its_pagedkv_up(index: int, model_dir: Path,
         assert "Ctrl-C stops everything" in seen[-1], "".join(seen)
         script = tmp_path / "snippet.py"
         script.write_text(substitute(code))
-        runs = [subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240,
-                               cwd=tmp_path) for _ in range(2)]  # fmt: skip
+        runs = [
+            subprocess.run(
+                [sys.executable, str(script)], capture_output=True, text=True, timeout=240, cwd=tmp_path
+            )
+            for _ in range(2)
+        ]
         for done in runs:
             assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
         first, second = (done.stdout.strip().splitlines()[-1] for done in runs)

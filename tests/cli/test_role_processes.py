@@ -22,8 +22,21 @@ from pagedkv.coordinator.store import open_store
 from pagedkv.logs import RepeatFilter
 
 PAGEDKV = [sys.executable, "-m", "pagedkv"]
-SMALL_NODE = ["node", "--num-layers", "2", "--num-kv-heads", "2", "--head-dim", "8", "--dtype", "float32",
-              "--num-blocks", "8", "--bulk-port", "off"]  # fmt: skip
+SMALL_NODE = [
+    "node",
+    "--num-layers",
+    "2",
+    "--num-kv-heads",
+    "2",
+    "--head-dim",
+    "8",
+    "--dtype",
+    "float32",
+    "--num-blocks",
+    "8",
+    "--bulk-port",
+    "off",
+]
 
 
 def dead_port() -> int:
@@ -33,8 +46,9 @@ def dead_port() -> int:
 
 
 def start(args: list[str]) -> subprocess.Popen[str]:
-    return subprocess.Popen([*PAGEDKV, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            stdin=subprocess.DEVNULL)  # fmt: skip
+    return subprocess.Popen(
+        [*PAGEDKV, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL
+    )
 
 
 def read_until(proc: subprocess.Popen[str], pattern: str, timeout_s: float = 90) -> re.Match[str]:
@@ -90,8 +104,19 @@ def test_metrics_port_0_is_any_free_port_on_the_listen_host(role: str) -> None:
 
 
 def test_node_without_coordinator_logs_json_and_warns_once() -> None:
-    proc = start([*SMALL_NODE, "--listen", "127.0.0.1:0", "--metrics-port", "off", "--log-format", "json",
-                  "--coordinator", f"127.0.0.1:{dead_port()}"])  # fmt: skip
+    proc = start(
+        [
+            *SMALL_NODE,
+            "--listen",
+            "127.0.0.1:0",
+            "--metrics-port",
+            "off",
+            "--log-format",
+            "json",
+            "--coordinator",
+            f"127.0.0.1:{dead_port()}",
+        ]
+    )
     try:
         read_until(proc, r"joining coordinator")
         time.sleep(6)  # the link retries every 0.1-2 s meanwhile
@@ -105,8 +130,17 @@ def test_node_without_coordinator_logs_json_and_warns_once() -> None:
 
 
 def test_coordinator_without_redis_warns_at_start_and_then_rarely() -> None:
-    proc = start(["coordinator", "--listen", "127.0.0.1:0", "--lease-ttl-s", "0.5",
-                  "--redis", f"redis://127.0.0.1:{dead_port()}/0"])  # fmt: skip
+    proc = start(
+        [
+            "coordinator",
+            "--listen",
+            "127.0.0.1:0",
+            "--lease-ttl-s",
+            "0.5",
+            "--redis",
+            f"redis://127.0.0.1:{dead_port()}/0",
+        ]
+    )
     try:
         read_until(proc, r"listening on")
         time.sleep(5)  # the reaper ticks every lease/4 meanwhile
@@ -134,9 +168,11 @@ def test_repeat_filter_passes_the_first_then_one_per_interval_with_a_count() -> 
 
 
 def test_status_imports_no_torch() -> None:
-    code = ("import sys\nfrom pagedkv.cli import main\n"
-            f"try:\n    main(['status', '--coordinator', '127.0.0.1:{dead_port()}', '--timeout-s', '1'])\n"
-            "except SystemExit as e:\n    print(e)\nprint('torch' in sys.modules)")  # fmt: skip
+    code = (
+        "import sys\nfrom pagedkv.cli import main\n"
+        f"try:\n    main(['status', '--coordinator', '127.0.0.1:{dead_port()}', '--timeout-s', '1'])\n"
+        "except SystemExit as e:\n    print(e)\nprint('torch' in sys.modules)"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     out = done.stdout.strip().splitlines()
     assert out[-1] == "False", done.stdout + done.stderr
@@ -161,10 +197,14 @@ def test_reflection_lists_the_services_on_v1_and_v1alpha(version: str) -> None:
                 reflection_pb2.ServerReflectionRequest(list_services=""),
                 reflection_pb2.ServerReflectionRequest(file_containing_symbol="pagedkv.v1.Coordinator"),
             ]
-            listed, described = list(call(iter(requests), timeout=10))  # fmt: skip
+            listed, described = list(call(iter(requests), timeout=10))
     finally:
         server.stop(0)
     assert described.file_descriptor_response.file_descriptor_proto  # `grpcurl describe` works too
     names = {s.name for s in listed.list_services_response.service}
-    assert {"pagedkv.v1.Coordinator", "grpc.health.v1.Health", "grpc.reflection.v1.ServerReflection",
-            "grpc.reflection.v1alpha.ServerReflection"} <= names  # fmt: skip
+    assert {
+        "pagedkv.v1.Coordinator",
+        "grpc.health.v1.Health",
+        "grpc.reflection.v1.ServerReflection",
+        "grpc.reflection.v1alpha.ServerReflection",
+    } <= names

@@ -13,8 +13,23 @@ from pathlib import Path
 import pytest
 
 PAGEDKV = [sys.executable, "-m", "pagedkv"]
-NODE = ["node", "--listen", "127.0.0.1:0", "--metrics-port", "off", "--bulk-port", "off",
-        "--num-layers", "2", "--num-kv-heads", "2", "--head-dim", "8", "--dtype", "float32"]  # fmt: skip
+NODE = [
+    "node",
+    "--listen",
+    "127.0.0.1:0",
+    "--metrics-port",
+    "off",
+    "--bulk-port",
+    "off",
+    "--num-layers",
+    "2",
+    "--num-kv-heads",
+    "2",
+    "--head-dim",
+    "8",
+    "--dtype",
+    "float32",
+]
 COORDINATOR = ["coordinator", "--listen", "127.0.0.1:0"]
 
 
@@ -29,8 +44,14 @@ def taken_port() -> Iterator[int]:
 
 def usage_error(args: list[str], *, env: dict[str, str] | None = None, timeout_s: float = 120) -> str:
     """Run a command that must fail as a usage error; its one stderr line."""
-    done = subprocess.run([*PAGEDKV, *args], capture_output=True, text=True, timeout=timeout_s,
-                          env={**os.environ, **(env or {})}, stdin=subprocess.DEVNULL)  # fmt: skip
+    done = subprocess.run(
+        [*PAGEDKV, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        env={**os.environ, **(env or {})},
+        stdin=subprocess.DEVNULL,
+    )
     assert done.returncode == 2, (done.returncode, done.stdout[-2000:], done.stderr[-2000:])
     assert "Traceback" not in done.stderr, done.stderr
     errors = [ln for ln in done.stderr.splitlines() if ": error: " in ln]
@@ -117,9 +138,11 @@ def test_coordinator_metrics_port_in_use(taken_port: int) -> None:
 
 @pytest.mark.parametrize(
     ("url", "says"),
-    [("http://cache:6379", "unknown store URL 'http://cache:6379'"),
-     ("redis://localhost:port/0", "bad redis URL 'redis://localhost:port/0'")],
-)  # fmt: skip
+    [
+        ("http://cache:6379", "unknown store URL 'http://cache:6379'"),
+        ("redis://localhost:port/0", "bad redis URL 'redis://localhost:port/0'"),
+    ],
+)
 def test_coordinator_bad_redis_url(url: str, says: str) -> None:
     line = usage_error([*COORDINATOR, "--redis", url])
     assert says in line and "e.g. redis://127.0.0.1:6379/0" in line
@@ -132,10 +155,12 @@ def test_coordinator_missing_tenants_file(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("text", "says"),
-    [("{not json", "Expecting property name"),
-     ('{"tokens": {"t": ""}}', "'tokens' must map token strings to tenant names"),
-     ('{"quotas": {"a": -1}}', "'quotas' must map tenants to block counts >= 0")],
-)  # fmt: skip
+    [
+        ("{not json", "Expecting property name"),
+        ('{"tokens": {"t": ""}}', "'tokens' must map token strings to tenant names"),
+        ('{"quotas": {"a": -1}}', "'quotas' must map tenants to block counts >= 0"),
+    ],
+)
 def test_coordinator_invalid_tenants_file(tmp_path: Path, text: str, says: str) -> None:
     path = tmp_path / "tenants.json"
     path.write_text(text)

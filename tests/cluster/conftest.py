@@ -23,16 +23,35 @@ def tenants_file(tmp_path: Path, quotas: dict[str, int] | None = None) -> str:
 
 
 def make_cluster(tmp_path: Path, redis_url: str = "", num_nodes: int = 2, **kw) -> LocalCluster:
-    node = NodeOptions(num_layers=2, num_kv_heads=2, head_dim=32, dtype="float32", block_size=16,
-                       num_blocks=256, host_blocks=64)  # fmt: skip
-    return LocalCluster(num_nodes, node, redis_url=redis_url, lease_ttl_s=kw.pop("lease_ttl_s", 3.0),
-                        log_dir=str(tmp_path), tenants_file=tenants_file(tmp_path, kw.pop("quotas", None)),
-                        **kw)  # fmt: skip
+    node = NodeOptions(
+        num_layers=2,
+        num_kv_heads=2,
+        head_dim=32,
+        dtype="float32",
+        block_size=16,
+        num_blocks=256,
+        host_blocks=64,
+    )
+    return LocalCluster(
+        num_nodes,
+        node,
+        redis_url=redis_url,
+        lease_ttl_s=kw.pop("lease_ttl_s", 3.0),
+        log_dir=str(tmp_path),
+        tenants_file=tenants_file(tmp_path, kw.pop("quotas", None)),
+        **kw,
+    )
 
 
 def run_worker(cluster: LocalCluster, seq_id: str, prompt: list[int], tenant="alpha", keep=False) -> dict:
-    args = [sys.executable, str(HERE / "worker.py"), cluster.coordinator_address, seq_id, TOKENS[tenant],
-            json.dumps(prompt)] + (["--keep"] if keep else [])  # fmt: skip
+    args = [
+        sys.executable,
+        str(HERE / "worker.py"),
+        cluster.coordinator_address,
+        seq_id,
+        TOKENS[tenant],
+        json.dumps(prompt),
+    ] + (["--keep"] if keep else [])
     done = subprocess.run(args, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])

@@ -16,8 +16,12 @@ PAGEDKV = [sys.executable, "-m", "pagedkv"]
 
 
 def test_up_prints_addresses_serves_status_and_stops_cleanly_on_ctrl_c(tmp_path):
-    proc = subprocess.Popen([*PAGEDKV, "up", "--embedded", "--nodes", "2"], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [*PAGEDKV, "up", "--embedded", "--nodes", "2"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     lines: list[str] = []
     try:
         deadline = time.monotonic() + 120
@@ -39,8 +43,9 @@ def test_up_prints_addresses_serves_status_and_stops_cleanly_on_ctrl_c(tmp_path)
         assert "model spec   2 layers x 2 KV heads x head_dim 32, float32" in text
         for url in re.findall(r"metrics (http://\S+/metrics)", text):
             assert "pagedkv_" in urllib.request.urlopen(url, timeout=10).read().decode()
-        status = subprocess.run([*PAGEDKV, "status", "--coordinator", coordinator], capture_output=True,
-                                text=True, timeout=60)  # fmt: skip
+        status = subprocess.run(
+            [*PAGEDKV, "status", "--coordinator", coordinator], capture_output=True, text=True, timeout=60
+        )
         assert status.returncode == 0, status.stderr
         assert "2 live nodes" in status.stdout and "node-0" in status.stdout and "node-1" in status.stdout
         for address in [coordinator, *nodes]:
@@ -49,8 +54,12 @@ def test_up_prints_addresses_serves_status_and_stops_cleanly_on_ctrl_c(tmp_path)
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=60) == 0
         for address in nodes:  # everything it started is gone
-            health = subprocess.run([*PAGEDKV, "health", address, "--timeout-s", "0.5"], capture_output=True,
-                                    text=True, timeout=30)  # fmt: skip
+            health = subprocess.run(
+                [*PAGEDKV, "health", address, "--timeout-s", "0.5"],
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
             assert health.returncode == 1 and health.stdout.strip() == "UNREACHABLE"
     finally:
         if proc.poll() is None:
@@ -60,9 +69,29 @@ def test_up_prints_addresses_serves_status_and_stops_cleanly_on_ctrl_c(tmp_path)
 
 def test_demo_reports_hits_and_writes_its_plot(tmp_path):
     out = tmp_path / "demo"
-    args = [*PAGEDKV, "demo", "--embedded", "--workers", "2", "--requests", "2", "--system-prompts", "1",
-            "--system-tokens", "64", "--user-tokens", "8", "--new-tokens", "3", "--layers", "2",
-            "--hidden", "64", "--out", str(out)]  # fmt: skip
+    args = [
+        *PAGEDKV,
+        "demo",
+        "--embedded",
+        "--workers",
+        "2",
+        "--requests",
+        "2",
+        "--system-prompts",
+        "1",
+        "--system-tokens",
+        "64",
+        "--user-tokens",
+        "8",
+        "--new-tokens",
+        "3",
+        "--layers",
+        "2",
+        "--hidden",
+        "64",
+        "--out",
+        str(out),
+    ]
     done = subprocess.run(args, capture_output=True, text=True, timeout=300, env={**os.environ})
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     summary = json.loads((out / "demo.json").read_text())["summary"]

@@ -68,8 +68,18 @@ def main() -> None:
             max_err = max(max_err, float((out.out.double() - ref).abs().max() / ref.abs().max()))
         if not keep:
             seq.close()
-        print(json.dumps({"seq_id": seq_id, "cached": cached, "node": seq.route.node_id,
-                          "reused_ok": reused_ok, "max_rel_err": max_err}), flush=True)  # fmt: skip
+        print(
+            json.dumps(
+                {
+                    "seq_id": seq_id,
+                    "cached": cached,
+                    "node": seq.route.node_id,
+                    "reused_ok": reused_ok,
+                    "max_rel_err": max_err,
+                }
+            ),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

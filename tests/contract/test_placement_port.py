@@ -133,9 +133,17 @@ def build(store: Store, sc: dict[str, Any]) -> NewSequence:
         NodeRoom(n["id"], n["free"], n["total"], n["evictable"], n["opens"]) for n in reversed(sc["nodes"])
     )
     return NewSequence(
-        "s1", "acme", 3 * sc["num_blocks"], sc["num_blocks"], BLOCK,
-        b"".join(KEYS[: sc["num_keys"]]), rooms, sc["weights"], sc["quota"], pending_ttl_ms=0,
-    )  # fmt: skip
+        "s1",
+        "acme",
+        3 * sc["num_blocks"],
+        sc["num_blocks"],
+        BLOCK,
+        b"".join(KEYS[: sc["num_keys"]]),
+        rooms,
+        sc["weights"],
+        sc["quota"],
+        pending_ttl_ms=0,
+    )
 
 
 def state(store: Store) -> tuple[Any, ...]:

@@ -54,14 +54,27 @@ HISTOGRAMS = {"pagedkv_rpc_latency_seconds", "pagedkv_coordinator_redis_latency_
 SERIES = (METRICS - HISTOGRAMS) | {f"{h}{s}" for h in HISTOGRAMS for s in ("_bucket", "_sum", "_count")}
 
 COORDINATOR_ENV = {
-    "PAGEDKV_LISTEN", "PAGEDKV_REDIS_URL", "PAGEDKV_METRICS_PORT", "PAGEDKV_TENANTS_FILE",
+    "PAGEDKV_LISTEN",
+    "PAGEDKV_REDIS_URL",
+    "PAGEDKV_METRICS_PORT",
+    "PAGEDKV_TENANTS_FILE",
     "PAGEDKV_LEASE_TTL_S",
-}  # fmt: skip
+}
 NODE_ENV = {
-    "PAGEDKV_LISTEN", "PAGEDKV_ADVERTISE", "PAGEDKV_COORDINATOR", "PAGEDKV_METRICS_PORT",
-    "PAGEDKV_NUM_LAYERS", "PAGEDKV_NUM_KV_HEADS", "PAGEDKV_HEAD_DIM", "PAGEDKV_DTYPE",
-    "PAGEDKV_BLOCK_SIZE", "PAGEDKV_POOL_BYTES", "PAGEDKV_HOST_BYTES", "PAGEDKV_POLICY", "PAGEDKV_DEVICE",
-}  # fmt: skip
+    "PAGEDKV_LISTEN",
+    "PAGEDKV_ADVERTISE",
+    "PAGEDKV_COORDINATOR",
+    "PAGEDKV_METRICS_PORT",
+    "PAGEDKV_NUM_LAYERS",
+    "PAGEDKV_NUM_KV_HEADS",
+    "PAGEDKV_HEAD_DIM",
+    "PAGEDKV_DTYPE",
+    "PAGEDKV_BLOCK_SIZE",
+    "PAGEDKV_POOL_BYTES",
+    "PAGEDKV_HOST_BYTES",
+    "PAGEDKV_POLICY",
+    "PAGEDKV_DEVICE",
+}
 IMAGE_ENV = {"PAGEDKV_KERNEL_DIR", "PAGEDKV_ATTENTION_BACKEND", "PAGEDKV_HEALTH_ADDR"}
 METRIC_RE = re.compile(r"\bpagedkv_\w+")
 TORCH_PIN = "torch==2.13.0"
@@ -128,9 +141,10 @@ def test_constraints_pin_the_same_torch() -> None:
 
 def test_dockerignore() -> None:
     entries = {
-        ln.strip() for ln in (ROOT / ".dockerignore").read_text().splitlines()
+        ln.strip()
+        for ln in (ROOT / ".dockerignore").read_text().splitlines()
         if ln.strip() and not ln.startswith("#")
-    }  # fmt: skip
+    }
     for needed in (".venv", ".git", "bench/results", "tests", ".pytest_cache", "**/__pycache__"):
         assert needed in entries, f".dockerignore should exclude {needed}"
     for kept in ("pagedkv", "protos", "cache_node", "client", "coordinator", "pyproject.toml", "README.md"):
@@ -519,8 +533,16 @@ def test_readme_sizing_examples() -> None:
     b70 = bytes_per_block(80, 8, 128, 2, 16)
     assert b8 == 2 * 2**20 and 2**30 // b8 == 512
     assert b70 == 5 * 2**20 and 2**30 // b70 == 204
-    for number in (f"{b8:,}", "**2 MiB**", "**512**", f"{b70:,}", "**5 MiB**", "**204**",
-                   f"{70 * 2**30 // b8:,}", f"{70 * 2**30 // b70:,}"):  # fmt: skip
+    for number in (
+        f"{b8:,}",
+        "**2 MiB**",
+        "**512**",
+        f"{b70:,}",
+        "**5 MiB**",
+        "**204**",
+        f"{70 * 2**30 // b8:,}",
+        f"{70 * 2**30 // b70:,}",
+    ):
         assert number in text, f"deploy/README.md should state {number}"
     for var in COORDINATOR_ENV | NODE_ENV:
         assert f"`{var}`" in text, f"deploy/README.md does not document {var}"

@@ -61,8 +61,13 @@ def sample(text: str, name: str, **labels: str) -> float:
 def test_node_host_hits_swap_bytes_and_info() -> None:
     engine = CacheEngine(EngineConfig(SPEC, 4, 8, device="cpu"))  # 4 device blocks, 8 on the host
     metrics = NodeMetrics()
-    metrics.describe(version=__version__, spec=SPEC.to_dict(), bytes_per_block=SPEC.bytes_per_block,
-                     device="cpu", policy="lru")  # fmt: skip
+    metrics.describe(
+        version=__version__,
+        spec=SPEC.to_dict(),
+        bytes_per_block=SPEC.bytes_per_block,
+        device="cpu",
+        policy="lru",
+    )
     server, port = create_server(engine, "127.0.0.1:0", metrics=metrics)
     server.start()
     http, _ = metrics.serve(0, "127.0.0.1")
@@ -92,8 +97,16 @@ def test_node_host_hits_swap_bytes_and_info() -> None:
         sample(text, "pagedkv_swap_bytes_total", direction="in")
         == stats["swap_in_blocks"] * SPEC.bytes_per_block
     )
-    info = dict(num_layers="2", num_kv_heads="2", head_dim="8", dtype="float32", block_size="4",
-                version=__version__, device="cpu", policy="lru")  # fmt: skip
+    info = dict(
+        num_layers="2",
+        num_kv_heads="2",
+        head_dim="8",
+        dtype="float32",
+        block_size="4",
+        version=__version__,
+        device="cpu",
+        policy="lru",
+    )
     assert sample(text, "pagedkv_node_info", **info) == 1
     promtool_check(text)
 
@@ -101,8 +114,9 @@ def test_node_host_hits_swap_bytes_and_info() -> None:
 def test_coordinator_tenants_redis_suspects_and_info(tmp_path: Path, redis_url: str) -> None:
     tenants = tmp_path / "tenants.json"
     tenants.write_text(json.dumps({"tokens": {"tok-a": "alpha", "tok-b": "beta"}, "quotas": {"alpha": 100}}))
-    node = NodeOptions(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float32", block_size=4,
-                       num_blocks=64, host_blocks=0)  # fmt: skip
+    node = NodeOptions(
+        num_layers=2, num_kv_heads=2, head_dim=8, dtype="float32", block_size=4, num_blocks=64, host_blocks=0
+    )
     with LocalCluster(
         1, node, redis_url=redis_url, log_dir=str(tmp_path), tenants_file=str(tenants)
     ) as cluster:
@@ -118,8 +132,11 @@ def test_coordinator_tenants_redis_suspects_and_info(tmp_path: Path, redis_url: 
             with client.open("a2", prompt) as seq:
                 cached = seq.num_cached_tokens
                 seq.append(prompt[cached:], *(t[:, cached:] for t in kv(len(prompt), 1)))
-                held = sample(scrape(f"http://127.0.0.1:{cluster.coordinator_metrics_port}/metrics"),
-                              "pagedkv_coordinator_tenant_used_blocks", tenant="alpha")  # fmt: skip
+                held = sample(
+                    scrape(f"http://127.0.0.1:{cluster.coordinator_metrics_port}/metrics"),
+                    "pagedkv_coordinator_tenant_used_blocks",
+                    tenant="alpha",
+                )
         text = scrape(f"http://127.0.0.1:{cluster.coordinator_metrics_port}/metrics")
     assert held >= 1  # a2 holds blocks while open (its last block at least)
     assert sample(text, "pagedkv_coordinator_tenant_open_total", tenant="alpha") == 2
@@ -152,14 +169,21 @@ def test_coordinator_counts_redis_errors_and_leaves_store_gauges_out_when_down(r
         store.close()
 
 
-@pytest.mark.parametrize("name", ["pagedkv_prefix_cache_host_hits_tokens_total", "pagedkv_swap_bytes_total",
-                                  "pagedkv_node_info", "pagedkv_coordinator_tenant_open_total",
-                                  "pagedkv_coordinator_tenant_cached_tokens_total",
-                                  "pagedkv_coordinator_tenant_used_blocks",
-                                  "pagedkv_coordinator_redis_latency_seconds_bucket",
-                                  "pagedkv_coordinator_redis_errors_total",
-                                  "pagedkv_coordinator_nodes_suspect",
-                                  "pagedkv_coordinator_info"])  # fmt: skip
+@pytest.mark.parametrize(
+    "name",
+    [
+        "pagedkv_prefix_cache_host_hits_tokens_total",
+        "pagedkv_swap_bytes_total",
+        "pagedkv_node_info",
+        "pagedkv_coordinator_tenant_open_total",
+        "pagedkv_coordinator_tenant_cached_tokens_total",
+        "pagedkv_coordinator_tenant_used_blocks",
+        "pagedkv_coordinator_redis_latency_seconds_bucket",
+        "pagedkv_coordinator_redis_errors_total",
+        "pagedkv_coordinator_nodes_suspect",
+        "pagedkv_coordinator_info",
+    ],
+)
 def test_every_new_metric_has_a_grafana_panel(name: str) -> None:
     dash = json.loads(
         (Path(__file__).resolve().parents[2] / "deploy/grafana/dashboards/pagedkv.json").read_text()

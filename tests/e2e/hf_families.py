@@ -62,18 +62,43 @@ class Family:
 
 QWEN_MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
 QWEN2_MOE = {**QWEN_MOE, "shared_expert_intermediate_size": 32}
-LLAMA4 = {"intermediate_size_mlp": 128, "num_local_experts": 2, "head_dim": 16, "no_rope_layers": [1, 0],
-          "layer_types": ["chunked_attention", "full_attention"]}  # fmt: skip
+LLAMA4 = {
+    "intermediate_size_mlp": 128,
+    "num_local_experts": 2,
+    "head_dim": 16,
+    "no_rope_layers": [1, 0],
+    "layer_types": ["chunked_attention", "full_attention"],
+}
 GPT = {"num_key_value_heads": DROP, "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 256}
-LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}  # fmt: skip
-YARN_ROPE = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-             "original_max_position_embeddings": 64}  # fmt: skip
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 10000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
+YARN_ROPE = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
 QWEN_SLIDING = {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 0}
-DEEPSEEK = {"q_lora_rank": None, "kv_lora_rank": 16, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
-            "v_head_dim": 16, "num_key_value_heads": 4, "n_routed_experts": 4, "num_experts_per_tok": 2,
-            "moe_intermediate_size": 32, "first_k_dense_replace": 2, "n_group": 1,
-            "topk_group": 1}  # fmt: skip
+DEEPSEEK = {
+    "q_lora_rank": None,
+    "kv_lora_rank": 16,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 16,
+    "num_key_value_heads": 4,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "first_k_dense_replace": 2,
+    "n_group": 1,
+    "topk_group": 1,
+}
 WINDOW_16 = r"layer 0: a sliding window of 16"
 
 # fmt: off

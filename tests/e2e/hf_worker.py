@@ -27,16 +27,26 @@ def main(address: str, model_dir: str, token_ids: str, new_tokens: str) -> None:
         backend = GrpcBackend(address)
     with backend, PagedKVCache(model, backend) as cache, torch.no_grad():
         out, hit = generate_with_prefix_cache(
-            model, cache, ids, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-            output_logits=True, return_dict_in_generate=True,
-        )  # fmt: skip
+            model,
+            cache,
+            ids,
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
         fed = cache.fed_lengths
-    print(json.dumps({
-        "num_cached_tokens": hit.num_cached_tokens,
-        "fed_lengths": fed,
-        "sequences": out.sequences.tolist(),
-        "logits": torch.stack(out.logits).tolist(),
-    }))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "num_cached_tokens": hit.num_cached_tokens,
+                "fed_lengths": fed,
+                "sequences": out.sequences.tolist(),
+                "logits": torch.stack(out.logits).tolist(),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

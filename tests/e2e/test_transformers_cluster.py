@@ -38,8 +38,15 @@ def run_worker(coordinator: str, model_dir: Path, ids: torch.Tensor) -> dict:
 def test_second_worker_prefills_only_its_suffix_through_the_cluster(model, ref_model, tmp_path):
     spec = node_spec(model.config, 16)
     model.save_pretrained(tmp_path / "model")
-    options = NodeOptions(spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.dtype, spec.block_size,
-                          num_blocks=256, host_blocks=0)  # fmt: skip
+    options = NodeOptions(
+        spec.num_layers,
+        spec.num_kv_heads,
+        spec.head_dim,
+        spec.dtype,
+        spec.block_size,
+        num_blocks=256,
+        host_blocks=0,
+    )
     with LocalCluster(2, options, log_dir=str(tmp_path)) as cluster:
         model_dir = tmp_path / "model"
         first = run_worker(cluster.coordinator_address, model_dir, torch.cat([SYSTEM, prompt_ids(31, 6)]))
@@ -52,9 +59,14 @@ def test_second_worker_prefills_only_its_suffix_through_the_cluster(model, ref_m
 
         with torch.no_grad():
             ref = ref_model.generate(
-                second_ids[None], cache=DynamicCache(config=ref_model.config), max_new_tokens=NEW_TOKENS,
-                min_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True, return_dict_in_generate=True,
-            )  # fmt: skip
+                second_ids[None],
+                cache=DynamicCache(config=ref_model.config),
+                max_new_tokens=NEW_TOKENS,
+                min_new_tokens=NEW_TOKENS,
+                do_sample=False,
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
         assert second["sequences"] == ref.sequences.tolist()
         err = (torch.tensor(second["logits"]) - torch.stack(ref.logits)).abs().max().item()
         assert err < LOGIT_TOL, err

@@ -41,9 +41,15 @@ def engine_for(model) -> CacheEngine:
 def generate(model, cache, ids, mask, **kw):
     with torch.no_grad():
         return model.generate(
-            ids, attention_mask=mask, cache=cache, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-            output_logits=True, return_dict_in_generate=True, **kw,
-        )  # fmt: skip
+            ids,
+            attention_mask=mask,
+            cache=cache,
+            max_new_tokens=NEW_TOKENS,
+            min_new_tokens=NEW_TOKENS,
+            output_logits=True,
+            return_dict_in_generate=True,
+            **kw,
+        )
 
 
 def assert_clean(engine: CacheEngine) -> None:

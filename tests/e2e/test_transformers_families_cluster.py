@@ -29,13 +29,25 @@ def test_exact_and_refused_families_through_a_cluster(tmp_path):
     assert node_spec(other.config, 4) == spec  # the refusal is about the window, not the shape
     g = torch.Generator().manual_seed(3)
     ids, mask = left_pad([torch.randint(3, VOCAB, (n,), generator=g) for n in (9, 14)])
-    kw = {"max_new_tokens": NEW_TOKENS, "min_new_tokens": NEW_TOKENS, "do_sample": False,
-          "output_logits": True, "return_dict_in_generate": True}  # fmt: skip
+    kw = {
+        "max_new_tokens": NEW_TOKENS,
+        "min_new_tokens": NEW_TOKENS,
+        "do_sample": False,
+        "output_logits": True,
+        "return_dict_in_generate": True,
+    }
     with torch.no_grad():
         want = ref.generate(ids, attention_mask=mask, cache=DynamicCache(config=ref.config), **kw)
 
-    options = NodeOptions(spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.dtype, spec.block_size,
-                          num_blocks=128, host_blocks=0)  # fmt: skip
+    options = NodeOptions(
+        spec.num_layers,
+        spec.num_kv_heads,
+        spec.head_dim,
+        spec.dtype,
+        spec.block_size,
+        num_blocks=128,
+        host_blocks=0,
+    )
     with (
         LocalCluster(1, options, log_dir=str(tmp_path)) as cluster,
         GrpcBackend(coordinator=cluster.coordinator_address) as backend,

@@ -27,9 +27,15 @@ NEW_TOKENS = 40
 def run(model, ids, mask, cache, **kw):
     with torch.no_grad():
         return model.generate(
-            ids, attention_mask=mask, cache=cache, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-            output_logits=True, return_dict_in_generate=True, **kw,
-        )  # fmt: skip
+            ids,
+            attention_mask=mask,
+            cache=cache,
+            max_new_tokens=NEW_TOKENS,
+            min_new_tokens=NEW_TOKENS,
+            output_logits=True,
+            return_dict_in_generate=True,
+            **kw,
+        )
 
 
 def padded_batch() -> tuple[torch.Tensor, torch.Tensor]:

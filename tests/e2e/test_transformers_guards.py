@@ -17,8 +17,13 @@ from pagedkv.protos.errors import FailedPrecondition, InvalidArgument
 
 SYSTEM = prompt_ids(10, 40)  # 2 full blocks of 16 + 8 tokens
 NEW_TOKENS = 8
-KW = {"max_new_tokens": NEW_TOKENS, "min_new_tokens": NEW_TOKENS, "do_sample": False,
-      "output_logits": True, "return_dict_in_generate": True}  # fmt: skip
+KW = {
+    "max_new_tokens": NEW_TOKENS,
+    "min_new_tokens": NEW_TOKENS,
+    "do_sample": False,
+    "output_logits": True,
+    "return_dict_in_generate": True,
+}
 
 
 def reference(ref_model, ids, mask=None, **kw):

@@ -16,9 +16,12 @@ NEW_TOKENS = 12
 
 def gen_kwargs() -> dict:
     return {
-        "max_new_tokens": NEW_TOKENS, "min_new_tokens": NEW_TOKENS, "do_sample": False,
-        "output_logits": True, "return_dict_in_generate": True,
-    }  # fmt: skip
+        "max_new_tokens": NEW_TOKENS,
+        "min_new_tokens": NEW_TOKENS,
+        "do_sample": False,
+        "output_logits": True,
+        "return_dict_in_generate": True,
+    }
 
 
 def reference(ref_model, ids, mask=None):

@@ -55,9 +55,14 @@ def test_second_process_reuses_the_first_ones_prefix(model, ref_model, tmp_path)
 
         with torch.no_grad():
             ref = ref_model.generate(
-                second[None], cache=DynamicCache(config=ref_model.config), max_new_tokens=NEW_TOKENS,
-                min_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True, return_dict_in_generate=True,
-            )  # fmt: skip
+                second[None],
+                cache=DynamicCache(config=ref_model.config),
+                max_new_tokens=NEW_TOKENS,
+                min_new_tokens=NEW_TOKENS,
+                do_sample=False,
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
         assert got["sequences"] == ref.sequences.tolist()
         err = (torch.tensor(got["logits"]) - torch.stack(ref.logits)).abs().max().item()
         assert err < LOGIT_TOL, err

@@ -177,9 +177,18 @@ def _raw(node: BulkNode) -> socket.socket:
 def _append_frame(seq_id: str, n: int) -> Frame:
     s = SPEC
     return Frame(
-        wire.OP_APPEND, 7, s.dtype, start=0, end=n, num_layers=s.num_layers, num_kv_heads=s.num_kv_heads,
-        head_dim=s.head_dim, slab_tokens=n, text=seq_id, payload_len=n * s.bytes_per_token,
-    )  # fmt: skip
+        wire.OP_APPEND,
+        7,
+        s.dtype,
+        start=0,
+        end=n,
+        num_layers=s.num_layers,
+        num_kv_heads=s.num_kv_heads,
+        head_dim=s.head_dim,
+        slab_tokens=n,
+        text=seq_id,
+        payload_len=n * s.bytes_per_token,
+    )
 
 
 def _wait(predicate: object, timeout_s: float = 5.0) -> None:
@@ -375,10 +384,20 @@ def test_node_lost_mid_transfer_raises_unavailable_naming_the_node() -> None:
                 assert f is not None
                 if f.op == wire.OP_READ:
                     conn.sendall(
-                        Frame(wire.OP_READ, f.request_id, start=0, end=8, num_layers=2, num_kv_heads=2,
-                              head_dim=8, slab_tokens=8, payload_len=8 * SPEC.bytes_per_token).pack()
-                        + wire.pack_slab(8) + b"\0" * 100
-                    )  # fmt: skip
+                        Frame(
+                            wire.OP_READ,
+                            f.request_id,
+                            start=0,
+                            end=8,
+                            num_layers=2,
+                            num_kv_heads=2,
+                            head_dim=8,
+                            slab_tokens=8,
+                            payload_len=8 * SPEC.bytes_per_token,
+                        ).pack()
+                        + wire.pack_slab(8)
+                        + b"\0" * 100
+                    )
 
     thread = threading.Thread(target=fake_node, daemon=True)
     thread.start()

@@ -167,10 +167,11 @@ def test_decode_steps_match_the_rpc_bitwise(make: Callable[..., Node], dtype: st
                 toks = [90_000 + step * 3 + i for i in range(3)] if layer == 0 else None
                 mass = step == 2
                 res = {
-                    path: c.data.attend([name(path, i) for i in range(3)], layer, q, k, v, toks,
-                                        return_block_mass=mass)
+                    path: c.data.attend(
+                        [name(path, i) for i in range(3)], layer, q, k, v, toks, return_block_mass=mass
+                    )
                     for path, c in (("bulk", via_bulk), ("grpc", via_grpc))
-                }  # fmt: skip
+                }
                 assert res["bulk"].out.shape == (3, Q_HEADS, 8) and res["bulk"].lse.shape == (3, Q_HEADS)
                 assert (res["bulk"].block_mass is not None) == mass
                 assert same_result(res["bulk"], res["grpc"]), (step, layer)
@@ -250,8 +251,9 @@ def _bad_calls(node: Node) -> dict[str, Callable[[NodeData, str], Any]]:
     def pre(
         seqs: list[str], layer: int, counts: list[int], q: Any, k: Any = None, v: Any = None, toks: Any = None
     ) -> Callable[[NodeData, str], Any]:
-        return lambda d, p: d.attend_prefill_batch([s.replace("P", p) for s in seqs], layer, counts, q, k, v,
-                                                   toks)  # fmt: skip
+        return lambda d, p: d.attend_prefill_batch(
+            [s.replace("P", p) for s in seqs], layer, counts, q, k, v, toks
+        )
 
     return {
         "unknown seq": lambda d, p: d.attend(["nope"], 0, q1),
@@ -288,7 +290,7 @@ def _bad_calls(node: Node) -> dict[str, Callable[[NodeData, str], Any]]:
         "prefill: unknown seq": pre(["nope"], 0, [3], q3, kv3, kv3, t3),
         "prefill: wrong layer": pre(["Pa"], 7, [3], q3, kv3, kv3, t3),
         "prefill: wrong dtype": pre(["Pa"], 0, [3], q3.to(wrong), kv3, kv3, t3),
-    }  # fmt: skip
+    }
 
 
 def _error_of(fn: Callable[[], Any]) -> tuple[type, str]:

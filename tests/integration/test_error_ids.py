@@ -34,9 +34,18 @@ TCP = ClientConfig(transports=("tcp", "grpc"))
 
 def test_every_public_error_is_a_pagedkv_error() -> None:
     for cls in (
-        NodeLost, NodeNotLive, PermissionDenied, ProtocolError, QuotaExceeded, RegionRefused, SequenceExists,
-        SequenceNotFound, SpecMismatch, TransportUnavailable, Unauthenticated,
-    ):  # fmt: skip
+        NodeLost,
+        NodeNotLive,
+        PermissionDenied,
+        ProtocolError,
+        QuotaExceeded,
+        RegionRefused,
+        SequenceExists,
+        SequenceNotFound,
+        SpecMismatch,
+        TransportUnavailable,
+        Unauthenticated,
+    ):
         assert issubclass(cls, PagedKVError), cls
 
 

@@ -22,8 +22,22 @@ def test_parse_bytes() -> None:
 
 def test_node_process_serves_and_stops_on_sigterm() -> None:
     env = {**os.environ, "PAGEDKV_NUM_BLOCKS": "16", "PAGEDKV_DTYPE": "float32"}
-    args = ["--num-layers", "2", "--num-kv-heads", "2", "--head-dim", "8", "--host-bytes", "64KiB",
-            "--listen", "127.0.0.1:0", "--metrics-port", "-1", "--grace-s", "1"]  # fmt: skip
+    args = [
+        "--num-layers",
+        "2",
+        "--num-kv-heads",
+        "2",
+        "--head-dim",
+        "8",
+        "--host-bytes",
+        "64KiB",
+        "--listen",
+        "127.0.0.1:0",
+        "--metrics-port",
+        "-1",
+        "--grace-s",
+        "1",
+    ]
     proc = subprocess.Popen(
         [sys.executable, "-m", "pagedkv.cache_node.cli", *args], stdout=subprocess.PIPE, text=True, env=env
     )

@@ -277,14 +277,16 @@ def test_bad_input_gets_the_right_status_and_leaves_the_node_healthy(make_node) 
                 "sent 1 tokens, its header declared 2": [  # ends early
                     pb.AppendChunk(
                         header=pb.AppendHeader(
-                            seq_id="ok", token_ids=[6, 7],
+                            seq_id="ok",
+                            token_ids=[6, 7],
                             kv=pb.TensorHeader(dtype="float32", shape=[2, 2, 2, 2, 8]),
                         ),
-                        data=bytes(one_token), num_tokens=1,
+                        data=bytes(one_token),
+                        num_tokens=1,
                     )
                 ],
                 "at least one token": [pb.AppendChunk(header=head, data=b"", num_tokens=0)],
-            }  # fmt: skip
+            }
             for message, chunks in streams.items():
                 with pytest.raises(grpc.RpcError) as info:
                     stub.Append(iter(chunks), timeout=5)

@@ -49,10 +49,14 @@ def test_batch_appends_and_attends_every_sequence_like_single_prefills(client: C
         for layer in range(SPEC.num_layers):
             qa, qb = rand_q(3, seed=10 + layer), rand_q(5, seed=20 + layer)
             res = client.attend_prefill_batch(
-                [a, b], layer, [3, 5], torch.cat([qa, qb]),
-                torch.cat([ka[layer, 6:], kb[layer]]), torch.cat([va[layer, 6:], vb[layer]]),
+                [a, b],
+                layer,
+                [3, 5],
+                torch.cat([qa, qb]),
+                torch.cat([ka[layer, 6:], kb[layer]]),
+                torch.cat([va[layer, 6:], vb[layer]]),
                 ids_a[6:] + ids_b if layer == 0 else None,
-            )  # fmt: skip
+            )
             assert res.out.shape == (8, 4, SPEC.head_dim) and res.lse.shape == (8, 4)
             assert res.block_mass is None
             part_a = type(res)(res.out[:3], res.lse[:3])
@@ -160,9 +164,14 @@ def test_running_out_of_room_keeps_earlier_rows_and_leaks_nothing(make_node: Any
         k, v = rand_kv(10, seed=1)
         with pytest.raises(CapacityExceeded):  # a takes 2 blocks (6 tokens), b's 6 need 2 more
             client.attend_prefill_batch(
-                [a, b], 0, [6, 6], rand_q(12, seed=2),
-                torch.cat([k[0], k[0, :2]]), torch.cat([v[0], v[0, :2]]), list(range(10, 22)),
-            )  # fmt: skip
+                [a, b],
+                0,
+                [6, 6],
+                rand_q(12, seed=2),
+                torch.cat([k[0], k[0, :2]]),
+                torch.cat([v[0], v[0, :2]]),
+                list(range(10, 22)),
+            )
         assert b.read_kv()[0].shape[1] == 0  # b did not fit: unchanged
         assert a.read_kv()[0].shape[1] == 6  # the documented partial effect: a, before b, was appended
         client.check_integrity()
@@ -182,9 +191,14 @@ def test_async_client_batches_the_same_way(node: Any) -> None:
                 for layer in range(SPEC.num_layers):
                     qa, qb = rand_q(5, seed=10 + layer), rand_q(3, seed=20 + layer)
                     res = await client.attend_prefill_batch(
-                        [a, b], layer, [5, 3], torch.cat([qa, qb]), torch.cat([ka[layer], kb[layer]]),
-                        torch.cat([va[layer], vb[layer]]), [1, 2, 3, 4, 5, 6, 7, 8] if layer == 0 else None,
-                    )  # fmt: skip
+                        [a, b],
+                        layer,
+                        [5, 3],
+                        torch.cat([qa, qb]),
+                        torch.cat([ka[layer], kb[layer]]),
+                        torch.cat([va[layer], vb[layer]]),
+                        [1, 2, 3, 4, 5, 6, 7, 8] if layer == 0 else None,
+                    )
                     assert_attention(
                         type(res)(res.out[:5], res.lse[:5]), qa, ka[layer], va[layer], causal_offset=0
                     )

@@ -387,8 +387,10 @@ def test_disconnect_mid_call_frees_the_region(node: Node) -> None:
     os.pwrite(fd, body, 0)
     os.close(fd)
     assert node_mappings() == before + 1
-    sock.sendall(Frame(wire.OP_ATTEND_SHM, 1, payload_len=wire.SHM_CALL.size).pack()
-                 + wire.SHM_CALL.pack(0, len(body), 4096, 4096))  # fmt: skip
+    sock.sendall(
+        Frame(wire.OP_ATTEND_SHM, 1, payload_len=wire.SHM_CALL.size).pack()
+        + wire.SHM_CALL.pack(0, len(body), 4096, 4096)
+    )
     assert gate.wait(5)
     sock.close()  # gone while the node computes
     release.set()

@@ -31,8 +31,16 @@ LINK_PREFIX = "pkv"
 OWNER_ALIAS = "pkv-owner-"
 SUBNET_PREFIX = "10.213"
 # Never let a proxy from the environment capture gRPC / Redis traffic to the lab.
-PROXY_VARS = ("http_proxy", "https_proxy", "grpc_proxy", "all_proxy", "HTTP_PROXY", "HTTPS_PROXY",
-              "GRPC_PROXY", "ALL_PROXY")  # fmt: skip
+PROXY_VARS = (
+    "http_proxy",
+    "https_proxy",
+    "grpc_proxy",
+    "all_proxy",
+    "HTTP_PROXY",
+    "HTTPS_PROXY",
+    "GRPC_PROXY",
+    "ALL_PROXY",
+)
 
 
 def ip(*args: str, check: bool = True, timeout_s: float = 10.0) -> subprocess.CompletedProcess[str]:
@@ -155,8 +163,12 @@ class NetLab:
         ip("addr", "add", f"{self.gateway}/24", "dev", self.bridge)
         ip("link", "set", self.bridge, "up")
         for i, role in enumerate(self.roles):
-            host = Host(role, f"{NS_PREFIX}{os.getpid()}-{self.tag}-{role}", f"{prefix}.{i + 2}",
-                        f"{LINK_PREFIX}{self.tag}v{i}")  # fmt: skip
+            host = Host(
+                role,
+                f"{NS_PREFIX}{os.getpid()}-{self.tag}-{role}",
+                f"{prefix}.{i + 2}",
+                f"{LINK_PREFIX}{self.tag}v{i}",
+            )
             self.hosts[role] = host
             ip("netns", "add", host.ns)
             ip("link", "add", host.veth, "type", "veth", "peer", "name", "eth0", "netns", host.ns)
@@ -202,17 +214,23 @@ class NetLab:
         """A long-running process on a host (`ip netns exec` execs it: same pid), its output
         (stderr only, with pipes=True: then stdin and stdout are pipes) logged to name.log."""
         log = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 - lives as long as the process
-        proc = subprocess.Popen(self.exec_args(role, args), env=self.env(), start_new_session=True,
-                                stdin=subprocess.PIPE if pipes else subprocess.DEVNULL,
-                                stdout=subprocess.PIPE if pipes else log, stderr=log)  # fmt: skip
+        proc = subprocess.Popen(
+            self.exec_args(role, args),
+            env=self.env(),
+            start_new_session=True,
+            stdin=subprocess.PIPE if pipes else subprocess.DEVNULL,
+            stdout=subprocess.PIPE if pipes else log,
+            stderr=log,
+        )
         log.close()
         self.procs[name] = proc
         return proc
 
     def run(self, role: str, args: list[str], timeout_s: float = 60.0) -> subprocess.CompletedProcess[str]:
         """A short command on a host, waited for."""
-        return subprocess.run(self.exec_args(role, args), capture_output=True, text=True, timeout=timeout_s,
-                              env=self.env())  # fmt: skip
+        return subprocess.run(
+            self.exec_args(role, args), capture_output=True, text=True, timeout=timeout_s, env=self.env()
+        )
 
     def kill(self, name: str, sig: int = signal.SIGKILL, timeout_s: float = 10.0) -> None:
         proc = self.procs.get(name)

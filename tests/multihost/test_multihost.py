@@ -52,8 +52,15 @@ TOKEN = "token-alpha"
 LEASE_TTL_S = 3.0
 REDIS_PORT, COORD_PORT, NODE_PORT = 6379, 50050, 50051
 ROLES = ["redis", "coord", "node0", "node1", "worker-a", "worker-b"]
-NODE_ARGS = ["--num-layers=2", "--num-kv-heads=2", "--head-dim=32", "--dtype=float32", "--block-size=16",
-             "--num-blocks=256", "--host-blocks=64"]  # fmt: skip
+NODE_ARGS = [
+    "--num-layers=2",
+    "--num-kv-heads=2",
+    "--head-dim=32",
+    "--dtype=float32",
+    "--block-size=16",
+    "--num-blocks=256",
+    "--host-blocks=64",
+]
 
 SYSTEM = list(range(1000, 1000 + 96))  # six full blocks, one prompt per scenario
 SYSTEM_RESTART = list(range(3000, 3000 + 64))
@@ -85,8 +92,19 @@ class MultiHostCluster:
         self.nodes = {f"node-{i}": f"{lab.hosts[f'node{i}'].addr}:{NODE_PORT}" for i in range(2)}
 
     def start(self) -> MultiHostCluster:
-        redis = ["redis-server", "--bind", self.redis_addr, "--port", str(REDIS_PORT), "--save", "",
-                 "--appendonly", "no", "--protected-mode", "no"]  # fmt: skip
+        redis = [
+            "redis-server",
+            "--bind",
+            self.redis_addr,
+            "--port",
+            str(REDIS_PORT),
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--protected-mode",
+            "no",
+        ]
         self.lab.spawn("redis", "redis", redis)
         wait_tcp(self.redis_addr, REDIS_PORT, 15.0, b"PING\r\n", b"+PONG")
         # The root namespace talks to the hosts from the bridge's own address; host to host
@@ -109,19 +127,48 @@ class MultiHostCluster:
         return self
 
     def start_coordinator(self) -> None:
-        self.lab.spawn("coordinator", "coord", [
-            sys.executable, "-m", "pagedkv", "coordinator", "--listen", self.coordinator,
-            "--redis", f"redis://{self.redis_addr}:{REDIS_PORT}/0", f"--lease-ttl-s={LEASE_TTL_S}",
-            "--tenants", str(self.tenants),
-        ])  # fmt: skip
+        self.lab.spawn(
+            "coordinator",
+            "coord",
+            [
+                sys.executable,
+                "-m",
+                "pagedkv",
+                "coordinator",
+                "--listen",
+                self.coordinator,
+                "--redis",
+                f"redis://{self.redis_addr}:{REDIS_PORT}/0",
+                f"--lease-ttl-s={LEASE_TTL_S}",
+                "--tenants",
+                str(self.tenants),
+            ],
+        )
         self.wait_healthy("coordinator", self.coordinator)
 
     def spawn_node(self, i: int) -> None:
         address = self.nodes[f"node-{i}"]
-        self.lab.spawn(f"node-{i}", f"node{i}", [
-            sys.executable, "-m", "pagedkv", "node", "--listen", address, "--advertise", address,
-            "--node-id", f"node-{i}", "--coordinator", self.coordinator, "--metrics-port", "-1", *NODE_ARGS,
-        ])  # fmt: skip
+        self.lab.spawn(
+            f"node-{i}",
+            f"node{i}",
+            [
+                sys.executable,
+                "-m",
+                "pagedkv",
+                "node",
+                "--listen",
+                address,
+                "--advertise",
+                address,
+                "--node-id",
+                f"node-{i}",
+                "--coordinator",
+                self.coordinator,
+                "--metrics-port",
+                "-1",
+                *NODE_ARGS,
+            ],
+        )
 
     def wait_healthy(self, name: str, address: str, timeout_s: float = 60.0) -> None:
         deadline = time.monotonic() + timeout_s
@@ -319,8 +366,11 @@ def test_cut_off_node_host_is_detected_and_rejoins_empty(healthy):
 
         lab.cut(role)
         try:
-            detected = wait_until(lambda: set(healthy.live_nodes()) == {survivor}, 2 * LEASE_TTL_S + 6,
-                                  "the cut-off node leaving Stats")  # fmt: skip
+            detected = wait_until(
+                lambda: set(healthy.live_nodes()) == {survivor},
+                2 * LEASE_TTL_S + 6,
+                "the cut-off node leaving Stats",
+            )
             assert detected <= 2 * LEASE_TTL_S + 6
             # Its sequences are lost, and the error names the node.
             lost = _lost_error(c, "mh-cut", 10.0)
@@ -340,8 +390,11 @@ def test_cut_off_node_host_is_detected_and_rejoins_empty(healthy):
         finally:
             lab.restore(role)
 
-        rejoined = wait_until(lambda: set(healthy.live_nodes()) == set(healthy.nodes), 40.0,
-                              "the node re-registering after the link came back")  # fmt: skip
+        rejoined = wait_until(
+            lambda: set(healthy.live_nodes()) == set(healthy.nodes),
+            40.0,
+            "the node re-registering after the link came back",
+        )
         print(f"cut detected in {detected:.1f}s, rejoined {rejoined:.1f}s after the link came back")
         assert "registering again" in lab.log_tail(victim, 100_000)  # it was declared dead and reset
         # It came back EMPTY: nothing cached anywhere for the prompt it held.

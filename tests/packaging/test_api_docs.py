@@ -20,9 +20,23 @@ def test_api_reference_builds_from_the_docstrings(tmp_path: Path) -> None:
     assert modules, recipe
     # the Makefile's module list, minus the generated stubs' pattern (quoted for the shell there)
     names = [m for m in modules.group(1).split() if not m.startswith("'!")]
-    done = subprocess.run([sys.executable, "-m", "pdoc", "--docformat", "markdown", "--no-show-source",
-                           "-o", str(tmp_path), *names], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PDOC_ALLOW_EXEC": "1"})  # fmt: skip
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pdoc",
+            "--docformat",
+            "markdown",
+            "--no-show-source",
+            "-o",
+            str(tmp_path),
+            *names,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PDOC_ALLOW_EXEC": "1"},
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     client = (tmp_path / "pagedkv" / "client.html").read_text()
     assert "CacheClient" in client and "AsyncCacheClient" in client

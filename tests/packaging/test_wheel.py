@@ -24,14 +24,27 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 CONSTRAINTS = ROOT / "constraints.txt"
-SKIP = shutil.ignore_patterns(".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", ".*_cache",
-                              "tests", "bench", "deploy", "docs", "pagedkv-demo")  # fmt: skip
+SKIP = shutil.ignore_patterns(
+    ".git",
+    ".venv",
+    "build",
+    "dist",
+    "*.egg-info",
+    "__pycache__",
+    ".*_cache",
+    "tests",
+    "bench",
+    "deploy",
+    "docs",
+    "pagedkv-demo",
+)
 pytestmark = pytest.mark.timeout(600)
 
 
 def pip(*args: str, timeout_s: float = 300) -> subprocess.CompletedProcess[str]:
-    done = subprocess.run([sys.executable, "-m", "pip", *args], capture_output=True, text=True,
-                          timeout=timeout_s)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "pip", *args], capture_output=True, text=True, timeout=timeout_s
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return done
 
@@ -80,10 +93,19 @@ def test_wheel_builds_cleanly_with_the_proto_types_and_license(wheel: tuple[Path
     }
     assert needed <= names, needed - names
     # Every module of every role ships: a subpackage left out of pyproject's list fails here.
-    roles = {"pagedkv": "pagedkv", "protos": "pagedkv/protos", "cache_node": "pagedkv/cache_node",
-             "client": "pagedkv/client", "coordinator": "pagedkv/coordinator"}  # fmt: skip
-    sources = {f"{dest}/{py.relative_to(ROOT / src).as_posix()}" for src, dest in roles.items()
-               for py in (ROOT / src).rglob("*.py") if "__pycache__" not in py.parts}  # fmt: skip
+    roles = {
+        "pagedkv": "pagedkv",
+        "protos": "pagedkv/protos",
+        "cache_node": "pagedkv/cache_node",
+        "client": "pagedkv/client",
+        "coordinator": "pagedkv/coordinator",
+    }
+    sources = {
+        f"{dest}/{py.relative_to(ROOT / src).as_posix()}"
+        for src, dest in roles.items()
+        for py in (ROOT / src).rglob("*.py")
+        if "__pycache__" not in py.parts
+    }
     assert sources <= names, sorted(sources - names)
     assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)
     assert not any(n.startswith(("tests/", "bench/")) for n in names)
@@ -99,8 +121,10 @@ def test_wheel_builds_cleanly_with_the_proto_types_and_license(wheel: tuple[Path
 def test_coordinator_installs_and_runs_without_torch(wheel: tuple[Path, str], tmp_path: Path) -> None:
     python = fresh_venv(tmp_path / "coordinator")
     install(python, f"{wheel[0]}[coordinator]")
-    code = ("import importlib.util, sys\nimport pagedkv.coordinator.cli, pagedkv.status\n"
-            "print(importlib.util.find_spec('torch') is None, 'torch' in sys.modules)")  # fmt: skip
+    code = (
+        "import importlib.util, sys\nimport pagedkv.coordinator.cli, pagedkv.status\n"
+        "print(importlib.util.find_spec('torch') is None, 'torch' in sys.modules)"
+    )
     done = run_in(python, "-c", code, cwd=tmp_path)
     assert done.stdout.split() == ["True", "False"], done.stdout + done.stderr
     cli = python.parent / "pagedkv"
@@ -122,9 +146,11 @@ def test_client_installs_beside_a_pinned_torch_without_transformers(
     install(python, "torch")  # the inference engine's own pin, installed first (constraints: 2.13.0)
     install(python, "--no-deps", str(wheel[0]))
     install(python, f"{wheel[0]}[client]")  # resolves around the torch that is there
-    code = ("import importlib.util, sys, torch\nimport pagedkv.client\n"
-            "print(torch.__version__.split('+')[0], importlib.util.find_spec('transformers') is None,"
-            " 'redis' in sys.modules, 'prometheus_client' in sys.modules)")  # fmt: skip
+    code = (
+        "import importlib.util, sys, torch\nimport pagedkv.client\n"
+        "print(torch.__version__.split('+')[0], importlib.util.find_spec('transformers') is None,"
+        " 'redis' in sys.modules, 'prometheus_client' in sys.modules)"
+    )
     done = run_in(python, "-c", code, cwd=tmp_path)
     (pin,) = [ln for ln in CONSTRAINTS.read_text().splitlines() if ln.startswith("torch==")]
     pinned = pin.split("==")[1].strip()

@@ -211,7 +211,7 @@ def test_decode_writes_into_given_out(backend: str, dtype: torch.dtype) -> None:
         ((torch.empty(3, 8, 64).half(), torch.empty(3, 8)), r"out= must be a contiguous CPU torch.float32"),
         ((torch.empty(3, 8, 64), torch.empty(8, 3).T), r"lse= must be a contiguous"),
     ],
-)  # fmt: skip
+)
 def test_decode_rejects_bad_out(dst: tuple[torch.Tensor, torch.Tensor], message: str) -> None:
     sc = make_scenario([5, 16, 40], num_kv_heads=2, block_size=8, head_dim=64, seed=5)
     with pytest.raises(InvalidArgument, match=message):

@@ -101,13 +101,20 @@ def test_decode_mods_match_reference(backend: str, block_size: int, group: int, 
     spec = SPECS[name]
     num_kv_heads = 8 // group
     lens = [1, 5, 16, 17, 33, 70, 70]
-    sc = make_scenario(lens, num_kv_heads=num_kv_heads, block_size=block_size, head_dim=HEAD_DIM,
-                       fork_of_first=1, seed=block_size + group)  # fmt: skip
+    sc = make_scenario(
+        lens,
+        num_kv_heads=num_kv_heads,
+        block_size=block_size,
+        head_dim=HEAD_DIM,
+        fork_of_first=1,
+        seed=block_size + group,
+    )
     sc.seq_lens = torch.tensor(lens)
     tables = _poison_before_window(sc, spec, block_size)
     q = torch.randn(len(lens), 8, HEAD_DIM)
-    res = paged_decode(q, sc.k_cache, sc.v_cache, tables, sc.seq_lens, return_block_mass=True,
-                       backend=backend, spec=spec)  # fmt: skip
+    res = paged_decode(
+        q, sc.k_cache, sc.v_cache, tables, sc.seq_lens, return_block_mass=True, backend=backend, spec=spec
+    )
     assert res.block_mass is not None
     for b, n in enumerate(lens):
         out, lse, mass = dense(q[b : b + 1], sc.keys[b], sc.values[b], torch.tensor([n - 1]), spec)
@@ -129,8 +136,9 @@ def test_kernel_split_counts_sinks_once(num_partitions: int) -> None:
     sc = make_scenario(lens, num_kv_heads=2, block_size=8, head_dim=HEAD_DIM, seed=9)
     tables = _poison_before_window(sc, spec, 8)
     q = torch.randn(2, 4, HEAD_DIM)
-    res = attention._decode_kernel(q, sc.k_cache, sc.v_cache, tables, sc.seq_lens, 0.25, True,
-                                   num_partitions=num_partitions, spec=spec)  # fmt: skip
+    res = attention._decode_kernel(
+        q, sc.k_cache, sc.v_cache, tables, sc.seq_lens, 0.25, True, num_partitions=num_partitions, spec=spec
+    )
     spec_scaled = AttentionSpec(scale=0.25, window=37, softcap=4.0, sinks=spec.sinks)
     for b, n in enumerate(lens):
         out, lse, _ = dense(q[b : b + 1], sc.keys[b], sc.values[b], torch.tensor([n - 1]), spec_scaled)
@@ -260,9 +268,19 @@ def test_sinks_counted_twice_is_wrong() -> None:
 
 @pytest.mark.parametrize(
     "kwargs",
-    [dict(window=-1), dict(chunk=1.5), dict(window=True), dict(softcap=-1.0), dict(softcap=math.inf),
-     dict(scale=0.0), dict(scale=math.nan), dict(sinks=()), dict(sinks=(1.0, math.nan)), dict(sinks="ab")],
-)  # fmt: skip
+    [
+        dict(window=-1),
+        dict(chunk=1.5),
+        dict(window=True),
+        dict(softcap=-1.0),
+        dict(softcap=math.inf),
+        dict(scale=0.0),
+        dict(scale=math.nan),
+        dict(sinks=()),
+        dict(sinks=(1.0, math.nan)),
+        dict(sinks="ab"),
+    ],
+)
 def test_spec_rejects_bad_values(kwargs: dict) -> None:
     with pytest.raises(InvalidArgument, match="attention spec"):
         AttentionSpec(**kwargs)

@@ -25,12 +25,21 @@ def test_triton_decode_with_spec(name: str, block_size: int) -> None:
     torch.manual_seed(0)
     spec = SPECS[name]
     lens = [3, 40, 40]
-    sc = make_scenario(lens, num_kv_heads=2, block_size=block_size, head_dim=HEAD_DIM, fork_of_first=1,
-                       seed=2)  # fmt: skip
+    sc = make_scenario(
+        lens, num_kv_heads=2, block_size=block_size, head_dim=HEAD_DIM, fork_of_first=1, seed=2
+    )
     tables = _poison_before_window(sc, spec, block_size)
     q = torch.randn(len(lens), 8, HEAD_DIM)
-    res = paged_decode(q.to(DEVICE), sc.k_cache.to(DEVICE), sc.v_cache.to(DEVICE), tables, sc.seq_lens,
-                       return_block_mass=True, backend="triton", spec=spec)  # fmt: skip
+    res = paged_decode(
+        q.to(DEVICE),
+        sc.k_cache.to(DEVICE),
+        sc.v_cache.to(DEVICE),
+        tables,
+        sc.seq_lens,
+        return_block_mass=True,
+        backend="triton",
+        spec=spec,
+    )
     assert res.block_mass is not None
     for b, n in enumerate(lens):
         out, lse, mass = dense(q[b : b + 1], sc.keys[b], sc.values[b], torch.tensor([n - 1]), spec)
@@ -50,8 +59,16 @@ def test_triton_prefill_with_spec(name: str) -> None:
     table = sc.tables[0].clone()
     table[: spec.first_visible(30 - 12) // 4] = -1  # never read
     q = torch.randn(12, 8, HEAD_DIM)
-    res = paged_prefill(q.to(DEVICE), sc.k_cache.to(DEVICE), sc.v_cache.to(DEVICE), table, 30,
-                        return_block_mass=True, backend="triton", spec=spec)  # fmt: skip
+    res = paged_prefill(
+        q.to(DEVICE),
+        sc.k_cache.to(DEVICE),
+        sc.v_cache.to(DEVICE),
+        table,
+        30,
+        return_block_mass=True,
+        backend="triton",
+        spec=spec,
+    )
     out, lse, mass = dense(q, sc.keys[0], sc.values[0], torch.arange(18, 30), spec)
     torch.testing.assert_close(res.out.cpu().double(), out, **OUT_TOL[torch.float32])
     torch.testing.assert_close(res.lse.cpu().double(), lse, **LSE_TOL)

@@ -39,7 +39,7 @@ BAD_IDS = {
         np.arange(10, dtype=np.uint16).reshape(2, 5),
         torch.arange(10),
         [np.int64(i) for i in range(10)],
-    ],  # fmt: skip
+    ],
     ids=["list", "tuple", "int64 array", "uint16 2-d array", "tensor", "numpy ints in a list"],
 )
 def test_every_form_of_token_ids_gives_the_same_message(ids):

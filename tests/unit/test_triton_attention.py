@@ -43,9 +43,16 @@ def decode(q, sc, *, num_splits: int | None, scale: float | None = None):  # typ
     head_dim = q.shape[-1]
     scale = head_dim**-0.5 if scale is None else scale
     res = attention._decode_triton(
-        q.to(DEVICE), sc.k_cache, sc.v_cache, sc.tables, sc.seq_lens, int(sc.seq_lens.max()), scale, True,
+        q.to(DEVICE),
+        sc.k_cache,
+        sc.v_cache,
+        sc.tables,
+        sc.seq_lens,
+        int(sc.seq_lens.max()),
+        scale,
+        True,
         num_splits=num_splits,
-    )  # fmt: skip
+    )
     return attention.AttentionOutput(
         res.out.cpu(), res.lse.cpu(), None if res.block_mass is None else res.block_mass.cpu()
     )
@@ -128,8 +135,14 @@ def test_decode_rejects_an_out_of_range_block_id() -> None:
     sc = on_device(make_scenario([9, 20], num_kv_heads=1, block_size=4, head_dim=16, seed=1))
     sc.tables[1, 2] = sc.k_cache.shape[0]
     with pytest.raises(InvalidArgument, match=r"block_tables\[1, 2\] = .* not a physical block id"):
-        paged_decode(torch.randn(2, 2, 16, device=DEVICE), sc.k_cache, sc.v_cache, sc.tables, sc.seq_lens,
-                     backend="triton")  # fmt: skip
+        paged_decode(
+            torch.randn(2, 2, 16, device=DEVICE),
+            sc.k_cache,
+            sc.v_cache,
+            sc.tables,
+            sc.seq_lens,
+            backend="triton",
+        )
 
 
 # --------------------------------------------------------------------------- prefill
@@ -139,11 +152,21 @@ def test_decode_rejects_an_out_of_range_block_id() -> None:
 @pytest.mark.parametrize("block_size", [1, 16])
 @pytest.mark.parametrize(("context_len", "num_queries"), [(1, 1), (37, 37), (37, 9), (100, 70)])
 def test_prefill_matches_reference(group: int, block_size: int, context_len: int, num_queries: int) -> None:
-    sc = on_device(make_scenario([context_len], num_kv_heads=2, block_size=block_size, head_dim=32,
-                                 seed=context_len + num_queries))  # fmt: skip
+    sc = on_device(
+        make_scenario(
+            [context_len], num_kv_heads=2, block_size=block_size, head_dim=32, seed=context_len + num_queries
+        )
+    )
     q = torch.randn(num_queries, 2 * group, 32)
-    result = paged_prefill(q.to(DEVICE), sc.k_cache, sc.v_cache, sc.tables[0], context_len,
-                           return_block_mass=True, backend="triton")  # fmt: skip
+    result = paged_prefill(
+        q.to(DEVICE),
+        sc.k_cache,
+        sc.v_cache,
+        sc.tables[0],
+        context_len,
+        return_block_mass=True,
+        backend="triton",
+    )
     out, lse, mass = reference(q, sc.keys[0], sc.values[0], context_len - num_queries, 32**-0.5, block_size)
     torch.testing.assert_close(result.out.cpu().double(), out, **OUT_TOL[torch.float32])
     torch.testing.assert_close(result.lse.cpu().double(), lse, **LSE_TOL)
@@ -168,8 +191,9 @@ def test_prefill_of_last_token_equals_decode() -> None:
     sc = on_device(make_scenario([29], num_kv_heads=2, block_size=8, head_dim=32, seed=9))
     q = torch.randn(1, 8, 32, device=DEVICE)
     pre = paged_prefill(q, sc.k_cache, sc.v_cache, sc.tables[0], 29, return_block_mass=True, backend="triton")
-    dec = paged_decode(q, sc.k_cache, sc.v_cache, sc.tables, sc.seq_lens, return_block_mass=True,
-                       backend="triton")  # fmt: skip
+    dec = paged_decode(
+        q, sc.k_cache, sc.v_cache, sc.tables, sc.seq_lens, return_block_mass=True, backend="triton"
+    )
     torch.testing.assert_close(pre.out, dec.out, rtol=1e-5, atol=2e-6)
     torch.testing.assert_close(pre.lse, dec.lse, **LSE_TOL)
     assert pre.block_mass is not None and dec.block_mass is not None
@@ -296,10 +320,20 @@ def test_score_mods_match_reference(name: str, num_queries: int, num_splits: int
     mods = _mods(name, 8)
     i32 = dict(dtype=torch.int32, device=DEVICE)
     out, lse, key_mass = triton_attention.attend(
-        q.to(DEVICE), sc.k_cache, sc.v_cache, sc.tables.to(**i32), starts.to(DEVICE),
-        torch.tensor(num_q, **i32), sc.seq_lens.to(**i32), max_q_len=max(num_q), max_ctx=max(lens),
-        scale=32**-0.5, with_mass=True, num_splits=num_splits, mods=mods,
-    )  # fmt: skip
+        q.to(DEVICE),
+        sc.k_cache,
+        sc.v_cache,
+        sc.tables.to(**i32),
+        starts.to(DEVICE),
+        torch.tensor(num_q, **i32),
+        sc.seq_lens.to(**i32),
+        max_q_len=max(num_q),
+        max_ctx=max(lens),
+        scale=32**-0.5,
+        with_mass=True,
+        num_splits=num_splits,
+        mods=mods,
+    )
     assert key_mass is not None
     for b, n in enumerate(lens):
         rows = slice(int(starts[b]), int(starts[b]) + num_q[b])

@@ -128,8 +128,11 @@ def test_open_round_trips() -> None:
         frame = Frame(wire.OP_OPEN, 9, start=fields[6], end=fields[7], text="req-ü", payload_len=fields[-1])
         req = wire.decode_open(frame, raw[frame_len:])
         assert (req.seq_id, req.token_ids.tolist(), req.salt, req.max_cached_tokens) == (
-            "req-ü", ids.tolist(), b"salt", limit
-        )  # fmt: skip
+            "req-ü",
+            ids.tolist(),
+            b"salt",
+            limit,
+        )
     short = Frame(wire.OP_OPEN, 1, end=4, text="s", payload_len=8)
     with pytest.raises(InvalidArgument, match="cannot hold 4 token ids"):
         wire.decode_open(short, bytes(8))
