@@ -15,8 +15,6 @@ pinned, as for every policy); `ideal` is an unbounded pool. Writes bench/results
 from __future__ import annotations
 
 import argparse
-import heapq
-import itertools
 import json
 import sys
 import time
@@ -27,14 +25,14 @@ from pathlib import Path
 
 from bench import plots
 from bench.workloads import TRACE_BLOCK_TOKENS, ChatShape, Request, chat_requests, trace_requests
-from pagedkv.cache_node.eviction import EvictionPolicy
+from pagedkv.cache_node.eviction import EvictionPolicy, HeapPolicy
 from pagedkv.cache_node.kv_manager import KVCacheManager
 
 ROOT = Path(__file__).resolve().parents[1]
 POLICIES = ["lru", "lfu", "slru"]
 
 
-class BeladyPolicy(EvictionPolicy):
+class BeladyPolicy(HeapPolicy):
     """The offline optimum for a known request stream: the evictable block whose key is wanted
     furthest in the future goes first (never-again first of all, LRU order among equals). The
     replay calls `advance(keys)` before each request with the keys that request wants, so the
@@ -43,22 +41,20 @@ class BeladyPolicy(EvictionPolicy):
     name = "belady"
 
     def __init__(self, wanted: list[list[bytes]]) -> None:
+        super().__init__()
         self._uses: dict[bytes, deque[int]] = {}
         for i, keys in enumerate(wanted):
             for key in keys:
                 self._uses.setdefault(key, deque()).append(i)
-        self._heap: list[tuple[int, int, int]] = []  # (-next use, tick, block)
-        self._live: dict[int, int] = {}
-        self._tick = itertools.count()
         self._key_of: list[bytes | None] = []
 
     def bind_keys(self, key_of: list[bytes | None]) -> None:
         self._key_of = key_of
 
-    def _next_use(self, block: int) -> int:
+    def _priority(self, block: int) -> float:
         key = self._key_of[block]
         uses = self._uses.get(key) if key is not None else None
-        return uses[0] if uses else sys.maxsize
+        return -(uses[0] if uses else sys.maxsize)
 
     def advance(self, keys: list[bytes], block_of_key: dict[bytes, int]) -> None:
         """Request i is next: its keys' use i is spent; evictable holders get their new priority."""
@@ -66,31 +62,8 @@ class BeladyPolicy(EvictionPolicy):
             uses = self._uses[key]
             uses.popleft()
             block = block_of_key.get(key)
-            if block is not None and block in self._live:
+            if block is not None and block in self:
                 self.add(block)  # a fresh entry; the old one goes stale
-
-    def add(self, block: int) -> None:
-        tick = next(self._tick)
-        self._live[block] = tick
-        heapq.heappush(self._heap, (-self._next_use(block), tick, block))
-
-    def remove(self, block: int) -> None:
-        del self._live[block]
-
-    def pop_victim(self) -> int:
-        heap, live = self._heap, self._live
-        while heap:
-            _, tick, block = heapq.heappop(heap)
-            if live.get(block) == tick:
-                del live[block]
-                return block
-        raise IndexError("no evictable block")
-
-    def __len__(self) -> int:
-        return len(self._live)
-
-    def __contains__(self, block: int) -> bool:
-        return block in self._live
 
 
 @dataclass(frozen=True)

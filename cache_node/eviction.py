@@ -98,8 +98,9 @@ class LRUPolicy(EvictionPolicy):
         return list(self._order)
 
 
-class _HeapPolicy(EvictionPolicy):
-    """Evicts the lowest priority first, ties by release order (oldest first).
+class HeapPolicy(EvictionPolicy):
+    """Evicts the lowest `_priority(block)` first, ties by release order (oldest first); the
+    base of LFU, score and any policy that ranks blocks by a number.
 
     A heap with lazy deletion: `remove` only forgets the entry's generation, and
     stale entries are skipped when popped. The heap is rebuilt when stale
@@ -144,7 +145,7 @@ class _HeapPolicy(EvictionPolicy):
         return [b for _, t, b in sorted(self._heap) if self._live.get(b) == t]
 
 
-class LFUPolicy(_HeapPolicy):
+class LFUPolicy(HeapPolicy):
     """Least frequently used first (uses = allocation + every prefix hit), LRU among equals."""
 
     name = "lfu"
@@ -163,7 +164,7 @@ class LFUPolicy(_HeapPolicy):
         self._uses.pop(block, None)
 
 
-class ScorePolicy(_HeapPolicy):
+class ScorePolicy(HeapPolicy):
     """Least accumulated attention mass first (H2O's heavy-hitter idea applied to
     cached blocks). The node computes attention itself, so it has the per-block
     probability mass that fused kernels hide. Blocks never attended score 0."""
