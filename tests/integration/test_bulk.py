@@ -416,3 +416,33 @@ def test_node_lost_mid_transfer_raises_unavailable_naming_the_node() -> None:
         channel.close()
         listener.close()
         thread.join(5)
+
+
+def test_hostile_hello_and_unknown_ops_change_nothing(bulk_node: BulkNode) -> None:
+    node = bulk_node
+    toks = list(range(16))
+    k, v = rand_kv(SPEC, 16, seed=9)
+    node.engine.open("s", toks)
+    node.engine.append("s", toks, k, v)
+    before = node.state()
+    # a HELLO that carries junk where no payload belongs: answered or refused, never a crash
+    with _raw(node) as sock:
+        junk = b"\xff" * 64
+        sock.sendall(Frame(wire.OP_HELLO, 3, text="x" * 40, payload_len=len(junk)).pack() + junk)
+        reply = wire.read_frame(sock)
+        assert reply is not None and reply.request_id == 3
+        if reply.status == 0:  # the capabilities, whole and well formed
+            caps = wire.Capabilities.decode(sock.recv(reply.payload_len, socket.MSG_WAITALL))
+            assert caps.serves(wire.OP_ATTEND)
+        else:
+            assert reply.status == INVALID and reply.text
+    # an op the node does not serve: a clear refusal naming it
+    with _raw(node) as sock:
+        sock.sendall(Frame(250, 4, text="s").pack())
+        reply = wire.read_frame(sock)
+        assert reply is not None and reply.request_id == 4 and reply.status != 0 and "250" in reply.text
+    assert node.state() == before
+    with CacheClient(node.address, BULK) as client:
+        rk, rv = client.data.read_kv("s")
+        assert same_bytes(rk, k) and same_bytes(rv, v)
+    assert node.state() == before
