@@ -109,7 +109,7 @@ class AttentionPlan:
 def reaches_attention_interface(model_class: type) -> bool:
     """Whether the model's attention modules call transformers' attention interface (where
     "pagedkv" is registered): the class says so, or its modeling file looks the function up
-    there (StableLM does without saying). Falcon, Bloom, MPT, GPT-Neo do neither."""
+    there (StableLM does without saying). Bloom, MPT, GPT-Neo do neither."""
     if getattr(model_class, "_supports_attention_backend", False):
         return True
     module = sys.modules.get(model_class.__module__)
@@ -185,6 +185,14 @@ def plan_attention(model: Any, max_tokens: int | None = None) -> AttentionPlan:
             "every layer",
             "a dynamic mask (keep_window_size)",
             "the model adds a learned per-key bias to the scores, which the node cannot apply",
+        )
+    if getattr(config, "alibi", False):
+        raise UnsupportedModel(
+            name,
+            "every layer",
+            "ALiBi position biases",
+            "the model adds a per-head linear bias to the scores through its attention mask, which "
+            "the node does not apply",
         )
     shape = model_shape(config)
     qk_dim = (getattr(config, "qk_nope_head_dim", 0) or 0) + (getattr(config, "qk_rope_head_dim", 0) or 0)

@@ -132,7 +132,12 @@ FAMILIES = [
     Family("gpt2-layer-scaling", "GPT2Config", {**GPT, "scale_attn_by_inverse_layer_idx": True}),
     Family("gptj", "GPTJConfig", {**GPT, "rotary_dim": 8}),
     Family("opt", "OPTConfig", {"num_key_value_heads": DROP, "ffn_dim": 128, "word_embed_proj_dim": 64}),
-    Family("falcon", "FalconConfig", {"num_key_value_heads": DROP}, "own attention modules"),
+    Family("falcon", "FalconConfig", {"num_key_value_heads": DROP}),
+    Family("falcon-new-arch", "FalconConfig",
+           {"num_key_value_heads": DROP, "new_decoder_architecture": True, "num_kv_heads": 2}),
+    # ALiBi rides in the attention mask as a per-head bias.
+    Family("falcon-alibi", "FalconConfig", {"num_key_value_heads": DROP, "alibi": True}, r"ALiBi"),
+    Family("bloom", "BloomConfig", {"num_key_value_heads": DROP}, "own attention modules"),
     # A custom scale: exact by pre-scaling q.
     Family("granite", "GraniteConfig", {"attention_multiplier": 0.3}),
     # Sliding windows and chunks: exact within the window (max_tokens), refused beyond it.

@@ -30,11 +30,13 @@ from pagedkv.protos import native_build
 from pagedkv.protos.errors import FailedPrecondition, InvalidArgument
 
 BACKENDS = ["kernel", "torch"]
-# Tolerances vs the float64 reference. fp32: rtol 1e-5 as specified, atol for values near 0.
+# Tolerances vs the float64 reference. fp32: rtol 1e-5 as specified, atol for values near 0
+# (5e-6: the Triton interpreter's dots run in numpy's BLAS, whose AVX-512 kernels sum 128-wide
+# blocks in another order than AVX2 ones: 3e-6 seen at D 128, block 128; a wrong kernel is off by >1e-2).
 # Half types: the pool holds rounded values and the reference uses the same rounded values, so only
 # float32 accumulation and the final rounding of `out` to the half type remain; lse stays float32.
 OUT_TOL: dict[torch.dtype, dict[str, Any]] = {
-    torch.float32: dict(rtol=1e-5, atol=2e-6),
+    torch.float32: dict(rtol=1e-5, atol=5e-6),
     torch.float16: dict(rtol=2e-3, atol=2e-3),
     torch.bfloat16: dict(rtol=1.6e-2, atol=1.6e-2),
 }
