@@ -59,7 +59,9 @@ class Decoder:
         self.hist[sid] = [(k[layer], v[layer]) for layer in range(s.num_layers)]
         for layer in range(s.num_layers):
             q = torch.randn(n, HQ, s.head_dim, generator=self.g)
-            out = self.engine.attend_prefill(sid, layer, q, k[layer], v[layer], tokens if layer == 0 else None)
+            out = self.engine.attend_prefill(
+                sid, layer, q, k[layer], v[layer], tokens if layer == 0 else None
+            )
             for i in (0, n - 1):
                 self.check(sid, layer, q[i], out.out[i], out.lse[i], i)
 
