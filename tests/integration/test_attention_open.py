@@ -60,6 +60,9 @@ def test_the_node_follows_the_spec_of_the_open_on_every_attend(node: Node, confi
                 assert torch.allclose(got.lse, want.lse, atol=1e-6)
             held.append(len(node.engine.block_table("w")))
         assert max(held[8:]) <= 3 and node.engine.sequence_length("w") == 33
+        released = node.engine.stats()["window_released_blocks"]
+        assert released == (33 - node.engine.cache_length("w")) // 4 > 0
+        assert node.metrics.registry.get_sample_value("pagedkv_window_released_blocks_total") == released
         assert len(node.engine.block_table("w")) == len(twin.block_table("w"))
         child = seq.fork("w-child")
         assert node.engine.specs.get("w-child") == node.engine.specs.get("w")
