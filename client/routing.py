@@ -117,7 +117,7 @@ class CoordinatorRouting:
         seq_id: str,
         token_ids: codec.TokenIds,
         max_cached: int | None,
-        attention: Sequence[pb.LayerAttention],
+        attention: Sequence[pb.LayerAttention] = (),
     ) -> pb.CoordOpenRequest:
         req = codec.with_token_ids(pb.CoordOpenRequest, token_ids, seq_id=seq_id, spec=self._spec_msg())
         if max_cached is not None:
