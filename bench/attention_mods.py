@@ -13,7 +13,7 @@ repeat.
 plain sequences, this tree against the tree at BASE (e.g. `git archive main | tar -x -C BASE`),
 each in its own process (one torch thread), alternating, `--rounds` times; then this tree's step
 with a window of length / 8 and the blocks a sequence holds as it decodes. Writes
-results/attention_mods_engine.md and a PNG.
+results/attention_mods_engine.{md,json,png}.
 """
 
 from __future__ import annotations
@@ -188,6 +188,17 @@ def engine_ab(base: Path, rounds: int) -> None:
     print(text)
     results = Path(__file__).parent / "results"
     (results / "attention_mods_engine.md").write_text(text)
+    raw = {
+        "cases": ENGINE_CASES,
+        "load": [load_before, load_after],
+        "base_us": base_us,
+        "this_us": this_us,
+        "ratios": ratios,
+        "plain": plain,
+        "window": windowed,
+        "lookup_ns": lookup_ns,
+    }
+    (results / "attention_mods_engine.json").write_text(json.dumps(raw, indent=1) + "\n")
     _plot(results / "attention_mods_engine.png", base_us, this_us, plain, windowed)
 
 
