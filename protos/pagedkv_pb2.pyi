@@ -44,18 +44,20 @@ class Empty(_message.Message):
     def __init__(self) -> None: ...
 
 class OpenRequest(_message.Message):
-    __slots__ = ("seq_id", "token_ids", "max_cached_tokens", "expect_cached_tokens", "tenant_salt")
+    __slots__ = ("seq_id", "token_ids", "max_cached_tokens", "expect_cached_tokens", "tenant_salt", "attention")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     EXPECT_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TENANT_SALT_FIELD_NUMBER: _ClassVar[int]
+    ATTENTION_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     max_cached_tokens: int
     expect_cached_tokens: int
     tenant_salt: bytes
-    def __init__(self, seq_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., max_cached_tokens: _Optional[int] = ..., expect_cached_tokens: _Optional[int] = ..., tenant_salt: _Optional[bytes] = ...) -> None: ...
+    attention: _containers.RepeatedCompositeFieldContainer[LayerAttention]
+    def __init__(self, seq_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., max_cached_tokens: _Optional[int] = ..., expect_cached_tokens: _Optional[int] = ..., tenant_salt: _Optional[bytes] = ..., attention: _Optional[_Iterable[_Union[LayerAttention, _Mapping]]] = ...) -> None: ...
 
 class OpenResponse(_message.Message):
     __slots__ = ("num_cached_tokens", "num_host_hit_tokens")
@@ -363,16 +365,18 @@ class Placement(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., first_token: _Optional[int] = ...) -> None: ...
 
 class CoordOpenRequest(_message.Message):
-    __slots__ = ("seq_id", "token_ids", "max_cached_tokens", "spec")
+    __slots__ = ("seq_id", "token_ids", "max_cached_tokens", "spec", "attention")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
+    ATTENTION_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     max_cached_tokens: int
     spec: ModelSpec
-    def __init__(self, seq_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., max_cached_tokens: _Optional[int] = ..., spec: _Optional[_Union[ModelSpec, _Mapping]] = ...) -> None: ...
+    attention: _containers.RepeatedCompositeFieldContainer[LayerAttention]
+    def __init__(self, seq_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., max_cached_tokens: _Optional[int] = ..., spec: _Optional[_Union[ModelSpec, _Mapping]] = ..., attention: _Optional[_Iterable[_Union[LayerAttention, _Mapping]]] = ...) -> None: ...
 
 class CoordOpenResponse(_message.Message):
     __slots__ = ("extents", "num_cached_tokens", "num_host_hit_tokens", "num_blocks")
@@ -438,3 +442,15 @@ class CoordStatsResponse(_message.Message):
     counters: _containers.ScalarMap[str, int]
     nodes: _containers.RepeatedCompositeFieldContainer[RegisterRequest]
     def __init__(self, counters: _Optional[_Mapping[str, int]] = ..., nodes: _Optional[_Iterable[_Union[RegisterRequest, _Mapping]]] = ...) -> None: ...
+
+class LayerAttention(_message.Message):
+    __slots__ = ("window", "chunk", "softcap", "scale")
+    WINDOW_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    SOFTCAP_FIELD_NUMBER: _ClassVar[int]
+    SCALE_FIELD_NUMBER: _ClassVar[int]
+    window: int
+    chunk: int
+    softcap: float
+    scale: float
+    def __init__(self, window: _Optional[int] = ..., chunk: _Optional[int] = ..., softcap: _Optional[float] = ..., scale: _Optional[float] = ...) -> None: ...

@@ -26,7 +26,9 @@ class GrpcTransport:
         return unary(self.stub.Stats, pb.Empty(), timeout_s, where=self.where)
 
     def open(self, call: OpenCall, timeout_s: float) -> OpenResult:
-        req = codec.open_request(call.seq_id, call.token_ids.tolist(), call.salt, call.max_cached_tokens)
+        req = codec.open_request(
+            call.seq_id, call.token_ids.tolist(), call.salt, call.max_cached_tokens, call.attention
+        )
         return codec.open_result(unary(self.stub.Open, req, timeout_s, where=self.where))
 
     def append(self, call: AppendCall, timeout_s: float) -> int:
