@@ -64,6 +64,8 @@ class Replay:
     def __post_init__(self) -> None:
         self.opens: Counter[str] = Counter()
         self.reopens = 0
+        self.misses: dict[str, int] = {}  # the coordinator's miss reasons (coordinator set-ups)
+        self.per_request: list[tuple[str, int]] = []  # (node, cached tokens) of each request
 
     @property
     def hit_rate(self) -> float:
@@ -145,6 +147,7 @@ def replay(
             raise RuntimeError(f"request {i}: no room or its prefix evicted under eight opens in a row")
         running.append(seq)
         out.opens[seq.route.node_id or names[pick]] += 1
+        out.per_request.append((seq.route.node_id or names[pick], cached))
         out.hit_tokens += cached
         out.prompt_tokens += len(r.tokens)
     for seq in running:
@@ -158,7 +161,10 @@ def run_setup(setup: Setup, requests: list[Request], concurrency: int, policy: s
     with started(setup.num_nodes, node_options(setup.pool, policy), log_dir, coordinator) as cluster:
         if coordinator:
             with CacheClient(coordinator=cluster.coordinator_address, spec=SPEC) as client:
-                return replay([client], ["?"], requests, concurrency, None)
+                out = replay([client], ["?"], requests, concurrency, None)
+                counters = client.cluster_stats().counters
+                out.misses = {k[len("misses_") :]: v for k, v in counters.items() if k.startswith("misses_")}
+                return out
         clients = [CacheClient(a) for a in cluster.node_addresses]
         try:
             names = [f"node-{i}" for i in range(len(clients))]
@@ -192,6 +198,7 @@ def summarize(results: dict[str, Replay], num_nodes: int) -> dict:
             "busiest_over_mean": max(counts) / mean if mean else 0.0,
             "seconds": r.seconds,
             "reopens": r.reopens,
+            "misses": r.misses,
         }
     return out
 
@@ -266,7 +273,7 @@ def main(argv: list[str] | None = None) -> None:
         results[s.name] = run_setup(s, requests, concurrency, args.policy, log_dir)
         print(
             f"{s.name:<9} hit rate {results[s.name].hit_rate:.4f}  opens {dict(results[s.name].opens)}  "
-            f"{results[s.name].seconds:.1f} s",
+            f"{results[s.name].seconds:.1f} s  misses {results[s.name].misses}",
             flush=True,
         )
     summary = summarize(results, args.nodes)
@@ -281,7 +288,10 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"note": note, "args": vars(args)}
-    (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "summary": summary}, indent=1))
+    per_request = {name: r.per_request for name, r in results.items()}
+    (out / f"{stem}.json").write_text(
+        json.dumps({"meta": meta, "summary": summary, "per_request": per_request}, indent=1)
+    )
     (out / f"{stem}.md").write_text(markdown(summary, meta))
     plot(summary, out / f"{stem}.png", f"{args.workload}, {args.nodes} x {pool} blocks")
     print(markdown(summary, meta))

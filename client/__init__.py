@@ -30,7 +30,7 @@ from .config import ClientConfig
 from .shm import RegionRefused
 from .sync import CacheClient, Sequence
 from .transport import TransportUnavailable
-from .types import AttentionResult, NodeStats, OpenResult
+from .types import AttentionResult, MissExplanation, NodeStats, OpenResult
 
 __all__ = [
     "NodeLost",
@@ -52,6 +52,7 @@ __all__ = [
     "FailedPrecondition",
     "IntegrityError",
     "InvalidArgument",
+    "MissExplanation",
     "NodeStats",
     "NotFound",
     "OpenFailed",

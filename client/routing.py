@@ -23,7 +23,7 @@ from . import codec
 from .config import ClientConfig
 from .control import NodeControl, call
 from .data import NodeData
-from .types import ClusterStats, NodeEntry, OpenResult, Route
+from .types import ClusterStats, MissExplanation, NodeEntry, OpenResult, Route
 
 _EMPTY = pb.Empty()
 
@@ -34,8 +34,14 @@ class DirectRouting:
         self.route = Route("", address)
 
     def open(
-        self, seq_id: str, token_ids: codec.TokenIds, max_cached_tokens: int | None, timeout_s: float | None
+        self,
+        seq_id: str,
+        token_ids: codec.TokenIds,
+        max_cached_tokens: int | None,
+        timeout_s: float | None,
+        explain_miss: bool = False,
     ) -> tuple[OpenResult, Route]:
+        # explain_miss: a lone node has no cluster index to explain from (miss stays None)
         return self.data.open(seq_id, token_ids, max_cached_tokens, timeout_s), self.route
 
     def describe(self, seq_id: str, timeout_s: float | None = None) -> Route:
@@ -77,6 +83,14 @@ def _route(resp: pb.CoordOpenResponse) -> Route:
     return Route(first.node_id, first.address)
 
 
+def _miss(resp: pb.CoordOpenResponse) -> MissExplanation | None:
+    if not resp.HasField("miss"):
+        return None
+    m = resp.miss
+    reason = pb.MissExplanation.Reason.Name(m.reason).lower()
+    return MissExplanation(reason, m.first_block, m.node_id, m.policy, m.cached_elsewhere_blocks)
+
+
 def cluster_stats(resp: pb.CoordStatsResponse) -> ClusterStats:
     nodes = [
         NodeEntry(
@@ -107,11 +121,13 @@ class CoordinatorRouting:
         return self.config.deadline_s if timeout_s is None else timeout_s
 
     def _open_request(
-        self, seq_id: str, token_ids: codec.TokenIds, max_cached: int | None
+        self, seq_id: str, token_ids: codec.TokenIds, max_cached: int | None, explain_miss: bool = False
     ) -> pb.CoordOpenRequest:
         req = codec.with_token_ids(pb.CoordOpenRequest, token_ids, seq_id=seq_id, spec=self._spec_msg())
         if max_cached is not None:
             req.max_cached_tokens = max_cached
+        if explain_miss:
+            req.explain_miss = True
         return req
 
     def _pin_request(self, token_ids: codec.TokenIds) -> pb.CoordPinRequest:
@@ -121,10 +137,16 @@ class CoordinatorRouting:
         return call(getattr(self.stub, method), request, self._t(timeout_s), self.metadata, "coordinator")
 
     def open(
-        self, seq_id: str, token_ids: codec.TokenIds, max_cached_tokens: int | None, timeout_s: float | None
+        self,
+        seq_id: str,
+        token_ids: codec.TokenIds,
+        max_cached_tokens: int | None,
+        timeout_s: float | None,
+        explain_miss: bool = False,
     ) -> tuple[OpenResult, Route]:
-        resp = self._call("Open", self._open_request(seq_id, token_ids, max_cached_tokens), timeout_s)
-        return OpenResult(resp.num_cached_tokens, resp.num_host_hit_tokens), _route(resp)
+        request = self._open_request(seq_id, token_ids, max_cached_tokens, explain_miss)
+        resp = self._call("Open", request, timeout_s)
+        return OpenResult(resp.num_cached_tokens, resp.num_host_hit_tokens, _miss(resp)), _route(resp)
 
     def describe(self, seq_id: str, timeout_s: float | None = None) -> Route:
         return _route(self._call("Describe", pb.CoordSeqRequest(seq_id=seq_id), timeout_s))

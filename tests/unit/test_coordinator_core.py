@@ -158,14 +158,3 @@ def test_misses_are_counted_by_why_the_first_uncached_block_missed(cluster):
         r: coordinator.counters["misses_" + r] for r in ("in_flight", "other_node", "evicted", "not_cached")
     }
     assert counts == {"in_flight": 1, "other_node": 0, "evicted": 1, "not_cached": 1}
-
-
-def test_a_miss_where_another_node_holds_more_counts_as_other_node():
-    from pagedkv.coordinator.placement import Placement
-
-    coordinator = Coordinator(MemoryStore(), CoordinatorConfig(lease_ttl_s=30))
-    keys = bytes(16 * 4)
-    coordinator._count_miss(Placement("n1", 1, 4, 3, cached_elsewhere_blocks=3), keys)
-    coordinator._count_miss(Placement("n1", 3, 12, 1, cached_elsewhere_blocks=3), keys)
-    coordinator._count_miss(Placement("n1", 4, 16, 0, cached_elsewhere_blocks=4), keys)  # all hit
-    assert (coordinator.counters["misses_other_node"], coordinator.counters["misses_not_cached"]) == (1, 1)

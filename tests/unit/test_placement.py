@@ -95,7 +95,7 @@ def test_evictable_cache_is_room_but_not_load() -> None:
     nodes = [node("n1", 0, free=0, evictable=90), node("n2", 0, free=10)]
     result = place(nodes, 5, BLOCK, LW1)
     assert result.node_id == "n1" and result.scores == {"n1": -(5 + 15), "n2": -(5 + 95)}
-    assert node("n1", 0, free=0, evictable=90).active_blocks == 10
+    assert node("n1", 0, free=0, evictable=90).load_blocks == 10
 
 
 def test_an_open_in_flight_steers_a_second_open_of_the_same_prefix_to_its_node() -> None:
