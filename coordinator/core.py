@@ -43,7 +43,7 @@ import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import grpc
@@ -260,12 +260,18 @@ class Coordinator:
         self, node_id: str, address: str, spec: Mapping[str, Any], num_blocks: int, policy: str = ""
     ) -> None:
         """A node joins, or comes back empty (its sequences lost, its keys purged): placement's
-        load there starts from nothing, and its share of recent opens draws new opens to it."""
+        load there starts from nothing and its recent opens at its fair share (placement.py)."""
         result = self.store.register_node(
             node_id, address, dict(spec), num_blocks, self.config.lease_ttl_s, policy=policy
         )
         with self._lock:
             self._active_blocks.pop(node_id, None)
+            # Neither ahead (its count from before it died) nor behind (0: every open would go
+            # to an empty cache until it caught up): a node starts at its fair share of opens.
+            others = {n: info.num_blocks for n, info in self._nodes.items() if n != node_id}
+            total = sum(others.values())
+            opens = sum(self._recent_opens.get(n, 0.0) for n in others)
+            self._recent_opens[node_id] = opens * num_blocks / total if total else 0.0
         if result.was_registered and (result.lost_seq_ids or result.num_keys_purged):
             log.warning("node %s re-registered empty: %d sequences lost", node_id, len(result.lost_seq_ids))
         self.refresh_nodes()
@@ -276,9 +282,7 @@ class Coordinator:
             with self._lock:
                 node = self._nodes.get(node_id)
                 if node is not None:
-                    self._nodes[node_id] = NodeInfo(
-                        node.node_id, node.address, node.spec, node.num_blocks, dict(load)
-                    )
+                    self._nodes[node_id] = replace(node, load=dict(load))
             if node is None:  # its lease had lapsed (e.g. while we were down): live again
                 self.refresh_nodes()
         return ok
@@ -420,7 +424,7 @@ class Coordinator:
                 back = min(-blocks, used)
                 load["cached_blocks"] = cached + back
                 load["used_blocks"] = used - back
-            self._nodes[node_id] = NodeInfo(node.node_id, node.address, node.spec, node.num_blocks, load)
+            self._nodes[node_id] = replace(node, load=load)
 
     # -- control calls ------------------------------------------------------------
 

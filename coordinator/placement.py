@@ -42,8 +42,11 @@ The bound caps that herding outright: a node more than `balance_slack` above its
 recent opens (plus `balance_margin` opens, so that a quiet cluster still places by cache) is not
 chosen for a small gain while another is within it: only a prompt it holds at least
 `affinity_share` of (a conversation's next turn) may still go there, up to twice the slack. The
-node with the fewest opens for its size is always within it, so a node that joins or comes back
-empty takes every open the others' bound sends away until its share is fair.
+node with the fewest opens for its size is always within it. A node that joins or comes back
+empty starts at its fair share of recent opens (Coordinator.register; not at its count from
+before it died, nor at 0, which would send it every open until it caught up, each a miss): with
+no load it wins the opens that no node holds much of, and the others' bound sends it the rest of
+its share while it computes the hot prefixes it lacks.
 
 Scans (`scan_classes`): long prompts that nobody asks for again (a pasted document) flush every
 node's cache a little; sent to the same node they flush one. The coordinator learns which sizes

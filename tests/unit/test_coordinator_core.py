@@ -158,3 +158,15 @@ def test_misses_are_counted_by_why_the_first_uncached_block_missed(cluster):
         r: coordinator.counters["misses_" + r] for r in ("in_flight", "other_node", "evicted", "not_cached")
     }
     assert counts == {"in_flight": 1, "other_node": 0, "evicted": 1, "not_cached": 1}
+
+
+def test_a_node_that_registers_starts_at_its_fair_share_of_recent_opens(cluster):
+    coordinator, engines = cluster
+    for i in range(30):
+        coordinator.open("t", list(range(1000 * i, 1000 * i + 8)), seq_id=f"s{i}")
+    before = {n: coordinator._opens_of(n) for n in ("n1", "n2")}
+    # n2 comes back (restarted, empty), and a third node twice its size joins.
+    coordinator.register("n2", "127.0.0.1:1", SPEC.to_dict(), 64)
+    assert coordinator._opens_of("n2") == pytest.approx(before["n1"])  # n1's per block, 64 blocks
+    coordinator.register("n3", "127.0.0.1:2", SPEC.to_dict(), 128)
+    assert coordinator._opens_of("n3") == pytest.approx(2 * before["n1"])  # n1 and n2 per block, 128 blocks
