@@ -230,15 +230,20 @@ class WTinyLFUPolicy(EvictionPolicy):
             raise IndexError("no evictable block")
         while len(self._protected) > self._protected_share * n:
             self._probation[self._protected.popitem(last=False)[0]] = None
+        # Window victims fill main while it is under its share; then each is admitted only
+        # against main's victim, by frequency.
+        while (
+            len(self._window) > self._window_share * n
+            and len(self._probation) + len(self._protected) < (1 - self._window_share) * n
+        ):
+            candidate = self._window.popitem(last=False)[0]
+            self._probation[candidate] = None
+            self._in_main.add(candidate)
         main = self._probation or self._protected
         if self._window and (len(self._window) > self._window_share * n or not main):
             candidate = self._window.popitem(last=False)[0]
-            if not main:  # nothing to compare with: the candidate is admitted (or is the last)
-                if not self._window:
-                    return self._out(candidate)
-                self._probation[candidate] = None
-                self._in_main.add(candidate)
-                return self.pop_victim()
+            if not main:
+                return self._out(candidate)
             victim = next(iter(main))
             if self._frequency(candidate) > self._frequency(victim):  # admitted: main's victim goes
                 del main[victim]
