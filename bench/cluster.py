@@ -1,6 +1,6 @@
 """Cluster-level prefix caching: does a coordinator + N nodes cache like one pool?
 
-    python -m bench.cluster [--quick] [--workload chat|trace] [--nodes 4] [--pool 2048]
+    python -m bench.cluster [--quick] [--workload chat|trace] [--nodes 4] [--pool 2048] [--repeats 3]
 
 The same request stream (bench/workloads.py: the multi-turn chat workload, with a shared
 system prompt, growing histories and long one-shot documents; or the first requests of the
@@ -14,7 +14,10 @@ Mooncake trace) is replayed by one worker through three real set-ups, each start
 The worker keeps `concurrency` sequences open (a request's KV is appended after its open,
 tiny model shape, zeros), closing the oldest as the next one opens. Reported: the prefix hit
 rate (cached prompt tokens over prompt tokens, from each open's reply), opens per node and the
-busiest node over the mean. Writes bench/results/cluster[_quick].{json,md,png}.
+busiest node over the mean, and from the coordinator the opens it placed as scans and why each
+open missed (coordinator/misses.py). With --repeats every set-up runs that many times, fresh
+processes each, interleaved (random placement is seeded: once). Writes
+bench/results/cluster[_quick].{json,md,png} (the JSON keeps each open's node and cached tokens).
 """
 
 from __future__ import annotations

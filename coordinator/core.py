@@ -516,7 +516,9 @@ class Coordinator:
         self._account(node.node_id, placement.new_blocks + placement.host_blocks)
         self._count_open(node.node_id, num_blocks)
         self._learn(placement, keys)
-        miss = explain(placement, keys, self._removed, self._policies())
+        policies = self._policies()
+        with self._lock:
+            miss = explain(placement, keys, self._removed, policies)
         if miss.reason != "none":
             self.counters["misses_" + miss.reason] += 1
         self.counters["opens"] += 1

@@ -51,6 +51,18 @@ class CoordinatorCollector(Collector):
         )
         cached.add_metric([], c["cached_tokens"])
         yield cached
+        host = CounterMetricFamily(
+            "pagedkv_coordinator_host_hit_tokens",
+            "Of the cached prompt tokens, those on the chosen node's host tier (copied back at open).",
+        )
+        host.add_metric([], c["host_hit_tokens"])
+        yield host
+        scans = CounterMetricFamily(
+            "pagedkv_coordinator_scan_opens",
+            "Opens placed as scans: long runs of a size the workload does not continue (placement.py).",
+        )
+        scans.add_metric([], c["scan_opens"])
+        yield scans
         misses = CounterMetricFamily(
             "pagedkv_coordinator_open_misses",
             "Opens whose prompt the chosen node's device did not serve whole, by why its first such "
