@@ -270,7 +270,11 @@ _OPEN_SEQ = (
 local function tiers(P, id, keys, held)
   local hk = P .. 'hkeys:' .. id
   if held == 0 or redis.call('EXISTS', hk) == 0 then return held, 0 end
-  local on_host = redis.call('SMISMEMBER', hk, unpack(keys, 1, held))
+  local on_host = {}
+  for first = 1, held, 4000 do  -- slices below Lua's unpack() limit, as leading()
+    local part = redis.call('SMISMEMBER', hk, unpack(keys, first, math.min(first + 3999, held)))
+    for _, v in ipairs(part) do on_host[#on_host + 1] = v end
+  end
   local device = held
   for i = 1, held do if on_host[i] == 1 then device = i - 1; break end end
   local stop = held

@@ -353,3 +353,14 @@ def test_active_blocks_are_the_load_and_scans_take_the_fixed_order(store: Store)
     first = min(("n1", "n2", "n3"), key=lambda n: tie_rank(b"pagedkv:scan", n))
     placement = store.open_sequence(new("b", rooms=rooms, scan_classes=1 << 4))
     assert (placement.node_id, placement.is_scan) == (first, True)
+
+
+def test_a_host_run_longer_than_one_script_slice(store: Store) -> None:
+    register(store, "n1")
+    many = [key(i) for i in range(1, 9_002)]  # 9,001 blocks: more than Lua's unpack() takes at once
+    store.apply_events("n1", many[:10], [], many[10:])
+    blob = b"".join(many)
+    rooms = (NodeRoom("n1", 100_000, 100_000),)
+    new_seq = NewSequence("long", "acme", 9_002 * BS, 9_002, BS, blob, rooms, pending_ttl_ms=0)
+    placement = store.open_sequence(new_seq)
+    assert (placement.cached_blocks, placement.host_blocks) == (9_001, 8_991)
