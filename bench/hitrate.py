@@ -212,15 +212,19 @@ def plot(results: dict, policies: list[str], path: Path) -> None:
     plt = plots.pyplot()
     if plt is None:
         return
-    fig, axes = plt.subplots(1, len(results), figsize=(4 * len(results), 3.6), squeeze=False)
-    for ax, (name, row) in zip(axes[0], results.items(), strict=True):
+    cols = min(4, len(results))
+    rows = -(-len(results) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 3.4 * rows), squeeze=False)
+    for ax in axes.flat[len(results) :]:
+        ax.set_visible(False)
+    for ax, (name, row) in zip(axes.flat, results.items(), strict=False):
         pools = list(row["pools"])
         for p in [*policies, *ORACLES]:
             style = ":" if p in ORACLES else "-"
             ax.plot(pools, [row["pools"][q][p] for q in pools], style, marker="o", label=p)
         ax.axhline(row["ideal"], color="grey", linestyle=":", label="unbounded")
         ax.set(title=name, xlabel="pool blocks", ylabel="prefix hit rate", xscale="log")
-    axes[0][0].legend(fontsize=8)
+    axes[0][0].legend(fontsize=7)
     plots.save(fig, path)
 
 
