@@ -1,6 +1,6 @@
 """Cluster-level prefix caching: does a coordinator + N nodes cache like one pool?
 
-    python -m bench.cluster [--quick] [--workload chat|trace] [--nodes 4] [--pool 2048]
+    python -m bench.cluster [--quick] [--workload chat|trace] [--nodes 4] [--pool 2048] [--repeats 3]
 
 The same request stream (bench/workloads.py: the multi-turn chat workload, with a shared
 system prompt, growing histories and long one-shot documents; or the first requests of the
@@ -14,7 +14,10 @@ Mooncake trace) is replayed by one worker through three real set-ups, each start
 The worker keeps `concurrency` sequences open (a request's KV is appended after its open,
 tiny model shape, zeros), closing the oldest as the next one opens. Reported: the prefix hit
 rate (cached prompt tokens over prompt tokens, from each open's reply), opens per node and the
-busiest node over the mean. Writes bench/results/cluster[_quick].{json,md,png}.
+busiest node over the mean, and from the coordinator the opens it placed as scans and why each
+open missed (coordinator/misses.py). With --repeats every set-up runs that many times, fresh
+processes each, interleaved (random placement is seeded: once). Writes
+bench/results/cluster[_quick].{json,md,png} (the JSON keeps each open's node and cached tokens).
 """
 
 from __future__ import annotations
@@ -64,6 +67,9 @@ class Replay:
     def __post_init__(self) -> None:
         self.opens: Counter[str] = Counter()
         self.reopens = 0
+        self.misses: dict[str, int] = {}  # the coordinator's miss reasons (coordinator set-ups)
+        self.per_request: list[tuple[str, int]] = []  # (node, cached tokens) of each request
+        self.scan_opens = 0  # opens the coordinator placed as scans
 
     @property
     def hit_rate(self) -> float:
@@ -145,6 +151,7 @@ def replay(
             raise RuntimeError(f"request {i}: no room or its prefix evicted under eight opens in a row")
         running.append(seq)
         out.opens[seq.route.node_id or names[pick]] += 1
+        out.per_request.append((seq.route.node_id or names[pick], cached))
         out.hit_tokens += cached
         out.prompt_tokens += len(r.tokens)
     for seq in running:
@@ -158,7 +165,11 @@ def run_setup(setup: Setup, requests: list[Request], concurrency: int, policy: s
     with started(setup.num_nodes, node_options(setup.pool, policy), log_dir, coordinator) as cluster:
         if coordinator:
             with CacheClient(coordinator=cluster.coordinator_address, spec=SPEC) as client:
-                return replay([client], ["?"], requests, concurrency, None)
+                out = replay([client], ["?"], requests, concurrency, None)
+                counters = client.cluster_stats().counters
+                out.misses = {k[len("misses_") :]: v for k, v in counters.items() if k.startswith("misses_")}
+                out.scan_opens = counters.get("scan_opens", 0)
+                return out
         clients = [CacheClient(a) for a in cluster.node_addresses]
         try:
             names = [f"node-{i}" for i in range(len(clients))]
@@ -181,17 +192,27 @@ def workload(name: str, quick: bool, limit: int | None) -> tuple[list[Request], 
     return reqs[:limit] if limit else reqs, 8
 
 
-def summarize(results: dict[str, Replay], num_nodes: int) -> dict:
+def summarize(results: dict[str, list[Replay]], num_nodes: int) -> dict:
+    """Per set-up: the median run's hit rate, opens and misses, every run's hit rate, and the
+    worst balance over the runs."""
     out = {}
-    for name, r in results.items():
-        counts = [r.opens.get(f"node-{i}", 0) for i in range(num_nodes if name != "one node" else 1)]
-        mean = sum(counts) / len(counts)
+    for name, runs in results.items():
+        ordered = sorted(runs, key=lambda r: r.hit_rate)
+        r = ordered[len(ordered) // 2]
+        size = num_nodes if name != "one node" else 1
+        balances = []
+        for run in runs:
+            counts = [run.opens.get(f"node-{i}", 0) for i in range(size)]
+            balances.append(max(counts) / (sum(counts) / len(counts)) if sum(counts) else 0.0)
         out[name] = {
             "hit_rate": r.hit_rate,
-            "opens_per_node": counts,
-            "busiest_over_mean": max(counts) / mean if mean else 0.0,
+            "hit_rates": [run.hit_rate for run in runs],
+            "opens_per_node": [r.opens.get(f"node-{i}", 0) for i in range(size)],
+            "busiest_over_mean": max(balances),
             "seconds": r.seconds,
             "reopens": r.reopens,
+            "misses": r.misses,
+            "scan_opens": r.scan_opens,
         }
     return out
 
@@ -202,16 +223,23 @@ def markdown(summary: dict, meta: dict) -> str:
         "",
         meta["note"],
         "",
-        "| configuration | prefix hit rate | vs one node | opens per node | busiest / mean | s |",
-        "|---|---:|---:|---|---:|---:|",
+        "| configuration | prefix hit rate (median) | runs | vs one node | opens per node | busiest / mean"
+        " (worst run) | scans | misses: host / in flight / other node / evicted / not cached | s |",
+        "|---|---:|---|---:|---|---:|---:|---|---:|",
     ]
     one = summary.get("one node", {}).get("hit_rate", 0.0)
     for name, row in summary.items():
         ratio = f"{row['hit_rate'] / one:.2f}x" if one else "-"
+        if one and len(row["hit_rates"]) > 1:
+            ratio += f" ({min(row['hit_rates']) / one:.2f}-{max(row['hit_rates']) / one:.2f})"
         per = " / ".join(str(c) for c in row["opens_per_node"])
+        runs = ", ".join(f"{h:.4f}" for h in row["hit_rates"])
+        m = row["misses"]
+        reasons = ("host_tier", "in_flight", "other_node", "evicted", "not_cached")
+        misses = " / ".join(str(m.get(k, 0)) for k in reasons) if m else "-"
         lines.append(
-            f"| {name} | {row['hit_rate']:.4f} | {ratio} | {per} | {row['busiest_over_mean']:.2f} | "
-            f"{row['seconds']:.0f} |"
+            f"| {name} | {row['hit_rate']:.4f} | {runs} | {ratio} | {per} | {row['busiest_over_mean']:.2f} | "
+            f"{row['scan_opens']} | {misses} | {row['seconds']:.0f} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -223,6 +251,8 @@ def plot(summary: dict, path: Path, title: str) -> None:
     fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.6))
     names = list(summary)
     a.bar(names, [summary[n]["hit_rate"] for n in names], color=["C0", "C1", "C2"][: len(names)])
+    for i, n in enumerate(names):  # every run
+        a.scatter([i] * len(summary[n]["hit_rates"]), summary[n]["hit_rates"], color="k", s=8, zorder=3)
     a.set(ylabel="prefix hit rate", title=title)
     spread = [n for n in names if len(summary[n]["opens_per_node"]) > 1]
     for i, n in enumerate(spread):
@@ -248,6 +278,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--limit", type=int, default=None, help="replay only the first LIMIT requests")
     p.add_argument("--policy", default="lru", help="every node's eviction policy")
     p.add_argument("--setups", default="cluster,one node,random", help="which of the three to run")
+    p.add_argument("--repeats", type=int, default=1, help="runs of each set-up, fresh processes each")
     p.add_argument("--quick", action="store_true", help="a small replay (CI smoke, well under a minute)")
     p.add_argument("--out", default=str(ROOT / "bench" / "results"))
     args = p.parse_args(argv)
@@ -261,27 +292,35 @@ def main(argv: list[str] | None = None) -> None:
     setups = [s for s in setups if s.name in args.setups.split(",")]
     log_dir = tempfile.mkdtemp(prefix="pagedkv-bench-cluster-")
     start = time.perf_counter()
-    results = {}
-    for s in setups:
-        results[s.name] = run_setup(s, requests, concurrency, args.policy, log_dir)
-        print(
-            f"{s.name:<9} hit rate {results[s.name].hit_rate:.4f}  opens {dict(results[s.name].opens)}  "
-            f"{results[s.name].seconds:.1f} s",
-            flush=True,
-        )
+    results: dict[str, list[Replay]] = {s.name: [] for s in setups}
+    for repeat in range(args.repeats):  # set-ups interleaved, so a noisy spell hits all alike
+        for s in setups:
+            if repeat and s.placement == "random":  # seeded: every run the same
+                continue
+            r = run_setup(s, requests, concurrency, args.policy, log_dir)
+            results[s.name].append(r)
+            print(
+                f"{s.name:<9} hit rate {r.hit_rate:.4f}  opens {dict(r.opens)}  {r.seconds:.1f} s  "
+                f"scans {r.scan_opens}  misses {r.misses}",
+                flush=True,
+            )
     summary = summarize(results, args.nodes)
     tokens = sum(len(r.tokens) for r in requests)
     note = (
         f"{args.workload}: {len(requests)} requests, {tokens:,} prompt tokens, {concurrency} open at "
         f"once; {args.nodes} nodes x {pool} blocks of 16 tokens vs one node of {args.nodes * pool}; "
-        f"policy {args.policy}; tiny shape {SHAPE}; load {os.getloadavg()[0]:.1f}; "
+        f"policy {args.policy}; tiny shape {SHAPE}; {args.repeats} run(s) of each; "
+        f"load {os.getloadavg()[0]:.1f} at the end; "
         f"{time.perf_counter() - start:.0f} s in all."
     )
     stem = "cluster_quick" if args.quick else f"cluster_{args.workload}"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"note": note, "args": vars(args)}
-    (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "summary": summary}, indent=1))
+    per_request = {name: [r.per_request for r in runs] for name, runs in results.items()}
+    (out / f"{stem}.json").write_text(
+        json.dumps({"meta": meta, "summary": summary, "per_request": per_request}, indent=1)
+    )
     (out / f"{stem}.md").write_text(markdown(summary, meta))
     plot(summary, out / f"{stem}.png", f"{args.workload}, {args.nodes} x {pool} blocks")
     print(markdown(summary, meta))

@@ -30,7 +30,7 @@ import grpc
 from ..protos import pagedkv_pb2 as pb
 from ..protos import pagedkv_pb2_grpc as pb_grpc
 from .engine import CacheEngine
-from .kv_manager import STORED
+from .kv_manager import OFFLOADED, STORED
 
 log = logging.getLogger("pagedkv.node.link")
 RECONNECT_OPTIONS = [
@@ -41,7 +41,9 @@ RECONNECT_OPTIONS = [
 
 
 def _event_kind(kind: str) -> int:
-    return pb.BlockEvent.STORED if kind == STORED else pb.BlockEvent.REMOVED
+    if kind == STORED:
+        return pb.BlockEvent.STORED
+    return pb.BlockEvent.OFFLOADED if kind == OFFLOADED else pb.BlockEvent.REMOVED
 
 
 def node_load(engine: CacheEngine) -> pb.NodeLoad:
@@ -106,6 +108,7 @@ class CoordinatorLink:
                 num_blocks=self.engine.config.num_blocks,
                 num_host_blocks=self.engine.config.num_host_blocks,
                 metrics_address=self.metrics_address,
+                policy=self.engine.config.policy,
             ),
             timeout=self.rpc_timeout_s,
         )

@@ -89,7 +89,7 @@ class Slots(NamedTuple):
 
 
 class BlockEvent(NamedTuple):
-    kind: str  # STORED (the key is now held by this node) or REMOVED (it no longer is)
+    kind: str  # STORED (held by this node, on its device), OFFLOADED (held, on its host tier) or REMOVED
     key: bytes
 
 
@@ -101,7 +101,7 @@ class EventBatch(NamedTuple):
     keys: Seq[bytes]
 
 
-STORED, REMOVED = "stored", "removed"
+STORED, REMOVED, OFFLOADED = "stored", "removed", "offloaded"
 
 
 @dataclass(frozen=True)
@@ -487,6 +487,9 @@ class KVCacheManager:
             self.host.drop(hb)
         for db, key in zip(dev_blocks, keys, strict=True):
             self.device.publish(db, key)
+        if self.record_events:  # back on the device
+            self._event_kinds += [STORED] * len(keys)
+            self._event_keys += keys
         return dev_blocks
 
     def _allocate_device(self, n: int) -> list[int]:
@@ -520,6 +523,9 @@ class KVCacheManager:
             host.publish(hb, key)
             host.free([hb])
             counters.evicted_to_host += 1
+            if self.record_events:  # still held, on the host tier
+                self._event_kinds.append(OFFLOADED)
+                self._event_keys.append(key)
 
     def _removed(self, key: bytes) -> None:
         """`key` left the node (no tier holds it any more)."""
@@ -718,12 +724,11 @@ class KVCacheManager:
             key_of[b] = key
             block_of_key[key] = b
             hb = host_keys.get(key) if host_keys else None
-            if hb is None:  # new to the node
-                if record:
-                    self._event_kinds.append(STORED)
-                    self._event_keys.append(key)
-            else:  # the node held it on the host already; the device copy replaces it
+            if hb is not None:  # the node held it on the host already; the device copy replaces it
                 self.host.drop(hb)
+            if record:  # new to the node, or back on its device
+                self._event_kinds.append(STORED)
+                self._event_keys.append(key)
 
     def take_held(self) -> list[HeldBlocks]:
         """The blocks that became full while hold_publish was set, not yet findable."""
@@ -962,12 +967,11 @@ class KVCacheManager:
         device.block_of_key[key] = block
         host_keys = self.host.block_of_key
         hb = host_keys.get(key) if host_keys else None
-        if hb is None:  # new to the node
-            if self.record_events:
-                self._event_kinds.append(STORED)
-                self._event_keys.append(key)
-        else:  # the node held it on the host already; the device copy replaces it
+        if hb is not None:  # the node held it on the host already; the device copy replaces it
             self.host.drop(hb)
+        if self.record_events:  # new to the node, or back on its device
+            self._event_kinds.append(STORED)
+            self._event_keys.append(key)
 
     def _drop_group(self) -> None:
         """Forget the decode group (a change to a member other than a step). Without

@@ -31,7 +31,7 @@ from .config import ClientConfig
 from .shm import RegionRefused
 from .sync import CacheClient, Sequence
 from .transport import TransportUnavailable
-from .types import AttentionResult, NodeStats, OpenResult
+from .types import AttentionResult, MissExplanation, NodeStats, OpenResult
 
 __all__ = [
     "NodeLost",
@@ -54,6 +54,7 @@ __all__ = [
     "IntegrityError",
     "InvalidArgument",
     "LayerAttention",
+    "MissExplanation",
     "NodeStats",
     "NotFound",
     "OpenFailed",

@@ -29,7 +29,7 @@ from ..protos.spec import ModelSpec
 from . import codec
 from .config import ClientConfig
 from .sync import CacheClient, NodeHandle, Sequence
-from .types import AttentionResult, ClusterStats, NodeStats, Route
+from .types import AttentionResult, ClusterStats, MissExplanation, NodeStats, Route
 
 T = TypeVar("T")
 MAX_THREADS = 32  # concurrent calls in flight per client (the default executor has cpu + 4)
@@ -74,6 +74,10 @@ class AsyncSequence:
     @property
     def num_host_hit_tokens(self) -> int:
         return self.sync.num_host_hit_tokens
+
+    @property
+    def miss(self) -> MissExplanation | None:
+        return self.sync.miss
 
     @property
     def is_closed(self) -> bool:
@@ -194,8 +198,14 @@ class AsyncCacheClient:
         max_cached_tokens: int | None = None,
         attention: Seq[LayerAttention] | None = None,
         timeout_s: float | None = None,
+        explain_miss: bool = False,
     ) -> _Opening:
-        kw = {"max_cached_tokens": max_cached_tokens, "attention": attention, "timeout_s": timeout_s}
+        kw = {
+            "max_cached_tokens": max_cached_tokens,
+            "attention": attention,
+            "timeout_s": timeout_s,
+            "explain_miss": explain_miss,
+        }
         return _Opening(self, (seq_id, token_ids), kw)
 
     async def sequence(self, seq_id: str, *, timeout_s: float | None = None) -> AsyncSequence:

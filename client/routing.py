@@ -24,7 +24,7 @@ from . import codec
 from .config import ClientConfig
 from .control import NodeControl, call
 from .data import NodeData
-from .types import ClusterStats, NodeEntry, OpenResult, Route
+from .types import ClusterStats, MissExplanation, NodeEntry, OpenResult, Route
 
 _EMPTY = pb.Empty()
 
@@ -41,7 +41,9 @@ class DirectRouting:
         max_cached_tokens: int | None,
         timeout_s: float | None,
         attention: Sequence[pb.LayerAttention] = (),
+        explain_miss: bool = False,
     ) -> tuple[OpenResult, Route]:
+        # explain_miss: a lone node has no cluster index to explain from (miss stays None)
         return self.data.open(seq_id, token_ids, max_cached_tokens, timeout_s, attention), self.route
 
     def describe(self, seq_id: str, timeout_s: float | None = None) -> Route:
@@ -83,6 +85,14 @@ def _route(resp: pb.CoordOpenResponse) -> Route:
     return Route(first.node_id, first.address)
 
 
+def _miss(resp: pb.CoordOpenResponse) -> MissExplanation | None:
+    if not resp.HasField("miss"):
+        return None
+    m = resp.miss
+    reason = pb.MissExplanation.Reason.Name(m.reason).lower()
+    return MissExplanation(reason, m.first_block, m.node_id, m.policy, m.cached_elsewhere_blocks)
+
+
 def cluster_stats(resp: pb.CoordStatsResponse) -> ClusterStats:
     nodes = [
         NodeEntry(
@@ -118,12 +128,15 @@ class CoordinatorRouting:
         token_ids: codec.TokenIds,
         max_cached: int | None,
         attention: Sequence[pb.LayerAttention] = (),
+        explain_miss: bool = False,
     ) -> pb.CoordOpenRequest:
         req = codec.with_token_ids(pb.CoordOpenRequest, token_ids, seq_id=seq_id, spec=self._spec_msg())
         if max_cached is not None:
             req.max_cached_tokens = max_cached
         if attention:
             req.attention.extend(attention)
+        if explain_miss:
+            req.explain_miss = True
         return req
 
     def _pin_request(self, token_ids: codec.TokenIds) -> pb.CoordPinRequest:
@@ -139,10 +152,11 @@ class CoordinatorRouting:
         max_cached_tokens: int | None,
         timeout_s: float | None,
         attention: Sequence[pb.LayerAttention] = (),
+        explain_miss: bool = False,
     ) -> tuple[OpenResult, Route]:
-        request = self._open_request(seq_id, token_ids, max_cached_tokens, attention)
+        request = self._open_request(seq_id, token_ids, max_cached_tokens, attention, explain_miss)
         resp = self._call("Open", request, timeout_s)
-        return OpenResult(resp.num_cached_tokens, resp.num_host_hit_tokens), _route(resp)
+        return OpenResult(resp.num_cached_tokens, resp.num_host_hit_tokens, _miss(resp)), _route(resp)
 
     def describe(self, seq_id: str, timeout_s: float | None = None) -> Route:
         return _route(self._call("Describe", pb.CoordSeqRequest(seq_id=seq_id), timeout_s))

@@ -39,7 +39,7 @@ from .config import ClientConfig
 from .control import NodeControl
 from .data import NodeData
 from .routing import CoordinatorRouting, DirectRouting
-from .types import AttentionResult, ClusterStats, NodeStats, Route
+from .types import AttentionResult, ClusterStats, MissExplanation, NodeStats, Route
 
 
 class NodeHandle:
@@ -194,6 +194,7 @@ class Sequence:
         route: Route,
         num_cached_tokens: int = 0,
         num_host_hit_tokens: int = 0,
+        miss: MissExplanation | None = None,
     ) -> None:
         self.client = client
         self.seq_id = seq_id
@@ -201,6 +202,7 @@ class Sequence:
         self.node = client.node(route.address)
         self.num_cached_tokens = num_cached_tokens
         self.num_host_hit_tokens = num_host_hit_tokens
+        self.miss = miss  # why the prompt missed, when open() was asked to explain (a cluster only)
         self.is_closed = False
 
     def __repr__(self) -> str:
@@ -363,15 +365,21 @@ class CacheClient:
         max_cached_tokens: int | None = None,
         attention: Seq[LayerAttention] | None = None,
         timeout_s: float | None = None,
+        explain_miss: bool = False,
     ) -> Sequence:
         """Open a sequence reusing the longest cached prefix of the prompt
-        (seq.num_cached_tokens); append the rest's KV next. `attention`: one LayerAttention
-        per layer (sliding window, chunks, soft-cap, scale; pagedkv.protos.attention), kept by
-        the node for every attend of the sequence and of its forks; None: plain causal."""
+        (seq.num_cached_tokens; seq.num_host_hit_tokens of them from its node's host tier);
+        append the rest's KV next. `attention`: one LayerAttention per layer (sliding window,
+        chunks, soft-cap, scale; pagedkv.protos.attention), kept by the node for every attend of
+        the sequence and of its forks; None: plain causal. explain_miss=True: seq.miss says why
+        the first block not served from the node's device missed (MissExplanation; in a
+        cluster, else None)."""
         layers = check_layers(attention, len(attention or ()))  # the layer count: node and coordinator
         messages = to_messages(layers)
-        res, route = self.routing.open(seq_id, token_ids, max_cached_tokens, timeout_s, messages)
-        return Sequence(self, seq_id, route, res.num_cached_tokens, res.num_host_hit_tokens)
+        res, route = self.routing.open(
+            seq_id, token_ids, max_cached_tokens, timeout_s, attention=messages, explain_miss=explain_miss
+        )
+        return Sequence(self, seq_id, route, res.num_cached_tokens, res.num_host_hit_tokens, res.miss)
 
     def sequence(self, seq_id: str, *, timeout_s: float | None = None) -> Sequence:
         """A handle on an existing sequence, opened by any worker (in a cluster the

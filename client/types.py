@@ -20,9 +20,24 @@ class AttentionResult:
 
 
 @dataclass(frozen=True)
+class MissExplanation:
+    """Why an open's first prompt block that its node does not serve from its device missed it
+    (asked with `open(..., explain_miss=True)`; the coordinator's reasons, coordinator/misses.py):
+    reason is one of none, host_tier, in_flight, other_node, evicted, not_cached; first_block
+    that block's index; node_id / policy the node (and its eviction policy) the reason names."""
+
+    reason: str
+    first_block: int
+    node_id: str = ""
+    policy: str = ""
+    cached_elsewhere_blocks: int = 0
+
+
+@dataclass(frozen=True)
 class OpenResult:
     num_cached_tokens: int
     num_host_hit_tokens: int
+    miss: MissExplanation | None = None
 
 
 @dataclass(frozen=True)

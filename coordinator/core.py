@@ -41,10 +41,9 @@ import logging
 import threading
 import time
 import uuid
-from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import grpc
@@ -64,14 +63,16 @@ from ..protos.errors import (
 )
 from ..protos.keys import KEY_BYTES, chain_keys, chain_keys_packed, root_key
 from ..protos.status import error_from_rpc
+from .misses import REASONS, MissExplanation, RemovedKeys, explain
 from .node_calls import NodeCalls
 from .placement import Placement, PlacementWeights
 from .records import NewSequence, NodeInfo, NodeRoom, SequenceRecord
+from .reuse import ReuseClasses, ReuseConfig
 from .store import Store
 
 log = logging.getLogger("pagedkv.coordinator")
-_REMOVED_MEMORY = 1 << 18  # keys of recent REMOVED events kept to explain misses (~10 MB)
 STORED_KIND = 1  # pb.BlockEvent.STORED
+OFFLOADED_KIND = 50  # pb.BlockEvent.OFFLOADED: still held, on the node's host tier
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,7 @@ class CoordinatorConfig:
     weights: PlacementWeights = field(default_factory=PlacementWeights)
     # Placement's balance counts each node's opens with this half-life (in opens, cluster-wide).
     balance_half_life_opens: float = 512.0
+    reuse: ReuseConfig = field(default_factory=ReuseConfig)  # which run sizes are scans (reuse.py)
 
     def __post_init__(self) -> None:
         if not self.lease_ttl_s > 0:
@@ -104,6 +106,7 @@ class OpenResult:
     placement: Placement
     num_host_hit_tokens: int = 0
     num_blocks: int = 0  # swap_in: blocks copied back
+    miss: MissExplanation | None = None  # open: why its first block not on the device missed it
 
 
 class NodeCall:
@@ -159,6 +162,10 @@ class Coordinator:
         # Recent opens per node, decayed: node -> opens * growth at their time; value / growth now.
         self._recent_opens: dict[str, float] = {}
         self._open_growth = 1.0
+        # Placement's load: blocks of the sequences this coordinator opened on each node and has
+        # not closed (exact at once, where a node's report is up to a heartbeat old).
+        self._active_blocks: dict[str, int] = {}
+        self._reuse = ReuseClasses(self.config.reuse)
         self._stubs: dict[str, tuple[grpc.Channel, pb_grpc.CacheNodeStub]] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -177,13 +184,13 @@ class Coordinator:
             "open_failures": 0,  # asynchronous node opens that failed (page table dropped)
             "free_failures": 0,  # node Frees given up after free_retries
             # Why an open's first uncached block missed (the prompt's own, tenant-salted keys):
-            "misses_in_flight": 0,  # an open in flight is computing it on the chosen node
-            "misses_other_node": 0,  # another live node holds more of the prompt (load, balance)
-            "misses_evicted": 0,  # a node reported it removed (evicted) lately
-            "misses_not_cached": 0,  # never cached, or evicted before the memory below
+            # (misses.py: host_tier, in_flight, other_node, evicted, not_cached; none is not counted)
+            **{"misses_" + reason: 0 for reason in REASONS[1:]},
+            "scan_opens": 0,  # opens placed as scans (placement.py)
+            "host_hit_tokens": 0,  # of cached_tokens, those on the chosen node's host tier
         }
-        # Recently removed keys (REMOVED events), bounded: what tells "evicted" from "never cached".
-        self._removed: OrderedDict[bytes, None] = OrderedDict()
+        # Recently removed keys (REMOVED events) and their node: tells "evicted" from "never cached".
+        self._removed = RemovedKeys()
 
     # -- lifecycle ----------------------------------------------------------------
 
@@ -227,6 +234,8 @@ class Coordinator:
             if result.was_registered:
                 removed.append(node_id)
                 self.counters["nodes_reaped"] += 1
+                with self._lock:
+                    self._active_blocks.pop(node_id, None)  # its sequences are lost
                 log.warning(
                     "node %s expired: %d sequences lost, %d keys purged",
                     node_id,
@@ -248,8 +257,22 @@ class Coordinator:
 
     # -- membership ---------------------------------------------------------------
 
-    def register(self, node_id: str, address: str, spec: Mapping[str, Any], num_blocks: int) -> None:
-        result = self.store.register_node(node_id, address, dict(spec), num_blocks, self.config.lease_ttl_s)
+    def register(
+        self, node_id: str, address: str, spec: Mapping[str, Any], num_blocks: int, policy: str = ""
+    ) -> None:
+        """A node joins, or comes back empty (its sequences lost, its keys purged): placement's
+        load there starts from nothing and its recent opens at its fair share (placement.py)."""
+        result = self.store.register_node(
+            node_id, address, dict(spec), num_blocks, self.config.lease_ttl_s, policy=policy
+        )
+        with self._lock:
+            self._active_blocks.pop(node_id, None)
+            # Neither ahead (its count from before it died) nor behind (0: every open would go
+            # to an empty cache until it caught up): a node starts at its fair share of opens.
+            others = {n: info.num_blocks for n, info in self._nodes.items() if n != node_id}
+            total = sum(others.values())
+            opens = sum(self._recent_opens.get(n, 0.0) for n in others)
+            self._recent_opens[node_id] = opens * num_blocks / total if total else 0.0
         if result.was_registered and (result.lost_seq_ids or result.num_keys_purged):
             log.warning("node %s re-registered empty: %d sequences lost", node_id, len(result.lost_seq_ids))
         self.refresh_nodes()
@@ -260,43 +283,29 @@ class Coordinator:
             with self._lock:
                 node = self._nodes.get(node_id)
                 if node is not None:
-                    self._nodes[node_id] = NodeInfo(
-                        node.node_id, node.address, node.spec, node.num_blocks, dict(load)
-                    )
+                    self._nodes[node_id] = replace(node, load=dict(load))
             if node is None:  # its lease had lapsed (e.g. while we were down): live again
                 self.refresh_nodes()
         return ok
 
     def report_events(self, node_id: str, events: Sequence[tuple[int, bytes]]) -> int:
-        """Apply a node's ordered stored/removed events; each key's last event wins."""
-        final: dict[bytes, bool] = {}
+        """Apply a node's ordered stored/offloaded/removed events; each key's last event wins
+        (an unknown kind counts as removed: the index never claims a block it cannot vouch for)."""
+        final: dict[bytes, int] = {}
         for kind, key in events:
-            final[key] = kind == STORED_KIND
-        stored = [k for k, held in final.items() if held]
-        removed = [k for k, held in final.items() if not held]
-        self.store.apply_events(node_id, stored, removed)
+            final[key] = kind
+        stored = [k for k, kind in final.items() if kind == STORED_KIND]
+        offloaded = [k for k, kind in final.items() if kind == OFFLOADED_KIND]
+        removed = [k for k, kind in final.items() if kind not in (STORED_KIND, OFFLOADED_KIND)]
+        self.store.apply_events(node_id, stored, removed, offloaded)
         with self._lock:
-            memory = self._removed
-            for key in removed:
-                memory[key] = None
-            while len(memory) > _REMOVED_MEMORY:
-                memory.popitem(last=False)
+            self._removed.discard(stored)
+            self._removed.add(node_id, removed)
         return len(events)
 
-    def _count_miss(self, placement: Placement, keys: bytes) -> None:
-        """The reason the open's first uncached block missed, counted (nothing when all hit)."""
-        first = placement.cached_blocks * KEY_BYTES
-        if first >= len(keys):
-            return
-        if placement.pending_blocks:
-            reason = "in_flight"
-        elif placement.cached_elsewhere_blocks > placement.cached_blocks:
-            reason = "other_node"
-        elif keys[first : first + KEY_BYTES] in self._removed:
-            reason = "evicted"
-        else:
-            reason = "not_cached"
-        self.counters["misses_" + reason] += 1
+    def _policies(self) -> dict[str, str]:
+        with self._lock:
+            return {n: info.policy for n, info in self._nodes.items()}
 
     # -- helpers ------------------------------------------------------------------
 
@@ -369,15 +378,26 @@ class Coordinator:
     def _opens_of(self, node_id: str) -> float:
         return self._recent_opens.get(node_id, 0.0) / self._open_growth
 
-    def _count_open(self, node_id: str) -> None:
-        """One more open on node_id; every count decays by the configured half-life (O(1): the
-        counts are kept scaled by a growing factor, rescaled before it overflows)."""
+    def _count_open(self, node_id: str, num_blocks: int) -> None:
+        """One more open of num_blocks blocks on node_id: its load (until closed) and its recent
+        opens; every open count decays by the configured half-life (O(1): the counts are kept
+        scaled by a growing factor, rescaled before it overflows)."""
         with self._lock:
+            self._active_blocks[node_id] = self._active_blocks.get(node_id, 0) + num_blocks
             self._open_growth *= 2.0 ** (1.0 / self.config.balance_half_life_opens)
             if self._open_growth > 1e100:
                 self._recent_opens = {n: v / self._open_growth for n, v in self._recent_opens.items()}
                 self._open_growth = 1.0
             self._recent_opens[node_id] = self._recent_opens.get(node_id, 0.0) + self._open_growth
+
+    def _release_active(self, node_id: str, num_blocks: int) -> None:
+        """A sequence of num_blocks blocks on node_id closed, failed or left the device."""
+        with self._lock:
+            left = self._active_blocks.get(node_id, 0) - num_blocks
+            if left > 0:
+                self._active_blocks[node_id] = left
+            else:
+                self._active_blocks.pop(node_id, None)
 
     def _account(self, node_id: str, blocks: int) -> None:
         """Count a placement (blocks > 0: taken from free, then from cached) or a close
@@ -405,7 +425,7 @@ class Coordinator:
                 back = min(-blocks, used)
                 load["cached_blocks"] = cached + back
                 load["used_blocks"] = used - back
-            self._nodes[node_id] = NodeInfo(node.node_id, node.address, node.spec, node.num_blocks, load)
+            self._nodes[node_id] = replace(node, load=load)
 
     # -- control calls ------------------------------------------------------------
 
@@ -461,15 +481,29 @@ class Coordinator:
         keys = chain_keys_packed(root, tokens[: max(limit, 0) // bs * bs], bs)
         num_blocks = max(1, -(-num_tokens // bs))
         rooms = []
-        for node in nodes.values():
-            # Cached blocks nobody holds are room, not idle capacity: placement counts them apart.
-            load, total = node.load, node.num_blocks
-            free = min(load.get("free_blocks", total), total)
-            evictable = min(load.get("cached_blocks", 0), total - free)
-            rooms.append(NodeRoom(node.node_id, free, total, evictable, self._opens_of(node.node_id)))
+        with self._lock:
+            for node in nodes.values():
+                # Cached blocks nobody holds are room, not idle capacity: placement counts them apart.
+                load, total = node.load, node.num_blocks
+                free = min(load.get("free_blocks", total), total)
+                evictable = min(load.get("cached_blocks", 0), total - free)
+                active = self._active_blocks.get(node.node_id, 0)
+                rooms.append(
+                    NodeRoom(node.node_id, free, total, evictable, self._opens_of(node.node_id), active)
+                )
+            scan_classes = self._reuse.scan_classes()
         quota = self.config.quotas.get(tenant)
         new = NewSequence(
-            seq_id, tenant, num_tokens, num_blocks, bs, keys, tuple(rooms), self.config.weights, quota
+            seq_id,
+            tenant,
+            num_tokens,
+            num_blocks,
+            bs,
+            keys,
+            tuple(rooms),
+            self.config.weights,
+            quota,
+            scan_classes=scan_classes,
         )
         # In `_inflight` before the page table exists: a close that finds the record finds the call.
         call = NodeCall(seq_id)
@@ -492,17 +526,34 @@ class Coordinator:
             attention=attention,
         )
         self._send_open(node, request, call, tenant if quota is not None else None)
-        self._account(node.node_id, placement.new_blocks)
-        self._count_open(node.node_id)
-        self._count_miss(placement, keys)
+        self._account(node.node_id, placement.new_blocks + placement.host_blocks)
+        self._count_open(node.node_id, num_blocks)
+        self._learn(placement, keys)
+        policies = self._policies()
+        with self._lock:
+            miss = explain(placement, keys, self._removed, policies)
+        if miss.reason != "none":
+            self.counters["misses_" + miss.reason] += 1
         self.counters["opens"] += 1
         self.counters["prompt_tokens"] += num_tokens
         self.counters["cached_tokens"] += num_cached
-        num_host_hit = 0
+        self.counters["scan_opens"] += placement.is_scan
+        num_host_hit = placement.host_blocks * bs  # what the index says; the node's own figure with wait
+        self.counters["host_hit_tokens"] += num_host_hit
         if wait:
             call.settled.result()  # raises the node's error (the page table is gone by then)
             num_host_hit = call.host_hit_tokens
-        return OpenResult(seq_id, node.node_id, node.address, num_cached, placement, num_host_hit)
+        return OpenResult(seq_id, node.node_id, node.address, num_cached, placement, num_host_hit, miss=miss)
+
+    def _learn(self, placement: Placement, keys: bytes) -> None:
+        """Feed the open to the reuse classes (reuse.py): the keys it hit on its node, the first
+        key of the run it computes, and that run's size as placement classed it."""
+        cached = placement.cached_blocks
+        hit = (keys[i : i + KEY_BYTES] for i in range(0, cached * KEY_BYTES, KEY_BYTES))
+        first = keys[cached * KEY_BYTES : (cached + 1) * KEY_BYTES] or None
+        run = placement.cached_blocks + placement.new_blocks - max(cached, placement.cached_elsewhere_blocks)
+        with self._lock:
+            self._reuse.observe(hit, first, run)
 
     def _send_open(
         self, node: NodeInfo, request: pb.OpenRequest, call: NodeCall, quota_tenant: str | None
@@ -528,6 +579,8 @@ class Coordinator:
                 dropped = self.store.delete_sequence(call.seq_id)
             except SequenceNotFound:
                 dropped = None
+            if dropped is not None:
+                self._release_active(dropped.extents[0].node_id, dropped.num_blocks)
             if dropped is not None and quota_tenant is not None:
                 self.store.release_blocks(quota_tenant, dropped.num_blocks)
             self.counters["open_failures"] += 1
@@ -644,6 +697,11 @@ class Coordinator:
             except PagedKVError:
                 self._call(node, "Free", pb.SeqRequest(seq_id=child_id))
                 raise
+            if record.state == "active":  # its close releases them
+                with self._lock:
+                    self._active_blocks[node.node_id] = (
+                        self._active_blocks.get(node.node_id, 0) + parent.num_blocks
+                    )
         except PagedKVError:
             if quota is not None:
                 self.store.release_blocks(tenant, parent.num_blocks)
@@ -673,12 +731,17 @@ class Coordinator:
             return
         self._send_free(node, seq_id, after=call)
         self._account(node.node_id, -record.num_blocks)
+        if record.state == "active":  # a swapped one left the device's load at swap_out
+            self._release_active(node.node_id, record.num_blocks)
 
     def swap_out(self, tenant: str, seq_id: str) -> int:
         self._settle(seq_id)
         record = self._record(tenant, seq_id)
-        reply = self._call(self._live_node_of(record), "SwapOut", pb.SeqRequest(seq_id=seq_id))
+        node = self._live_node_of(record)
+        reply = self._call(node, "SwapOut", pb.SeqRequest(seq_id=seq_id))
         self.store.update_sequence(seq_id, state="swapped")
+        if record.state == "active":
+            self._release_active(node.node_id, record.num_blocks)
         return int(reply.num_blocks)
 
     def swap_in(self, tenant: str, seq_id: str) -> OpenResult:
@@ -687,6 +750,11 @@ class Coordinator:
         node = self._live_node_of(record)
         reply = self._call(node, "SwapIn", pb.SeqRequest(seq_id=seq_id))
         self.store.update_sequence(seq_id, state="active")
+        if record.state == "swapped":
+            with self._lock:
+                self._active_blocks[node.node_id] = (
+                    self._active_blocks.get(node.node_id, 0) + record.num_blocks
+                )
         placement = Placement(node.node_id, 0, 0, 0)
         return OpenResult(seq_id, node.node_id, node.address, 0, placement, num_blocks=int(reply.num_blocks))
 

@@ -39,6 +39,7 @@ from .records import (
     check_keys,
     check_load,
     check_name,
+    check_policy,
     check_sequence_fields,
     check_ttl,
 )
@@ -57,6 +58,7 @@ class MemoryStore(Store):
         self._deadline_s: dict[str, float] = {}  # node -> clock() value its TTL lapses at
         self._holders: dict[bytes, set[str]] = {}  # block key -> nodes
         self._keys: dict[str, set[bytes]] = {}  # node -> block keys (reverse index, for purges)
+        self._host: dict[str, set[bytes]] = {}  # node -> those of its keys on its host tier
         self._seqs: dict[str, SequenceRecord] = {}
         self._node_seqs: dict[str, set[str]] = {}  # node -> seq ids with an extent there
         self._salts: dict[str, bytes] = {}
@@ -71,6 +73,7 @@ class MemoryStore(Store):
         """Drop the node's keys and mark its sequences lost; the caller holds the lock."""
         was_registered = node_id in self._nodes
         keys = self._keys.pop(node_id, set())
+        self._host.pop(node_id, None)
         for key in keys:
             holders = self._holders[key]
             holders.discard(node_id)
@@ -87,15 +90,23 @@ class MemoryStore(Store):
         return PurgeResult(node_id, was_registered, len(keys), tuple(lost))
 
     def register_node(
-        self, node_id: str, address: str, spec: Mapping[str, Any], num_blocks: int, ttl_s: float
+        self,
+        node_id: str,
+        address: str,
+        spec: Mapping[str, Any],
+        num_blocks: int,
+        ttl_s: float,
+        *,
+        policy: str = "",
     ) -> PurgeResult:
         check_name("node_id", node_id)
         check_name("address", address)
         check_count("num_blocks", num_blocks)
+        check_policy(policy)
         ttl_s = check_ttl(ttl_s)
         with self._lock:
             result = self._purge(node_id, f"node {node_id} re-registered (restarted; its blocks are gone)")
-            self._nodes[node_id] = NodeInfo(node_id, address, dict(spec), num_blocks, {})
+            self._nodes[node_id] = NodeInfo(node_id, address, dict(spec), num_blocks, {}, policy)
             self._deadline_s[node_id] = self._clock() + ttl_s
             return result
 
@@ -136,20 +147,33 @@ class MemoryStore(Store):
 
     # ---- prefix index -------------------------------------------------------------------------
 
-    def apply_events(self, node_id: str, stored: Sequence[bytes], removed: Sequence[bytes]) -> None:
+    def apply_events(
+        self,
+        node_id: str,
+        stored: Sequence[bytes],
+        removed: Sequence[bytes],
+        offloaded: Sequence[bytes] = (),
+    ) -> None:
         check_name("node_id", node_id)
-        stored, removed = check_events(stored, removed)
+        stored, removed, offloaded = check_events(stored, removed, offloaded)
         with self._lock:
             if not self._is_live(node_id):
                 raise NodeNotLive(node_id, "events ignored; register again")
             held = self._keys.setdefault(node_id, set())
+            host = self._host.setdefault(node_id, set())
             pending = self._pending
             for key in stored:
                 held.add(key)
+                host.discard(key)
                 self._holders.setdefault(key, set()).add(node_id)
                 if pending:  # an in-flight marker on a key now stored: its wait is over
                     pending.pop(key, None)
+            for key in offloaded:  # still held, on the host tier
+                held.add(key)
+                host.add(key)
+                self._holders.setdefault(key, set()).add(node_id)
             for key in removed:
+                host.discard(key)
                 if key in held:
                     held.discard(key)
                     holders = self._holders[key]
@@ -158,6 +182,8 @@ class MemoryStore(Store):
                         del self._holders[key]
             if not held:
                 del self._keys[node_id]
+            if not host:
+                del self._host[node_id]
 
     def match_prefix(self, keys: Sequence[bytes]) -> dict[str, int]:
         keys = check_keys(keys)
@@ -214,20 +240,29 @@ class MemoryStore(Store):
             live = [c for c in new.candidates if self._is_live(c.node_id)]
             keys = new.key_list()
             counts = self._match([c.node_id for c in live], keys)
-            candidates = [
-                NodeCandidate(
-                    c.node_id,
-                    counts[c.node_id],
-                    c.free_blocks,
-                    c.total_blocks,
-                    c.evictable_blocks,
-                    self._pending_on(c.node_id, keys, counts[c.node_id]),
-                    c.recent_opens,
+            candidates = []
+            for c in live:
+                cached, host = self._tiers(c.node_id, keys, counts[c.node_id])
+                candidates.append(
+                    NodeCandidate(
+                        c.node_id,
+                        cached,
+                        c.free_blocks,
+                        c.total_blocks,
+                        c.evictable_blocks,
+                        self._pending_on(c.node_id, keys, cached),
+                        c.recent_opens,
+                        c.active_blocks,
+                        host,
+                    )
                 )
-                for c in live
-            ]
             placement = place(
-                candidates, new.num_blocks, new.block_size, new.weights, keys[0] if keys else b""
+                candidates,
+                new.num_blocks,
+                new.block_size,
+                new.weights,
+                keys[0] if keys else b"",
+                new.scan_classes,
             )
             used = self._usage.get(new.tenant, 0)
             if new.quota is not None and used + new.num_blocks > new.quota:
@@ -246,6 +281,17 @@ class MemoryStore(Store):
                     self._pending = {k: m for k, m in self._pending.items() if m[2] > now}
                 self._pending[keys[placement.cached_blocks]] = (placement.node_id, len(keys), expiry)
             return placement
+
+    def _tiers(self, node_id: str, keys: list[bytes], held: int) -> tuple[int, int]:
+        """(cached, host) of the node's `held` leading keys as the node serves them: its device
+        run, then the host run that continues it (a device key after a host run is not reached);
+        the caller holds the lock."""
+        host_keys = self._host.get(node_id)
+        if not host_keys:
+            return held, 0
+        device = next((i for i in range(held) if keys[i] in host_keys), held)
+        end = next((i for i in range(device, held) if keys[i] not in host_keys), held)
+        return end, end - device
 
     def _pending_on(self, node_id: str, keys: list[bytes], cached: int) -> int:
         """Blocks after the node's cached prefix that an open in flight brings it (placement.py's

@@ -15,6 +15,7 @@ from prometheus_client.registry import Collector
 
 from ..protos.errors import PagedKVError
 from .core import Coordinator
+from .misses import REASONS
 
 LATENCY_BUCKETS_S = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5)
 
@@ -50,12 +51,25 @@ class CoordinatorCollector(Collector):
         )
         cached.add_metric([], c["cached_tokens"])
         yield cached
+        host = CounterMetricFamily(
+            "pagedkv_coordinator_host_hit_tokens",
+            "Of the cached prompt tokens, those on the chosen node's host tier (copied back at open).",
+        )
+        host.add_metric([], c["host_hit_tokens"])
+        yield host
+        scans = CounterMetricFamily(
+            "pagedkv_coordinator_scan_opens",
+            "Opens placed as scans: long runs of a size the workload does not continue (placement.py).",
+        )
+        scans.add_metric([], c["scan_opens"])
+        yield scans
         misses = CounterMetricFamily(
             "pagedkv_coordinator_open_misses",
-            "Opens whose prompt missed the prefix cache, by why its first uncached block missed.",
+            "Opens whose prompt the chosen node's device did not serve whole, by why its first such "
+            "block missed (coordinator/misses.py).",
             labels=["reason"],
         )
-        for reason in ("in_flight", "other_node", "evicted", "not_cached"):
+        for reason in REASONS[1:]:
             misses.add_metric([reason], c["misses_" + reason])
         yield misses
         reaped = CounterMetricFamily(

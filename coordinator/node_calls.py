@@ -36,6 +36,14 @@ from ..protos.status import error_from_rpc
 log = logging.getLogger("pagedkv.coordinator.node_calls")
 Done = Callable[[Any, PagedKVError | None], None]  # (reply or None, error or None)
 MAX_SENDERS = 64  # node calls in flight at once (threads start as needed); more wait
+# A node that restarts on its address is placed on again as soon as it registers: reconnect
+# within a second, not after gRPC's default backoff (which grows to minutes), so its first
+# Opens do not fail fast on a channel still waiting out the time the node was down.
+RECONNECT_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
 
 
 class NodeCalls:
@@ -100,7 +108,7 @@ class NodeCalls:
             with self._lock:
                 entry = self._stubs.get(address)
                 if entry is None:
-                    channel = grpc.insecure_channel(address)
+                    channel = grpc.insecure_channel(address, options=RECONNECT_OPTIONS)
                     entry = self._stubs[address] = (channel, pb_grpc.CacheNodeStub(channel))
         return entry[1]
 

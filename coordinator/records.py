@@ -78,6 +78,7 @@ class NodeInfo:
     spec: dict[str, Any]
     num_blocks: int
     load: dict[str, int] = field(default_factory=dict)
+    policy: str = ""  # its eviction policy, as it registered ("": not said)
 
 
 @dataclass(frozen=True)
@@ -98,13 +99,16 @@ class PurgeResult:
 class NodeRoom(NamedTuple):
     """A node an open may go on, with the room the coordinator's node cache gives it:
     free_blocks never keyed, evictable_blocks cached but unheld (room, not idle capacity),
-    recent_opens the opens the coordinator placed there lately (decayed; placement's balance)."""
+    recent_opens the opens the coordinator placed there lately (decayed; placement's balance),
+    active_blocks the blocks of its sequences open there (placement's load; None: the rest
+    of total_blocks after free and evictable)."""
 
     node_id: str
     free_blocks: int
     total_blocks: int
     evictable_blocks: int = 0
     recent_opens: float = 0.0
+    active_blocks: int | None = None
 
 
 _DEFAULT_WEIGHTS = PlacementWeights()
@@ -121,6 +125,7 @@ class NewSequence:
     quota: the tenant's block quota, or None (unlimited).
     pending_ttl_ms: how long this open's in-flight marker steers opens of the same uncached
     prefix to its node (placement.py); 0: leave none.
+    scan_classes: placement's bit mask of the run size classes placed as scans (reuse.py).
     """
 
     seq_id: str
@@ -133,6 +138,7 @@ class NewSequence:
     weights: PlacementWeights = _DEFAULT_WEIGHTS
     quota: int | None = None
     pending_ttl_ms: int = 10_000
+    scan_classes: int = 0
 
     def __post_init__(self) -> None:
         check_name("seq_id", self.seq_id)
@@ -148,14 +154,17 @@ class NewSequence:
         if self.quota is not None:
             check_count("quota", self.quota)
         check_count("pending_ttl_ms", self.pending_ttl_ms)
+        if check_count("scan_classes", self.scan_classes) >= 1 << 52:
+            raise InvalidArgument(f"scan_classes must be a bit mask below 2**52, got {self.scan_classes!r}")
         rooms = []
         for c in self.candidates:
-            if not isinstance(c, tuple) or not 3 <= len(c) <= 5:
+            if not isinstance(c, tuple) or not 3 <= len(c) <= 6:
                 raise InvalidArgument(
                     "a candidate must be (node_id, free_blocks, total_blocks[, evictable_blocks"
-                    f"[, recent_opens]]), got {c!r}"
+                    f"[, recent_opens[, active_blocks]]]), got {c!r}"
                 )
-            opens = c[4] if len(c) == 5 else 0.0
+            opens = c[4] if len(c) >= 5 else 0.0
+            active = c[5] if len(c) == 6 else None
             if not isinstance(opens, int | float) or isinstance(opens, bool) or not 0 <= opens < math.inf:
                 raise InvalidArgument(f"candidate recent_opens must be a finite number >= 0, got {opens!r}")
             room = NodeRoom(
@@ -164,6 +173,7 @@ class NewSequence:
                 check_count("candidate total_blocks", c[2]),
                 check_count("candidate evictable_blocks", c[3] if len(c) >= 4 else 0),
                 float(opens),
+                None if active is None else check_count("candidate active_blocks", active),
             )
             if room.free_blocks + room.evictable_blocks > room.total_blocks:
                 raise InvalidArgument(
@@ -171,7 +181,7 @@ class NewSequence:
                     f"{room.evictable_blocks} > total_blocks {room.total_blocks}"
                 )
             rooms.append(room)
-        rooms.sort()
+        rooms.sort(key=lambda r: r.node_id)
         for before, room in zip(rooms, rooms[1:], strict=False):
             if before.node_id == room.node_id:
                 raise InvalidArgument(f"candidates must have distinct node ids, {room.node_id!r} repeats")
@@ -223,16 +233,26 @@ def check_keys(keys: Sequence[bytes]) -> list[bytes]:
     return [check_key(k) for k in keys]
 
 
-def check_events(stored: Sequence[bytes], removed: Sequence[bytes]) -> tuple[list[bytes], list[bytes]]:
-    """Both lists validated; a key in both is refused (the node must send the net effect)."""
-    stored_keys, removed_keys = check_keys(stored), check_keys(removed)
-    both = set(stored_keys) & set(removed_keys)
+def check_events(
+    stored: Sequence[bytes], removed: Sequence[bytes], offloaded: Sequence[bytes] = ()
+) -> tuple[list[bytes], list[bytes], list[bytes]]:
+    """The lists validated; a key in two of them is refused (the node must send the net effect)."""
+    stored_keys, removed_keys, offloaded_keys = check_keys(stored), check_keys(removed), check_keys(offloaded)
+    s, r, o = set(stored_keys), set(removed_keys), set(offloaded_keys)
+    both = (s & r) | (s & o) | (r & o)
     if both:
         raise InvalidArgument(
-            f"{len(both)} key(s) both stored and removed in one batch (e.g. {min(both).hex()}): "
-            "send each key's net effect (its last event) only"
+            f"{len(both)} key(s) in two of stored, removed and offloaded in one batch (e.g. "
+            f"{min(both).hex()}): send each key's net effect (its last event) only"
         )
-    return stored_keys, removed_keys
+    return stored_keys, removed_keys, offloaded_keys
+
+
+def check_policy(policy: object) -> str:
+    """A node's eviction policy name as it registers: a short str ("" when not said)."""
+    if not isinstance(policy, str) or len(policy) > 64:
+        raise InvalidArgument(f"policy must be a str of at most 64 characters, got {policy!r}")
+    return policy
 
 
 def check_load(load: Mapping[str, int]) -> dict[str, int]:

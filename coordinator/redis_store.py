@@ -3,9 +3,10 @@
 Layout, every key under a configurable prefix P (default "pkv:"):
 
     P nodes            set   registered node ids
-    P node:<id>        hash  address, spec (JSON), num_blocks, load (JSON)
+    P node:<id>        hash  address, spec (JSON), num_blocks, load (JSON), policy
     P alive:<id>       str   liveness; PX TTL renewed by heartbeats (tooz style)
     P nkeys:<id>       set   block keys the node holds   (reverse index: purges)
+    P hkeys:<id>       set   of those, the ones on its host tier
     P idx:<key16>      set   node ids holding the key    (the global prefix index)
     P nseqs:<id>       set   seq ids with an extent on the node
     P seq:<seq_id>     hash  tenant, extents (JSON), num_tokens, state, lost_reason
@@ -68,6 +69,7 @@ from .records import (
     check_keys,
     check_load,
     check_name,
+    check_policy,
     check_sequence_fields,
     check_ttl,
 )
@@ -104,7 +106,7 @@ local function purge(P, id, reason)
   local nk = P .. 'nkeys:' .. id
   local keys = redis.call('SMEMBERS', nk)
   for _, k in ipairs(keys) do redis.call('SREM', P .. 'idx:' .. k, id) end
-  redis.call('DEL', nk)
+  redis.call('DEL', nk, P .. 'hkeys:' .. id)
   local ns = P .. 'nseqs:' .. id
   local lost = {}
   for _, s in ipairs(redis.call('SMEMBERS', ns)) do
@@ -120,7 +122,7 @@ local function purge(P, id, reason)
 end
 """
 
-# ARGV: P, id, address, spec_json, num_blocks, ttl_ms, reason
+# ARGV: P, id, address, spec_json, num_blocks, ttl_ms, reason, policy
 _REGISTER = (
     _PURGE
     + """
@@ -129,7 +131,8 @@ local was = redis.call('SISMEMBER', P .. 'nodes', id)
 local r = purge(P, id, ARGV[7])
 local nk = P .. 'node:' .. id
 redis.call('DEL', nk)
-redis.call('HSET', nk, 'address', ARGV[3], 'spec', ARGV[4], 'num_blocks', ARGV[5], 'load', '{}')
+redis.call('HSET', nk, 'address', ARGV[3], 'spec', ARGV[4], 'num_blocks', ARGV[5], 'load', '{}',
+           'policy', ARGV[8])
 redis.call('SADD', P .. 'nodes', id)
 redis.call('SET', P .. 'alive:' .. id, '1', 'PX', ARGV[6])
 return {was, r[1], r[2]}
@@ -159,15 +162,15 @@ redis.call('HSET', P .. 'node:' .. id, 'load', ARGV[3])
 return 1
 """
 
-# ARGV: P, want_live ('1'/'0'). Live: {{id, address, spec, num_blocks, load}, ...}; else {id, ...}
+# ARGV: P, want_live ('1'/'0'). Live: {{id, address, spec, num_blocks, load, policy}, ...}; else {id, ...}
 _LIST_NODES = """
 local P = ARGV[1]
 local out = {}
 for _, id in ipairs(redis.call('SMEMBERS', P .. 'nodes')) do
   local live = redis.call('EXISTS', P .. 'alive:' .. id) == 1
   if ARGV[2] == '1' and live then
-    local h = redis.call('HMGET', P .. 'node:' .. id, 'address', 'spec', 'num_blocks', 'load')
-    out[#out + 1] = {id, h[1], h[2], h[3], h[4]}
+    local h = redis.call('HMGET', P .. 'node:' .. id, 'address', 'spec', 'num_blocks', 'load', 'policy')
+    out[#out + 1] = {id, h[1], h[2], h[3], h[4], h[5] or ''}
   elseif ARGV[2] == '0' and not live then
     out[#out + 1] = id
   end
@@ -175,21 +178,30 @@ end
 return out
 """
 
-# ARGV: P, id, num_stored, stored..., removed...
+# ARGV: P, id, num_stored, num_offloaded, stored..., offloaded..., removed...
 _APPLY_EVENTS = """
 local P, id = ARGV[1], ARGV[2]
 if redis.call('EXISTS', P .. 'alive:' .. id) == 0 then return 0 end
-local n = tonumber(ARGV[3])
-local nk = P .. 'nkeys:' .. id
+local n, m = tonumber(ARGV[3]), tonumber(ARGV[4])
+local nk, hk = P .. 'nkeys:' .. id, P .. 'hkeys:' .. id
+local has_host = redis.call('EXISTS', hk) == 1
 local done = {}  -- in-flight markers (placement.py) of keys now stored: their wait is over
-for i = 4, 3 + n do
+for i = 5, 4 + n do
   redis.call('SADD', P .. 'idx:' .. ARGV[i], id)
   redis.call('SADD', nk, ARGV[i])
+  if has_host then redis.call('SREM', hk, ARGV[i]) end
   done[#done + 1] = P .. 'pend:' .. ARGV[i]
   if #done == 4000 then redis.call('DEL', unpack(done)); done = {} end
 end
 if #done > 0 then redis.call('DEL', unpack(done)) end
-for i = 4 + n, #ARGV do
+for i = 5 + n, 4 + n + m do  -- still held, on the host tier
+  redis.call('SADD', P .. 'idx:' .. ARGV[i], id)
+  redis.call('SADD', nk, ARGV[i])
+  redis.call('SADD', hk, ARGV[i])
+end
+has_host = has_host or m > 0
+for i = 5 + n + m, #ARGV do
+  if has_host then redis.call('SREM', hk, ARGV[i]) end
   if redis.call('SREM', nk, ARGV[i]) == 1 then redis.call('SREM', P .. 'idx:' .. ARGV[i], id) end
 end
 return 1
@@ -241,31 +253,49 @@ return out
 # The whole open in one round trip: match, placement.place ported to Lua, quota, page table,
 # and the in-flight marker (placement.py) on the first uncached key.
 # ARGV: P, seq_id, tenant, num_tokens, num_blocks, overlap_weight, load_weight, quota ('' = none),
-#       keys_blob, balance_slack ('-1' = no bound), pending_ttl_ms, affinity_share, balance_margin, then
-#       (node_id, free_blocks, total_blocks, evictable_blocks, recent_opens) per candidate, by node_id.
-# Returns {1, node, cached, {node, score, ...}, {rejected...}, pending, cached elsewhere}
+#       keys_blob, balance_slack ('-1' = no bound), pending_ttl_ms, affinity_share, balance_margin,
+#       host_weight, scan_classes, then (node_id, free_blocks, total_blocks, evictable_blocks,
+#       recent_opens, active_blocks ('-1' = not counted)) per candidate, by node_id.
+# Returns {1, node, cached, {node, score, ...}, {rejected...}, pending, cached elsewhere, host, scan,
+#          the node holding that}
 #       | {0} (no live candidate)
 #       | {-1, fewest uncached, most room} (no room) | {-2, used} (quota) | {-3} (id taken).
 # Scores travel as %.17g strings (Redis truncates Lua numbers to integers), which parse back
 # to the same doubles (the arithmetic is place()'s, in its order); ties go to the smallest
-# sha1hex(first key .. node id), as place()'s tie_rank.
+# sha1hex(first key .. node id), as place()'s tie_rank; scans first by sha1hex(SCAN_KEY .. id).
 _OPEN_SEQ = (
     _MATCH
     + """
+-- The held run as the node serves it: its device run, then the host run that continues it.
+local function tiers(P, id, keys, held)
+  local hk = P .. 'hkeys:' .. id
+  if held == 0 or redis.call('EXISTS', hk) == 0 then return held, 0 end
+  local on_host = {}
+  for first = 1, held, 4000 do  -- slices below Lua's unpack() limit, as leading()
+    local part = redis.call('SMISMEMBER', hk, unpack(keys, first, math.min(first + 3999, held)))
+    for _, v in ipairs(part) do on_host[#on_host + 1] = v end
+  end
+  local device = held
+  for i = 1, held do if on_host[i] == 1 then device = i - 1; break end end
+  local stop = held
+  for i = device + 1, held do if on_host[i] == 0 then stop = i - 1; break end end
+  return stop, stop - device
+end
 local P, s, tenant = ARGV[1], ARGV[2], ARGV[3]
 local need = tonumber(ARGV[5])
 local ow, lw = tonumber(ARGV[6]), tonumber(ARGV[7])
 local keys = split_keys(ARGV[9])
 local slack, ttl, aff, margin = tonumber(ARGV[10]), tonumber(ARGV[11]), tonumber(ARGV[12]), tonumber(ARGV[13])
+local hw, scan_mask = tonumber(ARGV[14]), tonumber(ARGV[15])
 local tie = keys[1] or ''
 local nodes = {}
-local sum_opens, sum_total = 0, 0
-for j = 14, #ARGV, 5 do
+local sum_opens, sum_total, most_cached = 0, 0, 0
+for j = 16, #ARGV, 6 do
   local id = ARGV[j]
   if redis.call('EXISTS', P .. 'alive:' .. id) == 1 then
     local free, total, evictable = tonumber(ARGV[j + 1]), tonumber(ARGV[j + 2]), tonumber(ARGV[j + 3])
-    local opens = tonumber(ARGV[j + 4])
-    local held = leading(P, id, keys)
+    local opens, active = tonumber(ARGV[j + 4]), tonumber(ARGV[j + 5])
+    local held, host = tiers(P, id, keys, leading(P, id, keys))
     local pending = 0
     if held < #keys then
       local marker = redis.call('GET', P .. 'pend:' .. keys[held + 1])
@@ -274,48 +304,59 @@ for j = 14, #ARGV, 5 do
         if owner == id then pending = math.max(0, math.min(tonumber(count), #keys) - held) end
       end
     end
-    nodes[#nodes + 1] = {id, free + evictable, total, math.min(held, need), pending, opens}
+    local cached = math.min(held, need)
+    host = math.max(0, host - (held - cached))
+    if active < 0 then active = total - free - evictable end
+    nodes[#nodes + 1] = {id, free + evictable, total, cached, pending, opens, host, active}
+    if cached > most_cached then most_cached = cached end
     sum_opens = sum_opens + opens
     sum_total = sum_total + total
   end
 end
 if #nodes == 0 then return {0} end
-local best, best_over, best_cost, best_rank, best_cached, best_pending
+local class, v = 0, need - most_cached
+while v > 0 do class = class + 1; v = math.floor(v / 2) end
+local scan = math.floor(scan_mask / 2 ^ class) % 2 == 1
+local best, best_over, best_order, best_cost, best_rank, best_cached, best_pending, best_host
 local scores, rejected = {}, {}
 local fewest_new, most_room = nil, 0
 for _, n in ipairs(nodes) do
-  local id, room, total, cached = n[1], n[2], n[3], n[4]
+  local id, room, total, cached, host = n[1], n[2], n[3], n[4], n[7]
   local new = need - cached
-  if fewest_new == nil or new < fewest_new then fewest_new = new end
+  if fewest_new == nil or new + host < fewest_new then fewest_new = new + host end
   if room > most_room then most_room = room end
-  if new > room then
+  if new + host > room then
     rejected[#rejected + 1] = id
   else
     local pending = math.min(n[5], new)
-    local after = total - room + new
-    local cost = ow * (new - pending) + lw * after
+    local after = n[8] + new + host
+    local cost = ow * (new - pending) + hw * host + lw * after
     scores[#scores + 1] = id; scores[#scores + 1] = string.format('%.17g', -cost)
     local fair = 0.0
     if sum_total > 0 then fair = (sum_opens + 1) * total / sum_total end
     local opens = n[6] + 1
     local over = slack >= 0 and opens > (1.0 + slack) * fair + margin
     over = over and (cached < aff * need or opens > (1.0 + 2 * slack) * fair + 2 * margin)
+    local order = ''
+    if scan then order = redis.sha1hex('pagedkv:scan' .. id) end
     local rank = redis.sha1hex(tie .. id)
     local better = best == nil
     if not better then
       if over ~= best_over then better = not over
+      elseif order ~= best_order then better = order < best_order
       elseif cost ~= best_cost then better = cost < best_cost
       else better = rank < best_rank end
     end
     if better then
-      best, best_over, best_cost, best_rank, best_cached, best_pending = id, over, cost, rank, cached, pending
+      best, best_over, best_order, best_cost, best_rank = id, over, order, cost, rank
+      best_cached, best_pending, best_host = cached, pending, host
     end
   end
 end
 if best == nil then return {-1, fewest_new, most_room} end
-local elsewhere = 0
+local elsewhere, elsewhere_id = 0, ''
 for _, n in ipairs(nodes) do
-  if n[1] ~= best and n[4] > elsewhere then elsewhere = n[4] end
+  if n[1] ~= best and n[4] > elsewhere then elsewhere, elsewhere_id = n[4], n[1] end
 end
 local uk = P .. 'usage:' .. tenant
 if ARGV[8] ~= '' then
@@ -331,7 +372,8 @@ if ARGV[8] ~= '' and need > 0 then redis.call('INCRBY', uk, need) end
 if ttl > 0 and best_cached < #keys then
   redis.call('SET', P .. 'pend:' .. keys[best_cached + 1], #keys .. ':' .. best, 'PX', ttl)
 end
-return {1, best, best_cached, scores, rejected, best_pending, elsewhere}
+return {1, best, best_cached, scores, rejected, best_pending, elsewhere, best_host, scan and 1 or 0,
+        elsewhere_id}
 """
 )
 
@@ -522,18 +564,26 @@ class RedisStore(Store):
     # ---- membership ---------------------------------------------------------------------------
 
     def register_node(
-        self, node_id: str, address: str, spec: Mapping[str, Any], num_blocks: int, ttl_s: float
+        self,
+        node_id: str,
+        address: str,
+        spec: Mapping[str, Any],
+        num_blocks: int,
+        ttl_s: float,
+        *,
+        policy: str = "",
     ) -> PurgeResult:
         check_name("node_id", node_id)
         check_name("address", address)
         check_count("num_blocks", num_blocks)
+        check_policy(policy)
         ttl_ms = max(1, round(check_ttl(ttl_s) * 1000))
         try:
             spec_json = json.dumps(dict(spec), sort_keys=True)
         except (TypeError, ValueError) as e:
             raise InvalidArgument(f"spec must be a JSON-able mapping: {e}") from e
         reason = f"node {node_id} re-registered (restarted; its blocks are gone)"
-        args = [self._prefix, node_id, address, spec_json, num_blocks, ttl_ms, reason]
+        args = [self._prefix, node_id, address, spec_json, num_blocks, ttl_ms, reason, policy]
         reply = self._call("register_node", self._register, args=args)
         return _purge_result(node_id, reply)
 
@@ -547,8 +597,8 @@ class RedisStore(Store):
     def live_nodes(self) -> list[NodeInfo]:
         rows = self._call("live_nodes", self._list_nodes, args=[self._prefix, "1"])
         nodes = [
-            NodeInfo(_s(i), _s(addr), json.loads(spec), int(nb), json.loads(load))
-            for i, addr, spec, nb, load in rows
+            NodeInfo(_s(i), _s(addr), json.loads(spec), int(nb), json.loads(load), _s(policy))
+            for i, addr, spec, nb, load, policy in rows
         ]
         return sorted(nodes, key=lambda n: n.node_id)
 
@@ -566,10 +616,16 @@ class RedisStore(Store):
 
     # ---- prefix index -------------------------------------------------------------------------
 
-    def apply_events(self, node_id: str, stored: Sequence[bytes], removed: Sequence[bytes]) -> None:
+    def apply_events(
+        self,
+        node_id: str,
+        stored: Sequence[bytes],
+        removed: Sequence[bytes],
+        offloaded: Sequence[bytes] = (),
+    ) -> None:
         check_name("node_id", node_id)
-        stored, removed = check_events(stored, removed)
-        args = [self._prefix, node_id, len(stored), *stored, *removed]
+        stored, removed, offloaded = check_events(stored, removed, offloaded)
+        args = [self._prefix, node_id, len(stored), len(offloaded), *stored, *offloaded, *removed]
         if not self._call("apply_events", self._apply_events, args=args):
             raise NodeNotLive(node_id, "events ignored; register again")
 
@@ -625,9 +681,19 @@ class RedisStore(Store):
             new.pending_ttl_ms,
             repr(float(w.affinity_share)),
             repr(float(w.balance_margin)),
+            repr(float(w.host_weight)),
+            new.scan_classes,
         ]
         for c in new.candidates:
-            args += (c.node_id, c.free_blocks, c.total_blocks, c.evictable_blocks, repr(c.recent_opens))
+            active = -1 if c.active_blocks is None else c.active_blocks
+            args += (
+                c.node_id,
+                c.free_blocks,
+                c.total_blocks,
+                c.evictable_blocks,
+                repr(c.recent_opens),
+                active,
+            )
         reply = self._call("open_sequence", self._kept.run, self._open_seq, args)
         code = reply[0]
         if code == 1:
@@ -642,6 +708,9 @@ class RedisStore(Store):
                 rejected=tuple(sorted(_s(n) for n in reply[4])),
                 pending_blocks=int(reply[5]),
                 cached_elsewhere_blocks=int(reply[6]),
+                host_blocks=int(reply[7]),
+                is_scan=bool(reply[8]),
+                cached_elsewhere_node_id=_s(reply[9]),
             )
         if code == 0:
             raise Unavailable("no live cache node to place a sequence on")

@@ -19,6 +19,7 @@ from ..protos.serving import GrpcServer, build_server, observe
 from .auth import Tenants
 from .core import Coordinator, OpenResult
 from .metrics import CoordinatorMetrics
+from .misses import miss_message
 from .records import NodeNotLive
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Coordinator"].full_name
@@ -33,13 +34,16 @@ def spec_dict(spec: pb.ModelSpec) -> dict[str, Any] | None:
     return {name: getattr(spec, name) for name in _SPEC_FIELDS}
 
 
-def _open_response(result: OpenResult) -> pb.CoordOpenResponse:
-    return pb.CoordOpenResponse(
+def _open_response(result: OpenResult, explain_miss: bool = False) -> pb.CoordOpenResponse:
+    resp = pb.CoordOpenResponse(
         extents=[pb.Placement(node_id=result.node_id, address=result.address, first_token=0)],
         num_cached_tokens=result.num_cached_tokens,
         num_host_hit_tokens=result.num_host_hit_tokens,
         num_blocks=result.num_blocks,
     )
+    if explain_miss and result.miss is not None:
+        resp.miss.CopyFrom(miss_message(result.miss))
+    return resp
 
 
 class CoordinatorServicer(pb_grpc.CoordinatorServicer):
@@ -61,7 +65,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             spec = spec_dict(request.spec)
             if spec is None:
                 raise InvalidArgument(f"node {request.node_id!r} registered without a model spec")
-            self.coordinator.register(request.node_id, request.address, spec, request.num_blocks)
+            self.coordinator.register(
+                request.node_id, request.address, spec, request.num_blocks, request.policy
+            )
             cfg = self.coordinator.config
             return pb.RegisterResponse(
                 lease_ttl_s=cfg.lease_ttl_s, heartbeat_interval_s=cfg.heartbeat_interval_s
@@ -104,7 +110,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 attention=request.attention,
             )
             self.metrics.observe_open(tenant, len(request.token_ids), result.num_cached_tokens)
-            return _open_response(result)
+            return _open_response(result, request.explain_miss)
 
         with self.coordinator.node_calls.held():
             return self._run("Open", context, run)

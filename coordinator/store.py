@@ -42,9 +42,17 @@ class Store(ABC):
 
     @abstractmethod
     def register_node(
-        self, node_id: str, address: str, spec: Mapping[str, Any], num_blocks: int, ttl_s: float
+        self,
+        node_id: str,
+        address: str,
+        spec: Mapping[str, Any],
+        num_blocks: int,
+        ttl_s: float,
+        *,
+        policy: str = "",
     ) -> PurgeResult:
-        """(Re-)register a node; it is live for ttl_s seconds.
+        """(Re-)register a node; it is live for ttl_s seconds. `policy` (its eviction policy's
+        name, kept in NodeInfo.policy) says what evicts its blocks, for explained misses.
 
         A node that registers again comes back EMPTY (it restarted, its blocks are
         gone): atomically with the new record, its old keys leave the prefix index
@@ -89,11 +97,19 @@ class Store(ABC):
     # ---- global prefix index (exact) ----------------------------------------------------------
 
     @abstractmethod
-    def apply_events(self, node_id: str, stored: Sequence[bytes], removed: Sequence[bytes]) -> None:
-        """Record that the node now holds `stored` and no longer holds `removed` (16-byte keys).
+    def apply_events(
+        self,
+        node_id: str,
+        stored: Sequence[bytes],
+        removed: Sequence[bytes],
+        offloaded: Sequence[bytes] = (),
+    ) -> None:
+        """Record that the node now holds `stored` (on its device), no longer holds `removed`,
+        and still holds `offloaded` but on its host tier (16-byte keys). A host key that is
+        stored again moved back to the device.
 
         Set semantics: storing a held key or removing an absent one is a no-op.
-        A key in both lists raises InvalidArgument (the node sends each key's net
+        A key in two lists raises InvalidArgument (the node sends each key's net
         effect). If the node is not live, raises NodeNotLive and changes nothing:
         its events are stale (it will re-register and come back empty), and the
         error tells it so at once. Atomic; one round trip.
@@ -101,8 +117,8 @@ class Store(ABC):
 
     @abstractmethod
     def match_prefix(self, keys: Sequence[bytes]) -> dict[str, int]:
-        """For every live node, how many LEADING keys of `keys` it holds (keys[0],
-        keys[1], ... consecutively; the first key it lacks stops its count). Live
+        """For every live node, how many LEADING keys of `keys` it holds on either tier
+        (keys[0], keys[1], ... consecutively; the first key it lacks stops its count). Live
         nodes holding nothing map to 0; expired nodes are absent. Read-only; one
         round trip (one script), a consistent snapshot.
         """
@@ -128,11 +144,13 @@ class Store(ABC):
         """Match, place and record a new sequence, atomically: the whole open in one round trip.
 
         1. match: each candidate that is live gets its leading cached blocks of
-           new.keys, exactly as match_prefix counts them, and the blocks an open in
+           new.keys as the node serves them (its device run, then the host-tier run
+           that continues it: cached and host blocks), and the blocks an open in
            flight brings it (placement.py's marker on its first uncached key); the
            others are skipped.
-        2. place: placement.place(those candidates with their room, new.num_blocks,
-           new.block_size, new.weights, the first of new.keys or b"" as tie_key):
+        2. place: placement.place(those candidates with their room and active blocks,
+           new.num_blocks, new.block_size, new.weights, the first of new.keys or b""
+           as tie_key, new.scan_classes):
            the same node, cached blocks, scores and
            rejected list; Unavailable when no candidate is live, CapacityExceeded
            (requested = fewest uncached blocks, available = most free) when none

@@ -285,20 +285,22 @@ class NodeLoad(_message.Message):
     def __init__(self, free_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., host_free_blocks: _Optional[int] = ..., num_sequences: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("node_id", "address", "spec", "num_blocks", "num_host_blocks", "metrics_address")
+    __slots__ = ("node_id", "address", "spec", "num_blocks", "num_host_blocks", "metrics_address", "policy")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_HOST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     address: str
     spec: ModelSpec
     num_blocks: int
     num_host_blocks: int
     metrics_address: str
-    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., spec: _Optional[_Union[ModelSpec, _Mapping]] = ..., num_blocks: _Optional[int] = ..., num_host_blocks: _Optional[int] = ..., metrics_address: _Optional[str] = ...) -> None: ...
+    policy: str
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., spec: _Optional[_Union[ModelSpec, _Mapping]] = ..., num_blocks: _Optional[int] = ..., num_host_blocks: _Optional[int] = ..., metrics_address: _Optional[str] = ..., policy: _Optional[str] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("lease_ttl_s", "heartbeat_interval_s")
@@ -329,9 +331,11 @@ class BlockEvent(_message.Message):
         KIND_UNSPECIFIED: _ClassVar[BlockEvent.Kind]
         STORED: _ClassVar[BlockEvent.Kind]
         REMOVED: _ClassVar[BlockEvent.Kind]
+        OFFLOADED: _ClassVar[BlockEvent.Kind]
     KIND_UNSPECIFIED: BlockEvent.Kind
     STORED: BlockEvent.Kind
     REMOVED: BlockEvent.Kind
+    OFFLOADED: BlockEvent.Kind
     KIND_FIELD_NUMBER: _ClassVar[int]
     KEY_FIELD_NUMBER: _ClassVar[int]
     kind: BlockEvent.Kind
@@ -365,30 +369,34 @@ class Placement(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., first_token: _Optional[int] = ...) -> None: ...
 
 class CoordOpenRequest(_message.Message):
-    __slots__ = ("seq_id", "token_ids", "max_cached_tokens", "spec", "attention")
+    __slots__ = ("seq_id", "token_ids", "max_cached_tokens", "spec", "attention", "explain_miss")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_FIELD_NUMBER: _ClassVar[int]
+    EXPLAIN_MISS_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     max_cached_tokens: int
     spec: ModelSpec
     attention: _containers.RepeatedCompositeFieldContainer[LayerAttention]
-    def __init__(self, seq_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., max_cached_tokens: _Optional[int] = ..., spec: _Optional[_Union[ModelSpec, _Mapping]] = ..., attention: _Optional[_Iterable[_Union[LayerAttention, _Mapping]]] = ...) -> None: ...
+    explain_miss: bool
+    def __init__(self, seq_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., max_cached_tokens: _Optional[int] = ..., spec: _Optional[_Union[ModelSpec, _Mapping]] = ..., attention: _Optional[_Iterable[_Union[LayerAttention, _Mapping]]] = ..., explain_miss: _Optional[bool] = ...) -> None: ...
 
 class CoordOpenResponse(_message.Message):
-    __slots__ = ("extents", "num_cached_tokens", "num_host_hit_tokens", "num_blocks")
+    __slots__ = ("extents", "num_cached_tokens", "num_host_hit_tokens", "num_blocks", "miss")
     EXTENTS_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_HOST_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    MISS_FIELD_NUMBER: _ClassVar[int]
     extents: _containers.RepeatedCompositeFieldContainer[Placement]
     num_cached_tokens: int
     num_host_hit_tokens: int
     num_blocks: int
-    def __init__(self, extents: _Optional[_Iterable[_Union[Placement, _Mapping]]] = ..., num_cached_tokens: _Optional[int] = ..., num_host_hit_tokens: _Optional[int] = ..., num_blocks: _Optional[int] = ...) -> None: ...
+    miss: MissExplanation
+    def __init__(self, extents: _Optional[_Iterable[_Union[Placement, _Mapping]]] = ..., num_cached_tokens: _Optional[int] = ..., num_host_hit_tokens: _Optional[int] = ..., num_blocks: _Optional[int] = ..., miss: _Optional[_Union[MissExplanation, _Mapping]] = ...) -> None: ...
 
 class CoordLookupRequest(_message.Message):
     __slots__ = ("token_ids", "spec")
@@ -454,3 +462,33 @@ class LayerAttention(_message.Message):
     softcap: float
     scale: float
     def __init__(self, window: _Optional[int] = ..., chunk: _Optional[int] = ..., softcap: _Optional[float] = ..., scale: _Optional[float] = ...) -> None: ...
+
+class MissExplanation(_message.Message):
+    __slots__ = ("reason", "first_block", "node_id", "policy", "cached_elsewhere_blocks")
+    class Reason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        REASON_UNSPECIFIED: _ClassVar[MissExplanation.Reason]
+        NONE: _ClassVar[MissExplanation.Reason]
+        HOST_TIER: _ClassVar[MissExplanation.Reason]
+        IN_FLIGHT: _ClassVar[MissExplanation.Reason]
+        OTHER_NODE: _ClassVar[MissExplanation.Reason]
+        EVICTED: _ClassVar[MissExplanation.Reason]
+        NOT_CACHED: _ClassVar[MissExplanation.Reason]
+    REASON_UNSPECIFIED: MissExplanation.Reason
+    NONE: MissExplanation.Reason
+    HOST_TIER: MissExplanation.Reason
+    IN_FLIGHT: MissExplanation.Reason
+    OTHER_NODE: MissExplanation.Reason
+    EVICTED: MissExplanation.Reason
+    NOT_CACHED: MissExplanation.Reason
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    CACHED_ELSEWHERE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    reason: MissExplanation.Reason
+    first_block: int
+    node_id: str
+    policy: str
+    cached_elsewhere_blocks: int
+    def __init__(self, reason: _Optional[_Union[MissExplanation.Reason, str]] = ..., first_block: _Optional[int] = ..., node_id: _Optional[str] = ..., policy: _Optional[str] = ..., cached_elsewhere_blocks: _Optional[int] = ...) -> None: ...

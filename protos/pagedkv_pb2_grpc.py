@@ -966,9 +966,11 @@ class CoordinatorServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Open(self, request, context):
-        """Place a new sequence (longest cached prefix first, then load), open it on
-        the chosen node and record its page table. An `attention` spec is checked
-        here, before placing, and travels to the node's Open. Codes: OK, INVALID_ARGUMENT,
+        """Place a new sequence (cached prefix against load under a balance bound:
+        docs/placement.md), open it on the chosen node and record its page table.
+        An `attention` spec is checked here, before placing, and travels to the
+        node's Open; with explain_miss the reply says why its first block not on
+        that node's device missed (the tenant's own prompt only). Codes: OK, INVALID_ARGUMENT,
         RESOURCE_EXHAUSTED (no node has room / tenant over quota), UNAVAILABLE,
         UNAUTHENTICATED, PERMISSION_DENIED.
         """

@@ -303,3 +303,64 @@ def test_candidates_are_normalised_to_node_id_order(store: Store) -> None:
     assert request.candidates == (NodeRoom("n1", 1, 2), NodeRoom("n2", 1, 2))
     with pytest.raises(InvalidArgument, match="NewSequence"):
         store.open_sequence("s1")  # type: ignore[arg-type]
+
+
+def test_offloaded_keys_stay_held_on_the_host_tier_until_stored_again(store: Store) -> None:
+    register(store, "n1", "n2")
+    rooms = (NodeRoom("n1", 90, 100), NodeRoom("n2", 90, 100))
+    w = PlacementWeights(load_weight=0.0, host_weight=0.5)
+    # n1: blocks 1-2 on its device, 3-5 on its host tier, 6 on its device again (not reached:
+    # a node serves its device run, then the host run that continues it).
+    store.apply_events("n1", [key(1), key(2), key(6)], [], [key(3), key(4), key(5)])
+    assert store.match_prefix([key(i) for i in range(1, 7)]) == {"n1": 6, "n2": 0}  # held, either tier
+    placement = store.open_sequence(new("a", rooms=rooms, weights=w))
+    assert (placement.node_id, placement.cached_blocks, placement.host_blocks) == ("n1", 5, 3)
+    assert placement.scores["n1"] == -(3 + 0.5 * 3)
+    # Block 3 comes back to the device (a promotion stores it again), block 5 leaves the node.
+    store.apply_events("n1", [key(3)], [key(5)])
+    placement = store.open_sequence(new("b", rooms=rooms, weights=w))
+    assert (placement.cached_blocks, placement.host_blocks) == (4, 1)
+    # A key in two lists of one batch is refused, changing nothing.
+    with pytest.raises(InvalidArgument, match="in two of"):
+        store.apply_events("n1", [key(7)], [], [key(7)])
+    assert store.match_prefix([key(i) for i in range(1, 8)])["n1"] == 4
+    # Re-registering (the node restarted) forgets its host tier too.
+    store.register_node("n1", "n1.local:50051", SPEC, 100, 30.0)
+    store.apply_events("n1", [key(1), key(2), key(3), key(4)], [])
+    assert store.open_sequence(new("c", rooms=rooms, weights=w)).host_blocks == 0
+
+
+def test_the_policy_a_node_registers_with_is_listed(store: Store) -> None:
+    store.register_node("n1", "n1.local:50051", SPEC, 100, 30.0, policy="slru")
+    store.register_node("n2", "n2.local:50051", SPEC, 100, 30.0)
+    assert [(n.node_id, n.policy) for n in store.live_nodes()] == [("n1", "slru"), ("n2", "")]
+    with pytest.raises(InvalidArgument, match="policy"):
+        store.register_node("n3", "n3.local:50051", SPEC, 100, 30.0, policy="x" * 65)
+
+
+def test_active_blocks_are_the_load_and_scans_take_the_fixed_order(store: Store) -> None:
+    register(store, "n1", "n2", "n3")
+    # Reports say all idle; the coordinator counts 40 / 0 / 10 blocks of its own open: n2 wins.
+    rooms = (
+        NodeRoom("n1", 100, 100, 0, 0.0, 40),
+        NodeRoom("n2", 100, 100, 0, 0.0, 0),
+        NodeRoom("n3", 100, 100, 0, 0.0, 10),
+    )
+    placement = store.open_sequence(new("a", rooms=rooms))
+    assert (placement.node_id, placement.is_scan) == ("n2", False)
+    # The same 8-block prompt as a scan (class 4: 8-15 blocks) goes to the first node in the
+    # scan order whatever the load.
+    first = min(("n1", "n2", "n3"), key=lambda n: tie_rank(b"pagedkv:scan", n))
+    placement = store.open_sequence(new("b", rooms=rooms, scan_classes=1 << 4))
+    assert (placement.node_id, placement.is_scan) == (first, True)
+
+
+def test_a_host_run_longer_than_one_script_slice(store: Store) -> None:
+    register(store, "n1")
+    many = [key(i) for i in range(1, 9_002)]  # 9,001 blocks: more than Lua's unpack() takes at once
+    store.apply_events("n1", many[:10], [], many[10:])
+    blob = b"".join(many)
+    rooms = (NodeRoom("n1", 100_000, 100_000),)
+    new_seq = NewSequence("long", "acme", 9_002 * BS, 9_002, BS, blob, rooms, pending_ttl_ms=0)
+    placement = store.open_sequence(new_seq)
+    assert (placement.cached_blocks, placement.host_blocks) == (9_001, 8_991)

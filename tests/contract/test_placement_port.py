@@ -42,6 +42,9 @@ def scenarios(draw: Any) -> dict[str, Any]:
     for node_id in ids:
         total = draw(st.integers(0, 12))
         free = draw(st.integers(0, total))
+        cached = draw(st.integers(0, MAX_KEYS))
+        host_from = draw(st.integers(0, cached))  # keys [host_from, host_to) on its host tier,
+        host_to = draw(st.integers(host_from, cached))  # the rest of [0, cached) on its device
         nodes.append(
             {
                 "id": node_id,
@@ -49,7 +52,9 @@ def scenarios(draw: Any) -> dict[str, Any]:
                 "free": free,
                 "evictable": draw(st.integers(0, total - free)),
                 "opens": draw(st.sampled_from([0.0, 1.0, 3.0]) | st.floats(0, 20, allow_nan=False)),
-                "cached": draw(st.integers(0, MAX_KEYS)),
+                "cached": cached,
+                "host": (host_from, host_to),
+                "active": draw(st.none() | st.integers(0, 20)),
                 "live": draw(st.booleans() | st.just(True)),
             }
         )
@@ -65,7 +70,10 @@ def scenarios(draw: Any) -> dict[str, Any]:
         "marker": draw(marker),  # an open in flight: (its node, the key it marks, its key count)
         "num_keys": draw(st.integers(0, MAX_KEYS)),
         "num_blocks": draw(st.integers(0, 14)),
-        "weights": PlacementWeights(draw(weight), draw(weight), draw(slack), draw(affinity), draw(margin)),
+        "weights": PlacementWeights(
+            draw(weight), draw(weight), draw(slack), draw(affinity), draw(margin), draw(weight)
+        ),
+        "scan_classes": draw(st.sampled_from([0, 1 << 3, 0b11110]) | st.integers(0, 1 << 6)),
         "quota": draw(st.none() | st.integers(0, 20)),
         "used": draw(st.integers(0, 10)),
         "taken": draw(st.booleans()),  # the seq id already exists
@@ -77,16 +85,35 @@ def expected(sc: dict[str, Any]) -> tuple[str, Any]:
     live = sorted((n for n in sc["nodes"] if n["live"]), key=lambda n: n["id"])
     candidates = []
     for n in live:
+        # As the node serves its keys: the device run, then the host run that continues it.
         held = min(n["cached"], sc["num_keys"])
+        host_from, host_to = n["host"]
+        device = min(host_from, held) if host_to > host_from else held
+        held = min(held, host_to) if host_to > host_from else held
         pending, marker = 0, sc["marker"]
         if marker is not None and marker[0] == n["id"] and marker[1] == held < sc["num_keys"]:
             pending = max(0, min(marker[2], sc["num_keys"]) - held)
         candidates.append(
-            NodeCandidate(n["id"], held, n["free"], n["total"], n["evictable"], pending, n["opens"])
+            NodeCandidate(
+                n["id"],
+                held,
+                n["free"],
+                n["total"],
+                n["evictable"],
+                pending,
+                n["opens"],
+                n["active"],
+                held - device,
+            )
         )
     try:
         placement = place(
-            candidates, sc["num_blocks"], BLOCK, sc["weights"], KEYS[0] if sc["num_keys"] else b""
+            candidates,
+            sc["num_blocks"],
+            BLOCK,
+            sc["weights"],
+            KEYS[0] if sc["num_keys"] else b"",
+            sc["scan_classes"],
         )
     except Unavailable:
         return "Unavailable", None
@@ -116,7 +143,10 @@ def build(store: Store, sc: dict[str, Any]) -> NewSequence:
         if n["live"]:  # a candidate that is not live was never registered
             store.register_node(n["id"], f"{n['id']}:1", SPEC, n["total"], 30.0)
             if n["cached"]:
-                store.apply_events(n["id"], KEYS[: n["cached"]], [])
+                host_from, host_to = n["host"]
+                on_host = KEYS[host_from:host_to]
+                device = [k for k in KEYS[: n["cached"]] if k not in on_host]
+                store.apply_events(n["id"], device, [], on_host)
     if sc["used"]:
         store.reserve_blocks("acme", sc["used"], sc["used"])
     if sc["taken"]:
@@ -130,7 +160,8 @@ def build(store: Store, sc: dict[str, Any]) -> NewSequence:
             assert isinstance(store, RedisStore)
             store._redis.set(b"port:pend:" + KEYS[index], f"{count}:{node_id}".encode(), px=30_000)
     rooms = tuple(
-        NodeRoom(n["id"], n["free"], n["total"], n["evictable"], n["opens"]) for n in reversed(sc["nodes"])
+        NodeRoom(n["id"], n["free"], n["total"], n["evictable"], n["opens"], n["active"])
+        for n in reversed(sc["nodes"])
     )
     return NewSequence(
         "s1",
@@ -143,6 +174,7 @@ def build(store: Store, sc: dict[str, Any]) -> NewSequence:
         sc["weights"],
         sc["quota"],
         pending_ttl_ms=0,
+        scan_classes=sc["scan_classes"],
     )
 
 

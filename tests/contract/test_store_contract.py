@@ -226,7 +226,7 @@ def test_apply_events_is_set_semantics_and_validates_before_changing(store: Stor
     store.apply_events("n1", [key(1), key(1), key(2)], [])
     store.apply_events("n1", [key(2)], [key(3)])  # re-store and remove-absent: no-ops
     assert store.keys_of("n1") == {key(1), key(2)}
-    with pytest.raises(InvalidArgument, match="both stored and removed"):
+    with pytest.raises(InvalidArgument, match="in two of stored, removed and offloaded"):
         store.apply_events("n1", [key(4)], [key(4)])
     with pytest.raises(InvalidArgument, match="16 bytes"):
         store.apply_events("n1", [key(5), b"short"], [])

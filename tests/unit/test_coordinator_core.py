@@ -160,12 +160,13 @@ def test_misses_are_counted_by_why_the_first_uncached_block_missed(cluster):
     assert counts == {"in_flight": 1, "other_node": 0, "evicted": 1, "not_cached": 1}
 
 
-def test_a_miss_where_another_node_holds_more_counts_as_other_node():
-    from pagedkv.coordinator.placement import Placement
-
-    coordinator = Coordinator(MemoryStore(), CoordinatorConfig(lease_ttl_s=30))
-    keys = bytes(16 * 4)
-    coordinator._count_miss(Placement("n1", 1, 4, 3, cached_elsewhere_blocks=3), keys)
-    coordinator._count_miss(Placement("n1", 3, 12, 1, cached_elsewhere_blocks=3), keys)
-    coordinator._count_miss(Placement("n1", 4, 16, 0, cached_elsewhere_blocks=4), keys)  # all hit
-    assert (coordinator.counters["misses_other_node"], coordinator.counters["misses_not_cached"]) == (1, 1)
+def test_a_node_that_registers_starts_at_its_fair_share_of_recent_opens(cluster):
+    coordinator, engines = cluster
+    for i in range(30):
+        coordinator.open("t", list(range(1000 * i, 1000 * i + 8)), seq_id=f"s{i}")
+    before = {n: coordinator._opens_of(n) for n in ("n1", "n2")}
+    # n2 comes back (restarted, empty), and a third node twice its size joins.
+    coordinator.register("n2", "127.0.0.1:1", SPEC.to_dict(), 64)
+    assert coordinator._opens_of("n2") == pytest.approx(before["n1"])  # n1's per block, 64 blocks
+    coordinator.register("n3", "127.0.0.1:2", SPEC.to_dict(), 128)
+    assert coordinator._opens_of("n3") == pytest.approx(2 * before["n1"])  # n1 and n2 per block, 128 blocks

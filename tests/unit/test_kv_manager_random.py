@@ -12,7 +12,8 @@ deliberately bad requests), then checks:
   host-tier promotions, evictions and budget drops), and every keyed block must
   hold the values its key was computed from (no cache poisoning);
 - events: the keys announced STORED minus REMOVED are exactly the keys the node
-  holds (device or host tier);
+  holds (device or host tier), and those announced OFFLOADED since their last
+  STORED exactly the keys on its host tier;
 - a failed operation (any PagedKVError) changes nothing: stats, every
   sequence's table and tokens, the event queue, and no bytes were moved.
 
@@ -28,7 +29,16 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from pagedkv.cache_node.kv_manager import DEVICE, HOST, REMOVED, STORED, Budget, KVCacheManager, Slots
+from pagedkv.cache_node.kv_manager import (
+    DEVICE,
+    HOST,
+    OFFLOADED,
+    REMOVED,
+    STORED,
+    Budget,
+    KVCacheManager,
+    Slots,
+)
 from pagedkv.protos.errors import PagedKVError
 from pagedkv.protos.keys import chain_keys, root_key
 
@@ -115,6 +125,7 @@ class Harness:
         self.shadow: dict[str, Shadow] = {}
         self.key_content: dict[bytes, tuple] = {}  # key -> the slot values its block must hold
         self.node_keys: set[bytes] = set()  # from the event stream
+        self.host_keys: set[bytes] = set()  # of those, the ones announced OFFLOADED (on the host tier)
         self.pins: list[tuple[list[int], bytes]] = []
         self.next_id = 0
         self.prefixes = [[self.rng.randrange(VOCAB) for _ in range(n)] for n in (6, 9, 13, 17)]
@@ -189,13 +200,21 @@ class Harness:
         m.check_integrity()
         assert set(m.seqs) == set(self.shadow)
         for ev_kind, key in m.take_events():
-            if ev_kind == STORED:
-                assert key not in self.node_keys, "STORED twice without REMOVED"
+            if ev_kind == STORED:  # new to the node, or back from its host tier
+                assert key not in self.node_keys or key in self.host_keys, "STORED twice without REMOVED"
                 self.node_keys.add(key)
+                self.host_keys.discard(key)
+            elif ev_kind == OFFLOADED:
+                assert key in self.node_keys and key not in self.host_keys, (
+                    "OFFLOADED a key not on the device"
+                )
+                self.host_keys.add(key)
             else:
                 assert ev_kind == REMOVED and key in self.node_keys, "REMOVED a key never STORED"
                 self.node_keys.remove(key)
+                self.host_keys.discard(key)
         assert self.node_keys == m.device.block_of_key.keys() | m.host.block_of_key.keys()
+        assert self.host_keys == m.host.block_of_key.keys() - m.device.block_of_key.keys()
         for sid, sh in self.shadow.items():
             seq = m.seqs[sid]
             assert seq.num_tokens == len(sh.tokens) and seq.tokens == sh.tokens, sid

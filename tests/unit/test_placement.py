@@ -95,7 +95,7 @@ def test_evictable_cache_is_room_but_not_load() -> None:
     nodes = [node("n1", 0, free=0, evictable=90), node("n2", 0, free=10)]
     result = place(nodes, 5, BLOCK, LW1)
     assert result.node_id == "n1" and result.scores == {"n1": -(5 + 15), "n2": -(5 + 95)}
-    assert node("n1", 0, free=0, evictable=90).active_blocks == 10
+    assert node("n1", 0, free=0, evictable=90).load_blocks == 10
 
 
 def test_an_open_in_flight_steers_a_second_open_of_the_same_prefix_to_its_node() -> None:
@@ -168,3 +168,76 @@ def test_bad_input_is_invalid_argument() -> None:
 def test_placement_is_a_plain_value() -> None:
     result = place([node("n1", 0, 5)], 0, BLOCK, LW1)
     assert result == Placement("n1", 0, 0, 0, {"n1": -95.0}, ())
+
+
+def test_load_is_the_coordinators_count_of_running_blocks_when_given() -> None:
+    # n1's last report says it is idle (all room), but the coordinator has 60 blocks of its own
+    # sequences open there since: n2 (20 open) wins a cold prompt, though its report says busier.
+    n1 = NodeCandidate("n1", 0, free_blocks=100, total_blocks=100, active_blocks=60)
+    n2 = NodeCandidate("n2", 0, free_blocks=50, total_blocks=100, active_blocks=20)
+    result = place([n1, n2], 5, BLOCK, LW1)
+    assert (result.node_id, result.scores) == ("n2", {"n1": -(5 + 65), "n2": -(5 + 25)})
+    assert n1.load_blocks == 60 and replace(n1, active_blocks=None).load_blocks == 0
+    with pytest.raises(InvalidArgument, match="active_blocks"):
+        NodeCandidate("n1", 0, 1, 10, active_blocks=-1)
+
+
+def test_a_host_tier_hit_is_priced_between_a_device_hit_and_a_recompute() -> None:
+    # 10 blocks: n1 holds 8 on its device, n2 holds 8 with the last 6 on its host tier, n3 none.
+    w = PlacementWeights(load_weight=0.0, host_weight=0.25, balance_slack=math.inf)
+    n1 = NodeCandidate("n1", 8, 100, 100)
+    n2 = NodeCandidate("n2", 8, 100, 100, host_blocks=6)
+    n3 = NodeCandidate("n3", 0, 100, 100)
+    result = place([n1, n2, n3], 10, BLOCK, w)
+    assert (result.node_id, result.host_blocks) == ("n1", 0)
+    assert result.scores == {"n1": -2.0, "n2": -(2 + 0.25 * 6), "n3": -10.0}
+    result = place([n2, n3], 10, BLOCK, w)
+    assert (result.node_id, result.cached_blocks, result.host_blocks, result.new_blocks) == ("n2", 8, 6, 2)
+    # A copy back takes a device block like a new one: 2 new + 6 copied do not fit in 7 of room.
+    assert place([replace(n2, free_blocks=7), n3], 10, BLOCK, w).rejected == ("n2",)
+    # Cut at the need: 5 blocks wanted, the first 2 on n2's device, so 3 of its host blocks count.
+    assert place([n2], 5, BLOCK, w).host_blocks == 3
+    with pytest.raises(InvalidArgument, match="host_blocks"):
+        NodeCandidate("n1", 2, 10, 10, host_blocks=3)
+
+
+def test_scans_go_to_one_node_in_a_fixed_order_until_it_is_over_its_share() -> None:
+    # Three idle nodes; a 40-block prompt none of them holds (size class 6: 32-63 blocks).
+    nodes = [NodeCandidate(f"n{i}", 0, 100, 100, recent_opens=4.0) for i in range(3)]
+    order = sorted(("n0", "n1", "n2"), key=lambda n: hashlib.sha1(b"pagedkv:scan" + n.encode()).hexdigest())
+    scans = 1 << 6
+    for key in (b"", bytes(16), b"\x07" * 16):  # whatever its first key, the same node
+        result = place(nodes, 40, BLOCK, LW1, tie_key=key, scan_classes=scans)
+        assert (result.node_id, result.is_scan) == (order[0], True)
+    assert not place(nodes, 40, BLOCK, LW1, scan_classes=1 << 5).is_scan  # another class
+    # The first scan node over its share of recent opens: the next one in the order.
+    busy = [replace(n, recent_opens=9.0) if n.node_id == order[0] else n for n in nodes]
+    assert place(busy, 40, BLOCK, LW1, scan_classes=scans).node_id == order[1]
+    # The class is that of the fewest uncached blocks on any node: 36 of 40 cached on n2 leaves
+    # 4 (class 3), not a scan, and the prompt goes where it is cached.
+    cached = [replace(n, cached_blocks=36) if n.node_id == "n2" else n for n in nodes]
+    result = place(cached, 40, BLOCK, LW1, scan_classes=scans)
+    assert (result.node_id, result.is_scan) == ("n2", False)
+    with pytest.raises(InvalidArgument, match="scan_classes"):
+        place(nodes, 4, BLOCK, scan_classes=-1)
+
+
+def test_a_node_that_comes_back_empty_takes_opens_until_its_share_is_fair() -> None:
+    # n1 and n2 hold every prompt (a conversation's history: 30 of 32 blocks) and took the
+    # recent opens; n3 restarted empty. While n1 and n2 are over twice the slack, n3 gets the
+    # opens (and recomputes); the others keep their conversations once back within it.
+    w = PlacementWeights(balance_slack=0.05, balance_margin=1.0)
+    old = [NodeCandidate(n, 30, 50, 100, recent_opens=30.0) for n in ("n1", "n2")]
+    back = NodeCandidate("n3", 0, 100, 100, recent_opens=0.0)
+    assert place([*old, back], 32, BLOCK, w).node_id == "n3"
+    even = [replace(c, recent_opens=20.0) for c in old] + [replace(back, recent_opens=20.0)]
+    assert place(even, 32, BLOCK, w).node_id in ("n1", "n2")
+
+
+def test_the_node_holding_more_is_named_when_another_is_chosen() -> None:
+    # n2 and n3 hold 5 of 40 blocks but have no room for the other 35; n1 (holding 2) gets it,
+    # and the placement names the first of the two (by id) as holding more (a miss's reason).
+    nodes = [node("n3", 5, free=10), node("n1", 2, free=90), node("n2", 5, free=0)]
+    result = place(nodes, 40, BLOCK, LW1)
+    assert (result.node_id, result.rejected) == ("n1", ("n2", "n3"))
+    assert (result.cached_elsewhere_blocks, result.cached_elsewhere_node_id) == (5, "n2")
