@@ -5,8 +5,13 @@ so a container is configured by env alone. SIGTERM / SIGINT stop it gracefully:
 health flips to NOT_SERVING, running calls get --grace-s to finish.
 
 Everything a user can get wrong (a port in use, a pool larger than the machine, a device
-it does not have) is checked before the pool is allocated and reported as one line, exit
-code 2 (pagedkv/usage.py).
+it does not have, a missing certificate) is checked before the pool is allocated and reported
+as one line, exit code 2 (pagedkv/usage.py).
+
+Security (deploy/README.md): it listens on loopback unless told (--listen). In a cluster,
+the cluster secret (--cluster-secret-file) makes it take control calls from its coordinator
+only and data calls with the coordinator's tickets only; standalone, --token-file makes every
+call need that bearer token; --tls-* put TLS on its gRPC and bulk TCP ports.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import threading
 
 from pagedkv import __version__
 from pagedkv.logs import add_logging_args, setup_logging
+from pagedkv.trust_args import add_trust_args, keys_from_args, tls_from_args
 from pagedkv.usage import (
     Parser,
     UsageError,
@@ -37,6 +43,8 @@ from pagedkv.usage import (
 
 from ..protos.errors import InvalidArgument
 from ..protos.spec import ModelSpec
+from ..protos.tls import TlsConfig
+from .gate import NodeTrust  # (no torch: the pool's imports wait until the node runs)
 
 log = logging.getLogger("pagedkv.node")
 
@@ -134,7 +142,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="torch device (cpu, cuda, cuda:1); empty or auto picks cuda when present, else cpu",
     )
     p.add_argument(
-        "--listen", default=_env("LISTEN", "0.0.0.0:50051"), help="gRPC address host:port (port 0: any)"
+        "--listen",
+        default=_env("LISTEN", "127.0.0.1:50051"),
+        help="gRPC address host:port (port 0: any); 0.0.0.0:PORT serves other hosts: give it a cluster "
+        "secret or a token, and TLS",
     )
     p.add_argument(
         "--metrics-port",
@@ -162,6 +173,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--node-id", default=_env("NODE_ID", ""), help="stable node name (default: the advertised address)"
     )
     p.add_argument(
+        "--token-file",
+        default=_env("NODE_TOKEN_FILE", ""),
+        help="a standalone node (no --coordinator): every call but Stats, Ping and health needs "
+        "`authorization: Bearer <the file's first line>` (or $PAGEDKV_NODE_TOKEN)",
+    )
+    p.add_argument(
         "--compute-thread",
         choices=["on", "off"],
         default=_env("COMPUTE_THREAD", "off"),
@@ -183,8 +200,39 @@ def build_parser() -> argparse.ArgumentParser:
         default=_env("GRACE_S", "10"),
         help="seconds running calls get to finish on SIGTERM",
     )
+    add_trust_args(p)
     add_logging_args(p)
     return p
+
+
+def node_trust(args: argparse.Namespace, node_id: str) -> tuple[NodeTrust, TlsConfig | None]:
+    """(NodeTrust, TlsConfig or None) of the flags; UsageError for a bad combination."""
+    keys = keys_from_args(args)
+    tls = tls_from_args(args, server=True)
+    token = os.environ.get("PAGEDKV_NODE_TOKEN", "")
+    if args.token_file:
+        try:
+            token = open(args.token_file).readline().strip()  # noqa: SIM115 - one line
+        except OSError as exc:
+            raise UsageError(f"--token-file {args.token_file}: {exc.strerror or exc}") from None
+        if not token:
+            raise UsageError(f"--token-file {args.token_file}: the first line is empty")
+    if token and args.coordinator:
+        raise UsageError(
+            "--token-file is for a standalone node: a node in a cluster takes its coordinator's tickets "
+            "(give it --cluster-secret-file instead)"
+        )
+    if keys is not None and not args.coordinator:
+        log.warning(
+            "a cluster secret is for a node in a cluster (--coordinator): ignored on a standalone node"
+        )
+        keys = None
+    if args.coordinator and keys is None:
+        log.warning(
+            "no cluster secret (--cluster-secret-file): this node's ports take any caller's data and "
+            "control calls; run it on a trusted network only"
+        )
+    return NodeTrust(keys, token, node_id), tls
 
 
 def check_device(device: str) -> str:
@@ -240,6 +288,7 @@ def main(argv: list[str] | None = None) -> None:
 def serve(args: argparse.Namespace) -> None:
     host, listen_port = split_host_port(args.listen, "--listen")
     check_port_free("gRPC", "--listen", host, listen_port)
+    trust, tls = node_trust(args, args.node_id)  # (its registration names it: CoordinatorLink)
     if args.bulk_port:
         check_port_free("bulk KV", "--bulk-port", host, args.bulk_port)
     if args.metrics_port:
@@ -288,7 +337,13 @@ def serve(args: argparse.Namespace) -> None:
     )
     try:
         server, port = create_server(
-            engine, args.listen, max_workers=args.max_workers, metrics=metrics, bulk_port=args.bulk_port
+            engine,
+            args.listen,
+            max_workers=args.max_workers,
+            metrics=metrics,
+            bulk_port=args.bulk_port,
+            trust=trust,
+            tls=tls,
         )
     except (OSError, RuntimeError) as exc:  # the probe above raced with another process
         taken = "bulk KV" if isinstance(exc, OSError) and args.bulk_port else "gRPC"
@@ -328,7 +383,14 @@ def serve(args: argparse.Namespace) -> None:
             f"{advertise.rsplit(':', 1)[0]}:{metrics_address.rsplit(':', 1)[1]}" if metrics_address else ""
         )
         link = CoordinatorLink(
-            engine, args.coordinator, args.node_id or advertise, advertise, metrics_address=scrape
+            engine,
+            args.coordinator,
+            args.node_id or advertise,
+            advertise,
+            metrics_address=scrape,
+            keys=trust.keys,
+            tls=tls,
+            gate=server.gate,
         ).start()
         print(f"joining coordinator {args.coordinator} as {args.node_id or advertise}", flush=True)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -35,10 +35,14 @@ class NodeStats:
 
 @dataclass(frozen=True)
 class Route:
-    """Where a sequence's blocks live: the node its data calls go to."""
+    """Where a sequence's blocks live: the node its data calls go to, the id that
+    node knows it by ("": the worker's own) and the ticket its calls present there
+    (b"": none needed)."""
 
     node_id: str
     address: str
+    node_seq_id: str = ""
+    ticket: bytes = field(default=b"", repr=False)
 
 
 @dataclass(frozen=True)

@@ -87,7 +87,13 @@ class MemoryStore(Store):
         return PurgeResult(node_id, was_registered, len(keys), tuple(lost))
 
     def register_node(
-        self, node_id: str, address: str, spec: Mapping[str, Any], num_blocks: int, ttl_s: float
+        self,
+        node_id: str,
+        address: str,
+        spec: Mapping[str, Any],
+        num_blocks: int,
+        ttl_s: float,
+        epoch: int = 0,
     ) -> PurgeResult:
         check_name("node_id", node_id)
         check_name("address", address)
@@ -95,7 +101,9 @@ class MemoryStore(Store):
         ttl_s = check_ttl(ttl_s)
         with self._lock:
             result = self._purge(node_id, f"node {node_id} re-registered (restarted; its blocks are gone)")
-            self._nodes[node_id] = NodeInfo(node_id, address, dict(spec), num_blocks, {})
+            self._nodes[node_id] = NodeInfo(
+                node_id, address, dict(spec), num_blocks, {}, check_count("epoch", epoch)
+            )
             self._deadline_s[node_id] = self._clock() + ttl_s
             return result
 

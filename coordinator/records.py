@@ -78,6 +78,7 @@ class NodeInfo:
     spec: dict[str, Any]
     num_blocks: int
     load: dict[str, int] = field(default_factory=dict)
+    epoch: int = 0  # this registration's: tickets name it (0: registered without one)
 
 
 @dataclass(frozen=True)

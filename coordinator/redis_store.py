@@ -120,7 +120,7 @@ local function purge(P, id, reason)
 end
 """
 
-# ARGV: P, id, address, spec_json, num_blocks, ttl_ms, reason
+# ARGV: P, id, address, spec_json, num_blocks, ttl_ms, reason, epoch
 _REGISTER = (
     _PURGE
     + """
@@ -129,7 +129,8 @@ local was = redis.call('SISMEMBER', P .. 'nodes', id)
 local r = purge(P, id, ARGV[7])
 local nk = P .. 'node:' .. id
 redis.call('DEL', nk)
-redis.call('HSET', nk, 'address', ARGV[3], 'spec', ARGV[4], 'num_blocks', ARGV[5], 'load', '{}')
+redis.call('HSET', nk, 'address', ARGV[3], 'spec', ARGV[4], 'num_blocks', ARGV[5], 'load', '{}',
+           'epoch', ARGV[8])
 redis.call('SADD', P .. 'nodes', id)
 redis.call('SET', P .. 'alive:' .. id, '1', 'PX', ARGV[6])
 return {was, r[1], r[2]}
@@ -166,8 +167,8 @@ local out = {}
 for _, id in ipairs(redis.call('SMEMBERS', P .. 'nodes')) do
   local live = redis.call('EXISTS', P .. 'alive:' .. id) == 1
   if ARGV[2] == '1' and live then
-    local h = redis.call('HMGET', P .. 'node:' .. id, 'address', 'spec', 'num_blocks', 'load')
-    out[#out + 1] = {id, h[1], h[2], h[3], h[4]}
+    local h = redis.call('HMGET', P .. 'node:' .. id, 'address', 'spec', 'num_blocks', 'load', 'epoch')
+    out[#out + 1] = {id, h[1], h[2], h[3], h[4], h[5] or '0'}
   elseif ARGV[2] == '0' and not live then
     out[#out + 1] = id
   end
@@ -522,7 +523,13 @@ class RedisStore(Store):
     # ---- membership ---------------------------------------------------------------------------
 
     def register_node(
-        self, node_id: str, address: str, spec: Mapping[str, Any], num_blocks: int, ttl_s: float
+        self,
+        node_id: str,
+        address: str,
+        spec: Mapping[str, Any],
+        num_blocks: int,
+        ttl_s: float,
+        epoch: int = 0,
     ) -> PurgeResult:
         check_name("node_id", node_id)
         check_name("address", address)
@@ -533,7 +540,16 @@ class RedisStore(Store):
         except (TypeError, ValueError) as e:
             raise InvalidArgument(f"spec must be a JSON-able mapping: {e}") from e
         reason = f"node {node_id} re-registered (restarted; its blocks are gone)"
-        args = [self._prefix, node_id, address, spec_json, num_blocks, ttl_ms, reason]
+        args = [
+            self._prefix,
+            node_id,
+            address,
+            spec_json,
+            num_blocks,
+            ttl_ms,
+            reason,
+            check_count("epoch", epoch),
+        ]
         reply = self._call("register_node", self._register, args=args)
         return _purge_result(node_id, reply)
 
@@ -547,8 +563,8 @@ class RedisStore(Store):
     def live_nodes(self) -> list[NodeInfo]:
         rows = self._call("live_nodes", self._list_nodes, args=[self._prefix, "1"])
         nodes = [
-            NodeInfo(_s(i), _s(addr), json.loads(spec), int(nb), json.loads(load))
-            for i, addr, spec, nb, load in rows
+            NodeInfo(_s(i), _s(addr), json.loads(spec), int(nb), json.loads(load), int(epoch))
+            for i, addr, spec, nb, load, epoch in rows
         ]
         return sorted(nodes, key=lambda n: n.node_id)
 

@@ -42,9 +42,16 @@ class Store(ABC):
 
     @abstractmethod
     def register_node(
-        self, node_id: str, address: str, spec: Mapping[str, Any], num_blocks: int, ttl_s: float
+        self,
+        node_id: str,
+        address: str,
+        spec: Mapping[str, Any],
+        num_blocks: int,
+        ttl_s: float,
+        epoch: int = 0,
     ) -> PurgeResult:
-        """(Re-)register a node; it is live for ttl_s seconds.
+        """(Re-)register a node; it is live for ttl_s seconds. `epoch` names this
+        registration (NodeInfo.epoch; the tickets for its sequences carry it).
 
         A node that registers again comes back EMPTY (it restarted, its blocks are
         gone): atomically with the new record, its old keys leave the prefix index

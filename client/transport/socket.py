@@ -49,6 +49,7 @@ class SocketTransport:
             raise TransportUnavailable(str(exc)) from exc  # (an id past the frame's text: the rpc carries it)
 
         def body(conn: Connection) -> OpenResult:
+            link.authorize(conn, (), timeout_s)  # (direct mode: the node's token, if it has one)
             conn.sock.sendall(request)
             reply = wire.read_reply(conn.sock, link.head_buffer())
             link.num_opens += 1
@@ -82,6 +83,7 @@ class SocketTransport:
         )
 
         def body(conn: Connection) -> int:
+            link.authorize(conn, (call.seq_id,), timeout_s)
             conn.sock.sendall(frame.pack() + call.token_ids.tobytes())
             conn.sock.sendall(wire.byte_view(k))
             conn.sock.sendall(wire.byte_view(v))
@@ -104,6 +106,7 @@ class SocketTransport:
 
         def body(conn: Connection) -> AttentionResult:
             sock = conn.sock
+            link.authorize(conn, call.seq_ids, timeout_s)
             wire.send_parts(sock, parts)
             expected = _expect_inline(call.q, call.return_block_mass)  # while the node computes
             buf = link.reply_buffer()
@@ -144,6 +147,7 @@ class SocketTransport:
 
         def body(conn: Connection) -> KV:
             sock = conn.sock
+            link.authorize(conn, (call.seq_id,), timeout_s)
             sock.sendall(frame.pack())
             reply = wire.read_reply(sock)
             if reply.status != wire.Status.OK:
