@@ -62,7 +62,7 @@ class NodeData:
             else None
         )
         chosen: list[Transport] = [SOCKET_TRANSPORTS[n](self.bulk) for n in names]  # type: ignore[arg-type]
-        self.transports = Fallback([*chosen, self.grpc])
+        self.transports = Fallback([*chosen, self.grpc], self.wallet.worker_error)
 
     def _learn_port(self, timeout_s: float) -> tuple[int, int]:
         return codec.bulk_info(self.grpc.stats(timeout_s))

@@ -285,7 +285,7 @@ class Sequence:
         num_blocks, route = self.client.routing.swap_in(self.seq_id, timeout_s)
         if route != self.route:
             self.route, self.node = route, self.client.node(route.address)
-            self.node.hold(self.seq_id, route)
+        self.node.hold(self.seq_id, route)
         return num_blocks
 
     def set_budget(

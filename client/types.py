@@ -35,14 +35,14 @@ class NodeStats:
 
 @dataclass(frozen=True)
 class Route:
-    """Where a sequence's blocks live: the node its data calls go to, the id that
-    node knows it by ("": the worker's own) and the ticket its calls present there
-    (b"": none needed)."""
+    """Where a sequence's blocks live: the node its data calls go to (what routes
+    compare), with the id that node knows it by ("": the worker's own) and the
+    ticket its calls present there (b"": none needed)."""
 
     node_id: str
     address: str
-    node_seq_id: str = ""
-    ticket: bytes = field(default=b"", repr=False)
+    node_seq_id: str = field(default="", compare=False)
+    ticket: bytes = field(default=b"", repr=False, compare=False)  # a credential, not a place
 
 
 @dataclass(frozen=True)

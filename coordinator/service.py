@@ -19,7 +19,7 @@ import grpc
 
 from ..protos import pagedkv_pb2 as pb
 from ..protos import pagedkv_pb2_grpc as pb_grpc
-from ..protos.errors import FailedPrecondition, InvalidArgument, NotFound
+from ..protos.errors import FailedPrecondition, InvalidArgument, NotFound, PagedKVError
 from ..protos.serving import GrpcServer, build_server, observe
 from ..protos.spec import ModelSpec
 from ..protos.tls import TlsConfig
@@ -44,6 +44,21 @@ def spec_dict(spec: pb.ModelSpec) -> dict[str, Any] | None:
     return fields
 
 
+def unscope(exc: PagedKVError, prefix: str) -> PagedKVError:
+    """A copy of exc (same class and ids) with `prefix` ("tenant/") taken off the
+    sequence ids in its message and its seq_id; exc itself when it names none."""
+    text = str(exc)
+    seq_id = getattr(exc, "seq_id", None)
+    if f"'{prefix}" not in text and not (isinstance(seq_id, str) and seq_id.startswith(prefix)):
+        return exc
+    err = PagedKVError.__new__(type(exc))
+    Exception.__init__(err, text.replace(f"'{prefix}", "'"))
+    err.__dict__.update(exc.__dict__)
+    if isinstance(seq_id, str):
+        err.seq_id = seq_id.removeprefix(prefix)  # type: ignore[attr-defined]
+    return err
+
+
 def _seq_id(seq_id: str, what: str = "seq_id") -> str:
     if not seq_id:
         raise InvalidArgument(f"a {what} is required (the client picks one, e.g. a uuid)")
@@ -57,7 +72,23 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self.metrics = metrics
 
     def _run(self, method: str, context: grpc.ServicerContext, fn: Callable[[], T]) -> T | None:
-        return observe(method, context, fn, self.metrics.observe)
+        def run() -> T:
+            try:
+                return fn()
+            except PagedKVError as exc:
+                raise self._unscoped(exc, context) from None
+
+        return observe(method, context, run, self.metrics.observe)
+
+    def _unscoped(self, exc: PagedKVError, context: grpc.ServicerContext) -> PagedKVError:
+        """exc as its caller knows its ids: the calling tenant's scope taken off."""
+        if not self.tenants.is_enabled:
+            return exc
+        try:
+            prefix = self.tenants.scoped(self._tenant(context), "")
+        except PagedKVError:
+            return exc
+        return unscope(exc, prefix)
 
     def _tenant(self, context: grpc.ServicerContext) -> str:
         return self.tenants.tenant_for(context.invocation_metadata())

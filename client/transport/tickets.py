@@ -14,6 +14,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 
+from ...protos.errors import PagedKVError
 from ...protos.tickets import TICKET_KEY
 
 MAX_GRANTS = 1 << 16  # sequences remembered per node (closed ones are forgotten at once)
@@ -23,6 +24,7 @@ class Wallet:
     def __init__(self, token: str = "") -> None:
         self.token = token  # a standalone node's bearer token ("" : none)
         self._ids: dict[str, str] = {}  # the worker's sequence id -> the node's
+        self._workers: dict[str, str] = {}  # and back
         self._tickets: dict[str, bytes] = {}  # the node's sequence id -> its ticket
         self._lock = threading.Lock()
 
@@ -35,15 +37,18 @@ class Wallet:
         with self._lock:
             if len(self._ids) >= MAX_GRANTS:
                 for old in list(self._ids)[: MAX_GRANTS // 4]:
+                    self._workers.pop(self._ids[old], None)
                     self._tickets.pop(self._ids.pop(old), None)
             if node_seq_id and node_seq_id != seq_id:
                 self._ids[seq_id] = node_seq_id
+                self._workers[node_seq_id] = seq_id
             if ticket:
                 self._tickets[node_seq_id or seq_id] = ticket
 
     def forget(self, seq_id: str) -> None:
         with self._lock:
             node_seq_id = self._ids.pop(seq_id, seq_id)
+            self._workers.pop(node_seq_id, None)
             self._tickets.pop(node_seq_id, None)
 
     def node_id(self, seq_id: str) -> str:
@@ -65,6 +70,18 @@ class Wallet:
         if not tickets:
             return []
         return [t for t in map(tickets.get, node_seq_ids) if t is not None]
+
+    def worker_error(self, exc: PagedKVError) -> PagedKVError:
+        """exc (a node's answer) naming the worker's id of its sequence, not the node's."""
+        node_seq_id = getattr(exc, "seq_id", None)
+        seq_id = self._workers.get(node_seq_id) if isinstance(node_seq_id, str) else None
+        if seq_id is None:
+            return exc
+        err = PagedKVError.__new__(type(exc))
+        Exception.__init__(err, str(exc).replace(repr(node_seq_id), repr(seq_id)))
+        err.__dict__.update(exc.__dict__)
+        err.seq_id = seq_id  # type: ignore[attr-defined]
+        return err
 
     def metadata(self, node_seq_ids: Sequence[str]) -> tuple[tuple[str, str | bytes], ...]:
         """A gRPC call's credentials for these sequences."""
