@@ -160,6 +160,31 @@ def build_parser() -> argparse.ArgumentParser:
         help="raw TCP side channel (large KV transfers, the per-step attend calls) on the --listen "
         "host (auto: any free port; 0 or off: none, clients use gRPC); advertised in the node's Stats",
     )
+    bulk = p.add_argument_group("bulk channel limits (what no client can take from it)")
+    bulk.add_argument(
+        "--bulk-max-connections",
+        type=positive_int("--bulk-max-connections"),
+        default=_env("BULK_MAX_CONNECTIONS", "64"),
+        help="connections per bulk listener (TCP, and the same-host socket); more are closed at once",
+    )
+    bulk.add_argument(
+        "--bulk-max-per-peer",
+        type=positive_int("--bulk-max-per-peer"),
+        default=_env("BULK_MAX_PER_PEER", "16"),
+        help="bulk connections per peer (an IP address; a local process)",
+    )
+    bulk.add_argument(
+        "--bulk-idle-timeout-s",
+        type=positive_float("--bulk-idle-timeout-s"),
+        default=_env("BULK_IDLE_TIMEOUT_S", "60"),
+        help="a bulk connection that sends nothing for this long is closed",
+    )
+    bulk.add_argument(
+        "--bulk-request-timeout-s",
+        type=positive_float("--bulk-request-timeout-s"),
+        default=_env("BULK_REQUEST_TIMEOUT_S", "30"),
+        help="a bulk request must arrive within this, plus its payload at 4 MiB/s",
+    )
     cluster = p.add_argument_group("cluster (leave --coordinator empty for a standalone node)")
     cluster.add_argument(
         "--coordinator", default=_env("COORDINATOR", ""), help="coordinator host:port to register with"
@@ -310,6 +335,7 @@ def serve(args: argparse.Namespace) -> None:
 
     from .engine import CacheEngine, EngineConfig  # torch loads only when the node runs
     from .metrics import NodeMetrics
+    from .serve import BulkLimits
     from .server import create_server
 
     device = check_device(args.device)
@@ -344,6 +370,12 @@ def serve(args: argparse.Namespace) -> None:
             bulk_port=args.bulk_port,
             trust=trust,
             tls=tls,
+            bulk_limits=BulkLimits(
+                max_connections=args.bulk_max_connections,
+                max_per_peer=args.bulk_max_per_peer,
+                idle_timeout_s=args.bulk_idle_timeout_s,
+                frame_timeout_s=args.bulk_request_timeout_s,
+            ),
         )
     except (OSError, RuntimeError) as exc:  # the probe above raced with another process
         taken = "bulk KV" if isinstance(exc, OSError) and args.bulk_port else "gRPC"

@@ -64,6 +64,7 @@ class NodeOptions:
     host_blocks: int = 1024
     policy: str = "lru"
     bulk_port: str = "auto"  # each node's bulk KV port: auto (a free one) or off
+    extra_args: tuple[str, ...] = ()  # more `pagedkv node` flags, as given
 
     def args(self) -> list[str]:
         return [
@@ -76,6 +77,7 @@ class NodeOptions:
             f"--host-blocks={self.host_blocks}",
             f"--policy={self.policy}",
             f"--bulk-port={self.bulk_port}",
+            *self.extra_args,
         ]
 
     def spec(self) -> dict:

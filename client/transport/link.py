@@ -101,6 +101,8 @@ class BulkLink:
         self.num_local_transfers = 0  # append / read_kv over the same-host Unix socket
         self.num_shm_reads = 0  # read_kv through the shared region (counted in num_local_transfers too)
         self.num_opens = 0  # opens answered over the listener (OK or a node error)
+        self.num_auth = 0  # AUTH round trips (credentials presented on a connection)
+        self.num_refused = 0  # error replies the node sent over the listener
 
     def next_id(self) -> int:
         return next(self._ids)
@@ -220,6 +222,7 @@ class BulkLink:
             raise TransportUnavailable("the node's bulk listener takes no credentials (AUTH)")
         conn.sock.sendall(wire.encode_auth(self.next_id(), fresh, token))
         reply = wire.read_reply(conn.sock, self.head_buffer())
+        self.num_auth += 1
         if reply.status != wire.Status.OK:
             raise self.error(reply.status, reply.text, reply.extra)
         if len(presented) + len(fresh) > MAX_PRESENTED:
@@ -278,6 +281,7 @@ class BulkLink:
         return result
 
     def error(self, status: int, text: str, extra: str) -> PagedKVError:
+        self.num_refused += 1
         return wire.error_of(status, text, extra, self.where)
 
     def head_buffer(self) -> bytearray:
