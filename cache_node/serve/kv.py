@@ -27,9 +27,11 @@ from ...protos.tickets import RIGHT_READ, RIGHT_WRITE
 from ...protos.wire import Frame, ProtocolError
 from ..gate import Credentials
 from ..shm import Region
+from .limits import Refused
 
 if TYPE_CHECKING:
     from .listener import BulkServer
+
 
 # Default read slab when the client names none: small enough that copying the next
 # slab out of the pool overlaps with the peer draining the socket.
@@ -95,6 +97,8 @@ class KVOps:
             server.gate.require(creds, [f.text], RIGHT_WRITE, "Append")
             n = self._check_append(f)
             server.budget.take(f.payload_len, "append")
+        except CapacityExceeded as exc:  # larger than the pool or the node's budget: never read it
+            raise Refused(f, "Append", exc) from None
         except PagedKVError as exc:
             server.refuse_payload(conn, f, "Append", exc, 8 * max(0, f.end - f.start) + f.payload_len)
             return

@@ -25,7 +25,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...protos.errors import CapacityExceeded, InvalidArgument
-from ...protos.wire import ProtocolError
+from ...protos.wire import Frame, ProtocolError
+
+
+class Refused(Exception):
+    """A request refused from its header whose payload is not worth reading (too large
+    to drain, or one that can never succeed): its error is sent, then the connection
+    is closed (listener.py)."""
+
+    def __init__(self, frame: Frame, method: str, error: Exception) -> None:
+        super().__init__(str(error))
+        self.frame, self.method, self.error = frame, method, error
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,7 @@ from ..metrics import NodeMetrics
 from ..shm import Region, local_listener, map_region
 from .attend import AttendOps, CallBuffer
 from .kv import KVOps
-from .limits import BulkLimits, ByteBudget, PeerCounter, TimedConn
+from .limits import BulkLimits, ByteBudget, PeerCounter, Refused, TimedConn
 
 logger = logging.getLogger("pagedkv.cache_node.bulk")
 DRAIN_BYTES = 4 << 20  # scratch for discarding the payload of a refused request
@@ -51,15 +51,6 @@ MAX_DRAIN_BYTES = 16 << 20
 LOCAL_SNDBUF_BYTES = 4 << 20
 # Ops only a same-host (Unix socket) connection carries: they name its region.
 LOCAL_OPS = frozenset({wire.OP_MAP, wire.OP_ATTEND_SHM, wire.OP_ATTEND_PREFILL_BATCH_SHM, wire.OP_READ_SHM})
-
-
-class Refused(Exception):
-    """A request refused from its header whose payload is not worth draining: its
-    error is sent, then the connection closed."""
-
-    def __init__(self, frame: Frame, method: str, error: Exception) -> None:
-        super().__init__(str(error))
-        self.frame, self.method, self.error = frame, method, error
 
 
 class _Conn:

@@ -6,9 +6,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from hostile import Q_HEADS, SPEC, Secured, Victim, kv, start
-
 import torch
+from hostile import Q_HEADS, SPEC, Secured, Victim, kv, start
 
 
 @pytest.fixture(scope="session")

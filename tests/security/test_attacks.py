@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from hostile import QUOTA_BLOCKS, SPEC, TOKENS, Q_HEADS, Secured, kv, reply, send, status_of
+from hostile import Q_HEADS, QUOTA_BLOCKS, SPEC, TOKENS, Secured, kv, reply, send, status_of
 
 from pagedkv.protos import pagedkv_pb2 as pb
 from pagedkv.protos import tensors, wire
