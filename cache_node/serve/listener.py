@@ -282,8 +282,8 @@ class BulkServer:
 
     def _ping(self, conn: socket.socket, f: Frame) -> None:
         if f.payload_len:
-            self.drain(conn, f.payload_len)
-            self.reply_error(conn, f, InvalidArgument("bulk ping: the request carries no payload"))
+            error = InvalidArgument("bulk ping: the request carries no payload")
+            self.refuse_payload(conn, f, "Ping", error, f.payload_len)
             return
         self.bump("num_requests")
         conn.sendall(Frame(f.op, f.request_id).pack())
@@ -316,8 +316,8 @@ class BulkServer:
 
     def _hello(self, conn: socket.socket, f: Frame) -> None:
         if f.payload_len:
-            self.drain(conn, f.payload_len)
-            self.reply_error(conn, f, InvalidArgument("bulk hello: the request carries no payload"))
+            error = InvalidArgument("bulk hello: the request carries no payload")
+            self.refuse_payload(conn, f, "Hello", error, f.payload_len)
             return
         caps = wire.Capabilities(self.ops, self.local_name).encode()
         conn.sendall(Frame(f.op, f.request_id, payload_len=len(caps)).pack() + caps)  # set-up: not counted
@@ -340,10 +340,12 @@ class BulkServer:
             old.close()
         try:
             if f.payload_len:
-                self.drain(conn, f.payload_len)
-                raise InvalidArgument("bulk map: the request carries no payload")
+                self.refuse_payload(
+                    conn, f, "Map", InvalidArgument("bulk map: the request carries no payload"), f.payload_len
+                )
+                return None
             region = map_region(f, fds)
-        except Exception as exc:
+        except PagedKVError as exc:
             self.reply_error(conn, f, exc)
             return None
         finally:
@@ -355,13 +357,11 @@ class BulkServer:
         self, conn: socket.socket, f: Frame, layout: struct.Struct, what: str
     ) -> tuple[int, ...] | None:
         """The request's fixed-size payload, unpacked; None after refusing one of another
-        size (drained, error reply: the connection stays in sync). A payload too large to
-        drain is a ProtocolError (the connection closes)."""
+        size (drained, error reply: the connection stays in sync; one too large to drain
+        closes the connection)."""
         if f.payload_len != layout.size:
-            if f.payload_len > wire.MAX_CALL_BYTES:
-                raise ProtocolError(f"{what} of {f.payload_len} bytes (expected {layout.size})")
-            self.drain(conn, f.payload_len)
-            self.reply_error(conn, f, InvalidArgument(f"bulk {what}: {f.payload_len}-byte request"))
+            error = InvalidArgument(f"bulk {what}: {f.payload_len}-byte request")
+            self.refuse_payload(conn, f, what, error, f.payload_len)
             return None
         head = bytearray(layout.size)
         wire.recv_exact(conn, memoryview(head), what)
@@ -381,28 +381,23 @@ class BulkServer:
         except PagedKVError as exc:
             self.refuse_payload(conn, f, "Open", exc, f.payload_len)
             return
-        is_whole = 8 * f.end <= f.payload_len
-        if is_whole:
-            try:
-                self.budget.take(f.payload_len, "open")
-            except PagedKVError as exc:
-                raise Refused(f, "Open", exc) from None
+        if 8 * f.end > f.payload_len:
+            msg = (
+                f"bulk open: {f.payload_len} payload bytes cannot hold {f.end} token ids ({8 * f.end} bytes)"
+            )
+            self.refuse_payload(conn, f, "Open", InvalidArgument(msg), f.payload_len)
+            return
         try:
-            payload = bytearray(f.payload_len if is_whole else 0)
-            if is_whole:
-                wire.recv_exact(conn, memoryview(payload), "open payload", socket.MSG_WAITALL)
-            else:
-                self.drain(conn, f.payload_len)
+            self.budget.take(f.payload_len, "open")
+        except PagedKVError as exc:
+            raise Refused(f, "Open", exc) from None
+        try:
+            payload = bytearray(f.payload_len)
+            wire.recv_exact(conn, memoryview(payload), "open payload", socket.MSG_WAITALL)
         finally:
-            if is_whole:
-                self.budget.give(f.payload_len)
+            self.budget.give(f.payload_len)
         started = time.perf_counter()
         try:
-            if not is_whole:
-                raise InvalidArgument(
-                    f"bulk open: {f.payload_len} payload bytes cannot hold {f.end} token ids "
-                    f"({8 * f.end} bytes)"
-                )
             req = wire.decode_open(f, payload)
             res = self.engine.open(req.seq_id, req.token_ids, req.salt, req.max_cached_tokens)
         except Exception as exc:  # every failure becomes a status; the node keeps serving
