@@ -228,8 +228,9 @@ class Gate:
         """Hold this around an engine call that appends new_tokens[i] tokens to
         seq_ids[i] (held(id): the tokens it holds now): for sequences with an
         allowance, more is reserved first when the append would pass it, and the
-        check and the append are one step (the quota lock). Nothing to do (no
-        lock) for sequences without one."""
+        check and the append are one step (the quota lock, held across the
+        coordinator's Reserve: one round trip per _GROW_BLOCKS blocks a sequence grows).
+        Nothing to do (no lock) for sequences without one."""
         allowances = self._allowances
         if not allowances:
             return _NO_CHARGE

@@ -179,17 +179,18 @@ class BulkServer:
                 self._conns[id(served)] = served
             served.thread.start()
 
-    def _handshake(self, served: _Conn) -> socket.socket:
+    def _handshake(self, served: _Conn) -> socket.socket | None:
         """The connection's socket, TLS-wrapped (handshake bounded, on this thread)
-        when the node has a certificate; ProtocolError when the handshake fails."""
+        when the node has a certificate; None when the handshake failed."""
         conn = served.sock
         if self._tls is None:
             return conn
         conn.settimeout(self.limits.handshake_timeout_s)
         try:
             wrapped = self._tls.wrap_socket(conn, server_side=True)
-        except (OSError, ValueError) as exc:
-            raise ProtocolError(f"TLS handshake failed: {exc}") from None
+        except (OSError, ValueError) as exc:  # a plaintext peer, a bad certificate, a timeout
+            logger.info("bulk TLS handshake failed: %s", exc)
+            return None
         with self._lock:
             served.sock = wrapped  # (stop() shuts down what the thread reads from)
         return wrapped
@@ -201,9 +202,16 @@ class BulkServer:
         fds: list[int] | None = [] if is_local else None
         region: Region | None = None
         creds = self.gate.credentials()
-        conn: Any = served.sock
+        conn: Any = served.sock if is_local else self._handshake(served)
+        if conn is None:
+            self.bump("num_dropped")
+            served.sock.close()
+            with self._lock:
+                self._conns.pop(id(served), None)
+                self._peers.release(served.peer)
+            return
         try:
-            conn = TimedConn(conn if is_local else self._handshake(served), self.limits)
+            conn = TimedConn(conn, self.limits)
             while (frame := wire.read_frame(conn, eof_ok=True, buf=head, fds=fds)) is not None:
                 conn.arm(frame.payload_len)
                 if frame.op not in self.ops or (frame.op in LOCAL_OPS and fds is None):
