@@ -17,6 +17,8 @@ Measured, variants interleaved call by call, medians:
   tickets+tls / tickets is TLS's price on the paths it covers;
 - a 256 MiB KV upload (append) and download (read_kv into the caller's tensors) over TCP and
   gRPC, plaintext vs TLS, in GB/s;
+- the same attends over sequences of SHORT_LEN = 64 tokens (an engine ~30x shorter): the
+  transport's floor, where a per-call cost shows most (tickets / off, paired);
 - the ticket check alone, in process (what each call adds on the node, and on the client),
   beside the attend it guards: the bound the end-to-end ratios cannot resolve on a noisy host.
 """
@@ -39,7 +41,7 @@ from typing import Any
 
 import torch  # after bench/__init__.py, which sets pagedkv's process environment
 
-from bench.rpc import BATCHES, CONTEXT_LEN, NUM_Q_HEADS, RESULTS, SPEC, TRANSFER_BYTES
+from bench.rpc import BATCHES, CONTEXT_LEN, NUM_Q_HEADS, RESULTS, SHORT_LEN, SPEC, TRANSFER_BYTES
 
 VARIANTS = ("off", "tickets", "tickets+tls")
 PATHS = {"shm": ("shm", "grpc"), "tcp": ("tcp", "grpc"), "grpc": ("grpc",)}
@@ -62,15 +64,17 @@ def _node(conn: Any, certs: str) -> None:
     spec = ModelSpec(**SPEC)
     seqs = max(BATCHES)
     xfer_blocks = TRANSFER_BYTES // spec.bytes_per_block + 2
-    engine = CacheEngine(
-        EngineConfig(spec, seqs * CONTEXT_LEN // spec.block_size + xfer_blocks + 16, device="cpu")
-    )
+    blocks = seqs * (CONTEXT_LEN + SHORT_LEN) // spec.block_size + xfer_blocks + 16
+    engine = CacheEngine(EngineConfig(spec, blocks, device="cpu"))
     g = torch.Generator().manual_seed(0)
-    shape = (1, CONTEXT_LEN, spec.num_kv_heads, spec.head_dim)
-    for i in range(seqs):
-        toks = list(range(i * 10**6, i * 10**6 + CONTEXT_LEN))
-        engine.open(f"s{i}", toks)
-        engine.append(f"s{i}", toks, torch.randn(shape, generator=g), torch.randn(shape, generator=g))
+    for prefix, length, first in (("s", CONTEXT_LEN, 0), ("c", SHORT_LEN, 500_000)):
+        shape = (1, length, spec.num_kv_heads, spec.head_dim)
+        for i in range(seqs):
+            toks = list(range(i * 10**6 + first, i * 10**6 + first + length))  # distinct: no sharing
+            engine.open(f"{prefix}{i}", toks)
+            engine.append(
+                f"{prefix}{i}", toks, torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+            )
     engine.open("x", [1])
     trust = NodeTrust(ClusterKeys([SECRET]), "", NODE_ID)
     tls = TlsConfig(f"{certs}/tls.crt", f"{certs}/tls.key", f"{certs}/ca.crt")
@@ -124,36 +128,22 @@ def _client(variant: str, port: int, transports: tuple[str, ...], certs: str, se
 
 
 def _attends(ports: dict[str, int], certs: str, quick: bool) -> dict[str, Any]:
-    ids = [f"s{i}" for i in range(max(BATCHES))]
+    n = max(BATCHES)
+    all_ids = [f"s{i}" for i in range(n)] + [f"c{i}" for i in range(n)]
     combos = [(v, p) for v in VARIANTS for p in PATHS if v != "tickets+tls" or p in TLS_PATHS]
-    clients = {(v, p): _client(v, ports[v], PATHS[p], certs, ids) for v, p in combos}
+    clients = {(v, p): _client(v, ports[v], PATHS[p], certs, all_ids) for v, p in combos}
     out: dict[str, Any] = {}
     rng = random.Random(0)
+    runs = [
+        ("", "s", combos, 300, 80),
+        ("short/", "c", [k for k in combos if k[0] != "tickets+tls"], 600, 150),
+    ]
     try:
-        for batch in BATCHES:
-            iters = (300 if batch == 1 else 80) // (5 if quick else 1)
-            q = torch.randn(batch, NUM_Q_HEADS, SPEC["head_dim"])
-            samples: dict[tuple[str, str], list[float]] = {k: [] for k in combos}
-            for k in combos:  # warm every connection and its tickets
-                clients[k].data.attend(ids[:batch], 0, q)
-            for _ in range(iters):
-                order = list(combos)
-                rng.shuffle(order)
-                for k in order:
-                    start = time.perf_counter()
-                    clients[k].data.attend(ids[:batch], 0, q)
-                    samples[k].append(time.perf_counter() - start)
-            for (v, p), s in samples.items():
-                out[f"b{batch}/{p}/{v}"] = {"p50_ms": statistics.median(s) * 1e3, "n": len(s)}
-            # paired: each round's tickets call over its off call on the same path (the host's
-            # drift between rounds cancels; what is left is the calls' own spread)
-            for p in PATHS:
-                pairs = zip(samples[("tickets", p)], samples[("off", p)], strict=True)
-                out[f"b{batch}/{p}/paired_ratio"] = statistics.median(a / b for a, b in pairs)
-            print(
-                f"attend batch {batch}: "
-                + ", ".join(f"{k}={statistics.median(s) * 1e3:.3f}ms" for k, s in samples.items()),
-                flush=True,
+        for tag, prefix, run, iters_1, iters_32 in runs:
+            out.update(
+                _attend_run(
+                    clients, run, tag, [f"{prefix}{i}" for i in range(n)], iters_1, iters_32, quick, rng
+                )
             )
         for (v, p), c in clients.items():  # the tickets went once per connection, not per call
             link = c.node(next(iter(c._nodes))).data.bulk
@@ -161,6 +151,47 @@ def _attends(ports: dict[str, int], certs: str, quick: bool) -> dict[str, Any]:
     finally:
         for c in clients.values():
             c.close()
+    return out
+
+
+def _attend_run(
+    clients: dict[tuple[str, str], Any],
+    combos: list[tuple[str, str]],
+    tag: str,
+    ids: list[str],
+    iters_1: int,
+    iters_32: int,
+    quick: bool,
+    rng: random.Random,
+) -> dict[str, Any]:
+    """Attend p50 per (variant, path) and batch, the variants interleaved in a shuffled
+    order each round; and each path's paired tickets / off ratio."""
+    out: dict[str, Any] = {}
+    for batch in BATCHES:
+        iters = (iters_1 if batch == 1 else iters_32) // (5 if quick else 1)
+        q = torch.randn(batch, NUM_Q_HEADS, SPEC["head_dim"])
+        samples: dict[tuple[str, str], list[float]] = {k: [] for k in combos}
+        for k in combos:  # warm every connection and its tickets
+            clients[k].data.attend(ids[:batch], 0, q)
+        for _ in range(iters):
+            order = list(combos)
+            rng.shuffle(order)
+            for k in order:
+                start = time.perf_counter()
+                clients[k].data.attend(ids[:batch], 0, q)
+                samples[k].append(time.perf_counter() - start)
+        for (v, p), s in samples.items():
+            out[f"{tag}b{batch}/{p}/{v}"] = {"p50_ms": statistics.median(s) * 1e3, "n": len(s)}
+        # paired: each round's tickets call over its off call on the same path (the host's
+        # drift between rounds cancels; what is left is the calls' own spread)
+        for p in PATHS:
+            pairs = zip(samples[("tickets", p)], samples[("off", p)], strict=True)
+            out[f"{tag}b{batch}/{p}/paired_ratio"] = statistics.median(a / b for a, b in pairs)
+        print(
+            f"attend {tag}batch {batch}: "
+            + ", ".join(f"{k}={statistics.median(s) * 1e3:.3f}ms" for k, s in samples.items()),
+            flush=True,
+        )
     return out
 
 
@@ -298,6 +329,17 @@ def render(r: dict[str, Any]) -> str:
                 f"| batch {batch} | {path} | {off:.3f} | {on:.3f} | {tls_cell} | {on / off:.3f}x | "
                 f"{paired:.3f}x | {ratio} |"
             )
+    lines += [
+        "",
+        f"| attend p50 (ms), L = {SHORT_LEN}: the transport's floor | path | off | tickets | "
+        "tickets / off, paired |",
+        "|---|---|---|---|---|",
+    ]
+    for batch in BATCHES:
+        for path in PATHS:
+            off, on = (a[f"short/b{batch}/{path}/{v}"]["p50_ms"] for v in ("off", "tickets"))
+            paired = a[f"short/b{batch}/{path}/paired_ratio"]
+            lines.append(f"| batch {batch} | {path} | {off:.3f} | {on:.3f} | {paired:.3f}x |")
     lines += [
         "",
         "| 256 MiB (GB/s) | path | off | tickets | tickets+tls | tls / tickets |",
