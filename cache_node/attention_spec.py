@@ -30,9 +30,10 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
+from pagedkv.protos.attention import LayerAttention
 from pagedkv.protos.errors import InvalidArgument
 
-__all__ = ["PLAIN", "AttentionSpec", "apply_sinks", "dead_prefix_blocks"]
+__all__ = ["PLAIN", "AttentionSpec", "apply_sinks", "dead_prefix_blocks", "from_layer"]
 
 
 def _nonneg_int(value: object, name: str) -> int:
@@ -148,6 +149,14 @@ class AttentionSpec:
 
 
 PLAIN = AttentionSpec()
+
+
+def from_layer(layer: LayerAttention) -> AttentionSpec:
+    """The spec of one layer of a sequence's wire attention (protos/attention.py; no sinks:
+    the client folds them in)."""
+    if layer.is_plain:
+        return PLAIN
+    return AttentionSpec(layer.scale, layer.window, layer.chunk, layer.softcap)
 
 
 def dead_prefix_blocks(specs: Sequence[AttentionSpec], next_pos: int, block_size: int) -> int:

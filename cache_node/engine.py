@@ -38,6 +38,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
+from ..protos.attention import LayerAttention
 from ..protos.errors import InvalidArgument, PagedKVError, PrefixEvicted, SequenceNotFound
 from ..protos.spec import ModelSpec
 from .attention import AttentionOutput, paged_decode, paged_prefill
@@ -45,6 +46,7 @@ from .compute_thread import ComputeThread
 from .eviction import POLICIES, ScorePolicy
 from .kv_manager import DEVICE, HOST, BlockEvent, Budget, HeldBlocks, KVCacheManager, OpenResult, Slots
 from .tensor_mover import TensorMover
+from .windows import SequenceSpecs
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 MAX_TOKEN_ID = 2**63 - 1
@@ -155,6 +157,7 @@ class CacheEngine:
             )
         )
         self.manager = self._new_manager()
+        self.specs = SequenceSpecs(spec.num_layers, spec.block_size)  # windows.py: per-sequence attention
         self._lock = threading.RLock()
         self._seq_opened = threading.Condition(self._lock)  # notified by every successful open
         self._tombstones: OrderedDict[str, PagedKVError] = OrderedDict()  # seq id -> why its open failed
@@ -202,6 +205,7 @@ class CacheEngine:
         salt: bytes = b"",
         max_cached_tokens: int | None = None,
         expect_cached_tokens: int | None = None,
+        attention: Seq[LayerAttention] | None = None,
     ) -> OpenResult:
         """Create a sequence starting with the longest cached prefix of `token_ids`
         (see KVCacheManager.open). The caller appends the remaining tokens' KV.
@@ -211,9 +215,11 @@ class CacheEngine:
         starts with exactly that many tokens, or is not opened (PrefixEvicted when
         the node holds fewer, evicted since the coordinator read its index). Such a
         failure is also kept as a tombstone, so the first data call on `seq_id`
-        raises it instead of NOT_FOUND (await_sequence)."""
+        raises it instead of NOT_FOUND (await_sequence). `attention`: one LayerAttention per
+        layer (or None), kept for the sequence and its forks (windows.py)."""
         seq_id = _seq_id(seq_id)
         if expect_cached_tokens is None:
+            spec = self.specs.check(attention)
             tokens = _token_list(token_ids, f"open {seq_id!r}")
             if max_cached_tokens is not None and (
                 type(max_cached_tokens) is not int or max_cached_tokens < 0
@@ -223,10 +229,12 @@ class CacheEngine:
                 )
             with self._lock:
                 res = self.manager.open(seq_id, tokens, bytes(salt), max_cached_tokens)
+                self.specs.set(seq_id, spec)
                 self._tombstones.pop(seq_id, None)
                 self._seq_opened.notify_all()
                 return res
         try:
+            spec = self.specs.check(attention)
             tokens = _token_list(token_ids, f"open {seq_id!r}")
             want = expect_cached_tokens
             if type(want) is not int or not 0 <= want <= len(tokens):
@@ -238,6 +246,7 @@ class CacheEngine:
                 if res.num_cached_tokens != want:
                     self.manager.free(seq_id)  # back to exactly as before: the blocks stay cached
                     raise PrefixEvicted(seq_id, res.num_cached_tokens, want)
+                self.specs.set(seq_id, spec)
                 self._tombstones.pop(seq_id, None)
                 self._seq_opened.notify_all()
                 return res
@@ -429,15 +438,23 @@ class CacheEngine:
                 empty = [sid for sid, seq in zip(ids, seqs, strict=True) if seq.cache_len == 0]
                 raise InvalidArgument(f"sequences {empty} hold no tokens to attend to")
             want_mass = return_block_mass or self._tracks_mass(seqs)
-            res = paged_decode(
-                q,
-                self.kv[layer, 0],
-                self.kv[layer, 1],
-                tables,  # host tensors: the kernels check them there and move them once
-                lens,
-                return_block_mass=want_mass,
-                out=out,
-            )
+            specs = self.specs.batch_specs(ids, layer)
+            if specs is None:
+                res = paged_decode(
+                    q,
+                    self.kv[layer, 0],
+                    self.kv[layer, 1],
+                    tables,  # host tensors: the kernels check them there and move them once
+                    lens,
+                    return_block_mass=want_mass,
+                    out=out,
+                )
+            else:
+                res = self.specs.decode(
+                    specs, q, self.kv[layer, 0], self.kv[layer, 1], tables, lens, want_mass, out
+                )
+                if layer == s.num_layers - 1:
+                    self.specs.release(self.manager, ids)
             if want_mass and res.block_mass is not None:
                 self._credit_mass(seqs, res.block_mass)
             return res
@@ -490,14 +507,25 @@ class CacheEngine:
                 raise InvalidArgument(
                     f"sequence {seq_id!r} holds {seq.cache_len} tokens, fewer than {n} queries"
                 )
+            if k is None:
+                self.specs.check_queries(seq_id, layer, seq.num_tokens - n, seq.num_dropped_tokens)
             want_mass = return_block_mass or self._tracks_mass([seq])
             if table is None:
                 table = torch.tensor(seq.table, dtype=torch.int64, device=self.device)
+            spec = self.specs.layer_spec(seq_id, layer)
             out = paged_prefill(
-                q, self.kv[layer, 0], self.kv[layer, 1], table, seq.cache_len, return_block_mass=want_mass
+                q,
+                self.kv[layer, 0],
+                self.kv[layer, 1],
+                table,
+                seq.cache_len,
+                return_block_mass=want_mass,
+                spec=spec,
             )
             if want_mass and out.block_mass is not None:
                 self._credit_mass([seq], out.block_mass.unsqueeze(0))
+            if spec.masks and layer == s.num_layers - 1:
+                self.specs.release(self.manager, [seq_id])
             return out
 
     @_computes
@@ -708,12 +736,14 @@ class CacheEngine:
     def fork(self, parent_id: str, child_id: str) -> None:
         with self._lock:
             self.manager.fork(_seq_id(parent_id), _seq_id(child_id))
+            self.specs.fork(parent_id, child_id)
 
     @_computes
     def free(self, seq_id: str) -> None:
         with self._lock:
             self.manager.free(_seq_id(seq_id))
             self._held.pop(seq_id, None)  # its unfinished blocks went back unkeyed
+            self.specs.forget(seq_id)
 
     @_computes
     def swap_out(self, seq_id: str) -> int:
@@ -747,6 +777,8 @@ class CacheEngine:
         seq_id = _seq_id(seq_id)
         budget = None if max_tokens is None else Budget(max_tokens, sink_blocks, recent_blocks)
         with self._lock:
+            if budget is not None:
+                self.specs.check_budget(seq_id)
             self.manager.set_budget(seq_id, budget)
 
     @_computes
@@ -756,6 +788,7 @@ class CacheEngine:
         its keys, so it must come back empty). The tensors are kept, not zeroed."""
         with self._lock:
             self.manager = self._new_manager()
+            self.specs.clear()
             self._tombstones.clear()
             self._held.clear()
 
@@ -803,3 +836,4 @@ class CacheEngine:
     def check_integrity(self) -> None:
         with self._lock:
             self.manager.check_integrity()
+            self.specs.check_integrity(self.manager)

@@ -236,6 +236,7 @@ class Counters:
     swap_in_blocks: int = 0
     cow_copies: int = 0
     budget_dropped_blocks: int = 0
+    window_released_blocks: int = 0
 
 
 class KVCacheManager:
@@ -1191,6 +1192,23 @@ class KVCacheManager:
         seq.chain_intact = False
         seq.num_dropped_tokens += len(drop) * bs
         self.counters.budget_dropped_blocks += len(drop)
+
+    def release_leading(self, seq_id: str, num_blocks: int) -> int:
+        """Give back the first `num_blocks` blocks of an active sequence, which no later query
+        reads (a sliding window moved past them: cache_node/windows.py decides how many). They
+        leave the table as a budget's drop does (cache_len counts the kept tokens, later blocks
+        get no keys); shared ones lose a reference, keyed ones stay cached for prefix hits. The
+        last block always stays. Returns the number released; the decode group holds."""
+        seq = self._active(seq_id)
+        n = min(num_blocks, len(seq.table) - 1)
+        if n <= 0:
+            return 0
+        self.device.free(seq.table[n - 1 :: -1])
+        del seq.table[:n], seq.keys[:n], seq.scores[:n]
+        seq.chain_intact = False
+        seq.num_dropped_tokens += n * self.block_size
+        self.counters.window_released_blocks += n
+        return n
 
     # -- invariants ---------------------------------------------------------------
 

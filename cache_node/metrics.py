@@ -120,6 +120,11 @@ class EngineCollector(Collector):
             "Blocks dropped by lossy token budgets.",
             s["budget_dropped_blocks"],
         )
+        yield _counter(
+            "pagedkv_window_released_blocks",
+            "Blocks released because they fell outside every layer's sliding window or chunk.",
+            s["window_released_blocks"],
+        )
 
 
 class Info(Collector):

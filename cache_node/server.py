@@ -28,6 +28,7 @@ import torch
 from ..protos import pagedkv_pb2 as pb
 from ..protos import pagedkv_pb2_grpc as pb_grpc
 from ..protos import tensors
+from ..protos.attention import from_messages
 from ..protos.errors import (
     CapacityExceeded,
     IntegrityError,
@@ -109,10 +110,11 @@ class CacheNodeServicer(pb_grpc.CacheNodeServicer):
             exact = request.expect_cached_tokens if request.HasField("expect_cached_tokens") else None
             ids = np.asarray(request.token_ids)  # one C-level copy, not a Python list
             max_blocks = request.max_blocks if request.HasField("max_blocks") else None
+            attention = from_messages(request.attention, self.engine.spec.num_layers)
             res = self._with_allowance(
                 request.seq_id,
                 max_blocks,
-                lambda: self.engine.open(request.seq_id, ids, request.tenant_salt, limit, exact),
+                lambda: self.engine.open(request.seq_id, ids, request.tenant_salt, limit, exact, attention),
             )
             return pb.OpenResponse(
                 num_cached_tokens=res.num_cached_tokens, num_host_hit_tokens=res.num_host_hit_tokens

@@ -5,6 +5,7 @@ Every error raised is a PagedKVError (pagedkv.protos.errors), re-raised from the
 node's or coordinator's status with the ids it carried.
 """
 
+from ..protos.attention import LayerAttention
 from ..protos.errors import (
     CapacityExceeded,
     FailedPrecondition,
@@ -52,6 +53,7 @@ __all__ = [
     "FailedPrecondition",
     "IntegrityError",
     "InvalidArgument",
+    "LayerAttention",
     "NodeStats",
     "NotFound",
     "OpenFailed",

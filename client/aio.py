@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from ..protos.attention import LayerAttention
 from ..protos.errors import NotFound, OpenFailed
 from ..protos.spec import ModelSpec
 from . import codec
@@ -191,11 +192,11 @@ class AsyncCacheClient:
         token_ids: codec.TokenIds,
         *,
         max_cached_tokens: int | None = None,
+        attention: Seq[LayerAttention] | None = None,
         timeout_s: float | None = None,
     ) -> _Opening:
-        return _Opening(
-            self, (seq_id, token_ids), {"max_cached_tokens": max_cached_tokens, "timeout_s": timeout_s}
-        )
+        kw = {"max_cached_tokens": max_cached_tokens, "attention": attention, "timeout_s": timeout_s}
+        return _Opening(self, (seq_id, token_ids), kw)
 
     async def sequence(self, seq_id: str, *, timeout_s: float | None = None) -> AsyncSequence:
         return AsyncSequence(self, await self._run(self.sync.sequence, seq_id, timeout_s=timeout_s))

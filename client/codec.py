@@ -192,11 +192,17 @@ def kv_from_chunks(chunks: Iterable[pb.KVChunk], out: KVOut | None = None) -> KV
 
 
 def open_request(
-    seq_id: str, token_ids: TokenIds, salt: bytes, max_cached_tokens: int | None
+    seq_id: str,
+    token_ids: TokenIds,
+    salt: bytes,
+    max_cached_tokens: int | None,
+    attention: Sequence[pb.LayerAttention] = (),
 ) -> pb.OpenRequest:
     req = with_token_ids(pb.OpenRequest, token_ids, seq_id=seq_id, tenant_salt=salt)
     if max_cached_tokens is not None:
         req.max_cached_tokens = max_cached_tokens
+    if attention:
+        req.attention.extend(attention)
     return req
 
 

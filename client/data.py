@@ -95,10 +95,11 @@ class NodeData:
         token_ids: codec.TokenIds,
         max_cached_tokens: int | None,
         timeout_s: float | None = None,
+        attention: Sequence[Any] = (),
     ) -> OpenResult:
         """Open seq_id on this node with the client's own tenant salt (direct mode: no
-        coordinator)."""
-        call = calls.open_call(seq_id, token_ids, self.config.tenant_salt, max_cached_tokens)
+        coordinator). `attention`: pb.LayerAttention messages (the Open rpc carries them)."""
+        call = calls.open_call(seq_id, token_ids, self.config.tenant_salt, max_cached_tokens, attention)
         result: OpenResult = self.transports.call("open", call, self._t(timeout_s))
         return result
 

@@ -22,6 +22,7 @@ from typing import Any, Protocol
 
 import torch
 
+from ..protos.attention import LayerAttention
 from ..protos.errors import Unavailable
 from ..protos.spec import ModelSpec
 from .config import ClientConfig
@@ -36,9 +37,18 @@ class KVBackend(Protocol):
 
     spec: ModelSpec
 
-    def open(self, seq_id: str, token_ids: Sequence[int], max_cached_tokens: int) -> int:
+    def open(
+        self,
+        seq_id: str,
+        token_ids: Sequence[int],
+        max_cached_tokens: int,
+        *,
+        attention: Sequence[LayerAttention] = (),
+    ) -> int:
         """Create `seq_id` holding the longest cached prefix of `token_ids` (whole blocks, at most
-        `max_cached_tokens`). Returns the number of tokens it starts with."""
+        `max_cached_tokens`). Returns the number of tokens it starts with. `attention`: one entry
+        per layer (windows, chunks, soft-cap), which every attend of the sequence and its forks
+        follows; () for plain causal attention."""
         ...
 
     def lookup(self, token_ids: Sequence[int]) -> int:
@@ -102,8 +112,16 @@ class EngineBackend:
         self.spec: ModelSpec = engine.spec
         self.salt = salt
 
-    def open(self, seq_id: str, token_ids: Sequence[int], max_cached_tokens: int) -> int:
-        return self.engine.open(seq_id, list(token_ids), self.salt, max_cached_tokens).num_cached_tokens
+    def open(
+        self,
+        seq_id: str,
+        token_ids: Sequence[int],
+        max_cached_tokens: int,
+        *,
+        attention: Sequence[LayerAttention] = (),
+    ) -> int:
+        res = self.engine.open(seq_id, list(token_ids), self.salt, max_cached_tokens, attention=attention)
+        return int(res.num_cached_tokens)
 
     def lookup(self, token_ids: Sequence[int]) -> int:
         return self.engine.lookup(list(token_ids), self.salt)
@@ -188,8 +206,17 @@ class GrpcBackend:
         self._seqs: dict[str, Any] = {}
         self._closed = False
 
-    def open(self, seq_id: str, token_ids: Sequence[int], max_cached_tokens: int) -> int:
-        seq = self.client.open(seq_id, list(token_ids), max_cached_tokens=max_cached_tokens)
+    def open(
+        self,
+        seq_id: str,
+        token_ids: Sequence[int],
+        max_cached_tokens: int,
+        *,
+        attention: Sequence[LayerAttention] = (),
+    ) -> int:
+        seq = self.client.open(
+            seq_id, list(token_ids), max_cached_tokens=max_cached_tokens, attention=attention
+        )
         self._seqs[seq_id] = seq
         return seq.num_cached_tokens
 

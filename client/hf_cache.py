@@ -35,7 +35,9 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..protos.errors import FailedPrecondition, InvalidArgument, PagedKVError
-from .hf_backend import KVBackend, join_rows
+from .hf_attend import attend_layer
+from .hf_backend import KVBackend
+from .hf_masks import MaskKind
 from .hf_support import ATTENTION_NAME, AttentionPlan, model_shape, plan_attention
 
 Mode = Literal["node", "gather"]
@@ -73,7 +75,7 @@ class _Forward:
     past_k: torch.Tensor | None = None  # gather mode: [L, B, Hk, past_len, D]
     past_v: torch.Tensor | None = None
     new_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
-    refused_masks: dict[int, tuple[torch.Tensor, str]] = field(default_factory=dict)  # by id: (mask, why)
+    masks: dict[int, tuple[torch.Tensor, MaskKind | str]] = field(default_factory=dict)  # by id: mask_marker
     num_layers_done: int = 0
 
 
@@ -123,9 +125,10 @@ class PagedKVCache(Cache):
 
     `model` is needed once, to check it (hf_support.plan_attention: in node mode a model the node
     cannot compute exactly is refused here, naming the model class, the layer and the feature)
-    and to install the hooks that read each forward's token ids. `max_tokens` bounds each row
-    (prompt + generated): sliding-window and chunked models are exact, and accepted, only under
-    a bound no larger than their window. `reuse_prefix`: generate() opens the prompt first and
+    and to install the hooks that read each forward's token ids. In node mode every row's
+    sequence is opened with the model's attention spec (plan.layers: windows, chunks, soft-cap),
+    which the node follows. `max_tokens`: an optional bound on each row (prompt + generated),
+    refused before any node call when passed. `reuse_prefix`: generate() opens the prompt first and
     feeds the model only its uncached suffix (False: every prompt position is computed). Use as
     a context manager, or call `close()`: it frees every row's node sequence (their full blocks
     stay cached on the node for later prefix hits). A forward that raised after its first node
@@ -165,6 +168,8 @@ class PagedKVCache(Cache):
         install_hooks(model)
         self.backend, self.spec, self.mode = backend, spec, mode
         self.max_tokens, self.reuse_prefix = max_tokens, reuse_prefix
+        # Every open carries the spec (a backend written before it existed serves plain models).
+        self._open_kw = {"attention": self.plan.layers} if self.plan.layers else {}
         self.last_hit: PrefixHit | None = None  # what open_prompt found, if it ran
         self._prefix = seq_prefix or f"hf-{uuid.uuid4().hex[:12]}"
         self._next_id = 0
@@ -233,7 +238,7 @@ class PagedKVCache(Cache):
         cached: list[int] = []
         try:
             for sid, r in zip(seq_ids, real_ids, strict=True):
-                cached.append(self.backend.open(sid, r, len(r) - 1))
+                cached.append(self.backend.open(sid, r, len(r) - 1, **self._open_kw))
         except PagedKVError:
             for sid in seq_ids[: len(cached)]:
                 self.backend.free(sid)
@@ -279,6 +284,8 @@ class PagedKVCache(Cache):
             raise InvalidArgument(f"batch of {num_rows} rows, the cache holds {len(self._seq_ids)}")
         if self.max_tokens is not None:
             self._check_bound(is_real)
+        if self.plan.masks:
+            self._check_left_padded(is_real)
         if not self._seq_ids:
             self._open_fresh(ids, is_real)
         if self._max_stored_until <= self._length:  # every row's prompt hit is behind us
@@ -307,21 +314,35 @@ class PagedKVCache(Cache):
         longest = int(lengths.max()) if lengths.numel() else 0
         if longest > cast(int, self.max_tokens):
             row = int(lengths.argmax())
-            why = f" (which keeps {self.plan.model_name}'s windowed layers exact)" if self.plan.limits else ""
             raise InvalidArgument(
-                f"row {row} would hold {longest} tokens, beyond max_tokens={self.max_tokens}" + why
+                f"row {row} would hold {longest} tokens, beyond max_tokens={self.max_tokens}"
             )
 
-    def refused_mask(self, reason: str) -> torch.Tensor:
-        """A stand-in for a mask the node cannot apply: an empty tensor that the first layer
-        receiving it refuses with `reason` (hf_support.check_call)."""
+    def _check_left_padded(self, is_real: torch.Tensor) -> None:
+        """Windows and chunks count a row's positions from its first real token, pads included
+        after it in transformers, never stored on the node: refuse a pad after a real token."""
+        num_rows = is_real.shape[0]
+        started = self._real[:, -1:] if self._length else torch.zeros(num_rows, 1, dtype=torch.bool)
+        before = torch.cat([started, is_real[:, :-1]], 1).long().cummax(1).values.bool()
+        late = (before & ~is_real).any(1)
+        if bool(late.any()):
+            row = int(late.nonzero()[0])
+            raise InvalidArgument(
+                f"row {row} has a pad after a real token: {self.plan.model_name}'s sliding windows or chunks "
+                "need left padding (their positions count from a row's first token)"
+            )
+
+    def mask_marker(self, kind: MaskKind | str) -> torch.Tensor:
+        """A stand-in for a mask the node applies itself (a window or chunks: `kind`) or cannot
+        apply (why, a str): an empty tensor each layer receiving it checks against its spec,
+        refusing the mismatch or the reason (hf_support.check_call)."""
         marker = torch.zeros(0, dtype=torch.bool)
-        self._forward().refused_masks[id(marker)] = (marker, reason)
+        self._forward().masks[id(marker)] = (marker, kind)
         return marker
 
     @property
-    def refused_masks(self) -> dict[int, tuple[torch.Tensor, str]]:
-        return self._pending.refused_masks if self._pending is not None else {}
+    def masks(self) -> dict[int, tuple[torch.Tensor, MaskKind | str]]:
+        return self._pending.masks if self._pending is not None else {}
 
     def abandon_forward(self) -> None:
         """A forward refused before its first node call: forget it, nothing was written (its rows
@@ -337,7 +358,7 @@ class PagedKVCache(Cache):
         opened: list[str] = []
         try:
             for sid, row, real in zip(seq_ids, ids, is_real, strict=True):
-                self.backend.open(sid, row[real].tolist(), 0)
+                self.backend.open(sid, row[real].tolist(), 0, **self._open_kw)
                 opened.append(sid)
         except PagedKVError:
             for sid in opened:
@@ -399,76 +420,12 @@ class PagedKVCache(Cache):
         q_scale: float | None = None,
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Node mode: append this layer's new K/V and attend on the node.
-        query [B, Hq, T, D], key/value [B, Hk, T, D] -> out [B, T, Hq, D] (zeros at pad positions).
-
-        `q_scale`: the model's score scale over the node's 1/sqrt(D), applied to q (exact: the
-        scores are linear in q). `sinks` [Hq]: one extra logit per head in the softmax
-        denominator (gpt-oss): out * Z / (Z + e^sink) = out * sigmoid(lse - sink), from the LSE."""
+        """Node mode: append this layer's new K/V and attend on the node (hf_attend.attend_layer).
+        query [B, Hq, T, D], key/value [B, Hk, T, D] -> out [B, T, Hq, D] (zeros at pad positions)."""
         fwd = self._forward()
-        num_rows, num_q_heads, num_new, head_dim = query.shape
-        device = query.device
-        q, k, v = query.detach().cpu(), key.detach().cpu(), value.detach().cpu()
-        if q_scale is not None:
-            q = q * q_scale
-        with_lse = sinks is not None
-        lse: torch.Tensor | None = None  # [B, T, Hq] when with_lse
-        if fwd.decode_tokens is not None:
-            got = self.backend.attend_decode(
-                self._seq_ids,
-                layer,
-                q[:, :, 0].contiguous(),
-                k[:, :, 0].contiguous(),
-                v[:, :, 0].contiguous(),
-                fwd.decode_tokens if layer == 0 else None,
-                **_lse_kw(with_lse),
-            )
-            out, lse = got if with_lse else (got, None)
-            result = out.unsqueeze(1)
-            lse = None if lse is None else lse.unsqueeze(1)
-        elif fwd.is_full:
-            # One transposed copy per tensor for the whole batch; the rows are views of it, so
-            # the backend joins them without another copy (hf_backend.join_rows).
-            qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, k, v))  # [B, T, H, D]
-            got = self.backend.attend_prefill_batch(
-                self._seq_ids,
-                layer,
-                list(qt.unbind(0)),
-                list(kt.unbind(0)),
-                list(vt.unbind(0)),
-                fwd.token_ids.tolist() if layer == 0 else None,
-                **_lse_kw(with_lse),
-            )
-            outs, lses = got if with_lse else (got, None)
-            result = join_rows(outs).view(num_rows, num_new, num_q_heads, head_dim)
-            lse = None if lses is None else join_rows(lses).view(num_rows, num_new, num_q_heads)
-        else:
-            live = [b for b, idx in enumerate(fwd.rows) if idx.numel()]
-            pick = [fwd.picks[b] for b in live]
-            got = self.backend.attend_prefill_batch(
-                [self._seq_ids[b] for b in live],
-                layer,
-                [q[b][:, idx].transpose(0, 1).contiguous() for b, idx in zip(live, pick, strict=True)],
-                [k[b][:, idx].transpose(0, 1).contiguous() for b, idx in zip(live, pick, strict=True)],
-                [v[b][:, idx].transpose(0, 1).contiguous() for b, idx in zip(live, pick, strict=True)],
-                [fwd.token_ids[b, idx].tolist() for b, idx in zip(live, pick, strict=True)]
-                if layer == 0
-                else None,
-                **_lse_kw(with_lse),
-            )
-            outs, lses = got if with_lse else (got, None)
-            result = q.new_zeros(num_rows, num_new, num_q_heads, head_dim)
-            for b, idx, out in zip(live, pick, outs, strict=True):
-                result[b, idx] = out.to(result.dtype)
-            if lses is not None:
-                lse = torch.zeros(num_rows, num_new, num_q_heads, dtype=torch.float32)
-                for b, idx, row_lse in zip(live, pick, lses, strict=True):
-                    lse[b, idx] = row_lse.float()
+        out = attend_layer(self.backend, self._seq_ids, fwd, layer, query, key, value, q_scale, sinks)
         fwd.num_layers_done += 1
-        if sinks is not None:
-            assert lse is not None
-            result = result * torch.sigmoid(lse.float() - sinks).unsqueeze(-1).to(result.dtype)
-        return result.to(device)
+        return out
 
     # -- gathered-KV mode ------------------------------------------------------------------
 
@@ -566,12 +523,6 @@ class PagedKVCache(Cache):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _lse_kw(with_lse: bool) -> dict[str, bool]:
-    """Ask the backend for the LSE only when it is used (a backend written before the keyword
-    existed keeps working for every model without sinks)."""
-    return {"with_lse": True} if with_lse else {}
 
 
 def _as_slice(idx: torch.Tensor) -> slice | torch.Tensor:

@@ -1,22 +1,29 @@
 """Which transformers models the node computes exactly, and the checks that refuse the rest.
 
-The node attends causally over every stored token of a sequence with scale 1/sqrt(head_dim) and
-returns the output with its log-sum-exp. From that, the client makes exact:
+A node attends causally over a sequence's stored tokens and follows the attention spec the
+sequence was opened with (protos/attention.py: per layer a window, chunks, a soft-cap, a scale);
+it returns the output with its log-sum-exp. From that, what is exact and who does it:
 
-    feature                                  how
-    ---------------------------------------  --------------------------------------------------
-    causal + left padding                    the node never stores pads
-    custom scale (Granite, Gemma, GPT-2)     q is pre-scaled by scaling * sqrt(head_dim)
-    attention sinks (gpt-oss `s_aux`)        out * sigmoid(lse - sink): one more softmax term
-    sliding window / chunked attention       only while no row holds more tokens than the
-                                             window or chunk (`max_tokens`, declared up front)
+    feature                                         how
+    ----------------------------------------------  ------------------------------------------
+    causal + left padding                           the node never stores pads
+    sliding windows (per layer), chunked attention  the node, from the spec sent at open; it
+    (Mistral, Qwen2/3, Gemma2/3, Cohere2, gpt-oss,  also releases the blocks no layer sees any
+    PhiMoE, Exaone4, Llama 4), soft-capping (Gemma  more (cache_node/windows.py)
+    2)
+    custom scale (Granite, Gemma, GPT-2)            the client: q is pre-scaled by scaling *
+                                                    sqrt(head_dim) (exact: scores are linear in q,
+                                                    and the scale is known per call, not per open)
+    attention sinks (gpt-oss `s_aux`)               the client: out * sigmoid(lse - sink), one
+                                                    more softmax term, counted once
 
 Everything else is refused with `UnsupportedModel` (an InvalidArgument) before the first token:
-soft-capping, Doge's learned dynamic mask, bidirectional or packed masks, attention weights as
-output, K and V of different head sizes (latent attention), layers that are not attention,
-models whose attention never reaches transformers' attention interface, and any attention
-argument this module does not know. Checks run once per cache (the config) and once
-per layer call (a handful of dict lookups); none touches the tensors.
+Doge's learned dynamic mask, ALiBi, bidirectional or packed masks, attention weights as output,
+K and V of different head sizes (latent attention), layers that are not attention, models whose
+attention never reaches transformers' attention interface, a mask or an argument that disagrees
+with what the config declares for its layer, and any attention argument this module does not
+know. Checks run once per cache (the config) and once per layer call (a handful of dict
+lookups); none touches the tensors.
 """
 
 from __future__ import annotations
@@ -27,9 +34,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers.masking_utils import causal_mask_function
 
+from ..protos.attention import LayerAttention, check_layers
 from ..protos.errors import InvalidArgument
+from .hf_masks import MaskKind, describe
 
 ATTENTION_NAME = "pagedkv"
 
@@ -81,13 +89,7 @@ def model_shape(config: Any) -> ModelShape:
     return ModelShape(config.num_hidden_layers, num_q_heads, num_kv_heads, head_dim)
 
 
-@dataclass(frozen=True)
-class LayerLimit:
-    """A layer that sees only the last `size` tokens (window) or its own chunk of `size`."""
-
-    layer: int
-    feature: str
-    size: int
+_PLAIN = LayerAttention()
 
 
 @dataclass(frozen=True)
@@ -95,15 +97,31 @@ class AttentionPlan:
     """What one model needs from the node, checked once when a PagedKVCache is made.
 
     `max_tokens`: the most tokens a row may hold (prompt + generated), or None for unbounded;
-    `limits`: the windows and chunks the bound keeps exact (every size >= max_tokens)."""
+    `layers`: one LayerAttention per layer, sent with every open, or () when every layer is
+    plain causal attention."""
 
     model_name: str
     num_layers: int
     max_tokens: int | None
-    limits: tuple[LayerLimit, ...]
+    layers: tuple[LayerAttention, ...] = ()
 
     def refuse(self, layer: int | str, feature: str, detail: str) -> UnsupportedModel:
         return UnsupportedModel(self.model_name, layer, feature, detail)
+
+    def layer(self, layer: int) -> LayerAttention:
+        return self.layers[layer] if self.layers else _PLAIN
+
+    def mask_kind(self, layer: int) -> MaskKind | None:
+        """The mask the layer must receive from the model: what its spec makes the node do."""
+        spec = self.layer(layer)
+        if spec.window and spec.chunk:
+            return ("both", 0)  # no transformers mask function is both: any mask is refused
+        return ("window", spec.window) if spec.window else ("chunk", spec.chunk) if spec.chunk else None
+
+    @property
+    def masks(self) -> bool:
+        """Some layer sees fewer keys than causal attention (positions must be left-padded)."""
+        return any(layer.masks for layer in self.layers)
 
 
 def reaches_attention_interface(model_class: type) -> bool:
@@ -116,34 +134,42 @@ def reaches_attention_interface(model_class: type) -> bool:
     return module is not None and "ALL_ATTENTION_FUNCTIONS" in vars(module)
 
 
-def layer_limits(config: Any, model_name: str) -> list[LayerLimit]:
-    """Each layer's window or chunk from the config: `layer_types` when the config has them
-    (Gemma2/3, Cohere2, Qwen2/3, gpt-oss, Llama 4, ...), else `sliding_window` on every layer
-    (Mistral, Phi3, PhiMoE) and `attention_chunk_size` on every layer."""
+def layer_attention(config: Any, model_name: str) -> tuple[LayerAttention, ...]:
+    """Each layer's attention from the config, () when all are plain: windows and chunks from
+    `layer_types` when the config has them (Gemma2/3, Cohere2, Qwen2/3, gpt-oss, Llama 4, ...),
+    else `sliding_window` (Mistral, Phi3, PhiMoE) or `attention_chunk_size` on every layer;
+    `attn_logit_softcapping` (Gemma 2) on every layer."""
     config = config.get_text_config(decoder=True)
+    num_layers = config.num_hidden_layers
     window = getattr(config, "sliding_window", None) or None
     chunk = getattr(config, "attention_chunk_size", None) or None
+    softcap = getattr(config, "attn_logit_softcapping", None) or 0.0
     layer_types = getattr(config, "layer_types", None)
     if not layer_types:
         use = getattr(config, "use_sliding_window", True)
-        layer_types = ["sliding_attention" if window and use else "full_attention"] * config.num_hidden_layers
+        layer_types = ["sliding_attention" if window and use else "full_attention"] * num_layers
         if chunk:
-            layer_types = ["chunked_attention"] * config.num_hidden_layers
-    limits = []
-    for layer, kind in enumerate(layer_types[: config.num_hidden_layers]):
+            layer_types = ["chunked_attention"] * num_layers
+    if len(layer_types) < num_layers:
+        raise UnsupportedModel(
+            model_name, "every layer", f"{len(layer_types)} layer types", f"{num_layers} layers"
+        )
+    layers = []
+    for layer, kind in enumerate(layer_types[:num_layers]):
         if kind == "full_attention":
-            continue
-        if kind == "sliding_attention" and window:
-            limits.append(LayerLimit(layer, "sliding window", int(window)))
+            layers.append(LayerAttention(softcap=softcap))
+        elif kind == "sliding_attention" and window:
+            layers.append(LayerAttention(window=int(window), softcap=softcap))
         elif kind == "chunked_attention" and chunk:
-            limits.append(LayerLimit(layer, "chunked attention", int(chunk)))
+            layers.append(LayerAttention(chunk=int(chunk), softcap=softcap))
         else:
             raise UnsupportedModel(model_name, layer, f"layer type {kind!r}", "the node computes attention")
-    return limits
+    return check_layers(layers, num_layers)
 
 
 def plan_attention(model: Any, max_tokens: int | None = None) -> AttentionPlan:
-    """Check that node attention computes `model` exactly (rows up to `max_tokens` tokens).
+    """Check that node attention computes `model` exactly; `max_tokens` bounds each row (None:
+    unbounded).
 
     Raises UnsupportedModel naming the model class, the layer and the feature; changes nothing."""
     name = type(model).__name__
@@ -171,14 +197,6 @@ def plan_attention(model: Any, max_tokens: int | None = None) -> AttentionPlan:
                 f"from_pretrained(..., attn_implementation={ATTENTION_NAME!r}) or "
                 "pagedkv.client.transformers.load_model (or use mode='gather')",
             )
-    if getattr(config, "attn_logit_softcapping", None) is not None:
-        raise UnsupportedModel(
-            name,
-            "every layer",
-            "attention logit soft-capping",
-            f"attn_logit_softcapping={config.attn_logit_softcapping} needs a node kernel (None only if "
-            "the checkpoint was trained without it)",
-        )
     if getattr(config, "keep_window_size", None) is not None:
         raise UnsupportedModel(
             name,
@@ -205,19 +223,7 @@ def plan_attention(model: Any, max_tokens: int | None = None) -> AttentionPlan:
             f"keys have {qk_dim or shape.head_dim} dimensions per head and values {v_dim}; a node stores "
             "both with one head_dim",
         )
-    limits = layer_limits(config, name)
-    for limit in limits:
-        if max_tokens is None or max_tokens > limit.size:
-            bound = "no max_tokens was given" if max_tokens is None else f"max_tokens={max_tokens}"
-            raise UnsupportedModel(
-                name,
-                limit.layer,
-                f"a {limit.feature} of {limit.size} tokens",
-                f"the node attends over every token of a sequence, so this is exact only while no row holds "
-                f"more than {limit.size} tokens ({bound}): pass PagedKVCache(..., max_tokens=N) with "
-                f"N <= {limit.size}",
-            )
-    return AttentionPlan(name, num_layers, max_tokens, tuple(limits))
+    return AttentionPlan(name, num_layers, max_tokens, layer_attention(config, name))
 
 
 @dataclass(frozen=True)
@@ -237,25 +243,37 @@ def check_call(
     dropout: float,
     scaling: float | None,
     kwargs: Mapping[str, Any],
-    refused_masks: Mapping[int, tuple[Any, str]],
+    masks: Mapping[int, tuple[Any, MaskKind | str]],
 ) -> LayerCall:
     """Refuse an attention call the node would compute differently from the model (see the
-    module docstring). `refused_masks`: the masks of this forward that mask_refusal turned
-    down, by id. A None value means "feature off" in transformers; any other value of an
-    argument this module does not know is refused."""
-    if attention_mask is not None:
-        refused = refused_masks.get(id(attention_mask))
-        if refused is not None and refused[0] is attention_mask:
-            raise plan.refuse(layer, "its attention mask", refused[1])
-        raise plan.refuse(
-            layer,
-            "a mask built by the model itself",
-            "the attention received a mask that pagedkv's mask function did not make (the node masks "
-            "causally and skips pads; it cannot apply another mask)",
-        )
+    module docstring). `masks`: the masks handed out in this forward, by id: the kind each
+    stands for, or why it was refused (hf_masks.recognise). None as an argument's value means
+    "feature off" in transformers; any other value of an argument this module does not know
+    is refused, and so is a window, soft-cap or mask that differs from the layer's spec."""
+    want = plan.mask_kind(layer) if plan.layers else None
+    if attention_mask is None:
+        if want is not None:
+            raise plan.refuse(layer, "a plain causal mask", f"the config declares {describe(want)} for it")
+    else:
+        seen = masks.get(id(attention_mask))
+        if seen is None or seen[0] is not attention_mask:
+            raise plan.refuse(
+                layer,
+                "a mask built by the model itself",
+                "the attention received a mask that pagedkv's mask function did not make (the node masks "
+                "by the sequence's spec and skips pads; it cannot apply another mask)",
+            )
+        kind = seen[1]
+        if isinstance(kind, str):
+            raise plan.refuse(layer, "its attention mask", kind)
+        if kind != want:
+            raise plan.refuse(
+                layer, f"a mask of {describe(kind)}", f"the config declares {describe(want)} for it"
+            )
     if dropout:
         raise plan.refuse(layer, f"dropout={dropout}", "pagedkv attention runs inference only (model.eval())")
     sinks = None
+    spec = plan.layer(layer)
     for key, value in kwargs.items():
         if value is None or key in _PASSTHROUGH:
             continue
@@ -264,61 +282,25 @@ def check_call(
         if key == "s_aux":
             sinks = value.detach().to("cpu", torch.float32).reshape(-1)
         elif key == "sliding_window":
-            if plan.max_tokens is None or plan.max_tokens > int(value):
-                raise plan.refuse(layer, f"a sliding window of {value} tokens", "needs max_tokens <= it")
+            if value != spec.window:
+                raise plan.refuse(
+                    layer,
+                    f"a sliding window of {value} tokens",
+                    f"the config declares {describe(want)} for it",
+                )
         elif key == "is_causal":
             if not value:
                 raise plan.refuse(layer, "bidirectional attention (is_causal=False)", "the node is causal")
         elif key == "output_attentions":
             if value:
                 raise plan.refuse(layer, "output_attentions=True", "the node returns no attention weights")
-        else:  # softcap
-            raise plan.refuse(layer, f"soft-capping ({key}={value})", "needs a node kernel")
+        elif value != spec.softcap:  # softcap
+            raise plan.refuse(
+                layer, f"soft-capping ({key}={value})", f"the config declares softcap={spec.softcap or None}"
+            )
     q_scale = None
     if scaling is not None:
         default = head_dim**-0.5
         if abs(scaling - default) > 1e-12 * default:
             q_scale = scaling / default
     return LayerCall(q_scale, sinks)
-
-
-def mask_refusal(plan: AttentionPlan, mask_function: Any, build: Any, kwargs: dict[str, Any]) -> str | None:
-    """Why the node cannot apply the mask the model asks for (None: it can). The plain causal
-    mask is an identity check, per forward. Another mask function (a window, a chunk) is
-    accepted only under a declared `max_tokens`, and only when it selects exactly the causal
-    positions for this forward (two boolean masks compared: windowed models pay it, the rest
-    never do). `build` is sdpa_mask. The refusal is raised by the first layer that receives the
-    mask (a model may build a sliding mask that no layer uses)."""
-    if mask_function is causal_mask_function:
-        return None
-    if plan.max_tokens is not None:
-        args = {**kwargs, "allow_is_causal_skip": False, "mask_function": mask_function}
-        wanted = build(**args)
-        causal = build(**{**args, "mask_function": causal_mask_function})
-        if wanted is not None and causal is not None and torch.equal(wanted, causal):
-            return None
-    what = " + ".join(_mask_parts(mask_function)) or repr(mask_function)
-    bound = "" if plan.max_tokens is None else f", and it differs from it within max_tokens={plan.max_tokens}"
-    return f"the attention mask {what} is not the causal mask (plus left padding) the node applies{bound}"
-
-
-def _mask_parts(mask_function: Any, depth: int = 0) -> list[str]:
-    """The named pieces a transformers mask function is combined from (and_masks / or_masks
-    close over them): sliding_window_overlay + causal_mask_function, chunked_overlay, ..."""
-    name = getattr(mask_function, "__qualname__", "")
-    cells = getattr(mask_function, "__closure__", None) or ()
-    inner = [c.cell_contents for c in cells if _cell_is_set(c)]
-    funcs = [f for v in inner for f in (v if isinstance(v, tuple) else (v,)) if callable(f)]
-    if name.startswith(("and_masks.", "or_masks.")) and funcs and depth < 4:
-        return [part for f in funcs for part in _mask_parts(f, depth + 1)]
-    return [name.split(".<locals>")[0]] if name else []
-
-
-def _cell_is_set(cell: Any) -> bool:
-    try:
-        return cell.cell_contents is not _UNSET
-    except ValueError:  # a closure variable not yet bound
-        return False
-
-
-_UNSET = object()

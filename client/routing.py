@@ -14,6 +14,7 @@ Every method takes a deadline; errors come back as pagedkv.protos.errors.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from ..protos import pagedkv_pb2 as pb
@@ -34,9 +35,14 @@ class DirectRouting:
         self.route = Route("", address)
 
     def open(
-        self, seq_id: str, token_ids: codec.TokenIds, max_cached_tokens: int | None, timeout_s: float | None
+        self,
+        seq_id: str,
+        token_ids: codec.TokenIds,
+        max_cached_tokens: int | None,
+        timeout_s: float | None,
+        attention: Sequence[pb.LayerAttention] = (),
     ) -> tuple[OpenResult, Route]:
-        return self.data.open(seq_id, token_ids, max_cached_tokens, timeout_s), self.route
+        return self.data.open(seq_id, token_ids, max_cached_tokens, timeout_s, attention), self.route
 
     def describe(self, seq_id: str, timeout_s: float | None = None) -> Route:
         return self.route
@@ -107,11 +113,17 @@ class CoordinatorRouting:
         return self.config.deadline_s if timeout_s is None else timeout_s
 
     def _open_request(
-        self, seq_id: str, token_ids: codec.TokenIds, max_cached: int | None
+        self,
+        seq_id: str,
+        token_ids: codec.TokenIds,
+        max_cached: int | None,
+        attention: Sequence[pb.LayerAttention] = (),
     ) -> pb.CoordOpenRequest:
         req = codec.with_token_ids(pb.CoordOpenRequest, token_ids, seq_id=seq_id, spec=self._spec_msg())
         if max_cached is not None:
             req.max_cached_tokens = max_cached
+        if attention:
+            req.attention.extend(attention)
         return req
 
     def _pin_request(self, token_ids: codec.TokenIds) -> pb.CoordPinRequest:
@@ -121,9 +133,15 @@ class CoordinatorRouting:
         return call(getattr(self.stub, method), request, self._t(timeout_s), self.metadata, "coordinator")
 
     def open(
-        self, seq_id: str, token_ids: codec.TokenIds, max_cached_tokens: int | None, timeout_s: float | None
+        self,
+        seq_id: str,
+        token_ids: codec.TokenIds,
+        max_cached_tokens: int | None,
+        timeout_s: float | None,
+        attention: Sequence[pb.LayerAttention] = (),
     ) -> tuple[OpenResult, Route]:
-        resp = self._call("Open", self._open_request(seq_id, token_ids, max_cached_tokens), timeout_s)
+        request = self._open_request(seq_id, token_ids, max_cached_tokens, attention)
+        resp = self._call("Open", request, timeout_s)
         return OpenResult(resp.num_cached_tokens, resp.num_host_hit_tokens), _route(resp)
 
     def describe(self, seq_id: str, timeout_s: float | None = None) -> Route:

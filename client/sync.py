@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from ..protos import pagedkv_pb2_grpc as pb_grpc
+from ..protos.attention import LayerAttention, check_layers, to_messages
 from ..protos.errors import InvalidArgument, NotFound, OpenFailed
 from ..protos.spec import ModelSpec
 from . import channels, codec
@@ -375,11 +376,16 @@ class CacheClient:
         token_ids: codec.TokenIds,
         *,
         max_cached_tokens: int | None = None,
+        attention: Seq[LayerAttention] | None = None,
         timeout_s: float | None = None,
     ) -> Sequence:
         """Open a sequence reusing the longest cached prefix of the prompt
-        (seq.num_cached_tokens); append the rest's KV next."""
-        res, route = self.routing.open(seq_id, token_ids, max_cached_tokens, timeout_s)
+        (seq.num_cached_tokens); append the rest's KV next. `attention`: one LayerAttention
+        per layer (sliding window, chunks, soft-cap, scale; pagedkv.protos.attention), kept by
+        the node for every attend of the sequence and of its forks; None: plain causal."""
+        layers = check_layers(attention, len(attention or ()))  # the layer count: node and coordinator
+        messages = to_messages(layers)
+        res, route = self.routing.open(seq_id, token_ids, max_cached_tokens, timeout_s, messages)
         return Sequence(self, seq_id, route, res.num_cached_tokens, res.num_host_hit_tokens)
 
     def sequence(self, seq_id: str, *, timeout_s: float | None = None) -> Sequence:

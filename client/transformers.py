@@ -42,14 +42,8 @@ from ..protos.spec import ModelSpec
 from .hf_backend import EngineBackend, GrpcBackend, KVBackend
 from .hf_cache import PagedKVCache, PrefixHit, active_cache
 from .hf_generate import install_hooks, open_for_generate
-from .hf_support import (
-    ATTENTION_NAME,
-    UnsupportedModel,
-    check_call,
-    mask_refusal,
-    model_shape,
-    reaches_attention_interface,
-)
+from .hf_masks import recognise
+from .hf_support import ATTENTION_NAME, UnsupportedModel, check_call, model_shape, reaches_attention_interface
 
 __all__ = [
     "ATTENTION_NAME",
@@ -105,7 +99,7 @@ def paged_attention_forward(
                 "the node keys each layer's K/V by its index",
             )
         call = check_call(
-            cache.plan, layer, query.shape[-1], attention_mask, dropout, scaling, kwargs, cache.refused_masks
+            cache.plan, layer, query.shape[-1], attention_mask, dropout, scaling, kwargs, cache.masks
         )
     except InvalidArgument:
         cache.abandon_forward()
@@ -114,19 +108,25 @@ def paged_attention_forward(
 
 
 def paged_attention_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
-    """The mask function registered with the attention. Node mode: none (the node masks causally
-    per sequence and stores no pads, so a [B, 1, T, past + T] mask would be built for nothing:
-    ~1 ms per forward at 128 x 1,152), after checking that the model asks for that mask and no
-    other (hf_support.mask_refusal: a mask it refuses is handed to the layers as a marker that the
-    first layer receiving it refuses). Otherwise sdpa's (the fallback and gather mode)."""
+    """The mask function registered with the attention. Node mode: none is built (the node masks
+    by the sequence's spec and stores no pads, so a [B, 1, T, past + T] mask would be built for
+    nothing: ~1 ms per forward at 128 x 1,152). The plain causal mask becomes None; a window or
+    chunks the node applies, or a mask it refuses, become a marker that each layer receiving it
+    checks against its own spec (hf_masks.recognise, hf_support.check_call). Otherwise sdpa's
+    (the fallback and gather mode)."""
     cache = active_cache()
     if cache is not None and cache.mode == "node":
         if args:  # transformers passes keywords; a positional call is bound to sdpa_mask's names
             bound = dict(_SDPA_MASK_SIGNATURE.bind_partial(*args, **kwargs).arguments)
             kwargs = {**bound, **bound.pop("kwargs", {})}
         mask_function = kwargs.get("mask_function", causal_mask_function)
-        reason = mask_refusal(cache.plan, mask_function, sdpa_mask, kwargs)
-        return None if reason is None else cache.refused_mask(reason)
+        if mask_function is causal_mask_function:
+            return None
+        plan = cache.plan
+        windows = [layer.window for layer in plan.layers if layer.window]
+        chunks = [layer.chunk for layer in plan.layers if layer.chunk]
+        kind = recognise(mask_function, windows, chunks, kwargs.get("attention_mask"))
+        return None if kind is None else cache.mask_marker(kind)
     return sdpa_mask(*args, **kwargs)
 
 

@@ -52,6 +52,7 @@ import numpy as np
 
 from ..protos import pagedkv_pb2 as pb
 from ..protos import pagedkv_pb2_grpc as pb_grpc
+from ..protos.attention import from_messages
 from ..protos.errors import (
     InvalidArgument,
     NodeLost,
@@ -441,11 +442,14 @@ class Coordinator:
         max_cached_tokens: int | None = None,
         spec: Mapping[str, Any] | None = None,
         wait: bool = False,
+        attention: Sequence[pb.LayerAttention] = (),
     ) -> OpenResult:
         """Place the sequence and write its page table (one store call), then send the
         node Open without waiting for it (see the module docstring); num_cached_tokens
         is M, what the node will take exactly. `wait=True` also waits for the node (its
-        failure is raised here, and num_host_hit_tokens is known): for tests and tools only."""
+        failure is raised here, and num_host_hit_tokens is known): for tests and tools only.
+        `attention` (one LayerAttention per layer, or none) is checked before placing and
+        travels to the node's Open."""
         seq_id = seq_id or uuid.uuid4().hex
         self._settle(seq_id, raise_error=False)  # a reopen of this id waits for its last node call
         nodes = self._nodes_for(spec)
@@ -456,6 +460,11 @@ class Coordinator:
                 + self._served_specs()
             )
         bs = self._block_size(nodes, spec)
+        if attention:  # the node's Open is not awaited: refuse here what it would refuse
+            depths = {int(n.spec["num_layers"]) for n in nodes.values()}
+            if len(depths) > 1:
+                raise InvalidArgument(f"nodes serve models of {sorted(depths)} layers: name the model spec")
+            from_messages(attention, depths.pop())
         salt, root = self._salt(tenant)
         num_tokens = len(token_ids)
         limit = num_tokens - 1 if max_cached_tokens is None else min(max_cached_tokens, num_tokens)
@@ -487,7 +496,11 @@ class Coordinator:
         num_cached = placement.cached_tokens
         call.mark_recorded()
         request = pb.OpenRequest(
-            seq_id=seq_id, token_ids=token_ids, tenant_salt=salt, expect_cached_tokens=num_cached
+            seq_id=seq_id,
+            token_ids=token_ids,
+            tenant_salt=salt,
+            expect_cached_tokens=num_cached,
+            attention=attention,
         )
         if quota is not None:  # the sequence may hold what was reserved; more through Reserve
             request.max_blocks = num_blocks

@@ -172,6 +172,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 if request.HasField("max_cached_tokens")
                 else None,
                 spec=spec_dict(request.spec),
+                attention=request.attention,
             )
             self.metrics.observe_open(tenant, len(request.token_ids), result.num_cached_tokens)
             return self._placed(tenant, seq_id, result)

@@ -152,9 +152,10 @@ class CacheNodeServicer:
         """Create sequence `seq_id` starting with the longest cached prefix of `token_ids`
         (whole blocks, at most max_cached_tokens). Changes: a new sequence; cached
         blocks gain a reference; host hits are copied to the device. The caller then
-        appends the remaining tokens. Codes: OK, INVALID_ARGUMENT (empty/duplicate
-        seq_id, bad token ids), RESOURCE_EXHAUSTED, FAILED_PRECONDITION (fewer than
-        expect_cached_tokens held: PrefixEvicted). Every rpc naming a sequence the node
+        appends the remaining tokens; every attend of the sequence (and of its forks)
+        follows its `attention`. Codes: OK, INVALID_ARGUMENT (empty/duplicate seq_id, bad
+        token ids, an attention spec that does not fit), RESOURCE_EXHAUSTED,
+        FAILED_PRECONDITION (fewer than expect_cached_tokens held: PrefixEvicted). Every rpc naming a sequence the node
         does not know waits up to a grace (0.5 s by default) for its Open first, since
         the coordinator sends Open asynchronously; a sequence whose asynchronous Open
         failed answers that open's error (OpenFailed / PrefixEvicted) instead of NOT_FOUND.
@@ -1016,7 +1017,8 @@ class CoordinatorServicer:
 
     def Open(self, request, context):
         """Place a new sequence (longest cached prefix first, then load), open it on
-        the chosen node and record its page table. Codes: OK, INVALID_ARGUMENT,
+        the chosen node and record its page table. An `attention` spec is checked
+        here, before placing, and travels to the node's Open. Codes: OK, INVALID_ARGUMENT,
         RESOURCE_EXHAUSTED (no node has room / tenant over quota), UNAVAILABLE,
         UNAUTHENTICATED, PERMISSION_DENIED.
         """

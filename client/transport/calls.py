@@ -66,6 +66,7 @@ class OpenCall(NamedTuple):
     token_ids: np.ndarray  # int64
     salt: bytes
     max_cached_tokens: int | None
+    attention: Sequence[Any] = ()  # pb.LayerAttention messages (protos/attention.py), or none
 
 
 def as_cpu(t: Any, what: str) -> torch.Tensor:
@@ -166,10 +167,16 @@ def read_call(seq_id: str, start: int, end: int | None, out: Any) -> ReadCall:
     return ReadCall(seq_id, start, end, codec.check_kv_out(out))
 
 
-def open_call(seq_id: str, token_ids: codec.TokenIds, salt: bytes, max_cached_tokens: int | None) -> OpenCall:
+def open_call(
+    seq_id: str,
+    token_ids: codec.TokenIds,
+    salt: bytes,
+    max_cached_tokens: int | None,
+    attention: Sequence[Any] = (),
+) -> OpenCall:
     if not isinstance(seq_id, str):
         raise InvalidArgument(f"sequence id must be a str, got {type(seq_id).__name__}")
     limit = max_cached_tokens
     if limit is not None and (type(limit) is not int or not 0 <= limit < 2**63):
         raise InvalidArgument(f"max_cached_tokens must be an int in [0, 2**63), got {limit!r}")
-    return OpenCall(seq_id, token_array(token_ids, strict=True), bytes(salt), limit)
+    return OpenCall(seq_id, token_array(token_ids, strict=True), bytes(salt), limit, attention)

@@ -31,7 +31,9 @@ class GrpcTransport:
         return unary(self.stub.Stats, pb.Empty(), timeout_s, where=self.where)
 
     def open(self, call: OpenCall, timeout_s: float) -> OpenResult:
-        req = codec.open_request(call.seq_id, call.token_ids.tolist(), call.salt, call.max_cached_tokens)
+        req = codec.open_request(
+            call.seq_id, call.token_ids.tolist(), call.salt, call.max_cached_tokens, call.attention
+        )
         meta = self.wallet.metadata(())
         return codec.open_result(unary(self.stub.Open, req, timeout_s, meta, self.where))
 

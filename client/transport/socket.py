@@ -40,11 +40,15 @@ class SocketTransport:
         """A KV transfer answered over this transport."""
 
     def open(self, call: OpenCall, timeout_s: float) -> OpenResult:
+        if call.attention:
+            raise TransportUnavailable("the bulk OPEN carries no attention spec: the Open rpc does")
         self._usable(timeout_s)
         link = self.link
         link.require(wire.OP_OPEN, timeout_s)
         try:
-            request = wire.encode_open(link.next_id(), *call)
+            request = wire.encode_open(
+                link.next_id(), call.seq_id, call.token_ids, call.salt, call.max_cached_tokens
+            )
         except wire.Unencodable as exc:
             raise TransportUnavailable(str(exc)) from exc  # (an id past the frame's text: the rpc carries it)
 

@@ -9,10 +9,20 @@ import torch
 from hf_families import BY_NAME, VOCAB, build
 from hf_helpers import assert_same_generation, left_pad, prompt_ids
 from transformers import DynamicCache
+from transformers.masking_utils import (
+    and_masks,
+    causal_mask_function,
+    chunked_causal_mask_function,
+    or_masks,
+    sliding_window_causal_mask_function,
+    sliding_window_overlay,
+)
 
 from pagedkv.cache_node.engine import CacheEngine, EngineConfig
+from pagedkv.client.hf_masks import recognise
 from pagedkv.client.hf_support import AttentionPlan, check_call
 from pagedkv.client.transformers import EngineBackend, PagedKVCache, UnsupportedModel, node_spec
+from pagedkv.protos.attention import LayerAttention
 from pagedkv.protos.errors import FailedPrecondition, InvalidArgument
 
 SYSTEM = prompt_ids(10, 40)  # 2 full blocks of 16 + 8 tokens
@@ -77,14 +87,15 @@ def test_attention_switched_away_after_the_check_names_the_cause(model, make_bac
 
 
 def test_a_window_switched_on_after_the_check_is_refused_at_its_first_layer():
-    model = build(BY_NAME["mistral-within-window"], "pagedkv")
+    model = build(BY_NAME["mistral-sliding"], "pagedkv")
     engine = CacheEngine(EngineConfig(node_spec(model.config, 4), 64, device="cpu"))
     model.config.sliding_window = None
     ids = torch.randint(3, VOCAB, (1, 5))
     with PagedKVCache(model, EngineBackend(engine)) as cache, torch.no_grad():
         model.config.sliding_window = 8
         with pytest.raises(
-            UnsupportedModel, match="layer 0: .*sliding_window_overlay \\+ causal_mask_function"
+            UnsupportedModel,
+            match="layer 0: .*sliding_window_overlay \\+ causal_mask_function selects other keys .*(none)",
         ):
             model(input_ids=ids, cache=cache, use_cache=True)
         model.config.sliding_window = None
@@ -105,14 +116,14 @@ def test_a_window_switched_on_after_the_check_is_refused_at_its_first_layer():
     ],
 )
 def test_an_attention_argument_the_node_cannot_honour_is_refused(kwargs, feature):
-    plan = AttentionPlan("SomeForCausalLM", 2, None, ())
+    plan = AttentionPlan("SomeForCausalLM", 2, None)
     with pytest.raises(UnsupportedModel, match=f"SomeForCausalLM layer 1: {feature}") as refused:
         check_call(plan, 1, 16, None, 0.0, None, kwargs, {})
     assert isinstance(refused.value, InvalidArgument) and refused.value.layer == 1
 
 
 def test_harmless_arguments_and_scales_pass():
-    plan = AttentionPlan("SomeForCausalLM", 2, None, ())
+    plan = AttentionPlan("SomeForCausalLM", 2, None)
     call = check_call(
         plan, 0, 16, None, 0.0, 0.3, {"position_ids": torch.arange(3), "sliding_window": None}, {}
     )
@@ -127,7 +138,7 @@ def test_sinks_outside_node_mode_are_refused_not_dropped():
 
 
 def test_gather_mode_runs_a_windowed_model_on_its_own_attention():
-    family = BY_NAME["mistral-sliding"]  # window 16, refused in node mode
+    family = BY_NAME["mistral-sliding"]  # window 16
     model = build(family, "eager")
     ids, mask = left_pad(
         [torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(n)) for n in (11, 30)]
@@ -137,3 +148,75 @@ def test_gather_mode_runs_a_windowed_model_on_its_own_attention():
         out = model.generate(ids, attention_mask=mask, cache=cache, **KW)
     assert_same_generation(out, reference(model, ids, mask))
     engine.check_integrity()
+
+
+WINDOWED = AttentionPlan(
+    "SomeForCausalLM", 2, None, (LayerAttention(window=16, softcap=30.0), LayerAttention(softcap=30.0))
+)
+
+
+@pytest.mark.parametrize(
+    ("layer", "mask_kind", "kwargs", "feature"),
+    [
+        (0, None, {}, "a plain causal mask .* declares a sliding window of 16 tokens"),
+        (1, ("window", 16), {}, "a mask of a sliding window of 16 tokens .* declares plain causal attention"),
+        (0, ("window", 16), {"sliding_window": 8}, "a sliding window of 8 tokens"),
+        (0, ("window", 16), {"softcap": 20.0}, "soft-capping \\(softcap=20.0\\) .* softcap=30.0"),
+        (0, ("chunk", 16), {}, "a mask of chunked attention of 16 tokens"),
+        (0, "the reason", {}, "its attention mask .*the reason"),
+    ],
+)
+def test_a_mask_or_argument_unlike_the_layer_spec_is_refused(layer, mask_kind, kwargs, feature):
+    mask = None if mask_kind is None else torch.zeros(0)
+    masks = {} if mask is None else {id(mask): (mask, mask_kind)}
+    with pytest.raises(UnsupportedModel, match=f"SomeForCausalLM layer {layer}: {feature}"):
+        check_call(WINDOWED, layer, 16, mask, 0.0, None, kwargs, masks)
+
+
+def test_a_mask_and_arguments_that_match_the_layer_spec_pass():
+    mask = torch.zeros(0)
+    masks = {id(mask): (mask, ("window", 16))}
+    call = check_call(WINDOWED, 0, 16, mask, 0.0, None, {"sliding_window": 16, "softcap": 30.0}, masks)
+    assert call.q_scale is None and call.sinks is None
+    check_call(WINDOWED, 1, 16, None, 0.0, None, {"sliding_window": None, "softcap": 30.0}, {})
+
+
+def test_masks_are_recognised_by_structure_and_probed_at_their_edges():
+    ids = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]]).bool()
+    assert recognise(causal_mask_function, [16], [], ids) is None
+    assert recognise(sliding_window_causal_mask_function(16), [8, 16], [], ids) == ("window", 16)
+    assert "(8)" in str(recognise(sliding_window_causal_mask_function(16), [8], [], ids))
+    chunked = chunked_causal_mask_function(4, torch.tensor([2, 0]))  # counts from row 0's 2 pads
+    assert recognise(chunked, [], [4], ids) == ("chunk", 4)
+    assert isinstance(recognise(chunked_causal_mask_function(4, torch.tensor([0, 0])), [], [4], ids), str)
+    widened = or_masks(sliding_window_causal_mask_function(16), causal_mask_function)
+    assert "not one the node applies" in str(recognise(widened, [16], [], ids))
+    swapped = and_masks(sliding_window_overlay(16), sliding_window_overlay(8))
+    assert "not one the node applies" in str(recognise(swapped, [8, 16], [], ids))
+
+
+def test_a_windowed_model_refuses_a_pad_after_a_real_token_before_any_node_call():
+    model = build(BY_NAME["mistral-sliding"], "pagedkv")
+    engine = CacheEngine(EngineConfig(node_spec(model.config, 4), 64, device="cpu"))
+    ids = torch.randint(3, VOCAB, (2, 6))
+    right_padded = torch.tensor([[1, 1, 1, 1, 0, 0], [1] * 6])
+    with PagedKVCache(model, EngineBackend(engine)) as cache, torch.no_grad():
+        with pytest.raises(InvalidArgument, match="row 0 has a pad after a real token"):
+            model(input_ids=ids, attention_mask=right_padded, cache=cache, use_cache=True)
+        assert cache.seq_ids == []
+        model(input_ids=ids, attention_mask=right_padded.flip(1), cache=cache, use_cache=True)  # left: fine
+    engine.check_integrity()
+    assert engine.stats()["num_sequences"] == 0
+
+
+def test_max_tokens_bounds_every_row_before_any_token(model, make_backend):
+    ids = prompt_ids(20, 60)[None]
+    with PagedKVCache(model, make_backend(16), max_tokens=64) as cache:
+        with pytest.raises(InvalidArgument, match="68 tokens long \\(prompt \\+ max_new_tokens\\), beyond"):
+            model.generate(ids, cache=cache, **KW)
+        assert cache.seq_ids == []  # refused before the prompt was opened
+        with (
+            torch.no_grad(),
+            pytest.raises(InvalidArgument, match="would hold 70 tokens, beyond max_tokens=64"),
+        ):
+            model(input_ids=prompt_ids(21, 70)[None], cache=cache, use_cache=True)
