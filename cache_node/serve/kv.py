@@ -27,7 +27,6 @@ from ...protos.tickets import RIGHT_READ, RIGHT_WRITE
 from ...protos.wire import Frame, ProtocolError
 from ..gate import Credentials
 from ..shm import Region
-from .limits import Refused
 
 if TYPE_CHECKING:
     from .listener import BulkServer
@@ -97,8 +96,6 @@ class KVOps:
             server.gate.require(creds, [f.text], RIGHT_WRITE, "Append")
             n = self._check_append(f)
             server.budget.take(f.payload_len, "append")
-        except CapacityExceeded as exc:  # larger than the pool or the node's budget: never read it
-            raise Refused(f, "Append", exc) from None
         except PagedKVError as exc:
             server.refuse_payload(conn, f, "Append", exc, 8 * max(0, f.end - f.start) + f.payload_len)
             return

@@ -29,11 +29,11 @@ from ...protos.wire import Frame, ProtocolError
 
 
 class Refused(Exception):
-    """A request refused from its header whose payload is not worth reading (too large
-    to drain, or one that can never succeed): its error is sent, then the connection
-    is closed (listener.py)."""
+    """A request refused from its header whose payload is not read (too large to drain):
+    its error is sent (unless `error` is None: it was already), then the connection is
+    closed (listener.py)."""
 
-    def __init__(self, frame: Frame, method: str, error: Exception) -> None:
+    def __init__(self, frame: Frame, method: str, error: Exception | None) -> None:
         super().__init__(str(error))
         self.frame, self.method, self.error = frame, method, error
 

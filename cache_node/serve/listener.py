@@ -42,9 +42,6 @@ from .limits import BulkLimits, ByteBudget, PeerCounter, Refused, TimedConn
 
 logger = logging.getLogger("pagedkv.cache_node.bulk")
 DRAIN_BYTES = 4 << 20  # scratch for discarding the payload of a refused request
-# A refused request's payload up to this is read and dropped (the connection stays usable);
-# a larger one closes the connection instead of costing the node its transfer.
-MAX_DRAIN_BYTES = 16 << 20
 # A Unix socket's default send buffer (~200 KiB) makes a read's sendall of a slab wait
 # until the client took nearly all of it; room for two slabs lets the node copy the
 # next one out of the pool while the client drains this one (TCP autotunes to this).
@@ -242,8 +239,9 @@ class BulkServer:
                 _close_fds(fds)  # descriptors sent with another op than MAP
         except Refused as exc:
             self.bump("num_dropped")
-            with contextlib.suppress(OSError):
-                self.refuse(conn, exc.frame, exc.method, exc.error)
+            if exc.error is not None:  # (else its answer already left)
+                with contextlib.suppress(OSError):
+                    self.refuse(conn, exc.frame, exc.method, exc.error)
         except ProtocolError as exc:
             self.bump("num_dropped")
             logger.info("bulk connection dropped: %s", exc)
@@ -315,12 +313,13 @@ class BulkServer:
     def refuse_payload(
         self, conn: socket.socket, f: Frame, method: str, exc: Exception, num_bytes: int
     ) -> None:
-        """Refuse a request whose num_bytes of payload follow: drained and answered
-        (the connection stays usable) when small, else answered and closed (Refused)."""
-        if num_bytes > MAX_DRAIN_BYTES:
-            raise Refused(f, method, exc)
-        self.drain(conn, num_bytes)
+        """Refuse a request whose num_bytes of payload follow: answered at once (refused
+        from its header), then the payload drained (the connection stays usable) when it
+        is at most wire.MAX_DRAIN_BYTES, else the connection closed (Refused) unread."""
         self.refuse(conn, f, method, exc)
+        if num_bytes > wire.MAX_DRAIN_BYTES:
+            raise Refused(f, method, None)
+        self.drain(conn, num_bytes)
 
     def _hello(self, conn: socket.socket, f: Frame) -> None:
         if f.payload_len:

@@ -9,6 +9,7 @@ payload-sized Python objects. A failure after the request left raises Unavailabl
 from __future__ import annotations
 
 import contextlib
+import select
 import socket
 
 import torch
@@ -88,10 +89,21 @@ class SocketTransport:
 
         def body(conn: Connection) -> int:
             link.authorize(conn, (call.seq_id,), timeout_s)
-            conn.sock.sendall(frame.pack() + call.token_ids.tobytes())
-            conn.sock.sendall(wire.byte_view(k))
-            conn.sock.sendall(wire.byte_view(v))
-            reply = wire.read_reply(conn.sock)
+            sock = conn.sock
+            sock.sendall(frame.pack() + call.token_ids.tobytes())
+            # A payload the node will not drain: its refusal from the header (larger than
+            # the pool, say) may be here already, and the connection about to close.
+            undrained = frame.payload_len > wire.MAX_DRAIN_BYTES
+            if undrained and _readable(sock):
+                _refused_early(sock, link)
+            try:
+                sock.sendall(wire.byte_view(k))
+                sock.sendall(wire.byte_view(v))
+            except OSError:
+                if undrained:  # refused while we sent: its answer says why
+                    _refused_early(sock, link)
+                raise
+            reply = wire.read_reply(sock)
             if reply.status != wire.Status.OK:
                 raise link.error(reply.status, reply.text, reply.extra)
             return reply.end
@@ -220,6 +232,23 @@ class UnixTransport(SocketTransport):
 
     def _counted(self) -> None:
         self.link.num_local_transfers += 1
+
+
+def _readable(sock: socket.socket) -> bool:
+    return bool(select.select([sock], [], [], 0)[0])
+
+
+def _refused_early(sock: socket.socket, link: BulkLink) -> None:
+    """Raise the node's answer to a request it refused from its header (Abandoned: the
+    connection is closed); return when there is none to read."""
+    sock.settimeout(0.5)
+    try:
+        reply = wire.read_reply(sock)
+    except (OSError, ProtocolError):
+        return
+    if reply.status != wire.Status.OK:
+        raise Abandoned(link.error(reply.status, reply.text, reply.extra))
+    raise ProtocolError(f"an append answered {reply} before its payload was sent")
 
 
 def encode_call(call: AttendCall, link: BulkLink) -> tuple[bytes, int]:

@@ -44,6 +44,10 @@ MAX_CALL_BYTES = MAX_MESSAGE_BYTES  # an ATTEND* body over gRPC's message cap is
 MAX_REGION_BYTES = 2 * MAX_CALL_BYTES + (16 << 20)
 END_OF_SEQUENCE = 2**64 - 1
 MAX_TEXT_BYTES = 4096
+# A request refused from its header is answered at once; a payload up to this follows and is
+# read and dropped (the connection stays in sync), a larger one is never read: the node
+# closes the connection after its answer (a client may look for that answer first).
+MAX_DRAIN_BYTES = 16 << 20
 MAX_FDS = 4  # descriptors taken with one header (MAP sends one; extras are closed)
 MAX_READ_SLOTS = 64
 # dtype codes, fixed for the wire (the names are protos.tensors.TORCH_DTYPES keys).

@@ -10,9 +10,12 @@ import socket
 import time
 from typing import Any
 
+import pytest
+import torch
 from hostile import BULK_TIMEOUT_S, MAX_PER_PEER, NUM_BLOCKS, SPEC, Secured, reply, rss_bytes, send
 
 from pagedkv.protos import wire
+from pagedkv.protos.errors import CapacityExceeded
 
 
 def _closed(sock: Any, within_s: float) -> bool:
@@ -110,10 +113,11 @@ def test_declared_sizes_are_refused_from_the_header_without_allocating(cluster: 
             r = reply(sock)
             assert r.status == wire.Status.UNAUTHENTICATED, r
             assert _closed(sock, 2.0)
-    # an APPEND larger than the pool, from a tenant with a valid ticket for its own sequence
+    # an APPEND larger than the pool (and than the node drains), from a tenant with a valid
+    # ticket for its own sequence
     beta = cluster.clients["beta"]
     seq = next(s for s in (beta.open(f"big-{i}", [3, 4, 5]) for i in range(20)) if _keep(s, address))
-    n = NUM_BLOCKS * SPEC.block_size + 1
+    n = max(NUM_BLOCKS * SPEC.block_size, wire.MAX_DRAIN_BYTES // SPEC.bytes_per_token) + 1
     with cluster.bulk_tcp(address) as sock:
         sock.sendall(wire.encode_auth(1, [seq.route.ticket]))
         assert reply(sock).status == wire.Status.OK
@@ -132,6 +136,13 @@ def test_declared_sizes_are_refused_from_the_header_without_allocating(cluster: 
         r = reply(sock)
         assert r.status == wire.Status.RESOURCE_EXHAUSTED and "more than the whole pool" in r.text, r
         assert _closed(sock, 2.0)
+    # the client library gets that refusal as the node's error, not as a broken connection
+    for transports in (("tcp", "grpc"), ("unix", "grpc")):
+        with cluster.client("beta", transports=transports, bulk_min_bytes=0) as client:
+            mine = client.sequence(seq.seq_id)
+            k = torch.zeros(SPEC.num_layers, n, SPEC.num_kv_heads, SPEC.head_dim)
+            with pytest.raises(CapacityExceeded, match="more than the whole pool"):
+                mine.append(list(range(n)), k, k)
     seq.close()
     grown = rss_bytes(pid) - rss_before
     assert grown < 16 << 20, f"the node grew by {grown} bytes"
