@@ -326,7 +326,10 @@ class BulkServer:
             error = InvalidArgument("bulk hello: the request carries no payload")
             self.refuse_payload(conn, f, "Hello", error, f.payload_len)
             return
-        caps = wire.Capabilities(self.ops, self.local_name).encode()
+        bs = self.engine.spec.block_size
+        caps = wire.Capabilities(
+            self.ops, self.local_name, max_append_tokens=self.engine.config.num_blocks * bs, block_size=bs
+        ).encode()
         conn.sendall(Frame(f.op, f.request_id, payload_len=len(caps)).pack() + caps)  # set-up: not counted
 
     def refuse(self, conn: socket.socket, f: Frame, method: str, exc: Exception) -> None:

@@ -15,7 +15,7 @@ import socket
 import torch
 
 from ...protos import tensors, wire
-from ...protos.errors import InvalidArgument
+from ...protos.errors import CapacityExceeded, InvalidArgument
 from ...protos.wire import Frame, ProtocolError
 from .. import codec, shm
 from ..types import AttentionResult, OpenResult
@@ -87,13 +87,19 @@ class SocketTransport:
             payload_len=2 * wire.nbytes(k),
         )
 
+        caps = link.capabilities(timeout_s)
+        undrained = frame.payload_len > wire.MAX_DRAIN_BYTES  # refused, the node would not read it
+        if undrained and caps.max_append_tokens and n > caps.max_append_tokens:  # (and close at once)
+            bs = caps.block_size
+            need, total = -(-n // bs), caps.max_append_tokens // bs
+            raise CapacityExceeded(f"append {n} tokens (more than the whole pool)", need, total)
+
         def body(conn: Connection) -> int:
             link.authorize(conn, (call.seq_id,), timeout_s)
             sock = conn.sock
             sock.sendall(frame.pack() + call.token_ids.tobytes())
-            # A payload the node will not drain: its refusal from the header (larger than
-            # the pool, say) may be here already, and the connection about to close.
-            undrained = frame.payload_len > wire.MAX_DRAIN_BYTES
+            # A payload the node will not drain: its refusal from the header may be here
+            # already, and the connection about to close.
             if undrained and _readable(sock):
                 _refused_early(sock, link)
             try:

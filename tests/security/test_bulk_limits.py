@@ -117,33 +117,35 @@ def test_declared_sizes_are_refused_from_the_header_without_allocating(cluster: 
     # ticket for its own sequence
     beta = cluster.clients["beta"]
     seq = next(s for s in (beta.open(f"big-{i}", [3, 4, 5]) for i in range(20)) if _keep(s, address))
-    n = max(NUM_BLOCKS * SPEC.block_size, wire.MAX_DRAIN_BYTES // SPEC.bytes_per_token) + 1
-    with cluster.bulk_tcp(address) as sock:
-        sock.sendall(wire.encode_auth(1, [seq.route.ticket]))
-        assert reply(sock).status == wire.Status.OK
-        frame = wire.Frame(
-            wire.OP_APPEND,
-            2,
-            end=n,
-            num_layers=SPEC.num_layers,
-            num_kv_heads=SPEC.num_kv_heads,
-            head_dim=SPEC.head_dim,
-            slab_tokens=n,
-            text=seq.route.node_seq_id,
-            payload_len=n * SPEC.bytes_per_token,
-        )
-        send(sock, frame)  # the header only: the refusal comes without the payload
-        r = reply(sock)
-        assert r.status == wire.Status.RESOURCE_EXHAUSTED and "more than the whole pool" in r.text, r
-        assert _closed(sock, 2.0)
-    # the client library gets that refusal as the node's error, not as a broken connection
-    for transports in (("tcp", "grpc"), ("unix", "grpc")):
-        with cluster.client("beta", transports=transports, bulk_min_bytes=0) as client:
-            mine = client.sequence(seq.seq_id)
-            k = torch.zeros(SPEC.num_layers, n, SPEC.num_kv_heads, SPEC.head_dim)
-            with pytest.raises(CapacityExceeded, match="more than the whole pool"):
-                mine.append(list(range(n)), k, k)
-    seq.close()
+    try:
+        n = max(NUM_BLOCKS * SPEC.block_size, wire.MAX_DRAIN_BYTES // SPEC.bytes_per_token) + 1
+        with cluster.bulk_tcp(address) as sock:
+            sock.sendall(wire.encode_auth(1, [seq.route.ticket]))
+            assert reply(sock).status == wire.Status.OK
+            frame = wire.Frame(
+                wire.OP_APPEND,
+                2,
+                end=n,
+                num_layers=SPEC.num_layers,
+                num_kv_heads=SPEC.num_kv_heads,
+                head_dim=SPEC.head_dim,
+                slab_tokens=n,
+                text=seq.route.node_seq_id,
+                payload_len=n * SPEC.bytes_per_token,
+            )
+            send(sock, frame)  # the header only: the refusal comes without the payload
+            r = reply(sock)
+            assert r.status == wire.Status.RESOURCE_EXHAUSTED and "more than the whole pool" in r.text, r
+            assert _closed(sock, 2.0)
+        # the client library gets that refusal as the node's error, not as a broken connection
+        for transports in (("tcp", "grpc"), ("unix", "grpc")):
+            with cluster.client("beta", transports=transports, bulk_min_bytes=0) as client:
+                mine = client.sequence(seq.seq_id)
+                k = torch.zeros(SPEC.num_layers, n, SPEC.num_kv_heads, SPEC.head_dim)
+                with pytest.raises(CapacityExceeded, match="more than the whole pool"):
+                    mine.append(list(range(n)), k, k)
+    finally:
+        seq.close()
     grown = rss_bytes(pid) - rss_before
     assert grown < 16 << 20, f"the node grew by {grown} bytes"
     assert cluster.health(address) == "SERVING"
