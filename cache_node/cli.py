@@ -5,8 +5,13 @@ so a container is configured by env alone. SIGTERM / SIGINT stop it gracefully:
 health flips to NOT_SERVING, running calls get --grace-s to finish.
 
 Everything a user can get wrong (a port in use, a pool larger than the machine, a device
-it does not have) is checked before the pool is allocated and reported as one line, exit
-code 2 (pagedkv/usage.py).
+it does not have, a missing certificate) is checked before the pool is allocated and reported
+as one line, exit code 2 (pagedkv/usage.py).
+
+Security (deploy/README.md): it listens on loopback unless told (--listen). In a cluster,
+the cluster secret (--cluster-secret-file) makes it take control calls from its coordinator
+only and data calls with the coordinator's tickets only; standalone, --token-file makes every
+call need that bearer token; --tls-* put TLS on its gRPC and bulk TCP ports.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import threading
 
 from pagedkv import __version__
 from pagedkv.logs import add_logging_args, setup_logging
+from pagedkv.trust_args import add_trust_args, keys_from_args, tls_from_args
 from pagedkv.usage import (
     Parser,
     UsageError,
@@ -37,6 +43,8 @@ from pagedkv.usage import (
 
 from ..protos.errors import InvalidArgument
 from ..protos.spec import ModelSpec
+from ..protos.tls import TlsConfig
+from .gate import NodeTrust  # (no torch: the pool's imports wait until the node runs)
 
 log = logging.getLogger("pagedkv.node")
 
@@ -134,7 +142,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="torch device (cpu, cuda, cuda:1); empty or auto picks cuda when present, else cpu",
     )
     p.add_argument(
-        "--listen", default=_env("LISTEN", "0.0.0.0:50051"), help="gRPC address host:port (port 0: any)"
+        "--listen",
+        default=_env("LISTEN", "127.0.0.1:50051"),
+        help="gRPC address host:port (port 0: any); 0.0.0.0:PORT serves other hosts: give it a cluster "
+        "secret or a token, and TLS",
     )
     p.add_argument(
         "--metrics-port",
@@ -149,6 +160,31 @@ def build_parser() -> argparse.ArgumentParser:
         help="raw TCP side channel (large KV transfers, the per-step attend calls) on the --listen "
         "host (auto: any free port; 0 or off: none, clients use gRPC); advertised in the node's Stats",
     )
+    bulk = p.add_argument_group("bulk channel limits (what no client can take from it)")
+    bulk.add_argument(
+        "--bulk-max-connections",
+        type=positive_int("--bulk-max-connections"),
+        default=_env("BULK_MAX_CONNECTIONS", "64"),
+        help="connections per bulk listener (TCP, and the same-host socket); more are closed at once",
+    )
+    bulk.add_argument(
+        "--bulk-max-per-peer",
+        type=positive_int("--bulk-max-per-peer"),
+        default=_env("BULK_MAX_PER_PEER", "16"),
+        help="bulk connections per peer (an IP address; a local process)",
+    )
+    bulk.add_argument(
+        "--bulk-idle-timeout-s",
+        type=positive_float("--bulk-idle-timeout-s"),
+        default=_env("BULK_IDLE_TIMEOUT_S", "60"),
+        help="a bulk connection that sends nothing for this long is closed",
+    )
+    bulk.add_argument(
+        "--bulk-request-timeout-s",
+        type=positive_float("--bulk-request-timeout-s"),
+        default=_env("BULK_REQUEST_TIMEOUT_S", "30"),
+        help="a bulk request must arrive within this, plus its payload at 4 MiB/s",
+    )
     cluster = p.add_argument_group("cluster (leave --coordinator empty for a standalone node)")
     cluster.add_argument(
         "--coordinator", default=_env("COORDINATOR", ""), help="coordinator host:port to register with"
@@ -160,6 +196,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     cluster.add_argument(
         "--node-id", default=_env("NODE_ID", ""), help="stable node name (default: the advertised address)"
+    )
+    p.add_argument(
+        "--token-file",
+        default=_env("NODE_TOKEN_FILE", ""),
+        help="a standalone node (no --coordinator): every call but Stats, Ping and health needs "
+        "`authorization: Bearer <the file's first line>` (or $PAGEDKV_NODE_TOKEN)",
     )
     p.add_argument(
         "--compute-thread",
@@ -183,8 +225,39 @@ def build_parser() -> argparse.ArgumentParser:
         default=_env("GRACE_S", "10"),
         help="seconds running calls get to finish on SIGTERM",
     )
+    add_trust_args(p)
     add_logging_args(p)
     return p
+
+
+def node_trust(args: argparse.Namespace, node_id: str) -> tuple[NodeTrust, TlsConfig | None]:
+    """(NodeTrust, TlsConfig or None) of the flags; UsageError for a bad combination."""
+    keys = keys_from_args(args)
+    tls = tls_from_args(args, server=True)
+    token = os.environ.get("PAGEDKV_NODE_TOKEN", "")
+    if args.token_file:
+        try:
+            token = open(args.token_file).readline().strip()  # noqa: SIM115 - one line
+        except OSError as exc:
+            raise UsageError(f"--token-file {args.token_file}: {exc.strerror or exc}") from None
+        if not token:
+            raise UsageError(f"--token-file {args.token_file}: the first line is empty")
+    if token and args.coordinator:
+        raise UsageError(
+            "--token-file is for a standalone node: a node in a cluster takes its coordinator's tickets "
+            "(give it --cluster-secret-file instead)"
+        )
+    if keys is not None and not args.coordinator:
+        log.warning(
+            "a cluster secret is for a node in a cluster (--coordinator): ignored on a standalone node"
+        )
+        keys = None
+    if args.coordinator and keys is None:
+        log.warning(
+            "no cluster secret (--cluster-secret-file): this node's ports take any caller's data and "
+            "control calls; run it on a trusted network only"
+        )
+    return NodeTrust(keys, token, node_id), tls
 
 
 def check_device(device: str) -> str:
@@ -240,6 +313,7 @@ def main(argv: list[str] | None = None) -> None:
 def serve(args: argparse.Namespace) -> None:
     host, listen_port = split_host_port(args.listen, "--listen")
     check_port_free("gRPC", "--listen", host, listen_port)
+    trust, tls = node_trust(args, args.node_id)  # (its registration names it: CoordinatorLink)
     if args.bulk_port:
         check_port_free("bulk KV", "--bulk-port", host, args.bulk_port)
     if args.metrics_port:
@@ -261,6 +335,7 @@ def serve(args: argparse.Namespace) -> None:
 
     from .engine import CacheEngine, EngineConfig  # torch loads only when the node runs
     from .metrics import NodeMetrics
+    from .serve import BulkLimits
     from .server import create_server
 
     device = check_device(args.device)
@@ -288,7 +363,19 @@ def serve(args: argparse.Namespace) -> None:
     )
     try:
         server, port = create_server(
-            engine, args.listen, max_workers=args.max_workers, metrics=metrics, bulk_port=args.bulk_port
+            engine,
+            args.listen,
+            max_workers=args.max_workers,
+            metrics=metrics,
+            bulk_port=args.bulk_port,
+            trust=trust,
+            tls=tls,
+            bulk_limits=BulkLimits(
+                max_connections=args.bulk_max_connections,
+                max_per_peer=args.bulk_max_per_peer,
+                idle_timeout_s=args.bulk_idle_timeout_s,
+                frame_timeout_s=args.bulk_request_timeout_s,
+            ),
         )
     except (OSError, RuntimeError) as exc:  # the probe above raced with another process
         taken = "bulk KV" if isinstance(exc, OSError) and args.bulk_port else "gRPC"
@@ -328,7 +415,14 @@ def serve(args: argparse.Namespace) -> None:
             f"{advertise.rsplit(':', 1)[0]}:{metrics_address.rsplit(':', 1)[1]}" if metrics_address else ""
         )
         link = CoordinatorLink(
-            engine, args.coordinator, args.node_id or advertise, advertise, metrics_address=scrape
+            engine,
+            args.coordinator,
+            args.node_id or advertise,
+            advertise,
+            metrics_address=scrape,
+            keys=trust.keys,
+            tls=tls,
+            gate=server.gate,
         ).start()
         print(f"joining coordinator {args.coordinator} as {args.node_id or advertise}", flush=True)
 

@@ -16,6 +16,12 @@ heartbeat revives it. When the heartbeat says is_registered=false, the node was
 declared dead -- its sequences marked lost, its keys purged -- so it resets its
 engine and registers again, empty. While the coordinator is unreachable it keeps serving data calls
 and retries with capped backoff.
+
+With the cluster secret, every call carries a NODE ticket the node signs for its
+own id (the coordinator refuses nodes without one), and each registration's epoch
+goes to the node's gate: tickets for an earlier registration are refused. A node
+re-registering names its current epoch, so only it may replace its own live
+registration. `reserve` is the gate's way to ask for more of a tenant's quota.
 """
 
 from __future__ import annotations
@@ -29,7 +35,11 @@ import grpc
 
 from ..protos import pagedkv_pb2 as pb
 from ..protos import pagedkv_pb2_grpc as pb_grpc
+from ..protos.status import error_from_rpc
+from ..protos.tickets import RIGHT_NODE, TICKET_KEY, ClusterKeys, Minter
+from ..protos.tls import TlsConfig, secure_channel
 from .engine import CacheEngine
+from .gate import Gate
 from .kv_manager import OFFLOADED, STORED
 
 log = logging.getLogger("pagedkv.node.link")
@@ -70,6 +80,9 @@ class CoordinatorLink:
         event_interval_s: float = 0.01,
         event_poll_s: float = 0.002,
         rpc_timeout_s: float = 2.0,
+        keys: ClusterKeys | None = None,
+        tls: TlsConfig | None = None,
+        gate: Gate | None = None,
     ) -> None:
         self.engine = engine
         self.node_id = node_id
@@ -80,8 +93,13 @@ class CoordinatorLink:
         self.rpc_timeout_s = rpc_timeout_s
         # Reconnect within a second after a coordinator restart (gRPC's default backoff
         # grows to 120 s, which could outlast our lease and get us declared dead).
-        self._channel = grpc.insecure_channel(coordinator_address, options=RECONNECT_OPTIONS)
+        self._channel = secure_channel(coordinator_address, tls, RECONNECT_OPTIONS)
         self._stub = pb_grpc.CoordinatorStub(self._channel)
+        self._minter = None if keys is None else Minter(keys, ttl_s=600.0)
+        self.gate = gate
+        if gate is not None:
+            gate.reserve = self.reserve
+        self.epoch = 0  # this node's registration epoch (0: not registered)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"coordinator-link-{node_id}", daemon=True)
         self._pending: list[pb.BlockEvent] = []
@@ -98,6 +116,12 @@ class CoordinatorLink:
         self._thread.join(timeout_s)
         self._channel.close()
 
+    def _metadata(self) -> tuple[tuple[str, bytes], ...]:
+        """The NODE ticket this node signs for itself (none without a cluster secret)."""
+        if self._minter is None:
+            return ()
+        return ((TICKET_KEY, self._minter.get(RIGHT_NODE, self.node_id)),)
+
     def _register(self) -> None:
         spec = self.engine.spec
         reply = self._stub.Register(
@@ -109,9 +133,14 @@ class CoordinatorLink:
                 num_host_blocks=self.engine.config.num_host_blocks,
                 metrics_address=self.metrics_address,
                 policy=self.engine.config.policy,
+                epoch=self.epoch,
             ),
             timeout=self.rpc_timeout_s,
+            metadata=self._metadata(),
         )
+        self.epoch = reply.epoch
+        if self.gate is not None:
+            self.gate.set_registration(self.node_id, reply.epoch)
         self.heartbeat_interval_s = reply.heartbeat_interval_s or self.heartbeat_interval_s
         self.num_registrations += 1
         self.is_registered.set()
@@ -122,8 +151,11 @@ class CoordinatorLink:
         log.warning("node %s lost its lease; resetting and registering again", self.node_id)
         self.is_registered.clear()
         self.engine.reset()
+        if self.gate is not None:
+            self.gate.reset()
         self.engine.take_events()
         self._pending.clear()
+        self.epoch = 0  # that registration is gone: a fresh one
         self._register()
 
     def _report(self) -> None:
@@ -136,6 +168,7 @@ class CoordinatorLink:
             self._stub.ReportEvents(
                 pb.ReportEventsRequest(node_id=self.node_id, events=batch, load=node_load(self.engine)),
                 timeout=self.rpc_timeout_s,
+                metadata=self._metadata(),
             )
         except grpc.RpcError as err:
             if err.code() != grpc.StatusCode.NOT_FOUND:
@@ -148,7 +181,9 @@ class CoordinatorLink:
 
     def _heartbeat(self) -> None:
         reply = self._stub.Heartbeat(
-            pb.HeartbeatRequest(node_id=self.node_id, load=node_load(self.engine)), timeout=self.rpc_timeout_s
+            pb.HeartbeatRequest(node_id=self.node_id, load=node_load(self.engine)),
+            timeout=self.rpc_timeout_s,
+            metadata=self._metadata(),
         )
         if not reply.is_registered:
             self._rejoin()
@@ -177,11 +212,30 @@ class CoordinatorLink:
                 self._stop.wait(self.event_interval_s)  # the coalescing gap between two reports
                 self._wait_for_events(next_beat)
             except grpc.RpcError as err:
-                log.warning("coordinator unreachable from node %s: %s", self.node_id, err.code())
+                code = err.code()  # type: ignore[attr-defined]
+                if code == grpc.StatusCode.UNAVAILABLE:
+                    log.warning("coordinator unreachable from node %s: %s", self.node_id, code)
+                else:  # refused (a live registration of this id, a wrong cluster secret, ...)
+                    log.warning("coordinator refused node %s: %s: %s", self.node_id, code, err.details())  # type: ignore[attr-defined]
                 backoff = self._back_off(backoff)
             except Exception:  # never let the link thread die silently
                 log.exception("coordinator link of node %s failed; retrying", self.node_id)
                 backoff = self._back_off(backoff)
+
+    def reserve(self, seq_id: str, min_blocks: int, num_blocks: int) -> int:
+        """More of a sequence's tenant quota (Coordinator.Reserve): its new allowance
+        in blocks. Raises the coordinator's error (QuotaExceeded, Unavailable, ...)."""
+        try:
+            reply = self._stub.Reserve(
+                pb.ReserveRequest(
+                    node_id=self.node_id, seq_id=seq_id, min_blocks=min_blocks, num_blocks=num_blocks
+                ),
+                timeout=self.rpc_timeout_s,
+                metadata=self._metadata(),
+            )
+        except grpc.RpcError as err:
+            raise error_from_rpc(err, "coordinator") from None
+        return int(reply.max_blocks)
 
     def _back_off(self, backoff: float) -> float:
         """Wait `backoff` with jitter (half fixed, half random, so nodes that lost one coordinator

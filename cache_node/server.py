@@ -7,8 +7,11 @@ handler runs inside `_observe`, which times it, maps a raised error to its
 status code (status.py, the one translation) and counts failures. A bad
 request never takes the server down; an unexpected exception becomes INTERNAL.
 
-Health checking (grpc.health.v1) and server reflection are on, so grpcurl and
-grpc_health_probe work against a node. `NodeServer.stop(grace)` flips health to
+Every handler asks the node's Gate (gate.py) first, before the engine sees the
+request: the control rpcs need the coordinator's credential on a node serving a
+cluster, the data rpcs a ticket per sequence (tickets come in the call's
+metadata). Health checking (grpc.health.v1) and server reflection are on, so
+grpcurl and grpc_health_probe work against a node. `NodeServer.stop(grace)` flips health to
 NOT_SERVING first, so load balancers stop routing, then drains.
 """
 
@@ -34,9 +37,12 @@ from ..protos.errors import (
 )
 from ..protos.serving import GrpcServer, build_server
 from ..protos.status import abort_details
+from ..protos.tickets import RIGHT_READ, RIGHT_WRITE
+from ..protos.tls import TlsConfig
 from .engine import CacheEngine
+from .gate import Credentials, Gate, NodeTrust
 from .metrics import NodeMetrics
-from .serve import BulkServer, bulk_host
+from .serve import BulkLimits, BulkServer, bulk_host
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["CacheNode"].full_name
 SERVER_OPTIONS = [*tensors.MESSAGE_SIZE_OPTIONS, ("grpc.so_reuseport", 0)]
@@ -44,11 +50,21 @@ T = TypeVar("T")
 
 
 class CacheNodeServicer(pb_grpc.CacheNodeServicer):
-    def __init__(self, engine: CacheEngine, metrics: NodeMetrics) -> None:
+    def __init__(self, engine: CacheEngine, metrics: NodeMetrics, gate: Gate | None = None) -> None:
         self.engine = engine
         self.metrics = metrics
+        self.gate = gate or Gate()
         self._spec = engine.spec
         self.bulk_port = 0  # advertised in Stats; set by create_server when the bulk channel is on
+
+    def _creds(self, context: grpc.ServicerContext) -> Credentials:
+        return self.gate.from_metadata(context.invocation_metadata())
+
+    def _admin(self, context: grpc.ServicerContext, method: str) -> None:
+        self.gate.require_admin(self._creds(context), method)
+
+    def _held(self, seq_id: str) -> int:
+        return self.engine.cache_length(seq_id)
 
     # -- plumbing ---------------------------------------------------------------
 
@@ -89,25 +105,43 @@ class CacheNodeServicer(pb_grpc.CacheNodeServicer):
 
     def Open(self, request: pb.OpenRequest, context: grpc.ServicerContext) -> pb.OpenResponse:
         def run() -> pb.OpenResponse:
+            self._admin(context, "Open")
             limit = request.max_cached_tokens if request.HasField("max_cached_tokens") else None
             exact = request.expect_cached_tokens if request.HasField("expect_cached_tokens") else None
             ids = np.asarray(request.token_ids)  # one C-level copy, not a Python list
+            max_blocks = request.max_blocks if request.HasField("max_blocks") else None
             attention = from_messages(request.attention, self.engine.spec.num_layers)
-            res = self.engine.open(request.seq_id, ids, request.tenant_salt, limit, exact, attention)
+            res = self._with_allowance(
+                request.seq_id,
+                max_blocks,
+                lambda: self.engine.open(request.seq_id, ids, request.tenant_salt, limit, exact, attention),
+            )
             return pb.OpenResponse(
                 num_cached_tokens=res.num_cached_tokens, num_host_hit_tokens=res.num_host_hit_tokens
             )
 
         return self._observe("Open", context, run)
 
+    def _with_allowance(self, seq_id: str, max_blocks: int | None, create: Callable[[], T]) -> T:
+        """create() a sequence with its quota allowance in place first (a data call may
+        follow at once); the previous one is restored when create fails."""
+        if max_blocks is None:
+            return create()
+        before = self.gate.allowance(seq_id)
+        self.gate.set_allowance(seq_id, max_blocks)
+        try:
+            return create()
+        except BaseException:
+            self.gate.set_allowance(seq_id, before)
+            raise
+
     def Lookup(self, request: pb.LookupRequest, context: grpc.ServicerContext) -> pb.LookupResponse:
-        return self._observe(
-            "Lookup",
-            context,
-            lambda: pb.LookupResponse(
-                num_cached_tokens=self.engine.lookup(np.asarray(request.token_ids), request.tenant_salt)
-            ),
-        )
+        def run() -> pb.LookupResponse:
+            self._admin(context, "Lookup")
+            ids = np.asarray(request.token_ids)
+            return pb.LookupResponse(num_cached_tokens=self.engine.lookup(ids, request.tenant_salt))
+
+        return self._observe("Lookup", context, run)
 
     def Append(self, request_iterator: Iterator[pb.AppendChunk], context: grpc.ServicerContext) -> Any:
         def run() -> pb.AppendResponse:
@@ -126,6 +160,8 @@ class CacheNodeServicer(pb_grpc.CacheNodeServicer):
             if first is None or not first.HasField("header"):
                 raise InvalidArgument("Append: the first message must carry the header")
             head = first.header
+            # before a byte of the payload is buffered: who asks, then how much
+            self.gate.require(self._creds(context), [head.seq_id], RIGHT_WRITE, "Append")
             tokens = list(head.token_ids)
             self._check_kv_header(head.kv, len(tokens))
             reader = tensors.SlabReader(head.kv.dtype, head.kv.shape, "kv")
@@ -136,7 +172,12 @@ class CacheNodeServicer(pb_grpc.CacheNodeServicer):
                 slabs.append(reader.add(chunk.num_tokens, chunk.data))
             reader.finish()
             pairs = [(slab[0], slab[1]) for slab in slabs]
-            self.engine.awaiting_open(lambda: self.engine.append_slabs(head.seq_id, tokens, pairs))
+
+            def append() -> None:
+                with self.gate.charging([head.seq_id], [len(tokens)], self._held, self._spec.block_size):
+                    self.engine.append_slabs(head.seq_id, tokens, pairs)
+
+            self.engine.awaiting_open(append)
             return pb.AppendResponse(num_tokens=self.engine.sequence_length(head.seq_id))
 
         return self._observe("Append", context, run, wait_unknown=False)  # run() consumes the stream
@@ -157,7 +198,10 @@ class CacheNodeServicer(pb_grpc.CacheNodeServicer):
     def Attend(self, request: pb.AttendRequest, context: grpc.ServicerContext) -> pb.AttendResponse:
         def run() -> pb.AttendResponse:
             ids, mass = list(request.seq_ids), request.return_block_mass
-            out = self.engine.attend_decode(ids, request.layer, *_qkv(request), return_block_mass=mass)
+            appends = request.HasField("k") and request.layer == 0 and bool(request.token_ids)
+            self.gate.require(self._creds(context), ids, _rights(request.HasField("k")), "Attend")
+            with self.gate.charging(ids, [int(appends)] * len(ids), self._held, self._spec.block_size):
+                out = self.engine.attend_decode(ids, request.layer, *_qkv(request), return_block_mass=mass)
             return self._attention_response(out, request.return_block_mass)
 
         return self._observe("Attend", context, run)
@@ -167,7 +211,12 @@ class CacheNodeServicer(pb_grpc.CacheNodeServicer):
     ) -> pb.AttendResponse:
         def run() -> pb.AttendResponse:
             seq_id, mass = request.seq_id, request.return_block_mass
-            out = self.engine.attend_prefill(seq_id, request.layer, *_qkv(request), return_block_mass=mass)
+            appends = len(request.token_ids) if request.HasField("k") and request.layer == 0 else 0
+            self.gate.require(self._creds(context), [seq_id], _rights(request.HasField("k")), "AttendPrefill")
+            with self.gate.charging([seq_id], [appends], self._held, self._spec.block_size):
+                out = self.engine.attend_prefill(
+                    seq_id, request.layer, *_qkv(request), return_block_mass=mass
+                )
             return self._attention_response(out, request.return_block_mass)
 
         return self._observe("AttendPrefill", context, run)
@@ -177,37 +226,51 @@ class CacheNodeServicer(pb_grpc.CacheNodeServicer):
     ) -> pb.AttendResponse:
         def run() -> pb.AttendResponse:
             ids, counts = list(request.seq_ids), list(request.num_tokens)
-            out = self.engine.attend_prefill_batch(ids, request.layer, counts, *_qkv(request))
+            has_k = request.HasField("k")
+            self.gate.require(self._creds(context), ids, _rights(has_k), "AttendPrefillBatch")
+            appends = counts if has_k and request.layer == 0 and len(counts) == len(ids) else [0] * len(ids)
+            with self.gate.charging(ids, appends, self._held, self._spec.block_size):
+                out = self.engine.attend_prefill_batch(ids, request.layer, counts, *_qkv(request))
             return self._attention_response(out, False)
 
         return self._observe("AttendPrefillBatch", context, run)
 
     def Fork(self, request: pb.ForkRequest, context: grpc.ServicerContext) -> pb.Empty:
         def run() -> pb.Empty:
-            self.engine.fork(request.parent_id, request.child_id)
+            self._admin(context, "Fork")
+            max_blocks = request.max_blocks if request.HasField("max_blocks") else None
+            child = request.child_id
+            self._with_allowance(child, max_blocks, lambda: self.engine.fork(request.parent_id, child))
             return pb.Empty()
 
         return self._observe("Fork", context, run)
 
     def Free(self, request: pb.SeqRequest, context: grpc.ServicerContext) -> pb.Empty:
         def run() -> pb.Empty:
+            self._admin(context, "Free")
             self.engine.free(request.seq_id)
+            self.gate.drop(request.seq_id)
             return pb.Empty()
 
         return self._observe("Free", context, run)
 
     def SwapOut(self, request: pb.SeqRequest, context: grpc.ServicerContext) -> pb.SwapResponse:
-        return self._observe(
-            "SwapOut", context, lambda: pb.SwapResponse(num_blocks=self.engine.swap_out(request.seq_id))
-        )
+        def run() -> pb.SwapResponse:
+            self._admin(context, "SwapOut")
+            return pb.SwapResponse(num_blocks=self.engine.swap_out(request.seq_id))
+
+        return self._observe("SwapOut", context, run)
 
     def SwapIn(self, request: pb.SeqRequest, context: grpc.ServicerContext) -> pb.SwapResponse:
-        return self._observe(
-            "SwapIn", context, lambda: pb.SwapResponse(num_blocks=self.engine.swap_in(request.seq_id))
-        )
+        def run() -> pb.SwapResponse:
+            self._admin(context, "SwapIn")
+            return pb.SwapResponse(num_blocks=self.engine.swap_in(request.seq_id))
+
+        return self._observe("SwapIn", context, run)
 
     def ReadKV(self, request: pb.ReadKVRequest, context: grpc.ServicerContext) -> Iterator[pb.KVChunk]:
         def gen() -> Iterator[pb.KVChunk]:
+            self.gate.require(self._creds(context), [request.seq_id], RIGHT_READ, "ReadKV")
             end = request.end if request.HasField("end") else None
             chunk_bytes = request.chunk_bytes or tensors.CHUNK_BYTES
             if not 0 < chunk_bytes <= tensors.MAX_MESSAGE_BYTES // 2:
@@ -247,23 +310,22 @@ class CacheNodeServicer(pb_grpc.CacheNodeServicer):
     # -- prefixes, budgets ------------------------------------------------------
 
     def Pin(self, request: pb.PinRequest, context: grpc.ServicerContext) -> pb.PinResponse:
-        return self._observe(
-            "Pin",
-            context,
-            lambda: pb.PinResponse(num_tokens=self.engine.pin(list(request.token_ids), request.tenant_salt)),
-        )
+        def run() -> pb.PinResponse:
+            self._admin(context, "Pin")
+            return pb.PinResponse(num_tokens=self.engine.pin(list(request.token_ids), request.tenant_salt))
+
+        return self._observe("Pin", context, run)
 
     def Unpin(self, request: pb.PinRequest, context: grpc.ServicerContext) -> pb.PinResponse:
-        return self._observe(
-            "Unpin",
-            context,
-            lambda: pb.PinResponse(
-                num_tokens=self.engine.unpin(list(request.token_ids), request.tenant_salt)
-            ),
-        )
+        def run() -> pb.PinResponse:
+            self._admin(context, "Unpin")
+            return pb.PinResponse(num_tokens=self.engine.unpin(list(request.token_ids), request.tenant_salt))
+
+        return self._observe("Unpin", context, run)
 
     def SetBudget(self, request: pb.SetBudgetRequest, context: grpc.ServicerContext) -> pb.Empty:
         def run() -> pb.Empty:
+            self.gate.require(self._creds(context), [request.seq_id], RIGHT_WRITE, "SetBudget")
             self.engine.set_budget(
                 request.seq_id,
                 request.max_tokens if request.HasField("max_tokens") else None,
@@ -314,11 +376,17 @@ class NodeServer(GrpcServer):
     KV listener (None when off)."""
 
     def __init__(
-        self, server: grpc.Server, health_servicer: Any, metrics: NodeMetrics, bulk: BulkServer | None = None
+        self,
+        server: grpc.Server,
+        health_servicer: Any,
+        metrics: NodeMetrics,
+        bulk: BulkServer | None = None,
+        gate: Gate | None = None,
     ) -> None:
         super().__init__(server, health_servicer, [SERVICE_NAME])
         self.metrics = metrics
         self.bulk = bulk
+        self.gate = gate or Gate()
 
     def start(self) -> NodeServer:
         if self.bulk is not None:
@@ -340,27 +408,43 @@ def create_server(
     max_workers: int = 16,
     metrics: NodeMetrics | None = None,
     bulk_port: int | None = 0,
+    trust: NodeTrust | None = None,
+    tls: TlsConfig | None = None,
+    bulk_limits: BulkLimits | None = None,
 ) -> tuple[NodeServer, int]:
     """A node server for `engine` bound to `address` (not yet started) and its port.
 
     `metrics` collects RPC latency/errors and derives block metrics from
     engine.stats(); a private registry is made when none is given. `bulk_port`:
     the bulk KV listener's port on the same host (0: any free port, None: off),
-    advertised in Stats."""
+    advertised in Stats. `trust`: what callers must present (gate.py; default:
+    nothing, a trusted network); `tls`: TLS on the gRPC port and the bulk TCP port."""
     if metrics is None:
         metrics = NodeMetrics()
     metrics.attach_engine(engine.stats, engine.config.policy)
-    servicer = CacheNodeServicer(engine, metrics)
+    gate = Gate(trust)
+    servicer = CacheNodeServicer(engine, metrics, gate)
     server, health_servicer, port = build_server(
         lambda s: pb_grpc.add_CacheNodeServicer_to_server(servicer, s),
         [SERVICE_NAME],
         address,
         max_workers=max_workers,
         options=SERVER_OPTIONS,
+        tls=tls,
     )
-    bulk = None if bulk_port is None else BulkServer(engine, bulk_host(address), bulk_port, metrics=metrics)
+    bulk = (
+        None
+        if bulk_port is None
+        else BulkServer(
+            engine, bulk_host(address), bulk_port, metrics=metrics, gate=gate, tls=tls, limits=bulk_limits
+        )
+    )
     servicer.bulk_port = 0 if bulk is None else bulk.port
-    return NodeServer(server, health_servicer, metrics, bulk), port
+    return NodeServer(server, health_servicer, metrics, bulk, gate), port
+
+
+def _rights(appends: bool) -> int:
+    return RIGHT_READ | RIGHT_WRITE if appends else RIGHT_READ
 
 
 def _qkv(msg: Any) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, list[int] | None]:

@@ -12,6 +12,7 @@ from typing import Any
 
 import grpc
 
+from ..protos.tls import secure_channel
 from .config import ClientConfig
 
 _lock = threading.Lock()
@@ -19,7 +20,7 @@ _sync: dict[tuple[str, str], list[Any]] = {}  # key -> [channel, refcount]
 
 
 def _key(address: str, config: ClientConfig) -> tuple[str, str]:
-    return address, repr(config.channel_options())
+    return address, repr((config.channel_options(), config.tls))
 
 
 def acquire(address: str, config: ClientConfig) -> grpc.Channel:
@@ -27,9 +28,15 @@ def acquire(address: str, config: ClientConfig) -> grpc.Channel:
     with _lock:
         entry = _sync.get(key)
         if entry is None:
-            entry = _sync[key] = [grpc.insecure_channel(address, options=config.channel_options()), 0]
+            entry = _sync[key] = [_channel(address, config), 0]
         entry[1] += 1
         return entry[0]
+
+
+def _channel(address: str, config: ClientConfig) -> grpc.Channel:
+    """TLS when the config has it (its server-name override is among the options)."""
+    options = [o for o in config.channel_options() if o[0] != "grpc.ssl_target_name_override"]
+    return secure_channel(address, config.tls, options)
 
 
 def release(address: str, config: ClientConfig) -> None:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from ..protos.errors import InvalidArgument
 from ..protos.tensors import CHUNK_BYTES, MESSAGE_SIZE_OPTIONS
+from ..protos.tls import TlsConfig
 
 NODE_SERVICE = "pagedkv.v1.CacheNode"
 IDEMPOTENT_METHODS = ("Lookup", "Stats", "ReadKV", "Ping")
@@ -37,6 +38,11 @@ class ClientConfig:
     # port), "grpc" (always last: it carries every call). Same-host ones are skipped
     # where the platform has none or the node is on another host.
     transports: tuple[str, ...] = TRANSPORTS
+    # TLS to the coordinator and the nodes (gRPC and the bulk TCP port; the same-host
+    # paths need none): the CA that signed their certificates, and this client's own
+    # certificate when they require one (mTLS). None: plaintext. TlsConfig.from_env()
+    # reads the PAGEDKV_TLS_* variables the servers use.
+    tls: TlsConfig | None = None
 
     def __post_init__(self) -> None:
         if self.deadline_s <= 0:
@@ -82,4 +88,5 @@ class ClientConfig:
             ("grpc.min_reconnect_backoff_ms", 100),
             ("grpc.max_reconnect_backoff_ms", 1000),
             ("grpc.service_config", self.service_config()),
+            *(self.tls.channel_options() if self.tls is not None else ()),
         ]

@@ -15,6 +15,7 @@ from ..protos.errors import IntegrityError
 from ..protos.status import error_from_rpc
 from . import codec
 from .config import ClientConfig
+from .transport.tickets import Wallet
 from .types import NodeStats
 
 _EMPTY = pb.Empty()
@@ -30,35 +31,41 @@ def call(rpc: Any, request: Any, timeout_s: float, metadata: Any = None, where: 
 
 
 class NodeControl:
-    def __init__(self, stub: pb_grpc.CacheNodeStub, config: ClientConfig) -> None:
+    def __init__(
+        self, stub: pb_grpc.CacheNodeStub, config: ClientConfig, wallet: Wallet | None = None
+    ) -> None:
         self.stub, self.config = stub, config
+        self.wallet = wallet or Wallet()  # a standalone node's token; a cluster's tickets (set_budget)
 
     def _t(self, timeout_s: float | None) -> float:
         return self.config.deadline_s if timeout_s is None else timeout_s
 
+    def _call(self, rpc: Any, request: Any, timeout_s: float | None, *seq_ids: str) -> Any:
+        return call(rpc, request, self._t(timeout_s), self.wallet.metadata(seq_ids) or None)
+
     def lookup(self, token_ids: codec.TokenIds, timeout_s: float | None = None) -> int:
         req = codec.with_token_ids(pb.LookupRequest, token_ids, tenant_salt=self.config.tenant_salt)
-        return call(self.stub.Lookup, req, self._t(timeout_s)).num_cached_tokens
+        return self._call(self.stub.Lookup, req, timeout_s).num_cached_tokens
 
     def fork(self, parent_id: str, child_id: str, timeout_s: float | None = None) -> None:
-        call(self.stub.Fork, pb.ForkRequest(parent_id=parent_id, child_id=child_id), self._t(timeout_s))
+        self._call(self.stub.Fork, pb.ForkRequest(parent_id=parent_id, child_id=child_id), timeout_s)
 
     def free(self, seq_id: str, timeout_s: float | None = None) -> None:
-        call(self.stub.Free, pb.SeqRequest(seq_id=seq_id), self._t(timeout_s))
+        self._call(self.stub.Free, pb.SeqRequest(seq_id=seq_id), timeout_s)
 
     def swap_out(self, seq_id: str, timeout_s: float | None = None) -> int:
-        return call(self.stub.SwapOut, pb.SeqRequest(seq_id=seq_id), self._t(timeout_s)).num_blocks
+        return self._call(self.stub.SwapOut, pb.SeqRequest(seq_id=seq_id), timeout_s).num_blocks
 
     def swap_in(self, seq_id: str, timeout_s: float | None = None) -> int:
-        return call(self.stub.SwapIn, pb.SeqRequest(seq_id=seq_id), self._t(timeout_s)).num_blocks
+        return self._call(self.stub.SwapIn, pb.SeqRequest(seq_id=seq_id), timeout_s).num_blocks
 
     def pin(self, token_ids: codec.TokenIds, timeout_s: float | None = None) -> int:
         req = pb.PinRequest(token_ids=codec.token_list(token_ids), tenant_salt=self.config.tenant_salt)
-        return call(self.stub.Pin, req, self._t(timeout_s)).num_tokens
+        return self._call(self.stub.Pin, req, timeout_s).num_tokens
 
     def unpin(self, token_ids: codec.TokenIds, timeout_s: float | None = None) -> int:
         req = pb.PinRequest(token_ids=codec.token_list(token_ids), tenant_salt=self.config.tenant_salt)
-        return call(self.stub.Unpin, req, self._t(timeout_s)).num_tokens
+        return self._call(self.stub.Unpin, req, timeout_s).num_tokens
 
     def set_budget(
         self,
@@ -68,8 +75,9 @@ class NodeControl:
         recent_blocks: int,
         timeout_s: float | None,
     ) -> None:
-        req = codec.budget_request(seq_id, max_tokens, sink_blocks, recent_blocks)
-        call(self.stub.SetBudget, req, self._t(timeout_s))
+        node_seq_id = self.wallet.node_id(seq_id)
+        req = codec.budget_request(node_seq_id, max_tokens, sink_blocks, recent_blocks)
+        self._call(self.stub.SetBudget, req, timeout_s, node_seq_id)
 
     def stats(self, timeout_s: float | None = None) -> NodeStats:
         return codec.stats_result(call(self.stub.Stats, _EMPTY, self._t(timeout_s)))

@@ -7,6 +7,8 @@ first of the node's transports that can (transport/base.py `Fallback`): on the
 node's host its shared memory and Unix socket, then its bulk TCP port, then gRPC,
 as `ClientConfig.transports` lists them. KV ranges under `config.bulk_min_bytes`
 stay on gRPC. The asyncio client runs these same calls on its worker threads.
+Sequence ids are translated to the node's (tenant-scoped in a cluster) and the
+calls carry their tickets, both from the node's Wallet (transport/tickets.py).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from .transport.grpc import GrpcTransport
 from .transport.link import BulkLink
 from .transport.shm import ShmTransport
 from .transport.socket import TcpTransport, UnixTransport
+from .transport.tickets import Wallet
 from .types import AttentionResult, OpenResult
 
 SOCKET_TRANSPORTS: dict[str, Callable[[BulkLink], Transport]] = {
@@ -39,17 +42,27 @@ class NodeData:
     """The data calls to one node (`address`: its gRPC host:port)."""
 
     def __init__(
-        self, stub: pb_grpc.CacheNodeStub, config: ClientConfig, where: str = "", address: str = ""
+        self,
+        stub: pb_grpc.CacheNodeStub,
+        config: ClientConfig,
+        where: str = "",
+        address: str = "",
+        wallet: Wallet | None = None,
     ) -> None:
         self.config = config
         self.where = where  # names the node in error messages
-        self.grpc = GrpcTransport(stub, config, where)
+        self.wallet = wallet or Wallet()
+        self.grpc = GrpcTransport(stub, config, where, self.wallet)
         names = [n for n in config.data_transports() if n != "grpc"] if address else []
         if not shm.is_supported():
             names = [n for n in names if n not in SAME_HOST]
-        self.bulk = BulkLink(address, where, config.bulk_min_bytes or 0, self._learn_port) if names else None
+        self.bulk = (
+            BulkLink(address, where, config.bulk_min_bytes or 0, self._learn_port, self.wallet, config.tls)
+            if names
+            else None
+        )
         chosen: list[Transport] = [SOCKET_TRANSPORTS[n](self.bulk) for n in names]  # type: ignore[arg-type]
-        self.transports = Fallback([*chosen, self.grpc])
+        self.transports = Fallback([*chosen, self.grpc], self.wallet.worker_error)
 
     def _learn_port(self, timeout_s: float) -> tuple[int, int]:
         return codec.bulk_info(self.grpc.stats(timeout_s))
@@ -93,9 +106,8 @@ class NodeData:
     def append(
         self, seq_id: str, token_ids: codec.TokenIds, k: Any, v: Any, timeout_s: float | None = None
     ) -> int:
-        result: int = self.transports.call(
-            "append", calls.append_call(seq_id, token_ids, k, v), self._t(timeout_s)
-        )
+        call = calls.append_call(self.wallet.node_id(seq_id), token_ids, k, v)
+        result: int = self.transports.call("append", call, self._t(timeout_s))
         return result
 
     def attend(
@@ -110,7 +122,8 @@ class NodeData:
         return_block_mass: bool = False,
         timeout_s: float | None = None,
     ) -> AttentionResult:
-        call = calls.attend_call(seq_ids, layer, q, k, v, token_ids, None, return_block_mass)
+        ids = self.wallet.node_ids(seq_ids)
+        call = calls.attend_call(ids, layer, q, k, v, token_ids, None, return_block_mass)
         result: AttentionResult = self.transports.call("attend", call, self._t(timeout_s))
         return result
 
@@ -126,7 +139,8 @@ class NodeData:
         return_block_mass: bool = False,
         timeout_s: float | None = None,
     ) -> AttentionResult:
-        call = calls.PrefillCall(seq_id, layer, q, k, v, codec.token_list(token_ids), return_block_mass)
+        node_id = self.wallet.node_id(seq_id)
+        call = calls.PrefillCall(node_id, layer, q, k, v, codec.token_list(token_ids), return_block_mass)
         return self.grpc.attend_prefill(call, self._t(timeout_s))
 
     def attend_prefill_batch(
@@ -141,7 +155,7 @@ class NodeData:
         *,
         timeout_s: float | None = None,
     ) -> AttentionResult:
-        call = calls.attend_call(seq_ids, layer, q, k, v, token_ids, num_tokens, False)
+        call = calls.attend_call(self.wallet.node_ids(seq_ids), layer, q, k, v, token_ids, num_tokens, False)
         result: AttentionResult = self.transports.call("attend", call, self._t(timeout_s))
         return result
 
@@ -153,6 +167,6 @@ class NodeData:
         timeout_s: float | None = None,
         out: codec.KVOut | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        call = calls.read_call(seq_id, start, end, out)
+        call = calls.read_call(self.wallet.node_id(seq_id), start, end, out)
         result: tuple[torch.Tensor, torch.Tensor] = self.transports.call("read_kv", call, self._t(timeout_s))
         return result

@@ -82,7 +82,7 @@ def _spec(spec: ModelSpec | None) -> pb.ModelSpec | None:
 
 def _route(resp: pb.CoordOpenResponse) -> Route:
     first = resp.extents[0]
-    return Route(first.node_id, first.address)
+    return Route(first.node_id, first.address, resp.node_seq_id, first.ticket)
 
 
 def _miss(resp: pb.CoordOpenResponse) -> MissExplanation | None:

@@ -76,6 +76,8 @@ class LocalConnection:
             self.sock.close()
             raise
         self.size = 0
+        self.presented: set[bytes] = set()  # tickets this connection carried to the node (AUTH)
+        self.has_token = False
         self._map: mmap.mmap | None = None
         self.region = torch.empty(0, dtype=torch.uint8)
         self.address = 0  # of the region's first byte in this process (0: none mapped)

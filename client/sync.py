@@ -39,17 +39,25 @@ from .config import ClientConfig
 from .control import NodeControl
 from .data import NodeData
 from .routing import CoordinatorRouting, DirectRouting
+from .transport.tickets import Wallet
 from .types import AttentionResult, ClusterStats, MissExplanation, NodeStats, Route
 
 
 class NodeHandle:
-    """Control and data calls to one node, over a shared channel."""
+    """Control and data calls to one node, over a shared channel, with the credentials
+    held for it (the coordinator's tickets, or a standalone node's token)."""
 
-    def __init__(self, address: str, config: ClientConfig) -> None:
+    def __init__(self, address: str, config: ClientConfig, token: str = "") -> None:
         self.address = address
         stub = pb_grpc.CacheNodeStub(channels.acquire(address, config))
-        self.control = NodeControl(stub, config)
-        self.data = NodeData(stub, config, where=f"node {address}", address=address)
+        self.wallet = Wallet(token)
+        self.control = NodeControl(stub, config, self.wallet)
+        self.data = NodeData(stub, config, where=f"node {address}", address=address, wallet=self.wallet)
+
+    def hold(self, seq_id: str, route: Route) -> None:
+        """Keep what the coordinator answered for seq_id: its id and ticket on this node."""
+        if route.node_seq_id or route.ticket:
+            self.wallet.add(seq_id, route.node_seq_id, route.ticket)
 
 
 def _squeeze(res: AttentionResult, squeeze: bool) -> AttentionResult:
@@ -200,6 +208,7 @@ class Sequence:
         self.seq_id = seq_id
         self.route = route
         self.node = client.node(route.address)
+        self.node.hold(seq_id, route)
         self.num_cached_tokens = num_cached_tokens
         self.num_host_hit_tokens = num_host_hit_tokens
         self.miss = miss  # why the prompt missed, when open() was asked to explain (a cluster only)
@@ -279,6 +288,7 @@ class Sequence:
         num_blocks, route = self.client.routing.swap_in(self.seq_id, timeout_s)
         if route != self.route:
             self.route, self.node = route, self.client.node(route.address)
+        self.node.hold(self.seq_id, route)
         return num_blocks
 
     def set_budget(
@@ -300,8 +310,11 @@ class Sequence:
                 self.client.routing.close(self.seq_id, timeout_s)
             except (OpenFailed, NotFound):
                 self.is_closed = True
+                self.node.wallet.forget(self.seq_id)
                 raise
             self.is_closed = True
+            if self.client.is_cluster:  # (direct mode holds no tickets)
+                self.node.wallet.forget(self.seq_id)
 
     def __enter__(self) -> Sequence:
         return self
@@ -337,10 +350,12 @@ class CacheClient:
         self._nodes: dict[str, NodeHandle] = {}
         self.address = address or coordinator or ""
         self.routing: DirectRouting | CoordinatorRouting
+        self._token = ""  # a standalone node's bearer token (direct mode)
         if coordinator is not None:
             channel = channels.acquire(coordinator, self.config)
             self.routing = CoordinatorRouting(pb_grpc.CoordinatorStub(channel), self.config, token, spec)
         else:
+            self._token = token or ""
             node = self.node(self.address)
             self.routing = DirectRouting(node.control, self.address, node.data)
             self.control, self.data = node.control, node.data  # direct mode: the one node
@@ -354,7 +369,7 @@ class CacheClient:
         """The (cached) handle for data calls to the node at `address`."""
         handle = self._nodes.get(address)
         if handle is None:
-            handle = self._nodes[address] = NodeHandle(address, self.config)
+            handle = self._nodes[address] = NodeHandle(address, self.config, self._token)
         return handle
 
     def open(
@@ -457,12 +472,15 @@ class CacheClient:
     def _where(self, seqs: Seq[Sequence | str], timeout_s: float | None) -> list[tuple[str, str]]:
         """(node address, sequence id) of each; an id (not a handle) asks the routing
         where it lives (in a cluster a coordinator call: pass handles on a hot path)."""
-        return [
-            (s.route.address, s.seq_id)
-            if isinstance(s, Sequence)
-            else (self.routing.describe(s, timeout_s).address, s)
-            for s in seqs
-        ]
+        where = []
+        for s in seqs:
+            if isinstance(s, Sequence):
+                where.append((s.route.address, s.seq_id))
+                continue
+            route = self.routing.describe(s, timeout_s)
+            self.node(route.address).hold(s, route)
+            where.append((route.address, s))
+        return where
 
     def lookup(self, token_ids: codec.TokenIds, *, timeout_s: float | None = None) -> int:
         """Leading tokens of this prompt cached (on the best node, in a cluster). Changes nothing."""

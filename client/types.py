@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -50,10 +50,14 @@ class NodeStats:
 
 @dataclass(frozen=True)
 class Route:
-    """Where a sequence's blocks live: the node its data calls go to."""
+    """Where a sequence's blocks live: the node its data calls go to (what routes
+    compare), with the id that node knows it by ("": the worker's own) and the
+    ticket its calls present there (b"": none needed)."""
 
     node_id: str
     address: str
+    node_seq_id: str = field(default="", compare=False)
+    ticket: bytes = field(default=b"", repr=False, compare=False)  # a credential, not a place
 
 
 @dataclass(frozen=True)

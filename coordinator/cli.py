@@ -7,6 +7,10 @@ containers. Without --redis the state lives in an embedded in-process store
 A mistake in a flag, the tenants file or the Redis URL, or a port already taken, is
 one line on stderr and exit code 2 (pagedkv/usage.py). Redis being down is not a
 mistake: the coordinator starts, answers UNAVAILABLE, and recovers when Redis does.
+
+Security (deploy/README.md): --tenants authenticates workers; the cluster secret
+(--cluster-secret-file) authenticates nodes and signs the tickets workers present
+to them; --tls-* put TLS on its port and on its channels to the nodes.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from prometheus_client import start_http_server
 
 from pagedkv import __version__
 from pagedkv.logs import add_logging_args, setup_logging
+from pagedkv.trust_args import add_trust_args, keys_from_args, tls_from_args
 from pagedkv.usage import (
     Parser,
     UsageError,
@@ -33,7 +38,7 @@ from pagedkv.usage import (
 )
 
 from ..protos.errors import InvalidArgument, PagedKVError
-from .auth import Tenants
+from .auth import DEFAULT_TICKET_TTL_S, ClusterAccess, Tenants
 from .core import Coordinator, CoordinatorConfig
 from .metrics import CoordinatorMetrics
 from .service import create_server
@@ -78,6 +83,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=env("PAGEDKV_LEASE_TTL_S", "3"),
         help="a node is dead after this long without a heartbeat [PAGEDKV_LEASE_TTL_S] (default 3)",
     )
+    p.add_argument(
+        "--ticket-ttl-s",
+        type=positive_float("--ticket-ttl-s"),
+        default=env("PAGEDKV_TICKET_TTL_S", str(int(DEFAULT_TICKET_TTL_S))),
+        help="how long a worker's ticket for a sequence is valid [PAGEDKV_TICKET_TTL_S] (default 86400: "
+        "a sequence open longer is looked up again, client.sequence(id))",
+    )
+    add_trust_args(p)
     add_logging_args(p)
     return p
 
@@ -97,6 +110,14 @@ def serve(args: argparse.Namespace) -> None:
         tenants = Tenants.load(args.tenants)
     except InvalidArgument as exc:
         raise UsageError(f"{exc} (--tenants; deploy/tenants.example.json shows the format)") from None
+    keys = keys_from_args(args)
+    tls = tls_from_args(args, server=True)
+    if keys is None:
+        log.warning(
+            "no cluster secret (--cluster-secret-file): any process that reaches this port can register "
+            "as a node, and nodes check no tickets; run on a trusted network only"
+        )
+    access = ClusterAccess(keys, tls, ticket_ttl_s=args.ticket_ttl_s)
     try:
         store = open_store(args.redis or "memory://")
     except InvalidArgument as exc:
@@ -105,7 +126,8 @@ def serve(args: argparse.Namespace) -> None:
         store.ping()
     except PagedKVError as exc:
         log.warning("Redis at %s does not answer (%s); serving UNAVAILABLE until it does", args.redis, exc)
-    coordinator = Coordinator(store, CoordinatorConfig(lease_ttl_s=args.lease_ttl_s, quotas=tenants.quotas))
+    config = CoordinatorConfig(lease_ttl_s=args.lease_ttl_s, quotas=tenants.quotas, access=access)
+    coordinator = Coordinator(store, config)
     metrics = CoordinatorMetrics(
         coordinator,
         tenants=set(tenants.tokens.values()),
@@ -115,7 +137,7 @@ def serve(args: argparse.Namespace) -> None:
     if hasattr(store, "observer"):  # the Redis store reports each call's latency and outcome
         store.observer = metrics.observe_redis
     try:
-        server, port = create_server(coordinator, args.listen, tenants=tenants, metrics=metrics)
+        server, port = create_server(coordinator, args.listen, tenants=tenants, metrics=metrics, tls=tls)
     except (OSError, RuntimeError):  # the probe above raced with another process
         store.close()
         raise port_in_use("gRPC", "--listen", host, port) from None

@@ -64,6 +64,7 @@ from ..protos.errors import (
 from ..protos.keys import KEY_BYTES, chain_keys, chain_keys_packed, root_key
 from ..protos.status import error_from_rpc
 from .misses import REASONS, MissExplanation, RemovedKeys, explain
+from .auth import ClusterAccess
 from .node_calls import NodeCalls
 from .placement import Placement, PlacementWeights
 from .records import NewSequence, NodeInfo, NodeRoom, SequenceRecord
@@ -85,6 +86,7 @@ class CoordinatorConfig:
     # Placement's balance counts each node's opens with this half-life (in opens, cluster-wide).
     balance_half_life_opens: float = 512.0
     reuse: ReuseConfig = field(default_factory=ReuseConfig)  # which run sizes are scans (reuse.py)
+    access: ClusterAccess = field(default_factory=ClusterAccess)  # the cluster secret, TLS to nodes
 
     def __post_init__(self) -> None:
         if not self.lease_ttl_s > 0:
@@ -175,7 +177,7 @@ class Coordinator:
         # Cleanups after failed node opens and Free retries: Redis and sleeps, never
         # on gRPC's callback thread.
         self._background = ThreadPoolExecutor(max_workers=2, thread_name_prefix="coord-bg")
-        self._node_calls = NodeCalls(self.config.node_rpc_timeout_s)
+        self._node_calls = NodeCalls(self.config.node_rpc_timeout_s, self.config.access)
         self.counters = {
             "opens": 0,
             "cached_tokens": 0,
@@ -258,13 +260,18 @@ class Coordinator:
     # -- membership ---------------------------------------------------------------
 
     def register(
-        self, node_id: str, address: str, spec: Mapping[str, Any], num_blocks: int, policy: str = ""
+        self,
+        node_id: str,
+        address: str,
+        spec: Mapping[str, Any],
+        num_blocks: int,
+        epoch: int = 0,
+        policy: str = "",
     ) -> None:
         """A node joins, or comes back empty (its sequences lost, its keys purged): placement's
         load there starts from nothing and its recent opens at its fair share (placement.py)."""
-        result = self.store.register_node(
-            node_id, address, dict(spec), num_blocks, self.config.lease_ttl_s, policy=policy
-        )
+        ttl = self.config.lease_ttl_s
+        result = self.store.register_node(node_id, address, dict(spec), num_blocks, ttl, epoch, policy=policy)
         with self._lock:
             self._active_blocks.pop(node_id, None)
             # Neither ahead (its count from before it died) nor behind (0: every open would go
@@ -317,17 +324,25 @@ class Coordinator:
             entry = self._salts[tenant] = (salt, root_key(salt))
         return entry
 
+    def node(self, node_id: str) -> NodeInfo | None:
+        """A live node as this coordinator last saw it (None when it is not live)."""
+        return self._nodes_for(None).get(node_id)
+
     def _stub(self, address: str) -> pb_grpc.CacheNodeStub:
         with self._lock:
             entry = self._stubs.get(address)
             if entry is None:
-                channel = grpc.insecure_channel(address)
+                channel = self.config.access.channel(address)
                 entry = self._stubs[address] = (channel, pb_grpc.CacheNodeStub(channel))
             return entry[1]
 
     def _call(self, node: NodeInfo, method: str, request: Any) -> Any:
         try:
-            return getattr(self._stub(node.address), method)(request, timeout=self.config.node_rpc_timeout_s)
+            return getattr(self._stub(node.address), method)(
+                request,
+                timeout=self.config.node_rpc_timeout_s,
+                metadata=self.config.access.node_metadata(node),
+            )
         except grpc.RpcError as err:
             raise error_from_rpc(err, f"node {node.node_id} ({node.address})") from None
 
@@ -525,6 +540,8 @@ class Coordinator:
             expect_cached_tokens=num_cached,
             attention=attention,
         )
+        if quota is not None:  # the sequence may hold what was reserved; more through Reserve
+            request.max_blocks = num_blocks
         self._send_open(node, request, call, tenant if quota is not None else None)
         self._account(node.node_id, placement.new_blocks + placement.host_blocks)
         self._count_open(node.node_id, num_blocks)
@@ -569,7 +586,9 @@ class Coordinator:
             else:  # success, or a failure open() itself undoes (it had not recorded yet)
                 self._settled(call)
 
-        self._node_calls.send(node.address, "Open", request, f"node {node.node_id} ({node.address})", done)
+        where = f"node {node.node_id} ({node.address})"
+        meta = self.config.access.node_metadata(node)
+        self._node_calls.send(node.address, "Open", request, where, done, metadata=meta)
 
     def _drop_failed_open(self, call: NodeCall, quota_tenant: str | None) -> None:
         """A node refused an open whose page table was written: delete it and release the
@@ -671,7 +690,9 @@ class Coordinator:
             self._settled(call)
 
         request = pb.SeqRequest(seq_id=call.seq_id)
-        self._node_calls.send(node.address, "Free", request, f"node {node.node_id} ({node.address})", done)
+        where = f"node {node.node_id} ({node.address})"
+        meta = self.config.access.node_metadata(node)
+        self._node_calls.send(node.address, "Free", request, where, done, metadata=meta)
 
     def _retry_free(self, node: NodeInfo, call: NodeCall, attempt: int) -> None:
         if not self._stop.wait(0.1 * 2**attempt):
@@ -690,7 +711,10 @@ class Coordinator:
         if quota is not None:
             self.store.reserve_blocks(tenant, parent.num_blocks, quota)
         try:
-            self._call(node, "Fork", pb.ForkRequest(parent_id=parent_id, child_id=child_id))
+            request = pb.ForkRequest(parent_id=parent_id, child_id=child_id)
+            if quota is not None:
+                request.max_blocks = parent.num_blocks
+            self._call(node, "Fork", request)
             record = SequenceRecord(child_id, tenant, parent.extents, parent.num_tokens, parent.state)
             try:
                 self.store.create_sequence(record)

@@ -96,6 +96,7 @@ class MemoryStore(Store):
         spec: Mapping[str, Any],
         num_blocks: int,
         ttl_s: float,
+        epoch: int = 0,
         *,
         policy: str = "",
     ) -> PurgeResult:
@@ -106,7 +107,9 @@ class MemoryStore(Store):
         ttl_s = check_ttl(ttl_s)
         with self._lock:
             result = self._purge(node_id, f"node {node_id} re-registered (restarted; its blocks are gone)")
-            self._nodes[node_id] = NodeInfo(node_id, address, dict(spec), num_blocks, {}, policy)
+            self._nodes[node_id] = NodeInfo(
+                node_id, address, dict(spec), num_blocks, {}, policy, check_count("epoch", epoch)
+            )
             self._deadline_s[node_id] = self._clock() + ttl_s
             return result
 

@@ -79,6 +79,7 @@ class NodeInfo:
     num_blocks: int
     load: dict[str, int] = field(default_factory=dict)
     policy: str = ""  # its eviction policy, as it registered ("": not said)
+    epoch: int = 0  # this registration's: tickets name it (0: registered without one)
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 Layout, every key under a configurable prefix P (default "pkv:"):
 
     P nodes            set   registered node ids
-    P node:<id>        hash  address, spec (JSON), num_blocks, load (JSON), policy
+    P node:<id>        hash  address, spec (JSON), num_blocks, load (JSON), policy, epoch
     P alive:<id>       str   liveness; PX TTL renewed by heartbeats (tooz style)
     P nkeys:<id>       set   block keys the node holds   (reverse index: purges)
     P hkeys:<id>       set   of those, the ones on its host tier
@@ -122,7 +122,7 @@ local function purge(P, id, reason)
 end
 """
 
-# ARGV: P, id, address, spec_json, num_blocks, ttl_ms, reason, policy
+# ARGV: P, id, address, spec_json, num_blocks, ttl_ms, reason, epoch, policy
 _REGISTER = (
     _PURGE
     + """
@@ -132,7 +132,7 @@ local r = purge(P, id, ARGV[7])
 local nk = P .. 'node:' .. id
 redis.call('DEL', nk)
 redis.call('HSET', nk, 'address', ARGV[3], 'spec', ARGV[4], 'num_blocks', ARGV[5], 'load', '{}',
-           'policy', ARGV[8])
+           'epoch', ARGV[8], 'policy', ARGV[9])
 redis.call('SADD', P .. 'nodes', id)
 redis.call('SET', P .. 'alive:' .. id, '1', 'PX', ARGV[6])
 return {was, r[1], r[2]}
@@ -162,15 +162,15 @@ redis.call('HSET', P .. 'node:' .. id, 'load', ARGV[3])
 return 1
 """
 
-# ARGV: P, want_live ('1'/'0'). Live: {{id, address, spec, num_blocks, load, policy}, ...}; else {id, ...}
+# ARGV: P, want_live ('1'/'0'). Live: {{id, address, spec, num_blocks, load, policy, epoch}, ...}; else {id, ...}
 _LIST_NODES = """
 local P = ARGV[1]
 local out = {}
 for _, id in ipairs(redis.call('SMEMBERS', P .. 'nodes')) do
   local live = redis.call('EXISTS', P .. 'alive:' .. id) == 1
   if ARGV[2] == '1' and live then
-    local h = redis.call('HMGET', P .. 'node:' .. id, 'address', 'spec', 'num_blocks', 'load', 'policy')
-    out[#out + 1] = {id, h[1], h[2], h[3], h[4], h[5] or ''}
+    local h = redis.call('HMGET', P .. 'node:' .. id, 'address', 'spec', 'num_blocks', 'load', 'policy', 'epoch')
+    out[#out + 1] = {id, h[1], h[2], h[3], h[4], h[5] or '', h[6] or '0'}
   elseif ARGV[2] == '0' and not live then
     out[#out + 1] = id
   end
@@ -570,6 +570,7 @@ class RedisStore(Store):
         spec: Mapping[str, Any],
         num_blocks: int,
         ttl_s: float,
+        epoch: int = 0,
         *,
         policy: str = "",
     ) -> PurgeResult:
@@ -583,7 +584,17 @@ class RedisStore(Store):
         except (TypeError, ValueError) as e:
             raise InvalidArgument(f"spec must be a JSON-able mapping: {e}") from e
         reason = f"node {node_id} re-registered (restarted; its blocks are gone)"
-        args = [self._prefix, node_id, address, spec_json, num_blocks, ttl_ms, reason, policy]
+        args = [
+            self._prefix,
+            node_id,
+            address,
+            spec_json,
+            num_blocks,
+            ttl_ms,
+            reason,
+            check_count("epoch", epoch),
+            policy,
+        ]
         reply = self._call("register_node", self._register, args=args)
         return _purge_result(node_id, reply)
 
@@ -597,8 +608,8 @@ class RedisStore(Store):
     def live_nodes(self) -> list[NodeInfo]:
         rows = self._call("live_nodes", self._list_nodes, args=[self._prefix, "1"])
         nodes = [
-            NodeInfo(_s(i), _s(addr), json.loads(spec), int(nb), json.loads(load), _s(policy))
-            for i, addr, spec, nb, load, policy in rows
+            NodeInfo(_s(i), _s(addr), json.loads(spec), int(nb), json.loads(load), _s(policy), int(epoch))
+            for i, addr, spec, nb, load, policy, epoch in rows
         ]
         return sorted(nodes, key=lambda n: n.node_id)
 

@@ -1,12 +1,17 @@
 """The coordinator's gRPC servicer: thin -- decode, call Coordinator, encode.
 
 The tenant of every worker call comes from the bearer token (auth.Tenants),
-never from a request field. Errors map to status codes through protos.status,
-the one translation every role shares.
+never from a request field, and scopes the sequence ids it names (the
+coordinator and the nodes know them as "tenant/id"); each placement it answers
+carries the worker's ticket for the sequence on its node (auth.ClusterAccess).
+The nodes' calls (Register, Heartbeat, ReportEvents, Reserve) need the cluster
+credential of the node they name. Errors map to status codes through
+protos.status, the one translation every role shares.
 """
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -14,12 +19,15 @@ import grpc
 
 from ..protos import pagedkv_pb2 as pb
 from ..protos import pagedkv_pb2_grpc as pb_grpc
-from ..protos.errors import InvalidArgument, NotFound
+from ..protos.errors import FailedPrecondition, InvalidArgument, NotFound, PagedKVError
 from ..protos.serving import GrpcServer, build_server, observe
+from ..protos.spec import ModelSpec
+from ..protos.tls import TlsConfig
 from .auth import Tenants
 from .core import Coordinator, OpenResult
 from .metrics import CoordinatorMetrics
 from .misses import miss_message
+from .quota import reserve
 from .records import NodeNotLive
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Coordinator"].full_name
@@ -28,22 +36,34 @@ _SPEC_FIELDS = ("num_layers", "num_kv_heads", "head_dim", "dtype", "block_size")
 
 
 def spec_dict(spec: pb.ModelSpec) -> dict[str, Any] | None:
-    """A request's model spec as the store keeps it; None when unset (any node)."""
-    if not spec.num_layers:
+    """A request's model spec as the store keeps it, checked (InvalidArgument); None
+    when unset (any node)."""
+    if not spec.ListFields():
         return None
-    return {name: getattr(spec, name) for name in _SPEC_FIELDS}
+    fields = {name: getattr(spec, name) for name in _SPEC_FIELDS}
+    ModelSpec(**fields)  # every field positive, a known dtype: refused here, not deep in a lookup
+    return fields
 
 
-def _open_response(result: OpenResult, explain_miss: bool = False) -> pb.CoordOpenResponse:
-    resp = pb.CoordOpenResponse(
-        extents=[pb.Placement(node_id=result.node_id, address=result.address, first_token=0)],
-        num_cached_tokens=result.num_cached_tokens,
-        num_host_hit_tokens=result.num_host_hit_tokens,
-        num_blocks=result.num_blocks,
-    )
-    if explain_miss and result.miss is not None:
-        resp.miss.CopyFrom(miss_message(result.miss))
-    return resp
+def unscope(exc: PagedKVError, prefix: str) -> PagedKVError:
+    """A copy of exc (same class and ids) with `prefix` ("tenant/") taken off the
+    sequence ids in its message and its seq_id; exc itself when it names none."""
+    text = str(exc)
+    seq_id = getattr(exc, "seq_id", None)
+    if f"'{prefix}" not in text and not (isinstance(seq_id, str) and seq_id.startswith(prefix)):
+        return exc
+    err = PagedKVError.__new__(type(exc))
+    Exception.__init__(err, text.replace(f"'{prefix}", "'"))
+    err.__dict__.update(exc.__dict__)
+    if isinstance(seq_id, str):
+        err.seq_id = seq_id.removeprefix(prefix)  # type: ignore[attr-defined]
+    return err
+
+
+def _seq_id(seq_id: str, what: str = "seq_id") -> str:
+    if not seq_id:
+        raise InvalidArgument(f"a {what} is required (the client picks one, e.g. a uuid)")
+    return seq_id
 
 
 class CoordinatorServicer(pb_grpc.CoordinatorServicer):
@@ -53,30 +73,85 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self.metrics = metrics
 
     def _run(self, method: str, context: grpc.ServicerContext, fn: Callable[[], T]) -> T | None:
-        return observe(method, context, fn, self.metrics.observe)
+        def run() -> T:
+            try:
+                return fn()
+            except PagedKVError as exc:
+                raise self._unscoped(exc, context) from None
+
+        return observe(method, context, run, self.metrics.observe)
+
+    def _unscoped(self, exc: PagedKVError, context: grpc.ServicerContext) -> PagedKVError:
+        """exc as its caller knows its ids: the calling tenant's scope taken off."""
+        if not self.tenants.is_enabled:
+            return exc
+        try:
+            prefix = self.tenants.scoped(self._tenant(context), "")
+        except PagedKVError:
+            return exc
+        return unscope(exc, prefix)
 
     def _tenant(self, context: grpc.ServicerContext) -> str:
         return self.tenants.tenant_for(context.invocation_metadata())
+
+    def _caller(self, context: grpc.ServicerContext, seq_id: str, what: str = "seq_id") -> tuple[str, str]:
+        """(the calling tenant, the id the coordinator knows its sequence `seq_id` by)."""
+        tenant = self._tenant(context)
+        return tenant, self.tenants.scoped(tenant, _seq_id(seq_id, what))
+
+    def _placed(
+        self, tenant: str, seq_id: str, result: OpenResult, explain_miss: bool = False
+    ) -> pb.CoordOpenResponse:
+        """The reply of a call that placed (or found) a sequence: where it is, by which
+        id its node knows it, the worker's ticket for it there and, when asked, why its
+        prompt missed."""
+        node = self.coordinator.node(result.node_id)
+        ticket = self.coordinator.config.access.ticket(tenant, seq_id, node)
+        resp = pb.CoordOpenResponse(
+            extents=[
+                pb.Placement(node_id=result.node_id, address=result.address, first_token=0, ticket=ticket)
+            ],
+            num_cached_tokens=result.num_cached_tokens,
+            num_host_hit_tokens=result.num_host_hit_tokens,
+            num_blocks=result.num_blocks,
+            node_seq_id=seq_id,
+        )
+        if explain_miss and result.miss is not None:
+            resp.miss.CopyFrom(miss_message(result.miss))
+        return resp
+
+    def _node(self, context: grpc.ServicerContext, node_id: str, method: str) -> None:
+        self.coordinator.config.access.check_node(context.invocation_metadata(), node_id, method)
 
     # -- nodes --------------------------------------------------------------------
 
     def Register(self, request: pb.RegisterRequest, context: grpc.ServicerContext) -> Any:
         def run() -> pb.RegisterResponse:
+            self._node(context, request.node_id, "Register")
             spec = spec_dict(request.spec)
             if spec is None:
                 raise InvalidArgument(f"node {request.node_id!r} registered without a model spec")
+            live = {n.node_id: n for n in self.coordinator.refresh_nodes()}.get(request.node_id)
+            if live is not None and live.epoch != request.epoch:
+                raise FailedPrecondition(
+                    f"node id {request.node_id!r} is live (at {live.address}); a new registration cannot "
+                    f"take it over: wait for its lease to lapse ({self.coordinator.config.lease_ttl_s} s) "
+                    "or give this node another id"
+                )
+            epoch = secrets.randbits(63) | 1
             self.coordinator.register(
-                request.node_id, request.address, spec, request.num_blocks, request.policy
+                request.node_id, request.address, spec, request.num_blocks, epoch, request.policy
             )
             cfg = self.coordinator.config
             return pb.RegisterResponse(
-                lease_ttl_s=cfg.lease_ttl_s, heartbeat_interval_s=cfg.heartbeat_interval_s
+                lease_ttl_s=cfg.lease_ttl_s, heartbeat_interval_s=cfg.heartbeat_interval_s, epoch=epoch
             )
 
         return self._run("Register", context, run)
 
     def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> Any:
         def run() -> pb.HeartbeatResponse:
+            self._node(context, request.node_id, "Heartbeat")
             load = {f.name: v for f, v in request.load.ListFields()}
             return pb.HeartbeatResponse(is_registered=self.coordinator.heartbeat(request.node_id, load))
 
@@ -84,6 +159,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
     def ReportEvents(self, request: pb.ReportEventsRequest, context: grpc.ServicerContext) -> Any:
         def run() -> pb.ReportEventsResponse:
+            self._node(context, request.node_id, "ReportEvents")
             try:
                 n = self.coordinator.report_events(request.node_id, [(e.kind, e.key) for e in request.events])
             except NodeNotLive as exc:  # tells the node to register again
@@ -96,13 +172,11 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
     def Open(self, request: pb.CoordOpenRequest, context: grpc.ServicerContext) -> Any:
         def run() -> pb.CoordOpenResponse:
-            if not request.seq_id:
-                raise InvalidArgument("Open needs a seq_id (the client picks one, e.g. a uuid)")
-            tenant = self._tenant(context)
+            tenant, seq_id = self._caller(context, request.seq_id)
             result = self.coordinator.open(
                 tenant,
                 request.token_ids,
-                seq_id=request.seq_id,
+                seq_id=seq_id,
                 max_cached_tokens=request.max_cached_tokens
                 if request.HasField("max_cached_tokens")
                 else None,
@@ -110,7 +184,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 attention=request.attention,
             )
             self.metrics.observe_open(tenant, len(request.token_ids), result.num_cached_tokens)
-            return _open_response(result, request.explain_miss)
+            return self._placed(tenant, seq_id, result, request.explain_miss)
 
         with self.coordinator.node_calls.held():
             return self._run("Open", context, run)
@@ -126,17 +200,15 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
     def Fork(self, request: pb.CoordForkRequest, context: grpc.ServicerContext) -> Any:
         def run() -> pb.CoordOpenResponse:
-            if not request.child_id:
-                raise InvalidArgument("Fork needs a child_id")
-            return _open_response(
-                self.coordinator.fork(self._tenant(context), request.parent_id, request.child_id)
-            )
+            tenant, child_id = self._caller(context, request.child_id, "child_id")
+            parent_id = self.tenants.scoped(tenant, _seq_id(request.parent_id, "parent_id"))
+            return self._placed(tenant, child_id, self.coordinator.fork(tenant, parent_id, child_id))
 
         return self._run("Fork", context, run)
 
     def Close(self, request: pb.CoordSeqRequest, context: grpc.ServicerContext) -> Any:
         def run() -> pb.Empty:
-            self.coordinator.close(self._tenant(context), request.seq_id)
+            self.coordinator.close(*self._caller(context, request.seq_id))
             return pb.Empty()
 
         with self.coordinator.node_calls.held():
@@ -145,22 +217,28 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     def SwapOut(self, request: pb.CoordSeqRequest, context: grpc.ServicerContext) -> Any:
         def run() -> pb.SwapResponse:
             return pb.SwapResponse(
-                num_blocks=self.coordinator.swap_out(self._tenant(context), request.seq_id)
+                num_blocks=self.coordinator.swap_out(*self._caller(context, request.seq_id))
             )
 
         return self._run("SwapOut", context, run)
 
     def SwapIn(self, request: pb.CoordSeqRequest, context: grpc.ServicerContext) -> Any:
         def run() -> pb.CoordOpenResponse:
-            return _open_response(self.coordinator.swap_in(self._tenant(context), request.seq_id))
+            tenant, seq_id = self._caller(context, request.seq_id)
+            return self._placed(tenant, seq_id, self.coordinator.swap_in(tenant, seq_id))
 
         return self._run("SwapIn", context, run)
 
     def Describe(self, request: pb.CoordSeqRequest, context: grpc.ServicerContext) -> Any:
         def run() -> pb.CoordOpenResponse:
-            _, node = self.coordinator.describe(self._tenant(context), request.seq_id)
+            tenant, seq_id = self._caller(context, request.seq_id)
+            _, node = self.coordinator.describe(tenant, seq_id)
+            ticket = self.coordinator.config.access.ticket(tenant, seq_id, node)
             return pb.CoordOpenResponse(
-                extents=[pb.Placement(node_id=node.node_id, address=node.address, first_token=0)]
+                extents=[
+                    pb.Placement(node_id=node.node_id, address=node.address, first_token=0, ticket=ticket)
+                ],
+                node_seq_id=seq_id,
             )
 
         return self._run("Describe", context, run)
@@ -200,6 +278,16 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
         return self._run("Stats", context, run)
 
+    def Reserve(self, request: pb.ReserveRequest, context: grpc.ServicerContext) -> Any:
+        def run() -> pb.ReserveResponse:
+            self._node(context, request.node_id, "Reserve")
+            new = reserve(
+                self.coordinator, request.node_id, request.seq_id, request.min_blocks, request.num_blocks
+            )
+            return pb.ReserveResponse(max_blocks=new)
+
+        return self._run("Reserve", context, run)
+
 
 def create_server(
     coordinator: Coordinator,
@@ -208,8 +296,11 @@ def create_server(
     tenants: Tenants | None = None,
     metrics: CoordinatorMetrics | None = None,
     max_workers: int = 32,
+    tls: TlsConfig | None = None,
 ) -> tuple[GrpcServer, int]:
-    """A coordinator server bound to `address` (not yet started) and its port."""
+    """A coordinator server bound to `address` (not yet started) and its port; TLS
+    on it with `tls`. The cluster secret and TLS to the nodes are the coordinator's
+    config (CoordinatorConfig.access)."""
     metrics = metrics or CoordinatorMetrics(coordinator)
     servicer = CoordinatorServicer(coordinator, tenants or Tenants(), metrics)
     server, health_servicer, port = build_server(
@@ -219,5 +310,6 @@ def create_server(
         max_workers=max_workers,
         # as the node: a second coordinator on a taken port must fail to bind, not share its traffic
         options=[("grpc.so_reuseport", 0)],
+        tls=tls,
     )
     return GrpcServer(server, health_servicer, [SERVICE_NAME]), port

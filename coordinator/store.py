@@ -48,11 +48,14 @@ class Store(ABC):
         spec: Mapping[str, Any],
         num_blocks: int,
         ttl_s: float,
+        epoch: int = 0,
         *,
         policy: str = "",
     ) -> PurgeResult:
-        """(Re-)register a node; it is live for ttl_s seconds. `policy` (its eviction policy's
-        name, kept in NodeInfo.policy) says what evicts its blocks, for explained misses.
+        """(Re-)register a node; it is live for ttl_s seconds. `epoch` names this
+        registration (NodeInfo.epoch; the tickets for its sequences carry it); `policy` (its
+        eviction policy's name, kept in NodeInfo.policy) says what evicts its blocks, for
+        explained misses.
 
         A node that registers again comes back EMPTY (it restarted, its blocks are
         gone): atomically with the new record, its old keys leave the prefix index

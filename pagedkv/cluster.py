@@ -8,13 +8,19 @@ prints every port it opened: each process's gRPC address, each node's bulk KV po
 and every /metrics endpoint.
 
 `LocalCluster` is also what the demo and the integration tests start, so the
-path a newcomer runs is the path the tests check.
+path a newcomer runs is the path the tests check. It runs secured: a fresh
+cluster secret in its log folder (or --cluster-secret-file) authenticates the
+nodes to the coordinator and signs the tickets workers present to the nodes, so
+nothing but the coordinator's own clients reach the nodes' sequences; --tls-*
+put every port on TLS (workers then need ClientConfig(tls=...)).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import os
+import secrets
 import shutil
 import signal
 import socket
@@ -25,8 +31,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import grpc
-
 from .health import check as health_check
 from .model_config import kv_shape
 from .process_env import child_env
@@ -34,6 +38,10 @@ from .protos import pagedkv_pb2 as pb
 from .protos import pagedkv_pb2_grpc as pb_grpc
 from .protos.errors import InvalidArgument
 from .protos.spec import ModelSpec
+from .protos.tickets import SECRET_ENV, SECRET_FILE_ENV
+from .protos.tls import ENV as TLS_ENV
+from .protos.tls import TlsConfig, secure_channel
+from .trust_args import add_trust_args, tls_from_args
 from .usage import UsageError, available_memory_bytes, human_bytes, parse_bytes, positive_int, run
 
 
@@ -56,6 +64,7 @@ class NodeOptions:
     host_blocks: int = 1024
     policy: str = "lru"
     bulk_port: str = "auto"  # each node's bulk KV port: auto (a free one) or off
+    extra_args: tuple[str, ...] = ()  # more `pagedkv node` flags, as given
 
     def args(self) -> list[str]:
         return [
@@ -68,6 +77,7 @@ class NodeOptions:
             f"--host-blocks={self.host_blocks}",
             f"--policy={self.policy}",
             f"--bulk-port={self.bulk_port}",
+            *self.extra_args,
         ]
 
     def spec(self) -> dict:
@@ -115,12 +125,19 @@ class LocalCluster:
     node_metrics_ports: list[int] = field(default_factory=list)
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     store: str = "embedded"
+    secure: bool = True  # a cluster secret (a fresh one in log_dir unless secret_file names one)
+    secret_file: str = ""
+    tls: TlsConfig | None = None  # TLS on every port (each process's own cert: this one's)
+    env: dict[str, str] = field(default_factory=dict)  # what every process gets (the two above)
 
     # -- processes ----------------------------------------------------------------
 
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
         log = open(Path(self.log_dir) / f"{name}.log", "ab")  # noqa: SIM115 - lives as long as the process
-        env = child_env({"PYTHONUNBUFFERED": "1"})
+        env = child_env({"PYTHONUNBUFFERED": "1", **self.env})
+        if not self.env.get(SECRET_FILE_ENV):
+            env.pop(SECRET_FILE_ENV, None)  # (an insecure cluster: not the caller's secret either)
+            env.pop(SECRET_ENV, None)
         proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         self.procs[name] = proc
         return proc
@@ -137,7 +154,7 @@ class LocalCluster:
                     f"{name} exited with {proc.returncode}: {self.last_log_line(name)} "
                     f"(log: {self.log_dir}/{name}.log)"
                 )
-            if health_check(address, timeout_s=1.0) == "SERVING":
+            if health_check(address, timeout_s=1.0, tls=self.tls) == "SERVING":
                 return
             time.sleep(0.05)
         raise TimeoutError(
@@ -152,9 +169,33 @@ class LocalCluster:
             return ""
         return lines[-1] if lines else ""
 
+    def _trust_env(self) -> None:
+        """The cluster secret and TLS every process of the cluster reads (PAGEDKV_*)."""
+        if self.secure and not self.secret_file:
+            path = Path(self.log_dir) / "cluster-secret"
+            if not path.exists():
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                with os.fdopen(fd, "w") as f:
+                    f.write(secrets.token_hex(32) + "\n")
+            self.secret_file = str(path)
+        if self.secure:
+            self.env[SECRET_FILE_ENV] = self.secret_file
+        if self.tls is not None:
+            tls = self.tls
+            self.env.update(
+                {
+                    TLS_ENV["cert_file"]: tls.cert_file,
+                    TLS_ENV["key_file"]: tls.key_file,
+                    TLS_ENV["ca_file"]: tls.ca_file,
+                    TLS_ENV["require_client_cert"]: "require" if tls.require_client_cert else "none",
+                    TLS_ENV["server_name"]: tls.server_name,
+                }
+            )
+
     def start(self) -> LocalCluster:
         if not self.log_dir:
             self.log_dir = tempfile.mkdtemp(prefix="pagedkv-cluster-")
+        self._trust_env()
         redis_bin = shutil.which("redis-server")
         if not self.redis_url and self.use_redis and redis_bin:
             port = free_port(self.host)
@@ -228,7 +269,7 @@ class LocalCluster:
         raise TimeoutError(f"{num_nodes} nodes did not register within {timeout_s}s")
 
     def stats(self) -> pb.CoordStatsResponse:
-        with grpc.insecure_channel(self.coordinator_address) as channel:
+        with secure_channel(self.coordinator_address, self.tls) as channel:
             return pb_grpc.CoordinatorStub(channel).Stats(pb.Empty(), timeout=5)
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
@@ -260,7 +301,7 @@ class LocalCluster:
         """Every node's gRPC, bulk (from its Stats) and metrics endpoints."""
         out = []
         for i, address in enumerate(self.node_addresses):
-            with grpc.insecure_channel(address) as channel:
+            with secure_channel(address, self.tls) as channel:
                 bulk = pb_grpc.CacheNodeStub(channel).Stats(pb.Empty(), timeout=5).bulk_port
             metrics = f"{self.host}:{self.node_metrics_ports[i]}" if i < len(self.node_metrics_ports) else ""
             out.append(NodeEndpoints(f"node-{i}", address, bulk, metrics))
@@ -281,6 +322,8 @@ class LocalCluster:
             node_metrics = f"   metrics http://{e.metrics_address}/metrics" if e.metrics_address else ""
             lines.append(f"{e.node_id:<12} {e.address}{bulk}{node_metrics}")
         lines.append(f"model spec   {self.node.describe()}")
+        secret = f"cluster secret {self.secret_file}" if self.secure else "no cluster secret (insecure)"
+        lines.append(f"security     {secret}; TLS {'on' if self.tls is not None else 'off'}")
         lines.append(f"logs         {self.log_dir}")
         return "\n".join(lines)
 
@@ -327,6 +370,7 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--coordinator-port", type=int, default=0, help="the coordinator's gRPC port (default: a free one)"
     )
+    add_trust_args(p)
 
 
 def add_shape_args(p: argparse.ArgumentParser) -> None:
@@ -383,6 +427,8 @@ def cluster_from_args(args: argparse.Namespace, node: NodeOptions | None = None)
         use_redis=not args.embedded,
         lease_ttl_s=args.lease_ttl_s,
         coordinator_address=f"127.0.0.1:{port}" if port else "",
+        secret_file=getattr(args, "cluster_secret_file", ""),
+        tls=tls_from_args(args, server=True) if hasattr(args, "tls_cert") else None,
     )
 
 

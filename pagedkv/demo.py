@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import queue
 import statistics
 import subprocess
@@ -55,6 +56,7 @@ def run_workers(
             ],
             stdout=subprocess.PIPE,
             text=True,
+            env={**os.environ, **cluster.env},  # (TLS, when the cluster has it: the worker's CA)
         )
         for reqs in per_worker
     ]
@@ -95,8 +97,10 @@ def run_workers(
 
 def node_usage(cluster: LocalCluster) -> dict[str, dict[str, int]]:
     from .client import CacheClient
+    from .client.config import ClientConfig
 
-    with CacheClient(coordinator=cluster.coordinator_address) as client:
+    config = ClientConfig(tls=cluster.tls)
+    with CacheClient(coordinator=cluster.coordinator_address, config=config) as client:
         nodes = client.cluster_stats().nodes
         # Every worker has closed its sequences, but a close answers before the coordinator's node
         # Free lands: give the frees a moment to drain so the figures show the settled state.

@@ -41,7 +41,9 @@ def main(coordinator: str, model_dir: str, requests_json: str, new_tokens: str) 
     from transformers import DynamicCache
     from transformers.utils import logging as hf_logging
 
+    from pagedkv.client.config import ClientConfig
     from pagedkv.client.transformers import GrpcBackend, PagedKVCache, generate_with_prefix_cache, load_model
+    from pagedkv.protos.tls import TlsConfig
 
     torch.set_num_threads(1)
     hf_logging.disable_progress_bar()
@@ -50,7 +52,8 @@ def main(coordinator: str, model_dir: str, requests_json: str, new_tokens: str) 
     kw = {"max_new_tokens": n, "min_new_tokens": n, "do_sample": False}
     with torch.no_grad():  # untimed: the model's first forward pays one-time set-up, not a path's cost
         model.generate(torch.zeros(1, 8, dtype=torch.long), cache=DynamicCache(config=model.config), **kw)
-    with GrpcBackend(coordinator=coordinator) as backend:
+    config = ClientConfig(tls=TlsConfig.from_env())  # the cluster's PAGEDKV_TLS_* (None: plaintext)
+    with GrpcBackend(coordinator=coordinator, config=config) as backend:
         backend.client.connect()  # every node's connections opened before the first request, untimed
         for request in json.loads(requests_json):
             ids = torch.tensor(request["prompt"])[None]

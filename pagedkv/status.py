@@ -12,7 +12,9 @@ import grpc
 
 from .protos import pagedkv_pb2 as pb
 from .protos import pagedkv_pb2_grpc as pb_grpc
-from .usage import Parser
+from .protos.tls import TlsConfig, secure_channel
+from .trust_args import add_trust_args, tls_from_args
+from .usage import Parser, run
 
 
 def _fail(address: str, what: str, err: grpc.RpcError) -> SystemExit:
@@ -31,10 +33,14 @@ def main(argv: list[str] | None = None) -> None:
         "--token", default=os.environ.get("PAGEDKV_TOKEN", ""), help="bearer token [PAGEDKV_TOKEN]"
     )
     p.add_argument("--timeout-s", type=float, default=5.0, help="deadline of each call (default 5)")
+    add_trust_args(p, secret=False)
     args = p.parse_args(argv)
     metadata = (("authorization", f"Bearer {args.token}"),) if args.token else ()
+    found: list[TlsConfig | None] = []
+    run("pagedkv status", lambda: found.append(tls_from_args(args)))
+    tls = found[0]
 
-    with grpc.insecure_channel(args.coordinator) as channel:
+    with secure_channel(args.coordinator, tls) as channel:
         try:
             cluster = pb_grpc.CoordinatorStub(channel).Stats(
                 pb.Empty(), timeout=args.timeout_s, metadata=metadata
@@ -55,7 +61,7 @@ def main(argv: list[str] | None = None) -> None:
     for node in cluster.nodes:
         spec = node.spec
         shape = f"{spec.num_layers}x{spec.num_kv_heads}x{spec.head_dim} {spec.dtype} /{spec.block_size}"
-        with grpc.insecure_channel(node.address) as channel:
+        with secure_channel(node.address, tls) as channel:
             try:
                 s = pb_grpc.CacheNodeStub(channel).Stats(pb.Empty(), timeout=args.timeout_s).counters
             except grpc.RpcError as err:

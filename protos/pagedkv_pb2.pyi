@@ -44,20 +44,22 @@ class Empty(_message.Message):
     def __init__(self) -> None: ...
 
 class OpenRequest(_message.Message):
-    __slots__ = ("seq_id", "token_ids", "max_cached_tokens", "expect_cached_tokens", "tenant_salt", "attention")
+    __slots__ = ("seq_id", "token_ids", "max_cached_tokens", "expect_cached_tokens", "tenant_salt", "max_blocks", "attention")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     EXPECT_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TENANT_SALT_FIELD_NUMBER: _ClassVar[int]
+    MAX_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     max_cached_tokens: int
     expect_cached_tokens: int
     tenant_salt: bytes
+    max_blocks: int
     attention: _containers.RepeatedCompositeFieldContainer[LayerAttention]
-    def __init__(self, seq_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., max_cached_tokens: _Optional[int] = ..., expect_cached_tokens: _Optional[int] = ..., tenant_salt: _Optional[bytes] = ..., attention: _Optional[_Iterable[_Union[LayerAttention, _Mapping]]] = ...) -> None: ...
+    def __init__(self, seq_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., max_cached_tokens: _Optional[int] = ..., expect_cached_tokens: _Optional[int] = ..., tenant_salt: _Optional[bytes] = ..., max_blocks: _Optional[int] = ..., attention: _Optional[_Iterable[_Union[LayerAttention, _Mapping]]] = ...) -> None: ...
 
 class OpenResponse(_message.Message):
     __slots__ = ("num_cached_tokens", "num_host_hit_tokens")
@@ -172,12 +174,14 @@ class AttendResponse(_message.Message):
     def __init__(self, out: _Optional[_Union[Tensor, _Mapping]] = ..., lse: _Optional[_Union[Tensor, _Mapping]] = ..., block_mass: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class ForkRequest(_message.Message):
-    __slots__ = ("parent_id", "child_id")
+    __slots__ = ("parent_id", "child_id", "max_blocks")
     PARENT_ID_FIELD_NUMBER: _ClassVar[int]
     CHILD_ID_FIELD_NUMBER: _ClassVar[int]
+    MAX_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     parent_id: str
     child_id: str
-    def __init__(self, parent_id: _Optional[str] = ..., child_id: _Optional[str] = ...) -> None: ...
+    max_blocks: int
+    def __init__(self, parent_id: _Optional[str] = ..., child_id: _Optional[str] = ..., max_blocks: _Optional[int] = ...) -> None: ...
 
 class SeqRequest(_message.Message):
     __slots__ = ("seq_id",)
@@ -285,7 +289,7 @@ class NodeLoad(_message.Message):
     def __init__(self, free_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., host_free_blocks: _Optional[int] = ..., num_sequences: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("node_id", "address", "spec", "num_blocks", "num_host_blocks", "metrics_address", "policy")
+    __slots__ = ("node_id", "address", "spec", "num_blocks", "num_host_blocks", "metrics_address", "policy", "epoch")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
@@ -293,6 +297,7 @@ class RegisterRequest(_message.Message):
     NUM_HOST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     address: str
     spec: ModelSpec
@@ -300,15 +305,18 @@ class RegisterRequest(_message.Message):
     num_host_blocks: int
     metrics_address: str
     policy: str
-    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., spec: _Optional[_Union[ModelSpec, _Mapping]] = ..., num_blocks: _Optional[int] = ..., num_host_blocks: _Optional[int] = ..., metrics_address: _Optional[str] = ..., policy: _Optional[str] = ...) -> None: ...
+    epoch: int
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., spec: _Optional[_Union[ModelSpec, _Mapping]] = ..., num_blocks: _Optional[int] = ..., num_host_blocks: _Optional[int] = ..., metrics_address: _Optional[str] = ..., policy: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("lease_ttl_s", "heartbeat_interval_s")
+    __slots__ = ("lease_ttl_s", "heartbeat_interval_s", "epoch")
     LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     lease_ttl_s: float
     heartbeat_interval_s: float
-    def __init__(self, lease_ttl_s: _Optional[float] = ..., heartbeat_interval_s: _Optional[float] = ...) -> None: ...
+    epoch: int
+    def __init__(self, lease_ttl_s: _Optional[float] = ..., heartbeat_interval_s: _Optional[float] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("node_id", "load")
@@ -359,14 +367,16 @@ class ReportEventsResponse(_message.Message):
     def __init__(self, num_events: _Optional[int] = ...) -> None: ...
 
 class Placement(_message.Message):
-    __slots__ = ("node_id", "address", "first_token")
+    __slots__ = ("node_id", "address", "first_token", "ticket")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TICKET_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     address: str
     first_token: int
-    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., first_token: _Optional[int] = ...) -> None: ...
+    ticket: bytes
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., first_token: _Optional[int] = ..., ticket: _Optional[bytes] = ...) -> None: ...
 
 class CoordOpenRequest(_message.Message):
     __slots__ = ("seq_id", "token_ids", "max_cached_tokens", "spec", "attention", "explain_miss")
@@ -385,18 +395,20 @@ class CoordOpenRequest(_message.Message):
     def __init__(self, seq_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., max_cached_tokens: _Optional[int] = ..., spec: _Optional[_Union[ModelSpec, _Mapping]] = ..., attention: _Optional[_Iterable[_Union[LayerAttention, _Mapping]]] = ..., explain_miss: _Optional[bool] = ...) -> None: ...
 
 class CoordOpenResponse(_message.Message):
-    __slots__ = ("extents", "num_cached_tokens", "num_host_hit_tokens", "num_blocks", "miss")
+    __slots__ = ("extents", "num_cached_tokens", "num_host_hit_tokens", "num_blocks", "miss", "node_seq_id")
     EXTENTS_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_HOST_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     MISS_FIELD_NUMBER: _ClassVar[int]
+    NODE_SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     extents: _containers.RepeatedCompositeFieldContainer[Placement]
     num_cached_tokens: int
     num_host_hit_tokens: int
     num_blocks: int
     miss: MissExplanation
-    def __init__(self, extents: _Optional[_Iterable[_Union[Placement, _Mapping]]] = ..., num_cached_tokens: _Optional[int] = ..., num_host_hit_tokens: _Optional[int] = ..., num_blocks: _Optional[int] = ..., miss: _Optional[_Union[MissExplanation, _Mapping]] = ...) -> None: ...
+    node_seq_id: str
+    def __init__(self, extents: _Optional[_Iterable[_Union[Placement, _Mapping]]] = ..., num_cached_tokens: _Optional[int] = ..., num_host_hit_tokens: _Optional[int] = ..., num_blocks: _Optional[int] = ..., miss: _Optional[_Union[MissExplanation, _Mapping]] = ..., node_seq_id: _Optional[str] = ...) -> None: ...
 
 class CoordLookupRequest(_message.Message):
     __slots__ = ("token_ids", "spec")
@@ -450,6 +462,24 @@ class CoordStatsResponse(_message.Message):
     counters: _containers.ScalarMap[str, int]
     nodes: _containers.RepeatedCompositeFieldContainer[RegisterRequest]
     def __init__(self, counters: _Optional[_Mapping[str, int]] = ..., nodes: _Optional[_Iterable[_Union[RegisterRequest, _Mapping]]] = ...) -> None: ...
+
+class ReserveRequest(_message.Message):
+    __slots__ = ("node_id", "seq_id", "min_blocks", "num_blocks")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    MIN_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    seq_id: str
+    min_blocks: int
+    num_blocks: int
+    def __init__(self, node_id: _Optional[str] = ..., seq_id: _Optional[str] = ..., min_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ...) -> None: ...
+
+class ReserveResponse(_message.Message):
+    __slots__ = ("max_blocks",)
+    MAX_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    max_blocks: int
+    def __init__(self, max_blocks: _Optional[int] = ...) -> None: ...
 
 class LayerAttention(_message.Message):
     __slots__ = ("window", "chunk", "softcap", "scale")

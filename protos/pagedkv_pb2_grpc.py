@@ -28,6 +28,16 @@ if _version_not_supported:
 class CacheNodeStub:
     """The data plane of one node: one block pool for one ModelSpec. Thread-safe; every
     rpc validates its input before changing anything.
+
+    Who may call what (cache_node/gate.py). On a node serving a cluster with a
+    cluster secret: Open, Lookup, Fork, Free, SwapOut, SwapIn, Pin, Unpin are the
+    coordinator's (ADMIN ticket; anyone else: PERMISSION_DENIED, direct mode is
+    refused); Append, Attend*, ReadKV, SetBudget need a ticket for every sequence
+    they name (none: UNAUTHENTICATED; one that is forged, expired or for another
+    node or registration: UNAUTHENTICATED; none for this sequence:
+    PERMISSION_DENIED, whether or not it exists). A standalone node started with a
+    token takes every rpc from a caller with `authorization: Bearer <token>`.
+    Stats, CheckIntegrity, Ping (and health, reflection) are open to any caller.
     """
 
     def __init__(self, channel):
@@ -126,6 +136,16 @@ class CacheNodeStub:
 class CacheNodeServicer:
     """The data plane of one node: one block pool for one ModelSpec. Thread-safe; every
     rpc validates its input before changing anything.
+
+    Who may call what (cache_node/gate.py). On a node serving a cluster with a
+    cluster secret: Open, Lookup, Fork, Free, SwapOut, SwapIn, Pin, Unpin are the
+    coordinator's (ADMIN ticket; anyone else: PERMISSION_DENIED, direct mode is
+    refused); Append, Attend*, ReadKV, SetBudget need a ticket for every sequence
+    they name (none: UNAUTHENTICATED; one that is forged, expired or for another
+    node or registration: UNAUTHENTICATED; none for this sequence:
+    PERMISSION_DENIED, whether or not it exists). A standalone node started with a
+    token takes every rpc from a caller with `authorization: Bearer <token>`.
+    Stats, CheckIntegrity, Ping (and health, reflection) are open to any caller.
     """
 
     def Open(self, request, context):
@@ -391,6 +411,16 @@ def add_CacheNodeServicer_to_server(servicer, server):
 class CacheNode:
     """The data plane of one node: one block pool for one ModelSpec. Thread-safe; every
     rpc validates its input before changing anything.
+
+    Who may call what (cache_node/gate.py). On a node serving a cluster with a
+    cluster secret: Open, Lookup, Fork, Free, SwapOut, SwapIn, Pin, Unpin are the
+    coordinator's (ADMIN ticket; anyone else: PERMISSION_DENIED, direct mode is
+    refused); Append, Attend*, ReadKV, SetBudget need a ticket for every sequence
+    they name (none: UNAUTHENTICATED; one that is forged, expired or for another
+    node or registration: UNAUTHENTICATED; none for this sequence:
+    PERMISSION_DENIED, whether or not it exists). A standalone node started with a
+    token takes every rpc from a caller with `authorization: Bearer <token>`.
+    Stats, CheckIntegrity, Ping (and health, reflection) are open to any caller.
     """
 
     @staticmethod
@@ -858,6 +888,12 @@ class CoordinatorStub:
     tenants. State lives in Redis. Tenant identity comes from call credentials /
     metadata, never from request fields; the coordinator sets the node-side
     tenant_salt itself.
+    Who may call what (coordinator/service.py): Register, Heartbeat,
+    ReportEvents, Reserve are the nodes' (with a cluster secret: a NODE ticket for
+    the node id in the request, else UNAUTHENTICATED); every other rpc but Stats
+    needs `authorization: Bearer <token>` when tenants are configured, and acts
+    for that token's tenant only. Sequence ids are the tenant's own: another
+    tenant's id answers exactly as an id nobody opened.
     """
 
     def __init__(self, channel):
@@ -931,6 +967,11 @@ class CoordinatorStub:
                 request_serializer=pagedkv__pb2.Empty.SerializeToString,
                 response_deserializer=pagedkv__pb2.CoordStatsResponse.FromString,
                 _registered_method=True)
+        self.Reserve = channel.unary_unary(
+                '/pagedkv.v1.Coordinator/Reserve',
+                request_serializer=pagedkv__pb2.ReserveRequest.SerializeToString,
+                response_deserializer=pagedkv__pb2.ReserveResponse.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -938,11 +979,20 @@ class CoordinatorServicer:
     tenants. State lives in Redis. Tenant identity comes from call credentials /
     metadata, never from request fields; the coordinator sets the node-side
     tenant_salt itself.
+    Who may call what (coordinator/service.py): Register, Heartbeat,
+    ReportEvents, Reserve are the nodes' (with a cluster secret: a NODE ticket for
+    the node id in the request, else UNAUTHENTICATED); every other rpc but Stats
+    needs `authorization: Bearer <token>` when tenants are configured, and acts
+    for that token's tenant only. Sequence ids are the tenant's own: another
+    tenant's id answers exactly as an id nobody opened.
     """
 
     def Register(self, request, context):
-        """Add (or re-add) a node with its spec and capacity. Changes: the registry,
-        the node's lease. Codes: OK, INVALID_ARGUMENT, UNAVAILABLE (store down).
+        """Add (or re-add) a node with its spec and capacity. A live registration of the
+        same id is replaced only by a request carrying its epoch (no takeover).
+        Changes: the registry, the node's lease, a new epoch. Codes: OK,
+        INVALID_ARGUMENT, FAILED_PRECONDITION (the id is live), UNAUTHENTICATED,
+        UNAVAILABLE (store down).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -1051,6 +1101,18 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Reserve(self, request, context):
+        """A node asks for more of a sequence's tenant quota before an append that
+        would take the sequence past OpenRequest.max_blocks: at least min_blocks,
+        num_blocks if the tenant has room. Changes: the tenant's usage, the page
+        table's block count (released by Close). Codes: OK, NOT_FOUND (no such
+        sequence on this node), RESOURCE_EXHAUSTED (QuotaExceeded), UNAUTHENTICATED,
+        UNAVAILABLE.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -1119,6 +1181,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     request_deserializer=pagedkv__pb2.Empty.FromString,
                     response_serializer=pagedkv__pb2.CoordStatsResponse.SerializeToString,
             ),
+            'Reserve': grpc.unary_unary_rpc_method_handler(
+                    servicer.Reserve,
+                    request_deserializer=pagedkv__pb2.ReserveRequest.FromString,
+                    response_serializer=pagedkv__pb2.ReserveResponse.SerializeToString,
+            ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
             'pagedkv.v1.Coordinator', rpc_method_handlers)
@@ -1132,6 +1199,12 @@ class Coordinator:
     tenants. State lives in Redis. Tenant identity comes from call credentials /
     metadata, never from request fields; the coordinator sets the node-side
     tenant_salt itself.
+    Who may call what (coordinator/service.py): Register, Heartbeat,
+    ReportEvents, Reserve are the nodes' (with a cluster secret: a NODE ticket for
+    the node id in the request, else UNAUTHENTICATED); every other rpc but Stats
+    needs `authorization: Bearer <token>` when tenants are configured, and acts
+    for that token's tenant only. Sequence ids are the tenant's own: another
+    tenant's id answers exactly as an id nobody opened.
     """
 
     @staticmethod
@@ -1475,6 +1548,33 @@ class Coordinator:
             '/pagedkv.v1.Coordinator/Stats',
             pagedkv__pb2.Empty.SerializeToString,
             pagedkv__pb2.CoordStatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Reserve(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedkv.v1.Coordinator/Reserve',
+            pagedkv__pb2.ReserveRequest.SerializeToString,
+            pagedkv__pb2.ReserveResponse.FromString,
             options,
             channel_credentials,
             insecure,

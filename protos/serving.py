@@ -14,6 +14,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from .status import abort_details
+from .tls import TlsConfig
 
 T = TypeVar("T")
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -52,9 +53,11 @@ def build_server(
     *,
     max_workers: int = 16,
     options: Iterable[tuple[str, Any]] = (),
+    tls: TlsConfig | None = None,
 ) -> tuple[grpc.Server, health.HealthServicer, int]:
     """A server bound to `address` (port 0 = any free port) with health (NOT_SERVING
-    until started) and reflection on. Returns (server, health servicer, port)."""
+    until started) and reflection on; TLS with `tls` (plaintext without). Returns
+    (server, health servicer, port)."""
     names = tuple(service_names)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=list(options))
     add_servicers(server)
@@ -82,7 +85,10 @@ def build_server(
             ),
         )
     )
-    port = server.add_insecure_port(address)
+    if tls is None:
+        port = server.add_insecure_port(address)
+    else:
+        port = server.add_secure_port(address, tls.server_credentials())
     if port == 0:
         raise OSError(f"could not bind a gRPC server to {address}")
     return server, health_servicer, port

@@ -108,10 +108,25 @@ def encode(t: Any, what: str = "tensor") -> pb.Tensor:
     return pb.Tensor(dtype=dtype, shape=shape, data=data)
 
 
+# A dimension past int32, or a shape whose non-zero dimensions multiply past this
+# many elements, is refused: even with a zero dimension (no bytes at all) torch's
+# strides and numpy's sizes overflow on such shapes.
+MAX_DIM = 2**31 - 1
+MAX_ELEMENTS = 2**48
+
+
 def _check_shape(shape: Sequence[int], what: str) -> tuple[int, ...]:
     dims = tuple(int(d) for d in shape)
     if any(d < 0 for d in dims):
         raise InvalidArgument(f"{what}: negative dimension in shape {dims}")
+    return check_dims(dims, what)
+
+
+def check_dims(dims: tuple[int, ...], what: str) -> tuple[int, ...]:
+    """dims, or InvalidArgument when a dimension or the shape is too large to make
+    a tensor of (a zero-element shape included)."""
+    if any(d > MAX_DIM for d in dims) or math.prod(d for d in dims if d) > MAX_ELEMENTS:
+        raise InvalidArgument(f"{what}: shape {list(dims)} too large (dimensions up to {MAX_DIM})")
     return dims
 
 

@@ -3,7 +3,9 @@ same-host twins, whose CALL body and results stay in the client's region.
 
 A CALL body is received into the connection's reused buffer (or viewed in the
 region) and the engine computes on views of it: the gRPC handlers' engine calls,
-so the same validation and errors. The reply's out / lse leave with one sendmsg,
+so the same validation and errors. The connection's credentials are checked
+before the body is received (it must have presented something) and against every
+sequence the body names before the engine runs (gate.py). The reply's out / lse leave with one sendmsg,
 or are written in place in the region when the decode kernel can take them there.
 """
 
@@ -17,31 +19,52 @@ from typing import TYPE_CHECKING
 import torch
 
 from ...protos import wire
-from ...protos.errors import InvalidArgument
+from ...protos.errors import InvalidArgument, PagedKVError
 from ...protos.tensors import DTYPE_NAMES, tensor_at
+from ...protos.tickets import RIGHT_READ, RIGHT_WRITE
 from ...protos.wire import Frame, ProtocolError
+from ..gate import Credentials
 from ..shm import Region, write_results
 
 if TYPE_CHECKING:
     from .listener import BulkServer
 
 _IDS = wire.IdsMemo()  # the last CALL's sequence ids, shared by the connections' threads
+_METHODS = {wire.OP_ATTEND: "Attend", wire.OP_ATTEND_PREFILL_BATCH: "AttendPrefillBatch"}
 
 
 class AttendOps:
     def __init__(self, server: BulkServer) -> None:
         self.server, self.engine = server, server.engine
 
-    def call(self, conn: socket.socket, f: Frame, body: CallBuffer) -> None:
+    def call(self, conn: socket.socket, f: Frame, body: CallBuffer, creds: Credentials) -> None:
         """One Attend / AttendPrefillBatch: the whole body is read into the
         connection's reused buffer before anything is checked or changed; the
         engine call is the gRPC handler's, so are its validation and errors."""
         if f.payload_len > wire.MAX_CALL_BYTES:  # cannot be drained in bounded time: close
             raise ProtocolError(f"call body of {f.payload_len} bytes exceeds {wire.MAX_CALL_BYTES}")
-        data = wire.byte_view(body.take(f.payload_len))
-        # the connection is blocking: the whole body in one recv (a batch-32 q is 512 KiB)
-        wire.recv_exact(conn, data, "call body", socket.MSG_WAITALL)
-        self._attend(conn, f, f.op, data)
+        method = _METHODS[f.op]
+        server = self.server
+        try:  # a connection that presented nothing gets no buffer
+            server.gate.require(creds, (), RIGHT_READ, method)
+        except PagedKVError as exc:
+            server.refuse_payload(conn, f, method, exc, f.payload_len)
+            return
+        large = f.payload_len > body.KEEP_BYTES
+        if large:  # a fresh buffer per call: counted in the node's receive budget
+            try:
+                server.budget.take(f.payload_len, "call body")
+            except PagedKVError as exc:
+                server.refuse_payload(conn, f, method, exc, f.payload_len)
+                return
+        try:
+            data = wire.byte_view(body.take(f.payload_len))
+            # the connection is blocking: the whole body in one recv (a batch-32 q is 512 KiB)
+            wire.recv_exact(conn, data, "call body", socket.MSG_WAITALL)
+            self._attend(conn, f, f.op, data, creds)
+        finally:
+            if large:
+                server.budget.give(f.payload_len)
 
     def _attend(
         self,
@@ -49,6 +72,7 @@ class AttendOps:
         f: Frame,
         op: int,
         data: memoryview,
+        creds: Credentials,
         region: Region | None = None,
         out_at: int = 0,
         out_len: int = 0,
@@ -58,10 +82,14 @@ class AttendOps:
         compute thread when it has one: the reply leaves as soon as the results exist).
         region: the connection's shared region, whose [out_at, +out_len) area a
         decode writes out and lse into in place, and the results are copied to."""
-        method = "Attend" if op == wire.OP_ATTEND else "AttendPrefillBatch"
+        method = _METHODS[op]
         e = self.engine
+        gate = self.server.gate
         try:
             call = wire.decode_call(op, data, _IDS)
+            gate.require(
+                creds, call.seq_ids, RIGHT_READ | RIGHT_WRITE if call.k is not None else RIGHT_READ, method
+            )
             area = None if region is None else region.memory(out_at, out_len, "the result area")
             dst = None if area is None or op != wire.OP_ATTEND else _decode_destination(call.q, area)
             # the reply when the decode kernel writes into the region, built while this process's
@@ -104,8 +132,18 @@ class AttendOps:
                 self._reply(conn, f, parts, wire.PLACED_REGION if placed else wire.PLACED_INLINE)
             self.server.observe(method, start, seconds)  # after the reply left: not on the caller's path
 
+        if call.k is not None and call.layer == 0 and call.token_ids:
+            appends = call.counts if op != wire.OP_ATTEND and len(call.counts) == len(call.seq_ids) else None
+            new_tokens = appends or [1] * len(call.seq_ids)
+        else:
+            new_tokens = [0] * len(call.seq_ids)
+
+        def attempt() -> None:  # the quota check on this thread, the engine call maybe on another
+            with gate.charging(call.seq_ids, new_tokens, e.cache_length, e.spec.block_size):
+                e.run(attend_and_reply)
+
         try:
-            e.awaiting_open(lambda: e.run(attend_and_reply))
+            e.awaiting_open(attempt)
         except OSError:
             raise  # the reply could not be sent: the connection is gone
         except Exception as exc:  # every engine failure becomes a status; the node keeps serving
@@ -125,7 +163,7 @@ class AttendOps:
         inline = sum(map(wire.nbytes, parts)) if placement == wire.PLACED_INLINE else 0
         return wire.encode_reply(f.op, f.request_id, descs, placement, inline)
 
-    def shm_call(self, conn: socket.socket, f: Frame, region: Region | None) -> None:
+    def shm_call(self, conn: socket.socket, f: Frame, region: Region | None, creds: Credentials) -> None:
         """An Attend / AttendPrefillBatch whose body and results are in the region."""
         head = self.server.fixed_request(conn, f, wire.SHM_CALL, "shm call")
         if head is None:
@@ -144,7 +182,7 @@ class AttendOps:
         except InvalidArgument as exc:
             self.server.reply_error(conn, f, exc)
             return
-        self._attend(conn, f, wire.SHM_OPS[f.op], data, region, out_at, out_len)
+        self._attend(conn, f, wire.SHM_OPS[f.op], data, creds, region, out_at, out_len)
         del data
 
 

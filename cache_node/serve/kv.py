@@ -5,7 +5,10 @@ Bytes move without payload-sized Python objects: an upload is received with
 by the engine's per-block strided copies (`append_slabs`); a read copies one slab
 at a time from the pool into a reused slab-sized staging tensor (`read_kv_into`)
 and sends it, or (READ_SHM) gathers it straight into a slot of the client's ring.
-The engine changes nothing unless the whole request arrived.
+The engine changes nothing unless the whole request arrived. Each request is
+checked against the connection's credentials (gate.py) from its header, before a
+byte of its payload is buffered; an APPEND larger than the pool is refused from
+its header too, and its staging buffer counts against the node's receive budget.
 """
 
 from __future__ import annotations
@@ -20,11 +23,14 @@ import torch
 from ...protos import wire
 from ...protos.errors import CapacityExceeded, InvalidArgument, PagedKVError
 from ...protos.tensors import TORCH_DTYPES, tokens_per_chunk
+from ...protos.tickets import RIGHT_READ, RIGHT_WRITE
 from ...protos.wire import Frame, ProtocolError
+from ..gate import Credentials
 from ..shm import Region
 
 if TYPE_CHECKING:
     from .listener import BulkServer
+
 
 # Default read slab when the client names none: small enough that copying the next
 # slab out of the pool overlaps with the peer draining the socket.
@@ -84,23 +90,37 @@ class KVOps:
             raise CapacityExceeded(f"append {n} tokens (more than the whole pool)", need, total)
         return n
 
-    def append(self, conn: socket.socket, f: Frame) -> None:
+    def append(self, conn: socket.socket, f: Frame, creds: Credentials) -> None:
+        server = self.server
         try:
+            server.gate.require(creds, [f.text], RIGHT_WRITE, "Append")
             n = self._check_append(f)
+            server.budget.take(f.payload_len, "append")
         except PagedKVError as exc:
-            self.server.drain(conn, 8 * max(0, f.end - f.start) + f.payload_len)
-            self.server.reply_error(conn, f, exc)
+            server.refuse_payload(conn, f, "Append", exc, 8 * max(0, f.end - f.start) + f.payload_len)
             return
-        ids = np.empty(n, dtype="<i8")
-        wire.recv_exact(conn, ids.data.cast("B"), "token ids")
+        try:
+            ids = np.empty(n, dtype="<i8")
+            wire.recv_exact(conn, ids.data.cast("B"), "token ids")
+            self._append(conn, f, n, ids)
+        finally:
+            server.budget.give(f.payload_len)
+
+    def _append(self, conn: socket.socket, f: Frame, n: int, ids: np.ndarray) -> None:
         staging = self._staging.take(f.payload_len)
         try:
             wire.recv_exact(conn, wire.byte_view(staging), "kv payload")
             try:
                 slabs = self._slabs(staging, n, f.slab_tokens)
                 tokens = ids.tolist()
-                self.engine.awaiting_open(lambda: self.engine.append_slabs(f.text, tokens, slabs))
-                length = self.engine.sequence_length(f.text)
+                e = self.engine
+
+                def append() -> None:
+                    with self.server.gate.charging([f.text], [n], e.cache_length, e.spec.block_size):
+                        e.append_slabs(f.text, tokens, slabs)
+
+                e.awaiting_open(append)
+                length = e.sequence_length(f.text)
             except Exception as exc:  # every failure becomes a status; the node keeps serving
                 self.server.reply_error(conn, f, exc)
                 return
@@ -160,15 +180,15 @@ class KVOps:
             ).pack()
         )
 
-    def read(self, conn: socket.socket, f: Frame) -> None:
+    def read(self, conn: socket.socket, f: Frame, creds: Credentials) -> None:
         s = self.engine.spec
         try:
+            self.server.gate.require(creds, [f.text], RIGHT_READ, "ReadKV")
             if f.payload_len:
                 raise InvalidArgument("bulk read: the request carries no payload")
             stop = self._read_stop(f)
         except Exception as exc:
-            self.server.drain(conn, f.payload_len)
-            self.server.reply_error(conn, f, exc)
+            self.server.refuse_payload(conn, f, "ReadKV", exc, f.payload_len)
             return
         n = stop - f.start
         step = self._read_step(f, n)
@@ -195,7 +215,7 @@ class KVOps:
         finally:
             self._staging.give(staging)
 
-    def read_shm(self, conn: socket.socket, f: Frame, region: Region | None) -> None:
+    def read_shm(self, conn: socket.socket, f: Frame, region: Region | None, creds: Credentials) -> None:
         """A READ whose slabs go through a ring of slots in the region (docs/bulk-protocol.md,
         READ_SHM): each slab is gathered from the pool straight into its slot, the
         socket carries only the SLAB headers and the client's ACKs."""
@@ -206,6 +226,7 @@ class KVOps:
         s = self.engine.spec
         bpt = s.bytes_per_token
         try:
+            self.server.gate.require(creds, [f.text], RIGHT_READ, "ReadKV")
             if region is None:
                 raise InvalidArgument("bulk shm read: no region mapped on this connection (MAP first)")
             if area_at % wire.ALIGN or slot_bytes % wire.ALIGN:

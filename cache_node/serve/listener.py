@@ -1,16 +1,20 @@
 """The node's bulk listener (protocol: docs/bulk-protocol.md, codec: protos/wire/):
 its sockets, one thread per connection, and the dispatch of each request to the
-ops that serve it (attend.py: ATTEND*, kv.py: APPEND, READ*; HELLO, PING, MAP and
-OPEN here).
+ops that serve it (attend.py: ATTEND*, kv.py: APPEND, READ*; HELLO, PING, MAP,
+AUTH and OPEN here).
 
-One thread accepts on each listener (TCP, and the same-host abstract Unix socket
-named in the HELLO reply), one thread serves each connection (at most
-`max_connections` per listener; one over the limit is closed at once and the
-client takes the next transport). Requests on a connection run one at a time.
-Validation and errors are the gRPC path's: the engine's calls, its errors mapped
-by protos/status.py. A bad request gets its error after its payload is drained
-(the connection stays usable); a truncated request or a client that goes away
-mid-transfer closes the connection and changes nothing.
+One thread accepts on each listener (TCP, over TLS when the node has a
+certificate, and the same-host abstract Unix socket named in the HELLO reply),
+one thread serves each connection (limits.py: per listener, per peer, idle and
+per-request timeouts, a node-wide budget for receive buffers). Requests on a
+connection run one at a time. Each connection has its credentials (gate.py):
+the tickets and token its client presented with AUTH; every request is checked
+against them from its header, before its payload is buffered or the engine sees
+it, as the gRPC path checks a call's metadata. Validation and errors are the gRPC
+path's: the engine's calls, its errors mapped by protos/status.py. A bad request
+gets its error after its payload is drained (the connection stays usable) when
+that is small; a refused large one, a truncated request or a client that goes
+away mid-transfer closes the connection and changes nothing.
 """
 
 from __future__ import annotations
@@ -22,15 +26,19 @@ import socket
 import struct
 import threading
 import time
+from typing import Any
 
 from ...protos import wire
 from ...protos.errors import InvalidArgument, PagedKVError
+from ...protos.tls import TlsConfig
 from ...protos.wire import Frame, ProtocolError, Status
 from ..engine import CacheEngine
+from ..gate import Credentials, Gate
 from ..metrics import NodeMetrics
 from ..shm import Region, local_listener, map_region
 from .attend import AttendOps, CallBuffer
 from .kv import KVOps
+from .limits import BulkLimits, ByteBudget, PeerCounter, Refused, TimedConn
 
 logger = logging.getLogger("pagedkv.cache_node.bulk")
 DRAIN_BYTES = 4 << 20  # scratch for discarding the payload of a refused request
@@ -42,12 +50,23 @@ LOCAL_SNDBUF_BYTES = 4 << 20
 LOCAL_OPS = frozenset({wire.OP_MAP, wire.OP_ATTEND_SHM, wire.OP_ATTEND_PREFILL_BATCH_SHM, wire.OP_READ_SHM})
 
 
+class _Conn:
+    """A served connection: its socket (TLS-wrapped once the handshake is done), its
+    thread, its kind and the peer it counts against."""
+
+    __slots__ = ("family", "peer", "sock", "thread")
+
+    def __init__(self, sock: socket.socket, family: int, peer: object) -> None:
+        self.sock, self.family, self.peer = sock, family, peer
+        self.thread: threading.Thread | None = None
+
+
 class BulkServer:
     """The bulk listener of one node. `start()` binds nothing (the constructor
     does: `port` is known before start); `stop()` closes the listener and every
     connection and joins their threads. Counters: requests served, requests
-    refused with an error reply, connections dropped mid-request (HELLO and a
-    successful MAP set a connection up and are not counted)."""
+    refused with an error reply, connections dropped mid-request (HELLO, AUTH and
+    a successful MAP set a connection up and are not counted)."""
 
     def __init__(
         self,
@@ -55,11 +74,22 @@ class BulkServer:
         host: str = "127.0.0.1",
         port: int = 0,
         *,
-        max_connections: int = 16,
+        max_connections: int | None = None,
         max_staging_bytes: int = 1 << 30,
         metrics: NodeMetrics | None = None,
         local: bool = True,
+        gate: Gate | None = None,
+        tls: TlsConfig | None = None,
+        limits: BulkLimits | None = None,
     ) -> None:
+        limits = limits or BulkLimits()
+        if max_connections is not None:
+            limits = BulkLimits(**{**limits.__dict__, "max_connections": max_connections})
+        self.limits = limits
+        max_connections = limits.max_connections
+        self.gate = gate or Gate()
+        self.budget = ByteBudget(limits.max_inflight_bytes)
+        self._tls = None if tls is None else tls.server_context()
         self.engine = engine
         self.metrics = metrics  # the per-step calls are recorded under their rpc's name
         self._latency = {  # the labelled histograms, looked up once (labels() locks and validates)
@@ -76,7 +106,8 @@ class BulkServer:
         self._max_connections = max_connections
         self.attend_ops = AttendOps(self)
         self.kv_ops = KVOps(self, max_staging_bytes)
-        self._conns: dict[socket.socket, threading.Thread] = {}
+        self._conns: dict[int, _Conn] = {}
+        self._peers = PeerCounter()
         self._lock = threading.Lock()
         self._accepters: list[threading.Thread] = []
         self._is_stopping = False
@@ -99,17 +130,18 @@ class BulkServer:
         on the client as Unavailable and changes nothing on the node)."""
         with self._lock:
             self._is_stopping = True
-            conns = list(self._conns.items())
+            conns = list(self._conns.values())
         for sock in (self._sock, self._local_sock):
             if sock is not None:
                 with contextlib.suppress(OSError):
                     sock.shutdown(socket.SHUT_RDWR)  # wakes accept() on Linux
                 sock.close()
-        for conn, _ in conns:
+        for c in conns:
             with contextlib.suppress(OSError):
-                conn.shutdown(socket.SHUT_RDWR)
-        for _, thread in conns:
-            thread.join(5)
+                c.sock.shutdown(socket.SHUT_RDWR)
+        for c in conns:
+            if c.thread is not None:
+                c.thread.join(5)
         for t in self._accepters:
             t.join(5)
 
@@ -119,56 +151,97 @@ class BulkServer:
         is_local = listener.family == socket.AF_UNIX
         while True:
             try:
-                conn, _ = listener.accept()
+                conn, addr = listener.accept()
             except OSError:
                 return  # listener closed
             if is_local:
                 conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, LOCAL_SNDBUF_BYTES)
             else:
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            peer = _local_peer(conn) if is_local else addr[0]
             with self._lock:
                 # each listener has its own cap: a same-host client also keeps a TCP connection
-                num_same_kind = sum(c.family == listener.family for c in self._conns)
-                if self._is_stopping or num_same_kind >= self._max_connections:
+                num_same_kind = sum(c.family == listener.family for c in self._conns.values())
+                if (
+                    self._is_stopping
+                    or num_same_kind >= self._max_connections
+                    or not self._peers.admit(peer, self.limits.max_per_peer)
+                ):
                     conn.close()  # the client falls back to gRPC
                     continue
-                thread = threading.Thread(
-                    target=self._serve, args=(conn, is_local), name="pagedkv-bulk", daemon=True
+                served = _Conn(conn, listener.family, peer)
+                served.thread = threading.Thread(
+                    target=self._serve, args=(served, is_local), name="pagedkv-bulk", daemon=True
                 )
-                self._conns[conn] = thread
-            thread.start()
+                self._conns[id(served)] = served
+            served.thread.start()
 
-    def _serve(self, conn: socket.socket, is_local: bool = False) -> None:
+    def _handshake(self, served: _Conn) -> socket.socket | None:
+        """The connection's socket, TLS-wrapped (handshake bounded, on this thread)
+        when the node has a certificate; None when the handshake failed."""
+        conn = served.sock
+        if self._tls is None:
+            return conn
+        conn.settimeout(self.limits.handshake_timeout_s)
+        try:
+            wrapped = self._tls.wrap_socket(conn, server_side=True)
+        except (OSError, ValueError) as exc:  # a plaintext peer, a bad certificate, a timeout
+            logger.info("bulk TLS handshake failed: %s", exc)
+            return None
+        with self._lock:
+            served.sock = wrapped  # (stop() shuts down what the thread reads from)
+        return wrapped
+
+    def _serve(self, served: _Conn, is_local: bool = False) -> None:
         """One connection's requests, in order. A local (Unix socket) connection
         may also carry MAP and ATTEND*_SHM; its region is unmapped when it ends."""
         head, body = bytearray(wire.FRAME.size), CallBuffer()
         fds: list[int] | None = [] if is_local else None
         region: Region | None = None
+        creds = self.gate.credentials()
+        conn: Any = served.sock if is_local else self._handshake(served)
+        if conn is None:
+            self.bump("num_dropped")
+            served.sock.close()
+            with self._lock:
+                self._conns.pop(id(served), None)
+                self._peers.release(served.peer)
+            return
         try:
+            conn = TimedConn(conn, self.limits)
             while (frame := wire.read_frame(conn, eof_ok=True, buf=head, fds=fds)) is not None:
+                conn.arm(frame.payload_len)
                 if frame.op not in self.ops or (frame.op in LOCAL_OPS and fds is None):
                     self.reply_error(conn, frame, InvalidArgument(f"bulk: unknown op {frame.op}"))
                     return  # its payload's framing is unknown: close
                 if frame.op in (wire.OP_ATTEND, wire.OP_ATTEND_PREFILL_BATCH):
-                    self.attend_ops.call(conn, frame, body)
+                    self.attend_ops.call(conn, frame, body, creds)
                 elif frame.op == wire.OP_PING:
                     self._ping(conn, frame)
                 elif frame.op == wire.OP_HELLO:
                     self._hello(conn, frame)
+                elif frame.op == wire.OP_AUTH:
+                    self._auth(conn, frame, creds)
                 elif frame.op == wire.OP_MAP:
                     assert fds is not None
                     region = self._map(conn, frame, fds, region)
                 elif frame.op in wire.SHM_OPS:
-                    self.attend_ops.shm_call(conn, frame, region)
+                    self.attend_ops.shm_call(conn, frame, region, creds)
                 elif frame.op == wire.OP_READ_SHM:
-                    self.kv_ops.read_shm(conn, frame, region)
+                    self.kv_ops.read_shm(conn, frame, region, creds)
                 elif frame.op == wire.OP_APPEND:
-                    self.kv_ops.append(conn, frame)
+                    self.kv_ops.append(conn, frame, creds)
                 elif frame.op == wire.OP_READ:
-                    self.kv_ops.read(conn, frame)
+                    self.kv_ops.read(conn, frame, creds)
                 else:
-                    self._open(conn, frame)
+                    self._open(conn, frame, creds)
+                conn.disarm()
                 _close_fds(fds)  # descriptors sent with another op than MAP
+        except Refused as exc:
+            self.bump("num_dropped")
+            if exc.error is not None:  # (else its answer already left)
+                with contextlib.suppress(OSError):
+                    self.refuse(conn, exc.frame, exc.method, exc.error)
         except ProtocolError as exc:
             self.bump("num_dropped")
             logger.info("bulk connection dropped: %s", exc)
@@ -187,7 +260,8 @@ class BulkServer:
                 region.close()
             conn.close()
             with self._lock:
-                self._conns.pop(conn, None)
+                self._conns.pop(id(served), None)
+                self._peers.release(served.peer)
 
     def reply_error(self, conn: socket.socket, frame: Frame, exc: Exception) -> str:
         """Send exc as the reply's status; returns the status code's name."""
@@ -214,18 +288,48 @@ class BulkServer:
 
     def _ping(self, conn: socket.socket, f: Frame) -> None:
         if f.payload_len:
-            self.drain(conn, f.payload_len)
-            self.reply_error(conn, f, InvalidArgument("bulk ping: the request carries no payload"))
+            error = InvalidArgument("bulk ping: the request carries no payload")
+            self.refuse_payload(conn, f, "Ping", error, f.payload_len)
             return
         self.bump("num_requests")
         conn.sendall(Frame(f.op, f.request_id).pack())
 
+    def _auth(self, conn: socket.socket, f: Frame, creds: Credentials) -> None:
+        """AUTH: add the presented tickets (and token) to the connection's credentials.
+        A refused one (forged, expired, another node's) answers its error and adds
+        nothing after it; the connection stays usable."""
+        if f.payload_len > wire.MAX_AUTH_BYTES:
+            raise ProtocolError(f"auth payload of {f.payload_len} bytes exceeds {wire.MAX_AUTH_BYTES}")
+        payload = wire.recv_bytes(conn, f.payload_len, "auth payload")
+        try:
+            tickets, token = wire.decode_auth(payload)
+            self.gate.present(creds, tickets)
+            self.gate.present_token(creds, token)
+        except PagedKVError as exc:
+            self.reply_error(conn, f, exc)
+            return
+        conn.sendall(Frame(f.op, f.request_id, start=len(tickets)).pack())  # set-up: not counted
+
+    def refuse_payload(
+        self, conn: socket.socket, f: Frame, method: str, exc: Exception, num_bytes: int
+    ) -> None:
+        """Refuse a request whose num_bytes of payload follow: answered at once (refused
+        from its header), then the payload drained (the connection stays usable) when it
+        is at most wire.MAX_DRAIN_BYTES, else the connection closed (Refused) unread."""
+        self.refuse(conn, f, method, exc)
+        if num_bytes > wire.MAX_DRAIN_BYTES:
+            raise Refused(f, method, None)
+        self.drain(conn, num_bytes)
+
     def _hello(self, conn: socket.socket, f: Frame) -> None:
         if f.payload_len:
-            self.drain(conn, f.payload_len)
-            self.reply_error(conn, f, InvalidArgument("bulk hello: the request carries no payload"))
+            error = InvalidArgument("bulk hello: the request carries no payload")
+            self.refuse_payload(conn, f, "Hello", error, f.payload_len)
             return
-        caps = wire.Capabilities(self.ops, self.local_name).encode()
+        bs = self.engine.spec.block_size
+        caps = wire.Capabilities(
+            self.ops, self.local_name, max_append_tokens=self.engine.config.num_blocks * bs, block_size=bs
+        ).encode()
         conn.sendall(Frame(f.op, f.request_id, payload_len=len(caps)).pack() + caps)  # set-up: not counted
 
     def refuse(self, conn: socket.socket, f: Frame, method: str, exc: Exception) -> None:
@@ -246,10 +350,12 @@ class BulkServer:
             old.close()
         try:
             if f.payload_len:
-                self.drain(conn, f.payload_len)
-                raise InvalidArgument("bulk map: the request carries no payload")
+                self.refuse_payload(
+                    conn, f, "Map", InvalidArgument("bulk map: the request carries no payload"), f.payload_len
+                )
+                return None
             region = map_region(f, fds)
-        except Exception as exc:
+        except PagedKVError as exc:
             self.reply_error(conn, f, exc)
             return None
         finally:
@@ -261,34 +367,48 @@ class BulkServer:
         self, conn: socket.socket, f: Frame, layout: struct.Struct, what: str
     ) -> tuple[int, ...] | None:
         """The request's fixed-size payload, unpacked; None after refusing one of another
-        size (drained, error reply: the connection stays in sync). A payload too large to
-        drain is a ProtocolError (the connection closes)."""
+        size (drained, error reply: the connection stays in sync; one too large to drain
+        closes the connection)."""
         if f.payload_len != layout.size:
-            if f.payload_len > wire.MAX_CALL_BYTES:
-                raise ProtocolError(f"{what} of {f.payload_len} bytes (expected {layout.size})")
-            self.drain(conn, f.payload_len)
-            self.reply_error(conn, f, InvalidArgument(f"bulk {what}: {f.payload_len}-byte request"))
+            error = InvalidArgument(f"bulk {what}: {f.payload_len}-byte request")
+            self.refuse_payload(conn, f, what, error, f.payload_len)
             return None
         head = bytearray(layout.size)
         wire.recv_exact(conn, memoryview(head), what)
         return layout.unpack(head)
 
-    def _open(self, conn: socket.socket, f: Frame) -> None:
-        """The Open rpc over the channel (docs/bulk-protocol.md, OPEN): the whole request is
-        read before the engine opens anything, and the engine's open is the rpc's, so
-        are its validation and errors. Recorded under the rpc's name in the metrics:
-        an Open is an Open whichever path carried it."""
+    def _open(self, conn: socket.socket, f: Frame, creds: Credentials) -> None:
+        """The Open rpc over the channel (docs/bulk-protocol.md, OPEN): a direct-mode
+        open (its salt is the caller's), so the coordinator's on a node serving a
+        cluster (refused from the header otherwise). The whole request is read
+        before the engine opens anything, and the engine's open is the rpc's, so are
+        its validation and errors. Recorded under the rpc's name in the metrics: an
+        Open is an Open whichever path carried it."""
         if f.payload_len > wire.MAX_CALL_BYTES:  # cannot be drained in bounded time: close
             raise ProtocolError(f"open request of {f.payload_len} bytes exceeds {wire.MAX_CALL_BYTES}")
-        is_whole = 8 * f.end <= f.payload_len
-        payload = bytearray(f.payload_len if is_whole else 0)
-        if is_whole:
+        try:
+            self.gate.require_admin(creds, "Open")
+        except PagedKVError as exc:
+            self.refuse_payload(conn, f, "Open", exc, f.payload_len)
+            return
+        if 8 * f.end > f.payload_len:
+            msg = (
+                f"bulk open: {f.payload_len} payload bytes cannot hold {f.end} token ids ({8 * f.end} bytes)"
+            )
+            self.refuse_payload(conn, f, "Open", InvalidArgument(msg), f.payload_len)
+            return
+        try:
+            self.budget.take(f.payload_len, "open")
+        except PagedKVError as exc:
+            raise Refused(f, "Open", exc) from None
+        try:
+            payload = bytearray(f.payload_len)
             wire.recv_exact(conn, memoryview(payload), "open payload", socket.MSG_WAITALL)
-        else:
-            self.drain(conn, f.payload_len)
+        finally:
+            self.budget.give(f.payload_len)
         started = time.perf_counter()
         try:
-            req = wire.decode_open(f, payload if is_whole else bytes(f.payload_len))
+            req = wire.decode_open(f, payload)
             res = self.engine.open(req.seq_id, req.token_ids, req.salt, req.max_cached_tokens)
         except Exception as exc:  # every failure becomes a status; the node keeps serving
             self.refuse(conn, f, "Open", exc)
@@ -306,6 +426,15 @@ def _close_fds(fds: list[int] | None) -> None:
     while fds:
         with contextlib.suppress(OSError):
             os.close(fds.pop())
+
+
+def _local_peer(conn: socket.socket) -> object:
+    """The process at the other end of a Unix socket (SO_PEERCRED's pid)."""
+    try:
+        pid, _uid, _gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+    except (OSError, AttributeError, struct.error):
+        return "local"
+    return ("pid", pid)
 
 
 def _family(host: str) -> socket.AddressFamily:

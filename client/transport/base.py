@@ -16,7 +16,7 @@ call is one method on each transport that carries it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -77,20 +77,32 @@ class Transport(Protocol):
 
 class Fallback:
     """Tries a node's transports in order; the first that does not raise
-    TransportUnavailable answers. The last one (gRPC) carries every call."""
+    TransportUnavailable answers. The last one (gRPC) carries every call.
+    `errors` rewrites the node's errors for the caller (the worker's sequence ids
+    instead of the node's: transport/tickets.py)."""
 
-    def __init__(self, transports: Sequence[Transport]) -> None:
+    def __init__(
+        self,
+        transports: Sequence[Transport],
+        errors: Callable[[PagedKVError], PagedKVError] | None = None,
+    ) -> None:
         if not transports:
             raise ValueError("a node needs at least one transport")
         self.transports = list(transports)
+        self._errors = errors
 
     def call(self, method: str, call: Any, timeout_s: float) -> Any:
-        for transport in self.transports[:-1]:
-            try:
-                return getattr(transport, method)(call, timeout_s)
-            except TransportUnavailable:
-                continue
-        return getattr(self.transports[-1], method)(call, timeout_s)
+        try:
+            for transport in self.transports[:-1]:
+                try:
+                    return getattr(transport, method)(call, timeout_s)
+                except TransportUnavailable:
+                    continue
+            return getattr(self.transports[-1], method)(call, timeout_s)
+        except PagedKVError as exc:
+            if self._errors is None or isinstance(exc, TransportUnavailable):
+                raise
+            raise self._errors(exc) from exc.__cause__
 
     def connect(self, timeout_s: float) -> None:
         for transport in self.transports:

@@ -1,5 +1,6 @@
 """The gRPC transport: every data call as the node's rpc (the contract, and the
-last rung of every fallback, so it carries every call)."""
+last rung of every fallback, so it carries every call). Each call carries the
+wallet's credentials for the sequences it names as metadata."""
 
 from __future__ import annotations
 
@@ -14,13 +15,17 @@ from ..control import call as unary
 from ..types import AttentionResult, OpenResult
 from .base import KV
 from .calls import AppendCall, AttendCall, OpenCall, PrefillCall, ReadCall
+from .tickets import Wallet
 
 
 class GrpcTransport:
     name = "grpc"
 
-    def __init__(self, stub: pb_grpc.CacheNodeStub, config: ClientConfig, where: str) -> None:
+    def __init__(
+        self, stub: pb_grpc.CacheNodeStub, config: ClientConfig, where: str, wallet: Wallet | None = None
+    ) -> None:
         self.stub, self.config, self.where = stub, config, where
+        self.wallet = wallet or Wallet()
 
     def stats(self, timeout_s: float) -> pb.StatsResponse:
         return unary(self.stub.Stats, pb.Empty(), timeout_s, where=self.where)
@@ -29,36 +34,40 @@ class GrpcTransport:
         req = codec.open_request(
             call.seq_id, call.token_ids.tolist(), call.salt, call.max_cached_tokens, call.attention
         )
-        return codec.open_result(unary(self.stub.Open, req, timeout_s, where=self.where))
+        meta = self.wallet.metadata(())
+        return codec.open_result(unary(self.stub.Open, req, timeout_s, meta, self.where))
 
     def append(self, call: AppendCall, timeout_s: float) -> int:
         ids = call.token_ids.tolist()
         chunks = codec.append_chunks(call.seq_id, ids, call.k, call.v, self.config.chunk_bytes)
-        return int(unary(self.stub.Append, chunks, timeout_s, where=self.where).num_tokens)
+        meta = self.wallet.metadata((call.seq_id,))
+        return int(unary(self.stub.Append, chunks, timeout_s, meta, self.where).num_tokens)
 
     def attend(self, call: AttendCall, timeout_s: float) -> AttentionResult:
         tokens = None if call.token_ids is None else call.token_ids.tolist()
+        meta = self.wallet.metadata(call.seq_ids)
         if call.is_prefill_batch:
             req = codec.prefill_batch_request(
                 call.seq_ids, call.layer, call.num_tokens, call.q, call.k, call.v, tokens
             )
             return codec.attention_result(
-                unary(self.stub.AttendPrefillBatch, req, timeout_s, where=self.where)
+                unary(self.stub.AttendPrefillBatch, req, timeout_s, meta, self.where)
             )
         req = codec.attend_request(
             call.seq_ids, call.layer, call.q, call.k, call.v, tokens, call.return_block_mass
         )
-        return codec.attention_result(unary(self.stub.Attend, req, timeout_s, where=self.where))
+        return codec.attention_result(unary(self.stub.Attend, req, timeout_s, meta, self.where))
 
     def attend_prefill(self, call: PrefillCall, timeout_s: float) -> AttentionResult:
         req = codec.prefill_request(
             call.seq_id, call.layer, call.q, call.k, call.v, call.token_ids, call.return_block_mass
         )
-        return codec.attention_result(unary(self.stub.AttendPrefill, req, timeout_s, where=self.where))
+        meta = self.wallet.metadata((call.seq_id,))
+        return codec.attention_result(unary(self.stub.AttendPrefill, req, timeout_s, meta, self.where))
 
     def read_kv(self, call: ReadCall, timeout_s: float) -> KV:
         req = codec.read_kv_request(call.seq_id, call.start, call.end, self.config.chunk_bytes)
-        stream = self.stub.ReadKV(req, timeout=timeout_s)
+        stream = self.stub.ReadKV(req, timeout=timeout_s, metadata=self.wallet.metadata((call.seq_id,)))
         try:
             return codec.kv_from_chunks(stream, call.out)
         except grpc.RpcError as exc:

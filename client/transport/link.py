@@ -5,10 +5,12 @@ counters tests and benchmarks read. The redis-py shape: the pool and the protoco
 are written once, each transport only says how its connection opens.
 
 Connections are pooled per kind, one request at a time on each, so concurrent calls
-from several threads each get their own. After a failed TCP connect the node's
-listener is left alone for RETRY_AFTER_S (gRPC carries the calls), then learned
-again: a firewalled port costs one short connect timeout per interval, and a
-restarted node's new port is found.
+from several threads each get their own. Each remembers the credentials it
+presented (AUTH): a sequence's ticket goes once per connection, before its first
+call there (`authorize`). TCP connections use TLS when the client config has it.
+After a failed TCP connect the node's listener is left alone for RETRY_AFTER_S (gRPC
+carries the calls), then learned again: a firewalled port costs one short connect
+timeout per interval, and a restarted node's new port is found.
 """
 
 from __future__ import annotations
@@ -16,23 +18,29 @@ from __future__ import annotations
 import itertools
 import select
 import socket
+import ssl
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from ...protos import wire
 from ...protos.errors import PagedKVError, Unavailable
+from ...protos.tls import TlsConfig
 from .. import shm
 from .base import TransportUnavailable
+from .tickets import Wallet
 
 MAX_POOLED = 4  # idle connections kept per kind
+MAX_PRESENTED = 2048  # tickets remembered per connection (the node keeps twice that many)
 CONNECT_TIMEOUT_S = 2.0
 RETRY_AFTER_S = 30.0
 
 
 class Connection(Protocol):
     sock: socket.socket
+    presented: set[bytes]
+    has_token: bool
 
     def close(self) -> None: ...
 
@@ -40,6 +48,8 @@ class Connection(Protocol):
 class TcpConnection:
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
+        self.presented: set[bytes] = set()  # tickets this connection carried to the node
+        self.has_token = False
 
     def close(self) -> None:
         self.sock.close()
@@ -59,10 +69,19 @@ class BulkLink:
     asks the node for its bulk port (its Stats over gRPC; 0: off)."""
 
     def __init__(
-        self, address: str, where: str, min_bytes: int, learn_port: Callable[[float], tuple[int, int]]
+        self,
+        address: str,
+        where: str,
+        min_bytes: int,
+        learn_port: Callable[[float], tuple[int, int]],
+        wallet: Wallet | None = None,
+        tls: TlsConfig | None = None,
     ) -> None:
         self.host = _host(address)
         self.where = where
+        self.wallet = wallet or Wallet()
+        self._tls = tls
+        self._tls_context: ssl.SSLContext | None = None
         self.min_bytes = min_bytes  # KV transfers below this take gRPC
         self._learn_port = learn_port
         self.port: int | None = None  # None: not learned yet; 0: the node has it off
@@ -82,6 +101,8 @@ class BulkLink:
         self.num_local_transfers = 0  # append / read_kv over the same-host Unix socket
         self.num_shm_reads = 0  # read_kv through the shared region (counted in num_local_transfers too)
         self.num_opens = 0  # opens answered over the listener (OK or a node error)
+        self.num_auth = 0  # AUTH round trips (credentials presented on a connection)
+        self.num_refused = 0  # error replies the node sent over the listener
 
     def next_id(self) -> int:
         return next(self._ids)
@@ -164,13 +185,50 @@ class BulkLink:
         where = (self.host, self.ensure_port(timeout_s))
         try:
             sock = socket.create_connection(where, timeout=min(timeout_s, CONNECT_TIMEOUT_S))
-        except OSError as exc:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self._tls is not None:
+                sock = self._wrap(sock)
+        except (OSError, ValueError) as exc:  # (ssl.SSLError is an OSError)
             self._retry_at, self.port = time.monotonic() + RETRY_AFTER_S, None  # re-learn it later
             self.local_name, self.caps = None, None
             raise TransportUnavailable(f"cannot connect to {where[0]}:{where[1]}: {exc}") from exc
         sock.settimeout(timeout_s)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return TcpConnection(sock)
+
+    def _wrap(self, sock: socket.socket) -> socket.socket:
+        """sock over TLS (handshake done, bounded by the connect timeout)."""
+        assert self._tls is not None
+        if self._tls_context is None:
+            self._tls_context = self._tls.client_context()
+        try:
+            return self._tls_context.wrap_socket(sock, server_hostname=self._tls.server_name or self.host)
+        except BaseException:
+            sock.close()
+            raise
+
+    def authorize(self, conn: Any, node_seq_ids: Sequence[str], timeout_s: float) -> None:
+        """Present on `conn` the wallet's tickets for these sequences (and its token)
+        that it has not carried yet: one AUTH round trip, none when it has. The node's
+        refusal raises its error (the connection stays in sync)."""
+        wallet = self.wallet
+        if wallet.is_empty:
+            return
+        presented = conn.presented
+        fresh = [t for t in wallet.tickets(node_seq_ids) if t not in presented]
+        token = "" if conn.has_token else wallet.token
+        if not fresh and not token:
+            return
+        if not self.capabilities(timeout_s).serves(wire.OP_AUTH):
+            raise TransportUnavailable("the node's bulk listener takes no credentials (AUTH)")
+        conn.sock.sendall(wire.encode_auth(self.next_id(), fresh, token))
+        reply = wire.read_reply(conn.sock, self.head_buffer())
+        self.num_auth += 1
+        if reply.status != wire.Status.OK:
+            raise self.error(reply.status, reply.text, reply.extra)
+        if len(presented) + len(fresh) > MAX_PRESENTED:
+            presented.clear()
+        presented.update(fresh)
+        conn.has_token = conn.has_token or bool(token)
 
     def _open_unix(self, timeout_s: float) -> shm.LocalConnection:
         name = self.same_host_name(timeout_s)
@@ -223,6 +281,7 @@ class BulkLink:
         return result
 
     def error(self, status: int, text: str, extra: str) -> PagedKVError:
+        self.num_refused += 1
         return wire.error_of(status, text, extra, self.where)
 
     def head_buffer(self) -> bytearray:

@@ -39,6 +39,7 @@ class ShmTransport(UnixTransport):
 
         def body(conn: shm.LocalConnection) -> AttentionResult:
             sock = conn.sock
+            link.authorize(conn, call.seq_ids, timeout_s)
             body_at = map_region(link, conn, body_len + wire.pad(body_len) + out_len, request_id)
             out_at = body_at + body_len + wire.pad(body_len)
             shm.write_call(conn, body_at, head, parts)
@@ -74,6 +75,7 @@ class ShmTransport(UnixTransport):
 
         def body(conn: shm.LocalConnection) -> KV:
             sock = conn.sock
+            link.authorize(conn, (call.seq_id,), timeout_s)
             slot = max(shm.READ_SLOT_BYTES, link.read_slot_bytes)
             for _ in range(2):  # a slot smaller than one token: grow once and ask again
                 request_id = link.next_id()

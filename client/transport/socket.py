@@ -9,12 +9,13 @@ payload-sized Python objects. A failure after the request left raises Unavailabl
 from __future__ import annotations
 
 import contextlib
+import select
 import socket
 
 import torch
 
 from ...protos import tensors, wire
-from ...protos.errors import InvalidArgument
+from ...protos.errors import CapacityExceeded, InvalidArgument
 from ...protos.wire import Frame, ProtocolError
 from .. import codec, shm
 from ..types import AttentionResult, OpenResult
@@ -53,6 +54,7 @@ class SocketTransport:
             raise TransportUnavailable(str(exc)) from exc  # (an id past the frame's text: the rpc carries it)
 
         def body(conn: Connection) -> OpenResult:
+            link.authorize(conn, (), timeout_s)  # (direct mode: the node's token, if it has one)
             conn.sock.sendall(request)
             reply = wire.read_reply(conn.sock, link.head_buffer())
             link.num_opens += 1
@@ -85,11 +87,29 @@ class SocketTransport:
             payload_len=2 * wire.nbytes(k),
         )
 
+        caps = link.capabilities(timeout_s)
+        undrained = frame.payload_len > wire.MAX_DRAIN_BYTES  # refused, the node would not read it
+        if undrained and caps.max_append_tokens and n > caps.max_append_tokens:  # (and close at once)
+            bs = caps.block_size
+            need, total = -(-n // bs), caps.max_append_tokens // bs
+            raise CapacityExceeded(f"append {n} tokens (more than the whole pool)", need, total)
+
         def body(conn: Connection) -> int:
-            conn.sock.sendall(frame.pack() + call.token_ids.tobytes())
-            conn.sock.sendall(wire.byte_view(k))
-            conn.sock.sendall(wire.byte_view(v))
-            reply = wire.read_reply(conn.sock)
+            link.authorize(conn, (call.seq_id,), timeout_s)
+            sock = conn.sock
+            sock.sendall(frame.pack() + call.token_ids.tobytes())
+            # A payload the node will not drain: its refusal from the header may be here
+            # already, and the connection about to close.
+            if undrained and _readable(sock):
+                _refused_early(sock, link)
+            try:
+                sock.sendall(wire.byte_view(k))
+                sock.sendall(wire.byte_view(v))
+            except OSError:
+                if undrained:  # refused while we sent: its answer says why
+                    _refused_early(sock, link)
+                raise
+            reply = wire.read_reply(sock)
             if reply.status != wire.Status.OK:
                 raise link.error(reply.status, reply.text, reply.extra)
             return reply.end
@@ -108,6 +128,7 @@ class SocketTransport:
 
         def body(conn: Connection) -> AttentionResult:
             sock = conn.sock
+            link.authorize(conn, call.seq_ids, timeout_s)
             wire.send_parts(sock, parts)
             expected = _expect_inline(call.q, call.return_block_mass)  # while the node computes
             buf = link.reply_buffer()
@@ -148,6 +169,7 @@ class SocketTransport:
 
         def body(conn: Connection) -> KV:
             sock = conn.sock
+            link.authorize(conn, (call.seq_id,), timeout_s)
             sock.sendall(frame.pack())
             reply = wire.read_reply(sock)
             if reply.status != wire.Status.OK:
@@ -216,6 +238,23 @@ class UnixTransport(SocketTransport):
 
     def _counted(self) -> None:
         self.link.num_local_transfers += 1
+
+
+def _readable(sock: socket.socket) -> bool:
+    return bool(select.select([sock], [], [], 0)[0])
+
+
+def _refused_early(sock: socket.socket, link: BulkLink) -> None:
+    """Raise the node's answer to a request it refused from its header (Abandoned: the
+    connection is closed); return when there is none to read."""
+    sock.settimeout(0.5)
+    try:
+        reply = wire.read_reply(sock)
+    except (OSError, ProtocolError):
+        return
+    if reply.status != wire.Status.OK:
+        raise Abandoned(link.error(reply.status, reply.text, reply.extra))
+    raise ProtocolError(f"an append answered {reply} before its payload was sent")
 
 
 def encode_call(call: AttendCall, link: BulkLink) -> tuple[bytes, int]:

@@ -1,7 +1,8 @@
 """The bulk channel's wire codec, written once for both ends (spec:
 docs/bulk-protocol.md): framing and socket helpers (frame), request and reply
-bodies (call), capabilities (hello)."""
+bodies (call), capabilities (hello), credentials (auth)."""
 
+from .auth import MAX_AUTH_BYTES, decode_auth, encode_auth
 from .call import (
     Call,
     IdsMemo,
@@ -24,6 +25,7 @@ from .frame import Frame, ProtocolError, Status
 from .hello import MAX_HELLO_BYTES, Capabilities, hello
 
 __all__ = [
+    "MAX_AUTH_BYTES",
     "MAX_HELLO_BYTES",
     "Call",
     "Capabilities",
@@ -35,10 +37,12 @@ __all__ = [
     "Unencodable",
     "byte_view",
     "call_parts",
+    "decode_auth",
     "decode_call",
     "decode_open",
     "decode_reply",
     "decode_result_head",
+    "encode_auth",
     "encode_call_body",
     "encode_open",
     "encode_reply",

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from ..errors import InvalidArgument
-from ..tensors import DTYPE_NAMES, TORCH_DTYPES, tensor_at
+from ..tensors import DTYPE_NAMES, TORCH_DTYPES, check_dims, tensor_at
 from .frame import (
     CALL,
     FLAG_BLOCK_MASS,
@@ -209,6 +209,7 @@ def decode_call(op: int, mv: memoryview, memo: IdsMemo) -> Call:
     views: list[torch.Tensor] = []
     for name, (dtype, shape) in zip(names, descs, strict=True):
         at += pad(at)
+        check_dims(shape, f"bulk call: {name}")
         tdtype = TORCH_DTYPES[dtype]
         size_t = math.prod(shape) * tdtype.itemsize
         need(at, size_t, f"{name} {list(shape)} {dtype}")

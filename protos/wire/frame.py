@@ -10,6 +10,7 @@ import array
 import enum
 import functools
 import socket
+import ssl
 import struct
 from typing import NamedTuple
 
@@ -30,6 +31,7 @@ OP_ATTEND_SHM = 8
 OP_ATTEND_PREFILL_BATCH_SHM = 9
 OP_READ_SHM = 10
 OP_OPEN = 11
+OP_AUTH = 12
 OP_NAMES = {op: name[3:] for name, op in list(globals().items()) if name.startswith("OP_")}
 SHM_OPS = {OP_ATTEND_SHM: OP_ATTEND, OP_ATTEND_PREFILL_BATCH_SHM: OP_ATTEND_PREFILL_BATCH}
 PLACED_INLINE, PLACED_REGION = 0, 1
@@ -42,6 +44,10 @@ MAX_CALL_BYTES = MAX_MESSAGE_BYTES  # an ATTEND* body over gRPC's message cap is
 MAX_REGION_BYTES = 2 * MAX_CALL_BYTES + (16 << 20)
 END_OF_SEQUENCE = 2**64 - 1
 MAX_TEXT_BYTES = 4096
+# A request refused from its header is answered at once; a payload up to this follows and is
+# read and dropped (the connection stays in sync), a larger one is never read: the node
+# closes the connection after its answer (a client may look for that answer first).
+MAX_DRAIN_BYTES = 16 << 20
 MAX_FDS = 4  # descriptors taken with one header (MAP sends one; extras are closed)
 MAX_READ_SLOTS = 64
 # dtype codes, fixed for the wire (the names are protos.tensors.TORCH_DTYPES keys).
@@ -136,6 +142,8 @@ def recv_exact(sock: socket.socket, view: memoryview, what: str, flags: int = 0)
     """Fill `view` from the socket; ProtocolError if the peer closes first. flags:
     recv's (socket.MSG_WAITALL on a blocking socket: one call for the whole view)."""
     got, n = 0, len(view)
+    if flags and isinstance(sock, ssl.SSLSocket):  # (TLS takes no recv flags)
+        flags = 0
     while got < n:
         r = sock.recv_into(view[got:], 0, flags)
         if r == 0:
@@ -237,6 +245,10 @@ def send_parts(sock: socket.socket, parts: list[bytes | memoryview]) -> None:
     """sendall of several buffers with sendmsg (one syscall when the socket takes
     them all); a partial send resumes where it stopped."""
     views = [memoryview(p).cast("B") for p in parts if len(p)]
+    if isinstance(sock, ssl.SSLSocket):  # (TLS has no sendmsg)
+        for view in views:
+            sock.sendall(view)
+        return
     while views:
         sent = sock.sendmsg(views)
         while views and sent >= len(views[0]):

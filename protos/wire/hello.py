@@ -28,13 +28,16 @@ MAX_HELLO_BYTES = 64 << 10
 @dataclass(frozen=True)
 class Capabilities:
     """A node's bulk listener: the ops it serves, the name of its same-host listener
-    ("" when it has none), and its limits."""
+    ("" when it has none), and its limits (max_append_tokens: its whole pool, an APPEND
+    of more is refused from its header; 0: not said)."""
 
     ops: frozenset[int] = field(default_factory=frozenset)
     local_name: str = ""
     max_call_bytes: int = MAX_CALL_BYTES
     max_region_bytes: int = MAX_REGION_BYTES
     max_read_slots: int = MAX_READ_SLOTS
+    max_append_tokens: int = 0
+    block_size: int = 0
 
     def serves(self, op: int) -> bool:
         return op in self.ops
@@ -47,6 +50,8 @@ class Capabilities:
                 "max_call_bytes": self.max_call_bytes,
                 "max_region_bytes": self.max_region_bytes,
                 "max_read_slots": self.max_read_slots,
+                "max_append_tokens": self.max_append_tokens,
+                "block_size": self.block_size,
             }
         ).encode()
 
@@ -63,6 +68,8 @@ class Capabilities:
                 int(d["max_call_bytes"]),
                 int(d["max_region_bytes"]),
                 int(d["max_read_slots"]),
+                int(d.get("max_append_tokens", 0)),
+                int(d.get("block_size", 0)),
             )
         except (ValueError, KeyError, TypeError) as exc:
             raise ProtocolError(f"malformed HELLO reply: {exc}") from None

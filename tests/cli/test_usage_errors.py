@@ -198,3 +198,64 @@ def test_version() -> None:
 
     done = subprocess.run([*PAGEDKV, "--version"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and done.stdout.strip() == f"pagedkv {__version__}"
+
+
+# -- security flags (one set on every command) ------------------------------------------------
+
+
+@pytest.mark.parametrize("role", [NODE, COORDINATOR])
+def test_a_certificate_without_its_key(role: list[str], tmp_path: Path) -> None:
+    cert = tmp_path / "tls.crt"
+    cert.write_text("-----BEGIN CERTIFICATE-----\n")
+    line = usage_error(
+        [*role, "--num-blocks", "4", "--tls-cert", str(cert)]
+        if role is NODE
+        else [*role, "--tls-cert", str(cert)]
+    )
+    assert "TLS needs both a certificate and its key (--tls-cert and --tls-key)" in line
+
+
+@pytest.mark.parametrize("role", [NODE, COORDINATOR])
+def test_a_missing_tls_file(role: list[str], tmp_path: Path) -> None:
+    missing = str(tmp_path / "nope.pem")
+    extra = ["--num-blocks", "4"] if role is NODE else []
+    line = usage_error([*role, *extra, "--tls-cert", missing, "--tls-key", missing])
+    assert f"TLS certificate {missing}: No such file or directory" in line
+
+
+def test_mutual_tls_without_a_ca() -> None:
+    line = usage_error([*COORDINATOR, "--tls-client-auth", "require"])
+    assert "mutual TLS (--tls-client-auth require) needs --tls-ca" in line
+
+
+def test_a_short_cluster_secret(tmp_path: Path) -> None:
+    secret = tmp_path / "secret"
+    secret.write_text("short\n")
+    line = usage_error([*COORDINATOR, "--cluster-secret-file", str(secret)])
+    assert "is too short (at least 32" in line and "openssl rand -hex 32" in line
+    line = usage_error([*COORDINATOR], env={"PAGEDKV_CLUSTER_SECRET": "short"})
+    assert "$PAGEDKV_CLUSTER_SECRET" in line and "too short" in line
+
+
+def test_a_missing_cluster_secret_file(tmp_path: Path) -> None:
+    line = usage_error(
+        [
+            *NODE,
+            "--num-blocks",
+            "4",
+            "--coordinator",
+            "127.0.0.1:9",
+            "--cluster-secret-file",
+            str(tmp_path / "x"),
+        ]
+    )
+    assert "cluster secret file" in line and "No such file" in line
+
+
+def test_a_node_token_in_a_cluster(tmp_path: Path) -> None:
+    token = tmp_path / "token"
+    token.write_text("s3cret\n")
+    line = usage_error(
+        [*NODE, "--num-blocks", "4", "--coordinator", "127.0.0.1:9", "--token-file", str(token)]
+    )
+    assert "--token-file is for a standalone node" in line

@@ -59,6 +59,7 @@ COORDINATOR_ENV = {
     "PAGEDKV_METRICS_PORT",
     "PAGEDKV_TENANTS_FILE",
     "PAGEDKV_LEASE_TTL_S",
+    "PAGEDKV_CLUSTER_SECRET_FILE",
 }
 NODE_ENV = {
     "PAGEDKV_LISTEN",
@@ -74,7 +75,9 @@ NODE_ENV = {
     "PAGEDKV_HOST_BYTES",
     "PAGEDKV_POLICY",
     "PAGEDKV_DEVICE",
+    "PAGEDKV_CLUSTER_SECRET_FILE",
 }
+TLS_ENV = {"PAGEDKV_TLS_CERT", "PAGEDKV_TLS_KEY", "PAGEDKV_TLS_CA", "PAGEDKV_TLS_CLIENT_AUTH"}
 IMAGE_ENV = {"PAGEDKV_KERNEL_DIR", "PAGEDKV_ATTENTION_BACKEND", "PAGEDKV_HEALTH_ADDR"}
 METRIC_RE = re.compile(r"\bpagedkv_\w+")
 TORCH_PIN = "torch==2.13.0"
@@ -204,6 +207,9 @@ def test_compose_config() -> None:
     assert coord["healthcheck"]["test"][3].endswith(":50050")
     tenants = [v for v in coord["volumes"] if "/etc/pagedkv/tenants.json" in str(v)]
     assert tenants and str(tenants[0]).endswith(":ro")
+    secret_path = "/run/secrets/pagedkv-cluster-secret"
+    assert "pagedkv-cluster-secret" in cfg["secrets"], "the cluster secret is a compose secret"
+    assert Path(DEPLOY / "cluster-secret.example").exists()
 
     for i, name in enumerate(["node-0", "node-1"]):
         node = services[name]
@@ -214,12 +220,18 @@ def test_compose_config() -> None:
         assert env["PAGEDKV_COORDINATOR"] == "coordinator:50050"
         assert env["PAGEDKV_METRICS_PORT"] == "9400"
         assert env["PAGEDKV_POLICY"] in {"lru", "lfu", "score"}
+        assert env["PAGEDKV_CLUSTER_SECRET_FILE"] == secret_path
         assert (50051 + i, 50051) in _published(node)
         assert node["depends_on"]["coordinator"]["condition"] == "service_healthy"
         assert node["healthcheck"]["test"] == ["CMD", "pagedkv", "health", "127.0.0.1:50051"]
         assert node["image"] == coord["image"], "one image for node and coordinator"
         assert node["build"]["dockerfile"] == "deploy/Dockerfile"
 
+    assert _env(coord)["PAGEDKV_CLUSTER_SECRET_FILE"] == secret_path
+    for name in ("coordinator", "node-0", "node-1"):  # the same secret for all three
+        assert [s if isinstance(s, str) else s["source"] for s in services[name]["secrets"]] == [
+            "pagedkv-cluster-secret"
+        ]
     for name, svc in services.items():
         assert svc.get("restart") in {"unless-stopped", "always"}, f"{name} has no restart policy"
         assert "healthcheck" in svc, f"{name} has no healthcheck"
@@ -254,6 +266,23 @@ def test_compose_gpu_override() -> None:
     ]
     assert ids[0] != ids[1], "one GPU per node"
     assert services["coordinator"]["build"]["dockerfile"] == "deploy/Dockerfile"
+
+
+def test_compose_tls_override() -> None:
+    """deploy/compose.tls.yaml puts every pagedkv service on TLS, with the same files."""
+    override = yaml.safe_load((DEPLOY / "compose.tls.yaml").read_text())
+    for name in ("coordinator", "node-0", "node-1"):
+        svc = override["services"][name]
+        assert set(svc["environment"]) == TLS_ENV, name
+        assert svc["environment"]["PAGEDKV_TLS_CA"].startswith("/etc/pagedkv/tls/")
+        assert any(str(v).endswith(":/etc/pagedkv/tls:ro") for v in svc["volumes"]), name
+    script = (DEPLOY / "tls" / "make-certs.sh").read_text()
+    for name in ("coordinator", "node-0", "node-1", "127.0.0.1"):  # the names the services are dialled by
+        assert name in script
+    if shutil.which("docker-compose") or shutil.which("docker"):
+        services = _compose_config("compose.yaml", "compose.tls.yaml")["services"]
+        env = set(_env(services["node-0"]))
+        assert env >= TLS_ENV and env >= NODE_ENV
 
 
 def test_tenants_files() -> None:
@@ -413,6 +442,7 @@ def test_kustomization_lists_every_manifest() -> None:
     assert gens["pagedkv-tenants"]["files"] == ["tenants.json"]
     assert (K8S / "tenants.json").exists()
     assert "pagedkv-redis" in gens
+    assert gens["pagedkv-cluster"]["literals"][0].startswith("secret="), "the cluster secret is a Secret"
 
 
 def test_k8s_redis() -> None:
@@ -450,6 +480,7 @@ def test_k8s_coordinator() -> None:
     mount = next(m for m in c["volumeMounts"] if m["mountPath"] == "/etc/pagedkv")
     assert vols[mount["name"]]["secret"]["secretName"] == "pagedkv-tenants", "tenants come from a Secret"
     assert env["PAGEDKV_TENANTS_FILE"] == "/etc/pagedkv/tenants.json"
+    _assert_cluster_secret(dep, c)
     svc = docs[("Service", "pagedkv-coordinator")]
     assert {p["port"] for p in svc["spec"]["ports"]} == {50050, 9401}
 
@@ -481,15 +512,52 @@ def test_k8s_nodes() -> None:
     assert config["PAGEDKV_POLICY"] in {"lru", "lfu", "score"}
     ann = sts["spec"]["template"]["metadata"]["annotations"]
     assert ann["prometheus.io/scrape"] == "true" and ann["prometheus.io/port"] == "9400"
+    _assert_cluster_secret(sts, c)
+
+
+def _assert_cluster_secret(doc: dict, c: dict) -> None:
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    path = env["PAGEDKV_CLUSTER_SECRET_FILE"]
+    mount = next(m for m in c["volumeMounts"] if path.startswith(m["mountPath"] + "/"))
+    vols = {v["name"]: v for v in doc["spec"]["template"]["spec"]["volumes"]}
+    assert vols[mount["name"]]["secret"]["secretName"] == "pagedkv-cluster"
+    assert path.rsplit("/", 1)[1] == "secret", "the generator's literal key is the file name"
+
+
+def test_k8s_tls_component() -> None:
+    """deploy/k8s/tls: TLS env, the certificate Secret mounted, exec probes (native gRPC probes
+    cannot speak TLS) on the right ports, a certificate for every name dialled."""
+    comp = K8S / "tls"
+    kust = yaml.safe_load((comp / "kustomization.yaml").read_text())
+    assert kust["kind"] == "Component"
+    for patch in kust["patches"]:
+        ops = yaml.safe_load((comp / patch["path"]).read_text())
+        port = 50050 if patch["target"]["kind"] == "Deployment" else 50051
+        env = {op["value"]["name"] for op in ops if op["path"].endswith("/env/-")}
+        assert env == TLS_ENV - {"PAGEDKV_TLS_CLIENT_AUTH"}, patch["path"]
+        probes = [op for op in ops if op["path"].endswith("Probe")]
+        assert len(probes) == 3
+        for op in probes:
+            assert op["value"]["exec"]["command"][:2] == ["pagedkv", "health"]
+            assert op["value"]["exec"]["command"][-1] == f"127.0.0.1:{port}"
+        vols = [op["value"] for op in ops if op["path"].endswith("/volumes/-")]
+        assert vols == [{"name": "tls", "secret": {"secretName": "pagedkv-tls", "defaultMode": 0o440}}]
+    certs = {d["metadata"]["name"]: d for d in yaml.safe_load_all((comp / "certificates.yaml").read_text())}
+    tls = certs["pagedkv-tls"]["spec"]
+    assert tls["secretName"] == "pagedkv-tls" and "127.0.0.1" in tls["ipAddresses"]
+    assert {"pagedkv-coordinator", "*.pagedkv-node.pagedkv.svc"} <= set(tls["dnsNames"])
+    for path in comp.glob("*.yaml"):
+        for name in re.findall(r"\b(PAGEDKV_[A-Z0-9_]+)\b", path.read_text()):
+            assert name in COORDINATOR_ENV | NODE_ENV | TLS_ENV | IMAGE_ENV, f"{path.name}: unknown {name}"
 
 
 def test_k8s_env_names_are_known() -> None:
     """No manifest sets a PAGEDKV_* variable the runtime does not read (a typo would be silent)."""
-    known = COORDINATOR_ENV | NODE_ENV | IMAGE_ENV
+    known = COORDINATOR_ENV | NODE_ENV | IMAGE_ENV | TLS_ENV
     for path in K8S.glob("*.yaml"):
         for name in re.findall(r"\b(PAGEDKV_[A-Z0-9_]+)\b", path.read_text()):
             assert name in known, f"{path.name}: unknown variable {name}"
-    for path in (DEPLOY / "compose.yaml", DEPLOY / "compose.gpu.yaml"):
+    for path in (DEPLOY / "compose.yaml", DEPLOY / "compose.gpu.yaml", DEPLOY / "compose.tls.yaml"):
         text = path.read_text()
         for name in re.findall(r"^\s+(PAGEDKV_[A-Z0-9_]+):", text, re.M):
             assert name in known, f"{path.name}: unknown variable {name}"
@@ -546,3 +614,21 @@ def test_readme_sizing_examples() -> None:
         assert number in text, f"deploy/README.md should state {number}"
     for var in COORDINATOR_ENV | NODE_ENV:
         assert f"`{var}`" in text, f"deploy/README.md does not document {var}"
+
+
+def test_kubectl_kustomize_renders_with_tls(tmp_path: Path) -> None:
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl not installed (optional: test_k8s_tls_component parses the patches)")
+    shutil.copytree(K8S, tmp_path / "k8s")
+    with open(tmp_path / "k8s" / "kustomization.yaml", "a") as f:
+        f.write("\ncomponents:\n  - tls\n")
+    rendered = list(yaml.safe_load_all(_run([kubectl, "kustomize", str(tmp_path / "k8s")]).stdout))
+    for kind, port in (("Deployment", 50050), ("StatefulSet", 50051)):
+        doc = next(d for d in rendered if d["kind"] == kind and d["metadata"]["name"].startswith("pagedkv-"))
+        if kind == "StatefulSet" and doc["metadata"]["name"] == "pagedkv-redis":
+            doc = next(d for d in rendered if d["kind"] == kind and d["metadata"]["name"] == "pagedkv-node")
+        c = _container(doc)
+        assert TLS_ENV - {"PAGEDKV_TLS_CLIENT_AUTH"} <= _env_names(c)
+        assert c["readinessProbe"]["exec"]["command"][-1] == f"127.0.0.1:{port}"
+    assert any(d["kind"] == "Certificate" and d["spec"]["secretName"] == "pagedkv-tls" for d in rendered)

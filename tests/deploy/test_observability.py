@@ -153,6 +153,7 @@ def test_coordinator_tenants_redis_suspects_and_info(tmp_path: Path, redis_url: 
 
 def test_coordinator_counts_redis_errors_and_leaves_store_gauges_out_when_down(redis_server) -> None:
     redis_server.start()
+    redis_server.flushall()  # (the session's server: earlier tests' nodes may have lapsed into suspects)
     store = open_store(redis_server.url)
     coordinator = Coordinator(store)
     metrics = CoordinatorMetrics(coordinator, tenants=["alpha"])

@@ -1,0 +1,261 @@
+"""The node's gate: who may call what, asked once per side whatever carries the call.
+
+The gRPC servicer (server.py) builds a call's Credentials from its metadata; the
+bulk listener (serve/) builds one per connection and grows it with each AUTH op
+(the client presents a sequence's ticket once per connection). Both then ask the
+same questions before touching the engine: `require_admin` for the control rpcs,
+`require` for the data calls (every sequence named, with the rights needed), so a
+refusal reads the same on every transport and never depends on whether the
+sequence exists. Checking a presented credential is a dictionary lookup and two
+compares (protos/tickets.py remembers the MACs it checked).
+
+Modes (NodeTrust):
+- open: nothing asked (a trusted network: one worker and its node, the tests);
+- token: a standalone node started with a bearer token: every call but Stats,
+  Ping and CheckIntegrity needs it (gRPC `authorization` metadata, or AUTH);
+- cluster: a node serving a cluster with the cluster secret: the control rpcs
+  need its coordinator's ADMIN ticket for this node's registration (direct mode
+  is refused: no worker chooses a salt), data calls a ticket per sequence.
+
+Quotas: the coordinator's Open and Fork may give a sequence an allowance (the
+most blocks it may hold here, its tenant's quota). An append that would take it
+past that asks the coordinator for more (`reserve`, Coordinator.Reserve) before
+anything changes, and fails with its QuotaExceeded when the tenant has no room.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+
+from ..protos.errors import PermissionDenied, Unauthenticated, Unavailable
+from ..protos.tickets import (
+    RIGHT_ADMIN,
+    ClusterKeys,
+    Ticket,
+    Verifier,
+    bearer_in,
+    tickets_in,
+)
+
+OPEN, TOKEN, CLUSTER = "open", "token", "cluster"
+MAX_TICKETS_PER_CONNECTION = 4096  # the oldest are forgotten first (the client presents again)
+Reserve = Callable[[str, int, int], int]  # (node seq id, min blocks, wanted blocks) -> new allowance
+
+
+@dataclass(frozen=True)
+class NodeTrust:
+    """What a node checks. keys: the cluster secret (cluster mode); token: the bearer
+    token a standalone node requires; node_id: the id it registers as (tickets must
+    name it)."""
+
+    keys: ClusterKeys | None = None
+    token: str = ""
+    node_id: str = ""
+
+    @property
+    def mode(self) -> str:
+        return CLUSTER if self.keys is not None else TOKEN if self.token else OPEN
+
+
+class Credentials:
+    """What one gRPC call or one bulk connection presented."""
+
+    __slots__ = ("admin", "is_owner", "tickets")
+
+    def __init__(self, is_owner: bool = False) -> None:
+        self.tickets: dict[str, Ticket] = {}  # node seq id -> its ticket
+        self.admin: Ticket | None = None  # the coordinator's ticket for this node
+        self.is_owner = is_owner  # open mode, or the standalone node's token
+
+
+_TRUSTED = Credentials(is_owner=True)  # open mode: every call's (never mutated)
+_NO_CHARGE = contextlib.nullcontext()
+
+
+class Gate:
+    def __init__(self, trust: NodeTrust | None = None, *, clock: Callable[[], float] = time.time) -> None:
+        self.trust = trust or NodeTrust()
+        self.mode = self.trust.mode
+        self.node_id = self.trust.node_id
+        self._verifier = Verifier(self.trust.keys) if self.trust.keys is not None else None
+        self._clock = clock
+        self.epoch: int | None = None  # this node's registration epoch (cluster mode), once registered
+        self.reserve: Reserve | None = None  # asks the coordinator for more quota (set by its link)
+        self._allowances: dict[str, int] = {}  # node seq id -> most blocks it may hold
+        self._quota_lock = threading.Lock()
+
+    @property
+    def is_cluster(self) -> bool:
+        return self.mode == CLUSTER
+
+    def set_registration(self, node_id: str, epoch: int) -> None:
+        """This node's registration (after every Register): tickets must name it."""
+        self.node_id, self.epoch = node_id, epoch
+
+    # -- credentials -----------------------------------------------------------------
+
+    def credentials(self) -> Credentials:
+        """A new connection's credentials (nothing presented yet)."""
+        return _TRUSTED if self.mode == OPEN else Credentials()
+
+    def from_metadata(self, metadata: Iterable[tuple[str, str | bytes]] | None) -> Credentials:
+        """A gRPC call's credentials: its tickets and bearer token (Unauthenticated when
+        one is forged or not for this node)."""
+        if self.mode == OPEN:
+            return _TRUSTED
+        creds = Credentials()
+        if self.mode == TOKEN:
+            self.present_token(creds, bearer_in(metadata))
+        else:
+            self.present(creds, tickets_in(metadata))
+        return creds
+
+    def present(self, creds: Credentials, tickets: Sequence[bytes]) -> None:
+        """Add tickets to `creds`; Unauthenticated (nothing added after the bad one) when
+        one is not this cluster's, or names another node."""
+        if self._verifier is None:
+            return  # (a token or open node has no use for tickets)
+        for raw in tickets:
+            t = self._verifier.verify(raw)
+            if t.node_id != self.node_id:
+                raise Unauthenticated(f"a ticket for node {t.node_id!r} presented to node {self.node_id!r}")
+            if t.rights & RIGHT_ADMIN:
+                creds.admin = t
+                continue
+            if len(creds.tickets) >= MAX_TICKETS_PER_CONNECTION:
+                del creds.tickets[next(iter(creds.tickets))]
+            creds.tickets[t.seq_id] = t
+
+    def present_token(self, creds: Credentials, token: str | None) -> None:
+        if self.mode != TOKEN or token is None:
+            return
+        if not hmac.compare_digest(token.encode(), self.trust.token.encode()):
+            raise Unauthenticated("wrong bearer token for this node")
+        creds.is_owner = True
+
+    # -- questions -------------------------------------------------------------------
+
+    def _is_admin(self, creds: Credentials) -> bool:
+        if creds.is_owner:
+            return True
+        t = creds.admin
+        return t is not None and t.epoch == self.epoch and t.expires_at >= self._clock()
+
+    def _unregistered(self) -> Unavailable:
+        return Unavailable(f"node {self.node_id!r} has not registered with its coordinator yet; retry")
+
+    def require_admin(self, creds: Credentials, method: str) -> None:
+        """The control rpcs (Open with a salt, Fork, Free, swaps, pins, Lookup)."""
+        if creds.is_owner:
+            return
+        if self.mode == TOKEN:
+            raise Unauthenticated(
+                f"{method}: this node requires its bearer token (authorization: Bearer ...)"
+            )
+        if self.epoch is None:
+            raise self._unregistered()
+        if not self._is_admin(creds):
+            raise PermissionDenied(
+                f"{method}: node {self.node_id!r} serves a cluster; only its coordinator may call it "
+                "(direct mode is refused: open, fork and close sequences through the coordinator)"
+            )
+
+    def require(self, creds: Credentials, seq_ids: Sequence[str], rights: int, method: str) -> None:
+        """Every sequence named needs a live ticket with `rights` (the coordinator's
+        ADMIN ticket covers all). The same answer whether or not the sequence exists."""
+        if creds.is_owner:
+            return
+        if self.mode == TOKEN:
+            raise Unauthenticated(
+                f"{method}: this node requires its bearer token (authorization: Bearer ...)"
+            )
+        tickets = creds.tickets
+        if not tickets:
+            if creds.admin is not None and self._is_admin(creds):
+                return
+            if self.epoch is None:
+                raise self._unregistered()
+            raise Unauthenticated(
+                f"{method}: node {self.node_id!r} serves a cluster: data calls need the ticket its "
+                "coordinator issued for each sequence (none presented)"
+            )
+        now, epoch = self._clock(), self.epoch
+        for seq_id in seq_ids:
+            t = tickets.get(seq_id)
+            if t is None or t.rights & rights != rights:
+                if self._is_admin(creds):
+                    continue
+                raise PermissionDenied(
+                    f"{method}: no ticket for sequence {seq_id!r} on node {self.node_id!r}"
+                )
+            if t.expires_at < now:
+                raise Unauthenticated(
+                    f"{method}: the ticket for sequence {seq_id!r} expired; look the sequence up again"
+                )
+            if t.epoch != epoch:
+                raise Unauthenticated(
+                    f"{method}: the ticket for sequence {seq_id!r} is for an earlier registration of node "
+                    f"{self.node_id!r} (its sequences were lost)"
+                )
+
+    # -- quotas --------------------------------------------------------------------------
+
+    def set_allowance(self, seq_id: str, max_blocks: int | None) -> None:
+        if max_blocks is None:
+            self._allowances.pop(seq_id, None)
+        else:
+            self._allowances[seq_id] = max_blocks
+
+    def drop(self, seq_id: str) -> None:
+        self._allowances.pop(seq_id, None)
+
+    def reset(self) -> None:
+        """The node came back empty (re-registered): no sequence, no allowance."""
+        self._allowances.clear()
+
+    def allowance(self, seq_id: str) -> int | None:
+        return self._allowances.get(seq_id)
+
+    def charging(
+        self, seq_ids: Sequence[str], new_tokens: Sequence[int], held: Callable[[str], int], block_size: int
+    ) -> AbstractContextManager[object]:
+        """Hold this around an engine call that appends new_tokens[i] tokens to
+        seq_ids[i] (held(id): the tokens it holds now): for sequences with an
+        allowance, more is reserved first when the append would pass it, and the
+        check and the append are one step (the quota lock, held across the
+        coordinator's Reserve: one round trip per _GROW_BLOCKS blocks a sequence grows).
+        Nothing to do (no lock) for sequences without one."""
+        allowances = self._allowances
+        if not allowances:
+            return _NO_CHARGE
+        limited = [(s, n) for s, n in zip(seq_ids, new_tokens, strict=True) if n > 0 and s in allowances]
+        return self._charge(limited, held, block_size) if limited else _NO_CHARGE
+
+    @contextlib.contextmanager
+    def _charge(
+        self, limited: list[tuple[str, int]], held: Callable[[str], int], block_size: int
+    ) -> Iterator[None]:
+        with self._quota_lock:
+            for seq_id, n in limited:
+                need = -(-(held(seq_id) + n) // block_size)
+                allowed = self._allowances.get(seq_id)
+                if allowed is None or need <= allowed:
+                    continue
+                if self.reserve is None:
+                    raise Unavailable(
+                        f"sequence {seq_id!r} needs more quota and this node has no coordinator"
+                    )
+                more = need - allowed
+                self._allowances[seq_id] = self.reserve(seq_id, more, max(more, _GROW_BLOCKS))
+            yield
+
+
+# Quota is reserved in steps of at least this many blocks: one coordinator round trip
+# per 8 blocks a decoding sequence grows, not one per block.
+_GROW_BLOCKS = 8
