@@ -35,8 +35,7 @@ class PagedKVAdapter(Adapter):
             record_events=True,
         )
         self.num_events = 0
-        # The manager's entry points, looked up once (the compiled ones with the LRU policy): the
-        # calls below are the node's calls, on the same manager.
+        # The manager's entry points, looked up once: the calls below are the node's calls.
         mgr = self.mgr
         self._open, self._reserve, self._free = mgr.open, mgr.reserve, mgr.free
         self._step, self._take_events = mgr.reserve_token_pairs, mgr.take_event_batch
@@ -101,3 +100,11 @@ class HarnessFloorAdapter(Adapter):
 class PagedKVSLRUAdapter(PagedKVAdapter):
     name = "pagedkv-slru"
     policy = "slru"
+
+
+class PagedKVScoreAdapter(PagedKVAdapter):
+    """The attention-score policy. The harness attends nothing, so every block scores 0 and
+    the order is the release order: this prices the policy's bookkeeping, not its choices."""
+
+    name = "pagedkv-score"
+    policy = "score"

@@ -1,5 +1,6 @@
-"""Building and loading the block pool's C loops (csrc/block_core.c), a CPython
-extension module, for block_pool.py and kv_manager.py.
+"""Building and loading the block pool's compiled core (csrc/: the pool's loops and the
+eviction orders, see csrc/block_core.c), a CPython extension module, for block_pool.py
+and eviction.py.
 
 The same scheme as the project's other native code (protos/native_build.py):
 compiled at first use with the system C compiler against the running Python's
@@ -10,10 +11,10 @@ compile to a private file and rename it into place. An extension module rather
 than ctypes: its functions run a handful of list operations, and a ctypes call
 costs more than that.
 
-The module holds no state: it runs the Python code's loops on the pool's own
-lists and dicts. When no compiler works, the module will not load, or
-PAGEDKV_PURE_POOL=1, get_core() returns None and the pool runs its Python loops:
-the same results.
+Its types own the state they work on (a Pool's refcounts, free stack, keys and
+pins; an order's lists or heap). When no compiler works, the module will not load,
+or PAGEDKV_PURE_POOL=1, get_core() returns None and the pool and the policies run
+their Python reference code: the same results.
 """
 
 from __future__ import annotations
@@ -34,9 +35,12 @@ from ..protos.keys_native import get_chain
 
 logger = logging.getLogger("pagedkv.cache_node.block_core")
 
-_SOURCE = Path(__file__).with_name("csrc") / "block_core.c"
-_ABI_VERSION = 10
-_C_FLAGS = ("-O2", "-std=c99", "-shared", "-fPIC", "-fno-strict-aliasing")
+_CSRC = Path(__file__).with_name("csrc")
+_SOURCE = _CSRC / "block_core.c"  # the module; the other translation units ride in the flags
+_UNITS = ("order_base.c", "order_list.c", "order_heap.c", "pool.c", "pool_type.c", "decode_group.c")
+_HEADERS = ("order.h", "pool.h")
+_ABI_VERSION = 12
+_C_FLAGS = ("-O2", "-std=c99", "-shared", "-fPIC", "-fno-strict-aliasing", "-fvisibility=hidden")
 _C_PLATFORM_FLAGS = ("-undefined", "dynamic_lookup") if sys.platform == "darwin" else ()
 
 
@@ -59,12 +63,16 @@ def _load() -> tuple[ModuleType | None, BlockCoreInfo]:
     include = sysconfig.get_paths().get("include", "")
     if not include or not os.path.exists(os.path.join(include, "Python.h")):
         return None, BlockCoreInfo(False, f"no Python.h under {include!r}")
-    try:
-        source = _SOURCE.read_bytes()
+    units = [_CSRC / name for name in _UNITS]
+    try:  # the build's cache key covers every source and header
+        source = b"\0".join(p.read_bytes() for p in (_SOURCE, *units, *(_CSRC / h for h in _HEADERS)))
     except OSError as exc:
         return None, BlockCoreInfo(False, f"source missing: {exc}")
     suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
-    flag_sets = [(*_C_FLAGS, *_C_PLATFORM_FLAGS, f"-I{include}", f'-DPAGEDKV_EXT_SUFFIX="{suffix}"')]
+    flag_sets = [
+        (*_C_FLAGS, *_C_PLATFORM_FLAGS, f"-I{include}", f"-I{_CSRC}", f'-DPAGEDKV_EXT_SUFFIX="{suffix}"')
+        + tuple(map(str, units))
+    ]
     library = native_build.library_path("block_core", source, flag_sets, cc)
     detail = str(library)
     if not native_build.is_built(library):

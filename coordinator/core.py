@@ -63,8 +63,8 @@ from ..protos.errors import (
 )
 from ..protos.keys import KEY_BYTES, chain_keys, chain_keys_packed, root_key
 from ..protos.status import error_from_rpc
-from .misses import REASONS, MissExplanation, RemovedKeys, explain
 from .auth import ClusterAccess
+from .misses import REASONS, MissExplanation, RemovedKeys, explain
 from .node_calls import NodeCalls
 from .placement import Placement, PlacementWeights
 from .records import NewSequence, NodeInfo, NodeRoom, SequenceRecord

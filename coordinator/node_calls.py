@@ -44,7 +44,7 @@ MAX_SENDERS = 64  # node calls in flight at once (threads start as needed); more
 # A node that restarts on its address is placed on again as soon as it registers: reconnect
 # within a second, not after gRPC's default backoff (which grows to minutes), so its first
 # Opens do not fail fast on a channel still waiting out the time the node was down.
-RECONNECT_OPTIONS = [
+RECONNECT_OPTIONS: list[tuple[str, object]] = [
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),

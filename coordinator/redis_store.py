@@ -162,14 +162,16 @@ redis.call('HSET', P .. 'node:' .. id, 'load', ARGV[3])
 return 1
 """
 
-# ARGV: P, want_live ('1'/'0'). Live: {{id, address, spec, num_blocks, load, policy, epoch}, ...}; else {id, ...}
+# ARGV: P, want_live ('1'/'0').
+# Live: {{id, address, spec, num_blocks, load, policy, epoch}, ...}; else {id, ...}
 _LIST_NODES = """
 local P = ARGV[1]
 local out = {}
 for _, id in ipairs(redis.call('SMEMBERS', P .. 'nodes')) do
   local live = redis.call('EXISTS', P .. 'alive:' .. id) == 1
   if ARGV[2] == '1' and live then
-    local h = redis.call('HMGET', P .. 'node:' .. id, 'address', 'spec', 'num_blocks', 'load', 'policy', 'epoch')
+    local h = redis.call('HMGET', P .. 'node:' .. id, 'address', 'spec', 'num_blocks', 'load',
+                         'policy', 'epoch')
     out[#out + 1] = {id, h[1], h[2], h[3], h[4], h[5] or '', h[6] or '0'}
   elseif ARGV[2] == '0' and not live then
     out[#out + 1] = id

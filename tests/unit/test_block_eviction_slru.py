@@ -75,7 +75,7 @@ def test_protected_is_held_to_its_share_and_demoted_blocks_go_first_after_probat
     block, evicted = pool.allocate_one()
     assert evicted is not None and evicted.key == key(10) and block == cold[0]
     assert pool.policy.victims_in_order() == [cold[1], *hot]
-    assert pool.policy.victims_in_order()[1] in pool.policy._probation
+    assert pool.policy.segment_of(pool.policy.victims_in_order()[1]) == "probation"
     check(pool, [block])
 
 

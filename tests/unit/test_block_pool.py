@@ -19,7 +19,7 @@ def key(i: int) -> bytes:
 
 def state(pool: BlockPool) -> tuple:
     return (
-        list(pool._free),
+        list(pool.free_blocks),
         pool.policy.victims_in_order(),
         dict(pool.block_of_key),
         list(pool.refcount),
@@ -50,7 +50,7 @@ def test_free_of_private_blocks_orders_free_list_and_lru_as_one_by_one() -> None
         pool.free([2, 1, 0])
         pool.free([10, 11])  # unkeyed only
     assert state(a) == state(b)
-    assert a._free[-7:] == [7, 4, 3, 8, 0, 10, 11]
+    assert a.free_blocks[-7:] == [7, 4, 3, 8, 0, 10, 11]
     assert a.policy.victims_in_order() == [6, 5, 9, 2, 1]
     check(a, [[12], [13], [14], [15]])
 
@@ -113,7 +113,7 @@ def test_random_frees_and_takes_with_and_without_pins_agree() -> None:
             ta, tb = a.take(n, ea), b.take(n, eb)
             assert (ta, ea) == (tb, eb), step
             tables.append(ta)
-        assert list(a._free) == list(b._free) and a.policy.victims_in_order() == b.policy.victims_in_order()
+        assert a.free_blocks == b.free_blocks and a.policy.victims_in_order() == b.policy.victims_in_order()
         assert a.refcount == b.refcount[:64] and a.key_of == b.key_of[:64]
         assert a.block_of_key == {k: v for k, v in b.block_of_key.items() if v != 64}
         check(a, tables)

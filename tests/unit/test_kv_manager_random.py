@@ -314,7 +314,7 @@ class Harness:
             tails = [self._tail_slots(sid, self.mgr.get(sid).cache_len - 1, 1) for sid in batch]
             slots = Slots([b for (b,), _ in tails], [o for _, (o,) in tails])
         self.last_batch = batch
-        group = self.mgr._group  # white-box: count the steps the cached decode group served
+        group = self.mgr.decoder.group  # white-box: count the steps the cached decode group served
         if group is not None and group.ids == tuple(batch) and group.num_steps > 1:
             self.counts["decode:group"] = self.counts.get("decode:group", 0) + 1
         for i, (sid, t) in enumerate(zip(batch, tokens, strict=True)):

@@ -1,0 +1,9 @@
+"""The parts of the KV-cache manager (cache_node/kv_manager.py is its public face).
+
+sequence.py   Sequence and the value types the manager's API returns
+prefix.py     block keys, finding a prompt's cached prefix, publishing full blocks
+tiers.py      device allocation, the host tier, promotion and swapping
+decode.py     batched decode steps and the decode group
+budget.py     what a token budget drops
+events.py     the STORED / REMOVED event queue
+"""
