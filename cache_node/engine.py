@@ -164,6 +164,8 @@ class CacheEngine:
         # Blocks filled at layer 0 of a layer-by-layer write (attend_decode / attend_prefill with
         # new K/V), published once the last layer is written: seq id -> its held blocks.
         self._held: dict[str, list[HeldBlocks]] = {}
+        self.open_grace: Callable[[str, float], float] = lambda _seq_id, grace_s: grace_s  # (gate.py)
+        self.missing: Callable[[SequenceNotFound], PagedKVError] = lambda exc: exc  # (gate.py)
 
     def run(self, fn: Callable[[], T]) -> T:
         """fn() on the engine's compute thread (inline when it has none): for a
@@ -267,7 +269,7 @@ class CacheEngine:
         so an unknown id is given this grace before NOT_FOUND. Returns True once it
         exists, False if it still does not; raises the open's own error (e.g.
         PrefixEvicted) if its asynchronous open failed. Changes nothing."""
-        grace = self.config.unknown_seq_grace_s if timeout_s is None else timeout_s
+        grace = self.open_grace(seq_id, self.config.unknown_seq_grace_s) if timeout_s is None else timeout_s
         deadline = time.monotonic() + grace
         with self._seq_opened:
             while True:
@@ -292,7 +294,7 @@ class CacheEngine:
                 return fn()
             except SequenceNotFound as exc:
                 if not (isinstance(exc.seq_id, str) and self.await_sequence(exc.seq_id)):
-                    raise
+                    raise self.missing(exc) from None
         return fn()
 
     @_computes

@@ -28,11 +28,16 @@ wait for it first (`_inflight`, where an open enters before its script runs, so 
 concurrent close always finds it); close does not wait: it deletes the record (one
 round trip, tenant-checked in the script) and chains the node Free after the open.
 
-A reaper thread expires nodes whose lease lapsed (remove_node marks their
-sequences lost and purges their keys) and refreshes the node cache. It starts
-one lease after the coordinator does, so nodes that could not beat while it was
-down get to beat first. Every coordinator replica can run one:
-remove_node(require_expired=True) is idempotent and refuses revived nodes.
+A reaper thread removes the nodes liveness.py declares dead (a lapsed lease, a grace,
+a failed direct probe, never during or just after a store outage; remove_node marks
+their sequences lost and purges their keys) and refreshes the node cache. Every
+coordinator replica can run one: remove_node(require_expired=True) is idempotent and
+refuses revived nodes. Heartbeats carrying the node's held sequence ids go through
+reconcile.py (orphans freed, ghosts marked lost); lost records expire (lost_ttl_s).
+
+Idempotency: close of an id without a page table succeeds (a retried close); close of a
+lost sequence raises SequenceLost once and drops its record; an open retried with the
+same request id (same seq id) gets the first answer back (the page table's placement).
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ import logging
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -53,21 +59,24 @@ from ..protos import pagedkv_pb2 as pb
 from ..protos import pagedkv_pb2_grpc as pb_grpc
 from ..protos.attention import from_messages
 from ..protos.errors import (
+    FailedPrecondition,
     InvalidArgument,
-    NodeLost,
     NotFound,
     PagedKVError,
     PermissionDenied,
+    SequenceLost,
     SequenceNotFound,
     Unavailable,
 )
 from ..protos.keys import KEY_BYTES, chain_keys, chain_keys_packed, root_key
 from ..protos.status import error_from_rpc
 from .auth import ClusterAccess
+from .liveness import Liveness, LivenessConfig, ProbeAnswer
 from .misses import REASONS, MissExplanation, RemovedKeys, explain
 from .node_calls import NodeCalls
 from .placement import Placement, PlacementWeights
-from .records import NewSequence, NodeInfo, NodeRoom, SequenceRecord
+from .reconcile import Reconciler
+from .records import NewSequence, NodeInfo, NodeRoom, PurgeResult, SequenceRecord
 from .reuse import ReuseClasses, ReuseConfig
 from .store import Store
 
@@ -87,6 +96,9 @@ class CoordinatorConfig:
     balance_half_life_opens: float = 512.0
     reuse: ReuseConfig = field(default_factory=ReuseConfig)  # which run sizes are scans (reuse.py)
     access: ClusterAccess = field(default_factory=ClusterAccess)  # the cluster secret, TLS to nodes
+    reconcile_grace_s: float | None = None  # reconcile.py's grace (None: two leases)
+    lost_ttl_s: float = 3600.0  # a lost record is garbage-collected this long after the loss
+    probe_timeout_s: float = 0.5  # liveness.py's direct probe of a suspect node
 
     def __post_init__(self) -> None:
         if not self.lease_ttl_s > 0:
@@ -96,7 +108,12 @@ class CoordinatorConfig:
 
     @property
     def heartbeat_interval_s(self) -> float:
-        return self.lease_ttl_s / 2
+        """A quarter lease: the lease survives three lost beats, and the node's fence
+        (a lease minus one beat after its last renewal) comes before any reaper's verdict."""
+        return self.lease_ttl_s / 4
+
+    def liveness(self) -> LivenessConfig:
+        return LivenessConfig(self.lease_ttl_s, probe_timeout_s=self.probe_timeout_s)
 
 
 @dataclass(frozen=True)
@@ -193,6 +210,16 @@ class Coordinator:
         }
         # Recently removed keys (REMOVED events) and their node: tells "evicted" from "never cached".
         self._removed = RemovedKeys()
+        self.liveness = Liveness(self.config.liveness(), self._probe)
+        grace = self.config.reconcile_grace_s
+        self.reconciler = Reconciler(
+            store,
+            2 * self.config.lease_ttl_s if grace is None else grace,
+            self.config.lost_ttl_s,
+            release=self._release_lost,
+        )
+        # First answers of recent opens, by request id (a retry to this process gets it exactly).
+        self._answers: OrderedDict[str, OpenResult] = OrderedDict()
 
     # -- lifecycle ----------------------------------------------------------------
 
@@ -229,23 +256,64 @@ class Coordinator:
                 log.warning("reaper: %s", exc)
 
     def reap(self) -> list[str]:
-        """Remove nodes whose lease lapsed; refresh the node cache. Returns the removed ids."""
+        """Remove the nodes liveness.py declares dead; refresh the node cache. Returns the
+        removed ids."""
         removed = []
-        for node_id in self.store.expired_nodes():
-            result = self.store.remove_node(node_id, require_expired=True)
+        try:
+            expired = self.store.expired_nodes()
+        except Unavailable:
+            self.liveness.store_failed()
+            raise
+        self.liveness.store_answered()
+        for node_id in self.liveness.dead(expired):
+            records = self.store.sequences_of_node(node_id)
+            try:
+                result = self.store.remove_node(node_id, require_expired=True)
+            except FailedPrecondition:  # it beat meanwhile
+                continue
             if result.was_registered:
                 removed.append(node_id)
                 self.counters["nodes_reaped"] += 1
-                with self._lock:
-                    self._active_blocks.pop(node_id, None)  # its sequences are lost
+                self._node_gone(node_id, records, result.lost_seq_ids)
                 log.warning(
-                    "node %s expired: %d sequences lost, %d keys purged",
+                    "node %s declared dead: %d sequences lost, %d keys purged",
                     node_id,
                     len(result.lost_seq_ids),
                     result.num_keys_purged,
                 )
         self.refresh_nodes()
         return removed
+
+    def _node_gone(self, node_id: str, records: Sequence[SequenceRecord], lost_ids: Sequence[str]) -> None:
+        """A node died or re-registered: its sequences `lost_ids` are lost (records: what
+        they were just before)."""
+        with self._lock:
+            self._active_blocks.pop(node_id, None)  # its sequences are lost
+        self.liveness.forget(node_id)
+        self.reconciler.forget(node_id)
+        lost = set(lost_ids)
+        self.reconciler.lost([r for r in records if r.seq_id in lost])
+
+    def _release_lost(self, record: SequenceRecord) -> None:
+        """What a sequence that became lost held: its tenant's quota (close releases nothing
+        more for a lost record)."""
+        if record.tenant in self.config.quotas and record.num_blocks:
+            self.store.release_blocks(record.tenant, record.num_blocks)
+
+    def is_replaced(self, node: NodeInfo) -> bool:
+        """Is another process (a restart: another epoch) answering at the node's address
+        (a probe)? Then its registration is gone for sure; no answer proves nothing (the
+        old process may be cut off, still serving until its fence)."""
+        answer = self._probe(node, self.config.probe_timeout_s)
+        return answer is not None and answer.epoch != node.epoch
+
+    def _probe(self, node: NodeInfo, timeout_s: float) -> ProbeAnswer | None:
+        """liveness.py's direct probe: the node's Stats (its epoch, whether it is fenced)."""
+        try:
+            reply = self._stub(node.address).Stats(pb.Empty(), timeout=timeout_s)
+        except grpc.RpcError:
+            return None
+        return ProbeAnswer(int(reply.epoch), bool(reply.is_fenced))
 
     def num_live_nodes(self) -> int:
         with self._lock:
@@ -255,6 +323,7 @@ class Coordinator:
         nodes = self.store.live_nodes()
         with self._lock:
             self._nodes = {n.node_id: n for n in nodes}
+        self.liveness.seen_live(nodes)
         return nodes
 
     # -- membership ---------------------------------------------------------------
@@ -267,11 +336,14 @@ class Coordinator:
         num_blocks: int,
         epoch: int = 0,
         policy: str = "",
-    ) -> None:
+    ) -> PurgeResult:
         """A node joins, or comes back empty (its sequences lost, its keys purged): placement's
-        load there starts from nothing and its recent opens at its fair share (placement.py)."""
+        load there starts from nothing and its recent opens at its fair share (placement.py).
+        Returns what its earlier registration lost (the node answers SequenceLost for those)."""
         ttl = self.config.lease_ttl_s
+        records = self.store.sequences_of_node(node_id)
         result = self.store.register_node(node_id, address, dict(spec), num_blocks, ttl, epoch, policy=policy)
+        self._node_gone(node_id, records, result.lost_seq_ids)
         with self._lock:
             self._active_blocks.pop(node_id, None)
             # Neither ahead (its count from before it died) nor behind (0: every open would go
@@ -283,9 +355,18 @@ class Coordinator:
         if result.was_registered and (result.lost_seq_ids or result.num_keys_purged):
             log.warning("node %s re-registered empty: %d sequences lost", node_id, len(result.lost_seq_ids))
         self.refresh_nodes()
+        return result
 
-    def heartbeat(self, node_id: str, load: Mapping[str, int]) -> bool:
-        ok = self.store.heartbeat(node_id, dict(load), self.config.lease_ttl_s)
+    def heartbeat(
+        self, node_id: str, load: Mapping[str, int], held: Sequence[str] | None = None
+    ) -> tuple[bool, list[str]]:
+        """Renew the node's lease; with `held` (every sequence id it holds) reconcile it with
+        the store. Returns (is it registered, the ids it must free)."""
+        try:
+            ok = self.store.heartbeat(node_id, dict(load), self.config.lease_ttl_s)
+        except Unavailable:
+            self.liveness.store_failed()
+            raise
         if ok:
             with self._lock:
                 node = self._nodes.get(node_id)
@@ -293,7 +374,13 @@ class Coordinator:
                     self._nodes[node_id] = replace(node, load=dict(load))
             if node is None:  # its lease had lapsed (e.g. while we were down): live again
                 self.refresh_nodes()
-        return ok
+        free: list[str] = []
+        if ok and held is not None:
+            try:
+                free = self.reconciler.report(node_id, held)
+            except PagedKVError as exc:  # the renewal stands; reconcile next time
+                log.warning("reconcile of node %s: %s", node_id, exc)
+        return ok, free
 
     def report_events(self, node_id: str, events: Sequence[tuple[int, bytes]]) -> int:
         """Apply a node's ordered stored/offloaded/removed events; each key's last event wins
@@ -375,9 +462,9 @@ class Coordinator:
         return record
 
     def _live_node_of(self, record: SequenceRecord) -> NodeInfo:
-        if record.state == "lost":
-            raise NodeLost(record.seq_id, record.lost_reason or "its node died")
         node_id = record.extents[0].node_id
+        if record.state == "lost":
+            raise SequenceLost(record.seq_id, record.lost_reason or f"node {node_id} died", node_id)
         node = self._nodes_for(None).get(node_id)
         if node is None:
             if time.monotonic() - self._started_at < self.config.lease_ttl_s:
@@ -387,7 +474,7 @@ class Coordinator:
                     f"sequence {record.seq_id}: node {node_id} has not renewed its lease since the "
                     "coordinator started; retry"
                 )
-            raise NodeLost(record.seq_id, f"node {node_id} is not live")
+            raise SequenceLost(record.seq_id, f"node {node_id} is not live", node_id)
         return node
 
     def _opens_of(self, node_id: str) -> float:
@@ -737,7 +824,9 @@ class Coordinator:
         """Drop the page table (one round trip, tenant-checked) and free the sequence on
         its node without waiting: after its node Open when that is still in flight, with
         retries when it fails. Closing a sequence whose node open failed raises that
-        open's error (its page table is already gone)."""
+        open's error (its page table is already gone). Idempotent: an id without a page
+        table (closed already) succeeds; a lost one raises SequenceLost, once (its record
+        is dropped with it; reconcile.py frees whatever a crash left on a node)."""
         with self._lock:
             call = self._inflight.get(seq_id)
         try:
@@ -745,11 +834,12 @@ class Coordinator:
         except SequenceNotFound:
             if call is not None and call.is_finished and call.error is not None:
                 raise call.error from None
-            raise
+            return
+        if record.state == "lost":  # its quota was released when it was lost
+            node_id = record.extents[0].node_id
+            raise SequenceLost(seq_id, record.lost_reason or f"node {node_id} died", node_id)
         if tenant in self.config.quotas:
             self.store.release_blocks(tenant, record.num_blocks)
-        if record.state == "lost":
-            return
         node = self._nodes_for(None).get(record.extents[0].node_id)
         if node is None:  # its node died: nothing to free
             return

@@ -441,6 +441,12 @@ end
 return out
 """
 
+# KEYS: a sequence's record. ARGV: ttl_ms. Returns 1 if it is lost (and now expires), else 0.
+_EXPIRE_LOST = """
+if redis.call('HGET', KEYS[1], 'state') ~= 'lost' then return 0 end
+return redis.call('PEXPIRE', KEYS[1], ARGV[1])
+"""
+
 # KEYS: usage key. ARGV: n, quota. Returns {1, new_used} | {0, used}
 _RESERVE = """
 local used = tonumber(redis.call('GET', KEYS[1]) or '0')
@@ -523,6 +529,7 @@ class RedisStore(Store):
         self._delete_seq = reg(_DELETE_SEQ)
         self._seqs_of_node = reg(_SEQS_OF_NODE)
         self._reserve = reg(_RESERVE)
+        self._expire_lost = reg(_EXPIRE_LOST)
         self._release = reg(_RELEASE)
         self._kept = KeptScripts(self._redis)
 
@@ -766,6 +773,20 @@ class RedisStore(Store):
         if len(flat) == 1:
             raise PermissionDenied(f"sequence {seq_id!r} belongs to another tenant")
         return _record(seq_id, flat)
+
+    def expire_lost(self, seq_ids: Sequence[str], ttl_s: float) -> int:
+        ids = [check_name("seq_id", s) for s in seq_ids]
+        ttl_ms = max(1, round(check_ttl(ttl_s) * 1000))
+        if not ids:
+            return 0
+
+        def run() -> list[int]:
+            pipe = self._redis.pipeline(transaction=False)
+            for seq_id in ids:
+                self._expire_lost(keys=[self._key("seq:", seq_id)], args=[ttl_ms], client=pipe)
+            return pipe.execute()  # type: ignore[no-any-return]
+
+        return sum(int(x) for x in self._call("expire_lost", run))
 
     def sequences_of_node(self, node_id: str) -> list[SequenceRecord]:
         check_name("node_id", node_id)

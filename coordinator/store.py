@@ -193,6 +193,13 @@ class Store(ABC):
         (Quota is not released here: the caller releases what it reserved.)"""
 
     @abstractmethod
+    def expire_lost(self, seq_ids: Sequence[str], ttl_s: float) -> int:
+        """Give each of these records that is lost an expiry ttl_s from now (garbage
+        collection: a lost record lives until its worker closes it or this long); others
+        (unknown, or not lost) are left alone. Returns how many got one. One round trip;
+        each record is its own script (one sequence's key)."""
+
+    @abstractmethod
     def sequences_of_node(self, node_id: str) -> list[SequenceRecord]:
         """Sequences with an extent on the node, sorted by seq_id. After the node is removed
         or re-registered this is empty (its sequences are lost, their records kept until
