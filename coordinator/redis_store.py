@@ -73,6 +73,8 @@ from .records import (
     check_sequence_fields,
     check_ttl,
 )
+from .sentinel import SCHEME as SENTINEL_SCHEME
+from .sentinel import primary_client
 from .store import Store
 
 SALT_BYTES = 16
@@ -494,7 +496,8 @@ def _encode_field(name: str, value: Any) -> str | int:
 
 class RedisStore(Store):
     def __init__(self, url: str, config: RedisStoreConfig | None = None, **options: Any) -> None:
-        """url: redis://host:port/db. options: RedisStoreConfig fields (prefix=..., ...)."""
+        """url: redis://host:port/db, or redis+sentinel://host:port,.../mastername (sentinel.py).
+        options: RedisStoreConfig fields (prefix=..., ...)."""
         self.config = config or RedisStoreConfig(**options)
         self._url = url
         self._prefix = self.config.prefix
@@ -504,8 +507,9 @@ class RedisStore(Store):
             self.config.retries,
             supported_errors=(redis.ConnectionError,),
         )
+        connect = primary_client if url.startswith(SENTINEL_SCHEME) else redis.Redis.from_url
         try:
-            self._redis = redis.Redis.from_url(
+            self._redis = connect(
                 url,
                 decode_responses=False,
                 socket_timeout=self.config.socket_timeout_s,

@@ -238,7 +238,8 @@ class Store(ABC):
 
 
 def open_store(url: str, **options: Any) -> Store:
-    """A Store from a URL (tooz style): "memory://" or "redis://host:port/db" (rediss:// too).
+    """A Store from a URL (tooz style): "memory://" or "redis://host:port/db" (rediss:// too),
+    or "redis+sentinel://host:port,host:port/mastername" (the primary the sentinels name).
 
     Options go to the backend (e.g. prefix="pkv:" for Redis, clock=... for memory).
     """
@@ -248,8 +249,10 @@ def open_store(url: str, **options: Any) -> Store:
         from .memory_store import MemoryStore
 
         return MemoryStore(**options)
-    if url.startswith(("redis://", "rediss://", "unix://")):
+    if url.startswith(("redis://", "rediss://", "unix://", "redis+sentinel://")):
         from .redis_store import RedisStore
 
         return RedisStore(url, **options)
-    raise InvalidArgument(f"unknown store URL {url!r}: use memory:// or redis://host:port")
+    raise InvalidArgument(
+        f"unknown store URL {url!r}: use memory://, redis://host:port or redis+sentinel://host:port/name"
+    )

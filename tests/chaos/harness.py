@@ -297,17 +297,31 @@ class ChaosCluster:
             time.sleep(0.25)
         raise AssertionError(f"not converged within {timeout_s}s: {last}")
 
+    def _expiring(self, seq_ids: set[bytes]) -> set[bytes]:
+        """Of these sequence ids, those whose page table is lost and expires."""
+        r = self.redis.client()
+        try:
+            return {s for s in seq_ids if r.pttl(b"pkv:seq:" + s) > 0}
+        finally:
+            r.close()
+
     def _dirt(self, client: CacheClient) -> str:
         r = self.redis.client()
         try:
-            seqs = sorted(k.decode() for k in r.scan_iter("pkv:seq:*"))
+            # A lost page table whose worker never learned of it (its open answered Unavailable
+            # after the store wrote it) is garbage-collected: it must carry an expiry.
+            seqs = sorted(
+                k.decode()
+                for k in r.scan_iter("pkv:seq:*")
+                if not (r.hget(k, "state") == b"lost" and r.pttl(k) > 0)
+            )
             links = {k.decode(): r.smembers(k) for k in r.scan_iter("pkv:nseqs:*")}
         finally:
             r.close()
         if seqs:
             return f"{len(seqs)} page tables left in Redis (e.g. {seqs[:3]})"
         for key, members in links.items():
-            if members:
+            if members - self._expiring(members):
                 return f"{key} still lists {len(members)} sequences"
         for address in self.cluster.node_addresses:
             node = client.node(address)
@@ -320,6 +334,63 @@ class ChaosCluster:
                 held = f"{counters['num_sequences']} sequences, {counters['used_blocks']} blocks"
                 return f"node {address} holds {held}"
         return ""
+
+
+def hold_on(work: Workload, node_id: str | None, count: int) -> list:
+    """`count` sequences opened (prompt appended) and kept on `node_id` (None: any node)."""
+    client = work.client()
+    held = []
+    for i in range(200):
+        prompt = SYSTEM + [30_000 + i]
+        seq = client.open(f"held-{node_id}-{i}", prompt)
+        if node_id is not None and seq.route.node_id != node_id:
+            seq.close()
+            continue
+        k, v = expected_kv(prompt)
+        seq.append(
+            prompt[seq.num_cached_tokens :], k[:, seq.num_cached_tokens :], v[:, seq.num_cached_tokens :]
+        )
+        held.append(seq)
+        if len(held) == count:
+            return held
+    raise AssertionError(f"no {count} sequences placed on {node_id} in 200 opens")
+
+
+def read_back(seq) -> bool:
+    """The held sequence still reads back exactly what was written."""
+    prompt = SYSTEM + [int(seq.seq_id.rsplit("-", 1)[1]) + 30_000]
+    k, v = expected_kv(prompt)
+    got_k, got_v = seq.read_kv(0, len(prompt))
+    return torch.equal(got_k, k) and torch.equal(got_v, v)
+
+
+def reads_back(seq) -> bool:
+    """read_back, False while the node refuses (fenced until it renews its lease)."""
+    try:
+        return read_back(seq)
+    except Unavailable:
+        return False
+
+
+def assert_lost_everywhere(held: list, node_id: str, *, on_close: bool = True) -> None:
+    """Each held sequence answers SequenceLost naming the node on a data call and, when the
+    store kept its page table (on_close), on close; a second close succeeds."""
+    for seq in held:
+        deadline = time.monotonic() + 2 * LEASE_S
+        while True:
+            try:
+                seq.read_kv(0, 1)
+                raise AssertionError(f"{seq.seq_id} still reads after its node lost it")
+            except SequenceLost as exc:
+                assert exc.node_id == node_id and node_id in str(exc), exc
+                break
+            except Unavailable:  # fenced, not yet re-registered
+                assert time.monotonic() < deadline, f"{seq.seq_id}: Unavailable for {2 * LEASE_S}s"
+                time.sleep(0.2)
+        if on_close:
+            with pytest.raises(SequenceLost, match=node_id):
+                seq.close()
+        seq.close()  # the record is gone with the report: a second close succeeds
 
 
 def wait_for(predicate, timeout_s: float, what: str) -> float:

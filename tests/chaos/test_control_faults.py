@@ -10,7 +10,9 @@ import signal
 import time
 
 import pytest
-from harness import LEASE_S, ChaosCluster, Workload, wait_for
+from harness import LEASE_S, ChaosCluster, Workload, assert_lost_everywhere, hold_on, reads_back, wait_for
+
+from pagedkv.client import Unavailable
 
 pytestmark = pytest.mark.timeout(240)
 # reconcile.py: a grace of two leases, seen in full reports once a lease, plus slack
@@ -38,12 +40,24 @@ def test_coordinator_sigkill_during_bursts_leaks_nothing(tmp_path):
 def test_redis_outage_longer_than_the_lease(tmp_path, aof):
     with ChaosCluster(tmp_path, aof=aof) as cc:
         work = Workload(cc.coordinator).start()
-        time.sleep(2.0)
+        held = hold_on(work, None, 2)
+        time.sleep(1.0)
         cc.redis.kill()
-        time.sleep(1.7 * LEASE_S)  # every lease key lapses meanwhile (with AOF they come back lapsed)
+        killed = time.monotonic()
+        time.sleep(LEASE_S)  # no node can renew: past its fence (0.75 lease), data calls are refused
+        with pytest.raises(Unavailable, match="cannot prove its lease"):
+            held[0].read_kv(0, 1)
+        time.sleep(max(0.0, 1.7 * LEASE_S - (time.monotonic() - killed)))  # every lease key lapses
         cc.redis.start()
         wait_for(lambda: cc.live_nodes() == {"node-0", "node-1"}, 3 * LEASE_S, "both nodes live")
         time.sleep(2 * LEASE_S)  # past the reaper's grace after the outage
+        if aof:  # the held sequences were kept: they read back exactly
+            for seq in held:
+                wait_for(lambda s=seq: reads_back(s), LEASE_S, f"{seq.seq_id} reads back")
+                seq.close()
+        else:  # Redis forgot the nodes: they came back empty, and every handle learns it
+            for seq in held:
+                assert_lost_everywhere([seq], seq.route.node_id, on_close=False)
         tally = work.stop()
         assert not tally.wrong, tally.wrong[:5]
         stats = cc.cluster.stats()
