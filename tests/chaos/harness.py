@@ -231,10 +231,13 @@ class Workload:
 class ChaosCluster:
     """redis-server (own process: killable, AOF optional), a coordinator and two nodes."""
 
-    def __init__(self, workdir: Path, *, aof: bool = False, lease_s: float = LEASE_S) -> None:
+    def __init__(
+        self, workdir: Path, *, aof: bool = False, lease_s: float = LEASE_S, redis: Redis | None = None
+    ) -> None:
+        """redis: the store's processes (default: one redis-server, AOF as `aof` says)."""
         if shutil.which("redis-server") is None:
             pytest.skip("redis-server is not on the PATH")
-        self.redis = Redis(workdir, aof)
+        self.redis = redis or Redis(workdir, aof)
         tenants = workdir / "tenants.json"
         tenants.write_text(json.dumps({"tokens": {TOKEN: "chaos"}}))
         node = NodeOptions(
