@@ -64,6 +64,7 @@ from ..protos.errors import (
     NotFound,
     PagedKVError,
     PermissionDenied,
+    SequenceExists,
     SequenceLost,
     SequenceNotFound,
     Unavailable,
@@ -98,7 +99,7 @@ class CoordinatorConfig:
     access: ClusterAccess = field(default_factory=ClusterAccess)  # the cluster secret, TLS to nodes
     reconcile_grace_s: float | None = None  # reconcile.py's grace (None: two leases)
     lost_ttl_s: float = 3600.0  # a lost record is garbage-collected this long after the loss
-    probe_timeout_s: float = 0.5  # liveness.py's direct probe of a suspect node
+    probe_timeout_s: float = 1.0  # liveness.py's direct probe of a suspect node
 
     def __post_init__(self) -> None:
         if not self.lease_ttl_s > 0:
@@ -554,13 +555,15 @@ class Coordinator:
         spec: Mapping[str, Any] | None = None,
         wait: bool = False,
         attention: Sequence[pb.LayerAttention] = (),
+        request_id: str = "",
     ) -> OpenResult:
         """Place the sequence and write its page table (one store call), then send the
         node Open without waiting for it (see the module docstring); num_cached_tokens
         is M, what the node will take exactly. `wait=True` also waits for the node (its
         failure is raised here, and num_host_hit_tokens is known): for tests and tools only.
         `attention` (one LayerAttention per layer, or none) is checked before placing and
-        travels to the node's Open."""
+        travels to the node's Open. `request_id`: an open retried with the same one (and
+        seq id) returns the first answer, from the page table, instead of SequenceExists."""
         seq_id = seq_id or uuid.uuid4().hex
         self._settle(seq_id, raise_error=False)  # a reopen of this id waits for its last node call
         nodes = self._nodes_for(spec)
@@ -606,6 +609,7 @@ class Coordinator:
             self.config.weights,
             quota,
             scan_classes=scan_classes,
+            request_id=request_id,
         )
         # In `_inflight` before the page table exists: a close that finds the record finds the call.
         call = NodeCall(seq_id)
@@ -613,9 +617,11 @@ class Coordinator:
             self._inflight[seq_id] = call
         try:
             placement = self.store.open_sequence(new)
-        except PagedKVError:
+        except PagedKVError as exc:
             call.finish(None)  # nothing was sent: what waits on it (a close's Free) goes ahead
             self._settled(call)
+            if isinstance(exc, SequenceExists) and request_id:
+                return self._first_answer(tenant, seq_id, request_id, exc)
             raise
         node = nodes[placement.node_id]
         num_cached = placement.cached_tokens
@@ -648,6 +654,18 @@ class Coordinator:
             call.settled.result()  # raises the node's error (the page table is gone by then)
             num_host_hit = call.host_hit_tokens
         return OpenResult(seq_id, node.node_id, node.address, num_cached, placement, num_host_hit, miss=miss)
+
+    def _first_answer(self, tenant: str, seq_id: str, request_id: str, exists: SequenceExists) -> OpenResult:
+        """A retried open (the same request id): what the first one answered, from its page
+        table; `exists` when the id is another open's."""
+        record = self.store.get_sequence(seq_id)
+        if record.tenant != tenant or record.request_id != request_id:
+            raise exists
+        node = self._live_node_of(record)
+        bs = int(node.spec["block_size"])
+        cached = record.num_cached_blocks
+        placement = Placement(node.node_id, cached, cached * bs, record.num_blocks - cached)
+        return OpenResult(seq_id, node.node_id, node.address, cached * bs, placement)
 
     def _learn(self, placement: Placement, keys: bytes) -> None:
         """Feed the open to the reuse classes (reuse.py): the keys it hit on its node, the first

@@ -13,7 +13,7 @@ suspect, never a corpse by itself. It is declared dead only when all of these ho
    registration alive: no answer, another epoch (a restarted process), or fenced.
 
 So a dead node is declared dead at most lease + grace_s + one reaper tick (lease/4) +
-probe_timeout_s after its last beat: 1.75 leases + 0.5 s by default. The node fences
+probe_timeout_s after its last beat: 1.75 leases + 1 s by default. The node fences
 itself (gate.py) 0.75 lease after its last renewal was sent, always before that.
 """
 
@@ -47,7 +47,7 @@ Probe = Callable[[NodeInfo, float], ProbeAnswer | None]  # (node, timeout) -> an
 class LivenessConfig:
     lease_ttl_s: float
     grace_s: float | None = None  # None: half the lease
-    probe_timeout_s: float = 0.5
+    probe_timeout_s: float = 1.0
 
     def __post_init__(self) -> None:
         if not self.lease_ttl_s > 0:

@@ -276,7 +276,14 @@ class MemoryStore(Store):
             if new.seq_id in self._seqs:
                 raise SequenceExists(new.seq_id)
             extents = (Extent(placement.node_id, 0, new.num_blocks),)
-            self._seqs[new.seq_id] = SequenceRecord(new.seq_id, new.tenant, extents, new.num_tokens)
+            self._seqs[new.seq_id] = SequenceRecord(
+                new.seq_id,
+                new.tenant,
+                extents,
+                new.num_tokens,
+                request_id=new.request_id,
+                num_cached_blocks=placement.cached_blocks,
+            )
             self._node_seqs.setdefault(placement.node_id, set()).add(new.seq_id)
             if new.quota is not None and new.num_blocks:
                 self._usage[new.tenant] = used + new.num_blocks

@@ -258,7 +258,7 @@ return out
 # and the in-flight marker (placement.py) on the first uncached key.
 # ARGV: P, seq_id, tenant, num_tokens, num_blocks, overlap_weight, load_weight, quota ('' = none),
 #       keys_blob, balance_slack ('-1' = no bound), pending_ttl_ms, affinity_share, balance_margin,
-#       host_weight, scan_classes, then (node_id, free_blocks, total_blocks, evictable_blocks,
+#       host_weight, scan_classes, request_id, then (node_id, free_blocks, total_blocks, evictable_blocks,
 #       recent_opens, active_blocks ('-1' = not counted)) per candidate, by node_id.
 # Returns {1, node, cached, {node, score, ...}, {rejected...}, pending, cached elsewhere, host, scan,
 #          the node holding that}
@@ -294,7 +294,7 @@ local hw, scan_mask = tonumber(ARGV[14]), tonumber(ARGV[15])
 local tie = keys[1] or ''
 local nodes = {}
 local sum_opens, sum_total, most_cached = 0, 0, 0
-for j = 16, #ARGV, 6 do
+for j = 17, #ARGV, 6 do
   local id = ARGV[j]
   if redis.call('EXISTS', P .. 'alive:' .. id) == 1 then
     local free, total, evictable = tonumber(ARGV[j + 1]), tonumber(ARGV[j + 2]), tonumber(ARGV[j + 3])
@@ -370,7 +370,8 @@ end
 local sk = P .. 'seq:' .. s
 if redis.call('EXISTS', sk) == 1 then return {-3} end
 redis.call('HSET', sk, 'tenant', tenant, 'extents', cjson.encode({{best, 0, need}}),
-           'num_tokens', ARGV[4], 'state', 'active', 'lost_reason', '')
+           'num_tokens', ARGV[4], 'state', 'active', 'lost_reason', '', 'req', ARGV[16],
+           'cached', best_cached)
 redis.call('SADD', P .. 'nseqs:' .. best, s)
 if ARGV[8] ~= '' and need > 0 then redis.call('INCRBY', uk, need) end
 if ttl > 0 and best_cached < #keys then
@@ -481,6 +482,8 @@ def _record(seq_id: str, flat: Sequence[bytes]) -> SequenceRecord:
         num_tokens=int(h["num_tokens"]),
         state=_s(h["state"]),
         lost_reason=_s(h.get("lost_reason", b"")),
+        request_id=_s(h.get("req", b"")),
+        num_cached_blocks=int(h.get("cached", 0)),
     )
 
 
@@ -707,6 +710,7 @@ class RedisStore(Store):
             repr(float(w.balance_margin)),
             repr(float(w.host_weight)),
             new.scan_classes,
+            new.request_id,
         ]
         for c in new.candidates:
             active = -1 if c.active_blocks is None else c.active_blocks

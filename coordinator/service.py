@@ -188,6 +188,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 else None,
                 spec=spec_dict(request.spec),
                 attention=request.attention,
+                request_id=request.request_id,
             )
             self.metrics.observe_open(tenant, len(request.token_ids), result.num_cached_tokens)
             return self._placed(tenant, seq_id, result, request.explain_miss)
