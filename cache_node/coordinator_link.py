@@ -167,12 +167,17 @@ class CoordinatorLink:
 
     def _rejoin(self) -> None:
         """The coordinator declared this node dead: come back empty."""
-        log.warning("node %s lost its lease; resetting and registering again", self.node_id)
         self.is_registered.clear()
+        held = self._held_ids()
+        log.warning(
+            "node %s lost its lease: %d sequences lost; resetting and registering again",
+            self.node_id,
+            len(held),
+        )
         if self.gate is not None:
             reason = f"node {self.node_id} was declared dead (its lease lapsed) and came back empty"
             self.gate.fence(reason)
-            self.gate.mark_lost(self._held_ids(), reason)
+            self.gate.mark_lost(held, reason)
         self.engine.reset()
         if self.gate is not None:
             self.gate.reset()
