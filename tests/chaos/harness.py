@@ -15,8 +15,8 @@ node's integrity check, no block held on any node, no page table left in Redis.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
-import math
 import random
 import shutil
 import signal
@@ -42,10 +42,16 @@ from pagedkv.client import (
     Unavailable,
 )
 from pagedkv.cluster import LocalCluster, NodeOptions, free_port
-from pagedkv.protos.spec import ModelSpec
 
-SPEC = ModelSpec(num_layers=2, num_kv_heads=2, head_dim=16, dtype="float32", block_size=16)
-Q_HEADS = 4
+# The cluster tests' worker: its model shape, K/V as a pure function of (position, token), and
+# float64 dense attention (loaded by path: tests/cluster is not on this directory's sys.path).
+_worker_spec = importlib.util.spec_from_file_location(
+    "chaos_worker", Path(__file__).parents[1] / "cluster" / "worker.py"
+)
+assert _worker_spec is not None and _worker_spec.loader is not None
+_worker = importlib.util.module_from_spec(_worker_spec)
+_worker_spec.loader.exec_module(_worker)
+SPEC, Q_HEADS, expected_kv, dense = _worker.SPEC, _worker.Q_HEADS, _worker.expected_kv, _worker.dense
 SYSTEM = list(range(10_000, 10_256))  # the shared system prompt: 16 blocks
 TOKEN = "token-chaos"
 LEASE_S = 3.0
@@ -54,22 +60,16 @@ LEASE_S = 3.0
 DETECTION_BOUND_S = LEASE_S * 1.75 + 1.0 + 2.0
 
 
-def expected_kv(token_ids: list[int], start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """[layers, n, kv_heads, dim] K and V for positions start.., each seeded by (position, token)."""
-    ks, vs = [], []
-    for pos, tok in enumerate(token_ids, start):
-        g = torch.Generator().manual_seed(pos * 1_000_003 + tok)
-        ks.append(torch.randn(SPEC.num_layers, SPEC.num_kv_heads, SPEC.head_dim, generator=g))
-        vs.append(torch.randn(SPEC.num_layers, SPEC.num_kv_heads, SPEC.head_dim, generator=g))
-    return torch.stack(ks, 1), torch.stack(vs, 1)
-
-
-def dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """q [Hq, D] over k, v [L, Hk, D], float64."""
-    group = q.shape[0] // k.shape[1]
-    k64, v64 = k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)
-    scores = torch.einsum("hd,lhd->hl", q.double(), k64) / math.sqrt(q.shape[-1])
-    return torch.einsum("hl,lhd->hd", torch.softmax(scores, -1), v64)
+def wait_pong(port: int, timeout_s: float = 10.0) -> None:
+    """Until the redis-server (or sentinel) on `port` answers PING."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2) as s:
+            s.sendall(b"PING\r\n")
+            if s.recv(16).startswith(b"+PONG"):
+                return
+        time.sleep(0.05)
+    raise RuntimeError(f"nothing answered PING on port {port} within {timeout_s}s")
 
 
 class Redis:
@@ -90,14 +90,7 @@ class Redis:
         if self.aof:
             args += ["--appendfsync", "always"]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", self.port), 0.2) as s:
-                s.sendall(b"PING\r\n")
-                if s.recv(16).startswith(b"+PONG"):
-                    return
-            time.sleep(0.05)
-        raise RuntimeError(f"redis-server on port {self.port} did not start")
+        wait_pong(self.port)
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -240,15 +233,7 @@ class ChaosCluster:
         self.redis = redis or Redis(workdir, aof)
         tenants = workdir / "tenants.json"
         tenants.write_text(json.dumps({"tokens": {TOKEN: "chaos"}}))
-        node = NodeOptions(
-            num_layers=SPEC.num_layers,
-            num_kv_heads=SPEC.num_kv_heads,
-            head_dim=SPEC.head_dim,
-            dtype=SPEC.dtype,
-            block_size=SPEC.block_size,
-            num_blocks=256,
-            host_blocks=32,
-        )
+        node = NodeOptions(**SPEC.to_dict(), num_blocks=256, host_blocks=32)
         self.cluster = LocalCluster(
             2,
             node,

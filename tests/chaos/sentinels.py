@@ -5,14 +5,13 @@ kill_primary() is the fault."""
 
 from __future__ import annotations
 
-import contextlib
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
 
 import redis
+from harness import wait_pong
 from redis.sentinel import Sentinel
 
 from pagedkv.cluster import free_port
@@ -33,14 +32,7 @@ class SentinelRedis:
     def _spawn(self, name: str, args: list[str], port: int) -> None:
         log = open(self.dir / f"{name}.log", "ab")  # noqa: SIM115 - lives as long as the process
         self.procs[name] = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2) as s:
-                s.sendall(b"PING\r\n")
-                if s.recv(16).startswith(b"+PONG"):
-                    return
-            time.sleep(0.05)
-        raise RuntimeError(f"{name} on port {port} did not start")
+        wait_pong(port)
 
     def start(self) -> None:
         base = ["redis-server", "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
