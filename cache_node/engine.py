@@ -362,7 +362,7 @@ class CacheEngine:
         blocks: list[int] = []
         offsets: list[int] = []
         for sid in seq_ids:
-            seq = self.manager._active(sid)
+            seq = self.manager.get_active(sid)
             if seq.cache_len < n:
                 raise InvalidArgument(
                     f"sequence {sid!r} holds {seq.cache_len} tokens; cannot write the last {n}"
@@ -417,7 +417,7 @@ class CacheEngine:
             v = self._tensor("v", v, (len(ids), s.num_kv_heads, s.head_dim))
         with self._lock:
             for sid in ids:
-                self.manager._active(sid)
+                self.manager.get_active(sid)
             if k is not None:
                 if tokens is not None:
                     slots = self._reserve_layered(ids, lambda: self.manager.append_tokens(ids, tokens))
@@ -487,7 +487,7 @@ class CacheEngine:
             k = self._tensor("k", k, (n, s.num_kv_heads, s.head_dim))
             v = self._tensor("v", v, (n, s.num_kv_heads, s.head_dim))
         with self._lock:
-            seq = self.manager._active(seq_id)
+            seq = self.manager.get_active(seq_id)
             table = None
             if k is not None:
                 if tokens is not None:
@@ -574,7 +574,7 @@ class CacheEngine:
             bounds.append(bounds[-1] + n)
         with self._lock:
             for sid, n in zip(ids, counts, strict=True):
-                seq = self.manager._active(sid)
+                seq = self.manager.get_active(sid)
                 if tokens is None and seq.cache_len < n:  # nothing appended: q are its last n tokens
                     raise InvalidArgument(
                         f"sequence {sid!r} holds {seq.cache_len} tokens, fewer than {n} queries"
@@ -696,7 +696,7 @@ class CacheEngine:
 
     def _read_range(self, seq_id: str, start: int, end: int | None) -> int:
         """The validated end of [start, end) within the sequence (lock held)."""
-        seq = self.manager._active(seq_id)
+        seq = self.manager.get_active(seq_id)
         stop = seq.cache_len if end is None else end
         if type(start) is not int or type(stop) is not int or not 0 <= start <= stop <= seq.cache_len:
             raise InvalidArgument(
@@ -814,7 +814,7 @@ class CacheEngine:
     def cache_length(self, seq_id: str) -> int:
         """Tokens the sequence holds in its blocks (read_kv's range)."""
         with self._lock:
-            return self.manager._active(_seq_id(seq_id)).cache_len
+            return self.manager.get_active(_seq_id(seq_id)).cache_len
 
     def block_table(self, seq_id: str) -> list[int]:
         with self._lock:
