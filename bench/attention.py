@@ -33,8 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from bench import plots
-from pagedkv.cache_node import attention_kernel
-from pagedkv.cache_node.attention import kernel_info, paged_decode
+from pagedkv.cache_node.attention import cpu_kernel, kernel_info, paged_decode
 
 RESULTS = Path(__file__).with_name("results")
 BATCH, NUM_Q_HEADS, HEAD_DIM, BLOCK_SIZE = 8, 32, 128, 16
@@ -56,7 +55,7 @@ def _cold_build() -> tuple[float | None, str]:
     with tempfile.TemporaryDirectory() as tmp:
         os.environ["PAGEDKV_KERNEL_DIR"] = tmp
         try:
-            fn, info = attention_kernel._build_kernel()
+            fn, info = cpu_kernel._build_kernel()
         finally:
             if saved is None:
                 del os.environ["PAGEDKV_KERNEL_DIR"]
