@@ -302,14 +302,15 @@ def main() -> None:
     )
     parser.add_argument("--quick", action="store_true", help="L=512 and 2048 only, shorter timing")
     parser.add_argument("--out", type=Path, default=RESULTS, help="results directory")
+    parser.add_argument("--smoke", action="store_true", help="L=128 only, the fewest repeats (CI)")
     parser.add_argument("--threads", type=int, default=None, help="torch / kernel threads (default: torch's)")
     args = parser.parse_args()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     global SECONDS_PER_SHAPE
-    if args.quick:
-        SECONDS_PER_SHAPE = 3.0
-    report = run([512, 2048] if args.quick else [512, 2048, 8192])
+    if args.quick or args.smoke:
+        SECONDS_PER_SHAPE = 0.0 if args.smoke else 3.0
+    report = run([128] if args.smoke else [512, 2048] if args.quick else [512, 2048, 8192])
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "attention.json").write_text(json.dumps(report, indent=2) + "\n")
     (args.out / "attention.md").write_text(to_markdown(report))

@@ -122,7 +122,8 @@ def main() -> None:
     systems, prompts, source = w2_requests(n_prompts)
     log(f"W2 prompts: {len(prompts)} ({source}); {N_SYSTEM} system prompts x {SYSTEM_LEN} + {SUFFIX_LEN}")
 
-    cluster = BenchCluster(num_nodes=2, node=NODE, use_redis=True)
+    # No cluster secret: the node Open + Free hop is called directly, as the coordinator would
+    cluster = BenchCluster(num_nodes=2, node=NODE, use_redis=True, secure=False)
     cluster.metrics_port = free_port()
     log("starting redis-server + coordinator + 2 nodes ...")
     with cluster:

@@ -102,7 +102,7 @@ class BenchCluster(LocalCluster):
         if metrics_port:
             args.append(f"--metrics-port={metrics_port}")
         log_file = open(Path(self.log_dir) / f"{name}.log", "ab")  # noqa: SIM115
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, **self.env, "PYTHONUNBUFFERED": "1"}  # the cluster secret: it signs tickets
         cwd = Path(__file__).resolve().parent.parent
         if import_root is not None:
             env["PYTHONPATH"] = str(import_root)

@@ -74,7 +74,12 @@ def _pcts(samples_s: list[float]) -> dict[str, float]:
     return {"p50_ms": statistics.median(ms), "p99_ms": p99, "n": len(ms)}
 
 
+SMOKE_ITERS = 0  # --smoke: this many calls per measurement (tests/bench: the code runs, no figure)
+
+
 def _iters(batch: int, quick: bool) -> int:
+    if SMOKE_ITERS:
+        return SMOKE_ITERS
     n = 300 if batch == 1 else 40
     return max(10, n // 5) if quick else n
 
@@ -367,13 +372,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="fewer iterations (smoke run)")
     parser.add_argument("--repeats", type=int, default=3, help="transfers per direction (median reported)")
     parser.add_argument("--no-transfer", action="store_true", help="latency only (no KV transfers)")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="results folder")
     parser.add_argument(
         "--transfer-only",
         action="store_true",
         help="KV transfers only (no latency part): prints the table, writes no results;\n"
         "with --quick, without the gRPC rows",
     )
+    parser.add_argument("--smoke", action="store_true", help="2 calls per row, no transfers (CI)")
     args = parser.parse_args(argv)
+    if args.smoke:
+        global SMOKE_ITERS
+        SMOKE_ITERS, args.quick, args.no_transfer = 2, True, True
     from pagedkv.client import CacheClient, ClientConfig, InvalidArgument
 
     grpc_only = ClientConfig(bulk_min_bytes=None)  # every data call over the rpcs
@@ -563,13 +573,13 @@ def main(argv: list[str] | None = None) -> None:
         parent.send("stop")
         proc.join(10)
     results["runtime_s"] = time.perf_counter() - t_start
-    if args.no_transfer:
+    if args.no_transfer and not args.smoke:
         print(render(results))
         return
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "rpc.json").write_text(json.dumps(results, indent=2) + "\n")
-    (RESULTS / "rpc.md").write_text(render(results))
-    plot(results, RESULTS / "rpc.png")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "rpc.json").write_text(json.dumps(results, indent=2) + "\n")
+    (args.out / "rpc.md").write_text(render(results))
+    plot(results, args.out / "rpc.png")
     print(render(results))
 
 

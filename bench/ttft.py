@@ -142,7 +142,7 @@ def node_process(spec: Any, compute_thread: bool = False) -> Iterator[str]:
         "--device",
         "cpu",
         "--grace-s",
-        "0",
+        "0.1",
         "--compute-thread",
         "on" if compute_thread else "off",
     ]
@@ -236,14 +236,14 @@ def profile_cached(
     server, port = create_server(engine, "127.0.0.1:0")
     server.start()
     phases: dict[str, list[float]] = {}
-    kernel = engine_module.paged_prefill
+    kernel = engine_module.prefill_trusted
     try:
         with GrpcBackend(f"127.0.0.1:{port}", client_config) as backend, torch.no_grad():
             timer = PhaseTimer()
             timer.wrap(backend, "open", "open rpc (client wall)")
             timer.wrap(backend, "attend_prefill_batch", CALLS)
             timer.wrap(engine, "attend_prefill", ENGINE)
-            timer.wrap(engine_module, "paged_prefill", "node paged_prefill (gather + flash)")
+            timer.wrap(engine_module, "prefill_trusted", "node paged_prefill (gather + flash)")
             for r in range(repeats + 1):
                 timer.seconds.clear()
                 prompt = torch.cat([prefix, tokens(500 + r, suffix)], 1)
@@ -266,7 +266,7 @@ def profile_cached(
                     phases.setdefault(k, []).append(v * 1e3)
         over_bulk = bulk_calls(backend)
     finally:
-        engine_module.paged_prefill = kernel
+        engine_module.prefill_trusted = kernel
         server.stop(0)
     if (over_bulk > 0) != (client_config.bulk_min_bytes is not None):
         raise RuntimeError(f"profile: {over_bulk} calls over the bulk channel with {client_config}")
@@ -464,7 +464,7 @@ def bench_model(name: str, args: argparse.Namespace, with_decode: bool) -> dict:
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     from bench.ttft_report import plot, render  # it reads this module's constants
 
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
@@ -474,7 +474,8 @@ def main() -> None:
     ap.add_argument("--decode", type=int, default=32, help="decode steps per measurement")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--no-large", action="store_true", help="only the small model")
-    args = ap.parse_args()
+    ap.add_argument("--out", type=Path, default=RESULTS, help="results folder")
+    args = ap.parse_args(argv)
     torch.manual_seed(0)
     names = ["small"] if args.no_large else ["small", "large"]
     load_start = [round(x, 2) for x in os.getloadavg()]
@@ -507,10 +508,10 @@ def main() -> None:
             "thread of the node's (one torch thread pool, spinning between ops)",
         },
     }
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "ttft.json").write_text(json.dumps(report, indent=2) + "\n")
-    (RESULTS / "ttft.md").write_text(render(report))
-    plot(report, RESULTS / "ttft.png")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "ttft.json").write_text(json.dumps(report, indent=2) + "\n")
+    (args.out / "ttft.md").write_text(render(report))
+    plot(report, args.out / "ttft.png")
     print(render(report))
 
 
