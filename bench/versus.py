@@ -6,7 +6,9 @@
 Each revision is extracted with `git archive` (bench/revisions.py) and runs as its own
 process, `python -m MODULE ARGS...` in its tree, so both write their results into their own
 tree (never this checkout's bench/results). The rounds alternate which revision goes first,
-so a drift in the host's load lands on both. Every numeric leaf of the module's JSON result
+so a drift in the host's load lands on both. With --bench-from new, both run the new
+revision's bench module, each with its own revision's pagedkv (for a module that changed
+or was broken at the old revision). Every numeric leaf of the module's JSON result
 whose dotted path matches --keys is reported: the median over the rounds of each revision,
 and new / old. Prints a markdown table, and the load average before and after.
 """
@@ -100,6 +102,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--keys", default=".", help="a regex on the results' dotted paths")
     ap.add_argument("--timeout-s", type=float, default=1800, help="per run")
+    ap.add_argument("--bench-from", choices=["each", "new"], default="each", help="whose bench module runs")
     ap.add_argument("args", nargs="*", help="the module's own arguments (after --)")
     opts = ap.parse_args(argv)
     if opts.rounds < 1:
@@ -115,6 +118,8 @@ def main(argv: list[str] | None = None) -> None:
         order = ("old", "new") if i % 2 == 0 else ("new", "old")
         for side in order:
             tree, site, sha = sides[side]
+            if opts.bench_from == "new":
+                tree = sides["new"][0]
             print(f"[versus] round {i + 1}/{opts.rounds}: {side} ({sha})", flush=True)
             runs[side].append(run_once(tree, site, opts.module, opts.args, result, opts.timeout_s))
     meta = {
