@@ -1,0 +1,115 @@
+"""Membership: nodes register, beat and expire; the coordinator's cache of live nodes.
+
+A node registers (coming back empty if it restarted), then beats at half its lease;
+a node whose lease lapsed is a suspect, invisible to placement, until a reaper
+removes it (remove_node(require_expired=True): idempotent, refuses revived nodes, so
+every coordinator replica can run one). The reaper starts one lease after the
+coordinator does, so nodes that could not beat while it was down get to beat first.
+
+The coordinator keeps the live nodes (address, spec, load) in memory for placement;
+this mixin owns that cache and the store calls that change it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Mapping
+from dataclasses import replace
+from typing import Any
+
+from ..protos.errors import PagedKVError
+from .records import NodeInfo
+from .store import Store
+
+log = logging.getLogger("pagedkv.coordinator")
+
+
+class Membership:
+    """Register / heartbeat / reap / refresh_nodes, mixed into Coordinator (which sets the
+    attributes declared here in its __init__)."""
+
+    store: Store
+    config: Any  # CoordinatorConfig (core.py imports this module)
+    counters: dict[str, int]
+    _lock: threading.Lock
+    _stop: threading.Event
+    _nodes: dict[str, NodeInfo]
+    _recent_opens: dict[str, float]
+    _active_blocks: dict[str, int]
+
+    def _reap_loop(self, interval_s: float) -> None:
+        # Grace: after a (re)start every node gets one lease to beat before any
+        # is declared dead (a lapse during our own downtime is not a death).
+        if self._stop.wait(self.config.lease_ttl_s):
+            return
+        while not self._stop.wait(interval_s):
+            try:
+                self.reap()
+            except PagedKVError as exc:  # the store is down: try again next tick
+                log.warning("reaper: %s", exc)
+
+    def reap(self) -> list[str]:
+        """Remove nodes whose lease lapsed; refresh the node cache. Returns the removed ids."""
+        removed = []
+        for node_id in self.store.expired_nodes():
+            result = self.store.remove_node(node_id, require_expired=True)
+            if result.was_registered:
+                removed.append(node_id)
+                self.counters["nodes_reaped"] += 1
+                with self._lock:
+                    self._active_blocks.pop(node_id, None)  # its sequences are lost
+                log.warning(
+                    "node %s expired: %d sequences lost, %d keys purged",
+                    node_id,
+                    len(result.lost_seq_ids),
+                    result.num_keys_purged,
+                )
+        self.refresh_nodes()
+        return removed
+
+    def num_live_nodes(self) -> int:
+        with self._lock:
+            return len(self._nodes)
+
+    def refresh_nodes(self) -> list[NodeInfo]:
+        nodes = self.store.live_nodes()
+        with self._lock:
+            self._nodes = {n.node_id: n for n in nodes}
+        return nodes
+
+    def register(
+        self,
+        node_id: str,
+        address: str,
+        spec: Mapping[str, Any],
+        num_blocks: int,
+        epoch: int = 0,
+        policy: str = "",
+    ) -> None:
+        """A node joins, or comes back empty (its sequences lost, its keys purged): placement's
+        load there starts from nothing and its recent opens at its fair share (placement.py)."""
+        ttl = self.config.lease_ttl_s
+        result = self.store.register_node(node_id, address, dict(spec), num_blocks, ttl, epoch, policy=policy)
+        with self._lock:
+            self._active_blocks.pop(node_id, None)
+            # Neither ahead (its count from before it died) nor behind (0: every open would go
+            # to an empty cache until it caught up): a node starts at its fair share of opens.
+            others = {n: info.num_blocks for n, info in self._nodes.items() if n != node_id}
+            total = sum(others.values())
+            opens = sum(self._recent_opens.get(n, 0.0) for n in others)
+            self._recent_opens[node_id] = opens * num_blocks / total if total else 0.0
+        if result.was_registered and (result.lost_seq_ids or result.num_keys_purged):
+            log.warning("node %s re-registered empty: %d sequences lost", node_id, len(result.lost_seq_ids))
+        self.refresh_nodes()
+
+    def heartbeat(self, node_id: str, load: Mapping[str, int]) -> bool:
+        ok = self.store.heartbeat(node_id, dict(load), self.config.lease_ttl_s)
+        if ok:
+            with self._lock:
+                node = self._nodes.get(node_id)
+                if node is not None:
+                    self._nodes[node_id] = replace(node, load=dict(load))
+            if node is None:  # its lease had lapsed (e.g. while we were down): live again
+                self.refresh_nodes()
+        return ok
