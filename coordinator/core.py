@@ -170,6 +170,7 @@ class Coordinator(Membership):
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._reaper: threading.Thread | None = None
+        self._holder = uuid.uuid4().hex
         self._started_at = time.monotonic()  # start of the grace in which a lapsed lease is not a death
         self._inflight: dict[str, NodeCall] = {}  # seq id -> its node Open not yet settled
         # Cleanups after failed node opens and Free retries: Redis and sleeps, never

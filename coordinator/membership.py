@@ -2,9 +2,16 @@
 
 A node registers (coming back empty if it restarted), then beats at half its lease;
 a node whose lease lapsed is a suspect, invisible to placement, until a reaper
-removes it (remove_node(require_expired=True): idempotent, refuses revived nodes, so
-every coordinator replica can run one). The reaper starts one lease after the
-coordinator does, so nodes that could not beat while it was down get to beat first.
+removes it (remove_node(require_expired=True): idempotent, refuses revived nodes).
+The reaper starts one lease after the coordinator does, so nodes that could not
+beat while it was down get to beat first.
+
+Costs, N live nodes: a registration and a heartbeat are O(1) (one script on the
+node's own keys; the node cache changes in place, and a heartbeat of a node missing
+from it reads that node's record alone). Each reaper tick (lease/4) lists the live
+nodes once per replica (their loads, from heartbeats other replicas took: O(N));
+the scan for expired nodes runs in one replica only, the holder of the store's
+"reaper" lease (try_lead; another takes over within a lease when it dies).
 
 The coordinator keeps the live nodes (address, spec, load) in memory for placement;
 this mixin owns that cache and the store calls that change it.
@@ -37,6 +44,7 @@ class Membership:
     _nodes: dict[str, NodeInfo]
     _recent_opens: dict[str, float]
     _active_blocks: dict[str, int]
+    _holder: str  # this replica's name for the store's leases (unique per process)
 
     def _reap_loop(self, interval_s: float) -> None:
         # Grace: after a (re)start every node gets one lease to beat before any
@@ -45,7 +53,10 @@ class Membership:
             return
         while not self._stop.wait(interval_s):
             try:
-                self.reap()
+                if self.store.try_lead("reaper", self._holder, self.config.lease_ttl_s):
+                    self.reap()
+                else:
+                    self.refresh_nodes()
             except PagedKVError as exc:  # the store is down: try again next tick
                 log.warning("reaper: %s", exc)
 
@@ -99,9 +110,10 @@ class Membership:
             total = sum(others.values())
             opens = sum(self._recent_opens.get(n, 0.0) for n in others)
             self._recent_opens[node_id] = opens * num_blocks / total if total else 0.0
+            # What the store now holds, without listing every node (O(1) per registration).
+            self._nodes[node_id] = NodeInfo(node_id, address, dict(spec), num_blocks, {}, policy, epoch)
         if result.was_registered and (result.lost_seq_ids or result.num_keys_purged):
             log.warning("node %s re-registered empty: %d sequences lost", node_id, len(result.lost_seq_ids))
-        self.refresh_nodes()
 
     def heartbeat(self, node_id: str, load: Mapping[str, int]) -> bool:
         ok = self.store.heartbeat(node_id, dict(load), self.config.lease_ttl_s)
@@ -111,5 +123,12 @@ class Membership:
                 if node is not None:
                     self._nodes[node_id] = replace(node, load=dict(load))
             if node is None:  # its lease had lapsed (e.g. while we were down): live again
-                self.refresh_nodes()
+                revived = self.store.live_node(node_id)
+                if revived is not None:
+                    with self._lock:
+                        self._nodes[node_id] = revived
         return ok
+
+    def live_node(self, node_id: str) -> NodeInfo | None:
+        """The node as the store has it now (None when it is not live): one read, O(1)."""
+        return self.store.live_node(node_id)

@@ -82,6 +82,12 @@ class Store(ABC):
         """Registered nodes whose TTL has not lapsed, sorted by node_id. Read-only; one round trip."""
 
     @abstractmethod
+    def live_node(self, node_id: str) -> NodeInfo | None:
+        """The node's record if it is registered and its TTL has not lapsed, else None: what a
+        Register or a revived heartbeat needs without listing every node. Read-only; one
+        round trip, O(1)."""
+
+    @abstractmethod
     def expired_nodes(self) -> list[str]:
         """Ids of registered nodes whose TTL lapsed (sorted): what a reaper removes. Read-only;
         one round trip."""
@@ -96,6 +102,14 @@ class Store(ABC):
         and changes nothing (checked atomically), so a reaper racing a re-registration
         never drops a fresh node. One round trip.
         """
+
+    @abstractmethod
+    def try_lead(self, role: str, holder: str, ttl_s: float) -> bool:
+        """Take or renew the lease on `role` for `holder` (e.g. the reaper, so one replica scans
+        for expired nodes, not every one). True if `holder` holds it for the next ttl_s
+        seconds; False, changing nothing, while another holder's lease runs. A holder that
+        gets False, or does not renew within ttl_s, must stop acting in the role. One
+        round trip."""
 
     # ---- global prefix index (exact) ----------------------------------------------------------
 
