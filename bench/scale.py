@@ -20,7 +20,8 @@ some of them to other nodes: the hit share is reported). Reported:
 - Redis time per script (SLOWLOG at a 0 us threshold: every command with its server
   time) for open_sequence and delete_sequence, p50 (us);
 - CPU per open + close: the coordinators' (/proc, user + system) and Redis's (INFO cpu),
-  less what the same processes spent over as long a quiet window (heartbeats);
+  less what the same processes spent over as long a quiet window (heartbeats: also
+  reported, per beat), and the coordinators' raw figure;
 - events: coordinator CPU per event at batch 1 and at batch 256, and the apply_events
   script's Redis time per batch.
 
@@ -100,11 +101,13 @@ class Window:
         self.quiet_coord_s_per_s = (c1 - c0) / (t1 - t0)
         self.quiet_redis_s_per_s = (r1 - r0) / (t1 - t0)
 
-    def since(self, start: tuple[float, float, float]) -> tuple[float, float]:
-        """(coordinator CPU s, Redis CPU s) since `start`, quiet rate taken out."""
+    def since(self, start: tuple[float, float, float]) -> tuple[float, float, float]:
+        """(coordinator CPU s, the same with the quiet rate taken out, Redis CPU s less its
+        quiet rate) since `start`."""
         t1, c1, r1 = self.sample()
         dt = t1 - start[0]
         return (
+            c1 - start[1],
             max(0.0, c1 - start[1] - self.quiet_coord_s_per_s * dt),
             max(0.0, r1 - start[2] - self.quiet_redis_s_per_s * dt),
         )
@@ -140,7 +143,7 @@ def measure_opens(
         open_ms.append((t1 - t0) * 1e3)
         close_ms.append((t2 - t1) * 1e3)
         hits += reply.num_cached_tokens == len(prompt)
-    coord_s, redis_s = window.since(start)
+    raw_s, coord_s, redis_s = window.since(start)
     us = script_us(cluster, names)
     return {
         "opens": num_opens,
@@ -152,6 +155,7 @@ def measure_opens(
         "open_script_max_us": max(us.get("open_seq", [0])),
         "delete_script_p50_us": pct(us.get("delete_seq", []), 50),
         "coord_cpu_per_open_close_ms": coord_s / num_opens * 1e3,
+        "coord_cpu_raw_per_open_close_ms": raw_s / num_opens * 1e3,  # heartbeats meanwhile included
         "redis_cpu_per_open_close_ms": redis_s / num_opens * 1e3,
     }
 
@@ -168,7 +172,7 @@ def measure_events(
         cluster.redis.execute_command("SLOWLOG", "RESET")
         start = window.sample()
         nodes.report(len(nodes.ids) - 1, keys, batch)
-        coord_s, _ = window.since(start)
+        _, coord_s, _ = window.since(start)
         us = script_us(cluster, names).get("apply_events", [])
         out[f"batch{batch}_coord_cpu_per_event_us"] = coord_s / len(keys) * 1e6
         out[f"batch{batch}_apply_events_p50_us"] = pct(us, 50)
@@ -193,6 +197,7 @@ def run_point(
         window = Window(cluster)
         window.measure_quiet(args.quiet_s)
         point["quiet_coord_cpu_per_s"] = window.quiet_coord_s_per_s
+        point["coord_cpu_per_beat_us"] = window.quiet_coord_s_per_s / (num_nodes / nodes.interval_s) * 1e6
         salt = RedisStore(cluster.redis_url).tenant_salt("default")  # the coordinator's, SET NX
         rng = np.random.default_rng(args.seed)
         point["prompts"] = {}
@@ -209,7 +214,9 @@ def run_point(
             )
         point["events"] = measure_events(cluster, nodes, window, names, args.seed + 1)
         log(f"  events: {point['events']}")
-        point["nodes_reaped"] = sum(cluster.counters(i).get("nodes_reaped", 0) for i in range(coordinators))
+        counters = [cluster.counters(i) for i in range(coordinators)]
+        point["nodes_reaped"] = sum(c.get("nodes_reaped", 0) for c in counters)
+        point["reaps_held"] = sum(c.get("reaps_held", 0) for c in counters)
         point["late_beat_rounds"] = nodes.late_beats
         point["beats_unregistered"] = nodes.unregistered
         point["redis_used_memory_mb"] = cluster.redis.info("memory")["used_memory"] / 2**20
@@ -223,27 +230,29 @@ def render(r: dict[str, Any]) -> str:
     lines = [
         f"# bench.scale ({r['mode']}), {r['host']}",
         "",
-        "| nodes | coords | index | prompt | open p50 / p99 ms | open script p50 us | delete script p50 us | coord CPU / open+close ms | Redis CPU / open+close ms |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| nodes | coords | index | prompt | hit share | open p50 / p99 ms | open script p50 us | delete script p50 us | coord CPU / open+close ms (raw) | Redis CPU / open+close ms |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for p in r["points"]:
         for tokens, o in p["prompts"].items():
             lines.append(
                 f"| {p['nodes']} | {p['coordinators']} | {p['index_keys']:,} | {int(tokens):,} | "
-                f"{o['open_p50_ms']:.2f} / {o['open_p99_ms']:.2f} | {o['open_script_p50_us']:.0f} | "
-                f"{o['delete_script_p50_us']:.0f} | {o['coord_cpu_per_open_close_ms']:.2f} | "
+                f"{o['hit_share']:.2f} | {o['open_p50_ms']:.2f} / {o['open_p99_ms']:.2f} | "
+                f"{o['open_script_p50_us']:.0f} | {o['delete_script_p50_us']:.0f} | "
+                f"{o['coord_cpu_per_open_close_ms']:.2f} ({o['coord_cpu_raw_per_open_close_ms']:.2f}) | "
                 f"{o['redis_cpu_per_open_close_ms']:.3f} |"
             )
     lines += [
         "",
-        "| nodes | coords | register s | reaped | beats refused | coord CPU / event, batch 1 us | batch 256 us | apply_events p50 us, batch 1 / 256 | Redis MB |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| nodes | coords | register s | reaped | held reaps | beats refused | coord CPU / beat us | coord CPU / event, batch 1 us | batch 256 us | apply_events p50 us, batch 1 / 256 | Redis MB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for p in r["points"]:
         e = p["events"]
         lines.append(
             f"| {p['nodes']} | {p['coordinators']} | {p['register_s']:.2f} | {p['nodes_reaped']} | "
-            f"{p['beats_unregistered']} | {e['batch1_coord_cpu_per_event_us']:.0f} | "
+            f"{p['reaps_held']} | {p['beats_unregistered']} | {p['coord_cpu_per_beat_us']:.0f} | "
+            f"{e['batch1_coord_cpu_per_event_us']:.0f} | "
             f"{e['batch256_coord_cpu_per_event_us']:.1f} | {e['batch1_apply_events_p50_us']:.0f} / "
             f"{e['batch256_apply_events_p50_us']:.0f} | {p['redis_used_memory_mb']:.0f} |"
         )

@@ -182,6 +182,7 @@ class Coordinator(Membership):
             "cached_tokens": 0,
             "prompt_tokens": 0,
             "nodes_reaped": 0,
+            "reaps_held": 0,  # reaper ticks that held a mass expiry (membership.py)
             "open_failures": 0,  # asynchronous node opens that failed (page table dropped)
             "free_failures": 0,  # node Frees given up after free_retries
             # Why an open's first uncached block missed (the prompt's own, tenant-salted keys):

@@ -30,6 +30,8 @@ from .records import NodeInfo
 from .store import Store
 
 log = logging.getLogger("pagedkv.coordinator")
+MASS_EXPIRY_SHARE = 1 / 3  # Kubernetes' node controller stops evicting at 55% of a zone unready
+MASS_EXPIRY_MIN_NODES = 12  # below this, one death is a large share: always reaped
 
 
 class Membership:
@@ -61,9 +63,26 @@ class Membership:
                 log.warning("reaper: %s", exc)
 
     def reap(self) -> list[str]:
-        """Remove nodes whose lease lapsed; refresh the node cache. Returns the removed ids."""
-        removed = []
-        for node_id in self.store.expired_nodes():
+        """Remove nodes whose lease lapsed; refresh the node cache. Returns the removed ids.
+
+        A mass expiry (more than MASS_EXPIRY_SHARE of at least MASS_EXPIRY_MIN_NODES
+        registered nodes lapsed at once) is held, not reaped: that many beats late together
+        says this coordinator or Redis fell behind (a coordinator saturated by 1,000 nodes'
+        beats reaped 391 healthy ones, bench/README "Control plane at scale") more likely
+        than that many nodes died. They stay suspects, invisible to placement, and revive
+        with their next beat; real deaths are reaped once the share drops below it."""
+        removed: list[str] = []
+        expired = self.store.expired_nodes()
+        with self._lock:  # the cache may still list lapsed nodes: count each once
+            registered = len(set(expired).union(self._nodes))
+        if registered >= MASS_EXPIRY_MIN_NODES and len(expired) > MASS_EXPIRY_SHARE * registered:
+            self.counters["reaps_held"] += 1
+            log.warning(
+                "reaper: %d of %d nodes lapsed at once; holding (not reaped)", len(expired), registered
+            )
+            self.refresh_nodes()
+            return removed
+        for node_id in expired:
             result = self.store.remove_node(node_id, require_expired=True)
             if result.was_registered:
                 removed.append(node_id)

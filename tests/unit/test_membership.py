@@ -74,3 +74,25 @@ def test_one_replica_reaps_and_both_drop_the_dead_node() -> None:
     finally:
         for replica in replicas:
             replica.stop()
+
+
+def test_a_mass_expiry_is_held_and_real_deaths_reaped_once_beats_resume() -> None:
+    now = [0.0]
+    store = MemoryStore(clock=lambda: now[0])
+    coordinator = Coordinator(store, CoordinatorConfig(lease_ttl_s=30))
+    ids = [f"n{i:02}" for i in range(12)]
+    for node_id in ids:
+        coordinator.register(node_id, f"10.0.0.1:{node_id[1:]}", SPEC, 64)
+    now[0] = 20.0
+    for node_id in ids[:7]:
+        coordinator.heartbeat(node_id, {})
+    now[0] = 35.0  # 5 of 12 lapsed at once: more than a third
+    assert coordinator.reap() == []
+    assert coordinator.counters["reaps_held"] == 1 and coordinator.counters["nodes_reaped"] == 0
+    assert store.expired_nodes() == ids[7:]  # suspects, not removed
+    assert coordinator.node("n07") is None  # ...and invisible to placement meanwhile
+    for node_id in ids[7:10]:
+        assert coordinator.heartbeat(node_id, {})  # the late ones beat again
+    assert coordinator.reap() == ["n10", "n11"]  # 2 of 12: reaped
+    assert coordinator.counters["nodes_reaped"] == 2 and coordinator.num_live_nodes() == 10
+    coordinator.stop()
