@@ -219,6 +219,8 @@ def run_point(
         point["reaps_held"] = sum(c.get("reaps_held", 0) for c in counters)
         point["late_beat_rounds"] = nodes.late_beats
         point["beats_unregistered"] = nodes.unregistered
+        point["reports_lapsed"] = nodes.lapsed_reports
+        point["beats_failed"] = nodes.failed_beats
         point["redis_used_memory_mb"] = cluster.redis.info("memory")["used_memory"] / 2**20
     finally:
         nodes.stop()

@@ -134,6 +134,8 @@ class FakeNodes:
         self.interval_s = cluster.lease_ttl_s / 2
         self.late_beats = 0  # beats sent more than a tenth of the interval late
         self.unregistered = 0  # beats answered is_registered=False (the node was reaped)
+        self.failed_beats = 0  # beats that failed (UNAVAILABLE, deadline)
+        self.lapsed_reports = 0  # ReportEvents refused (lease lapsed): registered again
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -145,15 +147,17 @@ class FakeNodes:
         start = time.perf_counter()
         pending: list[Any] = []
         for i, node_id in enumerate(self.ids):
-            request = pb.RegisterRequest(
-                node_id=node_id, address=self.cluster.stub_address, spec=SPEC, num_blocks=NODE_BLOCKS
-            )
-            pending.append(self._stub(i).Register.future(request, timeout=60))
+            pending.append(self._stub(i).Register.future(self._register_request(node_id), timeout=60))
             if len(pending) >= 64:
                 pending.pop(0).result()
         for f in pending:
             f.result()
         return time.perf_counter() - start
+
+    def _register_request(self, node_id: str) -> pb.RegisterRequest:
+        return pb.RegisterRequest(
+            node_id=node_id, address=self.cluster.stub_address, spec=SPEC, num_blocks=NODE_BLOCKS
+        )
 
     def start_beating(self) -> None:
         self._thread = threading.Thread(target=self._beat, name="fake-beats", daemon=True)
@@ -170,8 +174,11 @@ class FakeNodes:
                 for i, n in enumerate(self.ids)
             ]
             for call in calls:
-                if not call.result().is_registered:
-                    self.unregistered += 1
+                try:
+                    if not call.result().is_registered:
+                        self.unregistered += 1
+                except grpc.RpcError:  # UNAVAILABLE (Redis timed out under load): a missed beat
+                    self.failed_beats += 1
             next_at += self.interval_s
             self._stop.wait(max(0.0, next_at - time.monotonic()))
 
@@ -181,7 +188,15 @@ class FakeNodes:
         rpcs = 0
         for first in range(0, len(keys), batch):
             events = [pb.BlockEvent(kind=pb.BlockEvent.STORED, key=k) for k in keys[first : first + batch]]
-            stub.ReportEvents(pb.ReportEventsRequest(node_id=self.ids[node], events=events), timeout=60)
+            request = pb.ReportEventsRequest(node_id=self.ids[node], events=events)
+            try:
+                stub.ReportEvents(request, timeout=60)
+            except grpc.RpcError as err:  # its lease lapsed (an overloaded host): as a node, register again
+                if err.code() != grpc.StatusCode.NOT_FOUND:
+                    raise
+                self.lapsed_reports += 1
+                stub.Register(self._register_request(self.ids[node]), timeout=60)
+                stub.ReportEvents(request, timeout=60)
             rpcs += 1
         return rpcs
 

@@ -8,7 +8,8 @@ An open, in round trips to the store (Redis):
 
     salt, root  tenant_salt      0 (cached in process: a salt never changes, nor its root key)
     keys        chain_keys       0 (joined into one bytes: one argument on the wire)
-    open        open_sequence    1 (one script: match the prefix on every candidate,
+    open        open_sequence    1 (one script: match the prefix on the nodes the index
+                                    lists for its first key, O(holders x keys) (store.py),
                                     placement.place ported to Lua, the tenant's quota,
                                     the page table; candidates and their room come from
                                     a node cache refreshed by the reaper tick)

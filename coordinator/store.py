@@ -137,7 +137,8 @@ class Store(ABC):
         """For every live node, how many LEADING keys of `keys` it holds on either tier
         (keys[0], keys[1], ... consecutively; the first key it lacks stops its count). Live
         nodes holding nothing map to 0; expired nodes are absent. Read-only; one
-        round trip (one script), a consistent snapshot.
+        round trip (one script), a consistent snapshot. O(H x K + N): H nodes holding
+        keys[0] are asked their run, the N live nodes are listed.
         """
 
     @abstractmethod
@@ -183,6 +184,11 @@ class Store(ABC):
            that key stored (apply_events drops the marker).
 
         Checked in that order; any error changes nothing. Returns the Placement.
+
+        Cost, K prompt keys, H live candidates holding the first key, C candidates: the
+        match is O(H x K) (through the key -> nodes index; a node holding none of the prompt
+        costs nothing there), placement O(C) with a small constant per candidate (its room
+        arrives with the call; bench/README "Control plane at scale" gives the figures).
         """
 
     @abstractmethod
