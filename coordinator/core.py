@@ -8,7 +8,8 @@ An open, in round trips to the store (Redis):
 
     salt, root  tenant_salt      0 (cached in process: a salt never changes, nor its root key)
     keys        chain_keys       0 (joined into one bytes: one argument on the wire)
-    open        open_sequence    1 (one script: match the prefix on every candidate,
+    open        open_sequence    1 (one script: match the prefix on the nodes the index
+                                    lists for its first key, O(holders x keys) (store.py),
                                     placement.place ported to Lua, the tenant's quota,
                                     the page table; candidates and their room come from
                                     a node cache refreshed by the reaper tick)
@@ -28,12 +29,11 @@ wait for it first (`_inflight`, where an open enters before its script runs, so 
 concurrent close always finds it); close does not wait: it deletes the record (one
 round trip, tenant-checked in the script) and chains the node Free after the open.
 
-A reaper thread removes the nodes liveness.py declares dead (a lapsed lease, a grace,
-a failed direct probe, never during or just after a store outage; remove_node marks
-their sequences lost and purges their keys) and refreshes the node cache. Every
-coordinator replica can run one: remove_node(require_expired=True) is idempotent and
-refuses revived nodes. Heartbeats carrying the node's held sequence ids go through
-reconcile.py (orphans freed, ghosts marked lost); lost records expire (lost_ttl_s).
+Membership (register, heartbeat, the reaper thread, the node cache) is in
+membership.py, mixed into Coordinator; the reaper's verdicts come from liveness.py (a
+lapsed lease, a grace, a failed direct probe, never during or just after a store
+outage), heartbeats carrying a node's held sequence ids go through reconcile.py
+(orphans freed, ghosts marked lost), and lost records expire (lost_ttl_s).
 
 Idempotency: close of an id without a page table succeeds (a retried close); close of a
 lost sequence raises SequenceLost once and drops its record; an open retried with the
@@ -46,7 +46,6 @@ import logging
 import threading
 import time
 import uuid
-from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -59,7 +58,6 @@ from ..protos import pagedkv_pb2 as pb
 from ..protos import pagedkv_pb2_grpc as pb_grpc
 from ..protos.attention import from_messages
 from ..protos.errors import (
-    FailedPrecondition,
     InvalidArgument,
     NotFound,
     PagedKVError,
@@ -73,11 +71,12 @@ from ..protos.keys import KEY_BYTES, chain_keys, chain_keys_packed, root_key
 from ..protos.status import error_from_rpc
 from .auth import ClusterAccess
 from .liveness import Liveness, LivenessConfig, ProbeAnswer
+from .membership import Membership
 from .misses import REASONS, MissExplanation, RemovedKeys, explain
 from .node_calls import NodeCalls
 from .placement import Placement, PlacementWeights
 from .reconcile import Reconciler
-from .records import NewSequence, NodeInfo, NodeRoom, PurgeResult, SequenceRecord
+from .records import NewSequence, NodeInfo, NodeRoom, SequenceRecord
 from .reuse import ReuseClasses, ReuseConfig
 from .store import Store
 
@@ -173,7 +172,7 @@ class NodeCall:
         fn(self.error)
 
 
-class Coordinator:
+class Coordinator(Membership):
     def __init__(self, store: Store, config: CoordinatorConfig | None = None) -> None:
         self.store = store
         self.config = config or CoordinatorConfig()
@@ -190,6 +189,7 @@ class Coordinator:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._reaper: threading.Thread | None = None
+        self._holder = uuid.uuid4().hex
         self._started_at = time.monotonic()  # start of the grace in which a lapsed lease is not a death
         self._inflight: dict[str, NodeCall] = {}  # seq id -> its node Open not yet settled
         # Cleanups after failed node opens and Free retries: Redis and sleeps, never
@@ -201,6 +201,7 @@ class Coordinator:
             "cached_tokens": 0,
             "prompt_tokens": 0,
             "nodes_reaped": 0,
+            "reaps_held": 0,  # reaper ticks that held a mass expiry (membership.py)
             "open_failures": 0,  # asynchronous node opens that failed (page table dropped)
             "free_failures": 0,  # node Frees given up after free_retries
             # Why an open's first uncached block missed (the prompt's own, tenant-salted keys):
@@ -219,8 +220,6 @@ class Coordinator:
             self.config.lost_ttl_s,
             release=self._release_lost,
         )
-        # First answers of recent opens, by request id (a retry to this process gets it exactly).
-        self._answers: OrderedDict[str, OpenResult] = OrderedDict()
 
     # -- lifecycle ----------------------------------------------------------------
 
@@ -244,144 +243,6 @@ class Coordinator:
     def node_calls(self) -> NodeCalls:
         """The node calls sent without waiting (a servicer holds them back while it replies)."""
         return self._node_calls
-
-    def _reap_loop(self, interval_s: float) -> None:
-        # Grace: after a (re)start every node gets one lease to beat before any
-        # is declared dead (a lapse during our own downtime is not a death).
-        if self._stop.wait(self.config.lease_ttl_s):
-            return
-        while not self._stop.wait(interval_s):
-            try:
-                self.reap()
-            except PagedKVError as exc:  # the store is down: try again next tick
-                log.warning("reaper: %s", exc)
-
-    def reap(self) -> list[str]:
-        """Remove the nodes liveness.py declares dead; refresh the node cache. Returns the
-        removed ids."""
-        removed = []
-        try:
-            expired = self.store.expired_nodes()
-        except Unavailable:
-            self.liveness.store_failed()
-            raise
-        self.liveness.store_answered()
-        for node_id in self.liveness.dead(expired):
-            records = self.store.sequences_of_node(node_id)
-            try:
-                result = self.store.remove_node(node_id, require_expired=True)
-            except FailedPrecondition:  # it beat meanwhile
-                continue
-            if result.was_registered:
-                removed.append(node_id)
-                self.counters["nodes_reaped"] += 1
-                self._node_gone(node_id, records, result.lost_seq_ids)
-                log.warning(
-                    "node %s declared dead: %d sequences lost, %d keys purged",
-                    node_id,
-                    len(result.lost_seq_ids),
-                    result.num_keys_purged,
-                )
-        self.refresh_nodes()
-        return removed
-
-    def _node_gone(self, node_id: str, records: Sequence[SequenceRecord], lost_ids: Sequence[str]) -> None:
-        """A node died or re-registered: its sequences `lost_ids` are lost (records: what
-        they were just before)."""
-        with self._lock:
-            self._active_blocks.pop(node_id, None)  # its sequences are lost
-        self.liveness.forget(node_id)
-        self.reconciler.forget(node_id)
-        lost = set(lost_ids)
-        self.reconciler.lost([r for r in records if r.seq_id in lost])
-
-    def _release_lost(self, record: SequenceRecord) -> None:
-        """What a sequence that became lost held: its tenant's quota (close releases nothing
-        more for a lost record)."""
-        if record.tenant in self.config.quotas and record.num_blocks:
-            self.store.release_blocks(record.tenant, record.num_blocks)
-
-    def is_replaced(self, node: NodeInfo) -> bool:
-        """Is another process (a restart: another epoch) answering at the node's address
-        (a probe)? Then its registration is gone for sure; no answer proves nothing (the
-        old process may be cut off, still serving until its fence)."""
-        answer = self._probe(node, self.config.probe_timeout_s)
-        return answer is not None and answer.epoch != node.epoch
-
-    def _probe(self, node: NodeInfo, timeout_s: float) -> ProbeAnswer | None:
-        """liveness.py's direct probe: the node's Stats (its epoch, whether it is fenced)."""
-        try:
-            reply = self._stub(node.address).Stats(pb.Empty(), timeout=timeout_s)
-        except grpc.RpcError:
-            return None
-        return ProbeAnswer(int(reply.epoch), bool(reply.is_fenced))
-
-    def num_live_nodes(self) -> int:
-        with self._lock:
-            return len(self._nodes)
-
-    def refresh_nodes(self) -> list[NodeInfo]:
-        nodes = self.store.live_nodes()
-        with self._lock:
-            self._nodes = {n.node_id: n for n in nodes}
-        self.liveness.seen_live(nodes)
-        return nodes
-
-    # -- membership ---------------------------------------------------------------
-
-    def register(
-        self,
-        node_id: str,
-        address: str,
-        spec: Mapping[str, Any],
-        num_blocks: int,
-        epoch: int = 0,
-        policy: str = "",
-    ) -> PurgeResult:
-        """A node joins, or comes back empty (its sequences lost, its keys purged): placement's
-        load there starts from nothing and its recent opens at its fair share (placement.py).
-        Returns what its earlier registration lost (the node answers SequenceLost for those)."""
-        ttl = self.config.lease_ttl_s
-        records = self.store.sequences_of_node(node_id)
-        result = self.store.register_node(node_id, address, dict(spec), num_blocks, ttl, epoch, policy=policy)
-        self._node_gone(node_id, records, result.lost_seq_ids)
-        with self._lock:
-            self._active_blocks.pop(node_id, None)
-            # Neither ahead (its count from before it died) nor behind (0: every open would go
-            # to an empty cache until it caught up): a node starts at its fair share of opens.
-            others = {n: info.num_blocks for n, info in self._nodes.items() if n != node_id}
-            total = sum(others.values())
-            opens = sum(self._recent_opens.get(n, 0.0) for n in others)
-            self._recent_opens[node_id] = opens * num_blocks / total if total else 0.0
-        if result.was_registered and (result.lost_seq_ids or result.num_keys_purged):
-            log.warning("node %s re-registered empty: %d sequences lost", node_id, len(result.lost_seq_ids))
-        self.refresh_nodes()
-        return result
-
-    def heartbeat(
-        self, node_id: str, load: Mapping[str, int], held: Sequence[str] | None = None
-    ) -> tuple[bool, list[str]]:
-        """Renew the node's lease; with `held` (every sequence id it holds) reconcile it with
-        the store. Returns (is it registered, the ids it must free)."""
-        try:
-            ok = self.store.heartbeat(node_id, dict(load), self.config.lease_ttl_s)
-        except Unavailable:
-            self.liveness.store_failed()
-            raise
-        if ok:
-            with self._lock:
-                node = self._nodes.get(node_id)
-                if node is not None:
-                    self._nodes[node_id] = replace(node, load=dict(load))
-            if node is None:  # its lease had lapsed (e.g. while we were down): live again
-                self.refresh_nodes()
-        free: list[str] = []
-        if ok and held is not None:
-            try:
-                free = self.reconciler.report(node_id, held)
-            except PagedKVError as exc:  # the renewal stands; reconcile next time
-                log.warning("reconcile of node %s: %s", node_id, exc)
-        return ok, free
 
     def report_events(self, node_id: str, events: Sequence[tuple[int, bytes]]) -> int:
         """Apply a node's ordered stored/offloaded/removed events; each key's last event wins
@@ -415,6 +276,39 @@ class Coordinator:
     def node(self, node_id: str) -> NodeInfo | None:
         """A live node as this coordinator last saw it (None when it is not live)."""
         return self._nodes_for(None).get(node_id)
+
+    # -- failures (liveness.py, reconcile.py) ----------------------------------------
+
+    def _node_gone(self, node_id: str, records: Sequence[SequenceRecord], lost_ids: Sequence[str]) -> None:
+        """A node died or re-registered: its sequences `lost_ids` are lost (records: what
+        they were just before)."""
+        with self._lock:
+            self._active_blocks.pop(node_id, None)  # its sequences are lost
+        self.liveness.forget(node_id)
+        self.reconciler.forget(node_id)
+        lost = set(lost_ids)
+        self.reconciler.lost([r for r in records if r.seq_id in lost])
+
+    def _release_lost(self, record: SequenceRecord) -> None:
+        """What a sequence that became lost held: its tenant's quota (close releases nothing
+        more for a lost record)."""
+        if record.tenant in self.config.quotas and record.num_blocks:
+            self.store.release_blocks(record.tenant, record.num_blocks)
+
+    def is_replaced(self, node: NodeInfo) -> bool:
+        """Is another process (a restart: another epoch) answering at the node's address
+        (a probe)? Then its registration is gone for sure; no answer proves nothing (the
+        old process may be cut off, still serving until its fence)."""
+        answer = self._probe(node, self.config.probe_timeout_s)
+        return answer is not None and answer.epoch != node.epoch
+
+    def _probe(self, node: NodeInfo, timeout_s: float) -> ProbeAnswer | None:
+        """liveness.py's direct probe: the node's Stats (its epoch, whether it is fenced)."""
+        try:
+            reply = self._stub(node.address).Stats(pb.Empty(), timeout=timeout_s)
+        except grpc.RpcError:
+            return None
+        return ProbeAnswer(int(reply.epoch), bool(reply.is_fenced))
 
     def _stub(self, address: str) -> pb_grpc.CacheNodeStub:
         with self._lock:
@@ -892,7 +786,7 @@ class Coordinator:
 
     def describe(self, tenant: str, seq_id: str) -> tuple[SequenceRecord, NodeInfo]:
         """The page table and the live node of a sequence (any worker can find it by id).
-        Raises NodeLost when its node died."""
+        Raises SequenceLost when its node died."""
         record = self._record(tenant, seq_id)
         return record, self._live_node_of(record)
 
