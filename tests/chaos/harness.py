@@ -60,6 +60,13 @@ LEASE_S = 3.0
 DETECTION_BOUND_S = LEASE_S * 1.75 + 1.0 + 2.0
 
 
+def next_kv(pos: int, token: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """expected_kv's K and V of one position, [layers, 1, kv_heads, dim], without the prefix."""
+    g = torch.Generator().manual_seed(pos * 1_000_003 + token)
+    shape = (SPEC.num_layers, SPEC.num_kv_heads, SPEC.head_dim)
+    return torch.randn(shape, generator=g).unsqueeze(1), torch.randn(shape, generator=g).unsqueeze(1)
+
+
 def wait_pong(port: int, timeout_s: float = 10.0) -> None:
     """Until the redis-server (or sentinel) on `port` answers PING."""
     deadline = time.monotonic() + timeout_s
@@ -154,7 +161,11 @@ class Workload:
             while not self._stop.is_set():
                 n += 1
                 prompt = SYSTEM + [rng.randrange(20_000, 30_000) for _ in range(rng.randrange(8, 40))]
-                self.run_one(client, f"w{i}-{n}-{uuid.uuid4().hex[:6]}", prompt, rng)
+                try:
+                    self.run_one(client, f"w{i}-{n}-{uuid.uuid4().hex[:6]}", prompt, rng)
+                except Exception as exc:  # noqa: BLE001 - a bug in the workload is a failure too
+                    self.tally.add("wrong", f"worker {i}: {type(exc).__name__}: {exc}")
+                    return
 
     def run_one(self, client: CacheClient, seq_id: str, prompt: list[int], rng: random.Random) -> None:
         """One sequence, start to close; every outcome counted in the tally."""
@@ -210,7 +221,7 @@ class Workload:
         tokens = list(prompt)
         for _ in range(rng.randrange(2, 6)):
             tokens.append(rng.randrange(20_000, 30_000))
-            nk, nv = expected_kv(tokens[-1:], len(tokens) - 1)
+            nk, nv = next_kv(len(tokens) - 1, tokens[-1])
             k, v = torch.cat((k, nk), 1), torch.cat((v, nv), 1)
             for layer in range(SPEC.num_layers):
                 q = torch.randn(Q_HEADS, SPEC.head_dim, generator=torch.Generator().manual_seed(len(tokens)))
