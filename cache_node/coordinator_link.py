@@ -230,8 +230,9 @@ class CoordinatorLink:
                 request.held_seq_ids.extend(held)
                 request.held_complete = True
         sent_at = time.monotonic()
-        # A renewal that takes longer than a beat is of no use to the lease: fail it and retry.
-        timeout = min(self.rpc_timeout_s, max(self.heartbeat_interval_s, 0.2))
+        # The renewal counts from when it was sent, so a late answer (a loaded coordinator) still
+        # renews; one slower than half the lease would leave too little of it: fail and retry.
+        timeout = min(self.rpc_timeout_s, max(self.lease_ttl_s / 2, 0.2))
         reply = self._stub.Heartbeat(request, timeout=timeout, metadata=self._metadata())
         if not reply.is_registered:
             self._rejoin()
