@@ -70,7 +70,8 @@ from ..protos.errors import (
 from ..protos.keys import KEY_BYTES, chain_keys, chain_keys_packed, root_key
 from ..protos.status import error_from_rpc
 from .auth import ClusterAccess
-from .liveness import Liveness, LivenessConfig, ProbeAnswer
+from .failures import Failures
+from .liveness import Liveness, LivenessConfig
 from .membership import Membership
 from .misses import REASONS, MissExplanation, RemovedKeys, explain
 from .node_calls import NodeCalls
@@ -172,7 +173,7 @@ class NodeCall:
         fn(self.error)
 
 
-class Coordinator(Membership):
+class Coordinator(Failures, Membership):
     def __init__(self, store: Store, config: CoordinatorConfig | None = None) -> None:
         self.store = store
         self.config = config or CoordinatorConfig()
@@ -276,39 +277,6 @@ class Coordinator(Membership):
     def node(self, node_id: str) -> NodeInfo | None:
         """A live node as this coordinator last saw it (None when it is not live)."""
         return self._nodes_for(None).get(node_id)
-
-    # -- failures (liveness.py, reconcile.py) ----------------------------------------
-
-    def _node_gone(self, node_id: str, records: Sequence[SequenceRecord], lost_ids: Sequence[str]) -> None:
-        """A node died or re-registered: its sequences `lost_ids` are lost (records: what
-        they were just before)."""
-        with self._lock:
-            self._active_blocks.pop(node_id, None)  # its sequences are lost
-        self.liveness.forget(node_id)
-        self.reconciler.forget(node_id)
-        lost = set(lost_ids)
-        self.reconciler.lost([r for r in records if r.seq_id in lost])
-
-    def _release_lost(self, record: SequenceRecord) -> None:
-        """What a sequence that became lost held: its tenant's quota (close releases nothing
-        more for a lost record)."""
-        if record.tenant in self.config.quotas and record.num_blocks:
-            self.store.release_blocks(record.tenant, record.num_blocks)
-
-    def is_replaced(self, node: NodeInfo) -> bool:
-        """Is another process (a restart: another epoch) answering at the node's address
-        (a probe)? Then its registration is gone for sure; no answer proves nothing (the
-        old process may be cut off, still serving until its fence)."""
-        answer = self._probe(node, self.config.probe_timeout_s)
-        return answer is not None and answer.epoch != node.epoch
-
-    def _probe(self, node: NodeInfo, timeout_s: float) -> ProbeAnswer | None:
-        """liveness.py's direct probe: the node's Stats (its epoch, whether it is fenced)."""
-        try:
-            reply = self._stub(node.address).Stats(pb.Empty(), timeout=timeout_s)
-        except grpc.RpcError:
-            return None
-        return ProbeAnswer(int(reply.epoch), bool(reply.is_fenced))
 
     def _stub(self, address: str) -> pb_grpc.CacheNodeStub:
         with self._lock:
@@ -548,18 +516,6 @@ class Coordinator(Membership):
             call.settled.result()  # raises the node's error (the page table is gone by then)
             num_host_hit = call.host_hit_tokens
         return OpenResult(seq_id, node.node_id, node.address, num_cached, placement, num_host_hit, miss=miss)
-
-    def _first_answer(self, tenant: str, seq_id: str, request_id: str, exists: SequenceExists) -> OpenResult:
-        """A retried open (the same request id): what the first one answered, from its page
-        table; `exists` when the id is another open's."""
-        record = self.store.get_sequence(seq_id)
-        if record.tenant != tenant or record.request_id != request_id:
-            raise exists
-        node = self._live_node_of(record)
-        bs = int(node.spec["block_size"])
-        cached = record.num_cached_blocks
-        placement = Placement(node.node_id, cached, cached * bs, record.num_blocks - cached)
-        return OpenResult(seq_id, node.node_id, node.address, cached * bs, placement)
 
     def _learn(self, placement: Placement, keys: bytes) -> None:
         """Feed the open to the reuse classes (reuse.py): the keys it hit on its node, the first

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -53,9 +53,7 @@ class Membership:
     _holder: str  # this replica's name for the store's leases (unique per process)
     liveness: Liveness
     reconciler: Reconciler
-
-    def _node_gone(self, node_id: str, records: Sequence[SequenceRecord], lost_ids: Sequence[str]) -> None:
-        raise NotImplementedError  # core.py: release what the lost sequences held
+    _node_gone: Callable[[str, Sequence[SequenceRecord], Sequence[str]], None]  # failures.py
 
     def _reap_loop(self, interval_s: float) -> None:
         # Grace: after a (re)start every node gets one lease to beat before any
