@@ -201,7 +201,7 @@ class Gate:
         seq_id = exc.seq_id
         if isinstance(seq_id, str) and self._expected.get(seq_id):
             reason = (
-                f"its open never reached node {self.node_id!r} (its coordinator failed before sending it)"
+                f"its open never reached node {self.node_id!r} (the coordinator failed or could not send it)"
             )
             return SequenceLost(seq_id, reason, self.node_id)
         return exc
