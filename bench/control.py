@@ -80,7 +80,7 @@ from pagedkv.client import channels
 from pagedkv.client.routing import CoordinatorRouting
 from pagedkv.client.sync import CacheClient
 from pagedkv.cluster import LocalCluster, NodeOptions, free_port
-from pagedkv.coordinator import redis_store
+from pagedkv.coordinator import redis_scripts
 from pagedkv.coordinator.records import NewSequence, NodeRoom
 from pagedkv.coordinator.redis_store import RedisStore
 from pagedkv.protos import pagedkv_pb2 as pb
@@ -285,9 +285,9 @@ def hist_delta(a: dict, b: dict, method: str) -> dict[str, float]:
 def script_names() -> dict[str, str]:
     """EVALSHA digest -> RedisStore script name."""
     names = {}
-    for attr in dir(redis_store):
-        val = getattr(redis_store, attr)
-        if attr.startswith("_") and attr.isupper() and isinstance(val, str) and "redis.call" in val:
+    for attr in dir(redis_scripts):
+        val = getattr(redis_scripts, attr)
+        if attr.isupper() and isinstance(val, str) and "redis.call" in val:
             names[hashlib.sha1(val.encode()).hexdigest()] = attr.strip("_").lower()
     return names
 
