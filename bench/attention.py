@@ -33,8 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from bench import plots
-from pagedkv.cache_node import attention_kernel
-from pagedkv.cache_node.attention import kernel_info, paged_decode
+from pagedkv.cache_node.attention import cpu_kernel, kernel_info, paged_decode
 
 RESULTS = Path(__file__).with_name("results")
 BATCH, NUM_Q_HEADS, HEAD_DIM, BLOCK_SIZE = 8, 32, 128, 16
@@ -56,7 +55,7 @@ def _cold_build() -> tuple[float | None, str]:
     with tempfile.TemporaryDirectory() as tmp:
         os.environ["PAGEDKV_KERNEL_DIR"] = tmp
         try:
-            fn, info = attention_kernel._build_kernel()
+            fn, info = cpu_kernel._build_kernel()
         finally:
             if saved is None:
                 del os.environ["PAGEDKV_KERNEL_DIR"]
@@ -303,14 +302,15 @@ def main() -> None:
     )
     parser.add_argument("--quick", action="store_true", help="L=512 and 2048 only, shorter timing")
     parser.add_argument("--out", type=Path, default=RESULTS, help="results directory")
+    parser.add_argument("--smoke", action="store_true", help="L=128 only, the fewest repeats (CI)")
     parser.add_argument("--threads", type=int, default=None, help="torch / kernel threads (default: torch's)")
     args = parser.parse_args()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     global SECONDS_PER_SHAPE
-    if args.quick:
-        SECONDS_PER_SHAPE = 3.0
-    report = run([512, 2048] if args.quick else [512, 2048, 8192])
+    if args.quick or args.smoke:
+        SECONDS_PER_SHAPE = 0.0 if args.smoke else 3.0
+    report = run([128] if args.smoke else [512, 2048] if args.quick else [512, 2048, 8192])
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "attention.json").write_text(json.dumps(report, indent=2) + "\n")
     (args.out / "attention.md").write_text(to_markdown(report))

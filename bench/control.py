@@ -52,35 +52,43 @@ Then, in separate phases:
 from __future__ import annotations
 
 import argparse
-import hashlib
 import importlib.metadata as md
 import json
 import os
 import platform
 import random
-import shutil
-import statistics
 import subprocess
-import sys
-import tempfile
 import threading
 import time
-import urllib.request
 from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import redis
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from prometheus_client.parser import text_string_to_metric_families
 
+from bench.control_profile import profile_coordinator
+from bench.control_redis import MATCH_ARGS, count_commands, hist_delta, scrape_handler_hist
+from bench.control_report import findings, render
+from bench.control_setup import (
+    N_SYSTEM,
+    NODE,
+    PREFIX,
+    SUFFIX_LEN,
+    SYSTEM_LEN,
+    TENANT,
+    BenchCluster,
+    log,
+    pcts,
+    previous_token_list,
+    w2_requests,
+    with_previous_token_lists,
+)
+from bench.revisions import import_root
 from pagedkv.client import channels
-from pagedkv.client.routing import CoordinatorRouting
 from pagedkv.client.sync import CacheClient
-from pagedkv.cluster import LocalCluster, NodeOptions, free_port
-from pagedkv.coordinator import redis_scripts
+from pagedkv.cluster import free_port
 from pagedkv.coordinator.records import NewSequence, NodeRoom
 from pagedkv.coordinator.redis_store import RedisStore
 from pagedkv.protos import pagedkv_pb2 as pb
@@ -89,336 +97,6 @@ from pagedkv.protos.keys import chain_keys, root_key
 from pagedkv.protos.spec import ModelSpec
 
 RESULTS = Path(__file__).resolve().parent / "results"
-NODE = NodeOptions(
-    num_layers=2,
-    num_kv_heads=2,
-    head_dim=32,
-    dtype="float32",
-    block_size=16,
-    num_blocks=2048,
-    host_blocks=256,
-)
-TENANT = "default"  # no tenants file: auth off, one tenant
-PREFIX = "pkv:"
-N_SYSTEM, SYSTEM_LEN, SUFFIX_LEN = 8, 1024, 128
-
-
-# ---------------------------------------------------------------------------- helpers
-
-
-def log(msg: str) -> None:
-    print(f"[control {time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-def pcts(samples_s: list[float]) -> dict[str, float]:
-    ms = sorted(s * 1e3 for s in samples_s)
-    if not ms:
-        return {"n": 0}
-    p99 = ms[min(len(ms) - 1, round(0.99 * (len(ms) - 1)))]
-    return {"p50_ms": statistics.median(ms), "p99_ms": p99, "mean_ms": statistics.fmean(ms), "n": len(ms)}
-
-
-def w2_requests(n: int) -> tuple[list[list[int]], list[list[int]], str]:
-    """(system prompts, W2 prompts) from kvbench's generator, or an exact replica of it."""
-    peers = "/work/shared/peers"
-    try:
-        sys.path.insert(0, peers)
-        from kvbench.workloads import w2_shared_prefix  # type: ignore[import-not-found]
-
-        wl = w2_shared_prefix(n=n, n_system=N_SYSTEM, system_len=SYSTEM_LEN, suffix_len=SUFFIX_LEN)
-        prompts = [r.prompt for r in wl.requests]
-        source = "kvbench.workloads.w2_shared_prefix(seed=4321)"
-        # the system prompts are the generator's first draws (some may be unpicked in `prompts`)
-        rng = np.random.default_rng(4321)
-        systems = [rng.integers(0, 32000, size=SYSTEM_LEN).tolist() for _ in range(N_SYSTEM)]
-        assert all(p[:SYSTEM_LEN] in systems for p in prompts[:50])
-        return systems, prompts, source
-    except ImportError:
-        pass
-    finally:
-        if sys.path and sys.path[0] == peers:
-            sys.path.pop(0)
-    rng = np.random.default_rng(4321)  # replica of w2_shared_prefix (same draws, same order)
-    systems = [rng.integers(0, 32000, size=SYSTEM_LEN).tolist() for _ in range(N_SYSTEM)]
-    pick = rng.integers(0, N_SYSTEM, size=n)
-    prompts = []
-    for i in range(n):
-        suffix = rng.integers(0, 32000, size=SUFFIX_LEN).tolist()
-        rng.integers(0, 32000, size=64)  # decode tokens (unused here)
-        prompts.append(systems[int(pick[i])] + suffix)
-    return systems, prompts, "replica of kvbench w2_shared_prefix(seed=4321)"
-
-
-class BenchCluster(LocalCluster):
-    """LocalCluster plus the measured coordinators: replicas on the same redis-server,
-    one running this code (serving Prometheus /metrics: handler latency) and, on
-    request, one running another git revision's code (the baseline). The nodes beat
-    and report their block events to the cluster's own coordinator, so the two
-    measured ones have the same role (before, this code was measured on the node-facing
-    coordinator and the baseline on a replica, which favoured the baseline)."""
-
-    metrics_port = 0
-    current_address = ""
-    baseline_address = ""
-
-    def start_replica(self, name: str, import_root: Path | None = None, metrics_port: int = 0) -> str:
-        """A coordinator on the same redis-server, importing pagedkv from import_root (None:
-        this working tree). It sees the nodes through Redis (replica style)."""
-        address = f"{self.host}:{free_port()}"
-        args = [
-            sys.executable,
-            "-m",
-            "pagedkv",
-            "coordinator",
-            f"--listen={address}",
-            f"--lease-ttl-s={self.lease_ttl_s}",
-            f"--redis={self.redis_url}",
-        ]
-        if metrics_port:
-            args.append(f"--metrics-port={metrics_port}")
-        log_file = open(Path(self.log_dir) / f"{name}.log", "ab")  # noqa: SIM115
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        cwd = Path(__file__).resolve().parent.parent
-        if import_root is not None:
-            env["PYTHONPATH"] = str(import_root)
-            # cwd too: `python -m` puts the working directory first on sys.path, ahead of PYTHONPATH.
-            cwd = import_root
-        proc = subprocess.Popen(
-            args, stdout=log_file, stderr=subprocess.STDOUT, env=env, cwd=cwd, start_new_session=True
-        )
-        self.procs[name] = proc
-        self._wait_healthy(name, address)
-        return address
-
-
-def previous_token_list(token_ids: Any) -> list[int]:
-    """codec.token_list before ce69823: int() per id, then the message copies the list."""
-    return [int(t) for t in token_ids]
-
-
-def with_previous_token_lists(client: CacheClient) -> None:
-    """The baseline client builds its open and lookup requests the previous way (token
-    ids converted one by one into a new list, then copied by the message), so the
-    baseline rows are the previous client and coordinator together; `client` itself
-    is this code's library, shared by both sides otherwise."""
-    routing = client.routing
-    assert isinstance(routing, CoordinatorRouting)
-
-    def open_request(seq_id: str, token_ids: Any, max_cached: int | None) -> pb.CoordOpenRequest:
-        spec_msg = pb.ModelSpec(**routing.spec.to_dict()) if routing.spec else None
-        req = pb.CoordOpenRequest(seq_id=seq_id, token_ids=previous_token_list(token_ids), spec=spec_msg)
-        if max_cached is not None:
-            req.max_cached_tokens = max_cached
-        return req
-
-    def lookup(token_ids: Any, timeout_s: float | None = None) -> int:
-        spec_msg = pb.ModelSpec(**routing.spec.to_dict()) if routing.spec else None
-        req = pb.CoordLookupRequest(token_ids=previous_token_list(token_ids), spec=spec_msg)
-        return routing._call("Lookup", req, timeout_s).num_cached_tokens
-
-    routing._open_request = open_request  # type: ignore[method-assign]
-    routing.lookup = lookup  # type: ignore[method-assign]
-
-
-def baseline_import_root(rev: str) -> tuple[Path, str]:
-    """(a folder to put first on PYTHONPATH so `import pagedkv` runs `rev`'s code, its short hash).
-
-    `git archive` of the revision into a temporary folder (the shared checkout and its
-    worktree list are untouched), and a `pagedkv` package there that maps the roles'
-    top-level folders the way the editable install does (pyproject's package-dir)."""
-    repo = Path(__file__).resolve().parent.parent
-    sha = subprocess.run(
-        ["git", "rev-parse", "--short", rev], cwd=repo, check=True, capture_output=True, text=True
-    ).stdout.strip()
-    tree = Path(tempfile.gettempdir()) / f"pagedkv-baseline-{sha}"
-    if not (tree / "coordinator").exists():
-        tree.mkdir(parents=True, exist_ok=True)
-        archive = subprocess.run(["git", "archive", sha], cwd=repo, check=True, capture_output=True).stdout
-        subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
-    pkg = tree / "import" / "pagedkv"
-    if not pkg.exists():
-        pkg.mkdir(parents=True)
-        for f in (tree / "pagedkv").iterdir():
-            (pkg / f.name).symlink_to(f)
-        for role in ("protos", "cache_node", "client", "coordinator"):
-            (pkg / role).symlink_to(tree / role)
-    return tree / "import", sha
-
-
-def scrape_handler_hist(port: int) -> dict[str, dict[str, Any]]:
-    """{method: {sum, count, buckets{le: cumulative}}} of the coordinator's RPC latency histogram."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    out: dict[str, dict[str, Any]] = defaultdict(lambda: {"sum": 0.0, "count": 0.0, "buckets": {}})
-    for fam in text_string_to_metric_families(text):
-        if fam.name != "pagedkv_coordinator_rpc_latency_seconds":
-            continue
-        for s in fam.samples:
-            m = s.labels.get("method", "")
-            if s.name.endswith("_sum"):
-                out[m]["sum"] = s.value
-            elif s.name.endswith("_count"):
-                out[m]["count"] = s.value
-            elif s.name.endswith("_bucket"):
-                out[m]["buckets"][s.labels["le"]] = s.value
-    return dict(out)
-
-
-def hist_delta(a: dict, b: dict, method: str) -> dict[str, float]:
-    x, y = a.get(method), b.get(method)
-    if not y:
-        return {}
-    n = y["count"] - (x["count"] if x else 0)
-    s = y["sum"] - (x["sum"] if x else 0.0)
-    res = {"count": n, "mean_ms": s / n * 1e3 if n else float("nan")}
-    # bucket-resolution p50/p99 (upper bound of the bucket holding the quantile)
-    buckets = sorted(
-        ((float(le), c - (x["buckets"].get(le, 0) if x else 0)) for le, c in y["buckets"].items())
-    )
-    for q in (0.5, 0.99):
-        for le, c in buckets:
-            if c >= q * n:
-                res[f"p{int(q * 100)}_le_ms"] = le * 1e3
-                break
-    return res
-
-
-def script_names() -> dict[str, str]:
-    """EVALSHA digest -> RedisStore script name."""
-    names = {}
-    for attr in dir(redis_scripts):
-        val = getattr(redis_scripts, attr)
-        if attr.isupper() and isinstance(val, str) and "redis.call" in val:
-            names[hashlib.sha1(val.encode()).hexdigest()] = attr.strip("_").lower()
-    return names
-
-
-# The previous _MATCH_PREFIX: the same per-node SMISMEMBER, but every key its own
-# argument (ARGV: P, key1, key2, ...; 72 arguments for a W2 open, each encoded by
-# redis-py) instead of one packed argument split in Lua. Same reply (checked).
-MATCH_ARGS = """
-local P = ARGV[1]
-local out = {}
-for _, id in ipairs(redis.call('SMEMBERS', P .. 'nodes')) do
-  if redis.call('EXISTS', P .. 'alive:' .. id) == 1 then
-    local n, first = 0, 2
-    while first <= #ARGV do
-      local last = math.min(first + 3999, #ARGV)
-      local held = redis.call('SMISMEMBER', P .. 'nkeys:' .. id, unpack(ARGV, first, last))
-      local i = 1
-      while i <= #held and held[i] == 1 do i = i + 1 end
-      n = n + i - 1
-      if i <= #held then break end
-      first = last + 1
-    end
-    out[#out + 1] = id; out[#out + 1] = n
-  end
-end
-return out
-"""
-
-BACKGROUND = {"heartbeat", "list_nodes", "apply_events", "register"}  # nodes' beats/events, reaper
-
-
-def commandstats(r: redis.Redis) -> dict[str, int]:
-    info = r.info("commandstats")
-    return {k.removeprefix("cmdstat_"): int(v["calls"]) for k, v in info.items()}
-
-
-def slowlog_entries(r: redis.Redis, me: str, shas: dict[str, str]) -> list[dict[str, Any]]:
-    raw = r.execute_command("SLOWLOG GET -1")
-    out = []
-    for e in raw:
-        # redis-py may parse the reply into dicts; handle both shapes
-        if isinstance(e, dict):
-            args, dur, addr = e.get("command", b""), e.get("duration", 0), e.get("client_address", b"")
-            args = args.split() if isinstance(args, bytes | str) else args
-        else:
-            args, dur, addr = e[3], e[2], e[4]
-        args = [a.decode(errors="replace") if isinstance(a, bytes) else str(a) for a in args[:2]]
-        addr = addr.decode() if isinstance(addr, bytes) else str(addr)
-        if addr == me:  # the bench's own INFO / SLOWLOG / CONFIG
-            continue
-        cmd = args[0].lower() if args else "?"
-        name = cmd
-        if cmd == "evalsha" and len(args) > 1:
-            name = "evalsha:" + shas.get(args[1], args[1][:8])
-        elif cmd == "eval":
-            name = "eval:" + shas.get(hashlib.sha1(args[1].encode()).hexdigest(), "?")
-        # commands a Lua script runs come from the fake client "?:0": not round trips
-        out.append({"name": name, "us": int(dur), "addr": addr, "in_script": addr.startswith("?")})
-    return out
-
-
-def find_pyspy() -> str | None:
-    for cand in (os.environ.get("PYSPY", ""), shutil.which("py-spy") or "", "/tmp/pyspy/bin/py-spy"):
-        if cand and os.path.exists(cand):
-            return cand
-    return None
-
-
-# ---------------------------------------------------------------------------- profile
-
-
-def _fname(frame: str) -> str:
-    """'Coordinator.open (coordinator/core.py:270)' -> 'Coordinator.open@core.py'"""
-    fn, _, where = frame.partition(" (")
-    return f"{fn}@{os.path.basename(where.split(':')[0])}"
-
-
-def summarize_profile(raw_path: Path) -> dict[str, Any]:
-    """Split the samples of the coordinator's Open / Close handlers by what they were calling."""
-    per: dict[str, Counter] = {"Open": Counter(), "Close": Counter()}
-    totals: Counter = Counter()
-    threads: Counter = Counter()
-    for line in raw_path.read_text().splitlines():
-        stack, _, count = line.rpartition(" ")
-        if not count.isdigit():
-            continue
-        n = int(count)
-        frames = [_fname(f) for f in stack.split(";")]
-        totals["all"] += n
-        handler = next(
-            (
-                h
-                for h in ("CoordinatorServicer.Open@service.py", "CoordinatorServicer.Close@service.py")
-                if h in frames
-            ),
-            None,
-        )
-        if handler is None:
-            threads["other (idle pool workers, reaper, grpc, metrics)"] += n
-            continue
-        method = handler.split("@")[0].split(".")[-1]
-        core = f"Coordinator.{method.lower()}@core.py"
-        if core in frames:
-            i = frames.index(core)
-            cat = frames[i + 1] if i + 1 < len(frames) else f"{core} (own code)"
-            # one level deeper for the store / node hops, which is where time goes
-            if cat == "Coordinator._call@core.py":
-                cat = "node " + ("Open" if method == "Open" else "Free") + " gRPC (Coordinator._call)"
-            cat = f"Coordinator.{method.lower()} -> {cat}"
-        else:
-            i = frames.index(handler)
-            rest = frames[i + 1 :]
-            inner = [
-                f
-                for f in rest
-                if f.split("@")[0] not in ("observe", "CoordinatorServicer._run")
-                and not f.startswith(f"CoordinatorServicer.{method}.<locals>.run@")
-            ]
-            cat = f"handler (outside Coordinator.{method.lower()}) -> {inner[0] if inner else 'own code'}"
-        per[method][cat] += n
-    out: dict[str, Any] = {"total_samples": totals["all"], "non_handler_samples": sum(threads.values())}
-    for method, c in per.items():
-        tot = sum(c.values())
-        out[method] = {
-            "samples": tot,
-            "breakdown": [{"what": k, "samples": v, "share": v / tot} for k, v in c.most_common()],
-        }
-    return out
-
-
-# ---------------------------------------------------------------------------- main
 
 
 def main() -> None:
@@ -444,7 +122,8 @@ def main() -> None:
     systems, prompts, source = w2_requests(n_prompts)
     log(f"W2 prompts: {len(prompts)} ({source}); {N_SYSTEM} system prompts x {SYSTEM_LEN} + {SUFFIX_LEN}")
 
-    cluster = BenchCluster(num_nodes=2, node=NODE, use_redis=True)
+    # No cluster secret: the node Open + Free hop is called directly, as the coordinator would
+    cluster = BenchCluster(num_nodes=2, node=NODE, use_redis=True, secure=False)
     cluster.metrics_port = free_port()
     log("starting redis-server + coordinator + 2 nodes ...")
     with cluster:
@@ -454,7 +133,7 @@ def main() -> None:
         log(f"measured coordinator (this code) at {cluster.current_address}")
         baseline_git = ""
         if args.baseline_rev:
-            root, baseline_git = baseline_import_root(args.baseline_rev)
+            root, baseline_git = import_root(args.baseline_rev)
             cluster.baseline_address = cluster.start_replica("coordinator-baseline", root)
             log(f"baseline coordinator (git {baseline_git}) at {cluster.baseline_address}")
         result = run(cluster, args, systems, prompts, source)
@@ -753,93 +432,12 @@ def run(cluster: BenchCluster, args: argparse.Namespace, systems, prompts, sourc
         log(f"baseline's cached tokens per open: {dict(base_cached_seen)}")
 
     # -- Redis commands per open / per close, exactly (SLOWLOG, 0 us threshold)
-    log(f"counting Redis commands over {args.count_ops} opens, then {args.count_ops} closes ...")
-    # MATCH_ARGS is byte for byte the baseline's match_prefix script (same digest)
-    shas = {**script_names(), hashlib.sha1(MATCH_ARGS.encode()).hexdigest(): "match_args"}
-    old_cfg = {k: r.config_get(k)[k] for k in ("slowlog-log-slower-than", "slowlog-max-len")}
-    r.config_set("slowlog-max-len", 100000)
-    counts: dict[str, Any] = {}
-    seqs: dict[str, list] = defaultdict(list)
-    phases = ("open", "close") + (("open_before", "close_before") if base is not None else ())
-    try:
-        r.config_set("slowlog-log-slower-than", 0)
-        for phase in phases:
-            r.slowlog_reset()
-            cs0 = commandstats(r)
-            t0 = time.monotonic()
-            if phase.startswith("open"):
-                c = client if phase == "open" else base
-                assert c is not None
-                for _ in range(args.count_ops):
-                    seqs[phase].append(c.open(f"cnt-{next(it)}", next(pi)))
-            else:
-                for s in seqs[phase.replace("close", "open")]:
-                    s.close()
-            dt = time.monotonic() - t0
-            cs1 = commandstats(r)
-            entries = slowlog_entries(r, me_addr, shas)
-            by = Counter(e["name"] for e in entries if not e["in_script"])
-            in_script = Counter(e["name"] for e in entries if e["in_script"])
-            us = defaultdict(list)
-            for e in entries:
-                if not e["in_script"]:
-                    us[e["name"]].append(e["us"])
-            fg = {k: v for k, v in by.items() if k.split(":")[-1] not in BACKGROUND}
-            bg = {k: v for k, v in by.items() if k.split(":")[-1] in BACKGROUND}
-            delta = {k: cs1.get(k, 0) - cs0.get(k, 0) for k in cs1}
-            delta = {k: v for k, v in delta.items() if v}
-            n = args.count_ops
-            counts[phase] = {
-                "ops": n,
-                "window_s": dt,
-                "per_op_total": sum(fg.values()) / n,
-                "per_op_by_command": {k: v / n for k, v in sorted(fg.items())},
-                "background_in_window": bg,
-                "commands_inside_scripts_per_op": {k: v / n for k, v in sorted(in_script.items())},
-                "server_us_per_call": {
-                    k: {"p50": statistics.median(v), "max": max(v)} for k, v in us.items()
-                },
-                "commandstats_delta": delta,
-                "commandstats_per_op_minus_background": (
-                    sum(delta.values())
-                    - sum(in_script.values())
-                    - sum(bg.values())
-                    - delta.get("slowlog|get", 0)
-                    - delta.get("info", 0)
-                    - delta.get("slowlog|reset", 0)
-                )
-                / n,
-            }
-            log(
-                f"  {phase}: {counts[phase]['per_op_total']:.2f} Redis commands per {phase} "
-                f"{counts[phase]['per_op_by_command']} (background in window: {bg})"
-            )
-        # server-side time of the match_prefix script, keys packed vs one argument each, and of open_sequence
-        r.slowlog_reset()
-        for p in prompts[:100]:
-            v_match(p)
-            v_match_args(p)
-            v_seq_scripts(p)
-        script_us: dict[str, list[int]] = defaultdict(list)
-        for e in slowlog_entries(r, me_addr, shas):
-            if not e["in_script"] and e["name"].startswith(("evalsha:match", "evalsha:open_seq")):
-                script_us[e["name"]].append(e["us"])
-        counts["match_script_server_us"] = {
-            k: {
-                "p50": statistics.median(v),
-                "p99": sorted(v)[min(len(v) - 1, round(0.99 * (len(v) - 1)))],
-                "n": len(v),
-            }
-            for k, v in script_us.items()
-        }
-        log(f"  match script server time (us): {counts['match_script_server_us']}")
-    finally:
-        for k, v in old_cfg.items():
-            r.config_set(k, v)
-        for opened in seqs.values():
-            for s in opened:
-                if not s.is_closed:
-                    s.close()
+    openers = {"open": lambda: client.open(f"cnt-{next(it)}", next(pi))}
+    if base is not None:
+        openers["open_before"] = lambda: base.open(f"cnt-{next(it)}", next(pi))
+    counts = count_commands(
+        r, me_addr, args.count_ops, openers, [v_match, v_match_args, v_seq_scripts], prompts
+    )
 
     # -- throughput with concurrent clients
     conc: dict[str, Any] = {}
@@ -872,56 +470,13 @@ def run(cluster: BenchCluster, args: argparse.Namespace, systems, prompts, sourc
         log(f"  {conc['open_close_per_s']:.0f} open+close/s with {args.concurrency} threads")
 
     # -- profile of the coordinator during sequential opens + closes
-    profile: dict[str, Any] = {}
-    pyspy = find_pyspy()
-    if args.profile_s > 0 and pyspy:
-        pid = cluster.procs["coordinator-current"].pid
-        raw = Path(cluster.log_dir) / "coordinator.pyspy.txt"
-        log(f"profiling the coordinator (pid {pid}) with py-spy for {args.profile_s:.0f} s ...")
-        cmd = [
-            pyspy,
-            "record",
-            "--pid",
-            str(pid),
-            "--duration",
-            str(int(args.profile_s)),
-            "--rate",
-            "1000",
-            "--idle",
-            "--format",
-            "raw",
-            "--output",
-            str(raw),
-            "--nonblocking",
-        ]
-        spy = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        time.sleep(0.5)
-        n_ops = 0
-        while spy.poll() is None:  # prompts reused in turn: the W2 list can run out on a quick host
-            v_open_close(prompts[n_ops % len(prompts)])
-            n_ops += 1
-        err = spy.stderr.read().decode()[-500:] if spy.stderr else ""
-        if spy.returncode == 0 and raw.exists():
-            profile = summarize_profile(raw)
-            profile.update(
-                {
-                    "tool": "py-spy record --idle --rate 1000 --nonblocking (wall clock)",
-                    "open_close_ops": n_ops,
-                    "raw": str(raw),
-                }
-            )
-            Path(args.out).mkdir(parents=True, exist_ok=True)
-            shutil.copy(raw, Path(args.out) / "control.pyspy.txt")
-            for m in ("Open", "Close"):
-                log(
-                    f"  {m}: "
-                    + ", ".join(f"{b['what']} {b['share']:.0%}" for b in profile[m]["breakdown"][:6])
-                )
-        else:
-            profile = {"error": f"py-spy exited {spy.returncode}: {err}"}
-            log(f"  py-spy failed: {err}")
-    elif args.profile_s > 0:
-        profile = {"error": "py-spy not found (pip install py-spy, or set PYSPY=/path/to/py-spy)"}
+    profile = profile_coordinator(
+        cluster.procs["coordinator-current"].pid,
+        cluster.log_dir,
+        args.out,
+        args.profile_s,
+        lambda i: v_open_close(prompts[i % len(prompts)]),  # prompts reused: the W2 list can run out
+    )
 
     redis_info = r.info("server")
     store.close()
@@ -988,276 +543,6 @@ def run(cluster: BenchCluster, args: argparse.Namespace, systems, prompts, sourc
         },
         "host": {"cpus": os.cpu_count(), "machine": platform.machine(), "platform": platform.platform()},
     }
-
-
-def findings(r: dict) -> str:
-    """The findings paragraphs, computed from this run's numbers."""
-    lat, g, h = r["latency"], r["goals"], r["coordinator_handler"]
-    p50 = {k: v["p50_ms"] for k, v in lat.items() if v.get("n")}
-    floor, hmean = p50["coord_health"], h["Open"].get("mean_ms", float("nan"))
-    c = r["redis_commands"]
-    text = [
-        f"Round trips: an open costs {g['redis_round_trips_per_open']:.2f} Redis commands (one EVALSHA "
-        "open_sequence: the prefix match on every candidate node, placement.place ported to Lua, the tenant's "
-        "quota and the page table in one script); a close costs "
-        f"{c['close']['per_op_total']:.2f} (EVALSHA delete_sequence, tenant-checked in the script)."
-        + (
-            f" The baseline coordinator (git {r['baseline_git']}) in the same run: "
-            f"{c['open_before']['per_op_total']:.2f} per open "
-            f"({', '.join(f'{k} {v:g}' for k, v in c['open_before']['per_op_by_command'].items())})."
-            if "open_before" in c
-            else ""
-        ),
-        f"Latency: open p50 {p50['open']:.2f} ms is {g['open_p50_over_noop_rpc_p50']:.2f}x the no-op RPC p50 "
-        f"({floor:.2f} ms): the 2x goal is {'met' if g['open_p50_met'] else 'not met'}. What the open waits for: "
-        f"the client -> coordinator RPC (~{floor:.2f} ms, the Health.Check floor) + the Open handler "
-        f"({hmean:.2f} ms mean) + the client's request encoding (1,152 token ids, built and serialized: p50 "
-        f"{p50.get('client_open_request', float('nan')):.3f} ms); the node Open is sent after the page table is "
-        "written and never waited for.",
-    ]
-    if "open_before" in p50:
-        hb = p50["coord_health_before"]
-        oa = (
-            f" Open + first append {p50['open+append_before']:.2f} -> {p50['open+append']:.2f} ms."
-            if "open+append_before" in p50
-            else ""
-        )
-        text.append(
-            f"Before / after, same rounds: the baseline coordinator (git {r['baseline_git']}) opens in "
-            f"{p50['open_before']:.2f} ms p50 = {p50['open_before'] / hb:.2f}x its own no-op RPC ({hb:.2f} ms); "
-            f"this code {p50['open']:.2f} ms = {p50['open'] / floor:.2f}x ({p50['open_before'] - p50['open']:+.2f} "
-            f"ms saved per open).{oa} Lookup {p50['lookup_before']:.2f} -> {p50['lookup']:.2f} ms; close "
-            f"{p50['close_before']:.2f} -> {p50['close']:.2f} ms. Both are replicas: neither serves the nodes' "
-            "heartbeats or events."
-        )
-    prof = r.get("profile") or {}
-    if "Open" in prof:
-        shares = {b["what"]: b["share"] for b in prof["Open"]["breakdown"]}
-        # the node Open is sent by Coordinator._send_open, or where the servicer holds it back
-        # (NodeCalls.held: the with-block's exit, outside Coordinator.open)
-        node = sum(v for k, v in shares.items() if "_send_open" in k or "__exit__@contextlib" in k)
-        os_ = sum(v for k, v in shares.items() if "open_sequence" in k)
-        keys = sum(v for k, v in shares.items() if "chain_keys" in k)
-        rest = max(0.0, 1 - node - os_ - keys)
-        text.append(
-            f"Inside the Open handler (py-spy, wall clock): the open_sequence script {os_:.0%} (~{os_ * hmean:.2f} "
-            f"ms; direct p50 {p50['open_sequence_script']:.2f} ms), chain_keys {keys:.0%}, sending the node Open "
-            f"{node:.0%} (~{node * hmean:.2f} ms), everything else (request decoding, NewSequence, node cache, "
-            f"servicer) {rest:.0%} (~{rest * hmean:.2f} ms)."
-        )
-    ms = c.get("match_script_server_us", {})
-    if "match_args_script" in p50:
-        text.append(
-            f"Keys as one packed argument (split in Lua with string.sub) vs 71 arguments: match_prefix client p50 "
-            f"{p50['match_prefix_script']:.3f} ms vs {p50['match_args_script']:.3f} ms"
-            + (
-                f", server time p50 {ms['evalsha:match_prefix']['p50']:g} us vs {ms['evalsha:match_args']['p50']:g} us"
-                if "evalsha:match_args" in ms and "evalsha:match_prefix" in ms
-                else ""
-            )
-            + f". root_key per call, now cached per tenant: p50 {p50['root_key'] * 1e3:.1f} us; chain_keys over "
-            f"71 blocks (joined): {p50['chain_keys_71_blocks'] * 1e3:.1f} us."
-        )
-    lower = floor + p50["redis_ping"]
-    text.append(
-        f"Floor of this design: one client RPC + one Redis round trip with zero work is {floor:.2f} + "
-        f"{p50['redis_ping']:.2f} = {lower:.2f} ms = {lower / floor:.2f}x the no-op RPC; lookup (one RPC, one "
-        f"Redis round trip, no writes) is {p50['lookup'] / floor:.2f}x ({p50['lookup']:.2f} ms)."
-    )
-    if "open+append" in p50:
-        text.append(
-            f"What a worker waits for before its first attention, open + first append of the 128 new tokens' "
-            f"KV: p50 {p50['open+append']:.2f} ms. The append goes straight to the node and, when it overtakes "
-            "the node Open, waits there for it (grace, condition variable) instead of failing NOT_FOUND."
-        )
-    return "\n\n".join(text)
-
-
-def render(r: dict) -> str:
-    lat = r["latency"]
-
-    def row(label: str, key: str, note: str = "") -> str:
-        x = lat.get(key)
-        if not x or not x.get("n"):
-            return f"| {label} | - | - | - | {note} |"
-        return f"| {label} | {x['p50_ms']:.3f} | {x['p99_ms']:.3f} | {x['n']} | {note} |"
-
-    g = r["goals"]
-    c = r["redis_commands"]
-    h = r["coordinator_handler"]
-    bg = r.get("baseline_git", "")
-    lines = [
-        "# Control-plane latency (bench/control.py, issue 4)",
-        "",
-        f"Local cluster: redis-server {r['versions']['redis-server']} + coordinator + 2 nodes, each its own "
-        "process; the measured coordinators (this code and the baseline) are replicas on the same Redis, "
-        f"the nodes beat and report events to the cluster's own coordinator; all on one host ({r['host']['cpus']} CPUs, shared; loadavg before {r['loadavg_before'][0]:.2f}, "
-        f"after {r['loadavg_after'][0]:.2f}). Spec {r['spec']}. Workload W2 ({r['workload']['source']}): "
-        f"prompts of {SYSTEM_LEN} + {SUFFIX_LEN} tokens; every measured open hit "
-        f"{', '.join(f'{k} tokens x{v}' for k, v in r['workload']['cached_tokens_per_open'].items())}. "
-        f"{r['rounds']} interleaved rounds (shuffled order per round), one client thread. "
-        f"Runtime {r['runtime_s']:.0f} s. grpcio {r['versions']['grpcio']}, redis-py {r['versions']['redis-py']} "
-        f"(hiredis {r['versions'].get('hiredis', '-')}), Python {r['versions']['python']}, git "
-        f"{r['versions']['pagedkv_git']}"
-        + (f"; baseline coordinator: git {bg}, same redis-server and nodes, same rounds." if bg else "."),
-        "",
-        "| call (from the bench process) | p50 ms | p99 ms | n | what it is |",
-        "|---|---:|---:|---:|---|",
-        row(
-            "**open** (CacheClient.open)",
-            "open",
-            "RPC to coordinator: keys + open_sequence (1 Redis round trip); node Open sent after the script, not awaited",
-        ),
-        row(
-            "**close** (Sequence.close)",
-            "close",
-            "RPC to coordinator: delete_sequence (tenant-checked); node Free sent, not awaited",
-        ),
-        row(
-            "**open + first append** (128 new tokens' KV)",
-            "open+append",
-            "what a worker waits for before its first attention",
-        ),
-        row("lookup (CacheClient.lookup)", "lookup", "RPC to coordinator: keys + match_prefix, no node hop"),
-        row("**no-op RPC**: coordinator Health.Check", "coord_health", "same server, process and channel"),
-    ]
-    if bg:
-        lines += [
-            row(
-                f"open, baseline coordinator (git {bg})",
-                "open_before",
-                f"{c['open_before']['per_op_total']:.0f} Redis round trip(s); that revision's coordinator, requests built the previous way"
-                if "open_before" in c
-                else "",
-            ),
-            row(f"open + first append, baseline coordinator (git {bg})", "open+append_before", ""),
-            row(f"close, baseline coordinator (git {bg})", "close_before", ""),
-            row(f"lookup, baseline coordinator (git {bg})", "lookup_before", ""),
-            row(f"no-op RPC, baseline coordinator (git {bg})", "coord_health_before", "its own Health.Check"),
-        ]
-    lines += [
-        row("**bare Redis PING** (redis-py)", "redis_ping", "same redis-server"),
-        row(
-            "open_sequence script (RedisStore)",
-            "open_sequence_script",
-            "71 keys, 64 hit, 2 candidates: match + place + write",
-        ),
-        row("delete_sequence script", "delete_sequence_script", ""),
-        row(
-            "match_prefix script, keys packed", "match_prefix_script", "71 keys in one argument, split in Lua"
-        ),
-        row("match_prefix script, 71 key arguments", "match_args_script", "the previous form; same reply"),
-        row("chain_keys (71 blocks, joined)", "chain_keys_71_blocks", "the keys the coordinator hashes"),
-        row("root_key (per call before, cached now)", "root_key", "one SHA-256 of the salt"),
-        row("node Open RPC, direct", "node_open_direct", "the hop open sends, off its path (1,024 cached)"),
-        row("node Free RPC, direct", "node_free_direct", "the hop close sends, off its path"),
-        row("node Health.Check", "node_health", "no-op RPC floor of the node"),
-        row(
-            "client: CoordOpenRequest built + serialized",
-            "client_open_request",
-            "1,152 token ids, from a list",
-        ),
-        row(
-            "client: the same, the previous way",
-            "client_open_request_before",
-            "int() per id into a new list, then the message (before ce69823)",
-        ),
-        row("coordinator: request parsed + key ids sliced", "server_parse_slice", "before chain_keys"),
-        "",
-        f"Coordinator-side handler time over the same rounds (its `pagedkv_coordinator_rpc_latency_seconds`): "
-        f"Open mean {h['Open'].get('mean_ms', float('nan')):.3f} ms, Close mean {h['Close'].get('mean_ms', float('nan')):.3f} ms, "
-        f"Lookup mean {h['Lookup'].get('mean_ms', float('nan')):.3f} ms.",
-        "",
-        f"Sequential open+close: {r['throughput']['sequential_open_close_per_s']:.0f}/s (1 thread)"
-        + (
-            f"; {r['throughput']['concurrent']['open_close_per_s']:.0f}/s with {r['throughput']['concurrent']['threads']} client threads."
-            if r["throughput"]["concurrent"]
-            else "."
-        ),
-        "",
-        "## Redis commands per operation (counted: SLOWLOG at 0 us, every command logged)",
-        "",
-        "| op | commands / op | by command (per op) | server us / call (p50) | commandstats cross-check |",
-        "|---|---:|---|---|---:|",
-    ]
-    for phase in ("open", "close", "open_before", "close_before"):
-        if phase not in c:
-            continue
-        x = c[phase]
-        by = ", ".join(f"{k} {v:g}" for k, v in x["per_op_by_command"].items())
-        us = ", ".join(
-            f"{k} {v['p50']:g}" for k, v in x["server_us_per_call"].items() if k in x["per_op_by_command"]
-        )
-        label = phase.replace("_before", f" (baseline, git {bg})")
-        lines.append(
-            f"| {label} | {x['per_op_total']:.2f} | {by} | {us} | {x['commandstats_per_op_minus_background']:.2f} |"
-        )
-    lines += [
-        "",
-        "Server-side time of the scripts (SLOWLOG, us, 100 calls each): "
-        + ", ".join(
-            f"{k} p50 {v['p50']:g} / p99 {v['p99']:g}" for k, v in c.get("match_script_server_us", {}).items()
-        )
-        + ".",
-        "",
-        "Commands run inside those scripts (not round trips; Redis is blocked meanwhile), per op: "
-        + "; ".join(
-            f"{ph}: " + ", ".join(f"{k} {v:g}" for k, v in c[ph]["commands_inside_scripts_per_op"].items())
-            for ph in ("open", "close", "open_before")
-            if ph in c
-        )
-        + ".",
-        "",
-        f"Background commands in the windows (heartbeats, reaper, node events), excluded: "
-        f"open {c['open']['background_in_window']}, close {c['close']['background_in_window']}.",
-        "",
-        "## Goals",
-        "",
-        f"- Redis round trips per open <= 2: **{'met' if g['redis_round_trips_met'] else 'NOT met'}** "
-        f"({g['redis_round_trips_per_open']:.2f}).",
-        f"- open p50 <= 2x the no-op RPC p50: **{'met' if g['open_p50_met'] else 'NOT met'}** "
-        f"(open p50 {lat['open']['p50_ms']:.3f} ms = {g['open_p50_over_noop_rpc_p50']:.2f}x the Health.Check p50 "
-        f"{lat['coord_health']['p50_ms']:.3f} ms).",
-        "",
-    ]
-    if bg:
-        lines += [
-            f"## Before / after, measured in the same rounds (before: coordinator at git {bg}; after: this code)",
-            "",
-            "| p50 ms | before | after | no-op RPC before / after | ratio before / after |",
-            "|---|---:|---:|---:|---:|",
-        ]
-        hb, ha = lat["coord_health_before"]["p50_ms"], lat["coord_health"]["p50_ms"]
-        for key in ("open", "open+append", "close", "lookup"):
-            if f"{key}_before" not in lat:
-                continue
-            b_, a_ = lat[f"{key}_before"]["p50_ms"], lat[key]["p50_ms"]
-            lines.append(
-                f"| {key} | {b_:.3f} | {a_:.3f} | {hb:.3f} / {ha:.3f} | {b_ / hb:.2f}x / {a_ / ha:.2f}x |"
-            )
-        ob = c.get("open_before", {}).get("per_op_total", float("nan"))
-        lines += [
-            f"| Redis round trips per open | {ob:.2f} | {g['redis_round_trips_per_open']:.2f} | | |",
-            "",
-        ]
-    prof = r.get("profile") or {}
-    if "Open" in prof:
-        lines += [
-            f"## Where the coordinator's Open handler spends its wall time ({prof['tool']}, "
-            f"{prof['open_close_ops']} open+close)",
-            "",
-            "| Open handler was in | share |",
-            "|---|---:|",
-        ]
-        lines += [f"| {b['what']} | {b['share']:.1%} |" for b in prof["Open"]["breakdown"][:10]]
-        lines += ["", "| Close handler was in | share |", "|---|---:|"]
-        lines += [f"| {b['what']} | {b['share']:.1%} |" for b in prof["Close"]["breakdown"][:8]]
-        lines.append("")
-    elif prof:
-        lines += [f"Profile: {prof.get('error')}", ""]
-    if r.get("findings"):
-        lines += ["## Findings", "", r["findings"], ""]
-    return "\n".join(lines)
 
 
 if __name__ == "__main__":

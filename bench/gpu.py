@@ -33,8 +33,8 @@ import torch
 import torch.nn.functional as F
 
 from bench import plots
-from pagedkv.cache_node import triton_attention
 from pagedkv.cache_node.attention import paged_decode
+from pagedkv.cache_node.attention import triton_backend as triton_attention
 from pagedkv.cache_node.kv_manager import DEVICE, HOST
 from pagedkv.cache_node.tensor_mover import TensorMover
 

@@ -15,6 +15,7 @@ Goal (issue): paged waste <= 4%. Writes bench/results/memory_waste.json.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -29,7 +30,10 @@ from kvbench.workloads import WORKLOADS  # type: ignore[import-not-found]  # noq
 from pagedkv.cache_node.kv_manager import KVCacheManager  # noqa: E402
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results", help="results folder")
+    args = ap.parse_args(argv)
     wl = WORKLOADS["W1"]()
     bs = wl.block_size
     mgr = KVCacheManager(wl.num_blocks, bs, enable_prefix_caching=False)
@@ -66,7 +70,8 @@ def main() -> None:
         "goal_paged_waste_max": 0.04,
     }
     result["goal_met"] = result["paged_waste"] <= 0.04
-    out = ROOT / "bench" / "results" / "memory_waste.json"
+    args.out.mkdir(parents=True, exist_ok=True)
+    out = args.out / "memory_waste.json"
     out.write_text(json.dumps(result, indent=1))
     print(
         f"W1, {steps} decode steps sampled: paged waste {result['paged_waste']:.2%} "

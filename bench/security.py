@@ -127,7 +127,7 @@ def _client(variant: str, port: int, transports: tuple[str, ...], certs: str, se
     return c
 
 
-def _attends(ports: dict[str, int], certs: str, quick: bool) -> dict[str, Any]:
+def _attends(ports: dict[str, int], certs: str, divisor: int) -> dict[str, Any]:
     n = max(BATCHES)
     all_ids = [f"s{i}" for i in range(n)] + [f"c{i}" for i in range(n)]
     combos = [(v, p) for v in VARIANTS for p in PATHS if v != "tickets+tls" or p in TLS_PATHS]
@@ -142,7 +142,7 @@ def _attends(ports: dict[str, int], certs: str, quick: bool) -> dict[str, Any]:
         for tag, prefix, run, iters_1, iters_32 in runs:
             out.update(
                 _attend_run(
-                    clients, run, tag, [f"{prefix}{i}" for i in range(n)], iters_1, iters_32, quick, rng
+                    clients, run, tag, [f"{prefix}{i}" for i in range(n)], iters_1, iters_32, divisor, rng
                 )
             )
         for (v, p), c in clients.items():  # the tickets went once per connection, not per call
@@ -161,14 +161,14 @@ def _attend_run(
     ids: list[str],
     iters_1: int,
     iters_32: int,
-    quick: bool,
+    divisor: int,
     rng: random.Random,
 ) -> dict[str, Any]:
     """Attend p50 per (variant, path) and batch, the variants interleaved in a shuffled
     order each round; and each path's paired tickets / off ratio."""
     out: dict[str, Any] = {}
     for batch in BATCHES:
-        iters = (iters_1 if batch == 1 else iters_32) // (5 if quick else 1)
+        iters = max(2, (iters_1 if batch == 1 else iters_32) // divisor)
         q = torch.randn(batch, NUM_Q_HEADS, SPEC["head_dim"])
         samples: dict[tuple[str, str], list[float]] = {k: [] for k in combos}
         for k in combos:  # warm every connection and its tickets
@@ -195,8 +195,10 @@ def _attend_run(
     return out
 
 
-def _transfers(parent: Any, ports: dict[str, int], certs: str, repeats: int) -> dict[str, Any]:
-    n = TRANSFER_BYTES // (2 * SPEC["num_layers"] * SPEC["num_kv_heads"] * SPEC["head_dim"] * 4)
+def _transfers(
+    parent: Any, ports: dict[str, int], certs: str, repeats: int, nbytes: int = TRANSFER_BYTES
+) -> dict[str, Any]:
+    n = nbytes // (2 * SPEC["num_layers"] * SPEC["num_kv_heads"] * SPEC["head_dim"] * 4)
     shape = (SPEC["num_layers"], n, SPEC["num_kv_heads"], SPEC["head_dim"])
     k, v = torch.randn(shape), torch.randn(shape)
     out_k, out_v = torch.empty(shape), torch.empty(shape)
@@ -220,9 +222,9 @@ def _transfers(parent: Any, ports: dict[str, int], certs: str, repeats: int) -> 
                 c.close()
             if rep == 0:
                 assert torch.equal(out_k, k) and torch.equal(out_v, v), (var, p)
-            rates.setdefault(f"upload/{p}/{var}", []).append(TRANSFER_BYTES / up / 1e9)
-            rates.setdefault(f"download/{p}/{var}", []).append(TRANSFER_BYTES / down / 1e9)
-            gb_up, gb_down = TRANSFER_BYTES / up / 1e9, TRANSFER_BYTES / down / 1e9
+            rates.setdefault(f"upload/{p}/{var}", []).append(nbytes / up / 1e9)
+            rates.setdefault(f"download/{p}/{var}", []).append(nbytes / down / 1e9)
+            gb_up, gb_down = nbytes / up / 1e9, nbytes / down / 1e9
             print(f"transfer {p}/{var} #{rep}: up {gb_up:.2f} GB/s, down {gb_down:.2f} GB/s", flush=True)
     return {key: {"gbps": statistics.median(r), "all": r} for key, r in rates.items()}
 
@@ -274,7 +276,11 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m bench.security", description=__doc__)
     p.add_argument("--quick", action="store_true", help="fewer calls, one transfer repeat")
     p.add_argument("--repeats", type=int, default=3, help="256 MiB transfers per path and variant")
+    p.add_argument("--out", type=Path, default=RESULTS, help="results folder")
+    p.add_argument("--smoke", action="store_true", help="2 calls per row, 4 MiB transfers (CI)")
     args = p.parse_args(argv)
+    divisor = 1000 if args.smoke else 5 if args.quick else 1
+    repeats = 1 if args.quick or args.smoke else args.repeats
     load = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
         certs = _certs(tmp)
@@ -285,8 +291,10 @@ def main(argv: list[str] | None = None) -> None:
         try:
             ports = parent.recv()
             results = {
-                "attend": _attends(ports, certs, args.quick),
-                "transfer": _transfers(parent, ports, certs, 1 if args.quick else args.repeats),
+                "attend": _attends(ports, certs, divisor),
+                "transfer": _transfers(
+                    parent, ports, certs, repeats, 4 << 20 if args.smoke else TRANSFER_BYTES
+                ),
                 "check": _check_cost(),
             }
         finally:
@@ -300,10 +308,10 @@ def main(argv: list[str] | None = None) -> None:
         "context_len": CONTEXT_LEN,
         "quick": args.quick,
     }
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "security.json").write_text(json.dumps(results, indent=1))
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "security.json").write_text(json.dumps(results, indent=1))
     text = render(results)
-    (RESULTS / "security.md").write_text(text)
+    (args.out / "security.md").write_text(text)
     print(text)
 
 

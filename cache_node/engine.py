@@ -28,11 +28,8 @@ from __future__ import annotations
 
 import functools
 import threading
-import time
-from collections import OrderedDict
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import numpy as np
@@ -40,16 +37,22 @@ import torch
 
 from ..protos.attention import LayerAttention
 from ..protos.errors import InvalidArgument, PagedKVError, PrefixEvicted, SequenceNotFound
-from ..protos.spec import ModelSpec
-from .attention import AttentionOutput, paged_decode, paged_prefill
+from .attention import AttentionOutput
+from .attention.decode import decode_trusted
+from .attention.prefill import prefill_trusted
+from .block_mass import credit_mass, tracks_mass
 from .compute_thread import ComputeThread
-from .eviction import POLICIES, ScorePolicy
-from .kv_manager import DEVICE, HOST, BlockEvent, Budget, HeldBlocks, KVCacheManager, OpenResult, Slots
+from .engine_config import TORCH_DTYPES, EngineConfig, default_device
+from .engine_input import RequestChecks, batch_ids, seq_id_of, token_list
+from .kv_manager import DEVICE, HOST, BlockEvent, Budget, KVCacheManager, OpenResult, Slots
+from .layered_writes import LayeredWrites
+from .open_waits import OpenWaits
+from .pool_io import PoolIO
 from .tensor_mover import TensorMover
 from .windows import SequenceSpecs
 
-TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-MAX_TOKEN_ID = 2**63 - 1
+__all__ = ["CacheEngine", "EngineConfig"]
+
 T = TypeVar("T")
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -67,80 +70,6 @@ def _computes(method: F) -> F:
     return on_compute_thread  # type: ignore[return-value]
 
 
-def default_device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    spec: ModelSpec
-    num_blocks: int
-    num_host_blocks: int = 0
-    policy: str = "lru"
-    device: str = ""  # "" picks CUDA when present, else CPU
-    enable_prefix_caching: bool = True
-    # A data call may overtake the coordinator's asynchronous node Open (different
-    # connections): an unknown sequence id waits this long for its open before NOT_FOUND.
-    unknown_seq_grace_s: float = 0.5
-    max_tombstones: int = 4096  # failed asynchronous opens remembered for their first data call
-    # Run every public method (and make the pool) on one thread of the engine's own: a node
-    # process keeps one torch thread pool (compute_thread.py). close() stops it.
-    compute_thread: bool = False
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.spec, ModelSpec):
-            raise InvalidArgument(f"EngineConfig.spec must be a ModelSpec, got {type(self.spec).__name__}")
-        if self.num_blocks <= 0:
-            raise InvalidArgument(f"EngineConfig.num_blocks must be positive, got {self.num_blocks}")
-        if self.num_host_blocks < 0:
-            raise InvalidArgument(f"EngineConfig.num_host_blocks must be >= 0, got {self.num_host_blocks}")
-        if self.policy not in POLICIES:
-            raise InvalidArgument(
-                f"unknown eviction policy {self.policy!r}; choose one of {sorted(POLICIES)}"
-            )
-        if not 0 <= self.unknown_seq_grace_s <= 60:
-            raise InvalidArgument(f"unknown_seq_grace_s must be in [0, 60], got {self.unknown_seq_grace_s}")
-        if self.max_tombstones < 1:
-            raise InvalidArgument(f"max_tombstones must be >= 1, got {self.max_tombstones}")
-
-
-def _token_list(token_ids: Any, what: str) -> list[int]:
-    """Token ids as a list of Python ints, or InvalidArgument naming the problem."""
-    if isinstance(token_ids, torch.Tensor):
-        token_ids = token_ids.numpy(force=True)
-    if isinstance(token_ids, np.ndarray):
-        if token_ids.ndim == 1 and not token_ids.size:
-            return []  # np.asarray of an empty field is float64
-        if token_ids.ndim != 1 or token_ids.dtype.kind not in "iu":
-            raise InvalidArgument(f"{what}: token ids must be a 1-D integer array, got {token_ids.dtype}")
-        # An integer array needs only a range check, in C: the per-item loop below costs
-        # ~40 us for a 1,152-token prompt (a node Open's ids come as an array of the field).
-        if token_ids.min() >= 0 and int(token_ids.max()) <= MAX_TOKEN_ID:
-            return token_ids.tolist()  # type: ignore[no-any-return]
-        token_ids = token_ids.tolist()
-    if not isinstance(token_ids, list | tuple):
-        raise InvalidArgument(f"{what}: token ids must be a list of ints, got {type(token_ids).__name__}")
-    for t in token_ids:
-        if type(t) is not int or not 0 <= t <= MAX_TOKEN_ID:
-            raise InvalidArgument(f"{what}: token id {t!r} is not an int in [0, 2**63)")
-    return list(token_ids)
-
-
-def _fresh_copy(exc: PagedKVError) -> PagedKVError:
-    """A new instance of a stored error (same class, message and ids), so concurrent
-    callers never share one exception object and its traceback."""
-    err = PagedKVError.__new__(type(exc))
-    Exception.__init__(err, *exc.args)
-    err.__dict__.update(exc.__dict__)
-    return err
-
-
-def _seq_id(seq_id: Any) -> str:
-    if not isinstance(seq_id, str) or not seq_id:
-        raise InvalidArgument(f"sequence id must be a non-empty string, got {seq_id!r}")
-    return seq_id
-
-
 class CacheEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -148,6 +77,7 @@ class CacheEngine:
         self.device = torch.device(config.device or default_device())
         self.dtype = TORCH_DTYPES[spec.dtype]
         self._worker = ComputeThread() if config.compute_thread else None
+        self._checks = RequestChecks(spec, self.dtype, self.device)
         shape = (spec.num_layers, 2, config.num_blocks, spec.num_kv_heads, spec.block_size, spec.head_dim)
         host_shape = (*shape[:2], config.num_host_blocks, *shape[3:])
         self.kv, self.host_kv = self.run(
@@ -156,14 +86,12 @@ class CacheEngine:
                 torch.zeros(host_shape, dtype=self.dtype, pin_memory=self.device.type == "cuda"),
             )
         )
+        self._io = PoolIO(self.kv, spec.block_size)
         self.manager = self._new_manager()
         self.specs = SequenceSpecs(spec.num_layers, spec.block_size)  # windows.py: per-sequence attention
         self._lock = threading.RLock()
-        self._seq_opened = threading.Condition(self._lock)  # notified by every successful open
-        self._tombstones: OrderedDict[str, PagedKVError] = OrderedDict()  # seq id -> why its open failed
-        # Blocks filled at layer 0 of a layer-by-layer write (attend_decode / attend_prefill with
-        # new K/V), published once the last layer is written: seq id -> its held blocks.
-        self._held: dict[str, list[HeldBlocks]] = {}
+        self._waits = OpenWaits(self._lock, config.max_tombstones)  # opens a data call may overtake
+        self._layered = LayeredWrites(spec.num_layers)  # layer 0's blocks, published after the last
 
     def run(self, fn: Callable[[], T]) -> T:
         """fn() on the engine's compute thread (inline when it has none): for a
@@ -174,26 +102,6 @@ class CacheEngine:
         """Stop the compute thread (later calls run on their caller's thread). Idempotent."""
         if self._worker is not None:
             self._worker.close()
-
-    # -- validation -------------------------------------------------------------
-
-    def _tensor(self, name: str, t: Any, shape: tuple[int, ...]) -> torch.Tensor:
-        if isinstance(t, np.ndarray):
-            t = torch.from_numpy(t)
-        if not isinstance(t, torch.Tensor):
-            raise InvalidArgument(f"{name} must be a tensor, got {type(t).__name__}")
-        if t.dtype != self.dtype:
-            raise InvalidArgument(
-                f"{name} has dtype {str(t.dtype).removeprefix('torch.')}, this node serves {self.spec.dtype}"
-            )
-        if tuple(t.shape) != shape:
-            raise InvalidArgument(f"{name} has shape {tuple(t.shape)}, expected {shape}")
-        return t.to(self.device)
-
-    def _layer(self, layer: Any) -> int:
-        if type(layer) is not int or not 0 <= layer < self.spec.num_layers:
-            raise InvalidArgument(f"layer {layer!r} out of range [0, {self.spec.num_layers})")
-        return layer
 
     # -- sequences --------------------------------------------------------------
 
@@ -217,47 +125,31 @@ class CacheEngine:
         failure is also kept as a tombstone, so the first data call on `seq_id`
         raises it instead of NOT_FOUND (await_sequence). `attention`: one LayerAttention per
         layer (or None), kept for the sequence and its forks (windows.py)."""
-        seq_id = _seq_id(seq_id)
-        if expect_cached_tokens is None:
-            spec = self.specs.check(attention)
-            tokens = _token_list(token_ids, f"open {seq_id!r}")
-            if max_cached_tokens is not None and (
-                type(max_cached_tokens) is not int or max_cached_tokens < 0
-            ):
-                raise InvalidArgument(
-                    f"max_cached_tokens must be a non-negative int, got {max_cached_tokens!r}"
-                )
-            with self._lock:
-                res = self.manager.open(seq_id, tokens, bytes(salt), max_cached_tokens)
-                self.specs.set(seq_id, spec)
-                self._tombstones.pop(seq_id, None)
-                self._seq_opened.notify_all()
-                return res
+        seq_id = seq_id_of(seq_id)
+        want = expect_cached_tokens
         try:
             spec = self.specs.check(attention)
-            tokens = _token_list(token_ids, f"open {seq_id!r}")
-            want = expect_cached_tokens
-            if type(want) is not int or not 0 <= want <= len(tokens):
+            tokens = token_list(token_ids, f"open {seq_id!r}")
+            limit = max_cached_tokens if want is None else want
+            if want is not None and (type(want) is not int or not 0 <= want <= len(tokens)):
                 raise InvalidArgument(
                     f"expect_cached_tokens must be an int in [0, {len(tokens)}] (the prompt), got {want!r}"
                 )
+            if limit is not None and (type(limit) is not int or limit < 0):
+                raise InvalidArgument(f"max_cached_tokens must be a non-negative int, got {limit!r}")
             with self._lock:
-                res = self.manager.open(seq_id, tokens, bytes(salt), want)
-                if res.num_cached_tokens != want:
+                res = self.manager.open(seq_id, tokens, bytes(salt), limit)
+                if want is not None and res.num_cached_tokens != want:
                     self.manager.free(seq_id)  # back to exactly as before: the blocks stay cached
                     raise PrefixEvicted(seq_id, res.num_cached_tokens, want)
                 self.specs.set(seq_id, spec)
-                self._tombstones.pop(seq_id, None)
-                self._seq_opened.notify_all()
+                self._waits.opened(seq_id)
                 return res
         except PagedKVError as exc:
-            with self._lock:
-                if seq_id not in self.manager.seqs:  # not a duplicate id: the live one stays reachable
-                    self._tombstones[seq_id] = exc
-                    self._tombstones.move_to_end(seq_id)
-                    while len(self._tombstones) > self.config.max_tombstones:
-                        self._tombstones.popitem(last=False)
-                    self._seq_opened.notify_all()
+            if want is not None:  # an asynchronous open: its first data call learns why
+                with self._lock:
+                    if seq_id not in self.manager.seqs:  # not a duplicate id: the live one stays reachable
+                        self._waits.failed(seq_id, exc)
             raise
 
     def await_sequence(self, seq_id: str, timeout_s: float | None = None) -> bool:
@@ -268,18 +160,7 @@ class CacheEngine:
         exists, False if it still does not; raises the open's own error (e.g.
         PrefixEvicted) if its asynchronous open failed. Changes nothing."""
         grace = self.config.unknown_seq_grace_s if timeout_s is None else timeout_s
-        deadline = time.monotonic() + grace
-        with self._seq_opened:
-            while True:
-                if seq_id in self.manager.seqs:
-                    return True
-                failed = self._tombstones.get(seq_id)
-                if failed is not None:
-                    raise _fresh_copy(failed)
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._seq_opened.wait(left)
+        return self._waits.wait(seq_id, self.manager.seqs.__contains__, grace)
 
     def awaiting_open(self, fn: Callable[[], T]) -> T:
         """fn(), called again when a sequence it did not find gets opened within the
@@ -298,57 +179,39 @@ class CacheEngine:
     @_computes
     def lookup(self, token_ids: Seq[int] | np.ndarray, salt: bytes = b"") -> int:
         """Tokens of this prompt cached on the node (device or host). Changes nothing."""
-        tokens = _token_list(token_ids, "lookup")
+        tokens = token_list(token_ids, "lookup")
         with self._lock:
             return self.manager.num_cached_tokens(tokens, bytes(salt))
 
+    @_computes
     def append(self, seq_id: str, token_ids: Seq[int], k: Any, v: Any) -> None:
         """Append n tokens with their K and V for every layer: k, v [num_layers, n, kv_heads, head_dim]."""
+        seq_id = seq_id_of(seq_id)
+        tokens = token_list(token_ids, f"append to {seq_id!r}")
         s = self.spec
-        shape = (s.num_layers, len(token_ids), s.num_kv_heads, s.head_dim)
-        k = self._tensor("k", k, shape)
-        v = self._tensor("v", v, shape)
-        self.append_slabs(seq_id, token_ids, [(k, v)])
+        shape = (s.num_layers, len(tokens), s.num_kv_heads, s.head_dim)
+        self._append(
+            seq_id, tokens, [(self._checks.tensor("k", k, shape), self._checks.tensor("v", v, shape))]
+        )
 
     @_computes
     def append_slabs(self, seq_id: str, token_ids: Seq[int], slabs: Seq[tuple[Any, Any]]) -> None:
         """append() with the K/V given as consecutive token slabs (k_i, v_i), each
         [num_layers, t_i, kv_heads, head_dim], sum t_i = n: what a streamed Append
         delivers, written without first joining it into one payload-sized tensor."""
-        seq_id = _seq_id(seq_id)
-        tokens = _token_list(token_ids, f"append to {seq_id!r}")
-        s = self.spec
-        checked = []
-        total = 0
-        for i, (k, v) in enumerate(slabs):
-            t = k.shape[1] if isinstance(k, torch.Tensor | np.ndarray) and k.ndim == 4 else -1
-            shape = (s.num_layers, t, s.num_kv_heads, s.head_dim)
-            checked.append((self._tensor(f"k slab {i}", k, shape), self._tensor(f"v slab {i}", v, shape)))
-            total += t
-        if total != len(tokens):
-            raise InvalidArgument(f"{total} tokens of K/V for {len(tokens)} token ids")
+        seq_id = seq_id_of(seq_id)
+        tokens = token_list(token_ids, f"append to {seq_id!r}")
+        self._append(seq_id, tokens, self._checks.kv_slabs(slabs, len(tokens)))
+
+    def _append(self, seq_id: str, tokens: list[int], slabs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         if not tokens:
             return
         with self._lock:
             pos = self.manager.reserve(seq_id, tokens)  # after any budget drop; no slot list per token
             seq = self.manager.seqs[seq_id]
-            for k, v in checked:
-                self._write_range(seq.table, pos, k, v)
+            for k, v in slabs:
+                self._io.write_range(seq.table, pos, k, v)
                 pos += k.shape[1]
-
-    def _write_range(self, table: list[int], start: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write tokens [start, start + t) of a sequence, every layer: one strided copy
-        per block touched for K and for V (a scatter through index_put_ over a permuted
-        view is ~5x slower on CPU)."""
-        bs, kv, n = self.spec.block_size, self.kv, k.shape[1]
-        p = 0
-        while p < n:
-            pos = start + p
-            block, lo = table[pos // bs], pos % bs
-            c = min(bs - lo, n - p)
-            kv[:, 0, block, :, lo : lo + c].copy_(k[:, p : p + c].transpose(1, 2))
-            kv[:, 1, block, :, lo : lo + c].copy_(v[:, p : p + c].transpose(1, 2))
-            p += c
 
     def _slot_index(self, slots: Slots) -> tuple[torch.Tensor, torch.Tensor]:
         return (
@@ -362,7 +225,7 @@ class CacheEngine:
         blocks: list[int] = []
         offsets: list[int] = []
         for sid in seq_ids:
-            seq = self.manager._active(sid)
+            seq = self.manager.get_active(sid)
             if seq.cache_len < n:
                 raise InvalidArgument(
                     f"sequence {sid!r} holds {seq.cache_len} tokens; cannot write the last {n}"
@@ -371,16 +234,6 @@ class CacheEngine:
                 blocks.append(seq.table[p // bs])
                 offsets.append(p % bs)
         return Slots(blocks, offsets)
-
-    def _write_layer(self, layer: int, slots: Slots, k: torch.Tensor, v: torch.Tensor) -> None:
-        self._write_layer_at(layer, *self._slot_index(slots), k, v)
-
-    def _write_layer_at(
-        self, layer: int, b: torch.Tensor, o: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-    ) -> None:
-        """k, v [n, kv_heads, head_dim] into blocks b at offsets o (index tensors [n])."""
-        self.kv[layer, 0].transpose(1, 2).index_put_((b, o), k)
-        self.kv[layer, 1].transpose(1, 2).index_put_((b, o), v)
 
     @_computes
     def attend_decode(
@@ -403,29 +256,25 @@ class CacheEngine:
         Returns out [B, q_heads, head_dim], lse [B, q_heads] and, if asked, the
         attention mass per block. out: where to write out and lse (see paged_decode).
         """
-        ids = [_seq_id(s) for s in seq_ids]
-        layer = self._layer(layer)
+        ids = batch_ids(seq_ids, "attend_decode", "decode")
+        layer = self._checks.layer(layer)
         s = self.spec
-        if not ids:
-            raise InvalidArgument("attend_decode needs at least one sequence")
-        if len(set(ids)) != len(ids):
-            raise InvalidArgument("a decode batch lists a sequence more than once")
-        q = self._query("q", q, (len(ids), None, s.head_dim))
-        tokens = self._step_tokens(layer, k, v, token_ids, len(ids))
-        if k is not None:
-            k = self._tensor("k", k, (len(ids), s.num_kv_heads, s.head_dim))
-            v = self._tensor("v", v, (len(ids), s.num_kv_heads, s.head_dim))
+        q = self._checks.query("q", q, (len(ids), None, s.head_dim))
+        tokens = self._checks.step_tokens(layer, k, v, token_ids, len(ids))
+        k, v = self._checks.step_kv(k, v, len(ids))
         with self._lock:
             for sid in ids:
-                self.manager._active(sid)
+                self.manager.get_active(sid)
             if k is not None:
                 if tokens is not None:
-                    slots = self._reserve_layered(ids, lambda: self.manager.append_tokens(ids, tokens))
+                    slots = self._layered.reserve(
+                        self.manager, ids, lambda: self.manager.append_tokens(ids, tokens)
+                    )
                 else:
                     slots = self._tail_slots(ids, 1)
-                self._write_layer(layer, slots, k, v)
+                self._io.write_layer(layer, *self._slot_index(slots), k, v)
                 if layer == s.num_layers - 1:
-                    self._publish_written(ids)
+                    self._layered.publish(self.manager, ids)
             seqs = [self.manager.seqs[sid] for sid in ids]
             width = max(len(seq.table) for seq in seqs)
             if width == 0:
@@ -437,10 +286,10 @@ class CacheEngine:
             if (lens == 0).any():
                 empty = [sid for sid, seq in zip(ids, seqs, strict=True) if seq.cache_len == 0]
                 raise InvalidArgument(f"sequences {empty} hold no tokens to attend to")
-            want_mass = return_block_mass or self._tracks_mass(seqs)
+            want_mass = return_block_mass or tracks_mass(self.manager.device.policy, seqs)
             specs = self.specs.batch_specs(ids, layer)
             if specs is None:
-                res = paged_decode(
+                res = decode_trusted(
                     q,
                     self.kv[layer, 0],
                     self.kv[layer, 1],
@@ -456,7 +305,7 @@ class CacheEngine:
                 if layer == s.num_layers - 1:
                     self.specs.release(self.manager, ids)
             if want_mass and res.block_mass is not None:
-                self._credit_mass(seqs, res.block_mass)
+                credit_mass(self.manager.device.policy, seqs, res.block_mass)
             return res
 
     @_computes
@@ -475,24 +324,24 @@ class CacheEngine:
         causally to its cached prefix and to themselves. With k, v [n, kv_heads,
         head_dim] the n tokens are appended first (token_ids at layer 0, as in
         attend_decode); without them q stands for the sequence's last n tokens."""
-        seq_id = _seq_id(seq_id)
-        layer = self._layer(layer)
+        seq_id = seq_id_of(seq_id)
+        layer = self._checks.layer(layer)
         s = self.spec
-        q = self._query("q", q, (None, None, s.head_dim))
+        q = self._checks.query("q", q, (None, None, s.head_dim))
         n = q.shape[0]
         if n == 0:
             raise InvalidArgument("attend_prefill needs at least one query token")
-        tokens = self._step_tokens(layer, k, v, token_ids, n)
-        if k is not None:
-            k = self._tensor("k", k, (n, s.num_kv_heads, s.head_dim))
-            v = self._tensor("v", v, (n, s.num_kv_heads, s.head_dim))
+        tokens = self._checks.step_tokens(layer, k, v, token_ids, n)
+        k, v = self._checks.step_kv(k, v, n)
         with self._lock:
-            seq = self.manager._active(seq_id)
+            seq = self.manager.get_active(seq_id)
             table = None
             if k is not None:
                 if tokens is not None:
-                    slots = self._reserve_layered([seq_id], lambda: self.manager.append(seq_id, tokens))
-                    self._write_layer(layer, slots, k, v)
+                    slots = self._layered.reserve(
+                        self.manager, [seq_id], lambda: self.manager.append(seq_id, tokens)
+                    )
+                    self._io.write_layer(layer, *self._slot_index(slots), k, v)
                 else:  # the slots layer 0 reserved: the table's last n positions (no per-token list)
                     if seq.cache_len < n:
                         raise InvalidArgument(
@@ -500,20 +349,20 @@ class CacheEngine:
                         )
                     table = torch.tensor(seq.table, dtype=torch.int64, device=self.device)
                     pos = torch.arange(seq.cache_len - n, seq.cache_len, device=self.device)
-                    self._write_layer_at(layer, table[pos // s.block_size], pos % s.block_size, k, v)
+                    self._io.write_layer(layer, table[pos // s.block_size], pos % s.block_size, k, v)
                 if layer == s.num_layers - 1:
-                    self._publish_written([seq_id])
+                    self._layered.publish(self.manager, [seq_id])
             if seq.cache_len < n:
                 raise InvalidArgument(
                     f"sequence {seq_id!r} holds {seq.cache_len} tokens, fewer than {n} queries"
                 )
             if k is None:
                 self.specs.check_queries(seq_id, layer, seq.num_tokens - n, seq.num_dropped_tokens)
-            want_mass = return_block_mass or self._tracks_mass([seq])
+            want_mass = return_block_mass or tracks_mass(self.manager.device.policy, [seq])
             if table is None:
                 table = torch.tensor(seq.table, dtype=torch.int64, device=self.device)
             spec = self.specs.layer_spec(seq_id, layer)
-            out = paged_prefill(
+            out = prefill_trusted(
                 q,
                 self.kv[layer, 0],
                 self.kv[layer, 1],
@@ -523,7 +372,7 @@ class CacheEngine:
                 spec=spec,
             )
             if want_mass and out.block_mass is not None:
-                self._credit_mass([seq], out.block_mass.unsqueeze(0))
+                credit_mass(self.manager.device.policy, [seq], out.block_mass.unsqueeze(0))
             if spec.masks and layer == s.num_layers - 1:
                 self.specs.release(self.manager, [seq_id])
             return out
@@ -551,30 +400,24 @@ class CacheEngine:
         tokens held when nothing is appended) is checked before anything changes, and the batch
         runs under the engine lock. Only running out of room at layer 0 fails after a change:
         the sequences before the one that did not fit keep their appended tokens."""
-        ids = [_seq_id(sid) for sid in seq_ids]
-        layer = self._layer(layer)
+        ids = batch_ids(seq_ids, "attend_prefill_batch", "prefill")
+        layer = self._checks.layer(layer)
         s = self.spec
-        if not ids:
-            raise InvalidArgument("attend_prefill_batch needs at least one sequence")
-        if len(set(ids)) != len(ids):
-            raise InvalidArgument("a prefill batch lists a sequence more than once")
         counts = list(num_tokens)
         if len(counts) != len(ids) or any(type(n) is not int or n < 1 for n in counts):
             raise InvalidArgument(
                 f"num_tokens must hold one count >= 1 per sequence ({len(ids)}), got {counts}"
             )
         total = sum(counts)
-        q = self._query("q", q, (total, None, s.head_dim))
-        tokens = self._step_tokens(layer, k, v, token_ids, total)
-        if k is not None:
-            k = self._tensor("k", k, (total, s.num_kv_heads, s.head_dim))
-            v = self._tensor("v", v, (total, s.num_kv_heads, s.head_dim))
+        q = self._checks.query("q", q, (total, None, s.head_dim))
+        tokens = self._checks.step_tokens(layer, k, v, token_ids, total)
+        k, v = self._checks.step_kv(k, v, total)
         bounds = [0]
         for n in counts:
             bounds.append(bounds[-1] + n)
         with self._lock:
             for sid, n in zip(ids, counts, strict=True):
-                seq = self.manager._active(sid)
+                seq = self.manager.get_active(sid)
                 if tokens is None and seq.cache_len < n:  # nothing appended: q are its last n tokens
                     raise InvalidArgument(
                         f"sequence {sid!r} holds {seq.cache_len} tokens, fewer than {n} queries"
@@ -597,88 +440,6 @@ class CacheEngine:
             return AttentionOutput(outs[0], lses[0], None)
         return AttentionOutput(torch.cat(outs), torch.cat(lses), None)
 
-    def _reserve_layered(self, ids: list[str], reserve: Callable[[], Slots]) -> Slots:
-        """reserve() at layer 0 of a layer-by-layer write: blocks it fills keep their keys
-        unfindable (no prefix hit, no STORED event) until _publish_written after the last
-        layer, so no other sequence reads a block whose later layers are not written yet.
-        A step left unfinished (a new layer 0 before the last layer) is never published."""
-        if self.spec.num_layers == 1:
-            return reserve()
-        held_by = self._held
-        if held_by:
-            for sid in ids:
-                held_by.pop(sid, None)
-        manager = self.manager
-        manager.hold_publish = True
-        try:
-            return reserve()
-        finally:
-            manager.hold_publish = False
-            for h in manager.take_held():
-                held_by.setdefault(h.seq.seq_id, []).append(h)
-
-    def _publish_written(self, ids: list[str]) -> None:
-        held_by = self._held
-        if held_by:
-            for sid in ids:
-                held = held_by.pop(sid, None)
-                if held:
-                    self.manager.publish_held(held)
-
-    def _query(self, name: str, q: Any, shape: tuple[int | None, ...]) -> torch.Tensor:
-        if isinstance(q, np.ndarray):
-            q = torch.from_numpy(q)
-        if not isinstance(q, torch.Tensor):
-            raise InvalidArgument(f"{name} must be a tensor, got {type(q).__name__}")
-        if q.dtype != self.dtype:
-            raise InvalidArgument(
-                f"{name} has dtype {str(q.dtype).removeprefix('torch.')}, this node serves {self.spec.dtype}"
-            )
-        ok = q.ndim == len(shape) and all(
-            want is None or got == want for got, want in zip(q.shape, shape, strict=True)
-        )
-        hq = q.shape[1] if q.ndim == 3 else 0
-        if not ok or hq == 0 or hq % self.spec.num_kv_heads:
-            raise InvalidArgument(
-                f"{name} has shape {tuple(q.shape)}, "
-                f"expected {tuple('*' if d is None else d for d in shape)} "
-                f"with query heads a multiple of {self.spec.num_kv_heads} kv heads"
-            )
-        return q.to(self.device)
-
-    def _step_tokens(self, layer: int, k: Any, v: Any, token_ids: Any, n: int) -> list[int] | None:
-        if (k is None) != (v is None):
-            raise InvalidArgument("k and v must be given together")
-        if k is None:
-            if token_ids is not None:
-                raise InvalidArgument("token_ids given without k and v")
-            return None
-        if layer == 0:
-            if token_ids is None:
-                raise InvalidArgument("layer 0 appends new tokens: token_ids are required")
-            tokens = _token_list(token_ids, "attend")
-            if len(tokens) != n:
-                raise InvalidArgument(f"{len(tokens)} token ids for {n} new tokens")
-            return tokens
-        if token_ids is not None:
-            raise InvalidArgument(f"token_ids are taken at layer 0 only (got them at layer {layer})")
-        return None
-
-    def _tracks_mass(self, seqs: list[Any]) -> bool:
-        return isinstance(self.manager.device.policy, ScorePolicy) or any(s.budget is not None for s in seqs)
-
-    def _credit_mass(self, seqs: list[Any], block_mass: torch.Tensor) -> None:
-        mass = block_mass.detach().to("cpu", torch.float64).numpy()
-        policy = self.manager.device.policy
-        if isinstance(policy, ScorePolicy):
-            for row, seq in zip(mass, seqs, strict=True):
-                n = len(seq.table)
-                policy.add_mass_many(np.asarray(seq.table, dtype=np.int64), row[:n])
-        for row, seq in zip(mass, seqs, strict=True):
-            if seq.budget is not None:
-                for i in range(len(seq.table)):
-                    seq.scores[i] += float(row[i])
-
     @_computes
     def read_kv(
         self, seq_id: str, start: int = 0, end: int | None = None
@@ -687,7 +448,7 @@ class CacheEngine:
         Changes nothing."""
         s = self.spec
         with self._lock:
-            stop = self._read_range(_seq_id(seq_id), start, end)
+            stop = self._read_range(seq_id_of(seq_id), start, end)
             shape = (s.num_layers, stop - start, s.num_kv_heads, s.head_dim)
             out_k = torch.empty(shape, dtype=self.dtype, device=self.device)
             out_v = torch.empty(shape, dtype=self.dtype, device=self.device)
@@ -696,7 +457,7 @@ class CacheEngine:
 
     def _read_range(self, seq_id: str, start: int, end: int | None) -> int:
         """The validated end of [start, end) within the sequence (lock held)."""
-        seq = self.manager._active(seq_id)
+        seq = self.manager.get_active(seq_id)
         stop = seq.cache_len if end is None else end
         if type(start) is not int or type(stop) is not int or not 0 <= start <= stop <= seq.cache_len:
             raise InvalidArgument(
@@ -711,8 +472,8 @@ class CacheEngine:
         """read_kv() into caller-owned tensors (the bulk channel's reused staging
         buffer, any device): out_k, out_v [num_layers, end - start, kv_heads, head_dim]
         of the node's dtype. Changes nothing in the engine."""
-        seq_id = _seq_id(seq_id)
-        s, bs, kv = self.spec, self.spec.block_size, self.kv
+        seq_id = seq_id_of(seq_id)
+        s = self.spec
         shape = (s.num_layers, end - start, s.num_kv_heads, s.head_dim)
         for name, out in (("out_k", out_k), ("out_v", out_v)):
             if tuple(out.shape) != shape or out.dtype != self.dtype:
@@ -721,51 +482,42 @@ class CacheEngine:
                 )
         with self._lock:
             stop = self._read_range(seq_id, start, end)
-            table = self.manager.seqs[seq_id].table
-            pos = start
-            while pos < stop:  # per block and layer: contiguous destinations copy fastest
-                block, lo = table[pos // bs], pos % bs
-                c = min(bs - lo, stop - pos)
-                p = pos - start
-                for layer in range(s.num_layers):
-                    out_k[layer, p : p + c].copy_(kv[layer, 0, block, :, lo : lo + c].transpose(0, 1))
-                    out_v[layer, p : p + c].copy_(kv[layer, 1, block, :, lo : lo + c].transpose(0, 1))
-                pos += c
+            self._io.read_range(self.manager.seqs[seq_id].table, start, stop, out_k, out_v)
 
     @_computes
     def fork(self, parent_id: str, child_id: str) -> None:
         with self._lock:
-            self.manager.fork(_seq_id(parent_id), _seq_id(child_id))
+            self.manager.fork(seq_id_of(parent_id), seq_id_of(child_id))
             self.specs.fork(parent_id, child_id)
 
     @_computes
     def free(self, seq_id: str) -> None:
         with self._lock:
-            self.manager.free(_seq_id(seq_id))
-            self._held.pop(seq_id, None)  # its unfinished blocks went back unkeyed
+            self.manager.free(seq_id_of(seq_id))
+            self._layered.drop(seq_id)  # its unfinished blocks went back unkeyed
             self.specs.forget(seq_id)
 
     @_computes
     def swap_out(self, seq_id: str) -> int:
         with self._lock:
-            moved = self.manager.swap_out(_seq_id(seq_id))
-            self._held.pop(seq_id, None)  # an unfinished step's blocks are not published
+            moved = self.manager.swap_out(seq_id_of(seq_id))
+            self._layered.drop(seq_id)  # an unfinished step's blocks are not published
             return moved
 
     @_computes
     def swap_in(self, seq_id: str) -> int:
         with self._lock:
-            return self.manager.swap_in(_seq_id(seq_id))
+            return self.manager.swap_in(seq_id_of(seq_id))
 
     @_computes
     def pin(self, token_ids: Seq[int], salt: bytes = b"") -> int:
-        tokens = _token_list(token_ids, "pin")
+        tokens = token_list(token_ids, "pin")
         with self._lock:
             return self.manager.pin(tokens, bytes(salt))
 
     @_computes
     def unpin(self, token_ids: Seq[int], salt: bytes = b"") -> int:
-        tokens = _token_list(token_ids, "unpin")
+        tokens = token_list(token_ids, "unpin")
         with self._lock:
             return self.manager.unpin(tokens, bytes(salt))
 
@@ -774,7 +526,7 @@ class CacheEngine:
         self, seq_id: str, max_tokens: int | None, sink_blocks: int = 1, recent_blocks: int = 4
     ) -> None:
         """Opt a sequence into a lossy token budget (None turns it off)."""
-        seq_id = _seq_id(seq_id)
+        seq_id = seq_id_of(seq_id)
         budget = None if max_tokens is None else Budget(max_tokens, sink_blocks, recent_blocks)
         with self._lock:
             if budget is not None:
@@ -789,8 +541,8 @@ class CacheEngine:
         with self._lock:
             self.manager = self._new_manager()
             self.specs.clear()
-            self._tombstones.clear()
-            self._held.clear()
+            self._waits.clear()
+            self._layered.clear()
 
     def _new_manager(self) -> KVCacheManager:
         c = self.config
@@ -809,16 +561,16 @@ class CacheEngine:
     def sequence_length(self, seq_id: str) -> int:
         """Logical length (tokens appended, including any dropped by a budget)."""
         with self._lock:
-            return self.manager.get(_seq_id(seq_id)).num_tokens
+            return self.manager.get(seq_id_of(seq_id)).num_tokens
 
     def cache_length(self, seq_id: str) -> int:
         """Tokens the sequence holds in its blocks (read_kv's range)."""
         with self._lock:
-            return self.manager._active(_seq_id(seq_id)).cache_len
+            return self.manager.get_active(seq_id_of(seq_id)).cache_len
 
     def block_table(self, seq_id: str) -> list[int]:
         with self._lock:
-            return list(self.manager.get(_seq_id(seq_id)).table)
+            return list(self.manager.get(seq_id_of(seq_id)).table)
 
     def num_pending_events(self) -> int:
         """Events recorded and not yet taken. Lock-free (one length read), so a reporter

@@ -165,8 +165,6 @@ class KVCacheManager:
             raise FailedPrecondition(f"sequence {seq_id!r} is swapped out; swap it in first")
         return seq
 
-    _active = get_active  # the engine's name for it until its call sites move
-
     def block_keys(self, token_ids: list[int], salt: bytes = b"") -> list[bytes]:
         """Keys of every full block of `token_ids` under `salt`. Pure."""
         return self.prefix.block_keys(token_ids, salt)

@@ -7,7 +7,7 @@ one kernel call per distinct spec. Sequences opened without one cost the attend 
 test of an empty dict.
 
 Windows free memory. After the last layer of an attend, the blocks that no query at the
-sequence's last position or later sees in any layer (attention_spec.dead_prefix_blocks) leave
+sequence's last position or later sees in any layer (attention/spec.py: dead_prefix_blocks) leave
 its table (KVCacheManager.release_leading): shared ones lose a reference, keyed ones stay cached
 for prefix hits and are evicted (to the host tier first) like any cached block, the rest are
 free. One layer without a window keeps every block. The node's positions stay table positions:
@@ -33,8 +33,9 @@ import torch
 
 from ..protos.attention import LayerAttention, check_layers
 from ..protos.errors import IntegrityError, InvalidArgument
-from .attention import AttentionOutput, paged_decode
-from .attention_spec import PLAIN, AttentionSpec, dead_prefix_blocks, from_layer
+from .attention import AttentionOutput
+from .attention.decode import decode_trusted
+from .attention.spec import PLAIN, AttentionSpec, dead_prefix_blocks, from_layer
 from .kv_manager import KVCacheManager
 
 __all__ = ["SequenceSpec", "SequenceSpecs"]
@@ -142,11 +143,11 @@ class SequenceSpecs:
         return_block_mass: bool,
         out: tuple[torch.Tensor, torch.Tensor] | None,
     ) -> AttentionOutput:
-        """paged_decode with each row's spec: one call per distinct spec (one in the usual
+        """decode_trusted with each row's spec: one call per distinct spec (one in the usual
         case of a batch of one model), the rows put back in batch order."""
         first = specs[0]
         if all(s == first for s in specs):
-            return paged_decode(
+            return decode_trusted(
                 q, k_cache, v_cache, tables, lens, return_block_mass=return_block_mass, out=out, spec=first
             )
         batch, num_q_heads, head_dim = q.shape
@@ -156,7 +157,7 @@ class SequenceSpecs:
         mass = torch.zeros(batch, tables.shape[1], device=q.device) if return_block_mass else None
         for spec in dict.fromkeys(specs):
             rows = torch.tensor([i for i, s in enumerate(specs) if s == spec])
-            part = paged_decode(
+            part = decode_trusted(
                 q[rows],
                 k_cache,
                 v_cache,

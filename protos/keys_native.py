@@ -1,6 +1,6 @@
 """Building and loading the compiled key chain (csrc/chain_keys.c) for protos/keys.py.
 
-The same scheme as the node's attention kernel (cache_node/attention_kernel.py),
+The same scheme as the node's attention kernel (cache_node/attention/cpu_kernel.py),
 which protos cannot import: plain C99, compiled at first use with the system C
 compiler, cached on disk (~/.cache/pagedkv/kernels or PAGEDKV_KERNEL_DIR) under a
 name keyed by the source, the flags, the compiler and the CPU's flags; concurrent

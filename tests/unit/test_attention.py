@@ -18,13 +18,16 @@ from typing import Any
 import pytest
 import torch
 
-from pagedkv.cache_node import attention, attention_kernel
+from pagedkv.cache_node import attention
 from pagedkv.cache_node.attention import (
     AttentionOutput,
+    cpu_kernel,
+    gather,
     kernel_info,
     merge_partials,
     paged_decode,
     paged_prefill,
+    prefill,
 )
 from pagedkv.protos import native_build
 from pagedkv.protos.errors import FailedPrecondition, InvalidArgument
@@ -246,7 +249,7 @@ def test_kernel_split_across_partitions(num_partitions: int) -> None:
     lens = [9, 70, 33]
     sc = make_scenario(lens, num_kv_heads=2, block_size=4, head_dim=32, fork_of_first=1, seed=5)
     q = torch.randn(len(lens), 4, 32)
-    result = attention._decode_kernel(
+    result = cpu_kernel.decode(
         q, sc.k_cache, sc.v_cache, sc.tables, sc.seq_lens, 32**-0.5, True, num_partitions=num_partitions
     )
     check_decode(result, sc, q, 32**-0.5, 4)
@@ -314,12 +317,12 @@ def test_torch_path_workspace_is_reused_and_releasable() -> None:
     sc = make_scenario([30, 12], num_kv_heads=2, block_size=4, head_dim=16, seed=6)
     q = torch.randn(2, 4, 16)
     first = paged_decode(q, sc.k_cache, sc.v_cache, sc.tables, sc.seq_lens, backend="torch").out
-    pooled = list(attention._workspace._free)
+    pooled = list(gather.workspace._free)
     assert pooled  # the gather buffers went back to the pool
     again = paged_decode(q, sc.k_cache, sc.v_cache, sc.tables, sc.seq_lens, backend="torch").out
-    assert {b.data_ptr() for b in attention._workspace._free} == {b.data_ptr() for b in pooled}
+    assert {b.data_ptr() for b in gather.workspace._free} == {b.data_ptr() for b in pooled}
     attention.release_workspace()
-    assert attention._workspace._free == []
+    assert gather.workspace._free == []
     after = paged_decode(q, sc.k_cache, sc.v_cache, sc.tables, sc.seq_lens, backend="torch").out
     assert torch.equal(first, again) and torch.equal(first, after)
 
@@ -343,7 +346,7 @@ def test_prefill_matches_reference(
     (small prefills) and its two unmasked calls merged by LSE (large ones; forced here)."""
     with_mass = path == "explicit+mass"
     if path == "flash-split":
-        monkeypatch.setattr(attention, "_MASKED_PREFILL_MAX", 0)
+        monkeypatch.setattr(prefill, "_MASKED_PREFILL_MAX", 0)
     num_kv_heads, head_dim = 2, 32
     sc = make_scenario(
         [context_len],
@@ -353,9 +356,9 @@ def test_prefill_matches_reference(
         seed=context_len + num_queries,
     )
     q = torch.randn(num_queries, num_kv_heads * group, head_dim)
-    masks = attention._folded_causal_mask.cache_info()
+    masks = prefill._folded_causal_mask.cache_info()
     result = paged_prefill(q, sc.k_cache, sc.v_cache, sc.tables[0], context_len, return_block_mass=with_mass)
-    after = attention._folded_causal_mask.cache_info()
+    after = prefill._folded_causal_mask.cache_info()
     assert (after.hits + after.misses > masks.hits + masks.misses) == (path == "flash-masked")
     out, lse, mass = reference(
         q, sc.keys[0], sc.values[0], context_len - num_queries, head_dim**-0.5, block_size
@@ -384,7 +387,7 @@ def test_prefill_half_types_without_mass(dtype: torch.dtype) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_prefill_half_types_and_query_chunks(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(attention, "_PREFILL_SCORE_BUDGET", 500)  # forces several query chunks
+    monkeypatch.setattr(prefill, "_PREFILL_SCORE_BUDGET", 500)  # forces several query chunks
     sc = make_scenario([45], num_kv_heads=1, block_size=8, head_dim=32, dtype=dtype, seed=2)
     q = torch.randn(20, 2, 32).to(dtype)
     result = paged_prefill(q, sc.k_cache, sc.v_cache, sc.tables[0], 45, return_block_mass=True)
@@ -561,7 +564,7 @@ def test_env_selects_torch_backend(monkeypatch: pytest.MonkeyPatch) -> None:
     def no_kernel(*args, **kwargs):
         raise AssertionError("kernel used although the torch backend was selected")
 
-    monkeypatch.setattr(attention, "_decode_kernel", no_kernel)
+    monkeypatch.setattr(cpu_kernel, "decode", no_kernel)
     monkeypatch.setenv(attention.BACKEND_ENV, "torch")
     args = _decode_args()
     assert paged_decode(**args).out.shape == (2, 4, 16)
@@ -570,12 +573,12 @@ def test_env_selects_torch_backend(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_failed_build_falls_back_to_torch_with_one_warning(
     monkeypatch: pytest.MonkeyPatch, tmp_path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    fresh = native_build.once(attention_kernel._build_kernel, attention_kernel._unavailable)
-    monkeypatch.setattr(attention_kernel, "_get", fresh)  # forget this process's kernel; restored after
+    fresh = native_build.once(cpu_kernel._build_kernel, cpu_kernel._unavailable)
+    monkeypatch.setattr(cpu_kernel, "_get", fresh)  # forget this process's kernel; restored after
     monkeypatch.setenv("PAGEDKV_KERNEL_DIR", str(tmp_path))  # and the disk cache
     monkeypatch.setenv("CXX", "false")  # a "compiler" that always fails
     args = _decode_args()
-    with caplog.at_level(logging.WARNING, logger=attention_kernel.logger.name):
+    with caplog.at_level(logging.WARNING, logger=cpu_kernel.logger.name):
         info = kernel_info()
         assert not info.is_available and "failed" in info.detail
         reference_out = paged_decode(**args, backend="torch").out
@@ -590,10 +593,10 @@ def test_portable_build_without_openmp_or_native_flags(monkeypatch: pytest.Monke
     """The flag sets are tried in order; the last one (plain C++17: SSE2 only, no OpenMP, software
     fp16 conversion) is what a compiler without OpenMP gets, and it must be just as correct."""
     _require("kernel")
-    fresh = native_build.once(attention_kernel._build_kernel, attention_kernel._unavailable)
-    monkeypatch.setattr(attention_kernel, "_get", fresh)
+    fresh = native_build.once(cpu_kernel._build_kernel, cpu_kernel._unavailable)
+    monkeypatch.setattr(cpu_kernel, "_get", fresh)
     monkeypatch.setenv("PAGEDKV_KERNEL_DIR", str(tmp_path))
-    monkeypatch.setattr(attention_kernel, "_CXX_OPTIONAL_FLAGS", (("-fno-such-flag-for-pagedkv",), ()))
+    monkeypatch.setattr(cpu_kernel, "_CXX_OPTIONAL_FLAGS", (("-fno-such-flag-for-pagedkv",), ()))
     info = kernel_info()
     assert info.is_available and info.build_s > 0, info.detail
     assert "-fopenmp" not in info.detail and "-march" not in info.detail

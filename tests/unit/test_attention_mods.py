@@ -12,8 +12,15 @@ import torch
 from test_attention import LSE_TOL, MASS_TOL, OUT_TOL, make_scenario
 
 from pagedkv.cache_node import attention
-from pagedkv.cache_node.attention import AttentionSpec, merge_partials, paged_decode, paged_prefill
-from pagedkv.cache_node.attention_spec import PLAIN, apply_sinks, dead_prefix_blocks
+from pagedkv.cache_node.attention import (
+    AttentionSpec,
+    cpu_kernel,
+    merge_partials,
+    paged_decode,
+    paged_prefill,
+    prefill,
+)
+from pagedkv.cache_node.attention.spec import PLAIN, apply_sinks, dead_prefix_blocks
 from pagedkv.protos.errors import InvalidArgument
 
 BACKENDS = ["kernel", "torch"]
@@ -136,7 +143,7 @@ def test_kernel_split_counts_sinks_once(num_partitions: int) -> None:
     sc = make_scenario(lens, num_kv_heads=2, block_size=8, head_dim=HEAD_DIM, seed=9)
     tables = _poison_before_window(sc, spec, 8)
     q = torch.randn(2, 4, HEAD_DIM)
-    res = attention._decode_kernel(
+    res = cpu_kernel.decode(
         q, sc.k_cache, sc.v_cache, tables, sc.seq_lens, 0.25, True, num_partitions=num_partitions, spec=spec
     )
     spec_scaled = AttentionSpec(scale=0.25, window=37, softcap=4.0, sinks=spec.sinks)
@@ -192,8 +199,8 @@ def test_prefill_mods_match_reference(block_size: int, with_mass: bool, name: st
 @pytest.mark.parametrize("name", ["window17", "chunk16", "window_softcap_sinks"])
 def test_prefill_mods_large_and_chunked_scores(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A prefill whose mask is too large for one flash call and whose scores come in query chunks."""
-    monkeypatch.setattr(attention, "_MASKED_PREFILL_MAX", 64)
-    monkeypatch.setattr(attention, "_PREFILL_SCORE_BUDGET", 8 * 8 * 50)  # ~8 queries a chunk
+    monkeypatch.setattr(prefill, "_MASKED_PREFILL_MAX", 64)
+    monkeypatch.setattr(prefill, "_PREFILL_SCORE_BUDGET", 8 * 8 * 50)  # ~8 queries a chunk
     spec = SPECS[name]
     sc = make_scenario([50], num_kv_heads=2, block_size=4, head_dim=HEAD_DIM, seed=8)
     q = torch.randn(30, 8, HEAD_DIM)

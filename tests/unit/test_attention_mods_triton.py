@@ -8,9 +8,10 @@ import torch
 from test_attention import LSE_TOL, MASS_TOL, OUT_TOL, make_scenario
 from test_attention_mods import HEAD_DIM, SPECS, _poison_before_window, dense, per_block
 
-# Imported before anything else imports triton: it picks the interpreter when there is no CUDA.
-from pagedkv.cache_node import triton_attention
 from pagedkv.cache_node.attention import paged_decode, paged_prefill
+
+# Imported before anything else imports triton: it picks the interpreter when there is no CUDA.
+from pagedkv.cache_node.attention import triton_backend as triton_attention
 
 if not triton_attention.IS_AVAILABLE:
     pytest.skip("triton is not installed (pip install -e '.[gpu]')", allow_module_level=True)

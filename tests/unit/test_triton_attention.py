@@ -15,8 +15,10 @@ import torch
 from test_attention import LSE_TOL, MASS_TOL, OUT_TOL, check_decode, make_scenario, reference
 
 # Imported before anything else imports triton: it picks the interpreter when there is no CUDA.
-from pagedkv.cache_node import attention, triton_attention
-from pagedkv.cache_node.attention import paged_decode, paged_prefill
+from pagedkv.cache_node import attention
+from pagedkv.cache_node.attention import backends, paged_decode, paged_prefill
+from pagedkv.cache_node.attention import decode as decode_module
+from pagedkv.cache_node.attention import triton_backend as triton_attention
 from pagedkv.cache_node.eviction import ScorePolicy
 from pagedkv.protos.errors import InvalidArgument
 
@@ -42,7 +44,7 @@ def decode(q, sc, *, num_splits: int | None, scale: float | None = None):  # typ
     """paged_decode's checks, then the triton path with a forced number of key splits."""
     head_dim = q.shape[-1]
     scale = head_dim**-0.5 if scale is None else scale
-    res = attention._decode_triton(
+    res = decode_module.decode_triton(
         q.to(DEVICE),
         sc.k_cache,
         sc.v_cache,
@@ -207,15 +209,15 @@ def test_backend_choice() -> None:
     """auto: triton on CUDA tensors (compiled), the C++ kernel or torch on CPU; forcing triton on
     CPU tensors is only possible in the interpreter."""
     cpu = torch.device("cpu")
-    assert attention._pick_backend("auto", cpu) in ("kernel", "torch")
+    assert backends.pick_backend("auto", cpu) in ("kernel", "torch")
     if triton_attention.IS_INTERPRETED:
-        assert attention._pick_backend("triton", cpu) == "triton"
+        assert backends.pick_backend("triton", cpu) == "triton"
     else:
-        assert attention._pick_backend("auto", torch.device("cuda")) == "triton"
+        assert backends.pick_backend("auto", torch.device("cuda")) == "triton"
         with pytest.raises(InvalidArgument, match="TRITON_INTERPRET"):
-            attention._pick_backend("triton", cpu)
+            backends.pick_backend("triton", cpu)
     with pytest.raises(InvalidArgument, match="'auto', 'kernel', 'triton' or 'torch'"):
-        attention._pick_backend("flash", cpu)  # type: ignore[arg-type]
+        backends.pick_backend("flash", cpu)  # type: ignore[arg-type]
 
 
 # --------------------------------------------------------------------------- through the engine

@@ -11,7 +11,7 @@ import pytest
 import torch
 from engine_helpers import assert_unchanged, make_engine, snapshot
 
-from pagedkv.cache_node.attention_spec import AttentionSpec
+from pagedkv.cache_node.attention.spec import AttentionSpec
 from pagedkv.protos.attention import LayerAttention, check_layers, from_messages, to_messages
 from pagedkv.protos.errors import IntegrityError, InvalidArgument
 from pagedkv.protos.spec import ModelSpec

@@ -1,0 +1,133 @@
+"""Every benchmark module under bench/ with a `__main__`, run at its smallest size so none
+can rot: each is a real process (real nodes, a real redis-server for bench.control) that
+must exit 0 and write the results its report is made from. bench.cluster has its own end
+to end test (tests/cluster/test_bench_cluster.py). The figures are not checked: at these
+sizes they mean nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+PEERS = Path(os.environ.get("PAGEDKV_PEERS") or ROOT.parent / "shared" / "peers")
+if not PEERS.is_dir():
+    PEERS = ROOT.parents[1] / "shared" / "peers"  # a worktree beside the main checkout
+
+
+def run_bench(module: str, *args: str, timeout_s: float = 240) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PAGEDKV_PEERS": str(PEERS)}
+    done = subprocess.run(
+        [sys.executable, "-m", module, *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
+    assert done.returncode == 0, f"{module} exited {done.returncode}:\n{(done.stderr or done.stdout)[-3000:]}"
+    return done
+
+
+def needs_peers() -> None:
+    if not (PEERS / "kvbench").is_dir():
+        pytest.skip(f"the peers' kvbench is not at {PEERS} (set PAGEDKV_PEERS)")
+
+
+def test_attention(tmp_path: Path) -> None:
+    run_bench("bench.attention", "--smoke", "--out", str(tmp_path))
+    report = json.loads((tmp_path / "attention.json").read_text())
+    assert report["shapes"] and all(shape["seq_len"] == 128 for shape in report["shapes"])
+
+
+def test_attention_mods() -> None:
+    done = run_bench("bench.attention_mods", "--length", "256", "--repeats", "2")
+    assert "softcap+sinks" in done.stdout and "kernel" in done.stdout
+
+
+def test_hitrate(tmp_path: Path) -> None:
+    run_bench(
+        "bench.hitrate",
+        "--quick",
+        "--workloads",
+        "trace1000",
+        "--policies",
+        "lru,lfu",
+        "--out",
+        str(tmp_path),
+    )
+    results = json.loads((tmp_path / "hitrate_quick.json").read_text())
+    assert "trace1000" in json.dumps(results) and (tmp_path / "hitrate_quick.md").read_text().count("|") > 4
+
+
+def test_memory_waste(tmp_path: Path) -> None:
+    needs_peers()
+    run_bench("bench.memory_waste", "--out", str(tmp_path))
+    result = json.loads((tmp_path / "memory_waste.json").read_text())
+    assert 0.0 <= result["paged_waste"] < result["contiguous_waste"] < 1.0
+
+
+def test_rpc(tmp_path: Path) -> None:
+    run_bench("bench.rpc", "--smoke", "--out", str(tmp_path))
+    results = json.loads((tmp_path / "rpc.json").read_text())
+    assert results["latency"] and results["transfer"] == {}
+    assert "RPC overhead" in (tmp_path / "rpc.md").read_text()
+
+
+def test_security(tmp_path: Path) -> None:
+    run_bench("bench.security", "--smoke", "--out", str(tmp_path))
+    results = json.loads((tmp_path / "security.json").read_text())
+    assert results["attend"] and results["transfer"] and results["check"]
+
+
+def test_ttft(tmp_path: Path) -> None:
+    args = ("--repeats", "1", "--prefix", "64", "--suffix", "16", "--decode", "2", "--no-large")
+    run_bench("bench.ttft", *args, "--out", str(tmp_path), timeout_s=400)
+    report = json.loads((tmp_path / "ttft.json").read_text())
+    assert list(report["models"]) == ["small"]
+
+
+@pytest.mark.skipif(shutil.which("redis-server") is None, reason="bench.control needs redis-server")
+def test_control(tmp_path: Path) -> None:
+    args = ("--rounds", "5", "--count-ops", "3", "--profile-s", "0", "--concurrency", "1")
+    run_bench("bench.control", *args, "--out", str(tmp_path), timeout_s=400)
+    result = json.loads((tmp_path / "control.json").read_text())
+    assert result["rounds"] == 5 and result["redis_commands"]["open"]["ops"] == 3
+    assert "open" in result["latency"] and (tmp_path / "control.md").read_text().count("|") > 10
+
+
+def test_blocks(tmp_path: Path) -> None:
+    needs_peers()
+    args = ("--runs", "1", "--workloads", "W1", "--adapters", "pagedkv,harness-floor")
+    run_bench("bench.blocks", *args, "--out", str(tmp_path), timeout_s=400)
+    assert "pagedkv" in (tmp_path / "blocks.md").read_text()
+
+
+def test_gpu(tmp_path: Path) -> None:
+    if not torch.cuda.is_available():
+        done = subprocess.run(
+            [sys.executable, "-m", "bench.gpu", "--quick", "--out", str(tmp_path)],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode == 2 and "needs a CUDA device" in (done.stdout + done.stderr)
+        return
+    run_bench("bench.gpu", "--quick", "--out", str(tmp_path), timeout_s=400)
+    assert (tmp_path / "gpu.json").exists()
+
+
+def test_versus_runs_one_module_on_two_revisions() -> None:
+    needs_peers()
+    done = run_bench(
+        "bench.versus", "--old", "HEAD", "--new", "HEAD", "--module", "bench.memory_waste", "--rounds", "1"
+    )
+    assert "| paged_waste |" in done.stdout and "| 1.00 |" in done.stdout
