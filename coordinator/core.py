@@ -8,7 +8,8 @@ An open, in round trips to the store (Redis):
 
     salt, root  tenant_salt      0 (cached in process: a salt never changes, nor its root key)
     keys        chain_keys       0 (joined into one bytes: one argument on the wire)
-    open        open_sequence    1 (one script: match the prefix on every candidate,
+    open        open_sequence    1 (one script: match the prefix on the nodes the index
+                                    lists for its first key, O(holders x keys) (store.py),
                                     placement.place ported to Lua, the tenant's quota,
                                     the page table; candidates and their room come from
                                     a node cache refreshed by the reaper tick)
@@ -28,11 +29,8 @@ wait for it first (`_inflight`, where an open enters before its script runs, so 
 concurrent close always finds it); close does not wait: it deletes the record (one
 round trip, tenant-checked in the script) and chains the node Free after the open.
 
-A reaper thread expires nodes whose lease lapsed (remove_node marks their
-sequences lost and purges their keys) and refreshes the node cache. It starts
-one lease after the coordinator does, so nodes that could not beat while it was
-down get to beat first. Every coordinator replica can run one:
-remove_node(require_expired=True) is idempotent and refuses revived nodes.
+Membership (register, heartbeat, the reaper thread, the node cache) is in
+membership.py, mixed into Coordinator.
 """
 
 from __future__ import annotations
@@ -64,6 +62,7 @@ from ..protos.errors import (
 from ..protos.keys import KEY_BYTES, chain_keys, chain_keys_packed, root_key
 from ..protos.status import error_from_rpc
 from .auth import ClusterAccess
+from .membership import Membership
 from .misses import REASONS, MissExplanation, RemovedKeys, explain
 from .node_calls import NodeCalls
 from .placement import Placement, PlacementWeights
@@ -155,7 +154,7 @@ class NodeCall:
         fn(self.error)
 
 
-class Coordinator:
+class Coordinator(Membership):
     def __init__(self, store: Store, config: CoordinatorConfig | None = None) -> None:
         self.store = store
         self.config = config or CoordinatorConfig()
@@ -172,6 +171,7 @@ class Coordinator:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._reaper: threading.Thread | None = None
+        self._holder = uuid.uuid4().hex
         self._started_at = time.monotonic()  # start of the grace in which a lapsed lease is not a death
         self._inflight: dict[str, NodeCall] = {}  # seq id -> its node Open not yet settled
         # Cleanups after failed node opens and Free retries: Redis and sleeps, never
@@ -183,6 +183,7 @@ class Coordinator:
             "cached_tokens": 0,
             "prompt_tokens": 0,
             "nodes_reaped": 0,
+            "reaps_held": 0,  # reaper ticks that held a mass expiry (membership.py)
             "open_failures": 0,  # asynchronous node opens that failed (page table dropped)
             "free_failures": 0,  # node Frees given up after free_retries
             # Why an open's first uncached block missed (the prompt's own, tenant-salted keys):
@@ -216,84 +217,6 @@ class Coordinator:
     def node_calls(self) -> NodeCalls:
         """The node calls sent without waiting (a servicer holds them back while it replies)."""
         return self._node_calls
-
-    def _reap_loop(self, interval_s: float) -> None:
-        # Grace: after a (re)start every node gets one lease to beat before any
-        # is declared dead (a lapse during our own downtime is not a death).
-        if self._stop.wait(self.config.lease_ttl_s):
-            return
-        while not self._stop.wait(interval_s):
-            try:
-                self.reap()
-            except PagedKVError as exc:  # the store is down: try again next tick
-                log.warning("reaper: %s", exc)
-
-    def reap(self) -> list[str]:
-        """Remove nodes whose lease lapsed; refresh the node cache. Returns the removed ids."""
-        removed = []
-        for node_id in self.store.expired_nodes():
-            result = self.store.remove_node(node_id, require_expired=True)
-            if result.was_registered:
-                removed.append(node_id)
-                self.counters["nodes_reaped"] += 1
-                with self._lock:
-                    self._active_blocks.pop(node_id, None)  # its sequences are lost
-                log.warning(
-                    "node %s expired: %d sequences lost, %d keys purged",
-                    node_id,
-                    len(result.lost_seq_ids),
-                    result.num_keys_purged,
-                )
-        self.refresh_nodes()
-        return removed
-
-    def num_live_nodes(self) -> int:
-        with self._lock:
-            return len(self._nodes)
-
-    def refresh_nodes(self) -> list[NodeInfo]:
-        nodes = self.store.live_nodes()
-        with self._lock:
-            self._nodes = {n.node_id: n for n in nodes}
-        return nodes
-
-    # -- membership ---------------------------------------------------------------
-
-    def register(
-        self,
-        node_id: str,
-        address: str,
-        spec: Mapping[str, Any],
-        num_blocks: int,
-        epoch: int = 0,
-        policy: str = "",
-    ) -> None:
-        """A node joins, or comes back empty (its sequences lost, its keys purged): placement's
-        load there starts from nothing and its recent opens at its fair share (placement.py)."""
-        ttl = self.config.lease_ttl_s
-        result = self.store.register_node(node_id, address, dict(spec), num_blocks, ttl, epoch, policy=policy)
-        with self._lock:
-            self._active_blocks.pop(node_id, None)
-            # Neither ahead (its count from before it died) nor behind (0: every open would go
-            # to an empty cache until it caught up): a node starts at its fair share of opens.
-            others = {n: info.num_blocks for n, info in self._nodes.items() if n != node_id}
-            total = sum(others.values())
-            opens = sum(self._recent_opens.get(n, 0.0) for n in others)
-            self._recent_opens[node_id] = opens * num_blocks / total if total else 0.0
-        if result.was_registered and (result.lost_seq_ids or result.num_keys_purged):
-            log.warning("node %s re-registered empty: %d sequences lost", node_id, len(result.lost_seq_ids))
-        self.refresh_nodes()
-
-    def heartbeat(self, node_id: str, load: Mapping[str, int]) -> bool:
-        ok = self.store.heartbeat(node_id, dict(load), self.config.lease_ttl_s)
-        if ok:
-            with self._lock:
-                node = self._nodes.get(node_id)
-                if node is not None:
-                    self._nodes[node_id] = replace(node, load=dict(load))
-            if node is None:  # its lease had lapsed (e.g. while we were down): live again
-                self.refresh_nodes()
-        return ok
 
     def report_events(self, node_id: str, events: Sequence[tuple[int, bytes]]) -> int:
         """Apply a node's ordered stored/offloaded/removed events; each key's last event wins

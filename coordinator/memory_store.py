@@ -63,6 +63,7 @@ class MemoryStore(Store):
         self._node_seqs: dict[str, set[str]] = {}  # node -> seq ids with an extent there
         self._salts: dict[str, bytes] = {}
         self._usage: dict[str, int] = {}
+        self._leases: dict[str, tuple[str, float]] = {}  # role -> (holder, clock() it lapses at)
 
     # ---- membership ---------------------------------------------------------------------------
 
@@ -133,6 +134,14 @@ class MemoryStore(Store):
                 if self._is_live(n)
             ]
 
+    def live_node(self, node_id: str) -> NodeInfo | None:
+        check_name("node_id", node_id)
+        with self._lock:
+            info = self._nodes.get(node_id)
+            if info is None or not self._is_live(node_id):
+                return None
+            return replace(info, spec=dict(info.spec), load=dict(info.load))
+
     def expired_nodes(self) -> list[str]:
         with self._lock:
             return [n for n in sorted(self._nodes) if not self._is_live(n)]
@@ -147,6 +156,18 @@ class MemoryStore(Store):
             result = self._purge(node_id, f"node {node_id} died")
             del self._nodes[node_id], self._deadline_s[node_id]
             return result
+
+    def try_lead(self, role: str, holder: str, ttl_s: float) -> bool:
+        check_name("role", role)
+        check_name("holder", holder)
+        ttl_s = check_ttl(ttl_s)
+        with self._lock:
+            now = self._clock()
+            current = self._leases.get(role)
+            if current is not None and current[0] != holder and now < current[1]:
+                return False
+            self._leases[role] = (holder, now + ttl_s)
+            return True
 
     # ---- prefix index -------------------------------------------------------------------------
 

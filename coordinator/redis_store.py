@@ -12,6 +12,7 @@ Layout, every key under a configurable prefix P (default "pkv:"):
     P seq:<seq_id>     hash  tenant, extents (JSON), num_tokens, state, lost_reason
     P salt:<tenant>    str   16 random bytes, SET NX (first writer wins)
     P usage:<tenant>   int   blocks reserved
+    P lead:<role>      str   the holder of a role's lease (the reaper), PX TTL
 
 Every multi-key update is one Lua script (atomic; one round trip). Scripts build
 key names from P inside Redis, so this targets a single Redis (or a primary with
@@ -162,6 +163,22 @@ redis.call('HSET', P .. 'node:' .. id, 'load', ARGV[3])
 return 1
 """
 
+# KEYS: node:<id>, alive:<id>. Returns {address, spec, num_blocks, load, policy, epoch} | {}
+_LIVE_NODE = """
+if redis.call('EXISTS', KEYS[2]) == 0 then return {} end
+local h = redis.call('HMGET', KEYS[1], 'address', 'spec', 'num_blocks', 'load', 'policy', 'epoch')
+if not h[1] then return {} end
+return {h[1], h[2], h[3], h[4], h[5] or '', h[6] or '0'}
+"""
+
+# KEYS: lead:<role>. ARGV: holder, ttl_ms. Returns 1 if the holder has the lease now, else 0.
+_TRY_LEAD = """
+local v = redis.call('GET', KEYS[1])
+if v and v ~= ARGV[1] then return 0 end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return 1
+"""
+
 # ARGV: P, want_live ('1'/'0').
 # Live: {{id, address, spec, num_blocks, load, policy, epoch}, ...}; else {id, ...}
 _LIST_NODES = """
@@ -211,10 +228,13 @@ return 1
 
 # Shared by match_prefix and open_sequence. Keys arrive as ONE argument, the 16-byte
 # keys joined (redis-py encodes one bytes argument instead of 71 for a W2 open), split
-# here with string.sub. A node's hit count asks its reverse index nkeys:<id> (kept with
-# idx:<key> by apply_events and the purges) once, one SMISMEMBER with every key, not
-# once per key: 2.5x less server time for a W2 open (bench/control.py). Keys go in
-# slices of 4,000, below Lua's unpack() limit.
+# here with string.sub. The nodes with a run are those the index idx:<key> lists for the
+# first key; each of them is asked its run through its reverse index nkeys:<id> (kept with
+# idx:<key> by apply_events and the purges), one SMISMEMBER with every key, not once per
+# key (2.5x less server time for a W2 open, bench/control.py). So a match costs
+# O(H x K), H the live nodes holding the first key, K the keys: nodes that hold none of
+# the prompt cost nothing (bench/scale.py). Ids and keys go in slices of 4,000, below
+# Lua's unpack() limit.
 _MATCH = """
 local function split_keys(blob)
   local keys = {}
@@ -234,6 +254,26 @@ local function leading(P, id, keys)
   end
   return n
 end
+-- ids (a list) -> {id = true} for those whose alive:<id> exists: one MGET per 4,000 ids.
+local function live_set(P, ids)
+  local live = {}
+  for first = 1, #ids, 4000 do
+    local names = {}
+    for i = first, math.min(first + 3999, #ids) do names[#names + 1] = P .. 'alive:' .. ids[i] end
+    local flags = redis.call('MGET', unpack(names))
+    for i, flag in ipairs(flags) do if flag then live[ids[first + i - 1]] = true end end
+  end
+  return live
+end
+-- {id = leading run} for the nodes of `wanted` (a set) that hold keys[1]; others hold 0.
+local function held_runs(P, keys, wanted)
+  local held = {}
+  if #keys == 0 then return held end
+  for _, id in ipairs(redis.call('SMEMBERS', P .. 'idx:' .. keys[1])) do
+    if wanted[id] then held[id] = leading(P, id, keys) end
+  end
+  return held
+end
 """
 
 # ARGV: P, keys_blob.  Returns a flat {node, count, node, count, ...} over live nodes.
@@ -242,11 +282,12 @@ _MATCH_PREFIX = (
     + """
 local P = ARGV[1]
 local keys = split_keys(ARGV[2])
+local ids = redis.call('SMEMBERS', P .. 'nodes')
+local live = live_set(P, ids)
+local held = held_runs(P, keys, live)
 local out = {}
-for _, id in ipairs(redis.call('SMEMBERS', P .. 'nodes')) do
-  if redis.call('EXISTS', P .. 'alive:' .. id) == 1 then
-    out[#out + 1] = id; out[#out + 1] = leading(P, id, keys)
-  end
+for _, id in ipairs(ids) do
+  if live[id] then out[#out + 1] = id; out[#out + 1] = held[id] or 0 end
 end
 return out
 """
@@ -256,8 +297,10 @@ return out
 # and the in-flight marker (placement.py) on the first uncached key.
 # ARGV: P, seq_id, tenant, num_tokens, num_blocks, overlap_weight, load_weight, quota ('' = none),
 #       keys_blob, balance_slack ('-1' = no bound), pending_ttl_ms, affinity_share, balance_margin,
-#       host_weight, scan_classes, then (node_id, free_blocks, total_blocks, evictable_blocks,
-#       recent_opens, active_blocks ('-1' = not counted)) per candidate, by node_id.
+#       host_weight, scan_classes, candidates: one string, a line per candidate by node_id,
+#       "node_id TAB free_blocks TAB total_blocks TAB evictable_blocks TAB recent_opens TAB
+#       active_blocks ('-1' = not counted) LF" (one argument, not six per node: redis-py
+#       encoded 6,000 arguments an open at 1,000 nodes).
 # Returns {1, node, cached, {node, score, ...}, {rejected...}, pending, cached elsewhere, host, scan,
 #          the node holding that}
 #       | {0} (no live candidate)
@@ -292,15 +335,28 @@ local hw, scan_mask = tonumber(ARGV[14]), tonumber(ARGV[15])
 local tie = keys[1] or ''
 local nodes = {}
 local sum_opens, sum_total, most_cached = 0, 0, 0
-for j = 16, #ARGV, 6 do
-  local id = ARGV[j]
-  if redis.call('EXISTS', P .. 'alive:' .. id) == 1 then
-    local free, total, evictable = tonumber(ARGV[j + 1]), tonumber(ARGV[j + 2]), tonumber(ARGV[j + 3])
-    local opens, active = tonumber(ARGV[j + 4]), tonumber(ARGV[j + 5])
-    local held, host = tiers(P, id, keys, leading(P, id, keys))
+local ids, rows = {}, {}
+local col = '([^\\t]+)\\t'
+for id, f, t, e, o, a in string.gmatch(ARGV[16], string.rep(col, 5) .. '([^\\n]+)\\n') do
+  ids[#ids + 1] = id
+  rows[#rows + 1] = {id, f, t, e, o, a}
+end
+local live = live_set(P, ids)
+local runs = held_runs(P, keys, live)
+local markers = {}  -- keys[i] -> its in-flight marker or false: read once, not once per node
+for _, row in ipairs(rows) do
+  local id = row[1]
+  if live[id] then
+    local free, total, evictable = tonumber(row[2]), tonumber(row[3]), tonumber(row[4])
+    local opens, active = tonumber(row[5]), tonumber(row[6])
+    local held, host = tiers(P, id, keys, runs[id] or 0)
     local pending = 0
     if held < #keys then
-      local marker = redis.call('GET', P .. 'pend:' .. keys[held + 1])
+      local marker = markers[held + 1]
+      if marker == nil then
+        marker = redis.call('GET', P .. 'pend:' .. keys[held + 1])
+        markers[held + 1] = marker
+      end
       if marker then
         local count, owner = string.match(marker, '^(%d+):(.*)$')
         if owner == id then pending = math.max(0, math.min(tonumber(count), #keys) - held) end
@@ -341,13 +397,17 @@ for _, n in ipairs(nodes) do
     over = over and (cached < aff * need or opens > (1.0 + 2 * slack) * fair + 2 * margin)
     local order = ''
     if scan then order = redis.sha1hex('pagedkv:scan' .. id) end
-    local rank = redis.sha1hex(tie .. id)
+    local rank = nil  -- the tie's hash, taken only on a tie (one sha1 per node made opens O(N))
     local better = best == nil
     if not better then
       if over ~= best_over then better = not over
       elseif order ~= best_order then better = order < best_order
       elseif cost ~= best_cost then better = cost < best_cost
-      else better = rank < best_rank end
+      else
+        rank = redis.sha1hex(tie .. id)
+        if best_rank == nil then best_rank = redis.sha1hex(tie .. best) end
+        better = rank < best_rank
+      end
     end
     if better then
       best, best_over, best_order, best_cost, best_rank = id, over, order, cost, rank
@@ -476,6 +536,12 @@ def _record(seq_id: str, flat: Sequence[bytes]) -> SequenceRecord:
     )
 
 
+def _node_info(
+    node_id: str, addr: bytes, spec: bytes, nb: bytes, load: bytes, policy: bytes, epoch: bytes
+) -> NodeInfo:
+    return NodeInfo(node_id, _s(addr), json.loads(spec), int(nb), json.loads(load), _s(policy), int(epoch))
+
+
 def _purge_result(node_id: str, reply: Sequence[Any]) -> PurgeResult:
     return PurgeResult(node_id, bool(reply[0]), int(reply[1]), tuple(sorted(_s(s) for s in reply[2])))
 
@@ -515,6 +581,8 @@ class RedisStore(Store):
         self._remove = reg(_REMOVE)
         self._heartbeat = reg(_HEARTBEAT)
         self._list_nodes = reg(_LIST_NODES)
+        self._live_node = reg(_LIVE_NODE)
+        self._try_lead = reg(_TRY_LEAD)
         self._apply_events = reg(_APPLY_EVENTS)
         self._match_prefix = reg(_MATCH_PREFIX)
         self._open_seq = reg(_OPEN_SEQ)
@@ -605,15 +673,28 @@ class RedisStore(Store):
         load_json = json.dumps(check_load(load), sort_keys=True)
         ttl_ms = max(1, round(check_ttl(ttl_s) * 1000))
         args = [self._prefix, node_id, load_json, ttl_ms]
-        return bool(self._call("heartbeat", self._heartbeat, args=args))
+        return bool(self._call("heartbeat", self._kept.run, self._heartbeat, args))
 
     def live_nodes(self) -> list[NodeInfo]:
         rows = self._call("live_nodes", self._list_nodes, args=[self._prefix, "1"])
-        nodes = [
-            NodeInfo(_s(i), _s(addr), json.loads(spec), int(nb), json.loads(load), _s(policy), int(epoch))
-            for i, addr, spec, nb, load, policy, epoch in rows
-        ]
+        nodes = [_node_info(_s(row[0]), *row[1:]) for row in rows]
         return sorted(nodes, key=lambda n: n.node_id)
+
+    def live_node(self, node_id: str) -> NodeInfo | None:
+        check_name("node_id", node_id)
+        keys = [self._key("node:", node_id), self._key("alive:", node_id)]
+        row = self._call("live_node", self._live_node, keys=keys)
+        if not row:
+            return None
+        return _node_info(node_id, *row)
+
+    def try_lead(self, role: str, holder: str, ttl_s: float) -> bool:
+        check_name("role", role)
+        check_name("holder", holder)
+        ttl_ms = max(1, round(check_ttl(ttl_s) * 1000))
+        return bool(
+            self._call("try_lead", self._try_lead, keys=[self._key("lead:", role)], args=[holder, ttl_ms])
+        )
 
     def expired_nodes(self) -> list[str]:
         rows = self._call("expired_nodes", self._list_nodes, args=[self._prefix, "0"])
@@ -697,16 +778,14 @@ class RedisStore(Store):
             repr(float(w.host_weight)),
             new.scan_classes,
         ]
-        for c in new.candidates:
-            active = -1 if c.active_blocks is None else c.active_blocks
-            args += (
-                c.node_id,
-                c.free_blocks,
-                c.total_blocks,
-                c.evictable_blocks,
-                repr(c.recent_opens),
-                active,
-            )
+        rows = "".join(
+            f"{c[0]}\t{c[1]}\t{c[2]}\t{c[3]}\t{c[4]!r}\t{-1 if c[5] is None else c[5]}\n"
+            for c in new.candidates
+        )
+        # A tab or line feed in a node id would shift the columns: the counts catch it in C.
+        if rows.count("\n") != len(new.candidates) or rows.count("\t") != 5 * len(new.candidates):
+            raise InvalidArgument("candidate node ids must not contain tabs or line feeds")
+        args.append(rows)
         reply = self._call("open_sequence", self._kept.run, self._open_seq, args)
         code = reply[0]
         if code == 1:

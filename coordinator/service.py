@@ -131,7 +131,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             spec = spec_dict(request.spec)
             if spec is None:
                 raise InvalidArgument(f"node {request.node_id!r} registered without a model spec")
-            live = {n.node_id: n for n in self.coordinator.refresh_nodes()}.get(request.node_id)
+            live = self.coordinator.live_node(request.node_id)
             if live is not None and live.epoch != request.epoch:
                 raise FailedPrecondition(
                     f"node id {request.node_id!r} is live (at {live.address}); a new registration cannot "

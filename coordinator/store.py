@@ -82,6 +82,12 @@ class Store(ABC):
         """Registered nodes whose TTL has not lapsed, sorted by node_id. Read-only; one round trip."""
 
     @abstractmethod
+    def live_node(self, node_id: str) -> NodeInfo | None:
+        """The node's record if it is registered and its TTL has not lapsed, else None: what a
+        Register or a revived heartbeat needs without listing every node. Read-only; one
+        round trip, O(1)."""
+
+    @abstractmethod
     def expired_nodes(self) -> list[str]:
         """Ids of registered nodes whose TTL lapsed (sorted): what a reaper removes. Read-only;
         one round trip."""
@@ -96,6 +102,14 @@ class Store(ABC):
         and changes nothing (checked atomically), so a reaper racing a re-registration
         never drops a fresh node. One round trip.
         """
+
+    @abstractmethod
+    def try_lead(self, role: str, holder: str, ttl_s: float) -> bool:
+        """Take or renew the lease on `role` for `holder` (e.g. the reaper, so one replica scans
+        for expired nodes, not every one). True if `holder` holds it for the next ttl_s
+        seconds; False, changing nothing, while another holder's lease runs. A holder that
+        gets False, or does not renew within ttl_s, must stop acting in the role. One
+        round trip."""
 
     # ---- global prefix index (exact) ----------------------------------------------------------
 
@@ -123,7 +137,8 @@ class Store(ABC):
         """For every live node, how many LEADING keys of `keys` it holds on either tier
         (keys[0], keys[1], ... consecutively; the first key it lacks stops its count). Live
         nodes holding nothing map to 0; expired nodes are absent. Read-only; one
-        round trip (one script), a consistent snapshot.
+        round trip (one script), a consistent snapshot. O(H x K + N): H nodes holding
+        keys[0] are asked their run, the N live nodes are listed.
         """
 
     @abstractmethod
@@ -169,6 +184,11 @@ class Store(ABC):
            that key stored (apply_events drops the marker).
 
         Checked in that order; any error changes nothing. Returns the Placement.
+
+        Cost, K prompt keys, H live candidates holding the first key, C candidates: the
+        match is O(H x K) (through the key -> nodes index; a node holding none of the prompt
+        costs nothing there), placement O(C) with a small constant per candidate (its room
+        arrives with the call; bench/README "Control plane at scale" gives the figures).
         """
 
     @abstractmethod

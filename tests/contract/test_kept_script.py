@@ -124,6 +124,7 @@ def test_store_maps_a_script_error_to_integrity_error(redis_url: str) -> None:
     store = RedisStore(redis_url)
     store.register_node("n1", "a:1", SPEC, 10, 30.0)
     client = _client(redis_url)
+    client.sadd(b"pkv:idx:" + bytes(16), "n1")  # the index names n1: its nkeys set is read
     client.set("pkv:nkeys:n1", "not a set")  # SMISMEMBER on a string: WRONGTYPE inside the script
     with pytest.raises(IntegrityError, match="match_prefix"):
         store.match_prefix([bytes(16)])

@@ -192,6 +192,36 @@ def test_remove_node_require_expired_spares_a_live_node(store: Store) -> None:
     assert [n.node_id for n in store.live_nodes()] == ["n1"]
 
 
+def test_live_node_reads_one_node_and_none_once_lapsed_or_removed(store: Store) -> None:
+    assert store.live_node("n1") is None
+    register(store, "n1", "n2")
+    store.heartbeat("n1", {"free_blocks": 7}, TTL_S)
+    listed = {n.node_id: n for n in store.live_nodes()}
+    assert store.live_node("n1") == listed["n1"]
+    assert store.live_node("n1") == NodeInfo("n1", "n1.local:50051", SPEC, 1000, {"free_blocks": 7})
+    store.remove_node("n2")
+    assert store.live_node("n2") is None
+    store.register_node("n3", "n3.local:50051", SPEC, 1000, SHORT_TTL_S)
+    wait_until(lambda: store.live_node("n3") is None)
+    assert store.heartbeat("n3", {}, TTL_S)  # lapsed, not removed: a beat revives it
+    assert store.live_node("n3") is not None
+    with pytest.raises(InvalidArgument, match="node_id"):
+        store.live_node("")
+
+
+def test_one_holder_leads_a_role_until_its_lease_lapses(store: Store) -> None:
+    assert store.try_lead("reaper", "a", SHORT_TTL_S)
+    assert not store.try_lead("reaper", "b", TTL_S)
+    assert store.try_lead("other-role", "b", TTL_S)  # roles are independent
+    assert store.try_lead("reaper", "a", SHORT_TTL_S)  # renewed by its holder
+    wait_until(lambda: store.try_lead("reaper", "b", TTL_S))
+    assert not store.try_lead("reaper", "a", TTL_S)  # the lapsed holder lost it
+    with pytest.raises(InvalidArgument, match="holder"):
+        store.try_lead("reaper", "", TTL_S)
+    with pytest.raises(InvalidArgument, match="ttl"):
+        store.try_lead("reaper", "b", 0)
+
+
 # ---- prefix index -----------------------------------------------------------------------------
 
 

@@ -1,0 +1,327 @@
+# ruff: noqa: E501  (report strings and table rows)
+"""The control plane at scale (issue 24): opens, events and membership against node count,
+prompt length, index size and coordinator replicas, on a real loopback cluster.
+
+    python -m bench.scale            # 2 / 100 / 1,000 nodes, prompts 1k-32k, index 10^4-10^5 (~5 min)
+    python -m bench.scale --big      # + 128k prompts and a 10^6-key index (longer, ~3 GB of Redis)
+    python -m bench.scale --quick    # 2 and 20 nodes, one prompt: a smoke run (tests/bench)
+
+Each point starts a fresh redis-server, 1 or 2 real `pagedkv coordinator` processes and
+N fake nodes (bench/scale_cluster.py: real Register / Heartbeat / ReportEvents rpcs,
+a stub data plane). One node holds the prompt (ReportEvents); the index holds
+`--index` further keys spread over every node. Then, per prompt length, opens of the
+prompt plus a unique block (a hit of the whole prompt) each followed by its close,
+one at a time, through the coordinators in turn (placement's balance bound sends
+some of them to other nodes: the hit share is reported). Reported:
+
+- register: seconds for N registrations (64 in flight); nodes reaped and beats
+  answered "not registered" over the whole point (none should be: every node beats);
+- open: the rpc's p50 / p99 (open and close, ms) as the bench process sees it;
+- Redis time per script (SLOWLOG at a 0 us threshold: every command with its server
+  time) for open_sequence and delete_sequence, p50 (us);
+- CPU per open + close: the coordinators' (/proc, user + system) and Redis's (INFO cpu),
+  less what the same processes spent over as long a quiet window (heartbeats: also
+  reported, per beat), and the coordinators' raw figure;
+- events: coordinator CPU per event at batch 1 and at batch 256, and the apply_events
+  script's Redis time per batch.
+
+Writes bench/results/scale.{json,md} and scale.png (open Redis time against node count).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bench import plots
+from bench.control import script_names, slowlog_entries
+from bench.scale_cluster import SPEC, FakeNodes, ScaleCluster, cpu_s
+from pagedkv.coordinator.redis_store import RedisStore
+from pagedkv.protos import pagedkv_pb2 as pb
+from pagedkv.protos.keys import chain_keys, root_key
+
+RESULTS = Path(__file__).parent / "results"
+BLOCK = SPEC.block_size
+
+
+def log(msg: str) -> None:
+    print(f"[scale {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def pct(samples: list[float], q: float) -> float:
+    return float(np.percentile(samples, q)) if samples else float("nan")
+
+
+def fill_index(url: str, node_ids: list[str], num_keys: int, seed: int) -> float:
+    """num_keys random keys spread over the nodes, written straight to the store (the
+    index's size is the point, not how it got there); returns the seconds it took."""
+    rng = np.random.default_rng(seed)
+    store = RedisStore(url)
+    start = time.perf_counter()
+    per_node = max(1, num_keys // len(node_ids))
+    left = num_keys
+    for node_id in node_ids:
+        n = min(per_node, left)
+        if n <= 0:
+            break
+        raw = rng.bytes(16 * n)
+        keys = [raw[i : i + 16] for i in range(0, len(raw), 16)]
+        for first in range(0, n, 20_000):
+            store.apply_events(node_id, keys[first : first + 20_000], [])
+        left -= n
+    store.close()
+    return time.perf_counter() - start
+
+
+class Window:
+    """CPU of the coordinators and Redis over a span, less the quiet rate measured before."""
+
+    def __init__(self, cluster: ScaleCluster) -> None:
+        self.cluster = cluster
+        self.quiet_coord_s_per_s = 0.0
+        self.quiet_redis_s_per_s = 0.0
+
+    def sample(self) -> tuple[float, float, float]:
+        coord = sum(cpu_s(p) for p in self.cluster.coordinator_pids())
+        return time.perf_counter(), coord, self.cluster.redis_cpu_s()
+
+    def measure_quiet(self, seconds: float) -> None:
+        t0, c0, r0 = self.sample()
+        time.sleep(seconds)
+        t1, c1, r1 = self.sample()
+        self.quiet_coord_s_per_s = (c1 - c0) / (t1 - t0)
+        self.quiet_redis_s_per_s = (r1 - r0) / (t1 - t0)
+
+    def since(self, start: tuple[float, float, float]) -> tuple[float, float, float]:
+        """(coordinator CPU s, the same with the quiet rate taken out, Redis CPU s less its
+        quiet rate) since `start`."""
+        t1, c1, r1 = self.sample()
+        dt = t1 - start[0]
+        return (
+            c1 - start[1],
+            max(0.0, c1 - start[1] - self.quiet_coord_s_per_s * dt),
+            max(0.0, r1 - start[2] - self.quiet_redis_s_per_s * dt),
+        )
+
+
+def script_us(cluster: ScaleCluster, names: dict[str, str]) -> dict[str, list[int]]:
+    """Server time (us) of every EVALSHA since the last SLOWLOG RESET, by script name."""
+    me = cluster.redis.client_info()["addr"]
+    out: dict[str, list[int]] = defaultdict(list)
+    for e in slowlog_entries(cluster.redis, me, names):
+        if not e["in_script"] and e["name"].startswith("evalsha:"):
+            out[e["name"].split(":", 1)[1]].append(e["us"])
+    cluster.redis.execute_command("SLOWLOG", "RESET")
+    return out
+
+
+def measure_opens(
+    cluster: ScaleCluster, window: Window, names: dict[str, str], prompt: list[int], num_opens: int, tag: str
+) -> dict[str, Any]:
+    open_ms, close_ms = [], []
+    hits = 0  # opens placed on the node holding the prompt (placement's balance bound sends some elsewhere)
+    cluster.redis.execute_command("SLOWLOG", "RESET")
+    start = window.sample()
+    for i in range(num_opens):
+        stub = cluster.stubs[i % len(cluster.stubs)]
+        tokens = prompt + [1_000_000 + i] * BLOCK + [7]  # a unique block after the shared prompt
+        seq_id = f"{tag}-{i}"
+        t0 = time.perf_counter()
+        reply = stub.Open(pb.CoordOpenRequest(seq_id=seq_id, token_ids=tokens), timeout=60)
+        t1 = time.perf_counter()
+        stub.Close(pb.CoordSeqRequest(seq_id=seq_id), timeout=60)
+        t2 = time.perf_counter()
+        open_ms.append((t1 - t0) * 1e3)
+        close_ms.append((t2 - t1) * 1e3)
+        hits += reply.num_cached_tokens == len(prompt)
+    raw_s, coord_s, redis_s = window.since(start)
+    us = script_us(cluster, names)
+    return {
+        "opens": num_opens,
+        "hit_share": hits / num_opens,
+        "open_p50_ms": pct(open_ms, 50),
+        "open_p99_ms": pct(open_ms, 99),
+        "close_p50_ms": pct(close_ms, 50),
+        "open_script_p50_us": pct(us.get("open_seq", []), 50),
+        "open_script_max_us": max(us.get("open_seq", [0])),
+        "delete_script_p50_us": pct(us.get("delete_seq", []), 50),
+        "coord_cpu_per_open_close_ms": coord_s / num_opens * 1e3,
+        "coord_cpu_raw_per_open_close_ms": raw_s / num_opens * 1e3,  # heartbeats meanwhile included
+        "redis_cpu_per_open_close_ms": redis_s / num_opens * 1e3,
+    }
+
+
+def measure_events(
+    cluster: ScaleCluster, nodes: FakeNodes, window: Window, names: dict[str, str], seed: int
+) -> dict[str, Any]:
+    """Coordinator CPU per event at batch 1 (200 rpcs) and batch 256 (8 rpcs of fresh keys)."""
+    rng = np.random.default_rng(seed)
+    out: dict[str, Any] = {}
+    for batch, rpcs in ((1, 200), (256, 8)):
+        raw = rng.bytes(16 * batch * rpcs)
+        keys = [raw[i : i + 16] for i in range(0, len(raw), 16)]
+        cluster.redis.execute_command("SLOWLOG", "RESET")
+        start = window.sample()
+        nodes.report(len(nodes.ids) - 1, keys, batch)
+        _, coord_s, _ = window.since(start)
+        us = script_us(cluster, names).get("apply_events", [])
+        out[f"batch{batch}_coord_cpu_per_event_us"] = coord_s / len(keys) * 1e6
+        out[f"batch{batch}_apply_events_p50_us"] = pct(us, 50)
+    return out
+
+
+def run_point(
+    args: argparse.Namespace, num_nodes: int, coordinators: int, index: int, prompts: list[int]
+) -> dict[str, Any]:
+    workdir = Path(tempfile.mkdtemp(prefix="pagedkv-scale-"))
+    cluster = ScaleCluster(workdir, coordinators, args.lease_ttl_s)
+    nodes = FakeNodes(cluster, num_nodes)
+    point: dict[str, Any] = {"nodes": num_nodes, "coordinators": coordinators, "index_keys": index}
+    try:
+        names = script_names()
+        cluster.redis.config_set("slowlog-log-slower-than", 0)
+        cluster.redis.config_set("slowlog-max-len", 1_000_000)
+        point["register_s"] = nodes.register()
+        nodes.start_beating()
+        log(f"{num_nodes} nodes x {coordinators} coordinators: registered in {point['register_s']:.2f} s")
+        point["index_fill_s"] = fill_index(cluster.redis_url, nodes.ids, index, args.seed)
+        window = Window(cluster)
+        window.measure_quiet(args.quiet_s)
+        point["quiet_coord_cpu_per_s"] = window.quiet_coord_s_per_s
+        point["coord_cpu_per_beat_us"] = window.quiet_coord_s_per_s / (num_nodes / nodes.interval_s) * 1e6
+        salt = RedisStore(cluster.redis_url).tenant_salt("default")  # the coordinator's, SET NX
+        rng = np.random.default_rng(args.seed)
+        point["prompts"] = {}
+        for tokens in prompts:
+            prompt = rng.integers(0, 50_000, tokens).tolist()
+            nodes.report(0, chain_keys(root_key(salt), prompt, BLOCK), 4096)
+            num_opens = max(10, min(args.opens, args.opens * 8192 // tokens))
+            result = measure_opens(cluster, window, names, prompt, num_opens, f"p{tokens}")
+            point["prompts"][tokens] = result
+            log(
+                f"  prompt {tokens:>6}: open p50 {result['open_p50_ms']:.2f} ms, script p50 "
+                f"{result['open_script_p50_us']:.0f} us, coordinator CPU/open+close "
+                f"{result['coord_cpu_per_open_close_ms']:.2f} ms"
+            )
+        point["events"] = measure_events(cluster, nodes, window, names, args.seed + 1)
+        log(f"  events: {point['events']}")
+        counters = [cluster.counters(i) for i in range(coordinators)]
+        point["nodes_reaped"] = sum(c.get("nodes_reaped", 0) for c in counters)
+        point["reaps_held"] = sum(c.get("reaps_held", 0) for c in counters)
+        point["late_beat_rounds"] = nodes.late_beats
+        point["beats_unregistered"] = nodes.unregistered
+        point["reports_lapsed"] = nodes.lapsed_reports
+        point["beats_failed"] = nodes.failed_beats
+        point["redis_used_memory_mb"] = cluster.redis.info("memory")["used_memory"] / 2**20
+    finally:
+        nodes.stop()
+        cluster.stop()
+    return point
+
+
+def render(r: dict[str, Any]) -> str:
+    lines = [
+        f"# bench.scale ({r['mode']}), {r['host']}",
+        "",
+        "| nodes | coords | index | prompt | hit share | open p50 / p99 ms | open script p50 us | delete script p50 us | coord CPU / open+close ms (raw) | Redis CPU / open+close ms |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for p in r["points"]:
+        for tokens, o in p["prompts"].items():
+            lines.append(
+                f"| {p['nodes']} | {p['coordinators']} | {p['index_keys']:,} | {int(tokens):,} | "
+                f"{o['hit_share']:.2f} | {o['open_p50_ms']:.2f} / {o['open_p99_ms']:.2f} | "
+                f"{o['open_script_p50_us']:.0f} | {o['delete_script_p50_us']:.0f} | "
+                f"{o['coord_cpu_per_open_close_ms']:.2f} ({o['coord_cpu_raw_per_open_close_ms']:.2f}) | "
+                f"{o['redis_cpu_per_open_close_ms']:.3f} |"
+            )
+    lines += [
+        "",
+        "| nodes | coords | register s | reaped | held reaps | beats refused | coord CPU / beat us | coord CPU / event, batch 1 us | batch 256 us | apply_events p50 us, batch 1 / 256 | Redis MB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for p in r["points"]:
+        e = p["events"]
+        lines.append(
+            f"| {p['nodes']} | {p['coordinators']} | {p['register_s']:.2f} | {p['nodes_reaped']} | "
+            f"{p['reaps_held']} | {p['beats_unregistered']} | {p['coord_cpu_per_beat_us']:.0f} | "
+            f"{e['batch1_coord_cpu_per_event_us']:.0f} | "
+            f"{e['batch256_coord_cpu_per_event_us']:.1f} | {e['batch1_apply_events_p50_us']:.0f} / "
+            f"{e['batch256_apply_events_p50_us']:.0f} | {p['redis_used_memory_mb']:.0f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot(r: dict[str, Any], path: Path) -> bool:
+    plt = plots.pyplot()
+    if plt is None:
+        return False
+    fig, ax = plt.subplots(figsize=(6, 4))
+    series: dict[int, list[tuple[int, float]]] = defaultdict(list)
+    for p in r["points"]:
+        if p["coordinators"] == 1 and p["index_keys"] == r["points"][0]["index_keys"]:
+            for tokens, o in p["prompts"].items():
+                series[int(tokens)].append((p["nodes"], o["open_script_p50_us"]))
+    for tokens, pts in sorted(series.items()):
+        pts.sort()
+        ax.plot([n for n, _ in pts], [us for _, us in pts], marker="o", label=f"{tokens:,} tokens")
+    ax.set_xscale("log")
+    ax.set_xlabel("live nodes")
+    ax.set_ylabel("open_sequence script, p50 (us of Redis)")
+    ax.set_title("Open cost against node count")
+    ax.legend()
+    plots.save(fig, path)
+    return True
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(prog="python -m bench.scale", description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="2 and 20 nodes, one 2k prompt: a smoke run")
+    p.add_argument("--big", action="store_true", help="add 128k-token prompts and a 10^6-key index")
+    p.add_argument("--nodes", default="2,100,1000", help="node counts (comma-separated)")
+    p.add_argument("--opens", type=int, default=200, help="opens per point at 8k tokens (fewer for longer)")
+    p.add_argument("--lease-ttl-s", type=float, default=3.0)
+    p.add_argument("--quiet-s", type=float, default=2.0, help="the quiet window (heartbeats only)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=str(RESULTS / "scale"), help="output path without extension")
+    args = p.parse_args()
+    if args.quick:
+        node_counts, prompts, indexes, replicas = [2, 20], [2048], [10_000], [1]
+        args.opens, args.quiet_s = 20, 0.5
+    else:
+        node_counts = [int(n) for n in args.nodes.split(",")]
+        prompts = [1024, 8192, 32768] + ([131072] if args.big else [])
+        indexes = [10_000, 100_000] + ([1_000_000] if args.big else [])
+        replicas = [1, 2]
+    points = []
+    for n in node_counts:
+        points.append(run_point(args, n, 1, indexes[0], prompts))
+    for index in indexes[1:]:  # index size at the largest node count, one prompt length
+        points.append(run_point(args, node_counts[-1], 1, index, [8192 if not args.quick else 2048]))
+    for c in replicas[1:]:
+        points.append(run_point(args, node_counts[-1], c, indexes[0], [8192]))
+    result = {
+        "mode": "quick" if args.quick else ("big" if args.big else "default"),
+        "host": f"{platform.node()} ({os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f})",
+        "points": points,
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(result, indent=1, default=str))
+    out.with_suffix(".md").write_text(render(result))
+    has_plot = plot(result, out.with_suffix(".png"))
+    print(render(result))
+    log(f"wrote {out}.json, .md" + (", .png" if has_plot else ""))
+
+
+if __name__ == "__main__":
+    main()

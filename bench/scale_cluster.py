@@ -1,0 +1,206 @@
+"""bench.scale's cluster: a redis-server, real `pagedkv coordinator` processes, and fake nodes.
+
+A fake node is a node id that really registers, beats and reports events over the
+coordinator's gRPC port (the rpcs a CacheNode's CoordinatorLink sends); its data plane
+is one stub CacheNode server in this process that accepts every Open and Free, which
+is all a coordinator sends on an open and a close. Every fake node advertises that
+stub's address, so 1,000 nodes cost one gRPC server, not 1,000.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from concurrent import futures
+from pathlib import Path
+from typing import Any
+
+import grpc
+import redis
+
+from pagedkv.cluster import free_port
+from pagedkv.protos import pagedkv_pb2 as pb
+from pagedkv.protos import pagedkv_pb2_grpc as pb_grpc
+
+SPEC = pb.ModelSpec(num_layers=2, num_kv_heads=2, head_dim=64, dtype="float16", block_size=16)
+NODE_BLOCKS = 1_000_000  # fake nodes never fill: the bench measures the control plane, not eviction
+
+
+class StubNode(pb_grpc.CacheNodeServicer):
+    """The data plane every fake node points at: Open and Free succeed, nothing is stored."""
+
+    def __init__(self) -> None:
+        self.num_opens = 0
+        self.num_frees = 0
+
+    def Open(self, request: pb.OpenRequest, context: grpc.ServicerContext) -> pb.OpenResponse:
+        self.num_opens += 1
+        return pb.OpenResponse(num_cached_tokens=request.expect_cached_tokens)
+
+    def Free(self, request: pb.SeqRequest, context: grpc.ServicerContext) -> pb.Empty:
+        self.num_frees += 1
+        return pb.Empty()
+
+
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process so far (/proc/<pid>/stat)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class ScaleCluster:
+    """redis-server + `coordinators` coordinator processes + the stub node; `stop()` ends them all."""
+
+    def __init__(self, workdir: Path, coordinators: int, lease_ttl_s: float) -> None:
+        self.workdir = workdir
+        self.lease_ttl_s = lease_ttl_s
+        self.procs: list[subprocess.Popen[bytes]] = []
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise SystemExit("bench.scale needs redis-server on PATH")
+        port = free_port()
+        self.redis_url = f"redis://127.0.0.1:{port}/0"
+        self.redis_proc = self._spawn(
+            "redis", [binary, "--port", str(port), "--save", "", "--appendonly", "no", "--dir", str(workdir)]
+        )
+        self.redis = redis.Redis.from_url(self.redis_url)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                self.redis.ping()
+                break
+            except redis.ConnectionError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+        self.stub = StubNode()
+        self.stub_server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
+        pb_grpc.add_CacheNodeServicer_to_server(self.stub, self.stub_server)
+        self.stub_address = f"127.0.0.1:{self.stub_server.add_insecure_port('127.0.0.1:0')}"
+        self.stub_server.start()
+        self.coordinators: list[tuple[subprocess.Popen[bytes], str]] = []
+        for i in range(coordinators):
+            address = f"127.0.0.1:{free_port()}"
+            args = ["--listen", address, "--redis", self.redis_url, "--lease-ttl-s", str(lease_ttl_s)]
+            proc = self._spawn(f"coordinator{i}", [sys.executable, "-m", "pagedkv", "coordinator", *args])
+            self.coordinators.append((proc, address))
+        self.channels = [grpc.insecure_channel(a) for _, a in self.coordinators]
+        self.stubs = [pb_grpc.CoordinatorStub(c) for c in self.channels]
+        for channel in self.channels:
+            grpc.channel_ready_future(channel).result(timeout=60)
+
+    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
+        log = open(self.workdir / f"{name}.log", "wb")  # noqa: SIM115 - closed with the process
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+        self.procs.append(proc)
+        return proc
+
+    def coordinator_pids(self) -> list[int]:
+        return [p.pid for p, _ in self.coordinators]
+
+    def redis_cpu_s(self) -> float:
+        info = self.redis.info("cpu")
+        return float(info["used_cpu_sys"]) + float(info["used_cpu_user"])
+
+    def counters(self, i: int = 0) -> dict[str, int]:
+        return dict(self.stubs[i].Stats(pb.Empty(), timeout=30).counters)
+
+    def stop(self) -> None:
+        for channel in self.channels:
+            channel.close()
+        self.stub_server.stop(0)
+        self.redis.close()
+        for proc in reversed(self.procs):
+            proc.terminate()
+        for proc in self.procs:
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+class FakeNodes:
+    """`num_nodes` node ids registered through the coordinators (round robin), beating at
+    the interval the coordinator hands out until `stop()`."""
+
+    def __init__(self, cluster: ScaleCluster, num_nodes: int) -> None:
+        self.cluster = cluster
+        self.ids = [f"node{i:05}" for i in range(num_nodes)]
+        self.interval_s = cluster.lease_ttl_s / 2
+        self.late_beats = 0  # beats sent more than a tenth of the interval late
+        self.unregistered = 0  # beats answered is_registered=False (the node was reaped)
+        self.failed_beats = 0  # beats that failed (UNAVAILABLE, deadline)
+        self.lapsed_reports = 0  # ReportEvents refused (lease lapsed): registered again
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _stub(self, i: int) -> pb_grpc.CoordinatorStub:
+        return self.cluster.stubs[i % len(self.cluster.stubs)]
+
+    def register(self) -> float:
+        """Register every node, 64 rpcs in flight at once; returns the seconds it took."""
+        start = time.perf_counter()
+        pending: list[Any] = []
+        for i, node_id in enumerate(self.ids):
+            pending.append(self._stub(i).Register.future(self._register_request(node_id), timeout=60))
+            if len(pending) >= 64:
+                pending.pop(0).result()
+        for f in pending:
+            f.result()
+        return time.perf_counter() - start
+
+    def _register_request(self, node_id: str) -> pb.RegisterRequest:
+        return pb.RegisterRequest(
+            node_id=node_id, address=self.cluster.stub_address, spec=SPEC, num_blocks=NODE_BLOCKS
+        )
+
+    def start_beating(self) -> None:
+        self._thread = threading.Thread(target=self._beat, name="fake-beats", daemon=True)
+        self._thread.start()
+
+    def _beat(self) -> None:
+        load = pb.NodeLoad(free_blocks=NODE_BLOCKS, num_blocks=NODE_BLOCKS)
+        next_at = time.monotonic()
+        while not self._stop.is_set():
+            if time.monotonic() - next_at > self.interval_s / 10:
+                self.late_beats += 1
+            calls = [
+                self._stub(i).Heartbeat.future(pb.HeartbeatRequest(node_id=n, load=load), timeout=30)
+                for i, n in enumerate(self.ids)
+            ]
+            for call in calls:
+                try:
+                    if not call.result().is_registered:
+                        self.unregistered += 1
+                except grpc.RpcError:  # UNAVAILABLE (Redis timed out under load): a missed beat
+                    self.failed_beats += 1
+            next_at += self.interval_s
+            self._stop.wait(max(0.0, next_at - time.monotonic()))
+
+    def report(self, node: int, keys: list[bytes], batch: int, coordinator: int = 0) -> int:
+        """ReportEvents: `keys` stored on node `node`, `batch` events an rpc; returns the rpcs sent."""
+        stub = self.cluster.stubs[coordinator]
+        rpcs = 0
+        for first in range(0, len(keys), batch):
+            events = [pb.BlockEvent(kind=pb.BlockEvent.STORED, key=k) for k in keys[first : first + batch]]
+            request = pb.ReportEventsRequest(node_id=self.ids[node], events=events)
+            try:
+                stub.ReportEvents(request, timeout=60)
+            except grpc.RpcError as err:  # its lease lapsed (an overloaded host): as a node, register again
+                if err.code() != grpc.StatusCode.NOT_FOUND:
+                    raise
+                self.lapsed_reports += 1
+                stub.Register(self._register_request(self.ids[node]), timeout=60)
+                stub.ReportEvents(request, timeout=60)
+            rpcs += 1
+        return rpcs
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(30)

@@ -1,0 +1,153 @@
+"""Membership: nodes register, beat and expire; the coordinator's cache of live nodes.
+
+A node registers (coming back empty if it restarted), then beats at half its lease;
+a node whose lease lapsed is a suspect, invisible to placement, until a reaper
+removes it (remove_node(require_expired=True): idempotent, refuses revived nodes).
+The reaper starts one lease after the coordinator does, so nodes that could not
+beat while it was down get to beat first.
+
+Costs, N live nodes: a registration and a heartbeat are O(1) (one script on the
+node's own keys; the node cache changes in place, and a heartbeat of a node missing
+from it reads that node's record alone). Each reaper tick (lease/4) lists the live
+nodes once per replica (their loads, from heartbeats other replicas took: O(N));
+the scan for expired nodes runs in one replica only, the holder of the store's
+"reaper" lease (try_lead; another takes over within a lease when it dies).
+
+The coordinator keeps the live nodes (address, spec, load) in memory for placement;
+this mixin owns that cache and the store calls that change it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Mapping
+from dataclasses import replace
+from typing import Any
+
+from ..protos.errors import PagedKVError
+from .records import NodeInfo
+from .store import Store
+
+log = logging.getLogger("pagedkv.coordinator")
+MASS_EXPIRY_SHARE = 1 / 3  # Kubernetes' node controller stops evicting at 55% of a zone unready
+MASS_EXPIRY_MIN_NODES = 12  # below this, one death is a large share: always reaped
+
+
+class Membership:
+    """Register / heartbeat / reap / refresh_nodes, mixed into Coordinator (which sets the
+    attributes declared here in its __init__)."""
+
+    store: Store
+    config: Any  # CoordinatorConfig (core.py imports this module)
+    counters: dict[str, int]
+    _lock: threading.Lock
+    _stop: threading.Event
+    _nodes: dict[str, NodeInfo]
+    _recent_opens: dict[str, float]
+    _active_blocks: dict[str, int]
+    _holder: str  # this replica's name for the store's leases (unique per process)
+
+    def _reap_loop(self, interval_s: float) -> None:
+        # Grace: after a (re)start every node gets one lease to beat before any
+        # is declared dead (a lapse during our own downtime is not a death).
+        if self._stop.wait(self.config.lease_ttl_s):
+            return
+        while not self._stop.wait(interval_s):
+            try:
+                if self.store.try_lead("reaper", self._holder, self.config.lease_ttl_s):
+                    self.reap()
+                else:
+                    self.refresh_nodes()
+            except PagedKVError as exc:  # the store is down: try again next tick
+                log.warning("reaper: %s", exc)
+
+    def reap(self) -> list[str]:
+        """Remove nodes whose lease lapsed; refresh the node cache. Returns the removed ids.
+
+        A mass expiry (more than MASS_EXPIRY_SHARE of at least MASS_EXPIRY_MIN_NODES
+        registered nodes lapsed at once) is held, not reaped: that many beats late together
+        says this coordinator or Redis fell behind (a coordinator saturated by 1,000 nodes'
+        beats reaped 391 healthy ones, bench/README "Control plane at scale") more likely
+        than that many nodes died. They stay suspects, invisible to placement, and revive
+        with their next beat; real deaths are reaped once the share drops below it."""
+        removed: list[str] = []
+        expired = self.store.expired_nodes()
+        with self._lock:  # the cache may still list lapsed nodes: count each once
+            registered = len(set(expired).union(self._nodes))
+        if registered >= MASS_EXPIRY_MIN_NODES and len(expired) > MASS_EXPIRY_SHARE * registered:
+            self.counters["reaps_held"] += 1
+            log.warning(
+                "reaper: %d of %d nodes lapsed at once; holding (not reaped)", len(expired), registered
+            )
+            self.refresh_nodes()
+            return removed
+        for node_id in expired:
+            result = self.store.remove_node(node_id, require_expired=True)
+            if result.was_registered:
+                removed.append(node_id)
+                self.counters["nodes_reaped"] += 1
+                with self._lock:
+                    self._active_blocks.pop(node_id, None)  # its sequences are lost
+                log.warning(
+                    "node %s expired: %d sequences lost, %d keys purged",
+                    node_id,
+                    len(result.lost_seq_ids),
+                    result.num_keys_purged,
+                )
+        self.refresh_nodes()
+        return removed
+
+    def num_live_nodes(self) -> int:
+        with self._lock:
+            return len(self._nodes)
+
+    def refresh_nodes(self) -> list[NodeInfo]:
+        nodes = self.store.live_nodes()
+        with self._lock:
+            self._nodes = {n.node_id: n for n in nodes}
+        return nodes
+
+    def register(
+        self,
+        node_id: str,
+        address: str,
+        spec: Mapping[str, Any],
+        num_blocks: int,
+        epoch: int = 0,
+        policy: str = "",
+    ) -> None:
+        """A node joins, or comes back empty (its sequences lost, its keys purged): placement's
+        load there starts from nothing and its recent opens at its fair share (placement.py)."""
+        ttl = self.config.lease_ttl_s
+        result = self.store.register_node(node_id, address, dict(spec), num_blocks, ttl, epoch, policy=policy)
+        with self._lock:
+            self._active_blocks.pop(node_id, None)
+            # Neither ahead (its count from before it died) nor behind (0: every open would go
+            # to an empty cache until it caught up): a node starts at its fair share of opens.
+            others = {n: info.num_blocks for n, info in self._nodes.items() if n != node_id}
+            total = sum(others.values())
+            opens = sum(self._recent_opens.get(n, 0.0) for n in others)
+            self._recent_opens[node_id] = opens * num_blocks / total if total else 0.0
+            # What the store now holds, without listing every node (O(1) per registration).
+            self._nodes[node_id] = NodeInfo(node_id, address, dict(spec), num_blocks, {}, policy, epoch)
+        if result.was_registered and (result.lost_seq_ids or result.num_keys_purged):
+            log.warning("node %s re-registered empty: %d sequences lost", node_id, len(result.lost_seq_ids))
+
+    def heartbeat(self, node_id: str, load: Mapping[str, int]) -> bool:
+        ok = self.store.heartbeat(node_id, dict(load), self.config.lease_ttl_s)
+        if ok:
+            with self._lock:
+                node = self._nodes.get(node_id)
+                if node is not None:
+                    self._nodes[node_id] = replace(node, load=dict(load))
+            if node is None:  # its lease had lapsed (e.g. while we were down): live again
+                revived = self.store.live_node(node_id)
+                if revived is not None:
+                    with self._lock:
+                        self._nodes[node_id] = revived
+        return ok
+
+    def live_node(self, node_id: str) -> NodeInfo | None:
+        """The node as the store has it now (None when it is not live): one read, O(1)."""
+        return self.store.live_node(node_id)

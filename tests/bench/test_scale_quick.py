@@ -1,0 +1,31 @@
+"""`python -m bench.scale --quick` end to end (a real redis-server, a real coordinator
+process, fake nodes over real rpcs): every point is measured, nobody is reaped, and
+the report, JSON and plot are written."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_quick_scale_run_measures_every_point_and_reaps_nobody(tmp_path: Path) -> None:
+    out = tmp_path / "scale"
+    cmd = [sys.executable, "-m", "bench.scale", "--quick", "--out", str(out)]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=280)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    points = json.loads(out.with_suffix(".json").read_text())["points"]
+    assert [(p["nodes"], p["coordinators"]) for p in points] == [(2, 1), (20, 1)]
+    for p in points:
+        assert p["nodes_reaped"] == 0 and p["beats_unregistered"] == 0
+        assert p["register_s"] < 30
+        opens = p["prompts"]["2048"]
+        assert opens["opens"] == 20 and 0.0 < opens["hit_share"] <= 1.0
+        assert opens["open_script_p50_us"] > 0 and opens["delete_script_p50_us"] > 0
+        assert opens["open_p99_ms"] >= opens["open_p50_ms"] > 0
+        assert p["events"]["batch256_apply_events_p50_us"] > 0
+    assert out.with_suffix(".md").read_text().count("|") > 20
+    assert out.with_suffix(".png").stat().st_size > 1000
