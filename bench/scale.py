@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 
 from bench import plots
-from bench.control import script_names, slowlog_entries
+from bench.control_redis import script_names, slowlog_entries
 from bench.scale_cluster import SPEC, FakeNodes, ScaleCluster, cpu_s
 from pagedkv.coordinator.redis_store import RedisStore
 from pagedkv.protos import pagedkv_pb2 as pb
