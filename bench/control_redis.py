@@ -15,7 +15,7 @@ import redis
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.control_setup import log
-from pagedkv.coordinator import redis_store
+from pagedkv.coordinator import redis_scripts
 
 
 def scrape_handler_hist(port: int) -> dict[str, dict[str, Any]]:
@@ -58,9 +58,9 @@ def hist_delta(a: dict, b: dict, method: str) -> dict[str, float]:
 def script_names() -> dict[str, str]:
     """EVALSHA digest -> RedisStore script name."""
     names = {}
-    for attr in dir(redis_store):
-        val = getattr(redis_store, attr)
-        if attr.startswith("_") and attr.isupper() and isinstance(val, str) and "redis.call" in val:
+    for attr in dir(redis_scripts):
+        val = getattr(redis_scripts, attr)
+        if attr.isupper() and isinstance(val, str) and "redis.call" in val:
             names[hashlib.sha1(val.encode()).hexdigest()] = attr.strip("_").lower()
     return names
 

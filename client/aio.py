@@ -174,9 +174,7 @@ class AsyncCacheClient:
         self.sync = CacheClient(address, config, coordinator=coordinator, token=token, spec=spec)
         self.config, self.address = self.sync.config, self.sync.address
         self._threads = ThreadPoolExecutor(MAX_THREADS, thread_name_prefix="pagedkv-aio")
-        if not self.sync.is_cluster:  # direct mode: the one node's calls, as CacheClient has them
-            self.control = _Face(self.sync.control, self._run)
-            self.data = _Face(self.sync.data, self._run)
+        self._faces: dict[str, _Face] = {}
 
     async def _run(self, fn: Callable[..., T], *args: Any, **kw: Any) -> T:
         loop = asyncio.get_running_loop()
@@ -185,6 +183,22 @@ class AsyncCacheClient:
     @property
     def is_cluster(self) -> bool:
         return self.sync.is_cluster
+
+    @property
+    def control(self) -> _Face:
+        """CacheClient.control, its calls awaitable (InvalidArgument for a cluster client)."""
+        return self._face("control")
+
+    @property
+    def data(self) -> _Face:
+        """CacheClient.data, its calls awaitable (InvalidArgument for a cluster client)."""
+        return self._face("data")
+
+    def _face(self, what: str) -> _Face:
+        face = self._faces.get(what)
+        if face is None:
+            face = self._faces[what] = _Face(getattr(self.sync, what), self._run)
+        return face
 
     def node(self, address: str) -> NodeHandle:
         """The (cached) sync handle of the node at `address` (its data and control calls)."""

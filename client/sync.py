@@ -359,12 +359,30 @@ class CacheClient:
             self._token = token or ""
             node = self.node(self.address)
             self.routing = DirectRouting(node.control, self.address, node.data)
-            self.control, self.data = node.control, node.data  # direct mode: the one node
         self._is_closed = False
 
     @property
     def is_cluster(self) -> bool:
         return isinstance(self.routing, CoordinatorRouting)
+
+    @property
+    def control(self) -> NodeControl:
+        """The node's control calls (stats, budgets, integrity) of a client of one node; a
+        cluster client has many nodes: it raises InvalidArgument naming client.node(address)."""
+        return self._one_node("control").control
+
+    @property
+    def data(self) -> NodeData:
+        """The node's data calls (by node-side sequence id) of a client of one node; a cluster
+        client raises InvalidArgument naming client.node(address)."""
+        return self._one_node("data").data
+
+    def _one_node(self, what: str) -> NodeHandle:
+        if self.is_cluster:
+            raise InvalidArgument(
+                f"CacheClient.{what}: a cluster client talks to many nodes; use client.node(address).{what}"
+            )
+        return self.node(self.address)
 
     def node(self, address: str) -> NodeHandle:
         """The (cached) handle for data calls to the node at `address`."""
