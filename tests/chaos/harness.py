@@ -22,8 +22,10 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
+import traceback
 import uuid
 from collections import Counter
 from dataclasses import dataclass, field
@@ -151,7 +153,10 @@ class Workload:
         self._stop.set()
         for t in self._threads:
             t.join(timeout_s)
-            assert not t.is_alive(), f"{t.name} did not finish within {timeout_s}s"
+            if t.is_alive():  # say where it hangs: the call that outlived its deadline
+                frame = sys._current_frames().get(t.ident or 0)
+                where = "".join(traceback.format_stack(frame)[-6:]) if frame is not None else "?"
+                raise AssertionError(f"{t.name} did not finish within {timeout_s}s; it is at:\n{where}")
         return self.tally
 
     def _worker(self, i: int) -> None:
