@@ -13,9 +13,16 @@ A background thread registers the node, then loops:
   tooz-style), renews the lease.
 A lapsed lease only makes the node a suspect (NOT_FOUND on a report): the next
 heartbeat revives it. When the heartbeat says is_registered=false, the node was
-declared dead -- its sequences marked lost, its keys purged -- so it resets its
-engine and registers again, empty. While the coordinator is unreachable it keeps serving data calls
-and retries with capped backoff.
+declared dead -- its sequences marked lost, its keys purged -- so it fences itself,
+remembers its sequences as lost (their data calls answer SequenceLost), resets its
+engine and registers again, empty. While the coordinator is unreachable it retries
+with capped backoff (at most a beat) and keeps serving only while its lease is
+provably live (gate.py: fencing): the lease runs from when the last acknowledged
+renewal was sent, minus a margin of one beat.
+
+Reconciliation (coordinator/reconcile.py): every RECONCILE_EVERY beats the heartbeat
+carries the ids of every sequence the node holds; the reply names the ones the store
+does not know (past a grace), which the node frees.
 
 With the cluster secret, every call carries a NODE ticket the node signs for its
 own id (the coordinator refuses nodes without one), and each registration's epoch
@@ -35,6 +42,7 @@ import grpc
 
 from ..protos import pagedkv_pb2 as pb
 from ..protos import pagedkv_pb2_grpc as pb_grpc
+from ..protos.errors import PagedKVError
 from ..protos.status import error_from_rpc
 from ..protos.tickets import RIGHT_NODE, TICKET_KEY, ClusterKeys, Minter
 from ..protos.tls import TlsConfig, secure_channel
@@ -43,6 +51,8 @@ from .gate import Gate
 from .kv_manager import OFFLOADED, STORED
 
 log = logging.getLogger("pagedkv.node.link")
+RECONCILE_EVERY = 4  # beats: one full report of held sequence ids per lease
+MAX_HELD_REPORT = 1 << 16  # more ids than this are not reported (the coordinator then skips us)
 RECONNECT_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),
@@ -99,13 +109,17 @@ class CoordinatorLink:
         self.gate = gate
         if gate is not None:
             gate.reserve = self.reserve
+            gate.keep_lease()  # a node of a cluster serves only while its lease is live
         self.epoch = 0  # this node's registration epoch (0: not registered)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"coordinator-link-{node_id}", daemon=True)
         self._pending: list[pb.BlockEvent] = []
         self.heartbeat_interval_s = 1.0
+        self.lease_ttl_s = 0.0
         self.is_registered = threading.Event()
         self.num_registrations = 0
+        self.num_beats = 0
+        self.num_orphans_freed = 0  # sequences freed because the store did not know them
 
     def start(self) -> CoordinatorLink:
         self._thread.start()
@@ -124,6 +138,7 @@ class CoordinatorLink:
 
     def _register(self) -> None:
         spec = self.engine.spec
+        sent_at = time.monotonic()
         reply = self._stub.Register(
             pb.RegisterRequest(
                 node_id=self.node_id,
@@ -139,17 +154,30 @@ class CoordinatorLink:
             metadata=self._metadata(),
         )
         self.epoch = reply.epoch
+        self.heartbeat_interval_s = reply.heartbeat_interval_s or self.heartbeat_interval_s
+        self.lease_ttl_s = reply.lease_ttl_s
         if self.gate is not None:
             self.gate.set_registration(self.node_id, reply.epoch)
-        self.heartbeat_interval_s = reply.heartbeat_interval_s or self.heartbeat_interval_s
+            if reply.lost_seq_ids:
+                self.gate.mark_lost(reply.lost_seq_ids, f"node {self.node_id} restarted (its KV is gone)")
+            self._renewed(sent_at)
         self.num_registrations += 1
         self.is_registered.set()
         log.info("node %s registered (lease %.1fs)", self.node_id, reply.lease_ttl_s)
 
     def _rejoin(self) -> None:
         """The coordinator declared this node dead: come back empty."""
-        log.warning("node %s lost its lease; resetting and registering again", self.node_id)
         self.is_registered.clear()
+        held = self._held_ids()
+        log.warning(
+            "node %s lost its lease: %d sequences lost; resetting and registering again",
+            self.node_id,
+            len(held),
+        )
+        if self.gate is not None:
+            reason = f"node {self.node_id} was declared dead (its lease lapsed) and came back empty"
+            self.gate.fence(reason)
+            self.gate.mark_lost(held, reason)
         self.engine.reset()
         if self.gate is not None:
             self.gate.reset()
@@ -179,14 +207,46 @@ class CoordinatorLink:
             return
         del self._pending[: len(batch)]
 
+    def _renewed(self, sent_at: float) -> None:
+        """A renewal sent at `sent_at` was acknowledged: the gate's lease runs from then."""
+        if self.gate is not None and self.lease_ttl_s > 0:
+            self.gate.lease_renewed(sent_at, self.lease_ttl_s, self.heartbeat_interval_s)
+
+    def _held_ids(self) -> list[str]:
+        """The ids of every sequence the engine holds (a snapshot)."""
+        for _ in range(4):
+            try:
+                return list(self.engine.manager.seqs)
+            except RuntimeError:  # changed size while copied: try again
+                continue
+        return []
+
     def _heartbeat(self) -> None:
-        reply = self._stub.Heartbeat(
-            pb.HeartbeatRequest(node_id=self.node_id, load=node_load(self.engine)),
-            timeout=self.rpc_timeout_s,
-            metadata=self._metadata(),
-        )
+        request = pb.HeartbeatRequest(node_id=self.node_id, load=node_load(self.engine))
+        self.num_beats += 1
+        if self.num_beats % RECONCILE_EVERY == 0:
+            held = self._held_ids()
+            if len(held) <= MAX_HELD_REPORT:
+                request.held_seq_ids.extend(held)
+                request.held_complete = True
+        sent_at = time.monotonic()
+        # The renewal counts from when it was sent, so a late answer (a loaded coordinator) still
+        # renews; one slower than half the lease would leave too little of it: fail and retry.
+        timeout = min(self.rpc_timeout_s, max(self.lease_ttl_s / 2, 0.2))
+        reply = self._stub.Heartbeat(request, timeout=timeout, metadata=self._metadata())
         if not reply.is_registered:
             self._rejoin()
+            return
+        self._renewed(sent_at)
+        for seq_id in reply.free_seq_ids:  # held here, unknown to the store past a grace
+            try:
+                self.engine.free(seq_id)
+            except PagedKVError:
+                continue  # already gone
+            if self.gate is not None:
+                self.gate.drop(seq_id)
+            self.num_orphans_freed += 1
+            log.warning("node %s freed sequence %s: the store does not know it", self.node_id, seq_id)
 
     def _wait_for_events(self, until: float) -> None:
         """Sleep until the engine has events to report (polled), `until`, or stop."""
@@ -213,7 +273,9 @@ class CoordinatorLink:
                 self._wait_for_events(next_beat)
             except grpc.RpcError as err:
                 code = err.code()  # type: ignore[attr-defined]
-                if code == grpc.StatusCode.UNAVAILABLE:
+                if self.gate is not None:
+                    self.gate.lease_failing(f"its coordinator answered {code.name}: {err.details()}")  # type: ignore[attr-defined]
+                if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                     log.warning("coordinator unreachable from node %s: %s", self.node_id, code)
                 else:  # refused (a live registration of this id, a wrong cluster secret, ...)
                     log.warning("coordinator refused node %s: %s: %s", self.node_id, code, err.details())  # type: ignore[attr-defined]
@@ -239,6 +301,7 @@ class CoordinatorLink:
 
     def _back_off(self, backoff: float) -> float:
         """Wait `backoff` with jitter (half fixed, half random, so nodes that lost one coordinator
-        do not retry in lockstep); the next is doubled, capped below the lease (2 s)."""
+        do not retry in lockstep); the next is doubled, capped at a beat (2 s at most), so the
+        lease is renewed within a beat of the coordinator (or its store) coming back."""
         self._stop.wait(backoff / 2 + random.uniform(0, backoff / 2))
-        return min(backoff * 2, 2.0)
+        return min(backoff * 2, 2.0, max(self.heartbeat_interval_s, 0.1))

@@ -92,6 +92,8 @@ class CacheEngine:
         self._lock = threading.RLock()
         self._waits = OpenWaits(self._lock, config.max_tombstones)  # opens a data call may overtake
         self._layered = LayeredWrites(spec.num_layers)  # layer 0's blocks, published after the last
+        self.open_grace: Callable[[str, float], float] = lambda _seq_id, grace_s: grace_s  # (gate.py)
+        self.missing: Callable[[SequenceNotFound], PagedKVError] = lambda exc: exc  # (gate.py)
 
     def run(self, fn: Callable[[], T]) -> T:
         """fn() on the engine's compute thread (inline when it has none): for a
@@ -159,7 +161,7 @@ class CacheEngine:
         so an unknown id is given this grace before NOT_FOUND. Returns True once it
         exists, False if it still does not; raises the open's own error (e.g.
         PrefixEvicted) if its asynchronous open failed. Changes nothing."""
-        grace = self.config.unknown_seq_grace_s if timeout_s is None else timeout_s
+        grace = self.open_grace(seq_id, self.config.unknown_seq_grace_s) if timeout_s is None else timeout_s
         return self._waits.wait(seq_id, self.manager.seqs.__contains__, grace)
 
     def awaiting_open(self, fn: Callable[[], T]) -> T:
@@ -173,7 +175,7 @@ class CacheEngine:
                 return fn()
             except SequenceNotFound as exc:
                 if not (isinstance(exc.seq_id, str) and self.await_sequence(exc.seq_id)):
-                    raise
+                    raise self.missing(exc) from None
         return fn()
 
     @_computes

@@ -17,6 +17,15 @@ Modes (NodeTrust):
   need its coordinator's ADMIN ticket for this node's registration (direct mode
   is refused: no worker chooses a salt), data calls a ticket per sequence.
 
+Fencing (Chubby/etcd leases with fencing tokens): a node in a cluster holds a lease
+that its link renews with every heartbeat. Once it cannot prove the lease is live
+(no renewal acknowledged within the lease minus a margin, counted from when the
+renewal was SENT, so the coordinator's deadline is never earlier) every data call is
+refused with Unavailable naming why, before the engine sees it: a node cut off from
+its coordinator stops serving before the coordinator may declare it dead. A ticket
+for an earlier registration, and a sequence this node knows it lost (it was reset,
+or its registration says so), answer SequenceLost naming the node.
+
 Quotas: the coordinator's Open and Fork may give a sequence an allowance (the
 most blocks it may hold here, its tenant's quota). An append that would take it
 past that asks the coordinator for more (`reserve`, Coordinator.Reserve) before
@@ -29,11 +38,19 @@ import contextlib
 import hmac
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
-from ..protos.errors import PermissionDenied, Unauthenticated, Unavailable
+from ..protos.errors import (
+    PagedKVError,
+    PermissionDenied,
+    SequenceLost,
+    SequenceNotFound,
+    Unauthenticated,
+    Unavailable,
+)
 from ..protos.tickets import (
     RIGHT_ADMIN,
     ClusterKeys,
@@ -45,6 +62,8 @@ from ..protos.tickets import (
 
 OPEN, TOKEN, CLUSTER = "open", "token", "cluster"
 MAX_TICKETS_PER_CONNECTION = 4096  # the oldest are forgotten first (the client presents again)
+MAX_LOST = 1 << 16  # lost sequence ids remembered (the oldest forgotten first: NOT_FOUND then)
+MAX_EXPECTED = 1 << 16  # ticketed ids whose Open may still be on its way
 Reserve = Callable[[str, int, int], int]  # (node seq id, min blocks, wanted blocks) -> new allowance
 
 
@@ -89,6 +108,16 @@ class Gate:
         self.reserve: Reserve | None = None  # asks the coordinator for more quota (set by its link)
         self._allowances: dict[str, int] = {}  # node seq id -> most blocks it may hold
         self._quota_lock = threading.Lock()
+        # Monotonic time after which the lease is not provably live (None: no lease kept,
+        # a node outside a cluster is never fenced) and what the link last said about it.
+        self._lease_deadline: float | None = None
+        self.lease_ttl_s = 0.0
+        self._fence_reason = "it has not registered with its coordinator yet"
+        self._lost: OrderedDict[str, str] = OrderedDict()  # node seq id -> why it was lost
+        # Ids a current ticket named: the coordinator placed them here, so their Open is on its
+        # way (True), or they were freed since (False: a late call gets NOT_FOUND at once).
+        self._expected: OrderedDict[str, bool] = OrderedDict()
+        self._lost_lock = threading.Lock()
 
     @property
     def is_cluster(self) -> bool:
@@ -97,6 +126,93 @@ class Gate:
     def set_registration(self, node_id: str, epoch: int) -> None:
         """This node's registration (after every Register): tickets must name it."""
         self.node_id, self.epoch = node_id, epoch
+
+    # -- the lease (fencing) -------------------------------------------------------------
+
+    def keep_lease(self, reason: str = "it has not registered with its coordinator yet") -> None:
+        """From now on data calls need a live lease (a node joining a cluster): fenced
+        until the first renewal."""
+        self._fence_reason = reason
+        self._lease_deadline = 0.0
+
+    def lease_renewed(self, sent_at: float, ttl_s: float, margin_s: float) -> None:
+        """A renewal sent at `sent_at` (time.monotonic) was acknowledged: the lease is
+        provably live until sent_at + ttl_s - margin_s."""
+        self.lease_ttl_s = ttl_s
+        deadline = sent_at + ttl_s - margin_s
+        if self._lease_deadline is None or deadline > self._lease_deadline:
+            self._lease_deadline = deadline
+
+    def fence(self, reason: str) -> None:
+        """Stop serving data calls at once (e.g. the coordinator says this node was declared
+        dead, before it is reset)."""
+        self._fence_reason = reason
+        self._lease_deadline = 0.0
+
+    def lease_failing(self, reason: str) -> None:
+        """Why the last renewal failed: what a fenced call will say (the lease itself runs on)."""
+        self._fence_reason = reason
+
+    @property
+    def is_fenced(self) -> bool:
+        deadline = self._lease_deadline
+        return deadline is not None and time.monotonic() > deadline
+
+    def check_lease(self) -> None:
+        """Unavailable when the lease is not provably live: refused before anything changes,
+        so the call may be sent again once the node renews (or answers SequenceLost)."""
+        deadline = self._lease_deadline
+        if deadline is not None and time.monotonic() > deadline:
+            raise Unavailable(
+                f"node {self.node_id!r} cannot prove its lease is live ({self._fence_reason}); "
+                "it serves no data call until it renews: retry, or expect SequenceLost"
+            )
+
+    # -- lost sequences ------------------------------------------------------------------
+
+    def mark_lost(self, seq_ids: Iterable[str], reason: str) -> None:
+        """These sequences' KV is gone (reset, or purged by a registration): their data calls
+        answer SequenceLost until the id is opened again."""
+        with self._lost_lock:
+            for seq_id in seq_ids:
+                self._lost[seq_id] = reason
+                self._lost.move_to_end(seq_id)
+                self._expected.pop(seq_id, None)
+            while len(self._lost) > MAX_LOST:
+                self._lost.popitem(last=False)
+
+    def opened(self, seq_id: str) -> None:
+        """An Open of `seq_id` arrived: it is no longer lost."""
+        if self._lost:
+            with self._lost_lock:
+                self._lost.pop(seq_id, None)
+
+    def _check_lost(self, seq_ids: Sequence[str]) -> None:
+        lost = self._lost
+        for seq_id in seq_ids:
+            reason = lost.get(seq_id)
+            if reason is not None:
+                raise SequenceLost(seq_id, reason, self.node_id)
+
+    def missing(self, exc: SequenceNotFound) -> PagedKVError:
+        """What a data call on an id still unknown after its grace answers: SequenceLost when
+        a current ticket named it (the coordinator placed it here; its Open never came:
+        the coordinator failed before sending it), else `exc` (NOT_FOUND)."""
+        seq_id = exc.seq_id
+        if isinstance(seq_id, str) and self._expected.get(seq_id):
+            reason = (
+                f"its open never reached node {self.node_id!r} (the coordinator failed or could not send it)"
+            )
+            return SequenceLost(seq_id, reason, self.node_id)
+        return exc
+
+    def open_grace_s(self, seq_id: str, default_s: float) -> float:
+        """How long a data call waits for `seq_id`'s Open: a lease when a current ticket
+        named it (the coordinator placed it here and sent the Open: only a slow node keeps
+        it waiting), else `default_s` (an id nobody placed, or a node without tickets)."""
+        if self._expected.get(seq_id) and self.lease_ttl_s > default_s:
+            return self.lease_ttl_s
+        return default_s
 
     # -- credentials -----------------------------------------------------------------
 
@@ -131,6 +247,10 @@ class Gate:
             if len(creds.tickets) >= MAX_TICKETS_PER_CONNECTION:
                 del creds.tickets[next(iter(creds.tickets))]
             creds.tickets[t.seq_id] = t
+            if t.epoch == self.epoch and t.seq_id not in self._expected:
+                self._expected[t.seq_id] = True
+                if len(self._expected) > MAX_EXPECTED:
+                    self._expected.popitem(last=False)
 
     def present_token(self, creds: Credentials, token: str | None) -> None:
         if self.mode != TOKEN or token is None:
@@ -168,7 +288,12 @@ class Gate:
 
     def require(self, creds: Credentials, seq_ids: Sequence[str], rights: int, method: str) -> None:
         """Every sequence named needs a live ticket with `rights` (the coordinator's
-        ADMIN ticket covers all). The same answer whether or not the sequence exists."""
+        ADMIN ticket covers all). The same answer whether or not the sequence exists.
+        First of all the lease (Unavailable while fenced), then lost ids (SequenceLost)."""
+        if self._lease_deadline is not None:
+            self.check_lease()
+        if self._lost:
+            self._check_lost(seq_ids)
         if creds.is_owner:
             return
         if self.mode == TOKEN:
@@ -199,9 +324,11 @@ class Gate:
                     f"{method}: the ticket for sequence {seq_id!r} expired; look the sequence up again"
                 )
             if t.epoch != epoch:
-                raise Unauthenticated(
-                    f"{method}: the ticket for sequence {seq_id!r} is for an earlier registration of node "
-                    f"{self.node_id!r} (its sequences were lost)"
+                raise SequenceLost(
+                    seq_id,
+                    f"{method}: its ticket is for an earlier registration of node {self.node_id!r} "
+                    "(the node restarted or was declared dead since)",
+                    self.node_id,
                 )
 
     # -- quotas --------------------------------------------------------------------------
@@ -213,11 +340,15 @@ class Gate:
             self._allowances[seq_id] = max_blocks
 
     def drop(self, seq_id: str) -> None:
+        """`seq_id` was freed."""
         self._allowances.pop(seq_id, None)
+        if seq_id in self._expected:
+            self._expected[seq_id] = False
 
     def reset(self) -> None:
         """The node came back empty (re-registered): no sequence, no allowance."""
         self._allowances.clear()
+        self._expected.clear()
 
     def allowance(self, seq_id: str) -> int | None:
         return self._allowances.get(seq_id)

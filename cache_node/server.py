@@ -10,8 +10,10 @@ request never takes the server down; an unexpected exception becomes INTERNAL.
 Every handler asks the node's Gate (gate.py) first, before the engine sees the
 request: the control rpcs need the coordinator's credential on a node serving a
 cluster, the data rpcs a ticket per sequence (tickets come in the call's
-metadata). Health checking (grpc.health.v1) and server reflection are on, so
-grpcurl and grpc_health_probe work against a node. `NodeServer.stop(grace)` flips health to
+metadata) and a live lease (fencing). Stats tells the coordinator's liveness probe
+the node's registration epoch and whether it is fenced. Health checking
+(grpc.health.v1) and server reflection are on, so grpcurl and grpc_health_probe work
+against a node. `NodeServer.stop(grace)` flips health to
 NOT_SERVING first, so load balancers stop routing, then drains.
 """
 
@@ -106,6 +108,7 @@ class CacheNodeServicer(pb_grpc.CacheNodeServicer):
     def Open(self, request: pb.OpenRequest, context: grpc.ServicerContext) -> pb.OpenResponse:
         def run() -> pb.OpenResponse:
             self._admin(context, "Open")
+            self.gate.opened(request.seq_id)
             limit = request.max_cached_tokens if request.HasField("max_cached_tokens") else None
             exact = request.expect_cached_tokens if request.HasField("expect_cached_tokens") else None
             ids = np.asarray(request.token_ids)  # one C-level copy, not a Python list
@@ -353,6 +356,8 @@ class CacheNodeServicer(pb_grpc.CacheNodeServicer):
                 device=str(self.engine.device),
                 policy=self.engine.config.policy,
                 bulk_port=self.bulk_port,
+                epoch=self.gate.epoch or 0,
+                is_fenced=self.gate.is_fenced,
             )
 
         return self._observe("Stats", context, run)
@@ -423,6 +428,8 @@ def create_server(
         metrics = NodeMetrics()
     metrics.attach_engine(engine.stats, engine.config.policy)
     gate = Gate(trust)
+    engine.open_grace = gate.open_grace_s  # a ticketed id's Open gets a lease to arrive
+    engine.missing = gate.missing  # and if it never does, the sequence was lost
     servicer = CacheNodeServicer(engine, metrics, gate)
     server, health_servicer, port = build_server(
         lambda s: pb_grpc.add_CacheNodeServicer_to_server(servicer, s),

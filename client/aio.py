@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 import torch
 
 from ..protos.attention import LayerAttention
-from ..protos.errors import NotFound, OpenFailed
+from ..protos.errors import NotFound, OpenFailed, SequenceLost
 from ..protos.spec import ModelSpec
 from . import codec
 from .config import ClientConfig
@@ -130,7 +130,7 @@ class AsyncSequence:
     async def __aexit__(self, exc_type: object, *exc: object) -> None:
         try:
             await self.close()
-        except (OpenFailed, NotFound):
+        except (OpenFailed, NotFound, SequenceLost):
             if exc_type is None:  # else the body's error (e.g. the OpenFailed itself) says it
                 raise
 

@@ -14,6 +14,7 @@ Every method takes a deadline; errors come back as pagedkv.protos.errors.
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Sequence
 from typing import Any
 
@@ -131,6 +132,7 @@ class CoordinatorRouting:
         explain_miss: bool = False,
     ) -> pb.CoordOpenRequest:
         req = codec.with_token_ids(pb.CoordOpenRequest, token_ids, seq_id=seq_id, spec=self._spec_msg())
+        req.request_id = uuid.uuid4().hex  # a retry of this very request gets its first answer
         if max_cached is not None:
             req.max_cached_tokens = max_cached
         if attention:

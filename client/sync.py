@@ -32,7 +32,7 @@ import torch
 
 from ..protos import pagedkv_pb2_grpc as pb_grpc
 from ..protos.attention import LayerAttention, check_layers, to_messages
-from ..protos.errors import InvalidArgument, NotFound, OpenFailed
+from ..protos.errors import InvalidArgument, NotFound, OpenFailed, SequenceLost
 from ..protos.spec import ModelSpec
 from . import channels, codec
 from .config import ClientConfig
@@ -304,11 +304,12 @@ class Sequence:
     def close(self, *, timeout_s: float | None = None) -> None:
         """Free the sequence (and, in a cluster, its page table). Idempotent on this handle.
         In a cluster the node frees it in the background; a sequence whose open failed
-        on its node (OpenFailed) has nothing to close: that error, or NotFound, is raised."""
+        on its node (OpenFailed) has nothing to close: that error, or NotFound, is raised;
+        a lost one raises SequenceLost (its page table is dropped: the handle is closed)."""
         if not self.is_closed:
             try:
                 self.client.routing.close(self.seq_id, timeout_s)
-            except (OpenFailed, NotFound):
+            except (OpenFailed, NotFound, SequenceLost):
                 self.is_closed = True
                 self.node.wallet.forget(self.seq_id)
                 raise
@@ -322,7 +323,7 @@ class Sequence:
     def __exit__(self, exc_type: object, *exc: object) -> None:
         try:
             self.close()
-        except (OpenFailed, NotFound):
+        except (OpenFailed, NotFound, SequenceLost):
             if exc_type is None:  # else the body's error (e.g. the OpenFailed itself) says it
                 raise
 

@@ -30,7 +30,14 @@ concurrent close always finds it); close does not wait: it deletes the record (o
 round trip, tenant-checked in the script) and chains the node Free after the open.
 
 Membership (register, heartbeat, the reaper thread, the node cache) is in
-membership.py, mixed into Coordinator.
+membership.py, mixed into Coordinator; the reaper's verdicts come from liveness.py (a
+lapsed lease, a grace, a failed direct probe, never during or just after a store
+outage), heartbeats carrying a node's held sequence ids go through reconcile.py
+(orphans freed, ghosts marked lost), and lost records expire (lost_ttl_s).
+
+Idempotency: close of an id without a page table succeeds (a retried close); close of a
+lost sequence raises SequenceLost once and drops its record; an open retried with the
+same request id (same seq id) gets the first answer back (the page table's placement).
 """
 
 from __future__ import annotations
@@ -52,20 +59,24 @@ from ..protos import pagedkv_pb2_grpc as pb_grpc
 from ..protos.attention import from_messages
 from ..protos.errors import (
     InvalidArgument,
-    NodeLost,
     NotFound,
     PagedKVError,
     PermissionDenied,
+    SequenceExists,
+    SequenceLost,
     SequenceNotFound,
     Unavailable,
 )
 from ..protos.keys import KEY_BYTES, chain_keys, chain_keys_packed, root_key
 from ..protos.status import error_from_rpc
 from .auth import ClusterAccess
+from .failures import Failures
+from .liveness import Liveness, LivenessConfig
 from .membership import Membership
 from .misses import REASONS, MissExplanation, RemovedKeys, explain
 from .node_calls import NodeCalls
 from .placement import Placement, PlacementWeights
+from .reconcile import Reconciler
 from .records import NewSequence, NodeInfo, NodeRoom, SequenceRecord
 from .reuse import ReuseClasses, ReuseConfig
 from .store import Store
@@ -86,6 +97,9 @@ class CoordinatorConfig:
     balance_half_life_opens: float = 512.0
     reuse: ReuseConfig = field(default_factory=ReuseConfig)  # which run sizes are scans (reuse.py)
     access: ClusterAccess = field(default_factory=ClusterAccess)  # the cluster secret, TLS to nodes
+    reconcile_grace_s: float | None = None  # reconcile.py's grace (None: two leases)
+    lost_ttl_s: float = 3600.0  # a lost record is garbage-collected this long after the loss
+    probe_timeout_s: float = 1.0  # liveness.py's direct probe of a suspect node
 
     def __post_init__(self) -> None:
         if not self.lease_ttl_s > 0:
@@ -95,7 +109,12 @@ class CoordinatorConfig:
 
     @property
     def heartbeat_interval_s(self) -> float:
-        return self.lease_ttl_s / 2
+        """A quarter lease: the lease survives three lost beats, and the node's fence
+        (a lease minus one beat after its last renewal) comes before any reaper's verdict."""
+        return self.lease_ttl_s / 4
+
+    def liveness(self) -> LivenessConfig:
+        return LivenessConfig(self.lease_ttl_s, probe_timeout_s=self.probe_timeout_s)
 
 
 @dataclass(frozen=True)
@@ -154,7 +173,7 @@ class NodeCall:
         fn(self.error)
 
 
-class Coordinator(Membership):
+class Coordinator(Failures, Membership):
     def __init__(self, store: Store, config: CoordinatorConfig | None = None) -> None:
         self.store = store
         self.config = config or CoordinatorConfig()
@@ -194,6 +213,14 @@ class Coordinator(Membership):
         }
         # Recently removed keys (REMOVED events) and their node: tells "evicted" from "never cached".
         self._removed = RemovedKeys()
+        self.liveness = Liveness(self.config.liveness(), self._probe)
+        grace = self.config.reconcile_grace_s
+        self.reconciler = Reconciler(
+            store,
+            2 * self.config.lease_ttl_s if grace is None else grace,
+            self.config.lost_ttl_s,
+            release=self._release_lost,
+        )
 
     # -- lifecycle ----------------------------------------------------------------
 
@@ -298,9 +325,9 @@ class Coordinator(Membership):
         return record
 
     def _live_node_of(self, record: SequenceRecord) -> NodeInfo:
-        if record.state == "lost":
-            raise NodeLost(record.seq_id, record.lost_reason or "its node died")
         node_id = record.extents[0].node_id
+        if record.state == "lost":
+            raise SequenceLost(record.seq_id, record.lost_reason or f"node {node_id} died", node_id)
         node = self._nodes_for(None).get(node_id)
         if node is None:
             if time.monotonic() - self._started_at < self.config.lease_ttl_s:
@@ -310,7 +337,7 @@ class Coordinator(Membership):
                     f"sequence {record.seq_id}: node {node_id} has not renewed its lease since the "
                     "coordinator started; retry"
                 )
-            raise NodeLost(record.seq_id, f"node {node_id} is not live")
+            raise SequenceLost(record.seq_id, f"node {node_id} is not live", node_id)
         return node
 
     def _opens_of(self, node_id: str) -> float:
@@ -390,13 +417,15 @@ class Coordinator(Membership):
         spec: Mapping[str, Any] | None = None,
         wait: bool = False,
         attention: Sequence[pb.LayerAttention] = (),
+        request_id: str = "",
     ) -> OpenResult:
         """Place the sequence and write its page table (one store call), then send the
         node Open without waiting for it (see the module docstring); num_cached_tokens
         is M, what the node will take exactly. `wait=True` also waits for the node (its
         failure is raised here, and num_host_hit_tokens is known): for tests and tools only.
         `attention` (one LayerAttention per layer, or none) is checked before placing and
-        travels to the node's Open."""
+        travels to the node's Open. `request_id`: an open retried with the same one (and
+        seq id) returns the first answer, from the page table, instead of SequenceExists."""
         seq_id = seq_id or uuid.uuid4().hex
         self._settle(seq_id, raise_error=False)  # a reopen of this id waits for its last node call
         nodes = self._nodes_for(spec)
@@ -442,6 +471,7 @@ class Coordinator(Membership):
             self.config.weights,
             quota,
             scan_classes=scan_classes,
+            request_id=request_id,
         )
         # In `_inflight` before the page table exists: a close that finds the record finds the call.
         call = NodeCall(seq_id)
@@ -449,9 +479,11 @@ class Coordinator(Membership):
             self._inflight[seq_id] = call
         try:
             placement = self.store.open_sequence(new)
-        except PagedKVError:
+        except PagedKVError as exc:
             call.finish(None)  # nothing was sent: what waits on it (a close's Free) goes ahead
             self._settled(call)
+            if isinstance(exc, SequenceExists) and request_id:
+                return self._first_answer(tenant, seq_id, request_id, exc)
             raise
         node = nodes[placement.node_id]
         num_cached = placement.cached_tokens
@@ -660,7 +692,9 @@ class Coordinator(Membership):
         """Drop the page table (one round trip, tenant-checked) and free the sequence on
         its node without waiting: after its node Open when that is still in flight, with
         retries when it fails. Closing a sequence whose node open failed raises that
-        open's error (its page table is already gone)."""
+        open's error (its page table is already gone). Idempotent: an id without a page
+        table (closed already) succeeds; a lost one raises SequenceLost, once (its record
+        is dropped with it; reconcile.py frees whatever a crash left on a node)."""
         with self._lock:
             call = self._inflight.get(seq_id)
         try:
@@ -668,11 +702,12 @@ class Coordinator(Membership):
         except SequenceNotFound:
             if call is not None and call.is_finished and call.error is not None:
                 raise call.error from None
-            raise
+            return
+        if record.state == "lost":  # its quota was released when it was lost
+            node_id = record.extents[0].node_id
+            raise SequenceLost(seq_id, record.lost_reason or f"node {node_id} died", node_id)
         if tenant in self.config.quotas:
             self.store.release_blocks(tenant, record.num_blocks)
-        if record.state == "lost":
-            return
         node = self._nodes_for(None).get(record.extents[0].node_id)
         if node is None:  # its node died: nothing to free
             return
@@ -707,7 +742,7 @@ class Coordinator(Membership):
 
     def describe(self, tenant: str, seq_id: str) -> tuple[SequenceRecord, NodeInfo]:
         """The page table and the live node of a sequence (any worker can find it by id).
-        Raises NodeLost when its node died."""
+        Raises SequenceLost when its node died."""
         record = self._record(tenant, seq_id)
         return record, self._live_node_of(record)
 

@@ -1,8 +1,10 @@
 """Membership: nodes register, beat and expire; the coordinator's cache of live nodes.
 
-A node registers (coming back empty if it restarted), then beats at half its lease;
-a node whose lease lapsed is a suspect, invisible to placement, until a reaper
-removes it (remove_node(require_expired=True): idempotent, refuses revived nodes).
+A node registers (coming back empty if it restarted), then beats at a quarter of its
+lease; a node whose lease lapsed is a suspect, invisible to placement, until a reaper
+removes it (remove_node(require_expired=True): idempotent, refuses revived nodes) once
+liveness.py declares it dead (a grace, a failed probe, never for a store outage). A
+heartbeat that lists the node's held sequences is reconciled (reconcile.py).
 The reaper starts one lease after the coordinator does, so nodes that could not
 beat while it was down get to beat first.
 
@@ -21,12 +23,14 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
-from ..protos.errors import PagedKVError
-from .records import NodeInfo
+from ..protos.errors import FailedPrecondition, PagedKVError, Unavailable
+from .liveness import Liveness
+from .reconcile import Reconciler
+from .records import NodeInfo, PurgeResult, SequenceRecord
 from .store import Store
 
 log = logging.getLogger("pagedkv.coordinator")
@@ -47,6 +51,9 @@ class Membership:
     _recent_opens: dict[str, float]
     _active_blocks: dict[str, int]
     _holder: str  # this replica's name for the store's leases (unique per process)
+    liveness: Liveness
+    reconciler: Reconciler
+    _node_gone: Callable[[str, Sequence[SequenceRecord], Sequence[str]], None]  # failures.py
 
     def _reap_loop(self, interval_s: float) -> None:
         # Grace: after a (re)start every node gets one lease to beat before any
@@ -72,7 +79,12 @@ class Membership:
         than that many nodes died. They stay suspects, invisible to placement, and revive
         with their next beat; real deaths are reaped once the share drops below it."""
         removed: list[str] = []
-        expired = self.store.expired_nodes()
+        try:
+            expired = self.store.expired_nodes()
+        except Unavailable:
+            self.liveness.store_failed()  # every lease is extended by the outage
+            raise
+        self.liveness.store_answered()
         with self._lock:  # the cache may still list lapsed nodes: count each once
             registered = len(set(expired).union(self._nodes))
         if registered >= MASS_EXPIRY_MIN_NODES and len(expired) > MASS_EXPIRY_SHARE * registered:
@@ -82,13 +94,16 @@ class Membership:
             )
             self.refresh_nodes()
             return removed
-        for node_id in expired:
-            result = self.store.remove_node(node_id, require_expired=True)
+        for node_id in self.liveness.dead(expired):
+            records = self.store.sequences_of_node(node_id)
+            try:
+                result = self.store.remove_node(node_id, require_expired=True)
+            except FailedPrecondition:  # it beat meanwhile
+                continue
             if result.was_registered:
                 removed.append(node_id)
                 self.counters["nodes_reaped"] += 1
-                with self._lock:
-                    self._active_blocks.pop(node_id, None)  # its sequences are lost
+                self._node_gone(node_id, records, result.lost_seq_ids)
                 log.warning(
                     "node %s expired: %d sequences lost, %d keys purged",
                     node_id,
@@ -106,6 +121,7 @@ class Membership:
         nodes = self.store.live_nodes()
         with self._lock:
             self._nodes = {n.node_id: n for n in nodes}
+        self.liveness.seen_live(nodes)
         return nodes
 
     def register(
@@ -116,11 +132,14 @@ class Membership:
         num_blocks: int,
         epoch: int = 0,
         policy: str = "",
-    ) -> None:
+    ) -> PurgeResult:
         """A node joins, or comes back empty (its sequences lost, its keys purged): placement's
-        load there starts from nothing and its recent opens at its fair share (placement.py)."""
+        load there starts from nothing and its recent opens at its fair share (placement.py).
+        Returns what its earlier registration lost (the node answers SequenceLost for those)."""
         ttl = self.config.lease_ttl_s
+        records = self.store.sequences_of_node(node_id)
         result = self.store.register_node(node_id, address, dict(spec), num_blocks, ttl, epoch, policy=policy)
+        self._node_gone(node_id, records, result.lost_seq_ids)
         with self._lock:
             self._active_blocks.pop(node_id, None)
             # Neither ahead (its count from before it died) nor behind (0: every open would go
@@ -130,12 +149,24 @@ class Membership:
             opens = sum(self._recent_opens.get(n, 0.0) for n in others)
             self._recent_opens[node_id] = opens * num_blocks / total if total else 0.0
             # What the store now holds, without listing every node (O(1) per registration).
-            self._nodes[node_id] = NodeInfo(node_id, address, dict(spec), num_blocks, {}, policy, epoch)
+            self._nodes[node_id] = info = NodeInfo(
+                node_id, address, dict(spec), num_blocks, {}, policy, epoch
+            )
+        self.liveness.seen_live([info])
         if result.was_registered and (result.lost_seq_ids or result.num_keys_purged):
             log.warning("node %s re-registered empty: %d sequences lost", node_id, len(result.lost_seq_ids))
+        return result
 
-    def heartbeat(self, node_id: str, load: Mapping[str, int]) -> bool:
-        ok = self.store.heartbeat(node_id, dict(load), self.config.lease_ttl_s)
+    def heartbeat(
+        self, node_id: str, load: Mapping[str, int], held: Sequence[str] | None = None
+    ) -> tuple[bool, list[str]]:
+        """Renew the node's lease; with `held` (every sequence id it holds) reconcile it with
+        the store. Returns (is it registered, the ids it must free)."""
+        try:
+            ok = self.store.heartbeat(node_id, dict(load), self.config.lease_ttl_s)
+        except Unavailable:
+            self.liveness.store_failed()
+            raise
         if ok:
             with self._lock:
                 node = self._nodes.get(node_id)
@@ -146,7 +177,13 @@ class Membership:
                 if revived is not None:
                     with self._lock:
                         self._nodes[node_id] = revived
-        return ok
+        free: list[str] = []
+        if ok and held is not None:
+            try:
+                free = self.reconciler.report(node_id, held)
+            except PagedKVError as exc:  # the renewal stands; reconcile next time
+                log.warning("reconcile of node %s: %s", node_id, exc)
+        return ok, free
 
     def live_node(self, node_id: str) -> NodeInfo | None:
         """The node as the store has it now (None when it is not live): one read, O(1)."""

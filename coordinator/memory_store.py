@@ -63,6 +63,7 @@ class MemoryStore(Store):
         self._node_seqs: dict[str, set[str]] = {}  # node -> seq ids with an extent there
         self._salts: dict[str, bytes] = {}
         self._usage: dict[str, int] = {}
+        self._lost_expiry: dict[str, float] = {}  # lost seq id -> clock() value its record goes at
         self._leases: dict[str, tuple[str, float]] = {}  # role -> (holder, clock() it lapses at)
 
     # ---- membership ---------------------------------------------------------------------------
@@ -250,6 +251,7 @@ class MemoryStore(Store):
         if not isinstance(record, SequenceRecord):
             raise InvalidArgument(f"expected a SequenceRecord, got {type(record).__name__}")
         with self._lock:
+            self._sweep_lost()
             if record.seq_id in self._seqs:
                 raise SequenceExists(record.seq_id)
             self._check_live_nodes(record)
@@ -261,6 +263,7 @@ class MemoryStore(Store):
         if not isinstance(new, NewSequence):
             raise InvalidArgument(f"expected a NewSequence, got {type(new).__name__}")
         with self._lock:
+            self._sweep_lost()
             live = [c for c in new.candidates if self._is_live(c.node_id)]
             keys = new.key_list()
             counts = self._match([c.node_id for c in live], keys)
@@ -294,7 +297,14 @@ class MemoryStore(Store):
             if new.seq_id in self._seqs:
                 raise SequenceExists(new.seq_id)
             extents = (Extent(placement.node_id, 0, new.num_blocks),)
-            self._seqs[new.seq_id] = SequenceRecord(new.seq_id, new.tenant, extents, new.num_tokens)
+            self._seqs[new.seq_id] = SequenceRecord(
+                new.seq_id,
+                new.tenant,
+                extents,
+                new.num_tokens,
+                request_id=new.request_id,
+                num_cached_blocks=placement.cached_blocks,
+            )
             self._node_seqs.setdefault(placement.node_id, set()).add(new.seq_id)
             if new.quota is not None and new.num_blocks:
                 self._usage[new.tenant] = used + new.num_blocks
@@ -333,6 +343,7 @@ class MemoryStore(Store):
     def get_sequence(self, seq_id: str) -> SequenceRecord:
         check_name("seq_id", seq_id)
         with self._lock:
+            self._sweep_lost()
             if seq_id not in self._seqs:
                 raise SequenceNotFound(seq_id)
             return self._seqs[seq_id]
@@ -341,6 +352,7 @@ class MemoryStore(Store):
         check_name("seq_id", seq_id)
         fields = check_sequence_fields(fields)
         with self._lock:
+            self._sweep_lost()
             old = self._seqs.get(seq_id)
             if old is None:
                 raise SequenceNotFound(seq_id)
@@ -366,6 +378,7 @@ class MemoryStore(Store):
         if tenant is not None:
             check_name("tenant", tenant)
         with self._lock:
+            self._sweep_lost()
             record = self._seqs.get(seq_id)
             if record is None:
                 raise SequenceNotFound(seq_id)
@@ -375,9 +388,32 @@ class MemoryStore(Store):
             self._unlink(record)
             return record
 
+    def expire_lost(self, seq_ids: Sequence[str], ttl_s: float) -> int:
+        ttl = check_ttl(ttl_s)
+        ids = [check_name("seq_id", s) for s in seq_ids]
+        with self._lock:
+            self._sweep_lost()
+            lost = [s for s in ids if s in self._seqs and self._seqs[s].state == "lost"]
+            for seq_id in lost:
+                self._lost_expiry[seq_id] = self._clock() + ttl
+            return len(lost)
+
+    def _sweep_lost(self) -> None:
+        """Drop the lost records whose expiry passed (under the lock)."""
+        if not self._lost_expiry:
+            return
+        now = self._clock()
+        for seq_id in [s for s, at in self._lost_expiry.items() if at <= now]:
+            del self._lost_expiry[seq_id]
+            record = self._seqs.get(seq_id)
+            if record is not None and record.state == "lost":
+                del self._seqs[seq_id]
+                self._unlink(record)
+
     def sequences_of_node(self, node_id: str) -> list[SequenceRecord]:
         check_name("node_id", node_id)
         with self._lock:
+            self._sweep_lost()
             return [self._seqs[s] for s in sorted(self._node_seqs.get(node_id, ()))]
 
     # ---- tenants ------------------------------------------------------------------------------

@@ -48,12 +48,18 @@ class SequenceRecord:
     num_tokens: int = 0
     state: str = "active"
     lost_reason: str = ""
+    # What the open that wrote it said (open_sequence): a retry with this request id gets
+    # the same answer (num_cached_blocks of the prompt cached on its node).
+    request_id: str = ""
+    num_cached_blocks: int = 0
 
     def __post_init__(self) -> None:
         check_name("seq_id", self.seq_id)
         check_name("tenant", self.tenant)
         object.__setattr__(self, "extents", check_extents(self.extents))
         check_count("num_tokens", self.num_tokens)
+        check_count("num_cached_blocks", self.num_cached_blocks)
+        check_request_id(self.request_id)
         if self.state not in SEQUENCE_STATES:
             raise InvalidArgument(f"state must be one of {SEQUENCE_STATES}, got {self.state!r}")
         if not isinstance(self.lost_reason, str):
@@ -127,6 +133,7 @@ class NewSequence:
     pending_ttl_ms: how long this open's in-flight marker steers opens of the same uncached
     prefix to its node (placement.py); 0: leave none.
     scan_classes: placement's bit mask of the run size classes placed as scans (reuse.py).
+    request_id: the caller's id for this open, kept in the page table ("" : none).
     """
 
     seq_id: str
@@ -140,10 +147,12 @@ class NewSequence:
     quota: int | None = None
     pending_ttl_ms: int = 10_000
     scan_classes: int = 0
+    request_id: str = ""  # kept in the page table: a retried open gets the first answer
 
     def __post_init__(self) -> None:
         check_name("seq_id", self.seq_id)
         check_name("tenant", self.tenant)
+        check_request_id(self.request_id)
         check_count("num_tokens", self.num_tokens)
         check_count("num_blocks", self.num_blocks)
         if not isinstance(self.block_size, int) or self.block_size <= 0:
@@ -202,6 +211,12 @@ class NewSequence:
 def check_name(what: str, value: object) -> str:
     if not isinstance(value, str) or not value:
         raise InvalidArgument(f"{what} must be a non-empty str, got {value!r}")
+    return value
+
+
+def check_request_id(value: object) -> str:
+    if not isinstance(value, str) or len(value) > 128:
+        raise InvalidArgument(f"request_id must be a str of at most 128 characters, got {value!r}")
     return value
 
 

@@ -205,7 +205,7 @@ return out
 #       host_weight, scan_classes, candidates: one string, a line per candidate by node_id,
 #       "node_id TAB free_blocks TAB total_blocks TAB evictable_blocks TAB recent_opens TAB
 #       active_blocks ('-1' = not counted) LF" (one argument, not six per node: redis-py
-#       encoded 6,000 arguments an open at 1,000 nodes).
+#       encoded 6,000 arguments an open at 1,000 nodes), request_id (kept in the page table).
 # Returns {1, node, cached, {node, score, ...}, {rejected...}, pending, cached elsewhere, host, scan,
 #          the node holding that}
 #       | {0} (no live candidate)
@@ -333,7 +333,8 @@ end
 local sk = P .. 'seq:' .. s
 if redis.call('EXISTS', sk) == 1 then return {-3} end
 redis.call('HSET', sk, 'tenant', tenant, 'extents', cjson.encode({{best, 0, need}}),
-           'num_tokens', ARGV[4], 'state', 'active', 'lost_reason', '')
+           'num_tokens', ARGV[4], 'state', 'active', 'lost_reason', '', 'req', ARGV[17] or '',
+           'cached', best_cached)
 redis.call('SADD', P .. 'nseqs:' .. best, s)
 if ARGV[8] ~= '' and need > 0 then redis.call('INCRBY', uk, need) end
 if ttl > 0 and best_cached < #keys then
@@ -422,4 +423,10 @@ if n > used then return {0, used} end
 local left = redis.call('DECRBY', KEYS[1], n)
 if left == 0 then redis.call('DEL', KEYS[1]) end
 return {1, left}
+"""
+
+# KEYS: a sequence's record. ARGV: ttl_ms. Returns 1 if it is lost (and now expires), else 0.
+EXPIRE_LOST = """
+if redis.call('HGET', KEYS[1], 'state') ~= 'lost' then return 0 end
+return redis.call('PEXPIRE', KEYS[1], ARGV[1])
 """

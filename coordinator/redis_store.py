@@ -75,6 +75,8 @@ from .records import (
     check_sequence_fields,
     check_ttl,
 )
+from .sentinel import SCHEME as SENTINEL_SCHEME
+from .sentinel import primary_client
 from .store import Store
 
 SALT_BYTES = 16
@@ -114,6 +116,8 @@ def _record(seq_id: str, flat: Sequence[bytes]) -> SequenceRecord:
         num_tokens=int(h["num_tokens"]),
         state=_s(h["state"]),
         lost_reason=_s(h.get("lost_reason", b"")),
+        request_id=_s(h.get("req", b"")),
+        num_cached_blocks=int(h.get("cached", 0)),
     )
 
 
@@ -135,7 +139,8 @@ def _encode_field(name: str, value: Any) -> str | int:
 
 class RedisStore(Store):
     def __init__(self, url: str, config: RedisStoreConfig | None = None, **options: Any) -> None:
-        """url: redis://host:port/db. options: RedisStoreConfig fields (prefix=..., ...)."""
+        """url: redis://host:port/db, or redis+sentinel://host:port,.../mastername (sentinel.py).
+        options: RedisStoreConfig fields (prefix=..., ...)."""
         self.config = config or RedisStoreConfig(**options)
         self._url = url
         self._prefix = self.config.prefix
@@ -145,8 +150,9 @@ class RedisStore(Store):
             self.config.retries,
             supported_errors=(redis.ConnectionError,),
         )
+        connect = primary_client if url.startswith(SENTINEL_SCHEME) else redis.Redis.from_url
         try:
-            self._redis = redis.Redis.from_url(
+            self._redis = connect(
                 url,
                 decode_responses=False,
                 socket_timeout=self.config.socket_timeout_s,
@@ -172,6 +178,7 @@ class RedisStore(Store):
         self._delete_seq = reg(lua.DELETE_SEQ)
         self._seqs_of_node = reg(lua.SEQS_OF_NODE)
         self._reserve = reg(lua.RESERVE)
+        self._expire_lost = reg(lua.EXPIRE_LOST)
         self._release = reg(lua.RELEASE)
         self._kept = KeptScripts(self._redis)
 
@@ -366,7 +373,7 @@ class RedisStore(Store):
         # A tab or line feed in a node id would shift the columns: the counts catch it in C.
         if rows.count("\n") != len(new.candidates) or rows.count("\t") != 5 * len(new.candidates):
             raise InvalidArgument("candidate node ids must not contain tabs or line feeds")
-        args.append(rows)
+        args += (rows, new.request_id)
         reply = self._call("open_sequence", self._kept.run, self._open_seq, args)
         code = reply[0]
         if code == 1:
@@ -426,6 +433,20 @@ class RedisStore(Store):
         if len(flat) == 1:
             raise PermissionDenied(f"sequence {seq_id!r} belongs to another tenant")
         return _record(seq_id, flat)
+
+    def expire_lost(self, seq_ids: Sequence[str], ttl_s: float) -> int:
+        ids = [check_name("seq_id", s) for s in seq_ids]
+        ttl_ms = max(1, round(check_ttl(ttl_s) * 1000))
+        if not ids:
+            return 0
+
+        def run() -> list[int]:
+            pipe = self._redis.pipeline(transaction=False)
+            for seq_id in ids:
+                self._expire_lost(keys=[self._key("seq:", seq_id)], args=[ttl_ms], client=pipe)
+            return pipe.execute()  # type: ignore[no-any-return]
+
+        return sum(int(x) for x in self._call("expire_lost", run))
 
     def sequences_of_node(self, node_id: str) -> list[SequenceRecord]:
         check_name("node_id", node_id)

@@ -31,6 +31,7 @@ from .quota import reserve
 from .records import NodeNotLive
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Coordinator"].full_name
+MAX_LOST_REPORTED = 1 << 16  # lost ids a registration reply names (the .proto's bound)
 T = TypeVar("T")
 _SPEC_FIELDS = ("num_layers", "num_kv_heads", "head_dim", "dtype", "block_size")
 
@@ -132,19 +133,22 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             if spec is None:
                 raise InvalidArgument(f"node {request.node_id!r} registered without a model spec")
             live = self.coordinator.live_node(request.node_id)
-            if live is not None and live.epoch != request.epoch:
+            if live is not None and live.epoch != request.epoch and not self.coordinator.is_replaced(live):
                 raise FailedPrecondition(
                     f"node id {request.node_id!r} is live (at {live.address}); a new registration cannot "
                     f"take it over: wait for its lease to lapse ({self.coordinator.config.lease_ttl_s} s) "
                     "or give this node another id"
                 )
             epoch = secrets.randbits(63) | 1
-            self.coordinator.register(
+            result = self.coordinator.register(
                 request.node_id, request.address, spec, request.num_blocks, epoch, request.policy
             )
             cfg = self.coordinator.config
             return pb.RegisterResponse(
-                lease_ttl_s=cfg.lease_ttl_s, heartbeat_interval_s=cfg.heartbeat_interval_s, epoch=epoch
+                lease_ttl_s=cfg.lease_ttl_s,
+                heartbeat_interval_s=cfg.heartbeat_interval_s,
+                epoch=epoch,
+                lost_seq_ids=result.lost_seq_ids[:MAX_LOST_REPORTED],
             )
 
         return self._run("Register", context, run)
@@ -153,7 +157,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         def run() -> pb.HeartbeatResponse:
             self._node(context, request.node_id, "Heartbeat")
             load = {f.name: v for f, v in request.load.ListFields()}
-            return pb.HeartbeatResponse(is_registered=self.coordinator.heartbeat(request.node_id, load))
+            held = list(request.held_seq_ids) if request.held_complete else None
+            ok, free = self.coordinator.heartbeat(request.node_id, load, held)
+            return pb.HeartbeatResponse(is_registered=ok, free_seq_ids=free)
 
         return self._run("Heartbeat", context, run)
 
@@ -182,6 +188,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 else None,
                 spec=spec_dict(request.spec),
                 attention=request.attention,
+                request_id=request.request_id,
             )
             self.metrics.observe_open(tenant, len(request.token_ids), result.num_cached_tokens)
             return self._placed(tenant, seq_id, result, request.explain_miss)

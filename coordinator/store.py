@@ -213,6 +213,13 @@ class Store(ABC):
         (Quota is not released here: the caller releases what it reserved.)"""
 
     @abstractmethod
+    def expire_lost(self, seq_ids: Sequence[str], ttl_s: float) -> int:
+        """Give each of these records that is lost an expiry ttl_s from now (garbage
+        collection: a lost record lives until its worker closes it or this long); others
+        (unknown, or not lost) are left alone. Returns how many got one. One round trip;
+        each record is its own script (one sequence's key)."""
+
+    @abstractmethod
     def sequences_of_node(self, node_id: str) -> list[SequenceRecord]:
         """Sequences with an extent on the node, sorted by seq_id. After the node is removed
         or re-registered this is empty (its sequences are lost, their records kept until
@@ -251,7 +258,8 @@ class Store(ABC):
 
 
 def open_store(url: str, **options: Any) -> Store:
-    """A Store from a URL (tooz style): "memory://" or "redis://host:port/db" (rediss:// too).
+    """A Store from a URL (tooz style): "memory://" or "redis://host:port/db" (rediss:// too),
+    or "redis+sentinel://host:port,host:port/mastername" (the primary the sentinels name).
 
     Options go to the backend (e.g. prefix="pkv:" for Redis, clock=... for memory).
     """
@@ -261,8 +269,10 @@ def open_store(url: str, **options: Any) -> Store:
         from .memory_store import MemoryStore
 
         return MemoryStore(**options)
-    if url.startswith(("redis://", "rediss://", "unix://")):
+    if url.startswith(("redis://", "rediss://", "unix://", "redis+sentinel://")):
         from .redis_store import RedisStore
 
         return RedisStore(url, **options)
-    raise InvalidArgument(f"unknown store URL {url!r}: use memory:// or redis://host:port")
+    raise InvalidArgument(
+        f"unknown store URL {url!r}: use memory://, redis://host:port or redis+sentinel://host:port/name"
+    )

@@ -111,12 +111,19 @@ class NodeNotLive(FailedPrecondition):
         super().__init__(f"node {node_id!r} is not live (unknown or heartbeat lapsed): {what}")
 
 
-class NodeLost(FailedPrecondition):
-    """A sequence's node died (or restarted): its KV is gone. Open the sequence again."""
+class SequenceLost(FailedPrecondition):
+    """A sequence's KV is gone: its node died, restarted, or was declared dead while cut
+    off (its lease lapsed). The one error a worker gets for it, from every data call and
+    from close (close also drops the record: a second close succeeds). `node_id` names the
+    node ("" when unknown). What to do: open the sequence again and recompute its KV."""
 
-    def __init__(self, seq_id: str, reason: str) -> None:
+    def __init__(self, seq_id: str, reason: str, node_id: str = "") -> None:
         self.seq_id = seq_id
+        self.node_id = node_id
         super().__init__(f"sequence {seq_id!r} was lost: {reason}")
+
+
+NodeLost = SequenceLost  # the name before #18: the same error
 
 
 class Unavailable(PagedKVError):

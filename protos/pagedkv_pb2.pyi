@@ -244,7 +244,7 @@ class SetBudgetRequest(_message.Message):
     def __init__(self, seq_id: _Optional[str] = ..., max_tokens: _Optional[int] = ..., sink_blocks: _Optional[int] = ..., recent_blocks: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("counters", "spec", "device", "policy", "bulk_port")
+    __slots__ = ("counters", "spec", "device", "policy", "bulk_port", "epoch", "is_fenced")
     class CountersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -257,12 +257,16 @@ class StatsResponse(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
     BULK_PORT_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    IS_FENCED_FIELD_NUMBER: _ClassVar[int]
     counters: _containers.ScalarMap[str, int]
     spec: ModelSpec
     device: str
     policy: str
     bulk_port: int
-    def __init__(self, counters: _Optional[_Mapping[str, int]] = ..., spec: _Optional[_Union[ModelSpec, _Mapping]] = ..., device: _Optional[str] = ..., policy: _Optional[str] = ..., bulk_port: _Optional[int] = ...) -> None: ...
+    epoch: int
+    is_fenced: bool
+    def __init__(self, counters: _Optional[_Mapping[str, int]] = ..., spec: _Optional[_Union[ModelSpec, _Mapping]] = ..., device: _Optional[str] = ..., policy: _Optional[str] = ..., bulk_port: _Optional[int] = ..., epoch: _Optional[int] = ..., is_fenced: _Optional[bool] = ...) -> None: ...
 
 class CheckIntegrityResponse(_message.Message):
     __slots__ = ("ok", "message")
@@ -309,28 +313,36 @@ class RegisterRequest(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., spec: _Optional[_Union[ModelSpec, _Mapping]] = ..., num_blocks: _Optional[int] = ..., num_host_blocks: _Optional[int] = ..., metrics_address: _Optional[str] = ..., policy: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("lease_ttl_s", "heartbeat_interval_s", "epoch")
+    __slots__ = ("lease_ttl_s", "heartbeat_interval_s", "epoch", "lost_seq_ids")
     LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    LOST_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     lease_ttl_s: float
     heartbeat_interval_s: float
     epoch: int
-    def __init__(self, lease_ttl_s: _Optional[float] = ..., heartbeat_interval_s: _Optional[float] = ..., epoch: _Optional[int] = ...) -> None: ...
+    lost_seq_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, lease_ttl_s: _Optional[float] = ..., heartbeat_interval_s: _Optional[float] = ..., epoch: _Optional[int] = ..., lost_seq_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("node_id", "load")
+    __slots__ = ("node_id", "load", "held_seq_ids", "held_complete")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
+    HELD_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    HELD_COMPLETE_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     load: NodeLoad
-    def __init__(self, node_id: _Optional[str] = ..., load: _Optional[_Union[NodeLoad, _Mapping]] = ...) -> None: ...
+    held_seq_ids: _containers.RepeatedScalarFieldContainer[str]
+    held_complete: bool
+    def __init__(self, node_id: _Optional[str] = ..., load: _Optional[_Union[NodeLoad, _Mapping]] = ..., held_seq_ids: _Optional[_Iterable[str]] = ..., held_complete: _Optional[bool] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("is_registered",)
+    __slots__ = ("is_registered", "free_seq_ids")
     IS_REGISTERED_FIELD_NUMBER: _ClassVar[int]
+    FREE_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     is_registered: bool
-    def __init__(self, is_registered: _Optional[bool] = ...) -> None: ...
+    free_seq_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, is_registered: _Optional[bool] = ..., free_seq_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class BlockEvent(_message.Message):
     __slots__ = ("kind", "key")
@@ -379,20 +391,22 @@ class Placement(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., first_token: _Optional[int] = ..., ticket: _Optional[bytes] = ...) -> None: ...
 
 class CoordOpenRequest(_message.Message):
-    __slots__ = ("seq_id", "token_ids", "max_cached_tokens", "spec", "attention", "explain_miss")
+    __slots__ = ("seq_id", "token_ids", "max_cached_tokens", "spec", "attention", "explain_miss", "request_id")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_FIELD_NUMBER: _ClassVar[int]
     EXPLAIN_MISS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     max_cached_tokens: int
     spec: ModelSpec
     attention: _containers.RepeatedCompositeFieldContainer[LayerAttention]
     explain_miss: bool
-    def __init__(self, seq_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., max_cached_tokens: _Optional[int] = ..., spec: _Optional[_Union[ModelSpec, _Mapping]] = ..., attention: _Optional[_Iterable[_Union[LayerAttention, _Mapping]]] = ..., explain_miss: _Optional[bool] = ...) -> None: ...
+    request_id: str
+    def __init__(self, seq_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., max_cached_tokens: _Optional[int] = ..., spec: _Optional[_Union[ModelSpec, _Mapping]] = ..., attention: _Optional[_Iterable[_Union[LayerAttention, _Mapping]]] = ..., explain_miss: _Optional[bool] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class CoordOpenResponse(_message.Message):
     __slots__ = ("extents", "num_cached_tokens", "num_host_hit_tokens", "num_blocks", "miss", "node_seq_id")

@@ -1045,8 +1045,10 @@ class CoordinatorServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Close(self, request, context):
-        """Free a sequence on its node(s) and drop its page table. Codes: OK,
-        NOT_FOUND, UNAVAILABLE, PERMISSION_DENIED.
+        """Free a sequence on its node(s) and drop its page table. Idempotent: closing an id
+        with no page table succeeds (a retried close). A lost sequence answers
+        FAILED_PRECONDITION (SequenceLost, naming its node) once, its record dropped.
+        Codes: OK, FAILED_PRECONDITION, UNAVAILABLE, PERMISSION_DENIED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -169,6 +169,8 @@ def test_restarted_node_comes_back_empty(tmp_path, redis_url):
         assert c.lookup(SYSTEM + [1]) == 0  # its index entries were purged
         with pytest.raises(FailedPrecondition, match="lost"):
             c.sequence("before")
+        with pytest.raises(FailedPrecondition, match="'before' was lost: node node-0"):
+            seq.close()  # SequenceLost, once: the page table goes with it
         seq.close()
         again = c.open("after", SYSTEM + [1])
         assert again.num_cached_tokens == 0

@@ -21,7 +21,7 @@ from conftest import TOKENS, make_cluster
 from test_cluster import all_nodes_clean, wait_until
 from worker import SPEC
 
-from pagedkv.client import CacheClient, OpenFailed, SequenceNotFound
+from pagedkv.client import CacheClient, OpenFailed, SequenceLost, SequenceNotFound
 
 RETRIES: list[tuple[str, int, str, str]] = []
 SYSTEMS = [list(range(5000 * s, 5000 * s + 256)) for s in (1, 2)]  # two hot 16-block prompts
@@ -62,7 +62,11 @@ def run(c: CacheClient, conversations: Conversations, num_opens: int, tag: str) 
             try:
                 seq.append(rest, kv, kv)
                 break
-            except (OpenFailed, SequenceNotFound) as exc:  # its node Open failed or never landed: again
+            except (
+                OpenFailed,
+                SequenceLost,
+                SequenceNotFound,
+            ) as exc:  # its node Open failed or never landed
                 RETRIES.append((tag, i, seq.route.node_id, type(exc).__name__))
                 continue  # (the coordinator dropped its page table; nothing to close)
         running.append(seq)

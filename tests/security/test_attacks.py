@@ -210,13 +210,11 @@ def test_sequence_ids_are_scoped_by_tenant(cluster: Secured) -> None:
         with pytest.raises(SequenceNotFound) as err:
             beta.sequence(seq_id)
         answers.append(str(err.value).replace(seq_id, "ID"))
-        with pytest.raises(SequenceNotFound) as err:
-            beta.routing.close(seq_id)
-        answers.append(str(err.value).replace(seq_id, "ID"))
+        assert beta.routing.close(seq_id) is None  # close is idempotent: OK for both, no oracle
         with pytest.raises(SequenceNotFound) as err:
             beta.routing.fork(seq_id, "child")
         answers.append(str(err.value).replace(seq_id, "ID"))
-    assert answers[:3] == answers[3:], answers
+    assert answers[:2] == answers[2:], answers
     own = beta.open("victim", [9, 9, 9])  # beta's own "victim": another sequence altogether
     assert own.route.node_seq_id == "beta/victim"
     own.close()

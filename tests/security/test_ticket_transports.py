@@ -16,7 +16,7 @@ import torch
 from hostile import Q_HEADS, SPEC, Secured, kv
 
 from pagedkv.client import CacheClient
-from pagedkv.protos.errors import PermissionDenied, Unauthenticated
+from pagedkv.protos.errors import PermissionDenied, SequenceLost, Unauthenticated
 from pagedkv.protos.tickets import ClusterKeys, Ticket, issue, parse
 
 TRANSPORTS = {
@@ -45,7 +45,7 @@ def _bad_tickets(cluster: Secured) -> dict[str, tuple[bytes, type, str]]:
         "expired": (issue(cluster.keys, real._replace(expires_at=past)), Unauthenticated, "expired"),
         "an earlier registration's": (
             issue(cluster.keys, real._replace(epoch=real.epoch ^ 1)),
-            Unauthenticated,
+            SequenceLost,
             "earlier registration",
         ),
         "forged": (issue(FORGER, real), Unauthenticated, "not signed by this cluster's key"),

@@ -11,9 +11,15 @@ import torch
 
 from pagedkv.cache_node.engine import CacheEngine, EngineConfig
 from pagedkv.cache_node.server import create_server
-from pagedkv.coordinator.core import Coordinator, CoordinatorConfig, NodeLost
+from pagedkv.coordinator.core import Coordinator, CoordinatorConfig
 from pagedkv.coordinator.memory_store import MemoryStore
-from pagedkv.protos.errors import CapacityExceeded, PermissionDenied, Unavailable
+from pagedkv.protos.errors import (
+    CapacityExceeded,
+    NodeLost,
+    PermissionDenied,
+    SequenceNotFound,
+    Unavailable,
+)
 from pagedkv.protos.spec import ModelSpec
 
 SPEC = ModelSpec(num_layers=1, num_kv_heads=1, head_dim=8, dtype="float32", block_size=4)
@@ -74,7 +80,11 @@ def test_a_removed_nodes_sequences_are_lost_with_its_name(cluster):
     coordinator.refresh_nodes()
     with pytest.raises(NodeLost, match=f"'x' was lost: .*{x.node_id}"):
         coordinator.describe("t", "x")
-    coordinator.close("t", "x")  # the page table of a lost sequence can still be dropped
+    with pytest.raises(NodeLost, match=f"'x' was lost: .*{x.node_id}"):
+        coordinator.close("t", "x")  # close reports the loss once, dropping the page table
+    coordinator.close("t", "x")  # then it is closed: a retried close succeeds
+    with pytest.raises(SequenceNotFound):
+        coordinator.describe("t", "x")
 
 
 def test_a_lease_that_lapsed_before_the_coordinator_started_is_not_a_death():
@@ -95,7 +105,7 @@ def test_a_lease_that_lapsed_before_the_coordinator_started_is_not_a_death():
         second = Coordinator(store, CoordinatorConfig(lease_ttl_s=0.4))
         with pytest.raises(Unavailable, match="node n1 has not renewed its lease"):
             second.describe("t", "x")
-        assert second.heartbeat("n1", {"free_blocks": 62, "used_blocks": 2})
+        assert second.heartbeat("n1", {"free_blocks": 62, "used_blocks": 2})[0]
         record, node = second.describe("t", "x")
         assert (record.seq_id, node.node_id) == ("x", "n1")
         time.sleep(0.5)  # past the grace, and the lease lapses again

@@ -8,6 +8,7 @@ from collections import Counter
 from typing import Any
 
 from pagedkv.coordinator.core import Coordinator, CoordinatorConfig
+from pagedkv.coordinator.liveness import Liveness, LivenessConfig
 from pagedkv.coordinator.memory_store import MemoryStore
 
 SPEC = {"num_layers": 1, "num_kv_heads": 1, "head_dim": 8, "dtype": "float32", "block_size": 4}
@@ -40,7 +41,7 @@ def test_registrations_and_heartbeats_never_list_the_nodes() -> None:
     assert coordinator.node("n299") is not None and coordinator.node("n299").load == {"free_blocks": 64}
     # A node missing from this replica's cache (it registered through another) is read alone.
     store._store.register_node("elsewhere", "10.0.1.1:5000", SPEC, 64, 30)
-    assert coordinator.heartbeat("elsewhere", {"free_blocks": 3})
+    assert coordinator.heartbeat("elsewhere", {"free_blocks": 3})[0]
     assert coordinator.node("elsewhere").load == {"free_blocks": 3}
     assert coordinator.live_node("n007").address == "10.0.0.7:5007"
     assert store.calls["live_nodes"] == 0 and store.calls["expired_nodes"] == 0
@@ -80,6 +81,9 @@ def test_a_mass_expiry_is_held_and_real_deaths_reaped_once_beats_resume() -> Non
     now = [0.0]
     store = MemoryStore(clock=lambda: now[0])
     coordinator = Coordinator(store, CoordinatorConfig(lease_ttl_s=30))
+    # liveness.py on the same clock, no grace, no node answering its probe: a lapse is a death
+    coordinator.liveness = Liveness(LivenessConfig(30, grace_s=0), lambda _n, _t: None, lambda: now[0])
+    coordinator.liveness.store_answered()
     ids = [f"n{i:02}" for i in range(12)]
     for node_id in ids:
         coordinator.register(node_id, f"10.0.0.1:{node_id[1:]}", SPEC, 64)
@@ -92,7 +96,7 @@ def test_a_mass_expiry_is_held_and_real_deaths_reaped_once_beats_resume() -> Non
     assert store.expired_nodes() == ids[7:]  # suspects, not removed
     assert coordinator.node("n07") is None  # ...and invisible to placement meanwhile
     for node_id in ids[7:10]:
-        assert coordinator.heartbeat(node_id, {})  # the late ones beat again
+        assert coordinator.heartbeat(node_id, {})[0]  # the late ones beat again
     assert coordinator.reap() == ["n10", "n11"]  # 2 of 12: reaped
     assert coordinator.counters["nodes_reaped"] == 2 and coordinator.num_live_nodes() == 10
     coordinator.stop()

@@ -12,6 +12,7 @@ from pagedkv.client.transport.tickets import Wallet
 from pagedkv.protos.errors import (
     InvalidArgument,
     PermissionDenied,
+    SequenceLost,
     SequenceNotFound,
     Unauthenticated,
     Unavailable,
@@ -106,7 +107,7 @@ def test_the_gate_in_cluster_mode() -> None:
         gate.require(
             gate.from_metadata(((TICKET_KEY, issue(keys, ticket(ttl=-5))),)), ["acme/s"], 1, "ReadKV"
         )
-    with pytest.raises(Unauthenticated, match="earlier registration"):
+    with pytest.raises(SequenceLost, match="earlier registration of node 'n1'"):
         gate.require(
             gate.from_metadata(((TICKET_KEY, issue(keys, ticket(epoch=6))),)), ["acme/s"], 1, "ReadKV"
         )
