@@ -24,6 +24,7 @@ LRU by more than 1% somewhere (bench/README, "Eviction policies").
 
 from __future__ import annotations
 
+import sys
 from collections import OrderedDict, deque
 
 from pagedkv.cache_node.eviction import EvictionPolicy, HeapPolicy
@@ -265,11 +266,13 @@ class WTinyLFUPolicy(EvictionPolicy):
         return block in self._window or block in self._probation or block in self._protected
 
 
-class DeadFirstPolicy(HeapPolicy):
-    """The oracle: blocks whose key no later request wants go first, then LRU. The replay calls
-    `advance(keys, block_of_key)` before each request, as for Belady (bench.hitrate)."""
+class BeladyPolicy(HeapPolicy):
+    """The offline optimum for a known request stream: the evictable block whose key is wanted
+    furthest in the future goes first (never-again first of all, LRU order among equals). The
+    replay calls `advance(keys)` before each request with the keys that request wants, so the
+    next use of every key stays exact (a request that misses a key's parent passes it by too)."""
 
-    name = "deadfirst"
+    name = "belady"
 
     def __init__(self, wanted: list[list[bytes]]) -> None:
         super().__init__()
@@ -284,15 +287,35 @@ class DeadFirstPolicy(HeapPolicy):
 
     def _priority(self, block: int) -> float:
         key = self._key_of[block]
-        return 1.0 if key is not None and self._uses.get(key) else 0.0
+        uses = self._uses.get(key) if key is not None else None
+        return -(uses[0] if uses else sys.maxsize)
 
     def advance(self, keys: list[bytes], block_of_key: dict[bytes, int]) -> None:
+        """Request i is next: its keys' use i is spent; evictable holders get their new priority."""
         for key in keys:
             uses = self._uses[key]
             uses.popleft()
             block = block_of_key.get(key)
-            if not uses and block is not None and block in self:
-                self.add(block)  # now dead: a fresh entry at priority 0; the old one goes stale
+            if block is not None and block in self and self._moves(uses):
+                self.add(block)  # a fresh entry; the old one goes stale
+
+    def _moves(self, uses: deque[int]) -> bool:
+        """Does a block's priority change once one of its key's uses is spent?"""
+        return True
+
+
+class DeadFirstPolicy(BeladyPolicy):
+    """The oracle: blocks whose key no later request wants go first, then LRU. The replay calls
+    `advance(keys, block_of_key)` before each request, as for Belady."""
+
+    name = "deadfirst"
+
+    def _priority(self, block: int) -> float:
+        key = self._key_of[block]
+        return 1.0 if key is not None and self._uses.get(key) else 0.0
+
+    def _moves(self, uses: deque[int]) -> bool:
+        return not uses  # now dead: priority 0
 
 
 CANDIDATES = {"s3fifo": S3FIFOPolicy, "arc": ARCPolicy, "wtinylfu": WTinyLFUPolicy}

@@ -35,49 +35,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench import plots
-from bench.eviction_candidates import CANDIDATES, DeadFirstPolicy
+from bench.eviction_candidates import CANDIDATES, BeladyPolicy, DeadFirstPolicy
 from bench.workloads import TRACE_BLOCK_TOKENS, ChatShape, Request, chat_requests, trace_requests
-from pagedkv.cache_node.eviction import EvictionPolicy, HeapPolicy
+from pagedkv.cache_node.eviction import EvictionPolicy
 from pagedkv.cache_node.kv_manager import KVCacheManager
 
 ROOT = Path(__file__).resolve().parents[1]
 POLICIES = ["lru", "lfu", "slru", *CANDIDATES]
 ORACLES = ["belady", "deadfirst"]
 CHAT_ISSUE = ChatShape(active=40, turns=(5, 18), document_every=0)
-
-
-class BeladyPolicy(HeapPolicy):
-    """The offline optimum for a known request stream: the evictable block whose key is wanted
-    furthest in the future goes first (never-again first of all, LRU order among equals). The
-    replay calls `advance(keys)` before each request with the keys that request wants, so the
-    next use of every key stays exact (a request that misses a key's parent passes it by too)."""
-
-    name = "belady"
-
-    def __init__(self, wanted: list[list[bytes]]) -> None:
-        super().__init__()
-        self._uses: dict[bytes, deque[int]] = {}
-        for i, keys in enumerate(wanted):
-            for key in keys:
-                self._uses.setdefault(key, deque()).append(i)
-        self._key_of: list[bytes | None] = []
-
-    def bind_keys(self, key_of: list[bytes | None]) -> None:
-        self._key_of = key_of
-
-    def _priority(self, block: int) -> float:
-        key = self._key_of[block]
-        uses = self._uses.get(key) if key is not None else None
-        return -(uses[0] if uses else sys.maxsize)
-
-    def advance(self, keys: list[bytes], block_of_key: dict[bytes, int]) -> None:
-        """Request i is next: its keys' use i is spent; evictable holders get their new priority."""
-        for key in keys:
-            uses = self._uses[key]
-            uses.popleft()
-            block = block_of_key.get(key)
-            if block is not None and block in self:
-                self.add(block)  # a fresh entry; the old one goes stale
 
 
 @dataclass(frozen=True)
@@ -101,7 +67,7 @@ def replay(
     wanted = [
         KVCacheManager(1, bs).block_keys(r.tokens[: (len(r.tokens) - 1) // bs * bs]) for r in w.requests
     ]
-    oracle: BeladyPolicy | DeadFirstPolicy | None = None
+    oracle: BeladyPolicy | None = None
     if policy == "belady":
         oracle = BeladyPolicy(wanted)
     elif policy == "deadfirst":
