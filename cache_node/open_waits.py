@@ -53,14 +53,22 @@ class OpenWaits:
         not; raises the open's own error if it failed. Takes the lock itself."""
         deadline = time.monotonic() + grace_s
         with self._opened:
+            # A failure already on record may be an earlier open's, with a reopen (which its
+            # error told the client to do) still on its way: it stands only if no newer
+            # open arrives within the grace. A failure recorded during the wait is raised at once.
+            earlier = self._tombstones.get(seq_id)
             while True:
                 if exists(seq_id):
                     return True
                 failed = self._tombstones.get(seq_id)
-                if failed is not None:
+                if failed is not None and failed is not earlier:
                     raise _fresh_copy(failed)
+                if failed is None:
+                    earlier = None  # a newer open arrived (and may have closed since)
                 left = deadline - time.monotonic()
                 if left <= 0:
+                    if earlier is not None:
+                        raise _fresh_copy(earlier)
                     return False
                 self._opened.wait(left)
 
