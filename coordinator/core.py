@@ -516,13 +516,16 @@ class Coordinator(DeferredCalls, Failures, Membership):
         placement = Placement(node.node_id, 0, 0, 0)
         return OpenResult(child_id, node.node_id, node.address, 0, placement)
 
-    def close(self, tenant: str, seq_id: str) -> None:
+    def close(self, tenant: str, seq_id: str, keep_prefix: int | None = None) -> None:
         """Drop the page table (one round trip, tenant-checked) and free the sequence on
         its node without waiting: after its node Open when that is still in flight, with
         retries when it fails. Closing a sequence whose node open failed raises that
         open's error (its page table is already gone). Idempotent: an id without a page
         table (closed already) succeeds; a lost one raises SequenceLost, once (its record
-        is dropped with it; reconcile.py frees whatever a crash left on a node)."""
+        is dropped with it; reconcile.py frees whatever a crash left on a node).
+        keep_prefix: the node drops the cached blocks past that many tokens (KVCacheManager.free)."""
+        if keep_prefix is not None and keep_prefix < 0:  # checked here: the node's Free runs later
+            raise InvalidArgument(f"keep_prefix must be >= 0 tokens, got {keep_prefix}")
         with self._lock:
             call = self._inflight.get(seq_id)
         try:
@@ -539,7 +542,7 @@ class Coordinator(DeferredCalls, Failures, Membership):
         node = self._nodes_for(None).get(record.extents[0].node_id)
         if node is None:  # its node died: nothing to free
             return
-        self._send_free(node, seq_id, after=call)
+        self._send_free(node, seq_id, after=call, keep_prefix=keep_prefix)
         self._account(node.node_id, -record.num_blocks)
         if record.state == "active":  # a swapped one left the device's load at swap_out
             self._release_active(node.node_id, record.num_blocks)
