@@ -61,6 +61,7 @@ import torch  # after bench/__init__.py, which sets pagedkv's process environmen
 SPEC = {"num_layers": 1, "num_kv_heads": 8, "head_dim": 128, "dtype": "float32", "block_size": 16}
 NUM_Q_HEADS = 32
 CONTEXT_LEN = 2048
+SMOKE_LEN = 128  # --smoke's sequences: the same code paths, a node set up in a second
 BATCHES = (1, 32)
 SHORT_LEN = 64  # the control rows: batch 32's request and reply sizes, an engine ~60x shorter
 IDLE_S = 0.032  # ~the batch-32 engine at L = 2048: the control with the client idle that long first
@@ -84,7 +85,7 @@ def _iters(batch: int, quick: bool) -> int:
     return max(10, n // 5) if quick else n
 
 
-def _node_process(conn: Any, quick: bool) -> None:
+def _node_process(conn: Any, quick: bool, context_len: int, with_transfers: bool) -> None:
     """Child: build the engine, fill the batch sequences, time the in-process
     engine call, then serve until the parent says stop."""
     from pagedkv.cache_node.engine import CacheEngine, EngineConfig
@@ -92,13 +93,13 @@ def _node_process(conn: Any, quick: bool) -> None:
     from pagedkv.protos.spec import ModelSpec
 
     spec = ModelSpec(**SPEC)
-    per_seq = CONTEXT_LEN // spec.block_size
-    transfer_blocks = TRANSFER_BYTES // spec.bytes_per_block + 1
+    per_seq = context_len // spec.block_size
+    transfer_blocks = TRANSFER_BYTES // spec.bytes_per_block + 1 if with_transfers else 0
     short_blocks = max(BATCHES) * (SHORT_LEN // spec.block_size)
     num_blocks = max(BATCHES) * per_seq + short_blocks + transfer_blocks + 16
     engine = CacheEngine(EngineConfig(spec, num_blocks, device="cpu"))
     g = torch.Generator().manual_seed(0)
-    for prefix, length in (("s", CONTEXT_LEN), ("short", SHORT_LEN)):
+    for prefix, length in (("s", context_len), ("short", SHORT_LEN)):
         shape = (1, length, spec.num_kv_heads, spec.head_dim)
         for i in range(max(BATCHES)):
             first = i * 10**6 + (0 if prefix == "s" else 500_000)
@@ -388,10 +389,14 @@ def main(argv: list[str] | None = None) -> None:
 
     grpc_only = ClientConfig(bulk_min_bytes=None)  # every data call over the rpcs
     t_start = time.perf_counter()
-    print(f"starting node (spec {SPEC}, {max(BATCHES)} x {CONTEXT_LEN} tokens) ...", flush=True)
+    # A smoke run only proves the code runs: short sequences and no transfer room keep the
+    # node's set-up (half a GiB of random K/V at full size) out of CI's time.
+    context_len = SMOKE_LEN if args.smoke else CONTEXT_LEN
+    print(f"starting node (spec {SPEC}, {max(BATCHES)} x {context_len} tokens) ...", flush=True)
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_node_process, args=(child, args.quick), daemon=True)
+    node_args = (child, args.quick, context_len, not args.no_transfer)
+    proc = ctx.Process(target=_node_process, args=node_args, daemon=True)
     proc.start()
     port, floor_port = parent.recv()
     address = f"127.0.0.1:{port}"
@@ -399,7 +404,7 @@ def main(argv: list[str] | None = None) -> None:
     results: dict[str, Any] = {
         "spec": SPEC,
         "num_q_heads": NUM_Q_HEADS,
-        "context_len": CONTEXT_LEN,
+        "context_len": context_len,
         "host": {"cpus": mp.cpu_count(), "machine": platform.machine(), "torch": torch.__version__},
         "latency": {},
         "transfer": {},

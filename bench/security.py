@@ -41,7 +41,16 @@ from typing import Any
 
 import torch  # after bench/__init__.py, which sets pagedkv's process environment
 
-from bench.rpc import BATCHES, CONTEXT_LEN, NUM_Q_HEADS, RESULTS, SHORT_LEN, SPEC, TRANSFER_BYTES
+from bench.rpc import (
+    BATCHES,
+    CONTEXT_LEN,
+    NUM_Q_HEADS,
+    RESULTS,
+    SHORT_LEN,
+    SMOKE_LEN,
+    SPEC,
+    TRANSFER_BYTES,
+)
 
 VARIANTS = ("off", "tickets", "tickets+tls")
 PATHS = {"shm": ("shm", "grpc"), "tcp": ("tcp", "grpc"), "grpc": ("grpc",)}
@@ -51,7 +60,7 @@ NODE_ID, EPOCH, TENANT = "bench-node", 12345, "bench"
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _node(conn: Any, certs: str) -> None:
+def _node(conn: Any, certs: str, context_len: int, transfer_bytes: int) -> None:
     """Child: the engine, its 32 sequences, three servers over it; then transfer
     resets on request until told to stop."""
     from pagedkv.cache_node.engine import CacheEngine, EngineConfig
@@ -63,11 +72,11 @@ def _node(conn: Any, certs: str) -> None:
 
     spec = ModelSpec(**SPEC)
     seqs = max(BATCHES)
-    xfer_blocks = TRANSFER_BYTES // spec.bytes_per_block + 2
-    blocks = seqs * (CONTEXT_LEN + SHORT_LEN) // spec.block_size + xfer_blocks + 16
+    xfer_blocks = transfer_bytes // spec.bytes_per_block + 2
+    blocks = seqs * (context_len + SHORT_LEN) // spec.block_size + xfer_blocks + 16
     engine = CacheEngine(EngineConfig(spec, blocks, device="cpu"))
     g = torch.Generator().manual_seed(0)
-    for prefix, length, first in (("s", CONTEXT_LEN, 0), ("c", SHORT_LEN, 500_000)):
+    for prefix, length, first in (("s", context_len, 0), ("c", SHORT_LEN, 500_000)):
         shape = (1, length, spec.num_kv_heads, spec.head_dim)
         for i in range(seqs):
             toks = list(range(i * 10**6 + first, i * 10**6 + first + length))  # distinct: no sharing
@@ -281,20 +290,20 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     divisor = 1000 if args.smoke else 5 if args.quick else 1
     repeats = 1 if args.quick or args.smoke else args.repeats
+    # A smoke run proves the code runs: short sequences and small transfers set the node up fast.
+    context_len, transfer_bytes = (SMOKE_LEN, 4 << 20) if args.smoke else (CONTEXT_LEN, TRANSFER_BYTES)
     load = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
         certs = _certs(tmp)
         ctx = mp.get_context("spawn")
         parent, child = ctx.Pipe()
-        proc = ctx.Process(target=_node, args=(child, certs), daemon=True)
+        proc = ctx.Process(target=_node, args=(child, certs, context_len, transfer_bytes), daemon=True)
         proc.start()
         try:
             ports = parent.recv()
             results = {
                 "attend": _attends(ports, certs, divisor),
-                "transfer": _transfers(
-                    parent, ports, certs, repeats, 4 << 20 if args.smoke else TRANSFER_BYTES
-                ),
+                "transfer": _transfers(parent, ports, certs, repeats, transfer_bytes),
                 "check": _check_cost(),
             }
         finally:
@@ -305,7 +314,7 @@ def main(argv: list[str] | None = None) -> None:
         "load_after": os.getloadavg(),
         "cpu": platform.processor() or platform.machine(),
         "nproc": os.cpu_count(),
-        "context_len": CONTEXT_LEN,
+        "context_len": context_len,
         "quick": args.quick,
     }
     args.out.mkdir(parents=True, exist_ok=True)

@@ -355,7 +355,7 @@ def bench_model(name: str, args: argparse.Namespace, with_decode: bool) -> dict:
                 batch8: dict[str, list[float]] = {"batched rpc": [], "per-row rpcs": [], "local": []}
                 batch_fed: set[int] = set()
                 with PerRowBackend(addr_p) as per_row, BatchedBackend(addr_p) as batched:
-                    for r in range(max(5, args.repeats // 2)):
+                    for r in range(max(1 if args.smoke else 5, args.repeats // 2)):
                         variants = [("batched rpc", batched), ("per-row rpcs", per_row)]
                         for v, (label, backend) in enumerate(variants if r % 2 == 0 else variants[::-1]):
                             # a suffix of its own: one variant's blocks must not be the other's prefix hit
@@ -388,7 +388,7 @@ def bench_model(name: str, args: argparse.Namespace, with_decode: bool) -> dict:
                 )
             for rows in (1, 8) if with_decode else ():
                 secs: dict[str, list[float]] = {"local": [], **{t: [] for t in backends}}
-                for r in range(max(3, args.repeats // 2)):
+                for r in range(max(1 if args.smoke else 3, args.repeats // 2)):
                     prompt = torch.cat([prefix.expand(rows, -1), tokens(300 + r, args.suffix, rows)], 1)
                     for t, backend in backends.items():
                         with PagedKVCache(model, backend) as cache:
@@ -477,7 +477,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--no-large", action="store_true", help="only the small model")
     ap.add_argument("--out", type=Path, default=RESULTS, help="results folder")
+    ap.add_argument(
+        "--smoke", action="store_true", help="every path once on tiny prompts, the small model only (CI)"
+    )
     args = ap.parse_args(argv)
+    if args.smoke:
+        args.repeats, args.prefix, args.suffix, args.decode, args.no_large = 1, 64, 16, 2, True
     torch.manual_seed(0)
     names = ["small"] if args.no_large else ["small", "large"]
     load_start = [round(x, 2) for x in os.getloadavg()]

@@ -26,7 +26,7 @@ Not thread-safe by itself: the engine holds one lock around every call.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any, NamedTuple
 
@@ -64,6 +64,9 @@ class BlockPool:
         )
         self.is_native = compiled is not None  # the compiled core runs this pool's loops
         self.policy.bind_keys(self._core.key_list)
+        # take() for the manager's hot path without a Python frame in between (the core's own
+        # method): the same result, or None, changing nothing, when fewer than n are available.
+        self.try_take: Callable[[int, list[bytes]], list[int] | None] = self._core.take
 
     @property
     def compiled_core(self) -> Any | None:
@@ -165,10 +168,10 @@ class BlockPool:
         are appended to `evicted_keys` (those blocks are the last
         len(evicted_keys) of the result, in eviction order), and no Evicted
         tuple is built per block."""
-        blocks = self._core.take(n, evicted_keys)
+        blocks = self.try_take(n, evicted_keys)
         if blocks is None:
             raise CapacityExceeded(f"{self.tier} pool", n, self.num_available)
-        return blocks  # type: ignore[no-any-return]
+        return blocks
 
     def allocate_one(self) -> tuple[int, Evicted | None]:
         """allocate(1) without the lists, for the decode path."""
@@ -199,7 +202,9 @@ class BlockPool:
 
     def free_tail_first(self, table: Sequence[int]) -> None:
         """free(table[::-1]) without the copy: a sequence's release."""
-        self._raise_if_bad(self._core.release(table, True))
+        bad = self._core.release(table, True)
+        if bad is not None:  # tested here, not in _raise_if_bad: one call less per release
+            self._raise_if_bad(bad)
 
     def _raise_if_bad(self, block: int | None) -> None:
         if block is not None:

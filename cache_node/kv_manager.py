@@ -250,31 +250,48 @@ class KVCacheManager:
         group = self.decoder.group
         if group is not None and seq_id in group.members:
             self.decoder.drop_group()
-        bs, device = self.block_size, self.device
+        bs = self.block_size
+        start = len(seq.tokens) + seq.num_elided_tokens - seq.num_dropped_tokens  # no group counts it now
+        need = (start + n + bs - 1) // bs - len(seq.table)
+        if not seq.simple:  # a budget, or a tail another sequence shares
+            start = self._make_room(seq, n, start, need)
+        elif need:  # the usual case: the blocks are the first change, or a refusal
+            try:
+                seq.table += self.tiers.allocate(need)
+            except CapacityExceeded:
+                raise CapacityExceeded(
+                    f"append {n} tokens to sequence {seq_id!r}", need, self.device.num_available
+                ) from None
+            seq.keys += [None] * need
+            seq.scores += [0.0] * need
+        if self.enable_prefix_caching:
+            seq.tokens += token_ids
+            end = start + n
+            first = start // bs
+            if end // bs > first and seq.chain_intact:
+                self.prefix.publish(seq, first, end // bs)
+        else:
+            seq.num_elided_tokens += n
+        seq.simple = seq.budget is None  # the last block is private now (copied or fresh if it was shared)
+        return start
+
+    def _make_room(self, seq: Sequence, n: int, start: int, need: int) -> int:
+        """reserve()'s table changes for a sequence that is not simple: drop what its budget
+        evicts, copy a shared partial last block, add `need` blocks (`need` counts the table
+        as it is). Raises (changing nothing) when the device lacks room. Returns the position
+        of the first new token (a drop moves it)."""
+        bs, device, table = self.block_size, self.device, seq.table
         # A budget makes room before the write (the new tokens are never dropped). Whole
         # blocks leave, so `need` is the same before and after the drop; the drop only adds
         # room, and happens once the append is known to fit.
         drop = drop_plan(seq, n, bs) if seq.budget is not None else []
-        table = seq.table
-        start = (
-            len(seq.tokens) + seq.num_elided_tokens - seq.num_dropped_tokens
-        )  # cache_len: no group counts it
         cow = start % bs != 0 and device.refcount_of(table[-1]) > 1
-        need = (start + n + bs - 1) // bs - len(table) + cow
-        fresh: list[int] = []
-        if need and not (drop or cow):  # the usual case: the blocks are the first change, or a refusal
-            try:
-                fresh = self.tiers.allocate(need)
-            except CapacityExceeded:
-                raise CapacityExceeded(
-                    f"append {n} tokens to sequence {seq_id!r}", need, device.num_available
-                ) from None
-        elif need:
-            room = device.num_available
-            if drop:
-                room += device.num_releasable([table[i] for i in drop])
-            if need > room:
-                raise CapacityExceeded(f"append {n} tokens to sequence {seq_id!r}", need, room)
+        need += cow
+        room = device.num_available
+        if drop:
+            room += device.num_releasable([table[i] for i in drop])
+        if need > room:
+            raise CapacityExceeded(f"append {n} tokens to sequence {seq.seq_id!r}", need, room)
         if drop:
             self._drop_blocks(seq, drop)
             self.counters.budget_dropped_blocks += len(drop)
@@ -289,18 +306,9 @@ class KVCacheManager:
             self.counters.cow_copies += 1
             need -= 1
         if need:
-            table += fresh or self.tiers.allocate(need)
+            table += self.tiers.allocate(need)
             seq.keys += [None] * need
             seq.scores += [0.0] * need
-        if self.enable_prefix_caching:
-            seq.tokens += token_ids
-        else:
-            seq.num_elided_tokens += n
-        end = start + n
-        first = start // bs
-        if end // bs > first and seq.chain_intact and self.enable_prefix_caching:
-            self.prefix.publish(seq, first, end // bs)
-        seq.simple = seq.budget is None  # the last block is private now (copied or fresh if it was shared)
         return start
 
     def append_tokens(self, seq_ids: Seq[str], token_ids: Seq[int]) -> Slots:

@@ -104,7 +104,61 @@ class KVBackend(Protocol):
         ...
 
 
-class EngineBackend:
+_Rows = tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor, "list[int] | None"]
+
+
+class _BatchedAttention:
+    """The two attend calls of KVBackend, written once over what each backend sends: `_decode`
+    (one token per sequence) and `_prefill` (the rows concatenated: counts, q, k, v, token ids),
+    each returning a result with `.out` and `.lse`."""
+
+    def _decode(
+        self,
+        seq_ids: Sequence[str],
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        token_ids: Sequence[int] | None,
+    ) -> Any:
+        raise NotImplementedError
+
+    def _prefill(self, seq_ids: Sequence[str], layer: int, rows: _Rows) -> Any:
+        raise NotImplementedError
+
+    def attend_decode(
+        self,
+        seq_ids: Sequence[str],
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        token_ids: Sequence[int] | None,
+        *,
+        with_lse: bool = False,
+    ) -> Any:
+        """KVBackend.attend_decode."""
+        res = self._decode(seq_ids, layer, q, k, v, token_ids)
+        return (res.out, res.lse) if with_lse else res.out
+
+    def attend_prefill_batch(
+        self,
+        seq_ids: Sequence[str],
+        layer: int,
+        qs: Sequence[torch.Tensor],
+        ks: Sequence[torch.Tensor],
+        vs: Sequence[torch.Tensor],
+        token_ids: Sequence[Sequence[int]] | None,
+        *,
+        with_lse: bool = False,
+    ) -> Any:
+        """KVBackend.attend_prefill_batch: one call for every row."""
+        rows = _concat_rows(qs, ks, vs, token_ids)
+        res = self._prefill(seq_ids, layer, rows)
+        return _split_rows(res.out, res.lse, rows[0], with_lse)
+
+
+class EngineBackend(_BatchedAttention):
     """KVBackend over an in-process CacheEngine (anything with its methods)."""
 
     def __init__(self, engine: Any, salt: bytes = b"") -> None:
@@ -132,7 +186,7 @@ class EngineBackend:
     def free(self, seq_id: str) -> None:
         self.engine.free(seq_id)
 
-    def attend_decode(
+    def _decode(
         self,
         seq_ids: Sequence[str],
         layer: int,
@@ -140,26 +194,11 @@ class EngineBackend:
         k: torch.Tensor,
         v: torch.Tensor,
         token_ids: Sequence[int] | None,
-        *,
-        with_lse: bool = False,
     ) -> Any:
-        res = self.engine.attend_decode(list(seq_ids), layer, q, k, v, token_ids)
-        return (res.out, res.lse) if with_lse else res.out
+        return self.engine.attend_decode(list(seq_ids), layer, q, k, v, token_ids)
 
-    def attend_prefill_batch(
-        self,
-        seq_ids: Sequence[str],
-        layer: int,
-        qs: Sequence[torch.Tensor],
-        ks: Sequence[torch.Tensor],
-        vs: Sequence[torch.Tensor],
-        token_ids: Sequence[Sequence[int]] | None,
-        *,
-        with_lse: bool = False,
-    ) -> Any:
-        counts, q, k, v, tokens = _concat_rows(qs, ks, vs, token_ids)
-        res = self.engine.attend_prefill_batch(list(seq_ids), layer, counts, q, k, v, tokens)
-        return _split_rows(res.out, res.lse, counts, with_lse)
+    def _prefill(self, seq_ids: Sequence[str], layer: int, rows: _Rows) -> Any:
+        return self.engine.attend_prefill_batch(list(seq_ids), layer, *rows)
 
     def append(self, seq_id: str, token_ids: Sequence[int], k: torch.Tensor, v: torch.Tensor) -> None:
         self.engine.append(seq_id, list(token_ids), k, v)
@@ -177,7 +216,7 @@ class EngineBackend:
         """Nothing to release: the engine belongs to the caller."""
 
 
-class GrpcBackend:
+class GrpcBackend(_BatchedAttention):
     """KVBackend over gRPC, through a CacheClient: a cluster (`coordinator=`, the coordinator
     places each row's sequence and the data calls go to its node; a decode batch spanning nodes
     is one RPC per node) or one node (`address`). `close()` gives the channels back."""
@@ -229,7 +268,7 @@ class GrpcBackend:
     def free(self, seq_id: str) -> None:
         self._seqs.pop(seq_id).close()
 
-    def attend_decode(
+    def _decode(
         self,
         seq_ids: Sequence[str],
         layer: int,
@@ -237,27 +276,11 @@ class GrpcBackend:
         k: torch.Tensor,
         v: torch.Tensor,
         token_ids: Sequence[int] | None,
-        *,
-        with_lse: bool = False,
     ) -> Any:
-        res = self.client.attend_batch([self._seqs[s] for s in seq_ids], layer, q, k, v, token_ids)
-        return (res.out, res.lse) if with_lse else res.out
+        return self.client.attend_batch([self._seqs[s] for s in seq_ids], layer, q, k, v, token_ids)
 
-    def attend_prefill_batch(
-        self,
-        seq_ids: Sequence[str],
-        layer: int,
-        qs: Sequence[torch.Tensor],
-        ks: Sequence[torch.Tensor],
-        vs: Sequence[torch.Tensor],
-        token_ids: Sequence[Sequence[int]] | None,
-        *,
-        with_lse: bool = False,
-    ) -> Any:
-        counts, q, k, v, tokens = _concat_rows(qs, ks, vs, token_ids)
-        seqs = [self._seqs[sid] for sid in seq_ids]
-        res = self.client.attend_prefill_batch(seqs, layer, counts, q, k, v, tokens)
-        return _split_rows(res.out, res.lse, counts, with_lse)
+    def _prefill(self, seq_ids: Sequence[str], layer: int, rows: _Rows) -> Any:
+        return self.client.attend_prefill_batch([self._seqs[s] for s in seq_ids], layer, *rows)
 
     def append(self, seq_id: str, token_ids: Sequence[int], k: torch.Tensor, v: torch.Tensor) -> None:
         self._seqs[seq_id].append(list(token_ids), k, v)
@@ -295,7 +318,7 @@ def _concat_rows(
     ks: Sequence[torch.Tensor],
     vs: Sequence[torch.Tensor],
     token_ids: Sequence[Sequence[int]] | None,
-) -> tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor, list[int] | None]:
+) -> _Rows:
     """Per-sequence prefill rows -> (counts, q, k, v, token ids) concatenated in order, the
     layout of one AttendPrefillBatch (no copy when the rows are adjacent views, see join_rows)."""
     counts = [q.shape[0] for q in qs]

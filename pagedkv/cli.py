@@ -19,7 +19,7 @@ import importlib
 import sys
 
 from pagedkv import __version__
-from pagedkv.process_env import apply_defaults
+from pagedkv.process_env import apply_defaults, freeze_at_exit
 from pagedkv.usage import fail
 
 # subcommand -> (module with main(argv), one-line help)
@@ -54,6 +54,7 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     # before any subcommand imports torch; inherited by the processes it starts
     apply_defaults()
+    freeze_at_exit()
     parser = argparse.ArgumentParser(
         prog="pagedkv",
         description="pagedkv: a distributed paged KV-cache service for LLM inference.",

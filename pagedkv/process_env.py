@@ -19,6 +19,8 @@ demo`), and by the benchmarks. A value already in the environment wins. Imports 
 
 from __future__ import annotations
 
+import atexit
+import gc
 import os
 import sys
 import warnings
@@ -43,6 +45,14 @@ def apply_defaults(environ: MutableMapping[str, str] | None = None) -> None:
             RuntimeWarning,
             stacklevel=2,
         )
+
+
+def freeze_at_exit() -> None:
+    """At exit, move every live object to the collector's permanent generation (gc.freeze): the
+    interpreter's last collections then skip torch's object graph, which took a node process
+    1-3 s to exit on a loaded 2-core VM (0.6-1 s frozen). Files still close and atexit hooks
+    still run (refcounts free what they hold); only cycles alive at exit are left to the OS."""
+    atexit.register(gc.freeze)
 
 
 def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:

@@ -16,6 +16,10 @@ from collections.abc import Iterator
 
 import pytest
 
+from pagedkv.process_env import freeze_at_exit
+
+freeze_at_exit()  # the test process, torch loaded, exits in a second rather than several
+
 
 def free_port() -> int:
     with socket.socket() as s:

@@ -262,9 +262,7 @@ def decode(
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """paged_decode's contract (decode.py checked the input): q [B, Hq, D], tables [B, max_blocks]
     int32, lens [B] int32 on q's device. Returns out, lse and the mass per logical block [B, max_blocks]."""
-    batch = q.shape[0]
-    block_size = k_cache.shape[2]
-    rows = torch.arange(batch, dtype=torch.int32, device=q.device)
+    rows = torch.arange(q.shape[0], dtype=torch.int32, device=q.device)
     out, lse, key_mass = attend(
         q,
         k_cache,
@@ -282,10 +280,7 @@ def decode(
     )
     if key_mass is None:
         return out, lse, None
-    num_logical = -(-max_len // block_size)
-    mass = torch.zeros(batch, tables.shape[1], dtype=torch.float32, device=q.device)
-    mass[:, :num_logical] = key_mass[:, : num_logical * block_size].view(batch, num_logical, -1).sum(-1)
-    return out, lse, mass
+    return out, lse, _per_block(key_mass, k_cache.shape[2], max_len, tables.shape[1])
 
 
 def prefill(
@@ -302,7 +297,6 @@ def prefill(
     """paged_prefill's contract as a batch of one: ids are the sequence's ceil(context_len /
     block_size) checked physical blocks; the mass is per entry of a table of table_len blocks."""
     num_queries = q.shape[0]
-    block_size = k_cache.shape[2]
     zero = torch.zeros(1, dtype=torch.int32, device=q.device)
     out, lse, key_mass = attend(
         q,
@@ -320,7 +314,13 @@ def prefill(
     )
     if key_mass is None:
         return out, lse, None
-    num_logical = ids.shape[0]
-    mass = torch.zeros(table_len, dtype=torch.float32, device=q.device)
-    mass[:num_logical] = key_mass[0, : num_logical * block_size].view(num_logical, -1).sum(-1)
-    return out, lse, mass
+    return out, lse, _per_block(key_mass, k_cache.shape[2], context_len, table_len)[0]
+
+
+def _per_block(key_mass: Tensor, block_size: int, max_ctx: int, width: int) -> Tensor:
+    """attend()'s per-key mass [B, W] summed per logical block: [B, width], zero past the
+    ceil(max_ctx / block_size) blocks the longest sequence spans."""
+    rows, num_logical = key_mass.shape[0], -(-max_ctx // block_size)
+    mass = torch.zeros(rows, width, dtype=torch.float32, device=key_mass.device)
+    mass[:, :num_logical] = key_mass[:, : num_logical * block_size].view(rows, num_logical, -1).sum(-1)
+    return mass

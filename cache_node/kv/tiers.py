@@ -27,7 +27,9 @@ class Tiers:
         """n device blocks (refcount 1, no key); what they evict goes to the host tier or out.
         Raises CapacityExceeded, changing nothing, when the device lacks room."""
         evicted_keys: list[bytes] = []
-        blocks = self.device.take(n, evicted_keys)
+        blocks = self.device.try_take(n, evicted_keys)
+        if blocks is None:
+            raise CapacityExceeded(f"{self.device.tier} pool", n, self.device.num_available)
         if evicted_keys:
             self.offload(blocks[len(blocks) - len(evicted_keys) :], evicted_keys)
         return blocks

@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from test_attention import LSE_TOL, MASS_TOL, OUT_TOL, make_scenario
+from attention_reference import LSE_TOL, MASS_TOL, OUT_TOL, make_scenario
 
 from pagedkv.cache_node import attention
 from pagedkv.cache_node.attention import (

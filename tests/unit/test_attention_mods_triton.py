@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_attention import LSE_TOL, MASS_TOL, OUT_TOL, make_scenario
+from attention_reference import LSE_TOL, MASS_TOL, OUT_TOL, make_scenario
 from test_attention_mods import HEAD_DIM, SPECS, _poison_before_window, dense, per_block
 
 from pagedkv.cache_node.attention import paged_decode, paged_prefill

@@ -99,9 +99,10 @@ def state(m: KVCacheManager) -> tuple:
 
 
 @needs_core
-@pytest.mark.parametrize("num_host_blocks", [0, 12])
 @pytest.mark.parametrize("policy", SHIPPED)
-@pytest.mark.parametrize("seed", [11, 12])
+# One random stream per host-tier size (not every seed with every size): each case already
+# covers take, evict, release, revive and the decode group over 1,500 steps.
+@pytest.mark.parametrize("seed, num_host_blocks", [(11, 0), (12, 12)])
 def test_compiled_and_python_cores_agree_step_by_step(seed: int, policy: str, num_host_blocks: int) -> None:
     c_side = Side(seed, policy, num_host_blocks, True)
     py_side = Side(seed, policy, num_host_blocks, False)

@@ -57,3 +57,19 @@ def test_the_pagedkv_command_sets_them_before_torch_and_warns_when_too_late():
     cmd = [sys.executable, "-W", "error", "-c", late]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode != 0 and "set after torch was imported" in done.stderr
+
+
+def test_freeze_at_exit_freezes_before_the_last_hooks_and_files_still_flush(tmp_path):
+    out = tmp_path / "left-open.txt"
+    code = (
+        "import atexit, gc\n"
+        "from pagedkv.process_env import freeze_at_exit\n"
+        "atexit.register(lambda: print('frozen', gc.get_freeze_count() > 0, flush=True))\n"
+        "freeze_at_exit()\n"  # registered last: runs first
+        f"f = open({str(out)!r}, 'w')\n"
+        "f.write('written, never closed')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "frozen True"
+    assert out.read_text() == "written, never closed"  # buffered data still reaches the file

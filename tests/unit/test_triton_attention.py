@@ -12,7 +12,7 @@ import math
 
 import pytest
 import torch
-from test_attention import LSE_TOL, MASS_TOL, OUT_TOL, check_decode, make_scenario, reference
+from attention_reference import LSE_TOL, MASS_TOL, OUT_TOL, check_decode, make_scenario, reference
 
 # Imported before anything else imports triton: it picks the interpreter when there is no CUDA.
 from pagedkv.cache_node import attention
