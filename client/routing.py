@@ -29,6 +29,7 @@ from .data import NodeData
 from .types import ClusterStats, MissExplanation, NodeEntry, OpenResult, Route
 
 _EMPTY = pb.Empty()
+EXPLAIN_TIMEOUT_S = 5.0  # the most a data call's NOT_FOUND waits for the coordinator's word on it
 
 
 class DirectRouting:
@@ -174,8 +175,8 @@ class CoordinatorRouting:
         seq_id = getattr(exc, "seq_id", None)
         if not isinstance(exc, SequenceNotFound) or not isinstance(seq_id, str) or not seq_id:
             return exc
-        try:
-            self.describe(seq_id)
+        try:  # (bounded: a coordinator that cannot say soon leaves the node's answer as it was)
+            self.describe(seq_id, min(self._t(None), EXPLAIN_TIMEOUT_S))
         except SequenceLost as lost:
             return lost
         except PagedKVError:

@@ -315,7 +315,9 @@ class Sequence:
         """Free the sequence (and, in a cluster, its page table). Idempotent on this handle.
         In a cluster the node frees it in the background; a sequence whose open failed
         on its node (OpenFailed) has nothing to close: that error, or NotFound, is raised;
-        a lost one raises SequenceLost (its page table is dropped: the handle is closed)."""
+        a lost one raises SequenceLost (its page table is dropped: the handle is closed).
+        Unavailable (e.g. its node missed its lease and has no verdict yet) leaves the
+        handle open: close again to get the answer."""
         if not self.is_closed:
             try:
                 self.client.routing.close(self.seq_id, timeout_s)
