@@ -41,7 +41,8 @@ from pagedkv.cache_node.eviction import EvictionPolicy
 from pagedkv.cache_node.kv_manager import KVCacheManager
 
 ROOT = Path(__file__).resolve().parents[1]
-POLICIES = ["lru", "lfu", "slru", *CANDIDATES]
+HINTED = "+end"  # a policy name with this suffix: closes carry the end-of-conversation hint
+POLICIES = ["lru", "lfu", "slru", *CANDIDATES, "lru+end"]
 ORACLES = ["belady", "deadfirst"]
 CHAT_ISSUE = ChatShape(active=40, turns=(5, 18), document_every=0)
 
@@ -53,6 +54,17 @@ class Workload:
     block_size: int
     concurrency: int
     pools: list[int]
+    keep: int  # tokens of a request worth caching once its conversation ended (the system prompt)
+
+    def end_hints(self) -> list[int | None]:
+        """What a worker closes each request with: keep_prefix=`keep` on the last request of its
+        conversation (a one-shot prompt is its own last), None (keep everything) otherwise. The
+        worker knows this (it ends the session), unlike the cache; SGLang closes sessions for it."""
+        last: dict[int | None, int] = {}
+        for i, r in enumerate(self.requests):
+            last[r.conversation if r.conversation is not None else -1 - i] = i
+        ends = set(last.values())
+        return [self.keep if i in ends else None for i in range(len(self.requests))]
 
 
 def replay(
@@ -62,8 +74,12 @@ def replay(
     num_host_blocks: int = 0,
 ) -> float:
     """The workload through one manager of `num_blocks` (and a host tier of `num_host_blocks`);
-    returns the prefix hit rate (device and host hits)."""
+    returns the prefix hit rate (device and host hits). `<policy>+end`: that policy, each request
+    closed with the worker's end-of-conversation hint (Workload.end_hints)."""
     bs = w.block_size
+    hints: list[int | None] = [None] * len(w.requests)
+    if isinstance(policy, str) and policy.endswith(HINTED):
+        policy, hints = policy.removesuffix(HINTED), w.end_hints()
     wanted = [
         KVCacheManager(1, bs).block_keys(r.tokens[: (len(r.tokens) - 1) // bs * bs]) for r in w.requests
     ]
@@ -77,20 +93,21 @@ def replay(
     chosen = policy if oracle is None else oracle
     mgr = KVCacheManager(num_blocks, bs, policy=chosen, num_host_blocks=num_host_blocks)  # type: ignore[arg-type]
     device = mgr.device
-    running: deque[str] = deque()
+    running: deque[int] = deque()
     hit = total = 0
     for i, r in enumerate(w.requests):
         need = -(-len(r.tokens) // bs)
         if need > num_blocks:
             raise ValueError(f"{w.name}: request {i} needs {need} blocks, the pool has {num_blocks}")
         while running and (len(running) >= w.concurrency or device.num_available < need):
-            mgr.free(running.popleft())
+            done = running.popleft()
+            mgr.free(str(done), hints[done])
         if oracle is not None:
             oracle.advance(wanted[i], device.block_of_key)
         rid = str(i)
         cached = mgr.open(rid, r.tokens).num_cached_tokens
         mgr.reserve(rid, r.tokens[cached:])
-        running.append(rid)
+        running.append(i)
         hit += cached
         total += len(r.tokens)
     return hit / total
@@ -103,6 +120,7 @@ def workloads(names: list[str], quick: bool) -> list[Workload]:
             limit = 1000 if name.startswith("trace1000") else None
             reqs = trace_requests((150 if limit else 300) if quick else limit)
             bs, conc = (16 if name.endswith("16") else TRACE_BLOCK_TOKENS), 32
+            keep = 0  # no system prompt a worker would know of
         elif name.startswith("chat"):
             shape = {
                 "chat": ChatShape(active=64, document_every=4, document_tokens=(1024, 4096)),
@@ -113,7 +131,7 @@ def workloads(names: list[str], quick: bool) -> list[Workload]:
             if quick:
                 shape = ChatShape(**{**shape.__dict__, "num_conversations": 40})
             reqs = chat_requests(shape)
-            bs, conc = 16, 8
+            bs, conc, keep = 16, 8, shape.system_tokens
         else:
             raise SystemExit(f"unknown workload {name!r}")
         distinct = len({k for r in reqs for k in KVCacheManager(1, bs).block_keys(r.tokens)})
@@ -124,7 +142,7 @@ def workloads(names: list[str], quick: bool) -> list[Workload]:
         else:
             pools = [1024, 2048, 4096] if quick else [2048, 4096, 8192]
         longest = max(-(-len(r.tokens) // bs) for r in reqs)
-        out.append(Workload(name, reqs, bs, conc, [max(p, longest) for p in pools]))
+        out.append(Workload(name, reqs, bs, conc, [max(p, longest) for p in pools], keep))
     return out
 
 

@@ -493,9 +493,11 @@ class CacheEngine:
             self.specs.fork(parent_id, child_id)
 
     @_computes
-    def free(self, seq_id: str) -> None:
+    def free(self, seq_id: str, keep_prefix: int | None = None) -> None:
+        """Release the sequence (KVCacheManager.free: keep_prefix drops its cached blocks past
+        that many tokens)."""
         with self._lock:
-            self.manager.free(seq_id_of(seq_id))
+            self.manager.free(seq_id_of(seq_id), keep_prefix)
             self._layered.drop(seq_id)  # its unfinished blocks went back unkeyed
             self.specs.forget(seq_id)
 

@@ -347,9 +347,16 @@ class KVCacheManager:
             parent.num_elided_tokens,
         )
 
-    def free(self, seq_id: str) -> None:
+    def free(self, seq_id: str, keep_prefix: int | None = None) -> None:
         """Release the sequence. Its keyed blocks stay cached; tail blocks go
-        first into the eviction order so the shared prefix outlives them."""
+        first into the eviction order so the shared prefix outlives them.
+
+        `keep_prefix=k`: the caller knows that nothing past the first k tokens will be asked
+        for again (its conversation ended, the prompt was one-shot), so those blocks leave the
+        cache now instead of pushing out blocks that will be (the hint LRU cannot infer; see
+        bench/README "Eviction policies"). Blocks another sequence holds or a pin keeps stay."""
+        if keep_prefix is not None and keep_prefix < 0:
+            raise InvalidArgument(f"keep_prefix must be >= 0 tokens, got {keep_prefix}")
         seq = self.seqs.pop(seq_id, None)
         if seq is None:
             raise SequenceNotFound(seq_id)
@@ -360,6 +367,34 @@ class KVCacheManager:
             self.host.free_tail_first(seq.host_table)
         else:
             self.device.free_tail_first(seq.table)
+        if keep_prefix is not None:
+            # keys[j] covers tokens at or after j * block_size (a budget drop only shifts blocks
+            # down), so this never drops a block inside the kept prefix.
+            self._drop_unheld(seq.keys[keep_prefix // self.block_size :])
+
+    def _drop_unheld(self, keys: Seq[bytes | None]) -> None:
+        """Free now the blocks caching these keys on either tier that nobody holds or pins (a
+        swapped sequence's device copies too); REMOVED events for the keys no tier keeps."""
+        gone: list[bytes] = []
+        for key in keys:
+            if key is None:
+                continue
+            held = dropped = False
+            for pool in (self.device, self.host):
+                b = pool.lookup(key)
+                if b is None:
+                    continue
+                if pool.refcount_of(b) == 0 and pool.pin_count(b) == 0:
+                    pool.drop(b)
+                    dropped = True
+                else:
+                    held = True
+            if dropped:
+                self.counters.dropped_on_close += 1
+                if not held:
+                    gone.append(key)
+        if gone:
+            self.prefix.removed(gone)
 
     def swap_out(self, seq_id: str) -> int:
         """Move the whole sequence to host blocks and free its device blocks.

@@ -120,9 +120,9 @@ class AsyncSequence:
     async def set_budget(self, max_tokens: int | None, *args: Any, **kw: Any) -> None:
         await self.client._run(self.sync.set_budget, max_tokens, *args, **kw)
 
-    async def close(self, *, timeout_s: float | None = None) -> None:
+    async def close(self, *, keep_prefix: int | None = None, timeout_s: float | None = None) -> None:
         """See Sequence.close."""
-        await self.client._run(self.sync.close, timeout_s=timeout_s)
+        await self.client._run(self.sync.close, keep_prefix=keep_prefix, timeout_s=timeout_s)
 
     async def __aenter__(self) -> AsyncSequence:
         return self

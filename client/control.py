@@ -50,8 +50,8 @@ class NodeControl:
     def fork(self, parent_id: str, child_id: str, timeout_s: float | None = None) -> None:
         self._call(self.stub.Fork, pb.ForkRequest(parent_id=parent_id, child_id=child_id), timeout_s)
 
-    def free(self, seq_id: str, timeout_s: float | None = None) -> None:
-        self._call(self.stub.Free, pb.SeqRequest(seq_id=seq_id), timeout_s)
+    def free(self, seq_id: str, timeout_s: float | None = None, keep_prefix: int | None = None) -> None:
+        self._call(self.stub.Free, pb.SeqRequest(seq_id=seq_id, keep_prefix=keep_prefix), timeout_s)
 
     def swap_out(self, seq_id: str, timeout_s: float | None = None) -> int:
         return self._call(self.stub.SwapOut, pb.SeqRequest(seq_id=seq_id), timeout_s).num_blocks

@@ -56,8 +56,8 @@ class DirectRouting:
         self.node.fork(parent_id, child_id, timeout_s)
         return self.route
 
-    def close(self, seq_id: str, timeout_s: float | None = None) -> None:
-        self.node.free(seq_id, timeout_s)
+    def close(self, seq_id: str, timeout_s: float | None = None, keep_prefix: int | None = None) -> None:
+        self.node.free(seq_id, timeout_s, keep_prefix)
 
     def swap_out(self, seq_id: str, timeout_s: float | None = None) -> int:
         return self.node.swap_out(seq_id, timeout_s)
@@ -188,8 +188,8 @@ class CoordinatorRouting:
             self._call("Fork", pb.CoordForkRequest(parent_id=parent_id, child_id=child_id), timeout_s)
         )
 
-    def close(self, seq_id: str, timeout_s: float | None = None) -> None:
-        self._call("Close", pb.CoordSeqRequest(seq_id=seq_id), timeout_s)
+    def close(self, seq_id: str, timeout_s: float | None = None, keep_prefix: int | None = None) -> None:
+        self._call("Close", pb.CoordSeqRequest(seq_id=seq_id, keep_prefix=keep_prefix), timeout_s)
 
     def swap_out(self, seq_id: str, timeout_s: float | None = None) -> int:
         return self._call("SwapOut", pb.CoordSeqRequest(seq_id=seq_id), timeout_s).num_blocks

@@ -311,16 +311,23 @@ class Sequence:
     ) -> None:
         self.node.control.set_budget(self.seq_id, max_tokens, sink_blocks, recent_blocks, timeout_s)
 
-    def close(self, *, timeout_s: float | None = None) -> None:
+    def close(self, *, keep_prefix: int | None = None, timeout_s: float | None = None) -> None:
         """Free the sequence (and, in a cluster, its page table). Idempotent on this handle.
         In a cluster the node frees it in the background; a sequence whose open failed
         on its node (OpenFailed) has nothing to close: that error, or NotFound, is raised;
         a lost one raises SequenceLost (its page table is dropped: the handle is closed).
         Unavailable (e.g. its node missed its lease and has no verdict yet) leaves the
-        handle open: close again to get the answer."""
+        handle open: close again to get the answer.
+
+        `keep_prefix=k` when nothing past the first k tokens will be asked for again (the
+        conversation ended; k = the system prompt's length): the node drops those cached
+        blocks now, so they do not push out blocks that other requests will reuse. Default:
+        everything stays cached until evicted. A negative k raises InvalidArgument."""
+        if keep_prefix is not None and keep_prefix < 0:
+            raise InvalidArgument(f"keep_prefix must be >= 0 tokens, got {keep_prefix}")
         if not self.is_closed:
             try:
-                self.client.routing.close(self.seq_id, timeout_s)
+                self.client.routing.close(self.seq_id, timeout_s, keep_prefix)
             except (OpenFailed, NotFound, SequenceLost):
                 self.is_closed = True
                 self.node.wallet.forget(self.seq_id)

@@ -524,7 +524,7 @@ class Coordinator(DeferredCalls, Failures, Membership):
         placement = Placement(node.node_id, 0, 0, 0)
         return OpenResult(child_id, node.node_id, node.address, 0, placement)
 
-    def close(self, tenant: str, seq_id: str) -> None:
+    def close(self, tenant: str, seq_id: str, keep_prefix: int | None = None) -> None:
         """Drop the page table (one round trip, tenant-checked) and free the sequence on
         its node without waiting: after its node Open when that is still in flight, with
         retries when it fails. Closing a sequence whose node open failed raises that
@@ -536,7 +536,11 @@ class Coordinator(DeferredCalls, Failures, Membership):
         close changes nothing and raises Unavailable: answering OK would hide a loss that
         the verdict may still declare. Retried, it gets the verdict: OK and the Free when
         the node beat again, SequenceLost once it was declared dead. Nothing leaks either
-        way: the record stays until then, and a lost one expires (lost_ttl_s)."""
+        way: the record stays until then, and a lost one expires (lost_ttl_s).
+
+        keep_prefix: the node drops the cached blocks past that many tokens (KVCacheManager.free)."""
+        if keep_prefix is not None and keep_prefix < 0:  # checked here: the node's Free runs later
+            raise InvalidArgument(f"keep_prefix must be >= 0 tokens, got {keep_prefix}")
         with self._lock:
             call = self._inflight.get(seq_id)
         try:
@@ -557,7 +561,7 @@ class Coordinator(DeferredCalls, Failures, Membership):
         node = self._nodes_for(None).get(node_id) or self.live_node(node_id)
         if node is None:  # it lapsed since the delete: reconcile.py frees the orphan if it comes back
             return
-        self._send_free(node, seq_id, after=call)
+        self._send_free(node, seq_id, after=call, keep_prefix=keep_prefix)
         self._account(node.node_id, -record.num_blocks)
         if record.state == "active":  # a swapped one left the device's load at swap_out
             self._release_active(node.node_id, record.num_blocks)

@@ -162,47 +162,49 @@ class DeferredCalls:
                 except TimeoutError:
                     continue
 
-    def _send_free(self, node: NodeInfo, seq_id: str, after: NodeCall | None = None) -> None:
+    def _send_free(
+        self, node: NodeInfo, seq_id: str, after: NodeCall | None = None, keep_prefix: int | None = None
+    ) -> None:
         """Free `seq_id` on the node without waiting; with `after` (its node Open still in
         flight), once that Open has succeeded (a failed one left nothing to free). A
         failure other than NOT_FOUND is retried (free_retries, backoff) so blocks never
         leak on a transient error. The Free is in `_inflight` from this call on, before
         it is sent, so a reopen of the same id waits for it and never overtakes it."""
         call = NodeCall(seq_id)
+        request = pb.SeqRequest(seq_id=seq_id, keep_prefix=keep_prefix)
         with self._lock:
             self._inflight[seq_id] = call
         if after is None:
-            self._free_attempt(node, call, 0)
+            self._free_attempt(node, call, request, 0)
             return
 
         def send_when_opened(error: PagedKVError | None) -> None:
             if error is None:
-                self._free_attempt(node, call, 0)
+                self._free_attempt(node, call, request, 0)
             else:
                 call.finish(None)
                 self._settled(call)
 
         after.then(send_when_opened)
 
-    def _free_attempt(self, node: NodeInfo, call: NodeCall, attempt: int) -> None:
+    def _free_attempt(self, node: NodeInfo, call: NodeCall, request: pb.SeqRequest, attempt: int) -> None:
         def done(reply: Any, error: PagedKVError | None) -> None:  # on a NodeCalls sender thread
             if error is not None and not isinstance(error, NotFound):  # NotFound: already gone
                 if attempt < self.config.free_retries and not self._stop.is_set():
-                    self._background.submit(self._retry_free, node, call, attempt + 1)
+                    self._background.submit(self._retry_free, node, call, request, attempt + 1)
                     return
                 self.counters["free_failures"] += 1
                 log.warning("Free %s failed %d times: %s", call.seq_id, attempt + 1, error)
             call.finish(None)
             self._settled(call)
 
-        request = pb.SeqRequest(seq_id=call.seq_id)
         where = f"node {node.node_id} ({node.address})"
         meta = self.config.access.node_metadata(node)
         self._node_calls.send(node.address, "Free", request, where, done, metadata=meta)
 
-    def _retry_free(self, node: NodeInfo, call: NodeCall, attempt: int) -> None:
+    def _retry_free(self, node: NodeInfo, call: NodeCall, request: pb.SeqRequest, attempt: int) -> None:
         if not self._stop.wait(0.1 * 2**attempt):
-            self._free_attempt(node, call, attempt)
+            self._free_attempt(node, call, request, attempt)
             return
         call.finish(None)
         self._settled(call)

@@ -215,7 +215,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
     def Close(self, request: pb.CoordSeqRequest, context: grpc.ServicerContext) -> Any:
         def run() -> pb.Empty:
-            self.coordinator.close(*self._caller(context, request.seq_id))
+            keep = request.keep_prefix if request.HasField("keep_prefix") else None
+            self.coordinator.close(*self._caller(context, request.seq_id), keep_prefix=keep)
             return pb.Empty()
 
         with self.coordinator.node_calls.held():

@@ -184,10 +184,12 @@ class ForkRequest(_message.Message):
     def __init__(self, parent_id: _Optional[str] = ..., child_id: _Optional[str] = ..., max_blocks: _Optional[int] = ...) -> None: ...
 
 class SeqRequest(_message.Message):
-    __slots__ = ("seq_id",)
+    __slots__ = ("seq_id", "keep_prefix")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    KEEP_PREFIX_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
-    def __init__(self, seq_id: _Optional[str] = ...) -> None: ...
+    keep_prefix: int
+    def __init__(self, seq_id: _Optional[str] = ..., keep_prefix: _Optional[int] = ...) -> None: ...
 
 class SwapResponse(_message.Message):
     __slots__ = ("num_blocks",)
@@ -441,10 +443,12 @@ class CoordLookupResponse(_message.Message):
     def __init__(self, num_cached_tokens: _Optional[int] = ..., node_id: _Optional[str] = ...) -> None: ...
 
 class CoordSeqRequest(_message.Message):
-    __slots__ = ("seq_id",)
+    __slots__ = ("seq_id", "keep_prefix")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    KEEP_PREFIX_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
-    def __init__(self, seq_id: _Optional[str] = ...) -> None: ...
+    keep_prefix: int
+    def __init__(self, seq_id: _Optional[str] = ..., keep_prefix: _Optional[int] = ...) -> None: ...
 
 class CoordForkRequest(_message.Message):
     __slots__ = ("parent_id", "child_id")

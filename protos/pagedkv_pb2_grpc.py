@@ -229,7 +229,8 @@ class CacheNodeServicer:
 
     def Free(self, request, context):
         """Release a sequence (device or swapped). Keyed blocks stay cached until
-        evicted. Codes: OK, NOT_FOUND.
+        evicted, except past keep_prefix when it is set. Codes: OK, NOT_FOUND,
+        INVALID_ARGUMENT (negative keep_prefix; nothing freed).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -1048,7 +1049,8 @@ class CoordinatorServicer:
         """Free a sequence on its node(s) and drop its page table. Idempotent: closing an id
         with no page table succeeds (a retried close). A lost sequence answers
         FAILED_PRECONDITION (SequenceLost, naming its node) once, its record dropped.
-        Codes: OK, FAILED_PRECONDITION, UNAVAILABLE, PERMISSION_DENIED.
+        keep_prefix: see SeqRequest. Codes: OK, INVALID_ARGUMENT, FAILED_PRECONDITION,
+        UNAVAILABLE, PERMISSION_DENIED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

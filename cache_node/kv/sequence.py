@@ -84,6 +84,7 @@ class Counters:
     cow_copies: int = 0
     budget_dropped_blocks: int = 0
     window_released_blocks: int = 0
+    dropped_on_close: int = 0  # cached blocks a close's keep_prefix hint freed at once
 
 
 @dataclass(eq=False, slots=True)
