@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from ..protos import pagedkv_pb2_grpc as pb_grpc
+from ..protos.errors import PagedKVError
 from . import codec, shm
 from .config import ClientConfig
 from .transport import calls
@@ -48,10 +49,14 @@ class NodeData:
         where: str = "",
         address: str = "",
         wallet: Wallet | None = None,
+        explain: Callable[[PagedKVError], PagedKVError] | None = None,
     ) -> None:
+        """explain: asked about every error the node answered, the worker's ids in it (a
+        cluster's: whether a sequence the node does not know was lost, routing.py)."""
         self.config = config
         self.where = where  # names the node in error messages
         self.wallet = wallet or Wallet()
+        self._explain = explain
         self.grpc = GrpcTransport(stub, config, where, self.wallet)
         names = [n for n in config.data_transports() if n != "grpc"] if address else []
         if not shm.is_supported():
@@ -62,7 +67,12 @@ class NodeData:
             else None
         )
         chosen: list[Transport] = [SOCKET_TRANSPORTS[n](self.bulk) for n in names]  # type: ignore[arg-type]
-        self.transports = Fallback([*chosen, self.grpc], self.wallet.worker_error)
+        self.transports = Fallback([*chosen, self.grpc], self._error)
+
+    def _error(self, exc: PagedKVError) -> PagedKVError:
+        """A node's answer as the worker should see it: its ids, then what the explainer adds."""
+        exc = self.wallet.worker_error(exc)
+        return exc if self._explain is None else self._explain(exc)
 
     def _learn_port(self, timeout_s: float) -> tuple[int, int]:
         return codec.bulk_info(self.grpc.stats(timeout_s))
@@ -141,7 +151,10 @@ class NodeData:
     ) -> AttentionResult:
         node_id = self.wallet.node_id(seq_id)
         call = calls.PrefillCall(node_id, layer, q, k, v, codec.token_list(token_ids), return_block_mass)
-        return self.grpc.attend_prefill(call, self._t(timeout_s))
+        try:
+            return self.grpc.attend_prefill(call, self._t(timeout_s))
+        except PagedKVError as exc:  # (gRPC alone carries it: the Fallback's rewrite, here)
+            raise self._error(exc) from exc.__cause__
 
     def attend_prefill_batch(
         self,

@@ -20,6 +20,7 @@ from typing import Any
 
 from ..protos import pagedkv_pb2 as pb
 from ..protos import pagedkv_pb2_grpc as pb_grpc
+from ..protos.errors import PagedKVError, SequenceLost, SequenceNotFound
 from ..protos.spec import ModelSpec
 from . import codec
 from .config import ClientConfig
@@ -28,6 +29,7 @@ from .data import NodeData
 from .types import ClusterStats, MissExplanation, NodeEntry, OpenResult, Route
 
 _EMPTY = pb.Empty()
+EXPLAIN_TIMEOUT_S = 5.0  # the most a data call's NOT_FOUND waits for the coordinator's word on it
 
 
 class DirectRouting:
@@ -162,6 +164,24 @@ class CoordinatorRouting:
 
     def describe(self, seq_id: str, timeout_s: float | None = None) -> Route:
         return _route(self._call("Describe", pb.CoordSeqRequest(seq_id=seq_id), timeout_s))
+
+    def explain(self, exc: PagedKVError) -> PagedKVError:
+        """What a data call's error means for the worker: a node that answers NOT_FOUND for a
+        sequence may have lost it (it restarted, or came back empty after it was declared
+        dead, and holds no ticket that would tell it), so the coordinator is asked what
+        became of it, on this error path only: its SequenceLost (naming the node) when the
+        page table says so, else `exc` as it was (an id nobody opened, one closed already, or
+        a coordinator that cannot be reached to say)."""
+        seq_id = getattr(exc, "seq_id", None)
+        if not isinstance(exc, SequenceNotFound) or not isinstance(seq_id, str) or not seq_id:
+            return exc
+        try:  # (bounded: a coordinator that cannot say soon leaves the node's answer as it was)
+            self.describe(seq_id, min(self._t(None), EXPLAIN_TIMEOUT_S))
+        except SequenceLost as lost:
+            return lost
+        except PagedKVError:
+            return exc
+        return exc
 
     def fork(self, parent_id: str, child_id: str, timeout_s: float | None = None) -> Route:
         return _route(

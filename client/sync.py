@@ -24,6 +24,7 @@ lives on (NodeData), never through the coordinator.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import Any
@@ -32,7 +33,7 @@ import torch
 
 from ..protos import pagedkv_pb2_grpc as pb_grpc
 from ..protos.attention import LayerAttention, check_layers, to_messages
-from ..protos.errors import InvalidArgument, NotFound, OpenFailed, SequenceLost
+from ..protos.errors import InvalidArgument, NotFound, OpenFailed, PagedKVError, SequenceLost
 from ..protos.spec import ModelSpec
 from . import channels, codec
 from .config import ClientConfig
@@ -47,12 +48,21 @@ class NodeHandle:
     """Control and data calls to one node, over a shared channel, with the credentials
     held for it (the coordinator's tickets, or a standalone node's token)."""
 
-    def __init__(self, address: str, config: ClientConfig, token: str = "") -> None:
+    def __init__(
+        self,
+        address: str,
+        config: ClientConfig,
+        token: str = "",
+        explain: Callable[[PagedKVError], PagedKVError] | None = None,
+    ) -> None:
+        """explain: what the routing adds to a data call's error (NodeData)."""
         self.address = address
         stub = pb_grpc.CacheNodeStub(channels.acquire(address, config))
         self.wallet = Wallet(token)
         self.control = NodeControl(stub, config, self.wallet)
-        self.data = NodeData(stub, config, where=f"node {address}", address=address, wallet=self.wallet)
+        self.data = NodeData(
+            stub, config, where=f"node {address}", address=address, wallet=self.wallet, explain=explain
+        )
 
     def hold(self, seq_id: str, route: Route) -> None:
         """Keep what the coordinator answered for seq_id: its id and ticket on this node."""
@@ -306,6 +316,8 @@ class Sequence:
         In a cluster the node frees it in the background; a sequence whose open failed
         on its node (OpenFailed) has nothing to close: that error, or NotFound, is raised;
         a lost one raises SequenceLost (its page table is dropped: the handle is closed).
+        Unavailable (e.g. its node missed its lease and has no verdict yet) leaves the
+        handle open: close again to get the answer.
 
         `keep_prefix=k` when nothing past the first k tokens will be asked for again (the
         conversation ended; k = the system prompt's length): the node drops those cached
@@ -359,9 +371,13 @@ class CacheClient:
         self.address = address or coordinator or ""
         self.routing: DirectRouting | CoordinatorRouting
         self._token = ""  # a standalone node's bearer token (direct mode)
+        # In a cluster a data call's NOT_FOUND asks the coordinator whether the sequence was
+        # lost (a node without tickets cannot know it: routing.py); a lone node has no one to ask.
+        self._explain: Callable[[PagedKVError], PagedKVError] | None = None
         if coordinator is not None:
             channel = channels.acquire(coordinator, self.config)
             self.routing = CoordinatorRouting(pb_grpc.CoordinatorStub(channel), self.config, token, spec)
+            self._explain = self.routing.explain
         else:
             self._token = token or ""
             node = self.node(self.address)
@@ -395,7 +411,7 @@ class CacheClient:
         """The (cached) handle for data calls to the node at `address`."""
         handle = self._nodes.get(address)
         if handle is None:
-            handle = self._nodes[address] = NodeHandle(address, self.config, self._token)
+            handle = self._nodes[address] = NodeHandle(address, self.config, self._token, self._explain)
         return handle
 
     def open(

@@ -37,15 +37,16 @@ outage), heartbeats carrying a node's held sequence ids go through reconcile.py
 (orphans freed, ghosts marked lost), and lost records expire (lost_ttl_s).
 
 Idempotency: close of an id without a page table succeeds (a retried close); close of a
-lost sequence raises SequenceLost once and drops its record; an open retried with the
-same request id (same seq id) gets the first answer back (the page table's placement).
+lost sequence raises SequenceLost once and drops its record; close of a sequence whose
+node is a suspect raises Unavailable and changes nothing (a retry gets the verdict); an
+open retried with the same request id (same seq id) gets the first answer back (the page
+table's placement).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-import time
 import uuid
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -60,6 +61,7 @@ from ..protos import pagedkv_pb2_grpc as pb_grpc
 from ..protos.attention import from_messages
 from ..protos.errors import (
     InvalidArgument,
+    NodeNotLive,
     PagedKVError,
     PermissionDenied,
     SequenceExists,
@@ -148,7 +150,6 @@ class Coordinator(DeferredCalls, Failures, Membership):
         self._stop = threading.Event()
         self._reaper: threading.Thread | None = None
         self._holder = uuid.uuid4().hex
-        self._started_at = time.monotonic()  # start of the grace in which a lapsed lease is not a death
         self._inflight: dict[str, NodeCall] = {}  # seq id -> its node Open not yet settled
         # Cleanups after failed node opens and Free retries: Redis and sleeps, never
         # on gRPC's callback thread.
@@ -183,7 +184,6 @@ class Coordinator(DeferredCalls, Failures, Membership):
 
     def start(self, interval_s: float | None = None) -> Coordinator:
         interval = interval_s if interval_s is not None else self.config.lease_ttl_s / 4
-        self._started_at = time.monotonic()
         self._reaper = threading.Thread(target=self._reap_loop, args=(interval,), name="reaper", daemon=True)
         self._reaper.start()
         return self
@@ -282,20 +282,28 @@ class Coordinator(DeferredCalls, Failures, Membership):
         return record
 
     def _live_node_of(self, record: SequenceRecord) -> NodeInfo:
+        """The live node of a sequence; SequenceLost when its record is lost, Unavailable
+        while its node is a suspect (see `_suspect`)."""
         node_id = record.extents[0].node_id
         if record.state == "lost":
             raise SequenceLost(record.seq_id, record.lost_reason or f"node {node_id} died", node_id)
-        node = self._nodes_for(None).get(node_id)
+        # (the cache lags a registration taken by another replica: the store says, O(1))
+        node = self._nodes_for(None).get(node_id) or self.live_node(node_id)
         if node is None:
-            if time.monotonic() - self._started_at < self.config.lease_ttl_s:
-                # The reaper's grace: a lease that lapsed while no coordinator ran is
-                # not a death; the node has one lease to beat again.
-                raise Unavailable(
-                    f"sequence {record.seq_id}: node {node_id} has not renewed its lease since the "
-                    "coordinator started; retry"
-                )
-            raise SequenceLost(record.seq_id, f"node {node_id} is not live", node_id)
+            raise self._suspect(record.seq_id, node_id)
         return node
+
+    def _suspect(self, seq_id: str, node_id: str) -> Unavailable:
+        """A sequence whose record is not lost on a node whose lease lapsed: the node is a
+        suspect, not a corpse (a stall, an outage, or a lapse while no coordinator ran), so
+        the answer is Unavailable, nothing changed: a retry gets the verdict, the sequence
+        back when the node beats again, SequenceLost once it is declared dead."""
+        bound = self.config.liveness().detection_bound_s
+        return Unavailable(
+            f"sequence {seq_id!r}: node {node_id} missed its lease (a suspect, not declared dead): "
+            f"retry; it is kept if the node beats again, lost if it is declared dead (within "
+            f"{bound:.1f} s of its last beat)"
+        )
 
     def _opens_of(self, node_id: str) -> float:
         return self._recent_opens.get(node_id, 0.0) / self._open_growth
@@ -523,24 +531,35 @@ class Coordinator(DeferredCalls, Failures, Membership):
         open's error (its page table is already gone). Idempotent: an id without a page
         table (closed already) succeeds; a lost one raises SequenceLost, once (its record
         is dropped with it; reconcile.py frees whatever a crash left on a node).
+
+        While the sequence's node is a suspect (its lease lapsed, not declared dead) the
+        close changes nothing and raises Unavailable: answering OK would hide a loss that
+        the verdict may still declare. Retried, it gets the verdict: OK and the Free when
+        the node beat again, SequenceLost once it was declared dead. Nothing leaks either
+        way: the record stays until then, and a lost one expires (lost_ttl_s).
+
         keep_prefix: the node drops the cached blocks past that many tokens (KVCacheManager.free)."""
         if keep_prefix is not None and keep_prefix < 0:  # checked here: the node's Free runs later
             raise InvalidArgument(f"keep_prefix must be >= 0 tokens, got {keep_prefix}")
         with self._lock:
             call = self._inflight.get(seq_id)
         try:
-            record = self.store.delete_sequence(seq_id, tenant=tenant)
+            # A suspect node keeps the record (NodeNotLive): the close answers its verdict.
+            record = self.store.delete_sequence(seq_id, tenant=tenant, require_live=True)
         except SequenceNotFound:
             if call is not None and call.is_finished and call.error is not None:
                 raise call.error from None
             return
+        except NodeNotLive as exc:
+            raise self._suspect(seq_id, exc.node_id) from None
         if record.state == "lost":  # its quota was released when it was lost
             node_id = record.extents[0].node_id
             raise SequenceLost(seq_id, record.lost_reason or f"node {node_id} died", node_id)
         if tenant in self.config.quotas:
             self.store.release_blocks(tenant, record.num_blocks)
-        node = self._nodes_for(None).get(record.extents[0].node_id)
-        if node is None:  # its node died: nothing to free
+        node_id = record.extents[0].node_id
+        node = self._nodes_for(None).get(node_id) or self.live_node(node_id)
+        if node is None:  # it lapsed since the delete: reconcile.py frees the orphan if it comes back
             return
         self._send_free(node, seq_id, after=call, keep_prefix=keep_prefix)
         self._account(node.node_id, -record.num_blocks)

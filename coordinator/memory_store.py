@@ -373,7 +373,9 @@ class MemoryStore(Store):
                 if not seqs:
                     del self._node_seqs[node_id]
 
-    def delete_sequence(self, seq_id: str, *, tenant: str | None = None) -> SequenceRecord:
+    def delete_sequence(
+        self, seq_id: str, *, tenant: str | None = None, require_live: bool = False
+    ) -> SequenceRecord:
         check_name("seq_id", seq_id)
         if tenant is not None:
             check_name("tenant", tenant)
@@ -384,8 +386,27 @@ class MemoryStore(Store):
                 raise SequenceNotFound(seq_id)
             if tenant is not None and record.tenant != tenant:
                 raise PermissionDenied(f"sequence {seq_id!r} belongs to another tenant")
+            if require_live and record.state != "lost":
+                for node_id in record.node_ids:
+                    if not self._is_live(node_id):
+                        raise NodeNotLive(node_id, f"sequence {seq_id!r} is kept until its node's verdict")
             del self._seqs[seq_id]
             self._unlink(record)
+            return record
+
+    def mark_lost(self, seq_id: str, reason: str, ttl_s: float) -> SequenceRecord | None:
+        check_name("seq_id", seq_id)
+        if not isinstance(reason, str):
+            raise InvalidArgument(f"reason must be a str, got {reason!r}")
+        ttl = check_ttl(ttl_s)
+        with self._lock:
+            self._sweep_lost()
+            record = self._seqs.get(seq_id)
+            if record is None or record.state == "lost":
+                return None
+            self._unlink(record)
+            self._seqs[seq_id] = replace(record, state="lost", lost_reason=reason)
+            self._lost_expiry[seq_id] = self._clock() + ttl
             return record
 
     def expire_lost(self, seq_ids: Sequence[str], ttl_s: float) -> int:

@@ -19,9 +19,10 @@ Work per report: one store read and O(sequences on the node); a node that holds 
 the report's cap sends none and is skipped.
 
 Lost records are garbage-collected: every record that becomes lost here or when a node
-dies gets an expiry (`lost_ttl_s`) in the store, so a worker that never closes leaves
-nothing behind for good; the tenant's quota is released when the blocks are lost (close
-then releases nothing more).
+dies gets an expiry (`lost_ttl_s`) in the store and leaves its node's set of sequences
+(Store.mark_lost here; the node's purge when it dies), so a worker that never closes
+leaves nothing behind for good and the set holds only records that are not lost; the
+tenant's quota is released when the blocks are lost (close then releases nothing more).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 
-from ..protos.errors import InvalidArgument, PagedKVError, SequenceNotFound
+from ..protos.errors import InvalidArgument, PagedKVError
 from .records import SequenceRecord
 from .store import Store
 
@@ -87,26 +88,31 @@ class Reconciler:
         return free
 
     def _mark_lost(self, record: SequenceRecord, reason: str) -> None:
-        try:
-            self.store.update_sequence(record.seq_id, state="lost", lost_reason=reason)
-        except SequenceNotFound:
-            return  # closed meanwhile
+        """One round trip: lost, unlinked from the node (its set lists live records only)
+        and expiring, so nothing of it outlives lost_ttl_s in the store."""
+        was = self.store.mark_lost(record.seq_id, reason, self.lost_ttl_s)
+        if was is None:
+            return  # closed (or lost) meanwhile
         self.counters["ghosts_lost"] += 1
+        self.counters["lost_expired"] += 1
         log.warning("sequence %s marked lost: %s", record.seq_id, reason)
-        self.lost([record])
+        self._release_all([was])
 
     def lost(self, records: Iterable[SequenceRecord]) -> None:
         """These sequences just became lost (their node died, re-registered, or never held
         them): release what they held and give their records an expiry."""
         records = [r for r in records if r.state != "lost"]
+        self._release_all(records)
+        if records:
+            n = self.store.expire_lost([r.seq_id for r in records], self.lost_ttl_s)
+            self.counters["lost_expired"] += n
+
+    def _release_all(self, records: Sequence[SequenceRecord]) -> None:
         for record in records:
             try:
                 self._release(record)
             except PagedKVError as exc:
                 log.warning("could not release what lost sequence %s held: %s", record.seq_id, exc)
-        if records:
-            n = self.store.expire_lost([r.seq_id for r in records], self.lost_ttl_s)
-            self.counters["lost_expired"] += n
 
     def forget(self, node_id: str) -> None:
         """The node died or re-registered: what was tracked for it is moot."""

@@ -382,17 +382,38 @@ for i = 4, 3 + m, 2 do redis.call('HSET', sk, ARGV[i], ARGV[i + 1]) end
 return {1, redis.call('HGETALL', sk)}
 """
 
-# ARGV: P, seq_id. Returns the deleted hash (flat), or {} if missing.
+# ARGV: P, seq_id, tenant ('' : any), require_live ('1' / absent).
+# Returns the deleted hash (flat), {} if missing, {'!tenant'}, or {'!live', node} (kept).
 DELETE_SEQ = """
 local P, s = ARGV[1], ARGV[2]
 local sk = P .. 'seq:' .. s
 local h = redis.call('HGETALL', sk)
 if #h == 0 then return h end
 if ARGV[3] ~= '' and redis.call('HGET', sk, 'tenant') ~= ARGV[3] then return {'!tenant'} end
-for _, e in ipairs(cjson.decode(redis.call('HGET', sk, 'extents'))) do
+local extents = cjson.decode(redis.call('HGET', sk, 'extents'))
+if ARGV[4] == '1' and redis.call('HGET', sk, 'state') ~= 'lost' then
+  for _, e in ipairs(extents) do
+    if redis.call('EXISTS', P .. 'alive:' .. e[1]) == 0 then return {'!live', e[1]} end
+  end
+end
+for _, e in ipairs(extents) do
   redis.call('SREM', P .. 'nseqs:' .. e[1], s)
 end
 redis.call('DEL', sk)
+return h
+"""
+
+# ARGV: P, seq_id, reason, ttl_ms. Returns the hash as it was (flat), or {} if missing or lost.
+MARK_LOST = """
+local P, s = ARGV[1], ARGV[2]
+local sk = P .. 'seq:' .. s
+local h = redis.call('HGETALL', sk)
+if #h == 0 or redis.call('HGET', sk, 'state') == 'lost' then return {} end
+for _, e in ipairs(cjson.decode(redis.call('HGET', sk, 'extents'))) do
+  redis.call('SREM', P .. 'nseqs:' .. e[1], s)
+end
+redis.call('HSET', sk, 'state', 'lost', 'lost_reason', ARGV[3])
+redis.call('PEXPIRE', sk, ARGV[4])
 return h
 """
 

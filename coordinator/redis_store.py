@@ -179,6 +179,7 @@ class RedisStore(Store):
         self._seqs_of_node = reg(lua.SEQS_OF_NODE)
         self._reserve = reg(lua.RESERVE)
         self._expire_lost = reg(lua.EXPIRE_LOST)
+        self._mark_lost = reg(lua.MARK_LOST)
         self._release = reg(lua.RELEASE)
         self._kept = KeptScripts(self._redis)
 
@@ -422,17 +423,29 @@ class RedisStore(Store):
             raise NodeNotLive(_s(reply[1]), f"cannot move sequence {seq_id!r} there")
         return _record(seq_id, reply[1])
 
-    def delete_sequence(self, seq_id: str, *, tenant: str | None = None) -> SequenceRecord:
+    def delete_sequence(
+        self, seq_id: str, *, tenant: str | None = None, require_live: bool = False
+    ) -> SequenceRecord:
         check_name("seq_id", seq_id)
         if tenant is not None:
             check_name("tenant", tenant)
-        args = [self._prefix, seq_id, tenant or ""]
+        args = [self._prefix, seq_id, tenant or ""] + (["1"] if require_live else [])
         flat = self._call("delete_sequence", self._kept.run, self._delete_seq, args)
         if not flat:
             raise SequenceNotFound(seq_id)
         if len(flat) == 1:
             raise PermissionDenied(f"sequence {seq_id!r} belongs to another tenant")
+        if flat[0] == b"!live":
+            raise NodeNotLive(_s(flat[1]), f"sequence {seq_id!r} is kept until its node's verdict")
         return _record(seq_id, flat)
+
+    def mark_lost(self, seq_id: str, reason: str, ttl_s: float) -> SequenceRecord | None:
+        check_name("seq_id", seq_id)
+        if not isinstance(reason, str):
+            raise InvalidArgument(f"reason must be a str, got {reason!r}")
+        ttl_ms = max(1, round(check_ttl(ttl_s) * 1000))
+        flat = self._call("mark_lost", self._mark_lost, args=[self._prefix, seq_id, reason, ttl_ms])
+        return _record(seq_id, flat) if flat else None
 
     def expire_lost(self, seq_ids: Sequence[str], ttl_s: float) -> int:
         ids = [check_name("seq_id", s) for s in seq_ids]

@@ -206,11 +206,23 @@ class Store(ABC):
         """
 
     @abstractmethod
-    def delete_sequence(self, seq_id: str, *, tenant: str | None = None) -> SequenceRecord:
+    def delete_sequence(
+        self, seq_id: str, *, tenant: str | None = None, require_live: bool = False
+    ) -> SequenceRecord:
         """Remove the entry and return what it was; SequenceNotFound if absent. With
         `tenant`, an entry of another tenant raises PermissionDenied and stays (checked
-        atomically, so a close is one round trip). One round trip.
-        (Quota is not released here: the caller releases what it reserved.)"""
+        atomically, so a close is one round trip). With `require_live`, an entry that is
+        not lost with an extent on a node that is not live (a suspect: its lease lapsed,
+        no reaper removed it) raises NodeNotLive naming that node and stays: a close must
+        not answer before the node's verdict (back: freed; declared dead: lost). One round
+        trip. (Quota is not released here: the caller releases what it reserved.)"""
+
+    @abstractmethod
+    def mark_lost(self, seq_id: str, reason: str, ttl_s: float) -> SequenceRecord | None:
+        """Mark an entry lost (reconciliation: its node does not hold it): state "lost",
+        `reason` as lost_reason, unlinked from its nodes (sequences_of_node stops listing it,
+        as after a node's purge), and expiring ttl_s from now. Returns the entry as it was
+        before; None, changing nothing, when it is absent or lost already. One round trip."""
 
     @abstractmethod
     def expire_lost(self, seq_ids: Sequence[str], ttl_s: float) -> int:

@@ -1,7 +1,8 @@
 """The pieces the fault experiments rely on, each pinned alone with real parts (issue 18):
 idempotent control calls across a coordinator restart (two Coordinator objects on one
 redis-server), the node's fence and its SequenceLost answers, the wait a ticketed data call
-gives its sequence's Open, and liveness's verdicts with a fake clock and probe."""
+gives its sequence's Open, liveness's verdicts with a fake clock and probe, and that losses
+leave nothing behind in Redis."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from pagedkv.cache_node.gate import NodeTrust
 from pagedkv.cache_node.server import create_server
 from pagedkv.coordinator.core import Coordinator, CoordinatorConfig
 from pagedkv.coordinator.liveness import Liveness, LivenessConfig, ProbeAnswer
-from pagedkv.coordinator.records import NodeInfo
+from pagedkv.coordinator.records import Extent, NodeInfo, SequenceRecord
 from pagedkv.coordinator.store import open_store
 from pagedkv.protos import pagedkv_pb2 as pb
 from pagedkv.protos import pagedkv_pb2_grpc as pb_grpc
@@ -209,3 +210,46 @@ def test_liveness_waits_out_store_outages_and_grace_and_believes_probes() -> Non
     clock.now += 2.0
     assert live.dead(["a"]) == ["a"]
     assert live.config.detection_bound_s == pytest.approx(4.0 * 1.25 + 2.0 + 1.0)
+
+
+def test_nothing_in_redis_grows_with_losses(redis_url):
+    """Rounds of page tables whose open never reached the node (ghosts: reconciliation marks
+    them lost), of a node's re-registration (its sequences lost) and of closes: once the lost
+    records' expiry passed, Redis holds exactly the keys it held before the first round."""
+    import redis as redis_py
+
+    coordinator = Coordinator(
+        open_store(redis_url), CoordinatorConfig(lease_ttl_s=30, reconcile_grace_s=0, lost_ttl_s=0.3)
+    )
+    r = redis_py.Redis.from_url(redis_url)
+    try:
+        for node_id in ("n1", "n2"):
+            coordinator.register(node_id, f"{node_id}.local:1", SPEC.to_dict(), 64, epoch=1)
+        coordinator.store.tenant_salt("t")
+        baseline = set(r.keys("*"))
+        for round_ in range(3):
+            for i in range(20):
+                node_id = "n1" if i % 2 else "n2"
+                record = SequenceRecord(f"r{round_}-{i}", "t", (Extent(node_id, 0, 1),))
+                coordinator.store.create_sequence(record)
+            coordinator.close("t", f"r{round_}-0")  # (on n2: freed there, never lost)
+            # n1 reports holding none of its ten: ghosts, lost at once (grace 0); one report
+            # more finds nothing to do (and an orphan it holds is named for freeing).
+            for _ in range(2):
+                assert coordinator.heartbeat("n1", {"free_blocks": 64}, held=["orphan"])[1] == ["orphan"]
+            with pytest.raises(SequenceLost, match="node n1 does not hold it"):
+                coordinator.close("t", f"r{round_}-1")  # a worker that learns of its loss
+            assert r.scard(b"pkv:nseqs:n1") == 0  # a lost record leaves its node's set at once
+            # n2 restarts: its nine left are lost by the re-registration.
+            lost = coordinator.register("n2", "n2.local:1", SPEC.to_dict(), 64, epoch=2 + round_)
+            assert len(lost.lost_seq_ids) == 9
+            assert all(r.pttl(b"pkv:seq:" + s.encode()) > 0 for s in lost.lost_seq_ids)  # expiring
+            deadline = time.monotonic() + 10
+            while set(r.keys("*")) != baseline:
+                assert time.monotonic() < deadline, sorted(set(r.keys("*")) ^ baseline)[:5]
+                time.sleep(0.05)
+        counters = coordinator.reconciler.counters
+        assert (counters["ghosts_lost"], counters["orphans_freed"]) == (30, 6)
+    finally:
+        r.close()
+        coordinator.stop()

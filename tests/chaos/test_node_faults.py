@@ -37,8 +37,11 @@ def finish(cc: ChaosCluster, work: Workload) -> None:
         cc.converged(client, timeout_s=6 * LEASE_S)
 
 
-def test_node_sigkill_and_restart_on_its_port_with_handles_held(tmp_path):
-    with ChaosCluster(tmp_path) as cc:
+@pytest.mark.parametrize("secure", [True, False], ids=["tickets", "no-secret"])
+def test_node_sigkill_and_restart_on_its_port_with_handles_held(tmp_path, secure):
+    """With tickets the node itself answers SequenceLost; without a cluster secret it can only
+    say NOT_FOUND, and the client asks the coordinator what became of the sequence."""
+    with ChaosCluster(tmp_path, secure=secure) as cc:
         work = Workload(cc.coordinator).start()
         held = hold_on(work, "node-0", 3)
         time.sleep(1.0)

@@ -1,0 +1,137 @@
+"""How a worker learns of a loss (issue 18), pinned with real parts in one process: a node
+served over gRPC without a cluster secret (no tickets: it cannot tell a lost sequence from
+one nobody opened), a coordinator on a real redis-server served over gRPC, and the client.
+
+- a sequence its node lost (the node came back empty) answers SequenceLost naming the node
+  on every data call and on close, once; an id nobody opened and a closed one stay NOT_FOUND;
+- a close while the node is a suspect (lease lapsed, no verdict yet) changes nothing and
+  answers Unavailable; retried, it gets the verdict: OK and the Free when the node beats
+  again, SequenceLost once it is declared dead.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from pagedkv.cache_node.engine import CacheEngine, EngineConfig
+from pagedkv.cache_node.server import create_server as create_node_server
+from pagedkv.client import CacheClient, ClientConfig, SequenceLost, SequenceNotFound, Unavailable
+from pagedkv.coordinator.auth import Tenants
+from pagedkv.coordinator.core import Coordinator, CoordinatorConfig
+from pagedkv.coordinator.redis_store import RedisStore
+from pagedkv.coordinator.service import create_server as create_coordinator_server
+from pagedkv.protos.spec import ModelSpec
+
+pytestmark = pytest.mark.timeout(120)
+SPEC = ModelSpec(num_layers=2, num_kv_heads=1, head_dim=8, dtype="float32", block_size=4)
+PROMPT = list(range(1, 11))
+
+
+def kv(n: int) -> torch.Tensor:
+    return torch.randn(SPEC.num_layers, n, SPEC.num_kv_heads, SPEC.head_dim)
+
+
+@pytest.fixture
+def stack(redis_url):
+    """A node (open trust: no tickets) registered as n1, a coordinator (lease 1 s, no reaper
+    thread: the test beats and reaps), and a client of it."""
+    engine = CacheEngine(EngineConfig(SPEC, 64, device="cpu", unknown_seq_grace_s=0.2))
+    node_server, node_port = create_node_server(engine, "127.0.0.1:0", bulk_port=None)
+    node_server.start()
+    store = RedisStore(redis_url)
+    coordinator = Coordinator(store, CoordinatorConfig(lease_ttl_s=1.0, probe_timeout_s=0.5))
+    address = f"127.0.0.1:{node_port}"
+    coordinator.register("n1", address, SPEC.to_dict(), 64, epoch=7)
+    coord_server, coord_port = create_coordinator_server(coordinator, "127.0.0.1:0", tenants=Tenants())
+    coord_server.start()
+    client = CacheClient(
+        coordinator=f"127.0.0.1:{coord_port}", spec=SPEC, config=ClientConfig(deadline_s=10.0)
+    )
+    yield engine, coordinator, client, address
+    client.close()
+    coord_server.stop(0)
+    coordinator.stop()
+    node_server.stop(0)
+    store.close()
+
+
+def opened(client: CacheClient, seq_id: str):
+    seq = client.open(seq_id, PROMPT)
+    seq.append(PROMPT, kv(len(PROMPT)), kv(len(PROMPT)))
+    return seq
+
+
+def test_a_lost_sequence_answers_sequence_lost_on_every_data_call_and_on_close(stack):
+    engine, coordinator, client, address = stack
+    seq, other = opened(client, "s"), opened(client, "t")
+    other.close()
+    coordinator.wait_idle()
+    # The node restarted on its port and registered again: it came back empty, and without
+    # tickets it knows nothing of "s" (its Register reply is the only other way to learn it).
+    engine.reset()
+    coordinator.register("n1", address, SPEC.to_dict(), 64, epoch=8)
+    q = torch.randn(2, SPEC.head_dim)
+    k1, v1 = torch.randn(1, SPEC.head_dim), torch.randn(1, SPEC.head_dim)
+    calls = {
+        "append": lambda: seq.append([5], kv(1), kv(1)),
+        "attend": lambda: seq.attend(0, q, k1, v1, token_id=5),
+        "attend_prefill": lambda: seq.attend_prefill(0, q[None], k1[None], v1[None], [5]),
+        "read_kv": lambda: seq.read_kv(0, 4),
+        "attend_batch": lambda: client.attend_batch([seq], 0, q[None]),
+    }
+    for name, call in calls.items():
+        with pytest.raises(SequenceLost, match="'s' was lost: node n1 re-registered") as info:
+            call()
+        assert (info.value.seq_id, info.value.node_id) == ("s", "n1"), name
+    with pytest.raises(SequenceLost, match="node n1") as info:
+        seq.close()
+    assert info.value.node_id == "n1"
+    client.routing.close("s")  # the record went with that answer: a retried close succeeds
+    # NOT_FOUND stays NOT_FOUND where nothing was lost: an id nobody opened, a closed one.
+    data = client.node(address).data
+    for seq_id in ("nobody", "t"):
+        with pytest.raises(SequenceNotFound):
+            data.read_kv(seq_id, 0, 1)
+    assert engine.stats()["num_sequences"] == 0
+
+
+def lapse(coordinator: Coordinator) -> None:
+    """Until n1's lease lapsed (no beat for a lease): a suspect."""
+    deadline = time.monotonic() + 10
+    while coordinator.live_node("n1") is not None:
+        assert time.monotonic() < deadline, "n1's lease did not lapse"
+        time.sleep(0.05)
+
+
+def test_a_close_while_the_node_is_a_suspect_waits_for_the_verdict(stack):
+    engine, coordinator, client, address = stack
+    back, dead = opened(client, "back"), opened(client, "dead")
+    coordinator.wait_idle()
+    lapse(coordinator)
+    with pytest.raises(Unavailable, match="node n1 missed its lease .*suspect"):
+        back.close()
+    assert not back.is_closed and coordinator.store.get_sequence("back").state == "active"
+    assert engine.stats()["num_sequences"] == 2  # nothing changed anywhere
+    # The node beats again: the retried close succeeds and frees it on the node.
+    assert coordinator.heartbeat("n1", {"free_blocks": 60})[0]
+    back.close()
+    coordinator.wait_idle()
+    assert engine.stats()["num_sequences"] == 1
+    # It lapses again and is declared dead (liveness.py: a grace, then a failed probe: the
+    # node answers another epoch): the retried close reports the loss, once.
+    lapse(coordinator)
+    with pytest.raises(Unavailable, match="suspect"):
+        dead.close()
+    deadline = time.monotonic() + 15
+    while coordinator.reap() != ["n1"]:
+        assert time.monotonic() < deadline, "n1 was not declared dead"
+        time.sleep(0.1)
+    with pytest.raises(SequenceLost, match="'dead' was lost: node n1 died") as info:
+        dead.close()
+    assert info.value.node_id == "n1" and dead.is_closed
+    client.routing.close("dead")  # a second close succeeds
+    with pytest.raises(SequenceNotFound):
+        coordinator.store.get_sequence("dead")
