@@ -170,11 +170,16 @@ local function live_set(P, ids)
   end
   return live
 end
--- {id = leading run} for the nodes of `wanted` (a set) that hold keys[1]; others hold 0.
-local function held_runs(P, keys, wanted)
+-- The nodes the index lists for keys[1] (every node with a run), {} for no keys.
+local function first_holders(P, keys)
+  if #keys == 0 then return {} end
+  return redis.call('SMEMBERS', P .. 'idx:' .. keys[1])
+end
+-- {id = leading run} for the nodes of `wanted` (a set) among `holders` (first_holders, read
+-- once by the caller when it has them); others hold 0.
+local function held_runs(P, keys, wanted, holders)
   local held = {}
-  if #keys == 0 then return held end
-  for _, id in ipairs(redis.call('SMEMBERS', P .. 'idx:' .. keys[1])) do
+  for _, id in ipairs(holders or first_holders(P, keys)) do
     if wanted[id] then held[id] = leading(P, id, keys) end
   end
   return held
@@ -204,8 +209,15 @@ return out
 #       keys_blob, balance_slack ('-1' = no bound), pending_ttl_ms, affinity_share, balance_margin,
 #       host_weight, scan_classes, candidates: one string, a line per candidate by node_id,
 #       "node_id TAB free_blocks TAB total_blocks TAB evictable_blocks TAB recent_opens TAB
-#       active_blocks ('-1' = not counted) LF" (one argument, not six per node: redis-py
-#       encoded 6,000 arguments an open at 1,000 nodes), request_id (kept in the page table).
+#       active_blocks ('-1' = not counted)" each after a LF (one argument, not six per node:
+#       redis-py encoded 6,000 arguments an open at 1,000 nodes), request_id (kept in the page
+#       table), shortlist ('' = weigh every row; else ids joined by TAB), sum of recent_opens
+#       and sum of total_blocks over every candidate (with a shortlist).
+# Cost, K prompt keys, H nodes holding keys[1], S the shortlist, N candidates: with a shortlist
+# the script weighs only the H holders, the in-flight marker's node and the S others
+# (shortlist.py: the best non-holders by place()'s own order), each row found by a C-level
+# search of the table, so its Lua work is O(H x K + S), flat in N (bench/README "Control plane
+# at scale"). Without one (N <= shortlist.WEIGH_ALL) or with H > 64 it weighs all N rows.
 # Returns {1, node, cached, {node, score, ...}, {rejected...}, pending, cached elsewhere, host, scan,
 #          the node holding that}
 #       | {0} (no live candidate)
@@ -238,43 +250,85 @@ local keys = split_keys(ARGV[9])
 local slack, ttl, aff, margin = tonumber(ARGV[10]), tonumber(ARGV[11]), tonumber(ARGV[12]), tonumber(ARGV[13])
 local hw, scan_mask = tonumber(ARGV[14]), tonumber(ARGV[15])
 local tie = keys[1] or ''
-local nodes = {}
-local sum_opens, sum_total, most_cached = 0, 0, 0
-local ids, rows = {}, {}
 local col = '([^\\t]+)\\t'
-for id, f, t, e, o, a in string.gmatch(ARGV[16], string.rep(col, 5) .. '([^\\n]+)\\n') do
-  ids[#ids + 1] = id
-  rows[#rows + 1] = {id, f, t, e, o, a}
+local row_pat = '\\n([^\\t]+)\\t' .. string.rep(col, 4) .. '([^\\n]+)'
+-- Every row of the candidate table.
+local function all_rows()
+  local rows = {}
+  for id, f, t, e, o, a in string.gmatch(ARGV[16], row_pat) do rows[#rows + 1] = {id, f, t, e, o, a} end
+  return rows
 end
-local live = live_set(P, ids)
-local runs = held_runs(P, keys, live)
-local markers = {}  -- keys[i] -> its in-flight marker or false: read once, not once per node
-for _, row in ipairs(rows) do
-  local id = row[1]
-  if live[id] then
+-- The rows that can win: the first key's holders, the node its in-flight marker names, and
+-- the shortlist; each found by its id (string.find, a C-level search), the rest never parsed.
+local function some_rows(holders)
+  local blob, rows, seen = ARGV[16], {}, {}
+  local function add(id)
+    if not id or seen[id] then return end
+    seen[id] = true
+    local at = string.find(blob, '\\n' .. id .. '\\t', 1, true)
+    if at then
+      local f, t, e, o, a = string.match(blob, '^' .. string.rep(col, 4) .. '([^\\n]+)', at + #id + 2)
+      rows[#rows + 1] = {id, f, t, e, o, a}
+    end
+  end
+  for _, id in ipairs(holders) do add(id) end
+  if #keys > 0 then
+    local marker = redis.call('GET', P .. 'pend:' .. keys[1])
+    if marker then add(string.match(marker, '^%d+:(.*)$')) end
+  end
+  for id in string.gmatch(ARGV[18], '[^\\t]+') do add(id) end
+  return rows
+end
+-- The live rows as placement's candidates, and the sums of the balance bound: over the live
+-- rows when the whole table is read, else the caller's sums less the rows found lapsed.
+local function gather(rows, holders, shortlisted)
+  local ids = {}
+  for i, row in ipairs(rows) do ids[i] = row[1] end
+  local live = live_set(P, ids)
+  local runs = held_runs(P, keys, live, holders)
+  local nodes, markers = {}, {}  -- markers: keys[i] -> its in-flight marker or false, read once
+  local sum_opens, sum_total, most_cached, dead_opens, dead_total = 0, 0, 0, 0, 0
+  for _, row in ipairs(rows) do
+    local id = row[1]
     local free, total, evictable = tonumber(row[2]), tonumber(row[3]), tonumber(row[4])
     local opens, active = tonumber(row[5]), tonumber(row[6])
-    local held, host = tiers(P, id, keys, runs[id] or 0)
-    local pending = 0
-    if held < #keys then
-      local marker = markers[held + 1]
-      if marker == nil then
-        marker = redis.call('GET', P .. 'pend:' .. keys[held + 1])
-        markers[held + 1] = marker
+    if live[id] then
+      local held, host = tiers(P, id, keys, runs[id] or 0)
+      local pending = 0
+      if held < #keys then
+        local marker = markers[held + 1]
+        if marker == nil then
+          marker = redis.call('GET', P .. 'pend:' .. keys[held + 1])
+          markers[held + 1] = marker
+        end
+        if marker then
+          local count, owner = string.match(marker, '^(%d+):(.*)$')
+          if owner == id then pending = math.max(0, math.min(tonumber(count), #keys) - held) end
+        end
       end
-      if marker then
-        local count, owner = string.match(marker, '^(%d+):(.*)$')
-        if owner == id then pending = math.max(0, math.min(tonumber(count), #keys) - held) end
-      end
+      local cached = math.min(held, need)
+      host = math.max(0, host - (held - cached))
+      if active < 0 then active = total - free - evictable end
+      nodes[#nodes + 1] = {id, free + evictable, total, cached, pending, opens, host, active}
+      if cached > most_cached then most_cached = cached end
+      sum_opens = sum_opens + opens
+      sum_total = sum_total + total
+    else
+      dead_opens, dead_total = dead_opens + opens, dead_total + total
     end
-    local cached = math.min(held, need)
-    host = math.max(0, host - (held - cached))
-    if active < 0 then active = total - free - evictable end
-    nodes[#nodes + 1] = {id, free + evictable, total, cached, pending, opens, host, active}
-    if cached > most_cached then most_cached = cached end
-    sum_opens = sum_opens + opens
-    sum_total = sum_total + total
   end
+  if shortlisted then
+    sum_opens = math.max(0, tonumber(ARGV[19]) - dead_opens)
+    sum_total = math.max(0, tonumber(ARGV[20]) - dead_total)
+  end
+  return nodes, sum_opens, sum_total, most_cached
+end
+local holders = first_holders(P, keys)
+local shortlisted = (ARGV[18] or '') ~= '' and #holders <= 64
+local rows = shortlisted and some_rows(holders) or all_rows()
+local nodes, sum_opens, sum_total, most_cached = gather(rows, holders, shortlisted)
+if #nodes == 0 and shortlisted then  -- every node it weighed has lapsed: weigh them all
+  nodes, sum_opens, sum_total, most_cached = gather(all_rows(), holders, false)
 end
 if #nodes == 0 then return {0} end
 local class, v = 0, need - most_cached

@@ -77,6 +77,7 @@ from .records import (
 )
 from .sentinel import SCHEME as SENTINEL_SCHEME
 from .sentinel import primary_client
+from .shortlist import WEIGH_ALL, shortlist
 from .store import Store
 
 SALT_BYTES = 16
@@ -367,13 +368,16 @@ class RedisStore(Store):
             new.scan_classes,
         ]
         rows = "".join(
-            f"{c[0]}\t{c[1]}\t{c[2]}\t{c[3]}\t{c[4]!r}\t{-1 if c[5] is None else c[5]}\n"
+            f"\n{c[0]}\t{c[1]}\t{c[2]}\t{c[3]}\t{c[4]!r}\t{-1 if c[5] is None else c[5]}"
             for c in new.candidates
         )
         # A tab or line feed in a node id would shift the columns: the counts catch it in C.
         if rows.count("\n") != len(new.candidates) or rows.count("\t") != 5 * len(new.candidates):
             raise InvalidArgument("candidate node ids must not contain tabs or line feeds")
         args += (rows, new.request_id)
+        if len(new.candidates) > WEIGH_ALL:  # the script weighs holders and this shortlist only
+            short = shortlist(new.candidates, new.num_blocks, w, new.keys[:16], new.scan_classes)
+            args += ("\t".join(short.ids) or "\t", repr(short.sum_opens), short.sum_total)
         reply = self._call("open_sequence", self._kept.run, self._open_seq, args)
         code = reply[0]
         if code == 1:

@@ -187,8 +187,11 @@ class Store(ABC):
 
         Cost, K prompt keys, H live candidates holding the first key, C candidates: the
         match is O(H x K) (through the key -> nodes index; a node holding none of the prompt
-        costs nothing there), placement O(C) with a small constant per candidate (its room
-        arrives with the call; bench/README "Control plane at scale" gives the figures).
+        costs nothing there). A backend may weigh, besides the holders and the marker's node,
+        only a shortlist of the others (shortlist.py: the best non-holders in place()'s own
+        order, so the choice is place()'s over all C); `scores` and `rejected` then cover the
+        nodes weighed. RedisStore does so above shortlist.WEIGH_ALL candidates: its Redis work
+        is O(H x K + shortlist), flat in C (bench/README "Control plane at scale").
         """
 
     @abstractmethod
