@@ -211,17 +211,21 @@ return out
 #       "node_id TAB free_blocks TAB total_blocks TAB evictable_blocks TAB recent_opens TAB
 #       active_blocks ('-1' = not counted)" each after a LF (one argument, not six per node:
 #       redis-py encoded 6,000 arguments an open at 1,000 nodes), request_id (kept in the page
-#       table), shortlist ('' = weigh every row; else ids joined by TAB), sum of recent_opens
-#       and sum of total_blocks over every candidate (with a shortlist).
-# Cost, K prompt keys, H nodes holding keys[1], S the shortlist, N candidates: with a shortlist
-# the script weighs only the H holders, the in-flight marker's node and the S others
-# (shortlist.py: the best non-holders by place()'s own order), each row found by a C-level
-# search of the table, so its Lua work is O(H x K + S), flat in N (bench/README "Control plane
-# at scale"). Without one (N <= shortlist.WEIGH_ALL) or with H > 64 it weighs all N rows.
+#       table); in shortlist mode (over shortlist.WEIGH_ALL candidates) also: rooms (the
+#       caller's room table: a hash id -> "stamp TAB the row's fields"), full ('1': ARGV[16] is
+#       every row, stamped; else the rows changed since the caller's last open), the shortlist
+#       (ids joined by TAB), the sums of recent_opens and of total_blocks over every candidate.
+# Cost, K prompt keys, H nodes holding keys[1], S the shortlist, D the rows changed since the
+# caller's last open (the room table stays in Redis, per caller and candidate set: a 1,000-row
+# argument cost ~100 us an open): in shortlist mode the script weighs only the H holders, the
+# in-flight marker's node and the S others (shortlist.py: the best non-holders by place()'s own
+# order), read from that table by id: O(H x K + S + D), flat in N (bench/README "Control plane
+# at scale"). With N <= WEIGH_ALL, H > 64, or every weighed node lapsed it weighs all N rows.
 # Returns {1, node, cached, {node, score, ...}, {rejected...}, pending, cached elsewhere, host, scan,
 #          the node holding that}
 #       | {0} (no live candidate)
-#       | {-1, fewest uncached, most room} (no room) | {-2, used} (quota) | {-3} (id taken).
+#       | {-1, fewest uncached, most room} (no room) | {-2, used} (quota) | {-3} (id taken)
+#       | {-4} (the room table is gone: nothing changed; send it whole).
 # Scores travel as %.17g strings (Redis truncates Lua numbers to integers), which parse back
 # to the same doubles (the arithmetic is place()'s, in its order); ties go to the smallest
 # sha1hex(first key .. node id), as place()'s tie_rank; scans first by sha1hex(SCAN_KEY .. id).
@@ -252,31 +256,63 @@ local hw, scan_mask = tonumber(ARGV[14]), tonumber(ARGV[15])
 local tie = keys[1] or ''
 local col = '([^\\t]+)\\t'
 local row_pat = '\\n([^\\t]+)\\t' .. string.rep(col, 4) .. '([^\\n]+)'
+local rooms = ARGV[18]  -- the caller's room table (shortlist mode), or nil: every row in ARGV[16]
+if rooms then
+  -- Rows changed since the caller last sent them, stamped: a row older than the one stored (a
+  -- slower concurrent open) is not written. A table that is gone (a Redis restart, its expiry)
+  -- is refused unless this is the whole table: the caller sends it again.
+  if ARGV[19] ~= '1' and redis.call('EXISTS', rooms) == 0 then return {-4} end
+  local ids, vals = {}, {}
+  for id, stamp, rest in string.gmatch(ARGV[16], '\\n([^\\t]+)\\t(%d+)\\t([^\\n]+)') do
+    ids[#ids + 1] = id; vals[#vals + 1] = {tonumber(stamp), stamp .. '\\t' .. rest}
+  end
+  for first = 1, #ids, 4000 do
+    local last = math.min(first + 3999, #ids)
+    local old = redis.call('HMGET', rooms, unpack(ids, first, last))
+    local put = {}
+    for i = first, last do
+      local was = old[i - first + 1]
+      if not was or tonumber(string.match(was, '^(%d+)')) < vals[i][1] then
+        put[#put + 1] = ids[i]; put[#put + 1] = vals[i][2]
+      end
+    end
+    if #put > 0 then redis.call('HSET', rooms, unpack(put)) end
+  end
+  redis.call('PEXPIRE', rooms, 600000)
+end
+local function stored_row(id, value)
+  local f, t, e, o, a = string.match(value, '^%d+\\t' .. string.rep(col, 4) .. '(.+)$')
+  return {id, f, t, e, o, a}
+end
 -- Every row of the candidate table.
 local function all_rows()
   local rows = {}
-  for id, f, t, e, o, a in string.gmatch(ARGV[16], row_pat) do rows[#rows + 1] = {id, f, t, e, o, a} end
+  if rooms then
+    local flat = redis.call('HGETALL', rooms)
+    for i = 1, #flat, 2 do rows[#rows + 1] = stored_row(flat[i], flat[i + 1]) end
+  else
+    for id, f, t, e, o, a in string.gmatch(ARGV[16], row_pat) do rows[#rows + 1] = {id, f, t, e, o, a} end
+  end
   return rows
 end
 -- The rows that can win: the first key's holders, the node its in-flight marker names, and
--- the shortlist; each found by its id (string.find, a C-level search), the rest never parsed.
+-- the shortlist (ARGV[20]), read from the room table by id: O(H + S), the rest never read.
 local function some_rows(holders)
-  local blob, rows, seen = ARGV[16], {}, {}
+  local ids, seen = {}, {}
   local function add(id)
-    if not id or seen[id] then return end
-    seen[id] = true
-    local at = string.find(blob, '\\n' .. id .. '\\t', 1, true)
-    if at then
-      local f, t, e, o, a = string.match(blob, '^' .. string.rep(col, 4) .. '([^\\n]+)', at + #id + 2)
-      rows[#rows + 1] = {id, f, t, e, o, a}
-    end
+    if id and not seen[id] then seen[id] = true; ids[#ids + 1] = id end
   end
   for _, id in ipairs(holders) do add(id) end
   if #keys > 0 then
     local marker = redis.call('GET', P .. 'pend:' .. keys[1])
     if marker then add(string.match(marker, '^%d+:(.*)$')) end
   end
-  for id in string.gmatch(ARGV[18], '[^\\t]+') do add(id) end
+  for id in string.gmatch(ARGV[20], '[^\\t]+') do add(id) end
+  local rows = {}
+  if #ids == 0 then return rows end
+  for i, value in ipairs(redis.call('HMGET', rooms, unpack(ids))) do
+    if value then rows[#rows + 1] = stored_row(ids[i], value) end
+  end
   return rows
 end
 -- The live rows as placement's candidates, and the sums of the balance bound: over the live
@@ -318,13 +354,13 @@ local function gather(rows, holders, shortlisted)
     end
   end
   if shortlisted then
-    sum_opens = math.max(0, tonumber(ARGV[19]) - dead_opens)
-    sum_total = math.max(0, tonumber(ARGV[20]) - dead_total)
+    sum_opens = math.max(0, tonumber(ARGV[21]) - dead_opens)
+    sum_total = math.max(0, tonumber(ARGV[22]) - dead_total)
   end
   return nodes, sum_opens, sum_total, most_cached
 end
 local holders = first_holders(P, keys)
-local shortlisted = (ARGV[18] or '') ~= '' and #holders <= 64
+local shortlisted = rooms ~= nil and #holders <= 64
 local rows = shortlisted and some_rows(holders) or all_rows()
 local nodes, sum_opens, sum_total, most_cached = gather(rows, holders, shortlisted)
 if #nodes == 0 and shortlisted then  -- every node it weighed has lapsed: weigh them all

@@ -75,6 +75,7 @@ from .records import (
     check_sequence_fields,
     check_ttl,
 )
+from .room_table import RoomTables
 from .sentinel import SCHEME as SENTINEL_SCHEME
 from .sentinel import primary_client
 from .shortlist import WEIGH_ALL, shortlist
@@ -182,6 +183,7 @@ class RedisStore(Store):
         self._expire_lost = reg(lua.EXPIRE_LOST)
         self._release = reg(lua.RELEASE)
         self._kept = KeptScripts(self._redis)
+        self._rooms = RoomTables(self._prefix.encode())
 
     def __repr__(self) -> str:
         return f"RedisStore({self._redis.connection_pool!r}, prefix={self._prefix!r})"
@@ -367,18 +369,32 @@ class RedisStore(Store):
             repr(float(w.host_weight)),
             new.scan_classes,
         ]
-        rows = "".join(
-            f"\n{c[0]}\t{c[1]}\t{c[2]}\t{c[3]}\t{c[4]!r}\t{-1 if c[5] is None else c[5]}"
-            for c in new.candidates
-        )
-        # A tab or line feed in a node id would shift the columns: the counts catch it in C.
-        if rows.count("\n") != len(new.candidates) or rows.count("\t") != 5 * len(new.candidates):
+        # A tab or line feed in a node id would shift the columns of the rows.
+        ids = "".join(c[0] for c in new.candidates)
+        if "\t" in ids or "\n" in ids:
             raise InvalidArgument("candidate node ids must not contain tabs or line feeds")
-        args += (rows, new.request_id)
-        if len(new.candidates) > WEIGH_ALL:  # the script weighs holders and this shortlist only
+        if len(new.candidates) <= WEIGH_ALL:  # every row travels and is weighed
+            rows = "".join(
+                f"\n{c[0]}\t{c[1]}\t{c[2]}\t{c[3]}\t{c[4]!r}\t{-1 if c[5] is None else c[5]}"
+                for c in new.candidates
+            )
+            args += (rows, new.request_id)
+            reply = self._call("open_sequence", self._kept.run, self._open_seq, args)
+        else:  # the holders and a shortlist are weighed, from the room table (room_table.py)
             short = shortlist(new.candidates, new.num_blocks, w, new.keys[:16], new.scan_classes)
-            args += ("\t".join(short.ids) or "\t", repr(short.sum_opens), short.sum_total)
-        reply = self._call("open_sequence", self._kept.run, self._open_seq, args)
+            tail = ("\t".join(short.ids), repr(short.sum_opens), short.sum_total)
+            reply = [-4]
+            for _ in range(2):  # a second time, whole, when the table was gone
+                table = self._rooms.args(new.candidates)
+                call = (*args, table.rows, new.request_id, table.key, "1" if table.full else "0", *tail)
+                try:
+                    reply = self._call("open_sequence", self._kept.run, self._open_seq, call)
+                except Unavailable:
+                    self._rooms.forget(new.candidates)  # it may not have been written
+                    raise
+                if reply[0] != -4:
+                    break
+                self._rooms.forget(new.candidates)
         code = reply[0]
         if code == 1:
             flat = reply[3]
@@ -398,6 +414,8 @@ class RedisStore(Store):
             )
         if code == 0:
             raise Unavailable("no live cache node to place a sequence on")
+        if code == -4:  # gone again right after it was sent whole: Redis is restarting
+            raise Unavailable("redis lost the open's room table twice; retry")
         if code == -1:
             raise no_room(new.num_blocks, int(reply[1]), int(reply[2]))
         if code == -2:

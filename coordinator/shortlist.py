@@ -29,7 +29,7 @@ from typing import Any, NamedTuple
 from .placement import SCAN_KEY, PlacementWeights, tie_rank
 from .records import NodeRoom
 
-SIZE = 8  # the best non-holders weighed per order (plain and scan)
+SIZE = 3  # the best non-holders weighed per order (plain and scan): room for lapsed ones
 WEIGH_ALL = 16  # up to this many candidates the script weighs every one (no shortlist)
 
 

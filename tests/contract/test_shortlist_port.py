@@ -166,3 +166,27 @@ def test_the_script_weighs_few_rows_of_a_large_table(redis_store: RedisStore) ->
         memory.register_node(node_id, f"{node_id}:1", SPEC, 64, 30.0)
     memory.apply_events("n0500", KEYS[:6], [])
     assert memory.open_sequence(new).node_id == "n0500"
+
+
+def test_a_lost_room_table_is_sent_again_whole(redis_store: RedisStore) -> None:
+    """The table lives in Redis between opens: when it is gone (a restart, its expiry) the
+    script refuses the changed rows alone and the store sends every row once more."""
+    nodes = [f"n{i:02d}" for i in range(40)]
+    for node_id in nodes:
+        redis_store.register_node(node_id, f"{node_id}:1", SPEC, 64, 30.0)
+    redis_store.apply_events("n07", KEYS[:4], [])
+    rooms = tuple(NodeRoom(n, 64, 64, 0, 0.0, 0) for n in nodes)
+
+    def open_(seq_id: str, rows: tuple[NodeRoom, ...]) -> str:
+        new = NewSequence(seq_id, "acme", 40, 10, BLOCK, b"".join(KEYS[:4]), rows, pending_ttl_ms=0)
+        return redis_store.open_sequence(new).node_id
+
+    assert open_("s1", rooms) == "n07"
+    tables = list(redis_store._redis.scan_iter(b"short:rooms:*"))
+    assert len(tables) == 1 and redis_store._redis.hlen(tables[0]) == 40
+    redis_store._redis.delete(tables[0])
+    # n07 is now busy in the caller's view: only its row changed, but the table is gone.
+    busy = tuple(r._replace(active_blocks=500) if r.node_id == "n07" else r for r in rooms)
+    assert open_("s2", busy) != "n07"
+    assert redis_store._redis.hlen(tables[0]) == 40
+    assert open_("s3", rooms) == "n07"  # and a later change travels alone again
