@@ -262,7 +262,8 @@ class Store(ABC):
 
 def open_store(url: str, **options: Any) -> Store:
     """A Store from a URL (tooz style): "memory://" or "redis://host:port/db" (rediss:// too),
-    or "redis+sentinel://host:port,host:port/mastername" (the primary the sentinels name).
+    or "redis+sentinel://host:port,host:port/mastername" (the primary the sentinels name), or
+    "redis+cluster://host:port,host:port" (Redis Cluster: cluster_store.py, any of its masters).
 
     Options go to the backend (e.g. prefix="pkv:" for Redis, clock=... for memory).
     """
@@ -272,10 +273,15 @@ def open_store(url: str, **options: Any) -> Store:
         from .memory_store import MemoryStore
 
         return MemoryStore(**options)
+    if url.startswith("redis+cluster://"):
+        from .cluster_store import ClusterStore
+
+        return ClusterStore(url, **options)
     if url.startswith(("redis://", "rediss://", "unix://", "redis+sentinel://")):
         from .redis_store import RedisStore
 
         return RedisStore(url, **options)
     raise InvalidArgument(
-        f"unknown store URL {url!r}: use memory://, redis://host:port or redis+sentinel://host:port/name"
+        f"unknown store URL {url!r}: use memory://, redis://host:port, redis+sentinel://host:port/name "
+        "or redis+cluster://host:port,host:port"
     )

@@ -35,9 +35,11 @@ def keys(n: int) -> bytes:
     return b"".join(key(i) for i in range(1, n + 1))
 
 
-@pytest.fixture(params=["memory", "redis"])
+@pytest.fixture(params=["memory", "redis", "cluster"])
 def store(request: pytest.FixtureRequest) -> Iterator[Store]:
-    url = "memory://" if request.param == "memory" else str(request.getfixturevalue("redis_url"))
+    urls = {"memory": "memory://", "redis": "redis_url", "cluster": "redis_cluster_url"}
+    url = urls[request.param]
+    url = url if request.param == "memory" else str(request.getfixturevalue(url))
     s = open_store(url)
     yield s
     s.close()
