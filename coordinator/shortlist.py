@@ -26,10 +26,10 @@ from collections.abc import Callable, Sequence
 from functools import lru_cache
 from typing import Any, NamedTuple
 
-from .placement import SCAN_KEY, PlacementWeights, tie_rank
+from .placement import SCAN_KEY, PlacementWeights, size_class, tie_rank
 from .records import NodeRoom
 
-SIZE = 3  # the best non-holders weighed per order (plain and scan): room for lapsed ones
+SIZE = 2  # the best non-holders weighed per order (plain and scan): one spare for a lapsed one
 WEIGH_ALL = 16  # up to this many candidates the script weighs every one (no shortlist)
 
 
@@ -77,7 +77,7 @@ def shortlist(
         over = over and (aff * need > 0 or opens > (1.0 + 2 * slack) * fair + 2 * margin)
         ranked.append((over, cost, c.node_id))
     ids = _best(ranked, size, tie_key, lambda r: (r[0], r[1]))
-    if scan_classes:
+    if scan_classes & ((2 << size_class(need)) - 1):  # a scan is possible: its run fits the need
         scans = [(over, _scan_rank(node_id), cost, node_id) for over, cost, node_id in ranked]
         more = _best(scans, size, tie_key, lambda r: (r[0], r[1], r[2]))
         ids += tuple(i for i in more if i not in ids)
