@@ -168,6 +168,22 @@ class NewSequence:
             raise InvalidArgument(f"scan_classes must be a bit mask below 2**52, got {self.scan_classes!r}")
         rooms = []
         for c in self.candidates:
+            # A well-formed NodeRoom (what the coordinator sends, 1,000 an open at 1,000 nodes)
+            # passes in one expression; anything else takes the checks below.
+            if (
+                type(c) is NodeRoom
+                and type(c[0]) is str
+                and c[0]
+                and type(c[1]) is type(c[2]) is type(c[3]) is int
+                and c[1] >= 0
+                and c[3] >= 0
+                and c[1] + c[3] <= c[2]
+                and type(c[4]) is float
+                and 0 <= c[4] < math.inf
+                and (c[5] is None or (type(c[5]) is int and c[5] >= 0))
+            ):
+                rooms.append(c)
+                continue
             if not isinstance(c, tuple) or not 3 <= len(c) <= 6:
                 raise InvalidArgument(
                     "a candidate must be (node_id, free_blocks, total_blocks[, evictable_blocks"

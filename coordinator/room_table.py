@@ -42,16 +42,11 @@ class RoomTables:
         self._prefix = prefix + b"rooms:" + os.urandom(8).hex().encode() + b":"
         self._lock = threading.Lock()
         self._stamp = 0
-        self._sent: OrderedDict[tuple[str, ...], dict[str, str]] = OrderedDict()
+        self._sent: OrderedDict[tuple[str, ...], dict[str, NodeRoom]] = OrderedDict()
 
     def args(self, candidates: Sequence[NodeRoom]) -> TableArgs:
         """The table for this candidate set and its rows that changed since the last call."""
         ids = tuple(c.node_id for c in candidates)
-        rows = {
-            c.node_id: f"{c.free_blocks}\t{c.total_blocks}\t{c.evictable_blocks}\t{c.recent_opens!r}\t"
-            f"{-1 if c.active_blocks is None else c.active_blocks}"
-            for c in candidates
-        }
         key = self._prefix + f"{hash(ids) & 0xFFFFFFFFFFFFFFFF:016x}".encode()
         with self._lock:
             self._stamp += 1
@@ -64,9 +59,15 @@ class RoomTables:
                     self._sent.popitem(last=False)
             else:
                 self._sent.move_to_end(ids)
-            changed = [(i, row) for i, row in rows.items() if sent.get(i) != row]
-            sent.update(changed)
-        return TableArgs(key, full, "".join(f"\n{i}\t{stamp}\t{row}" for i, row in changed))
+            # NodeRooms compare as tuples (in C): only the changed ones are formatted.
+            changed = [c for c in candidates if sent.get(c.node_id) != c]
+            sent.update((c.node_id, c) for c in changed)
+        rows = "".join(
+            f"\n{c.node_id}\t{stamp}\t{c.free_blocks}\t{c.total_blocks}\t{c.evictable_blocks}\t"
+            f"{c.recent_opens!r}\t{-1 if c.active_blocks is None else c.active_blocks}"
+            for c in changed
+        )
+        return TableArgs(key, full, rows)
 
     def forget(self, candidates: Sequence[NodeRoom]) -> None:
         """The table was gone: the next call sends it whole."""
