@@ -412,7 +412,7 @@ class ClusterStore(Store):
             candidates.append(
                 NodeCandidate(
                     c.node_id, cached, c.free_blocks, c.total_blocks, c.evictable_blocks, pending,
-                    c.recent_opens, c.active_blocks, host,
+                    c.recent_opens / new.opens_scale, c.active_blocks, host,
                 )
             )  # fmt: skip
         tie = keys[0] if keys else b""

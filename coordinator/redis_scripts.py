@@ -211,7 +211,8 @@ return out
 #       "node_id TAB free_blocks TAB total_blocks TAB evictable_blocks TAB recent_opens TAB
 #       active_blocks ('-1' = not counted)" each after a LF (one argument, not six per node:
 #       redis-py encoded 6,000 arguments an open at 1,000 nodes), request_id (kept in the page
-#       table); in shortlist mode (over shortlist.WEIGH_ALL candidates) also: rooms (the
+#       table), opens_scale (every recent_opens is that many times the count it stands for);
+#       in shortlist mode (over shortlist.WEIGH_ALL candidates) also: rooms (the
 #       caller's room table: a hash id -> "stamp TAB the row's fields"), full ('1': ARGV[16] is
 #       every row, stamped; else the rows changed since the caller's last open), the shortlist
 #       (ids joined by TAB), the sums of recent_opens and of total_blocks over every candidate.
@@ -256,12 +257,13 @@ local hw, scan_mask = tonumber(ARGV[14]), tonumber(ARGV[15])
 local tie = keys[1] or ''
 local col = '([^\\t]+)\\t'
 local row_pat = '\\n([^\\t]+)\\t' .. string.rep(col, 4) .. '([^\\n]+)'
-local rooms = ARGV[18]  -- the caller's room table (shortlist mode), or nil: every row in ARGV[16]
+local opens_scale = tonumber(ARGV[18])  -- recent_opens arrive scaled by it (records.NewSequence)
+local rooms = ARGV[19]  -- the caller's room table (shortlist mode), or nil: every row in ARGV[16]
 if rooms then
   -- Rows changed since the caller last sent them, stamped: a row older than the one stored (a
   -- slower concurrent open) is not written. A table that is gone (a Redis restart, its expiry)
   -- is refused unless this is the whole table: the caller sends it again.
-  if ARGV[19] ~= '1' and redis.call('EXISTS', rooms) == 0 then return {-4} end
+  if ARGV[20] ~= '1' and redis.call('EXISTS', rooms) == 0 then return {-4} end
   local ids, vals = {}, {}
   for id, stamp, rest in string.gmatch(ARGV[16], '\\n([^\\t]+)\\t(%d+)\\t([^\\n]+)') do
     ids[#ids + 1] = id; vals[#vals + 1] = {tonumber(stamp), stamp .. '\\t' .. rest}
@@ -296,7 +298,7 @@ local function all_rows()
   return rows
 end
 -- The rows that can win: the first key's holders, the node its in-flight marker names, and
--- the shortlist (ARGV[20]), read from the room table by id: O(H + S), the rest never read.
+-- the shortlist (ARGV[21]), read from the room table by id: O(H + S), the rest never read.
 local function some_rows(holders)
   local ids, seen = {}, {}
   local function add(id)
@@ -307,7 +309,7 @@ local function some_rows(holders)
     local marker = redis.call('GET', P .. 'pend:' .. keys[1])
     if marker then add(string.match(marker, '^%d+:(.*)$')) end
   end
-  for id in string.gmatch(ARGV[20], '[^\\t]+') do add(id) end
+  for id in string.gmatch(ARGV[21], '[^\\t]+') do add(id) end
   local rows = {}
   if #ids == 0 then return rows end
   for i, value in ipairs(redis.call('HMGET', rooms, unpack(ids))) do
@@ -327,7 +329,7 @@ local function gather(rows, holders, shortlisted)
   for _, row in ipairs(rows) do
     local id = row[1]
     local free, total, evictable = tonumber(row[2]), tonumber(row[3]), tonumber(row[4])
-    local opens, active = tonumber(row[5]), tonumber(row[6])
+    local opens, active = tonumber(row[5]) / opens_scale, tonumber(row[6])
     if live[id] then
       local held, host = tiers(P, id, keys, runs[id] or 0)
       local pending = 0
@@ -354,8 +356,8 @@ local function gather(rows, holders, shortlisted)
     end
   end
   if shortlisted then
-    sum_opens = math.max(0, tonumber(ARGV[21]) - dead_opens)
-    sum_total = math.max(0, tonumber(ARGV[22]) - dead_total)
+    sum_opens = math.max(0, tonumber(ARGV[22]) - dead_opens)
+    sum_total = math.max(0, tonumber(ARGV[23]) - dead_total)
   end
   return nodes, sum_opens, sum_total, most_cached
 end

@@ -378,15 +378,23 @@ class RedisStore(Store):
                 f"\n{c[0]}\t{c[1]}\t{c[2]}\t{c[3]}\t{c[4]!r}\t{-1 if c[5] is None else c[5]}"
                 for c in new.candidates
             )
-            args += (rows, new.request_id)
+            args += (rows, new.request_id, repr(float(new.opens_scale)))
             reply = self._call("open_sequence", self._kept.run, self._open_seq, args)
         else:  # the holders and a shortlist are weighed, from the room table (room_table.py)
-            short = shortlist(new.candidates, new.num_blocks, w, new.keys[:16], new.scan_classes)
+            short = shortlist(
+                new.candidates,
+                new.num_blocks,
+                w,
+                new.keys[:16],
+                new.scan_classes,
+                opens_scale=new.opens_scale,
+            )
             tail = ("\t".join(short.ids), repr(short.sum_opens), short.sum_total)
             reply = [-4]
             for _ in range(2):  # a second time, whole, when the table was gone
                 table = self._rooms.args(new.candidates)
-                call = (*args, table.rows, new.request_id, table.key, "1" if table.full else "0", *tail)
+                call = (*args, table.rows, new.request_id, repr(float(new.opens_scale)), table.key)
+                call += ("1" if table.full else "0", *tail)
                 try:
                     reply = self._call("open_sequence", self._kept.run, self._open_seq, call)
                 except Unavailable:

@@ -54,13 +54,15 @@ def shortlist(
     tie_key: bytes,
     scan_classes: int,
     size: int = SIZE,
+    opens_scale: float = 1.0,
 ) -> Shortlist:
     """The `size` best candidates for an open of `need` blocks as if each held none of the
     prompt, in place()'s order (and as many in its scan order when scan_classes is not 0);
     nodes without room for `need` are left out (they are rejected unless they hold some of
-    it, and then the index lists them). O(N log size), a sha1 only for ties of the last
+    it, and then the index lists them); opens_scale: recent_opens is that many times each
+    node's count (NewSequence.opens_scale). O(N log size), a sha1 only for ties of the last
     place. Pure."""
-    sum_opens = math.fsum(c.recent_opens for c in candidates)
+    sum_opens = math.fsum(c.recent_opens / opens_scale for c in candidates)
     sum_total = sum(c.total_blocks for c in candidates)
     ow, lw, hw = weights.overlap_weight, weights.load_weight, weights.host_weight
     slack, margin, aff = weights.balance_slack, weights.balance_margin, weights.affinity_share
@@ -72,7 +74,7 @@ def shortlist(
         load = c.total_blocks - room if c.active_blocks is None else c.active_blocks
         cost = ow * need + hw * 0 + lw * (load + need)  # placement's terms, in its order
         fair = (sum_opens + 1) * c.total_blocks / sum_total if sum_total else 0.0
-        opens = c.recent_opens + 1
+        opens = c.recent_opens / opens_scale + 1
         over = opens > (1.0 + slack) * fair + margin
         over = over and (aff * need > 0 or opens > (1.0 + 2 * slack) * fair + 2 * margin)
         ranked.append((over, cost, c.node_id))

@@ -68,6 +68,7 @@ def clusters(draw: Any) -> dict[str, Any]:
         ),
         "scan_classes": draw(st.sampled_from([0, 0b11110, 1 << 6])),
         "marker": draw(st.none() | st.tuples(st.integers(0, n - 1), st.integers(2, MAX_KEYS))),
+        "scale": draw(st.sampled_from([1.0, 3.5, 2.0**40])),  # the coordinator's scaled counts
     }
 
 
@@ -81,7 +82,8 @@ def expected(sc: dict[str, Any]) -> Any:
             pending = min(sc["marker"][1], sc["num_keys"])
         candidates.append(
             NodeCandidate(
-                n["id"], held, n["free"], n["total"], n["evictable"], pending, n["opens"], n["active"],
+                n["id"], held, n["free"], n["total"], n["evictable"], pending,
+                n["opens"] * sc["scale"] / sc["scale"], n["active"],
                 held - device,
             )
         )  # fmt: skip
@@ -110,7 +112,8 @@ def build(store: Store, sc: dict[str, Any]) -> NewSequence:
         assert isinstance(store, RedisStore)
         store._redis.set(b"short:pend:" + KEYS[0], f"{sc['marker'][1]}:{owner}".encode(), px=30_000)
     rooms = tuple(
-        NodeRoom(n["id"], n["free"], n["total"], n["evictable"], n["opens"], n["active"]) for n in sc["nodes"]
+        NodeRoom(n["id"], n["free"], n["total"], n["evictable"], n["opens"] * sc["scale"], n["active"])
+        for n in sc["nodes"]
     )
     return NewSequence(
         "s1",
@@ -123,6 +126,7 @@ def build(store: Store, sc: dict[str, Any]) -> NewSequence:
         sc["weights"],
         pending_ttl_ms=0,
         scan_classes=sc["scan_classes"],
+        opens_scale=sc["scale"],
     )
 
 
