@@ -13,10 +13,12 @@ Layout, every key under a configurable prefix P (default "pkv:"):
     P salt:<tenant>    str   16 random bytes, SET NX (first writer wins)
     P usage:<tenant>   int   blocks reserved
     P lead:<role>      str   the holder of a role's lease (the reaper), PX TTL
+    P rooms:<t>:<set>  hash  one store's candidate rows, kept between opens (room_table.py)
 
 Every multi-key update is one Lua script (atomic; one round trip; redis_scripts.py). Scripts build
 key names from P inside Redis, so this targets a single Redis (or a primary with
-replicas), not Redis Cluster. A purge of a node with many keys runs in one script
+replicas); on Redis Cluster use ClusterStore (cluster_store.py, redis+cluster:// URLs),
+whose keys carry hash tags. A purge of a node with many keys runs in one script
 and blocks Redis for its duration (~1 ms per 10k keys).
 
 Errors: connection failures and timeouts become Unavailable. The client retries

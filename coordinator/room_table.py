@@ -10,7 +10,10 @@ open: the chosen node's load and opens, and the nodes that beat meanwhile.
 Rows are stamped from a counter under a lock when they are diffed, and the script keeps the
 newer stamp, so an open that reaches Redis after a later one never puts back older values.
 A table that is gone (Redis restarted, or it expired after ten idle minutes) is refused by
-the script ({-4}); the caller forgets what it sent and sends the whole table once.
+the script ({-4}); the caller forgets what it sent and sends the whole table once. After a
+Sentinel failover the new primary may hold rows a moment older than those sent (replication
+is asynchronous): each is right again when its node's room next changes. Recent opens travel
+scaled (NewSequence.opens_scale), so their decay changes no row.
 """
 
 from __future__ import annotations
