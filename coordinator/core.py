@@ -414,6 +414,7 @@ class Coordinator(DeferredCalls, Failures, Membership):
         num_blocks = max(1, -(-num_tokens // bs))
         rooms = []
         with self._lock:
+            opens, opens_scale = self._recent_opens, self._open_growth  # scaled: rows change less
             for node in nodes.values():
                 # Cached blocks nobody holds are room, not idle capacity: placement counts them apart.
                 load, total = node.load, node.num_blocks
@@ -421,7 +422,7 @@ class Coordinator(DeferredCalls, Failures, Membership):
                 evictable = min(load.get("cached_blocks", 0), total - free)
                 active = self._active_blocks.get(node.node_id, 0)
                 rooms.append(
-                    NodeRoom(node.node_id, free, total, evictable, self._opens_of(node.node_id), active)
+                    NodeRoom(node.node_id, free, total, evictable, opens.get(node.node_id, 0.0), active)
                 )
             scan_classes = self._reuse.scan_classes()
         quota = self.config.quotas.get(tenant)
@@ -437,6 +438,7 @@ class Coordinator(DeferredCalls, Failures, Membership):
             quota,
             scan_classes=scan_classes,
             request_id=request_id,
+            opens_scale=opens_scale,
         )
         # In `_inflight` before the page table exists: a close that finds the record finds the call.
         call = NodeCall(seq_id)

@@ -278,7 +278,7 @@ class MemoryStore(Store):
                         c.total_blocks,
                         c.evictable_blocks,
                         self._pending_on(c.node_id, keys, cached),
-                        c.recent_opens,
+                        c.recent_opens / new.opens_scale,
                         c.active_blocks,
                         host,
                     )

@@ -134,6 +134,9 @@ class NewSequence:
     prefix to its node (placement.py); 0: leave none.
     scan_classes: placement's bit mask of the run size classes placed as scans (reuse.py).
     request_id: the caller's id for this open, kept in the page table ("" : none).
+    opens_scale: each candidate's recent_opens is this many times its decayed count (the
+    coordinator keeps its counts scaled by a growing factor, so that a decay changes no
+    candidate's row: stores that keep rows between opens send only the rows that changed).
     """
 
     seq_id: str
@@ -148,6 +151,7 @@ class NewSequence:
     pending_ttl_ms: int = 10_000
     scan_classes: int = 0
     request_id: str = ""  # kept in the page table: a retried open gets the first answer
+    opens_scale: float = 1.0
 
     def __post_init__(self) -> None:
         check_name("seq_id", self.seq_id)
@@ -164,10 +168,29 @@ class NewSequence:
         if self.quota is not None:
             check_count("quota", self.quota)
         check_count("pending_ttl_ms", self.pending_ttl_ms)
+        scale = self.opens_scale
+        if not isinstance(scale, int | float) or isinstance(scale, bool) or not 0 < scale < math.inf:
+            raise InvalidArgument(f"opens_scale must be a finite number > 0, got {scale!r}")
         if check_count("scan_classes", self.scan_classes) >= 1 << 52:
             raise InvalidArgument(f"scan_classes must be a bit mask below 2**52, got {self.scan_classes!r}")
         rooms = []
         for c in self.candidates:
+            # A well-formed NodeRoom (what the coordinator sends, 1,000 an open at 1,000 nodes)
+            # passes in one expression; anything else takes the checks below.
+            if (
+                type(c) is NodeRoom
+                and type(c[0]) is str
+                and c[0]
+                and type(c[1]) is type(c[2]) is type(c[3]) is int
+                and c[1] >= 0
+                and c[3] >= 0
+                and c[1] + c[3] <= c[2]
+                and type(c[4]) is float
+                and 0 <= c[4] < math.inf
+                and (c[5] is None or (type(c[5]) is int and c[5] >= 0))
+            ):
+                rooms.append(c)
+                continue
             if not isinstance(c, tuple) or not 3 <= len(c) <= 6:
                 raise InvalidArgument(
                     "a candidate must be (node_id, free_blocks, total_blocks[, evictable_blocks"

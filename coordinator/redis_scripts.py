@@ -170,11 +170,16 @@ local function live_set(P, ids)
   end
   return live
 end
--- {id = leading run} for the nodes of `wanted` (a set) that hold keys[1]; others hold 0.
-local function held_runs(P, keys, wanted)
+-- The nodes the index lists for keys[1] (every node with a run), {} for no keys.
+local function first_holders(P, keys)
+  if #keys == 0 then return {} end
+  return redis.call('SMEMBERS', P .. 'idx:' .. keys[1])
+end
+-- {id = leading run} for the nodes of `wanted` (a set) among `holders` (first_holders, read
+-- once by the caller when it has them); others hold 0.
+local function held_runs(P, keys, wanted, holders)
   local held = {}
-  if #keys == 0 then return held end
-  for _, id in ipairs(redis.call('SMEMBERS', P .. 'idx:' .. keys[1])) do
+  for _, id in ipairs(holders or first_holders(P, keys)) do
     if wanted[id] then held[id] = leading(P, id, keys) end
   end
   return held
@@ -204,12 +209,24 @@ return out
 #       keys_blob, balance_slack ('-1' = no bound), pending_ttl_ms, affinity_share, balance_margin,
 #       host_weight, scan_classes, candidates: one string, a line per candidate by node_id,
 #       "node_id TAB free_blocks TAB total_blocks TAB evictable_blocks TAB recent_opens TAB
-#       active_blocks ('-1' = not counted) LF" (one argument, not six per node: redis-py
-#       encoded 6,000 arguments an open at 1,000 nodes), request_id (kept in the page table).
+#       active_blocks ('-1' = not counted)" each after a LF (one argument, not six per node:
+#       redis-py encoded 6,000 arguments an open at 1,000 nodes), request_id (kept in the page
+#       table), opens_scale (every recent_opens is that many times the count it stands for);
+#       in shortlist mode (over shortlist.WEIGH_ALL candidates) also: rooms (the
+#       caller's room table: a hash id -> "stamp TAB the row's fields"), full ('1': ARGV[16] is
+#       every row, stamped; else the rows changed since the caller's last open), the shortlist
+#       (ids joined by TAB), the sums of recent_opens and of total_blocks over every candidate.
+# Cost, K prompt keys, H nodes holding keys[1], S the shortlist, D the rows changed since the
+# caller's last open (the room table stays in Redis, per caller and candidate set: a 1,000-row
+# argument cost ~100 us an open): in shortlist mode the script weighs only the H holders, the
+# in-flight marker's node and the S others (shortlist.py: the best non-holders by place()'s own
+# order), read from that table by id: O(H x K + S + D), flat in N (bench/README "Control plane
+# at scale"). With N <= WEIGH_ALL, H > 64, or every weighed node lapsed it weighs all N rows.
 # Returns {1, node, cached, {node, score, ...}, {rejected...}, pending, cached elsewhere, host, scan,
 #          the node holding that}
 #       | {0} (no live candidate)
-#       | {-1, fewest uncached, most room} (no room) | {-2, used} (quota) | {-3} (id taken).
+#       | {-1, fewest uncached, most room} (no room) | {-2, used} (quota) | {-3} (id taken)
+#       | {-4} (the room table is gone: nothing changed; send it whole).
 # Scores travel as %.17g strings (Redis truncates Lua numbers to integers), which parse back
 # to the same doubles (the arithmetic is place()'s, in its order); ties go to the smallest
 # sha1hex(first key .. node id), as place()'s tie_rank; scans first by sha1hex(SCAN_KEY .. id).
@@ -238,43 +255,118 @@ local keys = split_keys(ARGV[9])
 local slack, ttl, aff, margin = tonumber(ARGV[10]), tonumber(ARGV[11]), tonumber(ARGV[12]), tonumber(ARGV[13])
 local hw, scan_mask = tonumber(ARGV[14]), tonumber(ARGV[15])
 local tie = keys[1] or ''
-local nodes = {}
-local sum_opens, sum_total, most_cached = 0, 0, 0
-local ids, rows = {}, {}
 local col = '([^\\t]+)\\t'
-for id, f, t, e, o, a in string.gmatch(ARGV[16], string.rep(col, 5) .. '([^\\n]+)\\n') do
-  ids[#ids + 1] = id
-  rows[#rows + 1] = {id, f, t, e, o, a}
-end
-local live = live_set(P, ids)
-local runs = held_runs(P, keys, live)
-local markers = {}  -- keys[i] -> its in-flight marker or false: read once, not once per node
-for _, row in ipairs(rows) do
-  local id = row[1]
-  if live[id] then
-    local free, total, evictable = tonumber(row[2]), tonumber(row[3]), tonumber(row[4])
-    local opens, active = tonumber(row[5]), tonumber(row[6])
-    local held, host = tiers(P, id, keys, runs[id] or 0)
-    local pending = 0
-    if held < #keys then
-      local marker = markers[held + 1]
-      if marker == nil then
-        marker = redis.call('GET', P .. 'pend:' .. keys[held + 1])
-        markers[held + 1] = marker
-      end
-      if marker then
-        local count, owner = string.match(marker, '^(%d+):(.*)$')
-        if owner == id then pending = math.max(0, math.min(tonumber(count), #keys) - held) end
+local row_pat = '\\n([^\\t]+)\\t' .. string.rep(col, 4) .. '([^\\n]+)'
+local opens_scale = tonumber(ARGV[18])  -- recent_opens arrive scaled by it (records.NewSequence)
+local rooms = ARGV[19]  -- the caller's room table (shortlist mode), or nil: every row in ARGV[16]
+if rooms then
+  -- Rows changed since the caller last sent them, stamped: a row older than the one stored (a
+  -- slower concurrent open) is not written. A table that is gone (a Redis restart, its expiry)
+  -- is refused unless this is the whole table: the caller sends it again.
+  if ARGV[20] ~= '1' and redis.call('EXISTS', rooms) == 0 then return {-4} end
+  local ids, vals = {}, {}
+  for id, stamp, rest in string.gmatch(ARGV[16], '\\n([^\\t]+)\\t(%d+)\\t([^\\n]+)') do
+    ids[#ids + 1] = id; vals[#vals + 1] = {tonumber(stamp), stamp .. '\\t' .. rest}
+  end
+  for first = 1, #ids, 4000 do
+    local last = math.min(first + 3999, #ids)
+    local old = redis.call('HMGET', rooms, unpack(ids, first, last))
+    local put = {}
+    for i = first, last do
+      local was = old[i - first + 1]
+      if not was or tonumber(string.match(was, '^(%d+)')) < vals[i][1] then
+        put[#put + 1] = ids[i]; put[#put + 1] = vals[i][2]
       end
     end
-    local cached = math.min(held, need)
-    host = math.max(0, host - (held - cached))
-    if active < 0 then active = total - free - evictable end
-    nodes[#nodes + 1] = {id, free + evictable, total, cached, pending, opens, host, active}
-    if cached > most_cached then most_cached = cached end
-    sum_opens = sum_opens + opens
-    sum_total = sum_total + total
+    if #put > 0 then redis.call('HSET', rooms, unpack(put)) end
   end
+  redis.call('PEXPIRE', rooms, 600000)
+end
+local function stored_row(id, value)
+  local f, t, e, o, a = string.match(value, '^%d+\\t' .. string.rep(col, 4) .. '(.+)$')
+  return {id, f, t, e, o, a}
+end
+-- Every row of the candidate table.
+local function all_rows()
+  local rows = {}
+  if rooms then
+    local flat = redis.call('HGETALL', rooms)
+    for i = 1, #flat, 2 do rows[#rows + 1] = stored_row(flat[i], flat[i + 1]) end
+  else
+    for id, f, t, e, o, a in string.gmatch(ARGV[16], row_pat) do rows[#rows + 1] = {id, f, t, e, o, a} end
+  end
+  return rows
+end
+-- The rows that can win: the first key's holders, the node its in-flight marker names, and
+-- the shortlist (ARGV[21]), read from the room table by id: O(H + S), the rest never read.
+local function some_rows(holders)
+  local ids, seen = {}, {}
+  local function add(id)
+    if id and not seen[id] then seen[id] = true; ids[#ids + 1] = id end
+  end
+  for _, id in ipairs(holders) do add(id) end
+  if #keys > 0 then
+    local marker = redis.call('GET', P .. 'pend:' .. keys[1])
+    if marker then add(string.match(marker, '^%d+:(.*)$')) end
+  end
+  for id in string.gmatch(ARGV[21], '[^\\t]+') do add(id) end
+  local rows = {}
+  if #ids == 0 then return rows end
+  for i, value in ipairs(redis.call('HMGET', rooms, unpack(ids))) do
+    if value then rows[#rows + 1] = stored_row(ids[i], value) end
+  end
+  return rows
+end
+-- The live rows as placement's candidates, and the sums of the balance bound: over the live
+-- rows when the whole table is read, else the caller's sums less the rows found lapsed.
+local function gather(rows, holders, shortlisted)
+  local ids = {}
+  for i, row in ipairs(rows) do ids[i] = row[1] end
+  local live = live_set(P, ids)
+  local runs = held_runs(P, keys, live, holders)
+  local nodes, markers = {}, {}  -- markers: keys[i] -> its in-flight marker or false, read once
+  local sum_opens, sum_total, most_cached, dead_opens, dead_total = 0, 0, 0, 0, 0
+  for _, row in ipairs(rows) do
+    local id = row[1]
+    local free, total, evictable = tonumber(row[2]), tonumber(row[3]), tonumber(row[4])
+    local opens, active = tonumber(row[5]) / opens_scale, tonumber(row[6])
+    if live[id] then
+      local held, host = tiers(P, id, keys, runs[id] or 0)
+      local pending = 0
+      if held < #keys then
+        local marker = markers[held + 1]
+        if marker == nil then
+          marker = redis.call('GET', P .. 'pend:' .. keys[held + 1])
+          markers[held + 1] = marker
+        end
+        if marker then
+          local count, owner = string.match(marker, '^(%d+):(.*)$')
+          if owner == id then pending = math.max(0, math.min(tonumber(count), #keys) - held) end
+        end
+      end
+      local cached = math.min(held, need)
+      host = math.max(0, host - (held - cached))
+      if active < 0 then active = total - free - evictable end
+      nodes[#nodes + 1] = {id, free + evictable, total, cached, pending, opens, host, active}
+      if cached > most_cached then most_cached = cached end
+      sum_opens = sum_opens + opens
+      sum_total = sum_total + total
+    else
+      dead_opens, dead_total = dead_opens + opens, dead_total + total
+    end
+  end
+  if shortlisted then
+    sum_opens = math.max(0, tonumber(ARGV[22]) - dead_opens)
+    sum_total = math.max(0, tonumber(ARGV[23]) - dead_total)
+  end
+  return nodes, sum_opens, sum_total, most_cached
+end
+local holders = first_holders(P, keys)
+local shortlisted = rooms ~= nil and #holders <= 64
+local rows = shortlisted and some_rows(holders) or all_rows()
+local nodes, sum_opens, sum_total, most_cached = gather(rows, holders, shortlisted)
+if #nodes == 0 and shortlisted then  -- every node it weighed has lapsed: weigh them all
+  nodes, sum_opens, sum_total, most_cached = gather(all_rows(), holders, false)
 end
 if #nodes == 0 then return {0} end
 local class, v = 0, need - most_cached

@@ -13,10 +13,12 @@ Layout, every key under a configurable prefix P (default "pkv:"):
     P salt:<tenant>    str   16 random bytes, SET NX (first writer wins)
     P usage:<tenant>   int   blocks reserved
     P lead:<role>      str   the holder of a role's lease (the reaper), PX TTL
+    P rooms:<t>:<set>  hash  one store's candidate rows, kept between opens (room_table.py)
 
 Every multi-key update is one Lua script (atomic; one round trip; redis_scripts.py). Scripts build
 key names from P inside Redis, so this targets a single Redis (or a primary with
-replicas), not Redis Cluster. A purge of a node with many keys runs in one script
+replicas); on Redis Cluster use ClusterStore (cluster_store.py, redis+cluster:// URLs),
+whose keys carry hash tags. A purge of a node with many keys runs in one script
 and blocks Redis for its duration (~1 ms per 10k keys).
 
 Errors: connection failures and timeouts become Unavailable. The client retries
@@ -75,8 +77,10 @@ from .records import (
     check_sequence_fields,
     check_ttl,
 )
+from .room_table import RoomTables
 from .sentinel import SCHEME as SENTINEL_SCHEME
 from .sentinel import primary_client
+from .shortlist import WEIGH_ALL, shortlist
 from .store import Store
 
 SALT_BYTES = 16
@@ -182,6 +186,7 @@ class RedisStore(Store):
         self._mark_lost = reg(lua.MARK_LOST)
         self._release = reg(lua.RELEASE)
         self._kept = KeptScripts(self._redis)
+        self._rooms = RoomTables(self._prefix.encode())
 
     def __repr__(self) -> str:
         return f"RedisStore({self._redis.connection_pool!r}, prefix={self._prefix!r})"
@@ -367,15 +372,40 @@ class RedisStore(Store):
             repr(float(w.host_weight)),
             new.scan_classes,
         ]
-        rows = "".join(
-            f"{c[0]}\t{c[1]}\t{c[2]}\t{c[3]}\t{c[4]!r}\t{-1 if c[5] is None else c[5]}\n"
-            for c in new.candidates
-        )
-        # A tab or line feed in a node id would shift the columns: the counts catch it in C.
-        if rows.count("\n") != len(new.candidates) or rows.count("\t") != 5 * len(new.candidates):
+        # A tab or line feed in a node id would shift the columns of the rows.
+        ids = "".join(c[0] for c in new.candidates)
+        if "\t" in ids or "\n" in ids:
             raise InvalidArgument("candidate node ids must not contain tabs or line feeds")
-        args += (rows, new.request_id)
-        reply = self._call("open_sequence", self._kept.run, self._open_seq, args)
+        if len(new.candidates) <= WEIGH_ALL:  # every row travels and is weighed
+            rows = "".join(
+                f"\n{c[0]}\t{c[1]}\t{c[2]}\t{c[3]}\t{c[4]!r}\t{-1 if c[5] is None else c[5]}"
+                for c in new.candidates
+            )
+            args += (rows, new.request_id, repr(float(new.opens_scale)))
+            reply = self._call("open_sequence", self._kept.run, self._open_seq, args)
+        else:  # the holders and a shortlist are weighed, from the room table (room_table.py)
+            short = shortlist(
+                new.candidates,
+                new.num_blocks,
+                w,
+                new.keys[:16],
+                new.scan_classes,
+                opens_scale=new.opens_scale,
+            )
+            tail = ("\t".join(short.ids), repr(short.sum_opens), short.sum_total)
+            reply = [-4]
+            for _ in range(2):  # a second time, whole, when the table was gone
+                table = self._rooms.args(new.candidates)
+                call = (*args, table.rows, new.request_id, repr(float(new.opens_scale)), table.key)
+                call += ("1" if table.full else "0", *tail)
+                try:
+                    reply = self._call("open_sequence", self._kept.run, self._open_seq, call)
+                except Unavailable:
+                    self._rooms.forget(new.candidates)  # it may not have been written
+                    raise
+                if reply[0] != -4:
+                    break
+                self._rooms.forget(new.candidates)
         code = reply[0]
         if code == 1:
             flat = reply[3]
@@ -395,6 +425,8 @@ class RedisStore(Store):
             )
         if code == 0:
             raise Unavailable("no live cache node to place a sequence on")
+        if code == -4:  # gone again right after it was sent whole: Redis is restarting
+            raise Unavailable("redis lost the open's room table twice; retry")
         if code == -1:
             raise no_room(new.num_blocks, int(reply[1]), int(reply[2]))
         if code == -2:

@@ -187,8 +187,11 @@ class Store(ABC):
 
         Cost, K prompt keys, H live candidates holding the first key, C candidates: the
         match is O(H x K) (through the key -> nodes index; a node holding none of the prompt
-        costs nothing there), placement O(C) with a small constant per candidate (its room
-        arrives with the call; bench/README "Control plane at scale" gives the figures).
+        costs nothing there). A backend may weigh, besides the holders and the marker's node,
+        only a shortlist of the others (shortlist.py: the best non-holders in place()'s own
+        order, so the choice is place()'s over all C); `scores` and `rejected` then cover the
+        nodes weighed. RedisStore does so above shortlist.WEIGH_ALL candidates: its Redis work
+        is O(H x K + shortlist), flat in C (bench/README "Control plane at scale").
         """
 
     @abstractmethod
@@ -271,7 +274,8 @@ class Store(ABC):
 
 def open_store(url: str, **options: Any) -> Store:
     """A Store from a URL (tooz style): "memory://" or "redis://host:port/db" (rediss:// too),
-    or "redis+sentinel://host:port,host:port/mastername" (the primary the sentinels name).
+    or "redis+sentinel://host:port,host:port/mastername" (the primary the sentinels name), or
+    "redis+cluster://host:port,host:port" (Redis Cluster: cluster_store.py, any of its masters).
 
     Options go to the backend (e.g. prefix="pkv:" for Redis, clock=... for memory).
     """
@@ -281,10 +285,15 @@ def open_store(url: str, **options: Any) -> Store:
         from .memory_store import MemoryStore
 
         return MemoryStore(**options)
+    if url.startswith("redis+cluster://"):
+        from .cluster_store import ClusterStore
+
+        return ClusterStore(url, **options)
     if url.startswith(("redis://", "rediss://", "unix://", "redis+sentinel://")):
         from .redis_store import RedisStore
 
         return RedisStore(url, **options)
     raise InvalidArgument(
-        f"unknown store URL {url!r}: use memory://, redis://host:port or redis+sentinel://host:port/name"
+        f"unknown store URL {url!r}: use memory://, redis://host:port, redis+sentinel://host:port/name "
+        "or redis+cluster://host:port,host:port"
     )

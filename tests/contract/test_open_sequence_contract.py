@@ -35,9 +35,11 @@ def keys(n: int) -> bytes:
     return b"".join(key(i) for i in range(1, n + 1))
 
 
-@pytest.fixture(params=["memory", "redis"])
+@pytest.fixture(params=["memory", "redis", "cluster"])
 def store(request: pytest.FixtureRequest) -> Iterator[Store]:
-    url = "memory://" if request.param == "memory" else str(request.getfixturevalue("redis_url"))
+    urls = {"memory": "memory://", "redis": "redis_url", "cluster": "redis_cluster_url"}
+    url = urls[request.param]
+    url = url if request.param == "memory" else str(request.getfixturevalue(url))
     s = open_store(url)
     yield s
     s.close()
@@ -364,3 +366,20 @@ def test_a_host_run_longer_than_one_script_slice(store: Store) -> None:
     new_seq = NewSequence("long", "acme", 9_002 * BS, 9_002, BS, blob, rooms, pending_ttl_ms=0)
     placement = store.open_sequence(new_seq)
     assert (placement.cached_blocks, placement.host_blocks) == (9_001, 8_991)
+
+
+def test_scaled_recent_opens_place_as_their_counts(store: Store) -> None:
+    """recent_opens / opens_scale is the count the balance bound sees (the coordinator sends
+    its counts scaled so that a decay changes no row)."""
+    register(store, "n1", "n2")
+    store.apply_events("n1", [key(i) for i in range(1, 7)], [])
+    # Within the bound by its counts (3 + 1 <= fair 2 + margin 4), over it by the raw values.
+    w = PlacementWeights(balance_slack=0.0, balance_margin=4.0, affinity_share=2.0)
+    plain = (NodeRoom("n1", 50, 100, 0, 3.0, 0), NodeRoom("n2", 50, 100, 0, 0.0, 0))
+    scaled = tuple(r._replace(recent_opens=r.recent_opens * 1e30) for r in plain)
+    first = store.open_sequence(new("s1", rooms=plain, weights=w))
+    second = store.open_sequence(new("s2", rooms=scaled, weights=w, opens_scale=1e30))
+    assert first.node_id == second.node_id == "n1"  # the holder, within its share
+    assert first.scores == second.scores
+    with pytest.raises(InvalidArgument, match="opens_scale"):
+        new("s3", opens_scale=0.0)

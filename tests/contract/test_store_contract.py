@@ -42,10 +42,12 @@ def key(i: int) -> bytes:
     return i.to_bytes(16, "big")
 
 
-@pytest.fixture(params=["memory", "redis"])
+@pytest.fixture(params=["memory", "redis", "cluster"])
 def store_url(request: pytest.FixtureRequest) -> str:
     if request.param == "memory":
         return "memory://"
+    if request.param == "cluster":  # a real 3-master Redis Cluster (tests/contract/conftest.py)
+        return str(request.getfixturevalue("redis_cluster_url"))
     return str(request.getfixturevalue("redis_url"))
 
 

@@ -1,0 +1,98 @@
+"""The Lua scripts of ClusterStore (cluster_store.py): each declares every key it touches in
+KEYS[] and those keys share one hash tag, so each runs in one slot of a Redis Cluster.
+
+What spans slots (a node's keys and the prefix index, a sequence and its node links) is
+split into these one-slot steps in the order cluster_store.py states, with its consistency
+rule. The single-key scripts (LIVE_NODE, TRY_LEAD, RESERVE, RELEASE, EXPIRE_LOST) are
+redis_scripts.py's own.
+"""
+
+# KEYS: the node's record, alive, nkeys, hkeys, nseqs (tag {n:<id>}).
+# ARGV: address, spec_json, num_blocks, ttl_ms, epoch, policy.
+# Returns {was registered (0/1), {keys it held}, {ids of its sequences}}: what to purge.
+REGISTER = """
+local was = redis.call('EXISTS', KEYS[1])
+local keys = redis.call('SMEMBERS', KEYS[3])
+local seqs = redis.call('SMEMBERS', KEYS[5])
+redis.call('DEL', KEYS[1], KEYS[3], KEYS[4], KEYS[5])
+redis.call('HSET', KEYS[1], 'address', ARGV[1], 'spec', ARGV[2], 'num_blocks', ARGV[3], 'load', '{}',
+           'epoch', ARGV[5], 'policy', ARGV[6])
+redis.call('SET', KEYS[2], '1', 'PX', ARGV[4])
+return {was, keys, seqs}
+"""
+
+# KEYS: as REGISTER. ARGV: require_expired ('1'/'0').
+# Returns {1, {keys}, {seq ids}} | {0, {}, {}} (unknown) | {-1, {}, {}} (live, expiry required).
+REMOVE = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return {0, {}, {}} end
+if ARGV[1] == '1' and redis.call('EXISTS', KEYS[2]) == 1 then return {-1, {}, {}} end
+local keys = redis.call('SMEMBERS', KEYS[3])
+local seqs = redis.call('SMEMBERS', KEYS[5])
+redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5])
+return {1, keys, seqs}
+"""
+
+# KEYS: the node's record, alive. ARGV: load_json, ttl_ms. Returns 1, or 0 if not registered.
+HEARTBEAT = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+redis.call('SET', KEYS[2], '1', 'PX', ARGV[2])
+redis.call('HSET', KEYS[1], 'load', ARGV[1])
+return 1
+"""
+
+# KEYS: the node's alive, nkeys, hkeys. ARGV: num_stored, num_offloaded, stored..., offloaded...,
+# removed... Returns {1, {keys it no longer holds}} (their index entries go next) | {0} (not live).
+EVENTS = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return {0} end
+local n, m = tonumber(ARGV[1]), tonumber(ARGV[2])
+local has_host = redis.call('EXISTS', KEYS[3]) == 1
+for i = 3, 2 + n do
+  redis.call('SADD', KEYS[2], ARGV[i])
+  if has_host then redis.call('SREM', KEYS[3], ARGV[i]) end
+end
+for i = 3 + n, 2 + n + m do
+  redis.call('SADD', KEYS[2], ARGV[i])
+  redis.call('SADD', KEYS[3], ARGV[i])
+end
+has_host = has_host or m > 0
+local gone = {}
+for i = 3 + n + m, #ARGV do
+  if has_host then redis.call('SREM', KEYS[3], ARGV[i]) end
+  if redis.call('SREM', KEYS[2], ARGV[i]) == 1 then gone[#gone + 1] = ARGV[i] end
+end
+return {1, gone}
+"""
+
+# KEYS: a sequence's record. ARGV: field, value, ... Returns 1 (written) | 0 (the id is taken).
+CREATE_SEQ = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+redis.call('HSET', KEYS[1], unpack(ARGV))
+return 1
+"""
+
+# KEYS: a sequence's record. ARGV: field, value, ...
+# Returns {1, extents before (JSON), the record after (flat)} | {0} (missing).
+UPDATE_SEQ = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return {0} end
+local before = redis.call('HGET', KEYS[1], 'extents')
+redis.call('HSET', KEYS[1], unpack(ARGV))
+return {1, before, redis.call('HGETALL', KEYS[1])}
+"""
+
+# KEYS: a sequence's record. ARGV: tenant ('' = any). Returns the deleted record (flat), {}
+# if missing, or {'!tenant'} if it is another tenant's (then it stays).
+DELETE_SEQ = """
+local h = redis.call('HGETALL', KEYS[1])
+if #h == 0 then return h end
+if ARGV[1] ~= '' and redis.call('HGET', KEYS[1], 'tenant') ~= ARGV[1] then return {'!tenant'} end
+redis.call('DEL', KEYS[1])
+return h
+"""
+
+# KEYS: a sequence's record. ARGV: reason. Returns 1 if it exists (now lost), else 0.
+MARK_LOST = """
+local state = redis.call('HGET', KEYS[1], 'state')
+if not state then return 0 end
+if state ~= 'lost' then redis.call('HSET', KEYS[1], 'state', 'lost', 'lost_reason', ARGV[1]) end
+return 1
+"""
