@@ -231,10 +231,53 @@ class Sequence:
                 if k is not None and layer == 0 and self.num_tokens is not None:
                     self.num_tokens += 1
                 return squeeze(res, is_one)
-        res = self.client.attend_batch(
-            [self], layer, q, k, v, tokens, return_block_mass=return_block_mass, timeout_s=timeout_s
-        )
+        if k is not None and layer == 0 and self._tail_room() == 0:
+            self.extend(timeout_s=timeout_s)  # max_extent_tokens reached: the new token starts an extent
+        try:
+            res = self._attend_extents(layer, q, k, v, tokens, return_block_mass, timeout_s)
+        except CapacityExceeded as exc:
+            if layer != 0 or k is None or not self.can_spill:
+                raise
+            self._spill_after(exc, 1, timeout_s)
+            res = self._attend_extents(layer, q, k, v, tokens, return_block_mass, timeout_s)
+        if k is not None and layer == 0 and self.num_tokens is not None:
+            self.num_tokens += 1
         return squeeze(res, is_one)
+
+    def _attend_extents(
+        self,
+        layer: int,
+        q: Any,
+        k: Any,
+        v: Any,
+        tokens: list[int] | None,
+        return_block_mass: bool,
+        timeout_s: float | None,
+    ) -> AttentionResult:
+        """One decode step of this sequence over its extents: one call per node, in parallel
+        (the tail's appends when k is given), merged by LSE in extent order."""
+        last = len(self.extents) - 1
+        calls = []
+        for i, node in enumerate(self._nodes):
+            appends = i == last and k is not None
+            if i == last and not appends and self._extent_tokens(i) == 0:
+                continue  # an empty new tail: nothing to attend to there yet
+            calls.append(
+                lambda data=node.data, appends=appends: data.attend(  # type: ignore[misc]
+                    [self.seq_id],
+                    layer,
+                    q,
+                    k if appends else None,
+                    v if appends else None,
+                    tokens if appends else None,
+                    return_block_mass=return_block_mass,
+                    timeout_s=timeout_s,
+                )
+            )
+        calls.reverse()  # the tail (which may refuse the token) on this thread, first
+        results = run_parallel(self.client.pool(), calls)
+        self.client.counters["sharded_attends"] += len(calls)
+        return merge(results[::-1])
 
     def attend_prefill(
         self,
