@@ -355,3 +355,22 @@ def test_losing_one_extents_node_loses_the_sequence_and_frees_the_others(redis_u
         c.coordinator.wait_idle()
         assert c.held() == {"n1": 0, "n2": 0, "n3": 0}  # nothing left on the other two
         c.check()
+
+
+def test_spills_are_counted_and_exported(redis_url):
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from pagedkv.coordinator.metrics import CoordinatorCollector
+
+    spec = spec_of(4)
+    for c in start_cluster(redis_url, spec, {"n1": 64, "n2": 64}):
+        with c.client.open("m", [1], max_extent_tokens=4) as seq:
+            k = torch.randn(spec.num_layers, 6, spec.num_kv_heads, spec.head_dim)
+            seq.append(list(range(6)), k, k)
+            assert len(seq.extents) == 2
+            seq.attend(0, torch.randn(Q_HEADS, spec.head_dim))
+        assert c.client.cluster_stats().counters["spills"] == 1
+        assert c.client.counters == {"spills": 1, "sharded_attends": 2}
+        registry = CollectorRegistry()
+        registry.register(CoordinatorCollector(c.coordinator))
+        assert "pagedkv_coordinator_spills_total 1.0" in generate_latest(registry).decode()
