@@ -10,6 +10,7 @@ checked after every step.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from pagedkv.cache_node.server import create_server as create_node_server
 from pagedkv.client import CacheClient, Sequence
 from pagedkv.coordinator.auth import Tenants
 from pagedkv.coordinator.core import Coordinator, CoordinatorConfig
+from pagedkv.coordinator.quota import reserve
 from pagedkv.coordinator.redis_store import RedisStore
 from pagedkv.coordinator.service import create_server as create_coordinator_server
 from pagedkv.protos.errors import CapacityExceeded, InvalidArgument, SequenceLost, SequenceNotFound
@@ -50,13 +52,17 @@ class Cluster:
         return {n: e.stats()["num_sequences"] for n, e in self.engines.items()}
 
 
-def start_cluster(redis_url: str, spec: ModelSpec, pools: dict[str, int]) -> Iterator[Cluster]:
+def start_cluster(
+    redis_url: str, spec: ModelSpec, pools: dict[str, int], quotas: dict[str, int] | None = None
+) -> Iterator[Cluster]:
     store = RedisStore(redis_url)
-    coordinator = Coordinator(store, CoordinatorConfig(lease_ttl_s=30))
+    coordinator = Coordinator(store, CoordinatorConfig(lease_ttl_s=30, quotas=quotas or {}))
     engines, servers = {}, []
     for node_id, blocks in pools.items():
         engine = CacheEngine(EngineConfig(spec, blocks, 0, device="cpu", unknown_seq_grace_s=5.0))
         server, port = create_node_server(engine, "127.0.0.1:0")
+        # what the node's CoordinatorLink does: ask the coordinator for more of the quota
+        server.gate.reserve = functools.partial(reserve, coordinator, node_id)
         servers.append(server.start())
         coordinator.register(node_id, f"127.0.0.1:{port}", spec.to_dict(), blocks)
         coordinator.heartbeat(node_id, {"free_blocks": blocks, "used_blocks": 0})
@@ -374,3 +380,22 @@ def test_spills_are_counted_and_exported(redis_url):
         registry = CollectorRegistry()
         registry.register(CoordinatorCollector(c.coordinator))
         assert "pagedkv_coordinator_spills_total 1.0" in generate_latest(registry).decode()
+
+
+def test_a_quota_charges_every_extent_and_close_gives_it_back(redis_url):
+    spec = spec_of(4)
+    for c in start_cluster(redis_url, spec, {"n1": 64, "n2": 64, "n3": 64}, quotas={"default": 40}):
+        ref = Reference(spec, seed=7)
+        seq = c.client.open("q", [1], max_extent_tokens=16)
+        k, v = ref.kv(30)
+        seq.append(list(range(30)), k, v)
+        for step in range(12):
+            decode(c, seq, ref, step)
+        assert [e.first_token for e in seq.extents] == [0, 16, 32]
+        used = c.coordinator.store.tenant_usage("default")
+        assert 11 <= used <= 40  # at least the 11 blocks held; reserved ahead in steps
+        assert c.coordinator.store.get_sequence("q").num_blocks == used
+        seq.close()
+        c.coordinator.wait_idle()
+        assert c.coordinator.store.tenant_usage("default") == 0
+        assert c.held() == {"n1": 0, "n2": 0, "n3": 0}
