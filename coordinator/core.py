@@ -561,9 +561,7 @@ class Coordinator(DeferredCalls, Failures, Membership, Extents):
         record = self._record(tenant, seq_id)
         placed = self.extent_nodes(record)
         node = placed[0][1]
-        moved = sum(
-            int(self._call(on, "SwapOut", pb.SeqRequest(seq_id=seq_id)).num_blocks) for _, on in placed
-        )
+        moved = self.swap_extents(seq_id, placed, "SwapOut", "SwapIn")
         self.store.update_sequence(seq_id, state="swapped")
         if record.state == "active":
             self._release_active(node.node_id, record.num_blocks)
@@ -574,9 +572,7 @@ class Coordinator(DeferredCalls, Failures, Membership, Extents):
         record = self._record(tenant, seq_id)
         placed = self.extent_nodes(record)
         node = placed[0][1]
-        moved = sum(
-            int(self._call(on, "SwapIn", pb.SeqRequest(seq_id=seq_id)).num_blocks) for _, on in placed
-        )
+        moved = self.swap_extents(seq_id, placed, "SwapIn", "SwapOut")
         self.store.update_sequence(seq_id, state="active")
         if record.state == "swapped":
             with self._lock:

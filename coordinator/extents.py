@@ -155,6 +155,27 @@ class Extents:
         chosen = place(candidates, 1, bs, self.config.weights)
         return nodes[chosen.node_id]
 
+    def swap_extents(self, seq_id: str, placed: list[tuple[Extent, NodeInfo]], method: str, undo: str) -> int:
+        """SwapOut (or SwapIn) on every extent's node; blocks moved in all. When one node
+        refuses, the extents already moved are moved back (best effort) and its error raised:
+        a sequence is swapped whole or not at all."""
+        done: list[NodeInfo] = []
+        moved = 0
+        try:
+            for _, node in placed:
+                moved += int(self._call(node, method, pb.SeqRequest(seq_id=seq_id)).num_blocks)
+                done.append(node)
+        except PagedKVError:
+            for node in done:
+                try:
+                    self._call(node, undo, pb.SeqRequest(seq_id=seq_id))
+                except PagedKVError as exc:
+                    log.warning(
+                        "%s of %s on %s after a failed %s: %s", undo, seq_id, node.node_id, method, exc
+                    )
+            raise
+        return moved
+
     def _free_extent(self, node_id: str, seq_id: str) -> None:
         """Free a later extent of a closed sequence on its node, now (one rpc; a node that is
         gone or no longer holds it has nothing to free; a failure is counted, and the node's

@@ -59,7 +59,7 @@ def start_cluster(
     coordinator = Coordinator(store, CoordinatorConfig(lease_ttl_s=30, quotas=quotas or {}))
     engines, servers = {}, []
     for node_id, blocks in pools.items():
-        engine = CacheEngine(EngineConfig(spec, blocks, 0, device="cpu", unknown_seq_grace_s=5.0))
+        engine = CacheEngine(EngineConfig(spec, blocks, 16, device="cpu", unknown_seq_grace_s=5.0))
         server, port = create_node_server(engine, "127.0.0.1:0")
         # what the node's CoordinatorLink does: ask the coordinator for more of the quota
         server.gate.reserve = functools.partial(reserve, coordinator, node_id)
@@ -399,3 +399,41 @@ def test_a_quota_charges_every_extent_and_close_gives_it_back(redis_url):
         c.coordinator.wait_idle()
         assert c.coordinator.store.tenant_usage("default") == 0
         assert c.held() == {"n1": 0, "n2": 0, "n3": 0}
+
+
+def test_swap_out_and_in_moves_every_extent(redis_url):
+    spec = spec_of(4)
+    for c in start_cluster(redis_url, spec, {"n1": 64, "n2": 64}):
+        ref = Reference(spec, seed=8)
+        seq = c.client.open("sw", [1], max_extent_tokens=8)
+        k, v = ref.kv(14)
+        seq.append(list(range(14)), k, v)
+        assert len(seq.extents) == 2
+        assert seq.swap_out() == 4  # 2 + 2 blocks, both nodes
+        assert all(e.stats()["used_blocks"] == 0 for e in c.engines.values())
+        assert (
+            seq.swap_in() == 1
+        )  # full blocks stayed cached on the devices: the tail's partial one is copied
+        c.check()
+        decode(c, seq, ref, 99)
+        torch.testing.assert_close(seq.read_kv()[0], ref.k, rtol=0, atol=0)
+        seq.close()
+        c.coordinator.wait_idle()
+        assert c.held() == {"n1": 0, "n2": 0}
+
+
+def test_a_swap_refused_by_one_node_leaves_every_extent_in_place(redis_url):
+    spec = spec_of(4)
+    for c in start_cluster(redis_url, spec, {"n1": 64, "n2": 64}):
+        ref = Reference(spec, seed=9)
+        seq = c.client.open("big", [1], max_extent_tokens=8)
+        k, v = ref.kv(12)
+        seq.append(list(range(12)), k, v)
+        seq.max_extent_tokens = None
+        k, v = ref.kv(4 * 20)  # the tail holds 21 blocks: more than its node's host tier (16)
+        seq.append(list(range(4 * 20)), k, v)
+        with pytest.raises(CapacityExceeded, match="swap out"):
+            seq.swap_out()
+        c.check()
+        decode(c, seq, ref, 5)  # both extents still on their devices
+        seq.close()
