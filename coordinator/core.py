@@ -499,12 +499,12 @@ class Coordinator(DeferredCalls, Failures, Membership, Extents):
             self.store.reserve_blocks(tenant, parent.num_blocks, quota)
         try:
             request = pb.ForkRequest(parent_id=parent_id, child_id=child_id)
-            if quota is not None:
-                request.max_blocks = parent.num_blocks
             forked: list[NodeInfo] = []
             record = SequenceRecord(child_id, tenant, parent.extents, parent.num_tokens, parent.state)
             try:
-                for _, on in placed:
+                for ext, on in placed:
+                    if quota is not None:  # each extent's own allowance: they sum to what was reserved
+                        request.max_blocks = ext.num_blocks
                     self._call(on, "Fork", request)
                     forked.append(on)
                 self.store.create_sequence(record)

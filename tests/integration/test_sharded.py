@@ -384,7 +384,7 @@ def test_spills_are_counted_and_exported(redis_url):
 
 def test_a_quota_charges_every_extent_and_close_gives_it_back(redis_url):
     spec = spec_of(4)
-    for c in start_cluster(redis_url, spec, {"n1": 64, "n2": 64, "n3": 64}, quotas={"default": 40}):
+    for c in start_cluster(redis_url, spec, {"n1": 64, "n2": 64, "n3": 64}, quotas={"default": 80}):
         ref = Reference(spec, seed=7)
         seq = c.client.open("q", [1], max_extent_tokens=16)
         k, v = ref.kv(30)
@@ -395,6 +395,13 @@ def test_a_quota_charges_every_extent_and_close_gives_it_back(redis_url):
         used = c.coordinator.store.tenant_usage("default")
         assert 11 <= used <= 40  # at least the 11 blocks held; reserved ahead in steps
         assert c.coordinator.store.get_sequence("q").num_blocks == used
+        child = seq.fork("q-child")  # reserves the parent's blocks again, extent by extent
+        assert c.coordinator.store.tenant_usage("default") == 2 * used
+        child_ref = Reference(spec, seed=70)
+        child_ref.k, child_ref.v = ref.k.clone(), ref.v.clone()
+        for step in range(6):
+            decode(c, child, child_ref, step)
+        child.close()
         seq.close()
         c.coordinator.wait_idle()
         assert c.coordinator.store.tenant_usage("default") == 0
