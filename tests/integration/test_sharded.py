@@ -10,6 +10,7 @@ checked after every step.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import math
 from collections.abc import Iterator
@@ -20,7 +21,7 @@ import torch
 
 from pagedkv.cache_node.engine import CacheEngine, EngineConfig
 from pagedkv.cache_node.server import create_server as create_node_server
-from pagedkv.client import CacheClient, Sequence
+from pagedkv.client import AsyncCacheClient, CacheClient, Sequence
 from pagedkv.coordinator.auth import Tenants
 from pagedkv.coordinator.core import Coordinator, CoordinatorConfig
 from pagedkv.coordinator.quota import reserve
@@ -444,3 +445,22 @@ def test_a_swap_refused_by_one_node_leaves_every_extent_in_place(redis_url):
         c.check()
         decode(c, seq, ref, 5)  # both extents still on their devices
         seq.close()
+
+
+def test_the_asyncio_client_spills_and_merges_alike(redis_url):
+    spec = spec_of(4)
+    for c in start_cluster(redis_url, spec, {"n1": 64, "n2": 64}):
+        asyncio.run(spill_async(c, Reference(spec, seed=11)))
+        c.coordinator.wait_idle()
+        assert c.held() == {"n1": 0, "n2": 0}
+
+
+async def spill_async(c: Cluster, ref: Reference) -> None:
+    k, v = ref.kv(10)
+    client = AsyncCacheClient(coordinator=c.client.address, spec=c.spec)
+    async with client, client.open("a", [1], max_extent_tokens=8) as seq:
+        assert await seq.append(list(range(10)), k, v) == 10
+        assert [e.first_token for e in seq.extents] == [0, 8]
+        q = ref.rand(Q_HEADS, c.spec.head_dim)
+        res = await seq.attend(1, q)
+        assert_close(res, tuple(t[0] for t in ref.attention(1, q[None], 9)))
