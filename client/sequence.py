@@ -276,7 +276,8 @@ class Sequence:
             )
         calls.reverse()  # the tail (which may refuse the token) on this thread, first
         results = run_parallel(self.client.pool(), calls)
-        self.client.counters["sharded_attends"] += len(calls)
+        if len(calls) > 1:
+            self.client.counters["sharded_attends"] += len(calls)
         return merge(results[::-1])
 
     def attend_prefill(

@@ -446,7 +446,8 @@ class CacheClient:
             if layer != 0 or k is None or not self._spill_full(handles, exc, timeout_s):
                 raise
             return self._attend_sharded(handles, layer, q, k, v, token_ids, return_block_mass, timeout_s)
-        self.counters["sharded_attends"] += len(calls)
+        if any(s.is_sharded for s in handles):
+            self.counters["sharded_attends"] += len(calls)
         per_row: list[dict[int, AttentionResult]] = [{} for _ in handles]
         for ((_, _), members), res in zip(groups.items(), results, strict=True):
             for j, (row, index) in enumerate(members):
