@@ -464,3 +464,23 @@ async def spill_async(c: Cluster, ref: Reference) -> None:
         q = ref.rand(Q_HEADS, c.spec.head_dim)
         res = await seq.attend(1, q)
         assert_close(res, tuple(t[0] for t in ref.attention(1, q[None], 9)))
+
+
+def test_an_append_the_node_cannot_take_fills_its_last_block_then_spills(redis_url):
+    spec = spec_of(4)
+    for c in start_cluster(redis_url, spec, {"small": 3, "big": 64}):
+        c.coordinator.heartbeat("big", {"free_blocks": 0, "used_blocks": 64})  # the open goes to small
+        ref = Reference(spec, seed=12)
+        seq = c.client.open("fill", [1])
+        assert seq.route.node_id == "small"
+        c.coordinator.heartbeat("big", {"free_blocks": 64, "used_blocks": 0})
+        k, v = ref.kv(6)
+        seq.append(list(range(6)), k, v)
+        k, v = ref.kv(10)  # 16 tokens: 4 blocks, one more than small's pool
+        assert seq.append(list(range(10)), k, v) == 16
+        # the partial block was filled (6 -> 8) and the rest went to a new extent at the boundary
+        assert [(e.route.node_id, e.first_token) for e in seq.extents] == [("small", 0), ("big", 8)]
+        c.check()
+        torch.testing.assert_close(seq.read_kv()[0], ref.k, rtol=0, atol=0)
+        decode(c, seq, ref, 3)
+        seq.close()
