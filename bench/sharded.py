@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from bench.plots import pyplot, save
 from pagedkv.client import CacheClient, Sequence
 from pagedkv.cluster import LocalCluster, NodeOptions
 from pagedkv.protos.spec import ModelSpec
@@ -132,6 +133,43 @@ def main() -> None:
     (args.out / "sharded.md").write_text("\n".join(lines) + "\n")
     raw = {"length": length, "steps": steps, "load": load, "seconds": times}
     (args.out / "sharded.json").write_text(json.dumps(raw, indent=1))
+    plot(times, title, args.out / "sharded.png")
+
+
+def plot(times: dict[str, list[float]], title: str, path: Path) -> None:
+    """Step latency (median, quartiles) against the number of nodes the sequence spans."""
+    plt = pyplot()
+    if plt is None:
+        return
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    for mode, label in (("nodes", "parallel attends"), ("one by one", "one by one")):
+        xs, meds, lows, highs = [], [], [], []
+        for name, samples in times.items():
+            if (mode == "one by one") != name.endswith("one by one"):
+                continue
+            ms = sorted(t * 1e3 for t in samples)
+            xs.append(int(name.split()[0]))
+            meds.append(statistics.median(ms))
+            lows.append(ms[len(ms) // 4])
+            highs.append(ms[3 * len(ms) // 4])
+        ax.errorbar(
+            xs,
+            meds,
+            yerr=[
+                [m - lo for m, lo in zip(meds, lows, strict=True)],
+                [h - m for m, h in zip(meds, highs, strict=True)],
+            ],
+            marker="o",
+            capsize=3,
+            label=label,
+        )
+    ax.set_xlabel("nodes holding the sequence (extents)")
+    ax.set_ylabel("decode step, ms (median, quartiles)")
+    ax.set_xticks([1, 2, 3])
+    ax.set_ylim(bottom=0)
+    ax.set_title(title, fontsize=6)
+    ax.legend()
+    save(fig, path)
 
 
 if __name__ == "__main__":
