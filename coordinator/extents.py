@@ -22,10 +22,11 @@ keys assume position 0) and are never served to another sequence.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from ..protos import pagedkv_pb2 as pb
@@ -42,13 +43,32 @@ from .records import Extent, NodeInfo, SequenceRecord
 from .store import Store
 
 log = logging.getLogger("pagedkv.coordinator")
+# Sequences with an Extend running in this process: a concurrent one for the same sequence (a
+# retry) waits, then finds the extent the first made; other sequences' Extends go on.
+_extending: set[str] = set()
+_extending_changed = threading.Condition()
+
+
+@contextlib.contextmanager
+def _one_extend_at_a_time(seq_id: str) -> Iterator[None]:
+    with _extending_changed:
+        while seq_id in _extending:
+            _extending_changed.wait()
+        _extending.add(seq_id)
+    try:
+        yield
+    finally:
+        with _extending_changed:
+            _extending.discard(seq_id)
+            _extending_changed.notify_all()
+
+
 SALT_BYTES = 16
 
 
 class Extents:
     """Mixed into Coordinator: Extend, and every extent's live node for the other calls."""
 
-    _extending = threading.Lock()  # one Extend at a time per process: a retry finds the first's extent
     # the Coordinator's (core.py)
     store: Store
     config: Any  # CoordinatorConfig
@@ -88,7 +108,7 @@ class Extents:
         """Seal the tail of `seq_id` at num_tokens and open a new tail extent on another
         node (see the module docstring and the Extend rpc). Returns the page table after."""
         self._settle(seq_id)
-        with Extents._extending:
+        with _one_extend_at_a_time(seq_id):
             record = self._record(tenant, seq_id)
             placed = self.extent_nodes(record)
             if record.state != "active":

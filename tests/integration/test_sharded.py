@@ -14,6 +14,7 @@ import asyncio
 import functools
 import math
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import pytest
@@ -484,3 +485,23 @@ def test_an_append_the_node_cannot_take_fills_its_last_block_then_spills(redis_u
         torch.testing.assert_close(seq.read_kv()[0], ref.k, rtol=0, atol=0)
         decode(c, seq, ref, 3)
         seq.close()
+
+
+def test_concurrent_extends_of_one_sequence_make_one_extent(redis_url):
+    spec = spec_of(4)
+    for c in start_cluster(redis_url, spec, {"n1": 64, "n2": 64, "n3": 64}):
+        seq = c.client.open("twice", [1])
+        k = torch.randn(spec.num_layers, 8, spec.num_kv_heads, spec.head_dim)
+        seq.append(list(range(8)), k, k)
+        with ThreadPoolExecutor(4) as pool:
+            calls = [pool.submit(c.coordinator.extend, "default", "twice", 8) for _ in range(4)]
+            records = [f.result() for f in calls]
+        assert len({r.extents for r in records}) == 1 and len(records[0].extents) == 2
+        assert sum(c.held().values()) == 2  # one new extent on one node, not one per call
+        with pytest.raises(InvalidArgument, match="multiple of block_size 4"):
+            c.coordinator.extend("default", "twice", 10)
+        with pytest.raises(InvalidArgument, match="past the tail's first token"):
+            c.coordinator.extend("default", "twice", 4)
+        seq.close()
+        c.coordinator.wait_idle()
+        assert sum(c.held().values()) == 0
