@@ -505,3 +505,17 @@ def test_concurrent_extends_of_one_sequence_make_one_extent(redis_url):
         seq.close()
         c.coordinator.wait_idle()
         assert sum(c.held().values()) == 0
+
+
+def test_block_mass_over_extents_covers_every_block_and_sums_to_the_heads(redis_url):
+    spec = spec_of(4)
+    for c in start_cluster(redis_url, spec, {"n1": 64, "n2": 64}):
+        seq = c.client.open("mass", [1], max_extent_tokens=8)
+        k = torch.randn(spec.num_layers, 14, spec.num_kv_heads, spec.head_dim)
+        seq.append(list(range(14)), k, k)
+        assert len(seq.extents) == 2
+        res = seq.attend(0, torch.randn(Q_HEADS, spec.head_dim), return_block_mass=True)
+        assert res.block_mass is not None and res.block_mass.shape == (4,)  # 2 + 2 blocks, in order
+        # each node's mass sums to the heads over its own softmax; rescaled, the whole does
+        torch.testing.assert_close(res.block_mass.sum(), torch.tensor(float(Q_HEADS)))
+        seq.close()
