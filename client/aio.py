@@ -29,7 +29,7 @@ from ..protos.spec import ModelSpec
 from . import codec
 from .config import ClientConfig
 from .sync import CacheClient, NodeHandle, Sequence
-from .types import AttentionResult, ClusterStats, MissExplanation, NodeStats, Route
+from .types import AttentionResult, ClusterStats, ExtentRoute, MissExplanation, NodeStats, Route
 
 T = TypeVar("T")
 MAX_THREADS = 32  # concurrent calls in flight per client (the default executor has cpu + 4)
@@ -66,6 +66,10 @@ class AsyncSequence:
     @property
     def route(self) -> Route:
         return self.sync.route
+
+    @property
+    def extents(self) -> list[ExtentRoute]:
+        return self.sync.extents
 
     @property
     def num_cached_tokens(self) -> int:
@@ -213,12 +217,14 @@ class AsyncCacheClient:
         attention: Seq[LayerAttention] | None = None,
         timeout_s: float | None = None,
         explain_miss: bool = False,
+        max_extent_tokens: int | None = None,
     ) -> _Opening:
         kw = {
             "max_cached_tokens": max_cached_tokens,
             "attention": attention,
             "timeout_s": timeout_s,
             "explain_miss": explain_miss,
+            "max_extent_tokens": max_extent_tokens,
         }
         return _Opening(self, (seq_id, token_ids), kw)
 

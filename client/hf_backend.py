@@ -229,7 +229,10 @@ class GrpcBackend(_BatchedAttention):
         coordinator: str | None = None,
         token: str | None = None,
         spec: ModelSpec | None = None,
+        max_extent_tokens: int | None = None,
     ) -> None:
+        """max_extent_tokens: each row's sequence continues on another node past this many
+        tokens on one (a cluster; client/sequence.py), as it does when its node is full."""
         from .sync import CacheClient  # the in-process path never loads the gRPC stubs
 
         self.client = CacheClient(address, config, coordinator=coordinator, token=token, spec=spec)
@@ -242,6 +245,7 @@ class GrpcBackend(_BatchedAttention):
             else:
                 spec = self.client.stats().spec
         self.spec = spec
+        self.max_extent_tokens = max_extent_tokens
         self._seqs: dict[str, Any] = {}
         self._closed = False
 
@@ -254,7 +258,11 @@ class GrpcBackend(_BatchedAttention):
         attention: Sequence[LayerAttention] = (),
     ) -> int:
         seq = self.client.open(
-            seq_id, list(token_ids), max_cached_tokens=max_cached_tokens, attention=attention
+            seq_id,
+            list(token_ids),
+            max_cached_tokens=max_cached_tokens,
+            attention=attention,
+            max_extent_tokens=None if attention else self.max_extent_tokens,
         )
         self._seqs[seq_id] = seq
         return seq.num_cached_tokens

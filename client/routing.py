@@ -20,13 +20,13 @@ from typing import Any
 
 from ..protos import pagedkv_pb2 as pb
 from ..protos import pagedkv_pb2_grpc as pb_grpc
-from ..protos.errors import PagedKVError, SequenceLost, SequenceNotFound
+from ..protos.errors import InvalidArgument, PagedKVError, SequenceLost, SequenceNotFound
 from ..protos.spec import ModelSpec
 from . import codec
 from .config import ClientConfig
 from .control import NodeControl, call
 from .data import NodeData
-from .types import ClusterStats, MissExplanation, NodeEntry, OpenResult, Route
+from .types import ClusterStats, ExtentRoute, MissExplanation, NodeEntry, OpenResult, Route
 
 _EMPTY = pb.Empty()
 EXPLAIN_TIMEOUT_S = 5.0  # the most a data call's NOT_FOUND waits for the coordinator's word on it
@@ -49,12 +49,17 @@ class DirectRouting:
         # explain_miss: a lone node has no cluster index to explain from (miss stays None)
         return self.data.open(seq_id, token_ids, max_cached_tokens, timeout_s, attention), self.route
 
-    def describe(self, seq_id: str, timeout_s: float | None = None) -> Route:
-        return self.route
+    def describe(self, seq_id: str, timeout_s: float | None = None) -> list[ExtentRoute]:
+        return [ExtentRoute(self.route, 0)]
 
-    def fork(self, parent_id: str, child_id: str, timeout_s: float | None = None) -> Route:
+    def fork(self, parent_id: str, child_id: str, timeout_s: float | None = None) -> list[ExtentRoute]:
         self.node.fork(parent_id, child_id, timeout_s)
-        return self.route
+        return [ExtentRoute(self.route, 0)]
+
+    def extend(self, seq_id: str, num_tokens: int, timeout_s: float | None = None) -> list[ExtentRoute]:
+        raise InvalidArgument(
+            f"sequence {seq_id!r}: a client of one node has no other node to extend it to (use a cluster)"
+        )
 
     def close(self, seq_id: str, timeout_s: float | None = None, keep_prefix: int | None = None) -> None:
         self.node.free(seq_id, timeout_s, keep_prefix)
@@ -62,8 +67,8 @@ class DirectRouting:
     def swap_out(self, seq_id: str, timeout_s: float | None = None) -> int:
         return self.node.swap_out(seq_id, timeout_s)
 
-    def swap_in(self, seq_id: str, timeout_s: float | None = None) -> tuple[int, Route]:
-        return self.node.swap_in(seq_id, timeout_s), self.route
+    def swap_in(self, seq_id: str, timeout_s: float | None = None) -> tuple[int, list[ExtentRoute]]:
+        return self.node.swap_in(seq_id, timeout_s), [ExtentRoute(self.route, 0)]
 
     def lookup(self, token_ids: codec.TokenIds, timeout_s: float | None = None) -> int:
         return self.node.lookup(token_ids, timeout_s)
@@ -86,6 +91,14 @@ def _spec(spec: ModelSpec | None) -> pb.ModelSpec | None:
 def _route(resp: pb.CoordOpenResponse) -> Route:
     first = resp.extents[0]
     return Route(first.node_id, first.address, resp.node_seq_id, first.ticket)
+
+
+def _routes(resp: pb.CoordOpenResponse) -> list[ExtentRoute]:
+    """Every extent the reply names, in order (one for most sequences)."""
+    return [
+        ExtentRoute(Route(e.node_id, e.address, resp.node_seq_id, e.ticket), int(e.first_token))
+        for e in resp.extents
+    ]
 
 
 def _miss(resp: pb.CoordOpenResponse) -> MissExplanation | None:
@@ -162,8 +175,8 @@ class CoordinatorRouting:
         resp = self._call("Open", request, timeout_s)
         return OpenResult(resp.num_cached_tokens, resp.num_host_hit_tokens, _miss(resp)), _route(resp)
 
-    def describe(self, seq_id: str, timeout_s: float | None = None) -> Route:
-        return _route(self._call("Describe", pb.CoordSeqRequest(seq_id=seq_id), timeout_s))
+    def describe(self, seq_id: str, timeout_s: float | None = None) -> list[ExtentRoute]:
+        return _routes(self._call("Describe", pb.CoordSeqRequest(seq_id=seq_id), timeout_s))
 
     def explain(self, exc: PagedKVError) -> PagedKVError:
         """What a data call's error means for the worker: a node that answers NOT_FOUND for a
@@ -183,10 +196,15 @@ class CoordinatorRouting:
             return exc
         return exc
 
-    def fork(self, parent_id: str, child_id: str, timeout_s: float | None = None) -> Route:
-        return _route(
+    def fork(self, parent_id: str, child_id: str, timeout_s: float | None = None) -> list[ExtentRoute]:
+        return _routes(
             self._call("Fork", pb.CoordForkRequest(parent_id=parent_id, child_id=child_id), timeout_s)
         )
+
+    def extend(self, seq_id: str, num_tokens: int, timeout_s: float | None = None) -> list[ExtentRoute]:
+        """A new tail extent on another node, the old tail sealed at num_tokens; every extent."""
+        request = pb.CoordExtendRequest(seq_id=seq_id, num_tokens=num_tokens)
+        return _routes(self._call("Extend", request, timeout_s))
 
     def close(self, seq_id: str, timeout_s: float | None = None, keep_prefix: int | None = None) -> None:
         self._call("Close", pb.CoordSeqRequest(seq_id=seq_id, keep_prefix=keep_prefix), timeout_s)
@@ -194,9 +212,9 @@ class CoordinatorRouting:
     def swap_out(self, seq_id: str, timeout_s: float | None = None) -> int:
         return self._call("SwapOut", pb.CoordSeqRequest(seq_id=seq_id), timeout_s).num_blocks
 
-    def swap_in(self, seq_id: str, timeout_s: float | None = None) -> tuple[int, Route]:
+    def swap_in(self, seq_id: str, timeout_s: float | None = None) -> tuple[int, list[ExtentRoute]]:
         resp = self._call("SwapIn", pb.CoordSeqRequest(seq_id=seq_id), timeout_s)
-        return resp.num_blocks, _route(resp)
+        return resp.num_blocks, _routes(resp)
 
     def lookup(self, token_ids: codec.TokenIds, timeout_s: float | None = None) -> int:
         req = codec.with_token_ids(pb.CoordLookupRequest, token_ids, spec=self._spec_msg())

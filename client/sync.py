@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,15 +34,20 @@ import torch
 
 from ..protos import pagedkv_pb2_grpc as pb_grpc
 from ..protos.attention import LayerAttention, check_layers, to_messages
-from ..protos.errors import InvalidArgument, NotFound, OpenFailed, PagedKVError, SequenceLost
+from ..protos.errors import CapacityExceeded, InvalidArgument, PagedKVError
 from ..protos.spec import ModelSpec
 from . import channels, codec
 from .config import ClientConfig
 from .control import NodeControl
 from .data import NodeData
+from .extents import merge, rows_of, run_parallel, stack_rows
 from .routing import CoordinatorRouting, DirectRouting
+from .sequence import Sequence
 from .transport.tickets import Wallet
-from .types import AttentionResult, ClusterStats, MissExplanation, NodeStats, Route
+from .types import AttentionResult, ClusterStats, NodeStats, Route
+
+__all__ = ["BatchPart", "CacheClient", "NodeHandle", "PrefillPart", "Sequence"]
+MAX_EXTENT_THREADS = 8  # parallel node calls of one sharded step (one per node it spans)
 
 
 class NodeHandle:
@@ -63,18 +69,18 @@ class NodeHandle:
         self.data = NodeData(
             stub, config, where=f"node {address}", address=address, wallet=self.wallet, explain=explain
         )
+        self._spec: ModelSpec | None = None
+
+    def model_spec(self, timeout_s: float | None = None) -> ModelSpec:
+        """The shape the node serves (asked once, then kept: a node serves one for life)."""
+        if self._spec is None:
+            self._spec = self.control.stats(timeout_s).spec
+        return self._spec
 
     def hold(self, seq_id: str, route: Route) -> None:
         """Keep what the coordinator answered for seq_id: its id and ticket on this node."""
         if route.node_seq_id or route.ticket:
             self.wallet.add(seq_id, route.node_seq_id, route.ticket)
-
-
-def _squeeze(res: AttentionResult, squeeze: bool) -> AttentionResult:
-    if not squeeze:
-        return res
-    mass = res.block_mass[0] if res.block_mass is not None else None
-    return AttentionResult(res.out[0], res.lse[0], mass)
 
 
 @dataclass(frozen=True)
@@ -195,158 +201,6 @@ def _gather_rows(parts: list[tuple[list[int], AttentionResult]], n: int) -> Atte
     return AttentionResult(out, lse, mass)
 
 
-def _as_batch(t: Any, ndim: int) -> tuple[Any, bool]:
-    """A single sequence's [heads, D] tensor as a batch of one."""
-    if t is not None and getattr(t, "ndim", 0) == ndim - 1:
-        return t[None], True
-    return t, False
-
-
-class Sequence:
-    """A handle on one sequence of the node; close() (or `with`) frees it."""
-
-    def __init__(
-        self,
-        client: CacheClient,
-        seq_id: str,
-        route: Route,
-        num_cached_tokens: int = 0,
-        num_host_hit_tokens: int = 0,
-        miss: MissExplanation | None = None,
-    ) -> None:
-        self.client = client
-        self.seq_id = seq_id
-        self.route = route
-        self.node = client.node(route.address)
-        self.node.hold(seq_id, route)
-        self.num_cached_tokens = num_cached_tokens
-        self.num_host_hit_tokens = num_host_hit_tokens
-        self.miss = miss  # why the prompt missed, when open() was asked to explain (a cluster only)
-        self.is_closed = False
-
-    def __repr__(self) -> str:
-        where = self.route.node_id or self.route.address
-        return f"Sequence({self.seq_id!r}, node={where}, cached={self.num_cached_tokens})"
-
-    def append(self, token_ids: codec.TokenIds, k: Any, v: Any, *, timeout_s: float | None = None) -> int:
-        """Append tokens with K/V of every layer ([num_layers, n, kv_heads, D]); returns the new length."""
-        return self.node.data.append(self.seq_id, token_ids, k, v, timeout_s)
-
-    def attend(
-        self,
-        layer: int,
-        q: Any,
-        k: Any = None,
-        v: Any = None,
-        token_id: int | None = None,
-        *,
-        return_block_mass: bool = False,
-        timeout_s: float | None = None,
-    ) -> AttentionResult:
-        """One decode step of one layer: q [q_heads, D] (or [1, q_heads, D]); with k, v
-        [kv_heads, D] the new token is appended first (token_id at layer 0)."""
-        q, squeeze = _as_batch(q, 3)
-        k, _ = _as_batch(k, 3)
-        v, _ = _as_batch(v, 3)
-        tokens = None if token_id is None else [token_id]
-        res = self.node.data.attend(
-            [self.seq_id], layer, q, k, v, tokens, return_block_mass=return_block_mass, timeout_s=timeout_s
-        )
-        return _squeeze(res, squeeze)
-
-    def attend_prefill(
-        self,
-        layer: int,
-        q: Any,
-        k: Any = None,
-        v: Any = None,
-        token_ids: codec.TokenIds | None = None,
-        *,
-        return_block_mass: bool = False,
-        timeout_s: float | None = None,
-    ) -> AttentionResult:
-        """n query tokens (q [n, q_heads, D]) attending causally to the cache and themselves."""
-        return self.node.data.attend_prefill(
-            self.seq_id, layer, q, k, v, token_ids, return_block_mass=return_block_mass, timeout_s=timeout_s
-        )
-
-    def fork(self, child_id: str, *, timeout_s: float | None = None) -> Sequence:
-        """A new sequence sharing every block (copy-on-write of the partial last block)."""
-        route = self.client.routing.fork(self.seq_id, child_id, timeout_s)
-        return Sequence(self.client, child_id, route)
-
-    def read_kv(
-        self,
-        start: int = 0,
-        end: int | None = None,
-        *,
-        out: tuple[torch.Tensor, torch.Tensor] | None = None,
-        timeout_s: float | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of positions [start, end): each [num_layers, n, kv_heads, D] (streamed).
-        out: a (k, v) pair of contiguous CPU tensors of exactly that shape and the node's
-        dtype to receive them (no allocation per call; returned); InvalidArgument when it
-        does not match, the sequence and the connection untouched."""
-        return self.node.data.read_kv(self.seq_id, start, end, timeout_s, out)
-
-    def swap_out(self, *, timeout_s: float | None = None) -> int:
-        """Move the sequence to its node's host memory; returns blocks moved."""
-        return self.client.routing.swap_out(self.seq_id, timeout_s)
-
-    def swap_in(self, *, timeout_s: float | None = None) -> int:
-        """Bring it back, byte-exact; returns blocks copied."""
-        num_blocks, route = self.client.routing.swap_in(self.seq_id, timeout_s)
-        if route != self.route:
-            self.route, self.node = route, self.client.node(route.address)
-        self.node.hold(self.seq_id, route)
-        return num_blocks
-
-    def set_budget(
-        self,
-        max_tokens: int | None,
-        sink_blocks: int = 1,
-        recent_blocks: int = 4,
-        *,
-        timeout_s: float | None = None,
-    ) -> None:
-        self.node.control.set_budget(self.seq_id, max_tokens, sink_blocks, recent_blocks, timeout_s)
-
-    def close(self, *, keep_prefix: int | None = None, timeout_s: float | None = None) -> None:
-        """Free the sequence (and, in a cluster, its page table). Idempotent on this handle.
-        In a cluster the node frees it in the background; a sequence whose open failed
-        on its node (OpenFailed) has nothing to close: that error, or NotFound, is raised;
-        a lost one raises SequenceLost (its page table is dropped: the handle is closed).
-        Unavailable (e.g. its node missed its lease and has no verdict yet) leaves the
-        handle open: close again to get the answer.
-
-        `keep_prefix=k` when nothing past the first k tokens will be asked for again (the
-        conversation ended; k = the system prompt's length): the node drops those cached
-        blocks now, so they do not push out blocks that other requests will reuse. Default:
-        everything stays cached until evicted. A negative k raises InvalidArgument."""
-        if keep_prefix is not None and keep_prefix < 0:
-            raise InvalidArgument(f"keep_prefix must be >= 0 tokens, got {keep_prefix}")
-        if not self.is_closed:
-            try:
-                self.client.routing.close(self.seq_id, timeout_s, keep_prefix)
-            except (OpenFailed, NotFound, SequenceLost):
-                self.is_closed = True
-                self.node.wallet.forget(self.seq_id)
-                raise
-            self.is_closed = True
-            if self.client.is_cluster:  # (direct mode holds no tickets)
-                self.node.wallet.forget(self.seq_id)
-
-    def __enter__(self) -> Sequence:
-        return self
-
-    def __exit__(self, exc_type: object, *exc: object) -> None:
-        try:
-            self.close()
-        except (OpenFailed, NotFound, SequenceLost):
-            if exc_type is None:  # else the body's error (e.g. the OpenFailed itself) says it
-                raise
-
-
 class CacheClient:
     """Synchronous client of a pagedkv cluster (`coordinator=`) or of one node (`address`).
 
@@ -383,6 +237,15 @@ class CacheClient:
             node = self.node(self.address)
             self.routing = DirectRouting(node.control, self.address, node.data)
         self._is_closed = False
+        self._pool: ThreadPoolExecutor | None = None
+        # spills: extents this client added; sharded_attends: node calls of steps over several extents
+        self.counters = {"spills": 0, "sharded_attends": 0}
+
+    def pool(self) -> ThreadPoolExecutor:
+        """The threads a sharded step's node calls run on in parallel (made on first use)."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(MAX_EXTENT_THREADS, thread_name_prefix="pagedkv-extents")
+        return self._pool
 
     @property
     def is_cluster(self) -> bool:
@@ -423,6 +286,7 @@ class CacheClient:
         attention: Seq[LayerAttention] | None = None,
         timeout_s: float | None = None,
         explain_miss: bool = False,
+        max_extent_tokens: int | None = None,
     ) -> Sequence:
         """Open a sequence reusing the longest cached prefix of the prompt
         (seq.num_cached_tokens; seq.num_host_hit_tokens of them from its node's host tier);
@@ -430,18 +294,30 @@ class CacheClient:
         chunks, soft-cap, scale; pagedkv.protos.attention), kept by the node for every attend of
         the sequence and of its forks; None: plain causal. explain_miss=True: seq.miss says why
         the first block not served from the node's device missed (MissExplanation; in a
-        cluster, else None)."""
+        cluster, else None). In a cluster a sequence that its node cannot grow (or whose
+        tail reaches max_extent_tokens, a multiple of the block size) continues on another
+        node (sequence.py); one opened with an attention spec does not."""
         layers = check_layers(attention, len(attention or ()))  # the layer count: node and coordinator
         messages = to_messages(layers)
         res, route = self.routing.open(
             seq_id, token_ids, max_cached_tokens, timeout_s, attention=messages, explain_miss=explain_miss
         )
-        return Sequence(self, seq_id, route, res.num_cached_tokens, res.num_host_hit_tokens, res.miss)
+        return Sequence(
+            self,
+            seq_id,
+            route,
+            res.num_cached_tokens,
+            res.num_host_hit_tokens,
+            res.miss,
+            num_tokens=res.num_cached_tokens,
+            max_extent_tokens=max_extent_tokens,
+            can_spill=not layers,
+        )
 
     def sequence(self, seq_id: str, *, timeout_s: float | None = None) -> Sequence:
         """A handle on an existing sequence, opened by any worker (in a cluster the
-        coordinator says where it lives; raises FailedPrecondition naming the node
-        if that node died)."""
+        coordinator says where its extents live; raises FailedPrecondition naming the node
+        if one of them died). Its length is unknown to the handle until an append."""
         return Sequence(self, seq_id, self.routing.describe(seq_id, timeout_s))
 
     def attend_batch(
@@ -464,8 +340,52 @@ class CacheClient:
             return self.data.attend(
                 ids, layer, q, k, v, token_ids, return_block_mass=return_block_mass, timeout_s=timeout_s
             )
+        handles = self._handles(seqs, timeout_s)
+        if any(s.is_sharded or (k is not None and s._tail_room() is not None) for s in handles):
+            return self._attend_sharded(handles, layer, q, k, v, token_ids, return_block_mass, timeout_s)
+        try:
+            res = self._attend_one_extent(handles, layer, q, k, v, token_ids, return_block_mass, timeout_s)
+        except CapacityExceeded as exc:
+            if layer != 0 or k is None or not self._spill_full(handles, exc, timeout_s):
+                raise
+            return self._attend_sharded(handles, layer, q, k, v, token_ids, return_block_mass, timeout_s)
+        if k is not None and layer == 0:
+            for s in handles:
+                if s.num_tokens is not None:
+                    s.num_tokens += 1
+        return res
+
+    def _handles(self, seqs: Seq[Sequence | str], timeout_s: float | None) -> list[Sequence]:
+        """Handles for a batch; an id (not a handle) asks the routing where it lives (in a
+        cluster a coordinator call: pass handles on a hot path)."""
+        return [s if isinstance(s, Sequence) else self.sequence(s, timeout_s=timeout_s) for s in seqs]
+
+    def _spill_full(self, handles: list[Sequence], exc: CapacityExceeded, timeout_s: float | None) -> bool:
+        """A decode step's append was refused for lack of room: extend every sequence whose tail
+        is at a block boundary (those needed a new block). False when none could spill."""
+        spilled = False
+        for s in handles:
+            tail = s._extent_tokens(len(s.extents) - 1)
+            if s.can_spill and tail and tail % s._block_size(timeout_s) == 0:
+                s.extend(timeout_s=timeout_s)
+                spilled = True
+        return spilled
+
+    def _attend_one_extent(
+        self,
+        handles: list[Sequence],
+        layer: int,
+        q: Any,
+        k: Any,
+        v: Any,
+        token_ids: codec.TokenIds | None,
+        return_block_mass: bool,
+        timeout_s: float | None,
+    ) -> AttentionResult:
+        """Every sequence on one node: one call per node the batch spans."""
         parts = []
-        for p in split_batch(self._where(seqs, timeout_s), q, k, v, token_ids):
+        where = [(s.route.address, s.seq_id) for s in handles]
+        for p in split_batch(where, q, k, v, token_ids):
             data = self.node(p.address).data
             res = data.attend(
                 p.seq_ids,
@@ -478,7 +398,78 @@ class CacheClient:
                 timeout_s=timeout_s,
             )
             parts.append((p.rows, res))
-        return parts[0][1] if len(parts) == 1 else _gather_rows(parts, len(seqs))
+        return parts[0][1] if len(parts) == 1 else _gather_rows(parts, len(handles))
+
+    def _attend_sharded(
+        self,
+        handles: list[Sequence],
+        layer: int,
+        q: Any,
+        k: Any,
+        v: Any,
+        token_ids: codec.TokenIds | None,
+        return_block_mass: bool,
+        timeout_s: float | None,
+    ) -> AttentionResult:
+        """A decode step over sequences of which some span several nodes: per node, one call
+        for the rows whose tail it holds (appending the new token when k is given) and one
+        for the rows of earlier extents it holds (attend only; only when both kinds meet on
+        a node are there two), all nodes in parallel; each row merges its parts by LSE."""
+        tokens = None if token_ids is None else codec.token_list(token_ids)
+        if k is not None and layer == 0:
+            for s in handles:
+                if s._tail_room() == 0:  # max_extent_tokens reached: the new token starts an extent
+                    s.extend(timeout_s=timeout_s)
+        # (address, appends) -> [(row, extent index)]
+        groups: dict[tuple[str, bool], list[tuple[int, int]]] = {}
+        for row, s in enumerate(handles):
+            last = len(s.extents) - 1
+            for i, ext in enumerate(s.extents):
+                if i == last and k is None and s._extent_tokens(i) == 0:
+                    continue  # an empty new tail: nothing to attend to there yet
+                groups.setdefault((ext.route.address, i == last and k is not None), []).append((row, i))
+        calls: list[Callable[[], AttentionResult]] = []
+        for (address, appends), members in groups.items():
+            rows = [r for r, _ in members]
+            ids = [handles[r].seq_id for r in rows]
+            pick = torch.tensor(rows)
+            data = self.node(address).data
+
+            def call(
+                data: NodeData = data,
+                ids: list[str] = ids,
+                pick: torch.Tensor = pick,
+                appends: bool = appends,
+            ) -> AttentionResult:
+                return data.attend(
+                    ids,
+                    layer,
+                    q[pick],
+                    k[pick] if appends else None,
+                    v[pick] if appends else None,
+                    [tokens[i] for i in pick.tolist()] if appends and tokens is not None else None,
+                    return_block_mass=return_block_mass,
+                    timeout_s=timeout_s,
+                )
+
+            calls.append(call)
+        try:
+            results = run_parallel(self.pool(), calls)
+        except CapacityExceeded as exc:
+            if layer != 0 or k is None or not self._spill_full(handles, exc, timeout_s):
+                raise
+            return self._attend_sharded(handles, layer, q, k, v, token_ids, return_block_mass, timeout_s)
+        if any(s.is_sharded for s in handles):
+            self.counters["sharded_attends"] += len(calls)
+        per_row: list[dict[int, AttentionResult]] = [{} for _ in handles]
+        for ((_, _), members), res in zip(groups.items(), results, strict=True):
+            for j, (row, index) in enumerate(members):
+                per_row[row][index] = rows_of(res, [j])
+        if k is not None and layer == 0:
+            for s in handles:
+                if s.num_tokens is not None:
+                    s.num_tokens += 1
+        return stack_rows([merge([parts[i] for i in sorted(parts)]) for parts in per_row])
 
     def attend_prefill_batch(
         self,
@@ -501,7 +492,11 @@ class CacheClient:
             return self.data.attend_prefill_batch(
                 ids, layer, num_tokens, q, k, v, token_ids, timeout_s=timeout_s
             )
-        where = self._where(seqs, timeout_s)
+        handles = self._handles(seqs, timeout_s)
+        check_counts(num_tokens, len(handles))
+        if any(s.is_sharded or (k is not None and s._tail_room() is not None) for s in handles):
+            return self._prefill_sharded(handles, layer, num_tokens, q, k, v, token_ids, timeout_s)
+        where = [(s.route.address, s.seq_id) for s in handles]
         parts = []
         for p in split_prefill_batch(where, num_tokens, q, k, v, token_ids):
             data = self.node(p.address).data
@@ -509,20 +504,46 @@ class CacheClient:
                 p.seq_ids, layer, p.num_tokens, p.q, p.k, p.v, p.token_ids, timeout_s=timeout_s
             )
             parts.append((p.rows, res))
+        if k is not None and layer == 0:
+            for s, n in zip(handles, num_tokens, strict=True):
+                if s.num_tokens is not None:
+                    s.num_tokens += int(n)
         return parts[0][1] if len(parts) == 1 else _gather_rows(parts, sum(len(r) for r, _ in parts))
 
-    def _where(self, seqs: Seq[Sequence | str], timeout_s: float | None) -> list[tuple[str, str]]:
-        """(node address, sequence id) of each; an id (not a handle) asks the routing
-        where it lives (in a cluster a coordinator call: pass handles on a hot path)."""
-        where = []
-        for s in seqs:
-            if isinstance(s, Sequence):
-                where.append((s.route.address, s.seq_id))
-                continue
-            route = self.routing.describe(s, timeout_s)
-            self.node(route.address).hold(s, route)
-            where.append((route.address, s))
-        return where
+    def _prefill_sharded(
+        self,
+        handles: list[Sequence],
+        layer: int,
+        num_tokens: Seq[int],
+        q: Any,
+        k: Any,
+        v: Any,
+        token_ids: codec.TokenIds | None,
+        timeout_s: float | None,
+    ) -> AttentionResult:
+        """A prefill batch with sequences over several nodes: each sequence's own prefill
+        (sequence.py), the sequences in parallel, rows back in the request's order."""
+        tokens = None if token_ids is None else codec.token_list(token_ids)
+        bounds = [0]
+        for n in num_tokens:
+            bounds.append(bounds[-1] + int(n))
+        calls: list[Callable[[], AttentionResult]] = []
+        for i, s in enumerate(handles):
+            a, b = bounds[i], bounds[i + 1]
+
+            def call(s: Sequence = s, a: int = a, b: int = b) -> AttentionResult:
+                return s.attend_prefill(
+                    layer,
+                    q[a:b],
+                    None if k is None else k[a:b],
+                    None if v is None else v[a:b],
+                    None if tokens is None else tokens[a:b],
+                    timeout_s=timeout_s,
+                )
+
+            calls.append(call)
+        parts = run_parallel(self.pool(), calls)
+        return AttentionResult(torch.cat([p.out for p in parts]), torch.cat([p.lse for p in parts]))
 
     def lookup(self, token_ids: codec.TokenIds, *, timeout_s: float | None = None) -> int:
         """Leading tokens of this prompt cached (on the best node, in a cluster). Changes nothing."""
@@ -582,6 +603,8 @@ class CacheClient:
             for address, handle in self._nodes.items():
                 handle.data.close()  # its bulk connections
                 channels.release(address, self.config)
+            if self._pool is not None:
+                self._pool.shutdown(wait=False)
 
     def __enter__(self) -> CacheClient:
         return self

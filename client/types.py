@@ -61,6 +61,16 @@ class Route:
 
 
 @dataclass(frozen=True)
+class ExtentRoute:
+    """One extent of a sequence: its node's route and the first token it holds (it holds
+    tokens [first_token, the next extent's first_token); the last extent, the tail, takes
+    appends)."""
+
+    route: Route
+    first_token: int
+
+
+@dataclass(frozen=True)
 class NodeEntry:
     node_id: str
     address: str

@@ -73,6 +73,7 @@ from ..protos.keys import KEY_BYTES, chain_keys, chain_keys_packed, root_key
 from ..protos.status import error_from_rpc
 from .auth import ClusterAccess
 from .deferred import DeferredCalls, NodeCall
+from .extents import Extents
 from .failures import Failures
 from .liveness import Liveness, LivenessConfig
 from .membership import Membership
@@ -130,9 +131,10 @@ class OpenResult:
     num_host_hit_tokens: int = 0
     num_blocks: int = 0  # swap_in: blocks copied back
     miss: MissExplanation | None = None  # open: why its first block not on the device missed it
+    record: SequenceRecord | None = None  # fork, swap_in: the page table (every extent)
 
 
-class Coordinator(DeferredCalls, Failures, Membership):
+class Coordinator(DeferredCalls, Failures, Membership, Extents):
     def __init__(self, store: Store, config: CoordinatorConfig | None = None) -> None:
         self.store = store
         self.config = config or CoordinatorConfig()
@@ -168,6 +170,7 @@ class Coordinator(DeferredCalls, Failures, Membership):
             **{"misses_" + reason: 0 for reason in REASONS[1:]},
             "scan_opens": 0,  # opens placed as scans (placement.py)
             "host_hit_tokens": 0,  # of cached_tokens, those on the chosen node's host tier
+            "spills": 0,  # extents added to sequences on another node (extents.py)
         }
         # Recently removed keys (REMOVED events) and their node: tells "evicted" from "never cached".
         self._removed = RemovedKeys()
@@ -497,7 +500,8 @@ class Coordinator(DeferredCalls, Failures, Membership):
     def fork(self, tenant: str, parent_id: str, child_id: str = "") -> OpenResult:
         self._settle(parent_id)
         parent = self._record(tenant, parent_id)
-        node = self._live_node_of(parent)
+        placed = self.extent_nodes(parent)  # the child shares every extent's blocks, on its node
+        node = placed[0][1]
         child_id = child_id or uuid.uuid4().hex
         # The child counts against the quota like any sequence (its close releases it).
         quota = self.config.quotas.get(tenant)
@@ -505,14 +509,18 @@ class Coordinator(DeferredCalls, Failures, Membership):
             self.store.reserve_blocks(tenant, parent.num_blocks, quota)
         try:
             request = pb.ForkRequest(parent_id=parent_id, child_id=child_id)
-            if quota is not None:
-                request.max_blocks = parent.num_blocks
-            self._call(node, "Fork", request)
+            forked: list[NodeInfo] = []
             record = SequenceRecord(child_id, tenant, parent.extents, parent.num_tokens, parent.state)
             try:
+                for ext, on in placed:
+                    if quota is not None:  # each extent's own allowance: they sum to what was reserved
+                        request.max_blocks = ext.num_blocks
+                    self._call(on, "Fork", request)
+                    forked.append(on)
                 self.store.create_sequence(record)
             except PagedKVError:
-                self._call(node, "Free", pb.SeqRequest(seq_id=child_id))
+                for on in forked:
+                    self._call(on, "Free", pb.SeqRequest(seq_id=child_id))
                 raise
             if record.state == "active":  # its close releases them
                 with self._lock:
@@ -524,7 +532,7 @@ class Coordinator(DeferredCalls, Failures, Membership):
                 self.store.release_blocks(tenant, parent.num_blocks)
             raise
         placement = Placement(node.node_id, 0, 0, 0)
-        return OpenResult(child_id, node.node_id, node.address, 0, placement)
+        return OpenResult(child_id, node.node_id, node.address, 0, placement, record=record)
 
     def close(self, tenant: str, seq_id: str, keep_prefix: int | None = None) -> None:
         """Drop the page table (one round trip, tenant-checked) and free the sequence on
@@ -555,10 +563,14 @@ class Coordinator(DeferredCalls, Failures, Membership):
         except NodeNotLive as exc:
             raise self._suspect(seq_id, exc.node_id) from None
         if record.state == "lost":  # its quota was released when it was lost
-            node_id = record.extents[0].node_id
+            for ext in record.extents if len(record.extents) > 1 else ():
+                self._free_extent(ext.node_id, seq_id)  # what the live nodes still hold of it
+            node_id = self.lost_node_of(record)
             raise SequenceLost(seq_id, record.lost_reason or f"node {node_id} died", node_id)
         if tenant in self.config.quotas:
             self.store.release_blocks(tenant, record.num_blocks)
+        for ext in record.extents[1:]:  # later extents were opened synchronously (Extend)
+            self._free_extent(ext.node_id, seq_id)
         node_id = record.extents[0].node_id
         node = self._nodes_for(None).get(node_id) or self.live_node(node_id)
         if node is None:  # it lapsed since the delete: reconcile.py frees the orphan if it comes back
@@ -571,18 +583,20 @@ class Coordinator(DeferredCalls, Failures, Membership):
     def swap_out(self, tenant: str, seq_id: str) -> int:
         self._settle(seq_id)
         record = self._record(tenant, seq_id)
-        node = self._live_node_of(record)
-        reply = self._call(node, "SwapOut", pb.SeqRequest(seq_id=seq_id))
+        placed = self.extent_nodes(record)
+        node = placed[0][1]
+        moved = self.swap_extents(seq_id, placed, "SwapOut", "SwapIn")
         self.store.update_sequence(seq_id, state="swapped")
         if record.state == "active":
             self._release_active(node.node_id, record.num_blocks)
-        return int(reply.num_blocks)
+        return moved
 
     def swap_in(self, tenant: str, seq_id: str) -> OpenResult:
         self._settle(seq_id)
         record = self._record(tenant, seq_id)
-        node = self._live_node_of(record)
-        reply = self._call(node, "SwapIn", pb.SeqRequest(seq_id=seq_id))
+        placed = self.extent_nodes(record)
+        node = placed[0][1]
+        moved = self.swap_extents(seq_id, placed, "SwapIn", "SwapOut")
         self.store.update_sequence(seq_id, state="active")
         if record.state == "swapped":
             with self._lock:
@@ -590,7 +604,7 @@ class Coordinator(DeferredCalls, Failures, Membership):
                     self._active_blocks.get(node.node_id, 0) + record.num_blocks
                 )
         placement = Placement(node.node_id, 0, 0, 0)
-        return OpenResult(seq_id, node.node_id, node.address, 0, placement, num_blocks=int(reply.num_blocks))
+        return OpenResult(seq_id, node.node_id, node.address, 0, placement, num_blocks=moved, record=record)
 
     def describe(self, tenant: str, seq_id: str) -> tuple[SequenceRecord, NodeInfo]:
         """The page table and the live node of a sequence (any worker can find it by id).

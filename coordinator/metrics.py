@@ -72,6 +72,13 @@ class CoordinatorCollector(Collector):
         for reason in REASONS[1:]:
             misses.add_metric([reason], c["misses_" + reason])
         yield misses
+        spills = CounterMetricFamily(
+            "pagedkv_coordinator_spills",
+            "Extents added to sequences on another node (their node full, or their max extent size "
+            "reached; coordinator/extents.py).",
+        )
+        spills.add_metric([], c["spills"])
+        yield spills
         reaped = CounterMetricFamily(
             "pagedkv_coordinator_nodes_reaped", "Nodes declared dead (lease lapsed)."
         )

@@ -28,7 +28,7 @@ from .core import Coordinator, OpenResult
 from .metrics import CoordinatorMetrics
 from .misses import miss_message
 from .quota import reserve
-from .records import NodeNotLive
+from .records import NodeNotLive, SequenceRecord
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Coordinator"].full_name
 MAX_LOST_REPORTED = 1 << 16  # lost ids a registration reply names (the .proto's bound)
@@ -121,6 +121,24 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             resp.miss.CopyFrom(miss_message(result.miss))
         return resp
 
+    def _extents(self, tenant: str, seq_id: str, record: SequenceRecord) -> pb.CoordOpenResponse:
+        """The reply naming every extent of a sequence: node, first token, the worker's ticket there."""
+        access = self.coordinator.config.access
+        placed = self.coordinator.extent_nodes(record)
+        bs = int(placed[0][1].spec["block_size"])
+        return pb.CoordOpenResponse(
+            extents=[
+                pb.Placement(
+                    node_id=node.node_id,
+                    address=node.address,
+                    first_token=ext.first_logical_block * bs,
+                    ticket=access.ticket(tenant, seq_id, node),
+                )
+                for ext, node in placed
+            ],
+            node_seq_id=seq_id,
+        )
+
     def _node(self, context: grpc.ServicerContext, node_id: str, method: str) -> None:
         self.coordinator.config.access.check_node(context.invocation_metadata(), node_id, method)
 
@@ -209,7 +227,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         def run() -> pb.CoordOpenResponse:
             tenant, child_id = self._caller(context, request.child_id, "child_id")
             parent_id = self.tenants.scoped(tenant, _seq_id(request.parent_id, "parent_id"))
-            return self._placed(tenant, child_id, self.coordinator.fork(tenant, parent_id, child_id))
+            result = self.coordinator.fork(tenant, parent_id, child_id)
+            assert result.record is not None  # fork always answers its page table
+            return self._extents(tenant, child_id, result.record)
 
         return self._run("Fork", context, run)
 
@@ -233,23 +253,29 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     def SwapIn(self, request: pb.CoordSeqRequest, context: grpc.ServicerContext) -> Any:
         def run() -> pb.CoordOpenResponse:
             tenant, seq_id = self._caller(context, request.seq_id)
-            return self._placed(tenant, seq_id, self.coordinator.swap_in(tenant, seq_id))
+            result = self.coordinator.swap_in(tenant, seq_id)
+            assert result.record is not None  # swap_in always answers its page table
+            resp = self._extents(tenant, seq_id, result.record)
+            resp.num_blocks = result.num_blocks
+            return resp
 
         return self._run("SwapIn", context, run)
 
     def Describe(self, request: pb.CoordSeqRequest, context: grpc.ServicerContext) -> Any:
         def run() -> pb.CoordOpenResponse:
             tenant, seq_id = self._caller(context, request.seq_id)
-            _, node = self.coordinator.describe(tenant, seq_id)
-            ticket = self.coordinator.config.access.ticket(tenant, seq_id, node)
-            return pb.CoordOpenResponse(
-                extents=[
-                    pb.Placement(node_id=node.node_id, address=node.address, first_token=0, ticket=ticket)
-                ],
-                node_seq_id=seq_id,
-            )
+            record, _ = self.coordinator.describe(tenant, seq_id)
+            return self._extents(tenant, seq_id, record)
 
         return self._run("Describe", context, run)
+
+    def Extend(self, request: pb.CoordExtendRequest, context: grpc.ServicerContext) -> Any:
+        def run() -> pb.CoordOpenResponse:
+            tenant, seq_id = self._caller(context, request.seq_id)
+            record = self.coordinator.extend(tenant, seq_id, request.num_tokens)
+            return self._extents(tenant, seq_id, record)
+
+        return self._run("Extend", context, run)
 
     def Pin(self, request: pb.CoordPinRequest, context: grpc.ServicerContext) -> Any:
         def run() -> pb.PinResponse:

@@ -450,6 +450,14 @@ class CoordSeqRequest(_message.Message):
     keep_prefix: int
     def __init__(self, seq_id: _Optional[str] = ..., keep_prefix: _Optional[int] = ...) -> None: ...
 
+class CoordExtendRequest(_message.Message):
+    __slots__ = ("seq_id", "num_tokens")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    seq_id: str
+    num_tokens: int
+    def __init__(self, seq_id: _Optional[str] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+
 class CoordForkRequest(_message.Message):
     __slots__ = ("parent_id", "child_id")
     PARENT_ID_FIELD_NUMBER: _ClassVar[int]

@@ -963,6 +963,11 @@ class CoordinatorStub:
                 request_serializer=pagedkv__pb2.CoordSeqRequest.SerializeToString,
                 response_deserializer=pagedkv__pb2.CoordOpenResponse.FromString,
                 _registered_method=True)
+        self.Extend = channel.unary_unary(
+                '/pagedkv.v1.Coordinator/Extend',
+                request_serializer=pagedkv__pb2.CoordExtendRequest.SerializeToString,
+                response_deserializer=pagedkv__pb2.CoordOpenResponse.FromString,
+                _registered_method=True)
         self.Stats = channel.unary_unary(
                 '/pagedkv.v1.Coordinator/Stats',
                 request_serializer=pagedkv__pb2.Empty.SerializeToString,
@@ -1097,6 +1102,22 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Extend(self, request, context):
+        """Give a sequence a new tail extent on another node (its tail's node is full, or
+        the worker's max extent size was reached): the tail is sealed at num_tokens (a
+        whole number of blocks, past the tail's first token; later appends go to the new
+        extent) and every extent comes back with its first token. A retry for the same
+        num_tokens gets the extent the first call made. Placement as for an open (room,
+        load), among live nodes of the same spec holding no extent of the sequence.
+        Changes: the page table, a sequence opened on the new node. Codes: OK,
+        INVALID_ARGUMENT (num_tokens not a block boundary past the tail's start),
+        NOT_FOUND, FAILED_PRECONDITION (lost or swapped out), RESOURCE_EXHAUSTED (no
+        other node has room), UNAVAILABLE, PERMISSION_DENIED.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Stats(self, request, context):
         """Cluster counters and the node registry. Changes nothing; idempotent. Codes:
         OK, UNAVAILABLE.
@@ -1178,6 +1199,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
             'Describe': grpc.unary_unary_rpc_method_handler(
                     servicer.Describe,
                     request_deserializer=pagedkv__pb2.CoordSeqRequest.FromString,
+                    response_serializer=pagedkv__pb2.CoordOpenResponse.SerializeToString,
+            ),
+            'Extend': grpc.unary_unary_rpc_method_handler(
+                    servicer.Extend,
+                    request_deserializer=pagedkv__pb2.CoordExtendRequest.FromString,
                     response_serializer=pagedkv__pb2.CoordOpenResponse.SerializeToString,
             ),
             'Stats': grpc.unary_unary_rpc_method_handler(
@@ -1524,6 +1550,33 @@ class Coordinator:
             target,
             '/pagedkv.v1.Coordinator/Describe',
             pagedkv__pb2.CoordSeqRequest.SerializeToString,
+            pagedkv__pb2.CoordOpenResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Extend(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedkv.v1.Coordinator/Extend',
+            pagedkv__pb2.CoordExtendRequest.SerializeToString,
             pagedkv__pb2.CoordOpenResponse.FromString,
             options,
             channel_credentials,

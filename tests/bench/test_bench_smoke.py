@@ -136,3 +136,14 @@ def test_versus_runs_one_module_on_two_revisions() -> None:
         "bench.versus", "--old", "HEAD", "--new", "HEAD", "--module", "bench.memory_waste", "--rounds", "1"
     )
     assert "| paged_waste |" in done.stdout and "| 1.00 |" in done.stdout
+
+
+def test_sharded(tmp_path: Path) -> None:
+    done = run_bench("bench.sharded", "--smoke", "--out", str(tmp_path))
+    assert "3 nodes" in done.stdout
+    assert set(json.loads((tmp_path / "sharded.json").read_text())["seconds"]) == {
+        "1 node",
+        "2 nodes",
+        "3 nodes",
+        "2 nodes, one by one",
+    }

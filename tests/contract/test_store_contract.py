@@ -517,3 +517,17 @@ def test_memory_store_ttl_follows_the_injected_clock() -> None:
     assert store.expired_nodes() == ["n1"]
     store.remove_node("n1", require_expired=True)
     assert store.heartbeat("n1", {}, ttl_s=5.0) is False
+
+
+def test_a_new_empty_tail_extent_links_its_node(store: Store) -> None:
+    """An Extend (coordinator/extents.py) seals the tail and adds an extent of 0 blocks on
+    another node: that node lists the sequence, and its death loses it."""
+    register(store, "n1", "n2", "n3")
+    store.create_sequence(seq("s", ("n1", 0, 5), num_tokens=17))
+    grown = store.update_sequence("s", extents=[("n1", 0, 4), ("n2", 4, 3), ("n3", 7, 0)])
+    assert grown.extents[-1] == Extent("n3", 7, 0) and grown.num_blocks == 7
+    assert [r.seq_id for r in store.sequences_of_node("n3")] == ["s"]
+    assert store.remove_node("n3").lost_seq_ids == ("s",)
+    lost = store.get_sequence("s")
+    assert (lost.state, lost.lost_reason) == ("lost", "node n3 died")
+    assert lost.extents == grown.extents  # kept whole: close frees the live extents

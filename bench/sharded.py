@@ -1,0 +1,176 @@
+"""Decode step latency of a sequence sharded over nodes vs the same length on one node (issue 20).
+
+A local cluster of node processes (real gRPC, the bulk channel, a coordinator on Redis
+when a redis-server is on the PATH): sequences of the same length L held on 1, 2 and 3
+nodes (extents of L/E tokens, made by `max_extent_tokens`), each decoded step by step
+(every layer one attend per node, the new token's K/V to the tail), the modes
+interleaved so load drifts hit them alike. "2 nodes, one by one" sends the same calls
+without the client's threads: what the parallel attends save.
+
+    python -m bench.sharded [--length 8192] [--steps 60] [--smoke] [--out DIR]
+
+Writes sharded.json (every step's time) and sharded.md (the table) into --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from concurrent.futures import Executor, Future
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.plots import pyplot, save
+from pagedkv.client import CacheClient, Sequence
+from pagedkv.cluster import LocalCluster, NodeOptions
+from pagedkv.protos.spec import ModelSpec
+
+Q_HEADS = 8
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+class Inline(Executor):
+    """Runs every submitted call at once on the caller's thread (the sequential baseline)."""
+
+    def submit(self, fn: Any, /, *args: Any, **kwargs: Any) -> Future:
+        future: Future = Future()
+        try:
+            future.set_result(fn(*args, **kwargs))
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller through the future
+            future.set_exception(exc)
+        return future
+
+
+def fill(seq: Sequence, spec: ModelSpec, length: int) -> None:
+    chunk = 1024
+    for start in range(0, length, chunk):
+        n = min(chunk, length - start)
+        k = torch.randn(spec.num_layers, n, spec.num_kv_heads, spec.head_dim)
+        seq.append(list(range(start, start + n)), k, k)
+
+
+def step(client: CacheClient, seq: Sequence, spec: ModelSpec, token: int) -> float:
+    q = torch.randn(Q_HEADS, spec.head_dim)
+    kv = torch.randn(spec.num_kv_heads, spec.head_dim)
+    start = time.perf_counter()
+    for layer in range(spec.num_layers):
+        seq.attend(layer, q, kv, kv, token if layer == 0 else None)
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--length", type=int, default=8192, help="tokens per sequence")
+    p.add_argument("--steps", type=int, default=60, help="timed decode steps per mode")
+    p.add_argument("--smoke", action="store_true", help="the smallest run (tests)")
+    p.add_argument("--out", type=Path, default=RESULTS, help="results folder")
+    p.add_argument(
+        "--node-threads",
+        type=int,
+        default=0,
+        help="torch threads per node process (OMP_NUM_THREADS; 0: torch's default, every core)",
+    )
+    args = p.parse_args()
+    length, steps = (256, 4) if args.smoke else (args.length, args.steps)
+    node = NodeOptions(
+        num_layers=4,
+        num_kv_heads=2,
+        head_dim=64,
+        block_size=16,
+        num_blocks=2 * length // 16 + 64,
+        host_blocks=0,
+    )
+    spec = ModelSpec(node.num_layers, node.num_kv_heads, node.head_dim, node.dtype, node.block_size)
+    log_dir = tempfile.mkdtemp(prefix="sharded-")
+    env = {"OMP_NUM_THREADS": str(args.node_threads)} if args.node_threads else {}
+    with LocalCluster(3, node, secure=False, log_dir=log_dir, env=env) as cluster:
+        client = CacheClient(coordinator=cluster.coordinator_address, spec=spec)
+        try:
+            client.connect()
+            seqs: dict[str, Sequence] = {}
+            for extents in (1, 2, 3):
+                cap = -(-length // extents // 16) * 16
+                seq = client.open(f"len-{extents}", [0], max_extent_tokens=cap)
+                fill(seq, spec, length)
+                seq.max_extent_tokens = None  # decode grows the tail
+                assert len(seq.extents) == extents, seq.extents
+                seqs[f"{extents} node{'s' if extents > 1 else ''}"] = seq
+            modes = [*seqs, "2 nodes, one by one"]
+            times: dict[str, list[float]] = {m: [] for m in modes}
+            pool = client.pool()
+            for i in range(steps + 5):
+                for mode in modes:
+                    seq = seqs.get(mode, seqs["2 nodes"])
+                    client._pool = Inline() if mode.endswith("one by one") else pool  # type: ignore[assignment]
+                    took = step(client, seq, spec, 100 + i)
+                    if i >= 5:  # warm-up
+                        times[mode].append(took)
+            client._pool = pool
+            for seq in seqs.values():
+                seq.close()
+        finally:
+            client.close()
+    base = statistics.median(times["1 node"])
+    load = os.getloadavg()[0]
+    title = (
+        f"decode step ({spec.num_layers} layers, {length} tokens, {Q_HEADS} q heads, "
+        f"{node.num_kv_heads} kv heads, D {node.head_dim}), median of {steps}, load {load:.1f}, "
+        f"torch threads per node: {args.node_threads or 'default'}"
+    )
+    lines = [title, "", "| mode | ms | x one node |", "|---|---|---|"]
+    print(title)
+    for mode in modes:
+        med = statistics.median(times[mode])
+        lines.append(f"| {mode} | {med * 1e3:.3f} | {med / base:.2f}x |")
+        print(f"  {mode:22s} {med * 1e3:8.3f} ms   {med / base:5.2f}x one node")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "sharded.md").write_text("\n".join(lines) + "\n")
+    raw = {"length": length, "steps": steps, "load": load, "seconds": times}
+    (args.out / "sharded.json").write_text(json.dumps(raw, indent=1))
+    plot(times, title, args.out / "sharded.png")
+
+
+def plot(times: dict[str, list[float]], title: str, path: Path) -> None:
+    """Step latency (median, quartiles) against the number of nodes the sequence spans."""
+    plt = pyplot()
+    if plt is None:
+        return
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    for mode, label in (("nodes", "parallel attends"), ("one by one", "one by one")):
+        xs, meds, lows, highs = [], [], [], []
+        for name, samples in times.items():
+            if (mode == "one by one") != name.endswith("one by one"):
+                continue
+            ms = sorted(t * 1e3 for t in samples)
+            xs.append(int(name.split()[0]))
+            meds.append(statistics.median(ms))
+            lows.append(ms[len(ms) // 4])
+            highs.append(ms[3 * len(ms) // 4])
+        ax.errorbar(
+            xs,
+            meds,
+            yerr=[
+                [m - lo for m, lo in zip(meds, lows, strict=True)],
+                [h - m for m, h in zip(meds, highs, strict=True)],
+            ],
+            marker="o",
+            capsize=3,
+            label=label,
+        )
+    ax.set_xlabel("nodes holding the sequence (extents)")
+    ax.set_ylabel("decode step, ms (median, quartiles)")
+    ax.set_xticks([1, 2, 3])
+    ax.set_ylim(bottom=0)
+    ax.set_title(title, fontsize=6)
+    ax.legend()
+    save(fig, path)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,113 @@
+"""Attention over a sequence sharded across nodes: one call per node, merged by LSE.
+
+A sequence's extents each hold a contiguous run of its tokens on one node (the
+coordinator's page table; coordinator/extents.py); the last, the tail, takes appends.
+Each node attends over its own blocks and returns out + lse; the partial results over
+disjoint key sets merge exactly by their log-sum-exp (protos/merge.py, the node's own
+merge)::
+
+    keys        [ extent 0: node A ][ extent 1: node B ][ tail: node C  | new ]
+    decode      attend (no append)   attend (no append)  append + attend
+    prefill     full (widened q)     full (widened q)    causal (append + attend)
+
+Decode: every earlier extent is attended without an append; the new token's K/V goes to
+the tail only. Prefill of n new tokens: the tail attends causally over its own tokens and
+the new ones; an earlier extent sees every query attend to ALL its keys, which is a
+decode over that extent with the n queries laid out as extra query heads of one row
+(`widen`): a single call, no causal mask, GQA groups kept.
+
+Calls to different nodes run in parallel on the client's threads, so a step costs about
+the slowest node's call, not their sum.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor
+from typing import TypeVar
+
+import torch
+
+from ..protos.merge import merge_partials
+from .types import AttentionResult
+
+T = TypeVar("T")
+
+
+def run_parallel(pool: Executor, calls: Sequence[Callable[[], T]]) -> list[T]:
+    """Every call's result, in order: the first on this thread, the others on the pool at
+    the same time. The first error raised (in call order) is raised, after all finished."""
+    if len(calls) == 1:
+        return [calls[0]()]
+    futures = [pool.submit(c) for c in calls[1:]]
+    first: BaseException | None = None
+    results: list[T] = []
+    try:
+        results.append(calls[0]())
+    except BaseException as exc:  # noqa: BLE001 - re-raised below, once the others finished
+        first = exc
+    for f in futures:
+        try:
+            results.append(f.result())
+        except BaseException as exc:  # noqa: BLE001 - the first one in call order wins
+            first = first or exc
+    if first is not None:
+        raise first
+    return results
+
+
+def widen(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """n queries [n, Hq, D] as ONE decode row [1, n * Hq, D] whose query heads keep their KV
+    head: head h of row i lands in KV head h // G's group (G = Hq / kv_heads)."""
+    n, hq, d = q.shape
+    g = hq // kv_heads
+    return q.reshape(n, kv_heads, g, d).permute(1, 0, 2, 3).reshape(1, kv_heads * n * g, d)
+
+
+def narrow(res: AttentionResult, n: int, kv_heads: int) -> AttentionResult:
+    """The inverse of widen on a decode result: out [n, Hq, D], lse [n, Hq] (no block mass:
+    a prefill asks for none across extents)."""
+    _, wide, d = res.out.shape
+    g = wide // (kv_heads * n)
+    out = res.out.reshape(kv_heads, n, g, d).permute(1, 0, 2, 3).reshape(n, kv_heads * g, d)
+    lse = res.lse.reshape(kv_heads, n, g).permute(1, 0, 2).reshape(n, kv_heads * g)
+    return AttentionResult(out, lse)
+
+
+def merge(parts: Sequence[AttentionResult]) -> AttentionResult:
+    """Partial results over disjoint key sets (in extent order) as one. Block mass, when every
+    part has it, is each part's mass rescaled to the merged softmax (weight exp(lse_part -
+    lse)), per row summed over heads as the node reports it, concatenated in extent order."""
+    if len(parts) == 1:
+        return parts[0]
+    out, lse = merge_partials([p.out for p in parts], [p.lse for p in parts])
+    masses = [p.block_mass for p in parts]
+    if any(m is None for m in masses):
+        return AttentionResult(out, lse)
+    scaled = []
+    for p, m in zip(parts, masses, strict=True):
+        assert m is not None
+        # the node's mass is a softmax share summed over heads: rescale by the heads' mean weight
+        w = torch.exp(p.lse.float() - lse.float()).mean(dim=-1, keepdim=True)
+        scaled.append(m.float() * w)
+    return AttentionResult(out, lse, torch.cat(scaled, dim=-1))
+
+
+def rows_of(res: AttentionResult, rows: Sequence[int]) -> AttentionResult:
+    idx = list(rows)
+    mass = None if res.block_mass is None else res.block_mass[idx]
+    return AttentionResult(res.out[idx], res.lse[idx], mass)
+
+
+def stack_rows(parts: Sequence[AttentionResult]) -> AttentionResult:
+    """Row results (each [1, ...]) back into one batch; block mass padded to the widest."""
+    out = torch.cat([p.out for p in parts])
+    lse = torch.cat([p.lse for p in parts])
+    if any(p.block_mass is None for p in parts):
+        return AttentionResult(out, lse)
+    width = max(p.block_mass.shape[-1] for p in parts if p.block_mass is not None)
+    mass = torch.zeros((len(parts), width), dtype=torch.float32)
+    for i, p in enumerate(parts):
+        assert p.block_mass is not None
+        mass[i, : p.block_mass.shape[-1]] = p.block_mass[0]
+    return AttentionResult(out, lse, mass)

@@ -1,0 +1,74 @@
+"""The client's pieces for sharded sequences (client/extents.py), against float64 dense attention."""
+
+from __future__ import annotations
+
+import math
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from pagedkv.client.extents import merge, narrow, run_parallel, widen
+from pagedkv.client.types import AttentionResult
+
+
+def dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> AttentionResult:
+    """q [n, Hq, D] over every key of k, v [L, Hk, D] (no mask), float64."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)
+    scores = torch.einsum("nhd,lhd->nhl", q.double(), k) / math.sqrt(q.shape[-1])
+    return AttentionResult(torch.einsum("nhl,lhd->nhd", scores.softmax(-1), v), scores.logsumexp(-1))
+
+
+@pytest.mark.parametrize(("n", "q_heads", "kv_heads"), [(1, 4, 4), (5, 8, 2), (3, 6, 1)])
+def test_widened_queries_keep_their_kv_head(n, q_heads, kv_heads):
+    """A decode row of n * Hq heads over the keys is the n queries' full attention, once narrowed."""
+    g = torch.Generator().manual_seed(n)
+    q = torch.randn(n, q_heads, 8, generator=g)
+    k, v = torch.randn(11, kv_heads, 8, generator=g), torch.randn(11, kv_heads, 8, generator=g)
+    wide = widen(q, kv_heads)
+    assert wide.shape == (1, n * q_heads, 8)
+    row = dense(wide[0][None].reshape(1, n * q_heads, 8), k, v)  # the node's decode of one row
+    got = narrow(AttentionResult(row.out, row.lse), n, kv_heads)
+    want = dense(q, k, v)
+    torch.testing.assert_close(got.out, want.out)
+    torch.testing.assert_close(got.lse, want.lse)
+
+
+def test_merge_of_disjoint_key_sets_is_attention_over_all_of_them():
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 8, generator=g)
+    k, v = torch.randn(20, 2, 8, generator=g), torch.randn(20, 2, 8, generator=g)
+    parts = [dense(q, k[a:b], v[a:b]) for a, b in [(0, 7), (7, 8), (8, 20)]]
+    got = merge(parts)
+    want = dense(q, k, v)
+    torch.testing.assert_close(got.out.double(), want.out)
+    torch.testing.assert_close(got.lse.double(), want.lse)
+    assert got.block_mass is None
+
+
+def test_merged_block_mass_is_rescaled_to_the_whole_softmax():
+    """One head: each part's mass (its own softmax, summing to 1) scaled by its share."""
+    lses = [torch.tensor([[0.0]]), torch.tensor([[math.log(3.0)]])]  # shares 1/4 and 3/4
+    parts = [
+        AttentionResult(torch.zeros(1, 1, 2), lses[0], torch.tensor([[0.5, 0.5]])),
+        AttentionResult(torch.zeros(1, 1, 2), lses[1], torch.tensor([[1.0]])),
+    ]
+    mass = merge(parts).block_mass
+    assert mass is not None
+    torch.testing.assert_close(mass, torch.tensor([[0.125, 0.125, 0.75]]))
+
+
+def test_run_parallel_runs_at_once_keeps_order_and_raises_the_first_error():
+    barrier = threading.Barrier(3, timeout=30)  # only passes if all three run at the same time
+    with ThreadPoolExecutor(4) as pool:
+        assert run_parallel(pool, [lambda i=i: (barrier.wait(), i)[1] for i in range(3)]) == [0, 1, 2]
+
+        def fail(msg: str) -> int:
+            raise ValueError(msg)
+
+        done = []
+        with pytest.raises(ValueError, match="second"):
+            run_parallel(pool, [lambda: done.append(1), lambda: fail("second"), lambda: fail("third")])
+        assert done == [1]
