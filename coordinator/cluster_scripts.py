@@ -89,6 +89,16 @@ redis.call('DEL', KEYS[1])
 return h
 """
 
+# KEYS: a sequence's record. ARGV: reason, ttl_ms. Store.mark_lost (reconciliation): the hash as
+# it was (flat), or {} (changing nothing) when it is missing or lost already.
+LOSE_SEQ = """
+local h = redis.call('HGETALL', KEYS[1])
+if #h == 0 or redis.call('HGET', KEYS[1], 'state') == 'lost' then return {} end
+redis.call('HSET', KEYS[1], 'state', 'lost', 'lost_reason', ARGV[1])
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+return h
+"""
+
 # KEYS: a sequence's record. ARGV: reason. Returns 1 if it exists (now lost), else 0.
 MARK_LOST = """
 local state = redis.call('HGET', KEYS[1], 'state')

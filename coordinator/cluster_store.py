@@ -125,6 +125,7 @@ class ClusterStore(Store):
             reg(cl.DELETE_SEQ),
         )
         self._live_node, self._try_lead = reg(lua.LIVE_NODE), reg(lua.TRY_LEAD)
+        self._lose_seq = reg(cl.LOSE_SEQ)
         self._reserve, self._release, self._expire_lost = (
             reg(lua.RESERVE),
             reg(lua.RELEASE),
@@ -467,10 +468,22 @@ class ClusterStore(Store):
             self._link("update_sequence", seq_id, nodes)
         return _record(seq_id, reply[2])
 
-    def delete_sequence(self, seq_id: str, *, tenant: str | None = None) -> SequenceRecord:
+    def delete_sequence(
+        self, seq_id: str, *, tenant: str | None = None, require_live: bool = False
+    ) -> SequenceRecord:
         check_name("seq_id", seq_id)
         if tenant is not None:
             check_name("tenant", tenant)
+        if require_live:
+            # Liveness lives in the nodes' slots, so it is read just before the delete, not in
+            # it: a node that lapses in between is as after any close (reconcile.py frees what
+            # it still holds if it comes back; its record is gone either way).
+            h = self._call("delete_sequence", self._redis.hgetall, self._seq(seq_id))
+            if h and h.get(b"state") != b"lost" and (tenant is None or _s(h.get(b"tenant", b"")) == tenant):
+                nodes = list(_record(seq_id, [x for kv in h.items() for x in kv]).node_ids)
+                for n, live in zip(nodes, self._alive(nodes), strict=True):
+                    if not live:
+                        raise NodeNotLive(n, f"sequence {seq_id!r} is kept until its node's verdict")
         flat = self._call("delete_sequence", self._delete_seq, keys=[self._seq(seq_id)], args=[tenant or ""])
         if not flat:
             raise SequenceNotFound(seq_id)
@@ -478,6 +491,18 @@ class ClusterStore(Store):
             raise PermissionDenied(f"sequence {seq_id!r} belongs to another tenant")
         record = _record(seq_id, flat)
         self._link("delete_sequence", seq_id, list(record.node_ids), add=False)
+        return record
+
+    def mark_lost(self, seq_id: str, reason: str, ttl_s: float) -> SequenceRecord | None:
+        check_name("seq_id", seq_id)
+        if not isinstance(reason, str):
+            raise InvalidArgument(f"reason must be a str, got {reason!r}")
+        ttl_ms = max(1, round(check_ttl(ttl_s) * 1000))
+        flat = self._call("mark_lost", self._lose_seq, keys=[self._seq(seq_id)], args=[reason, ttl_ms])
+        if not flat:
+            return None
+        record = _record(seq_id, flat)
+        self._link("mark_lost", seq_id, list(record.node_ids), add=False)
         return record
 
     def expire_lost(self, seq_ids: Sequence[str], ttl_s: float) -> int:
