@@ -54,7 +54,7 @@ class Workload:
     block_size: int
     concurrency: int
     pools: list[int]
-    keep: int  # tokens of a request worth caching once its conversation ended (the system prompt)
+    keep: int = 0  # tokens of a request worth caching once its conversation ended (the system prompt)
 
     def end_hints(self) -> list[int | None]:
         """What a worker closes each request with: keep_prefix=`keep` on the last request of its

@@ -69,7 +69,10 @@ def test_engine_work_runs_on_its_compute_thread():
     engine = make_engine(compute_thread=True)
     ran_on: list[str] = []
     manager_free = engine.manager.free
-    engine.manager.free = lambda sid: (ran_on.append(threading.current_thread().name), manager_free(sid))[1]
+    engine.manager.free = lambda sid, keep=None: (  # type: ignore[method-assign]
+        ran_on.append(threading.current_thread().name),
+        manager_free(sid, keep),
+    )[1]
     try:
         assert engine.run(lambda: threading.current_thread().name) == "pagedkv-compute"
         fill(engine, "a", list(range(9)))
