@@ -104,23 +104,16 @@ class KVBackend(Protocol):
         ...
 
 
+_QKV = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 _Rows = tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor, "list[int] | None"]
 
 
 class _BatchedAttention:
     """The two attend calls of KVBackend, written once over what each backend sends: `_decode`
-    (one token per sequence) and `_prefill` (the rows concatenated: counts, q, k, v, token ids),
+    (one token per sequence: q, k, v) and `_prefill` (the rows concatenated: counts, q, k, v, ids),
     each returning a result with `.out` and `.lse`."""
 
-    def _decode(
-        self,
-        seq_ids: Sequence[str],
-        layer: int,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        token_ids: Sequence[int] | None,
-    ) -> Any:
+    def _decode(self, seq_ids: Sequence[str], layer: int, qkv: _QKV, token_ids: Sequence[int] | None) -> Any:
         raise NotImplementedError
 
     def _prefill(self, seq_ids: Sequence[str], layer: int, rows: _Rows) -> Any:
@@ -138,7 +131,7 @@ class _BatchedAttention:
         with_lse: bool = False,
     ) -> Any:
         """KVBackend.attend_decode."""
-        res = self._decode(seq_ids, layer, q, k, v, token_ids)
+        res = self._decode(seq_ids, layer, (q, k, v), token_ids)
         return (res.out, res.lse) if with_lse else res.out
 
     def attend_prefill_batch(
@@ -186,16 +179,8 @@ class EngineBackend(_BatchedAttention):
     def free(self, seq_id: str) -> None:
         self.engine.free(seq_id)
 
-    def _decode(
-        self,
-        seq_ids: Sequence[str],
-        layer: int,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        token_ids: Sequence[int] | None,
-    ) -> Any:
-        return self.engine.attend_decode(list(seq_ids), layer, q, k, v, token_ids)
+    def _decode(self, seq_ids: Sequence[str], layer: int, qkv: _QKV, token_ids: Sequence[int] | None) -> Any:
+        return self.engine.attend_decode(list(seq_ids), layer, *qkv, token_ids)
 
     def _prefill(self, seq_ids: Sequence[str], layer: int, rows: _Rows) -> Any:
         return self.engine.attend_prefill_batch(list(seq_ids), layer, *rows)
@@ -276,16 +261,8 @@ class GrpcBackend(_BatchedAttention):
     def free(self, seq_id: str) -> None:
         self._seqs.pop(seq_id).close()
 
-    def _decode(
-        self,
-        seq_ids: Sequence[str],
-        layer: int,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        token_ids: Sequence[int] | None,
-    ) -> Any:
-        return self.client.attend_batch([self._seqs[s] for s in seq_ids], layer, q, k, v, token_ids)
+    def _decode(self, seq_ids: Sequence[str], layer: int, qkv: _QKV, token_ids: Sequence[int] | None) -> Any:
+        return self.client.attend_batch([self._seqs[s] for s in seq_ids], layer, *qkv, token_ids)
 
     def _prefill(self, seq_ids: Sequence[str], layer: int, rows: _Rows) -> Any:
         return self.client.attend_prefill_batch([self._seqs[s] for s in seq_ids], layer, *rows)

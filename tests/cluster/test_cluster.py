@@ -65,7 +65,8 @@ def all_nodes_clean(c: CacheClient) -> None:
 def test_second_worker_process_reuses_the_first_ones_system_prompt(cluster):
     first = run_worker(cluster, "w1", SYSTEM + [1, 2, 3])
     assert first["cached"] == 0 and first["max_rel_err"] < 1e-5
-    time.sleep(0.3)  # the node reports new blocks to the coordinator within ~10 ms
+    with client(cluster) as c:  # the node reports new blocks to the coordinator within ~10 ms
+        wait_until(lambda: c.lookup(SYSTEM + [5]) == len(SYSTEM), 10.0, "the prefix in the index")
     second = run_worker(cluster, "w2", SYSTEM + [9, 9, 9, 9])
     assert second["cached"] == len(SYSTEM)  # six whole blocks, served from the first worker's KV
     assert second["node"] == first["node"]  # placement followed the prefix
@@ -96,7 +97,8 @@ def test_connect_reaches_every_node(cluster):
 def test_tenants_never_hit_each_others_cache(cluster):
     prompt = list(range(5000, 5000 + 64)) + [1]
     run_worker(cluster, "t-alpha", prompt, tenant="alpha")
-    time.sleep(0.3)
+    with client(cluster, "alpha") as c:  # alpha's blocks are findable before beta asks
+        wait_until(lambda: c.lookup(prompt) == 64, 10.0, "alpha's prefix in the index")
     beta = run_worker(cluster, "t-beta", prompt, tenant="beta", keep=True)
     assert beta["cached"] == 0  # same tokens, other tenant: no hit
     with client(cluster, "beta") as c:
@@ -129,7 +131,7 @@ def test_killed_node_is_detected_and_its_sequences_are_lost(tmp_path, redis_url)
         # One sequence per node: the second open avoids the (equally loaded) first by load.
         a = c.open("on-a", SYSTEM + [1])
         a.append(SYSTEM + [1], *expected_kv(SYSTEM + [1]))
-        time.sleep(0.3)
+        wait_until(lambda: c.lookup(SYSTEM + [1]) == len(SYSTEM), 10.0, "a's blocks in the index")
         b = c.open("on-b", list(range(7000, 7100)))
         victim = a.route
         name = victim.node_id
@@ -176,8 +178,7 @@ def test_restarted_node_comes_back_empty(tmp_path, redis_url):
     with make_cluster(tmp_path, redis_url=redis_url, num_nodes=1) as cluster, client(cluster) as c:
         seq = c.open("before", SYSTEM + [1])
         seq.append(SYSTEM + [1], *expected_kv(SYSTEM + [1]))
-        time.sleep(0.3)
-        assert c.lookup(SYSTEM + [1]) == len(SYSTEM)
+        wait_until(lambda: c.lookup(SYSTEM + [1]) == len(SYSTEM), 10.0, "the prefix in the index")
         cluster.kill("node-0")
         wait_until(lambda: not c.cluster_stats().nodes, 8.0, "node death")
         cluster.start_node(0)  # same address, same id
@@ -198,7 +199,7 @@ def test_coordinator_restart_keeps_sequences_and_index(tmp_path, redis_url):
     with make_cluster(tmp_path, redis_url=redis_url) as cluster, client(cluster) as c:
         seq = c.open("long-lived", SYSTEM + [3])
         seq.append(SYSTEM + [3], *expected_kv(SYSTEM + [3]))
-        time.sleep(0.3)
+        wait_until(lambda: c.lookup(SYSTEM + [3]) == len(SYSTEM), 10.0, "the prefix in the index")
         cluster.kill("coordinator", signal.SIGTERM)
         with pytest.raises(Unavailable):
             c.lookup(SYSTEM)
