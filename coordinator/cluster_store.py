@@ -74,7 +74,7 @@ from .records import (
     check_keys,
     check_load,
     check_name,
-    check_policy,
+    check_registration,
     check_sequence_fields,
     check_ttl,
 )
@@ -199,16 +199,8 @@ class ClusterStore(Store):
         *,
         policy: str = "",
     ) -> PurgeResult:
-        check_name("node_id", node_id)
-        check_name("address", address)
-        check_count("num_blocks", num_blocks)
-        check_policy(policy)
-        ttl_ms = max(1, round(check_ttl(ttl_s) * 1000))
-        try:
-            spec_json = json.dumps(dict(spec), sort_keys=True)
-        except (TypeError, ValueError) as e:
-            raise InvalidArgument(f"spec must be a JSON-able mapping: {e}") from e
-        args = [address, spec_json, num_blocks, ttl_ms, check_count("epoch", epoch), policy]
+        spec_json, ttl_ms = check_registration(node_id, address, spec, num_blocks, ttl_s, epoch, policy)
+        args = [address, spec_json, num_blocks, ttl_ms, epoch, policy]
         was, keys, seqs = self._call(
             "register_node", self._register, keys=self._node_keys(node_id), args=args
         )

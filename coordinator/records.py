@@ -7,6 +7,7 @@ Both backends share the validators below, so they refuse exactly the same input.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -292,6 +293,29 @@ def check_policy(policy: object) -> str:
     if not isinstance(policy, str) or len(policy) > 64:
         raise InvalidArgument(f"policy must be a str of at most 64 characters, got {policy!r}")
     return policy
+
+
+def check_registration(
+    node_id: str,
+    address: str,
+    spec: Mapping[str, Any],
+    num_blocks: int,
+    ttl_s: float,
+    epoch: int,
+    policy: str,
+) -> tuple[str, int]:
+    """A registration's arguments checked as the Redis stores write them: (the spec as sorted
+    JSON, the lease in milliseconds)."""
+    check_name("node_id", node_id)
+    check_name("address", address)
+    check_count("num_blocks", num_blocks)
+    check_count("epoch", epoch)
+    check_policy(policy)
+    ttl_ms = max(1, round(check_ttl(ttl_s) * 1000))
+    try:
+        return json.dumps(dict(spec), sort_keys=True), ttl_ms
+    except (TypeError, ValueError) as e:
+        raise InvalidArgument(f"spec must be a JSON-able mapping: {e}") from e
 
 
 def check_load(load: Mapping[str, int]) -> dict[str, int]:

@@ -73,7 +73,7 @@ from .records import (
     check_keys,
     check_load,
     check_name,
-    check_policy,
+    check_registration,
     check_sequence_fields,
     check_ttl,
 )
@@ -238,15 +238,7 @@ class RedisStore(Store):
         *,
         policy: str = "",
     ) -> PurgeResult:
-        check_name("node_id", node_id)
-        check_name("address", address)
-        check_count("num_blocks", num_blocks)
-        check_policy(policy)
-        ttl_ms = max(1, round(check_ttl(ttl_s) * 1000))
-        try:
-            spec_json = json.dumps(dict(spec), sort_keys=True)
-        except (TypeError, ValueError) as e:
-            raise InvalidArgument(f"spec must be a JSON-able mapping: {e}") from e
+        spec_json, ttl_ms = check_registration(node_id, address, spec, num_blocks, ttl_s, epoch, policy)
         reason = f"node {node_id} re-registered (restarted; its blocks are gone)"
         args = [
             self._prefix,
@@ -256,7 +248,7 @@ class RedisStore(Store):
             num_blocks,
             ttl_ms,
             reason,
-            check_count("epoch", epoch),
+            epoch,
             policy,
         ]
         reply = self._call("register_node", self._register, args=args)
