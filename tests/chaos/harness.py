@@ -38,6 +38,7 @@ import torch
 from pagedkv.client import (
     CacheClient,
     ClientConfig,
+    NotFound,
     OpenFailed,
     PagedKVError,
     SequenceLost,
@@ -179,7 +180,7 @@ class Workload:
             seq = client.open(seq_id, prompt)
         except Unavailable:
             tally.add("open_unavailable")
-            time.sleep(0.2)
+            self.close_unknown(client, seq_id)  # the open may have been written before the error
             return
         except PagedKVError as exc:
             tally.add("wrong", f"open {seq_id}: {type(exc).__name__}: {exc}")
@@ -196,6 +197,28 @@ class Workload:
         except AssertionError as exc:
             tally.add("wrong", f"{seq_id}: corruption: {exc}")
         self.close(seq)
+
+    def close_unknown(self, client: CacheClient, seq_id: str) -> None:
+        """Close an id whose open answered Unavailable, as a careful worker does: the coordinator
+        may have written its page table (and opened it on the node) before the failure."""
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                seq = client.sequence(seq_id)
+            except NotFound:
+                return  # never opened (or its record is gone): nothing to close
+            except SequenceLost:
+                break  # its close reports the loss and drops the record
+            except Unavailable:
+                if time.monotonic() > deadline:
+                    self.tally.add("wrong", f"describe of {seq_id} unavailable for 30 s")
+                    return
+                time.sleep(0.2)
+                continue
+            self.close(seq)
+            return
+        with contextlib.suppress(PagedKVError):
+            client.routing.close(seq_id, None)
 
     def close(self, seq: object) -> None:
         """Close, retrying while the coordinator is unreachable (close is idempotent)."""
