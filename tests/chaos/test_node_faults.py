@@ -42,7 +42,7 @@ def test_node_sigkill_and_restart_on_its_port_with_handles_held(tmp_path, secure
     """With tickets the node itself answers SequenceLost; without a cluster secret it can only
     say NOT_FOUND, and the client asks the coordinator what became of the sequence."""
     with ChaosCluster(tmp_path, secure=secure) as cc:
-        work = Workload(cc.coordinator).start()
+        work = Workload(cc.coordinator, tickets=secure).start()
         held = hold_on(work, "node-0", 3)
         time.sleep(1.0)
         cc.cluster.kill("node-0")
