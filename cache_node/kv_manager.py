@@ -8,10 +8,11 @@ budgets, integrity); the parts live in cache_node/kv/:
 
     kv/sequence.py   Sequence and the value types (OpenResult, Slots, events, Budget)
     kv/prefix.py     block keys, finding a prompt's cached prefix, publishing full blocks
-    kv/tiers.py      device allocation, the host tier, promotion and swapping
+    kv/tiers.py      device allocation, the host tier, promotion, swapping, dropping on close
     kv/decode.py     batched decode steps and the decode group
     kv/budget.py     what a token budget drops
     kv/events.py     the STORED / REMOVED event queue
+    kv/integrity.py  the invariants check_integrity() verifies
 
 Appends come in two shapes: `reserve(seq, tokens)` (a prefill; returns the first new
 position) and `reserve_tokens(seqs, tokens)` / `reserve_token_pairs(pairs)` (a decode
@@ -24,12 +25,13 @@ Not thread-safe by itself: the engine holds one lock around every call.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from collections.abc import Sequence as Seq
+from types import MappingProxyType
 
 from ..protos.errors import (
     CapacityExceeded,
     FailedPrecondition,
-    IntegrityError,
     InvalidArgument,
     SequenceNotFound,
 )
@@ -38,6 +40,7 @@ from .eviction import EvictionPolicy, make_policy
 from .kv.budget import check_budget, drop_plan
 from .kv.decode import DecodeGroup, Decoder
 from .kv.events import EventLog
+from .kv.integrity import check_manager
 from .kv.prefix import PrefixCache
 from .kv.sequence import (
     DEVICE,
@@ -144,6 +147,11 @@ class KVCacheManager:
     @hold_publish.setter
     def hold_publish(self, value: bool) -> None:
         self.prefix.hold_publish = value
+
+    @property
+    def pinned_keys(self) -> Mapping[bytes, int]:
+        """Key -> how many pin() calls hold it (a read-only view)."""
+        return MappingProxyType(self._pinned)
 
     @property
     def num_swapped(self) -> int:
@@ -378,31 +386,7 @@ class KVCacheManager:
         if keep_prefix is not None:
             # keys[j] covers tokens at or after j * block_size (a budget drop only shifts blocks
             # down), so this never drops a block inside the kept prefix.
-            self._drop_unheld(seq.keys[keep_prefix // self.block_size :])
-
-    def _drop_unheld(self, keys: Seq[bytes | None]) -> None:
-        """Free now the blocks caching these keys on either tier that nobody holds or pins (a
-        swapped sequence's device copies too); REMOVED events for the keys no tier keeps."""
-        gone: list[bytes] = []
-        for key in keys:
-            if key is None:
-                continue
-            held = dropped = False
-            for pool in (self.device, self.host):
-                b = pool.lookup(key)
-                if b is None:
-                    continue
-                if pool.refcount_of(b) == 0 and pool.pin_count(b) == 0:
-                    pool.drop(b)
-                    dropped = True
-                else:
-                    held = True
-            if dropped:
-                self.counters.dropped_on_close += 1
-                if not held:
-                    gone.append(key)
-        if gone:
-            self.prefix.removed(gone)
+            self.tiers.drop_unheld(seq.keys[keep_prefix // self.block_size :])
 
     def swap_out(self, seq_id: str) -> int:
         """Move the whole sequence to host blocks and free its device blocks.
@@ -562,41 +546,8 @@ class KVCacheManager:
     # -- invariants ---------------------------------------------------------------
 
     def check_integrity(self) -> None:
-        """Raise IntegrityError with the numbers that disagree."""
-        dev_refs: dict[int, int] = {}
-        host_refs: dict[int, int] = {}
-        problems: list[str] = []
-        bs = self.block_size
-        for seq in self.seqs.values():
-            table, refs = (seq.host_table, host_refs) if seq.host_table is not None else (seq.table, dev_refs)
-            for b in table:
-                refs[b] = refs.get(b, 0) + 1
-            blocks = len(table)
-            if blocks != -(-seq.cache_len // bs) or len(seq.keys) != blocks or len(seq.scores) != blocks:
-                problems.append(
-                    f"sequence {seq.seq_id!r}: {blocks} blocks, {len(seq.keys)} keys, "
-                    f"{len(seq.scores)} scores for cache_len {seq.cache_len}"
-                )
-        self.device.check_integrity(dev_refs)
-        self.host.check_integrity(host_refs)
-        for seq in self.seqs.values():
-            if seq.simple and seq.host_table is None:  # the decode fast path must be safe for it
-                shared_tail = seq.cache_len % bs != 0 and self.device.refcount_of(seq.table[-1]) != 1
-                if seq.budget is not None or shared_tail:
-                    problems.append(f"sequence {seq.seq_id!r}: simple, yet has a budget or shared tail")
-        self.decoder.check(problems)
-        num_swapped = sum(1 for s in self.seqs.values() if s.host_table is not None)
-        if num_swapped != self._num_swapped:
-            problems.append(f"{num_swapped} sequences swapped out, but {self._num_swapped} counted")
-        both = self.device.block_of_key.keys() & self.host.block_of_key.keys()
-        if both:
-            problems.append(f"{len(both)} keys held by both tiers")
-        for key, count in self._pinned.items():
-            pinned = self.device.lookup(key)
-            if pinned is None or self.device.pin_count(pinned) < count:
-                problems.append(f"pinned key {key.hex()} lost its pinned device block")
-        if problems:
-            raise IntegrityError("; ".join(problems))
+        """Raise IntegrityError with the numbers that disagree (kv/integrity.py)."""
+        check_manager(self)
 
     def stats(self) -> dict[str, int]:
         d, h = self.device, self.host

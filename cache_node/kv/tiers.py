@@ -5,10 +5,13 @@ host tier while it has room (the host evicting its own oldest to make room), els
 the node. A prefix hit on the host tier is promoted back to new device blocks; a whole
 sequence can be swapped out to host blocks and back, byte-exact. Bytes move through the
 mover at the moment each move is decided, so moves run in decision order (an offload
-always reads a device block before anything overwrites it).
+always reads a device block before anything overwrites it). A close that knows its tail will
+not be asked for again drops those cached blocks at once (drop_unheld).
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence as Seq
 
 from ...protos.errors import CapacityExceeded
 from ..block_pool import BlockPool
@@ -127,3 +130,27 @@ class Tiers:
         seq.table, seq.host_table = table, None
         self.counters.swap_in_blocks += need
         return need
+
+    def drop_unheld(self, keys: Seq[bytes | None]) -> None:
+        """Free now the blocks caching these keys on either tier that nobody holds or pins (a
+        swapped sequence's device copies too); REMOVED events for the keys no tier keeps."""
+        gone: list[bytes] = []
+        for key in keys:
+            if key is None:
+                continue
+            held = dropped = False
+            for pool in (self.device, self.host):
+                b = pool.lookup(key)
+                if b is None:
+                    continue
+                if pool.refcount_of(b) == 0 and pool.pin_count(b) == 0:
+                    pool.drop(b)
+                    dropped = True
+                else:
+                    held = True
+            if dropped:
+                self.counters.dropped_on_close += 1
+                if not held:
+                    gone.append(key)
+        if gone:
+            self.prefix.removed(gone)
