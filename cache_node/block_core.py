@@ -37,9 +37,17 @@ logger = logging.getLogger("pagedkv.cache_node.block_core")
 
 _CSRC = Path(__file__).with_name("csrc")
 _SOURCE = _CSRC / "block_core.c"  # the module; the other translation units ride in the flags
-_UNITS = ("order_base.c", "order_list.c", "order_heap.c", "pool.c", "pool_type.c", "decode_group.c")
+_UNITS = (
+    "order_base.c",
+    "order_list.c",
+    "order_heap.c",
+    "pool.c",
+    "pool_type.c",
+    "decode_group.c",
+    "lifecycle.c",
+)
 _HEADERS = ("order.h", "pool.h")
-_ABI_VERSION = 12
+_ABI_VERSION = 13
 _C_FLAGS = ("-O2", "-std=c99", "-shared", "-fPIC", "-fno-strict-aliasing", "-fvisibility=hidden")
 _C_PLATFORM_FLAGS = ("-undefined", "dynamic_lookup") if sys.platform == "darwin" else ()
 

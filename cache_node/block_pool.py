@@ -198,15 +198,16 @@ class BlockPool:
         tail-first, so with LRU its deepest blocks are evicted before its prefix.
         A block freed more often than referenced raises IntegrityError (the ones
         before it are released)."""
-        self._raise_if_bad(self._core.release(blocks, False))
+        self.raise_if_overfreed(self._core.release(blocks, False))
 
     def free_tail_first(self, table: Sequence[int]) -> None:
         """free(table[::-1]) without the copy: a sequence's release."""
         bad = self._core.release(table, True)
-        if bad is not None:  # tested here, not in _raise_if_bad: one call less per release
-            self._raise_if_bad(bad)
+        if bad is not None:  # tested here, not in raise_if_overfreed: one call less per release
+            self.raise_if_overfreed(bad)
 
-    def _raise_if_bad(self, block: int | None) -> None:
+    def raise_if_overfreed(self, block: int | None) -> None:
+        """Raise IntegrityError for a block a release found freed more often than referenced."""
         if block is not None:
             raise IntegrityError(f"{self.tier} block {block} freed more often than referenced")
 

@@ -13,6 +13,7 @@ budgets, integrity); the parts live in cache_node/kv/:
     kv/budget.py     what a token budget drops
     kv/events.py     the STORED / REMOVED event queue
     kv/integrity.py  the invariants check_integrity() verifies
+    kv/compiled.py   open, reserve and free in C for a manager without prefix caching
 
 Appends come in two shapes: `reserve(seq, tokens)` (a prefill; returns the first new
 position) and `reserve_tokens(seqs, tokens)` / `reserve_token_pairs(pairs)` (a decode
@@ -38,6 +39,7 @@ from ..protos.errors import (
 from .block_pool import BlockPool
 from .eviction import EvictionPolicy, make_policy
 from .kv.budget import check_budget, drop_plan
+from .kv.compiled import compiled_class
 from .kv.decode import DecodeGroup, Decoder
 from .kv.events import EventLog
 from .kv.integrity import check_manager
@@ -45,6 +47,7 @@ from .kv.prefix import PrefixCache
 from .kv.sequence import (
     DEVICE,
     HOST,
+    NO_HIT,
     OFFLOADED,
     REMOVED,
     STORED,
@@ -82,10 +85,19 @@ __all__ = [
     "Slots",
 ]
 
-_NO_HIT = OpenResult(0, 0)
-
 
 class KVCacheManager:
+    def __new__(
+        cls, *args: object, enable_prefix_caching: bool = True, native: bool = True, **kwargs: object
+    ) -> KVCacheManager:
+        """A native manager without prefix caching is kv/compiled.py's subclass, whose open,
+        reserve and free run compiled where the pool's core does."""
+        if cls is KVCacheManager and native and not enable_prefix_caching:
+            compiled = compiled_class(cls)
+            if compiled is not None:
+                return compiled.__new__(compiled)  # type: ignore[no-any-return]
+        return super().__new__(cls)
+
     def __init__(
         self,
         num_blocks: int,
@@ -213,7 +225,7 @@ class KVCacheManager:
             )
         if not self.enable_prefix_caching or limit < bs:  # nothing to look up, or not a whole block
             seqs[seq_id] = Sequence(seq_id, root, [], [], [], [])
-            return _NO_HIT
+            return NO_HIT
         hashed = token_ids[: limit - limit % bs]  # a copy: the hint must not alias the caller's list
         keys, unindexed = prefix.prompt_keys(root, hashed)
         dev, host = prefix.match(keys)

@@ -7,6 +7,7 @@
  *   pool.h, pool.c          a tier's block state (refcounts, free stack, keys, pins) and loops
  *   pool_type.c             the pool's construction, queries and Python type
  *   decode_group.c          a decode step for a batch, taking blocks off a pool's free stack
+ *   lifecycle.c             a sequence's open, reserve and free without prefix caching
  *   block_core.c            this module: the types, and one block's key by the compiled chain
  *
  * Everything here owns the state it works on and reaches Python objects through the public
@@ -15,7 +16,7 @@
  */
 #include "pool.h"
 
-#define ABI_VERSION 12
+#define ABI_VERSION 13
 
 /* The compiled key chain of protos/csrc/chain_keys.c (pagedkv_chain_keys), whose address the
  * loader passes in once it has loaded that library: a direct call, without ctypes' cost. */
@@ -83,11 +84,11 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_block_core", NULL, 
 
 PyMODINIT_FUNC PyInit__block_core(void)
 {
-    if (pkv_pool_names() < 0 || pkv_decode_group_ready() < 0)
+    if (pkv_pool_names() < 0 || pkv_decode_group_ready() < 0 || pkv_lifecycle_ready() < 0)
         return NULL;
     PyTypeObject *types[] = {&pkv_OrderType, &pkv_LRUOrderType, &pkv_SLRUOrderType, &pkv_HeapOrderType,
-                             &pkv_PoolType, &pkv_DecodeGroupType};
-    const char *names[] = {"Order", "LRUOrder", "SLRUOrder", "HeapOrder", "Pool", "DecodeGroup"};
+                             &pkv_PoolType, &pkv_DecodeGroupType, &pkv_LifecycleType};
+    const char *names[] = {"Order", "LRUOrder", "SLRUOrder", "HeapOrder", "Pool", "DecodeGroup", "Lifecycle"};
     for (size_t i = 0; i < sizeof(types) / sizeof(types[0]); i++)
         if (PyType_Ready(types[i]) < 0)
             return NULL;

@@ -23,6 +23,8 @@ typedef struct {
 extern PyTypeObject pkv_PoolType;
 extern PyTypeObject pkv_DecodeGroupType; /* decode_group.c */
 int pkv_decode_group_ready(void);        /* its constants and PyType_Ready: 0 or -1 */
+extern PyTypeObject pkv_LifecycleType;   /* lifecycle.c */
+int pkv_lifecycle_ready(void);           /* its names: 0 or -1 */
 
 int pkv_pool_names(void); /* the policy method names, interned once: 0 or -1 */
 Py_ssize_t pkv_pool_block(Pool *p, PyObject *o);

@@ -7,4 +7,5 @@ decode.py     batched decode steps and the decode group
 budget.py     what a token budget drops
 events.py     the STORED / REMOVED event queue
 integrity.py  the invariants check_integrity() verifies
+compiled.py   open, reserve and free in C for a manager without prefix caching
 """

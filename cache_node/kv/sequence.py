@@ -44,6 +44,9 @@ class OpenResult(NamedTuple):
     num_host_hit_tokens: int  # of those, tokens copied back from the host tier
 
 
+NO_HIT = OpenResult(0, 0)
+
+
 class Slots(NamedTuple):
     """Where the appended tokens' K/V go: token i -> (blocks[i], offsets[i])."""
 
