@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -89,6 +89,25 @@ class NodeHandle:
         """Keep what the coordinator answered for seq_id: its id and ticket on this node."""
         if route.node_seq_id or route.ticket:
             self.wallet.add(seq_id, route.node_seq_id, route.ticket)
+
+
+class _Step(NamedTuple):
+    """A decode step's arguments, as attend_batch() took them."""
+
+    layer: int
+    q: Any
+    k: Any
+    v: Any
+    token_ids: codec.TokenIds | None
+    return_block_mass: bool
+    timeout_s: float | None
+
+
+def _count_appended(handles: list[Sequence], counts: Seq[int]) -> None:
+    """The handles' known lengths after an append of counts[i] tokens to each (layer 0)."""
+    for s, n in zip(handles, counts, strict=True):
+        if s.num_tokens is not None:
+            s.num_tokens += int(n)
 
 
 class CacheClient:
@@ -231,18 +250,17 @@ class CacheClient:
                 ids, layer, q, k, v, token_ids, return_block_mass=return_block_mass, timeout_s=timeout_s
             )
         handles = self._handles(seqs, timeout_s)
+        step = _Step(layer, q, k, v, token_ids, return_block_mass, timeout_s)
         if any(s.is_sharded or (k is not None and s._tail_room() is not None) for s in handles):
-            return self._attend_sharded(handles, layer, q, k, v, token_ids, return_block_mass, timeout_s)
+            return self._attend_sharded(handles, step)
         try:
-            res = self._attend_one_extent(handles, layer, q, k, v, token_ids, return_block_mass, timeout_s)
+            res = self._attend_one_extent(handles, step)
         except CapacityExceeded as exc:
             if layer != 0 or k is None or not self._spill_full(handles, exc, timeout_s):
                 raise
-            return self._attend_sharded(handles, layer, q, k, v, token_ids, return_block_mass, timeout_s)
+            return self._attend_sharded(handles, step)
         if k is not None and layer == 0:
-            for s in handles:
-                if s.num_tokens is not None:
-                    s.num_tokens += 1
+            _count_appended(handles, [1] * len(handles))
         return res
 
     def _handles(self, seqs: Seq[Sequence | str], timeout_s: float | None) -> list[Sequence]:
@@ -261,18 +279,9 @@ class CacheClient:
                 spilled = True
         return spilled
 
-    def _attend_one_extent(
-        self,
-        handles: list[Sequence],
-        layer: int,
-        q: Any,
-        k: Any,
-        v: Any,
-        token_ids: codec.TokenIds | None,
-        return_block_mass: bool,
-        timeout_s: float | None,
-    ) -> AttentionResult:
+    def _attend_one_extent(self, handles: list[Sequence], step: _Step) -> AttentionResult:
         """Every sequence on one node: one call per node the batch spans."""
+        layer, q, k, v, token_ids, return_block_mass, timeout_s = step
         parts = []
         where = [(s.route.address, s.seq_id) for s in handles]
         for p in split_batch(where, q, k, v, token_ids):
@@ -290,21 +299,12 @@ class CacheClient:
             parts.append((p.rows, res))
         return parts[0][1] if len(parts) == 1 else gather_rows(parts, len(handles))
 
-    def _attend_sharded(
-        self,
-        handles: list[Sequence],
-        layer: int,
-        q: Any,
-        k: Any,
-        v: Any,
-        token_ids: codec.TokenIds | None,
-        return_block_mass: bool,
-        timeout_s: float | None,
-    ) -> AttentionResult:
+    def _attend_sharded(self, handles: list[Sequence], step: _Step) -> AttentionResult:
         """A decode step over sequences of which some span several nodes: per node, one call
         for the rows whose tail it holds (appending the new token when k is given) and one
         for the rows of earlier extents it holds (attend only; only when both kinds meet on
         a node are there two), all nodes in parallel; each row merges its parts by LSE."""
+        layer, q, k, v, token_ids, return_block_mass, timeout_s = step
         tokens = None if token_ids is None else codec.token_list(token_ids)
         if k is not None and layer == 0:
             for s in handles:
@@ -348,7 +348,7 @@ class CacheClient:
         except CapacityExceeded as exc:
             if layer != 0 or k is None or not self._spill_full(handles, exc, timeout_s):
                 raise
-            return self._attend_sharded(handles, layer, q, k, v, token_ids, return_block_mass, timeout_s)
+            return self._attend_sharded(handles, step)
         if any(s.is_sharded for s in handles):
             self.counters["sharded_attends"] += len(calls)
         per_row: list[dict[int, AttentionResult]] = [{} for _ in handles]
@@ -356,9 +356,7 @@ class CacheClient:
             for j, (row, index) in enumerate(members):
                 per_row[row][index] = rows_of(res, [j])
         if k is not None and layer == 0:
-            for s in handles:
-                if s.num_tokens is not None:
-                    s.num_tokens += 1
+            _count_appended(handles, [1] * len(handles))
         return stack_rows([merge([parts[i] for i in sorted(parts)]) for parts in per_row])
 
     def attend_prefill_batch(
@@ -395,9 +393,7 @@ class CacheClient:
             )
             parts.append((p.rows, res))
         if k is not None and layer == 0:
-            for s, n in zip(handles, num_tokens, strict=True):
-                if s.num_tokens is not None:
-                    s.num_tokens += int(n)
+            _count_appended(handles, num_tokens)
         return parts[0][1] if len(parts) == 1 else gather_rows(parts, sum(len(r) for r, _ in parts))
 
     def _prefill_sharded(
