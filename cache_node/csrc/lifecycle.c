@@ -217,6 +217,8 @@ static int reserve_simple(Lifecycle *lc, PyObject *seq, PyObject *seq_id, Py_ssi
         goto done;
     rc = 1;
 done:
+    if (evicted != NULL && PyList_GET_SIZE(evicted) && PyList_SetSlice(evicted, 0, PY_SSIZE_T_MAX, NULL) < 0)
+        rc = -1; /* a take that failed part way: the scratch list starts empty next time */
     Py_DECREF(table);
     Py_XDECREF(evicted);
     Py_XDECREF(blocks);
@@ -229,8 +231,8 @@ static PyObject *lc_reserve(Lifecycle *lc, PyObject *const *args, Py_ssize_t nar
 {
     if (nargs == 2 && kwnames == NULL && lc->seqs != NULL) {
         PyObject *seq = PyDict_GetItemWithError(lc->seqs, args[0]);
-        if (seq == NULL && PyErr_Occurred())
-            return NULL;
+        if (seq == NULL)
+            PyErr_Clear(); /* unhashable: the reference raises */
         Py_ssize_t n = seq == NULL || Py_TYPE(seq) != (PyTypeObject *)lc->seq_type ? 0 : PyObject_Size(args[1]);
         if (n < 0)
             PyErr_Clear(); /* unsized: the reference raises */
@@ -254,8 +256,8 @@ static PyObject *lc_free(Lifecycle *lc, PyObject *const *args, Py_ssize_t nargs,
     PyObject *seq = NULL;
     if (nargs == 1 && kwnames == NULL && lc->seqs != NULL) {
         seq = PyDict_GetItemWithError(lc->seqs, args[0]);
-        if (seq == NULL && PyErr_Occurred())
-            return NULL;
+        if (seq == NULL)
+            PyErr_Clear(); /* unhashable: the reference decides (dict.pop of an empty dict does not hash) */
     }
     if (seq == NULL || Py_TYPE(seq) != (PyTypeObject *)lc->seq_type)
         return reference(lc->py_free, self, args, nargs, kwnames);

@@ -50,6 +50,9 @@ def test_the_usual_and_the_unusual_cases_alike() -> None:
     assert same(sides, lambda m: m.free("b")) == ("ok", None)  # swapped: its host blocks
     assert same(sides, lambda m: m.free("a", keep_prefix=0)) == ("ok", None)
     assert same(sides, lambda m: m.free("a"))[0] == "SequenceNotFound"
+    assert same(sides, lambda m: m.reserve(["unhashable"], [1]))[0] == "TypeError"
+    assert same(sides, lambda m: m.free(["unhashable"]))[0] == "TypeError"
+    assert same(pair(enable_prefix_caching=False), lambda m: m.free(["x"]))[0] == "SequenceNotFound"  # no ids
     same(sides, lambda m: m.reserve(7, [1, 2, 3]))
     for m in sides:  # a block the table names twice: freed more often than referenced
         m.seqs[7].table.append(m.seqs[7].table[0])
