@@ -54,6 +54,12 @@ def test_attention_mods() -> None:
     assert "softcap+sinks" in done.stdout and "kernel" in done.stdout
 
 
+def test_open_wait() -> None:
+    done = run_bench("bench.open_wait", "--opens", "5")
+    for mode in ("await the node's Open", "answer at once (pagedkv)"):
+        assert mode in done.stdout and "(n=5)" in done.stdout, done.stdout
+
+
 def test_hitrate(tmp_path: Path) -> None:
     # The public trace lives beside the checkout (../shared), not in it: a clone elsewhere
     # (CI) replays the generated chat workload only.

@@ -82,11 +82,17 @@ def expected(sc: dict[str, Any]) -> Any:
             pending = min(sc["marker"][1], sc["num_keys"])
         candidates.append(
             NodeCandidate(
-                n["id"], held, n["free"], n["total"], n["evictable"], pending,
-                n["opens"] * sc["scale"] / sc["scale"], n["active"],
+                n["id"],
+                held,
+                n["free"],
+                n["total"],
+                n["evictable"],
+                pending,
+                n["opens"] * sc["scale"] / sc["scale"],
+                n["active"],
                 held - device,
             )
-        )  # fmt: skip
+        )
     tie = KEYS[0] if sc["num_keys"] else b""
     try:
         return place(candidates, sc["num_blocks"], BLOCK, sc["weights"], tie, sc["scan_classes"])
