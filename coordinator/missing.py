@@ -3,10 +3,12 @@
 A node without a cluster secret holds no ticket that would tell it a sequence was placed
 on it, so it answers NOT_FOUND both for an id nobody opened and for one it should hold:
 the open answered OK but its node Open never arrived (the coordinator died after writing
-the page table), or the node restarted and a call met it before the coordinator had its
-verdict. The client then asks Describe with node_not_found, and the page table alone
-cannot tell these apart (it says live until reconciliation finds the ghost, ~3 leases),
-so the coordinator asks the node itself before it answers:
+the page table; an Open that failed on the way marks the record lost itself, deferred.py),
+or the node lost it in a way the store has not recorded yet (a restarted node is fenced
+until its registration marks its sequences lost: this is the backstop). The client then
+asks Describe with node_not_found, and the page table alone cannot tell these apart (it
+says live until reconciliation finds the ghost, ~3 leases), so the coordinator asks the
+node itself before it answers:
 
 - a node Open of the sequence in flight in this process is waited for first;
 - a zero-token ReadKV of the sequence on each of its extents' nodes (no KV moves; the

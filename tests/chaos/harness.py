@@ -375,9 +375,14 @@ def hold_on(work: Workload, node_id: str | None, count: int) -> list:
             seq.close()
             continue
         k, v = expected_kv(prompt)
-        seq.append(
-            prompt[seq.num_cached_tokens :], k[:, seq.num_cached_tokens :], v[:, seq.num_cached_tokens :]
-        )
+        try:
+            seq.append(
+                prompt[seq.num_cached_tokens :], k[:, seq.num_cached_tokens :], v[:, seq.num_cached_tokens :]
+            )
+        except (SequenceLost, OpenFailed, Unavailable):  # its node Open failed (a loaded machine)
+            with contextlib.suppress(PagedKVError):
+                seq.close()
+            continue
         held.append(seq)
         if len(held) == count:
             return held
