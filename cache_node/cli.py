@@ -393,6 +393,8 @@ def serve(args: argparse.Namespace) -> None:
             server.stop(0)
             raise port_in_use("metrics", "--metrics-port", host, args.metrics_port) from None
         metrics_address = f"{host}:{http.server_address[1]}"
+    if args.coordinator:  # fenced from its first call: no data call before it holds a lease
+        server.gate.keep_lease()
     server.start()
     shown = args.listen.rsplit(":", 1)[0]
     print(

@@ -20,7 +20,7 @@ from typing import Any
 
 from ..protos import pagedkv_pb2 as pb
 from ..protos import pagedkv_pb2_grpc as pb_grpc
-from ..protos.errors import InvalidArgument, PagedKVError, SequenceLost, SequenceNotFound
+from ..protos.errors import InvalidArgument, PagedKVError, SequenceLost, SequenceNotFound, Unavailable
 from ..protos.spec import ModelSpec
 from . import codec
 from .config import ClientConfig
@@ -179,19 +179,21 @@ class CoordinatorRouting:
         return _routes(self._call("Describe", pb.CoordSeqRequest(seq_id=seq_id), timeout_s))
 
     def explain(self, exc: PagedKVError) -> PagedKVError:
-        """What a data call's error means for the worker: a node that answers NOT_FOUND for a
-        sequence may have lost it (it restarted, or came back empty after it was declared
-        dead, and holds no ticket that would tell it), so the coordinator is asked what
-        became of it, on this error path only: its SequenceLost (naming the node) when the
-        page table says so, else `exc` as it was (an id nobody opened, one closed already, or
-        a coordinator that cannot be reached to say)."""
+        """What a data call's error means for the worker. A node that answers NOT_FOUND for a
+        sequence may have lost it (it restarted, or its open never reached it) and, without
+        a ticket, cannot tell, so on this error path only the coordinator is asked what
+        became of it, and it checks with the node (coordinator/missing.py): its
+        SequenceLost (naming the node) when the sequence is lost; Unavailable when that
+        cannot be told now (the coordinator or the node unreachable, or the open arrived
+        late: retry the call); `exc` as it was for an id nobody opened or one closed."""
         seq_id = getattr(exc, "seq_id", None)
         if not isinstance(exc, SequenceNotFound) or not isinstance(seq_id, str) or not seq_id:
             return exc
-        try:  # (bounded: a coordinator that cannot say soon leaves the node's answer as it was)
-            self.describe(seq_id, min(self._t(None), EXPLAIN_TIMEOUT_S))
-        except SequenceLost as lost:
-            return lost
+        request = pb.CoordSeqRequest(seq_id=seq_id, node_not_found=True)
+        try:  # (bounded: a coordinator that cannot say soon answers Unavailable)
+            self._call("Describe", request, min(self._t(None), EXPLAIN_TIMEOUT_S))
+        except (SequenceLost, Unavailable) as verdict:
+            return verdict
         except PagedKVError:
             return exc
         return exc

@@ -78,6 +78,7 @@ from .failures import Failures
 from .liveness import Liveness, LivenessConfig
 from .membership import Membership
 from .misses import REASONS, MissExplanation, RemovedKeys, explain
+from .missing import MissingChecks
 from .node_calls import NodeCalls
 from .placement import Placement, PlacementWeights
 from .reconcile import Reconciler
@@ -134,7 +135,7 @@ class OpenResult:
     record: SequenceRecord | None = None  # fork, swap_in: the page table (every extent)
 
 
-class Coordinator(DeferredCalls, Failures, Membership, Extents):
+class Coordinator(DeferredCalls, Failures, Membership, Extents, MissingChecks):
     def __init__(self, store: Store, config: CoordinatorConfig | None = None) -> None:
         self.store = store
         self.config = config or CoordinatorConfig()

@@ -98,10 +98,17 @@ class DeferredCalls:
 
     def _drop_failed_open(self, call: NodeCall, quota_tenant: str | None) -> None:
         """A node refused an open whose page table was written: delete it and release the
-        quota (only if we deleted it: a concurrent close that deleted it released it)."""
+        quota (only if we deleted it: a concurrent close that deleted it released it).
+        An Open that did not reach the node (Unavailable) left it no tombstone to answer
+        the worker's data calls with, so its record is marked lost instead (expiring):
+        Describe, every data call's NOT_FOUND and the close then answer SequenceLost."""
         try:
             try:
-                dropped = self.store.delete_sequence(call.seq_id)
+                if isinstance(call.error, Unavailable):
+                    reason = f"its open could not be delivered to {call.error}"
+                    dropped = self.store.mark_lost(call.seq_id, reason, self.config.lost_ttl_s)
+                else:
+                    dropped = self.store.delete_sequence(call.seq_id)
             except SequenceNotFound:
                 dropped = None
             if dropped is not None:
@@ -109,7 +116,8 @@ class DeferredCalls:
             if dropped is not None and quota_tenant is not None:
                 self.store.release_blocks(quota_tenant, dropped.num_blocks)
             self.counters["open_failures"] += 1
-            log.info("open of %s failed on its node, page table dropped: %s", call.seq_id, call.error)
+            kept = "marked lost" if isinstance(call.error, Unavailable) else "dropped"
+            log.info("open of %s failed on its node, page table %s: %s", call.seq_id, kept, call.error)
         except PagedKVError as exc:  # the store is down: the record stays, its node says why
             log.warning("could not drop the page table of failed open %s: %s", call.seq_id, exc)
         finally:

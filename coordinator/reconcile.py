@@ -79,7 +79,7 @@ class Reconciler:
             for r in gone:
                 del ghosts[r.seq_id]
         for record in gone:
-            self._mark_lost(record, f"node {node_id} does not hold it (its open never completed)")
+            self.mark_lost(record, f"node {node_id} does not hold it (its open never completed)")
         self.counters["orphans_freed"] += len(free)
         if free:
             log.warning(
@@ -87,16 +87,18 @@ class Reconciler:
             )
         return free
 
-    def _mark_lost(self, record: SequenceRecord, reason: str) -> None:
-        """One round trip: lost, unlinked from the node (its set lists live records only)
-        and expiring, so nothing of it outlives lost_ttl_s in the store."""
+    def mark_lost(self, record: SequenceRecord, reason: str) -> bool:
+        """A record its node does not hold becomes lost, in one round trip: unlinked from
+        the node (its set lists live records only) and expiring, so nothing of it outlives
+        lost_ttl_s in the store. False (nothing changed) when it was closed or lost meanwhile."""
         was = self.store.mark_lost(record.seq_id, reason, self.lost_ttl_s)
         if was is None:
-            return  # closed (or lost) meanwhile
+            return False
         self.counters["ghosts_lost"] += 1
         self.counters["lost_expired"] += 1
         log.warning("sequence %s marked lost: %s", record.seq_id, reason)
         self._release_all([was])
+        return True
 
     def lost(self, records: Iterable[SequenceRecord]) -> None:
         """These sequences just became lost (their node died, re-registered, or never held

@@ -264,7 +264,10 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     def Describe(self, request: pb.CoordSeqRequest, context: grpc.ServicerContext) -> Any:
         def run() -> pb.CoordOpenResponse:
             tenant, seq_id = self._caller(context, request.seq_id)
-            record, _ = self.coordinator.describe(tenant, seq_id)
+            if request.node_not_found:  # a data call's NOT_FOUND: asks the node (missing.py)
+                record, _ = self.coordinator.describe_not_found(tenant, seq_id)
+            else:
+                record, _ = self.coordinator.describe(tenant, seq_id)
             return self._extents(tenant, seq_id, record)
 
         return self._run("Describe", context, run)

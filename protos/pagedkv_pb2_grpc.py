@@ -1096,7 +1096,11 @@ class CoordinatorServicer:
         """Where an existing sequence lives (its page table's node), so a worker other
         than the one that opened it can find it by id. Changes nothing. Codes: OK,
         NOT_FOUND, FAILED_PRECONDITION (the sequence was lost: its node died; the
-        message names the node), UNAVAILABLE, PERMISSION_DENIED.
+        message names the node), UNAVAILABLE, PERMISSION_DENIED. With node_not_found it
+        checks with the node first (see CoordSeqRequest): a sequence the node does not hold
+        becomes lost (changes the page table: lost, expiring); UNAVAILABLE when the node
+        cannot say (unreachable, fenced) or holds it after all (its open arrived late:
+        retry the data call).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -19,8 +19,10 @@ import torch
 from pagedkv.cache_node.engine import CacheEngine, EngineConfig
 from pagedkv.cache_node.server import create_server as create_node_server
 from pagedkv.client import CacheClient, ClientConfig, SequenceLost, SequenceNotFound, Unavailable
+from pagedkv.cluster import free_port
 from pagedkv.coordinator.auth import Tenants
 from pagedkv.coordinator.core import Coordinator, CoordinatorConfig
+from pagedkv.coordinator.records import Extent, SequenceRecord
 from pagedkv.coordinator.redis_store import RedisStore
 from pagedkv.coordinator.service import create_server as create_coordinator_server
 from pagedkv.protos.spec import ModelSpec
@@ -135,3 +137,46 @@ def test_a_close_while_the_node_is_a_suspect_waits_for_the_verdict(stack):
     client.routing.close("dead")  # a second close succeeds
     with pytest.raises(SequenceNotFound):
         coordinator.store.get_sequence("dead")
+
+
+def test_an_open_whose_node_open_never_came_answers_sequence_lost_within_a_second(stack):
+    """The coordinator wrote the page table and answered the open, then died before its
+    node Open went out (here: the record written as an open writes it, and no Open): the
+    node never heard of the id, the record says live. The first data call's NOT_FOUND makes
+    the coordinator ask the node, which does not hold it: lost, named, at once (not after
+    reconciliation's ~3 leases)."""
+    engine, coordinator, client, address = stack
+    coordinator.store.create_sequence(SequenceRecord("ghost", "default", (Extent("n1", 0, 3),), 10))
+    seq = client.sequence("ghost")  # the record alone says live
+    start = time.monotonic()
+    with pytest.raises(SequenceLost, match="'ghost' was lost: node n1 does not hold it") as info:
+        seq.read_kv(0, 1)
+    took = time.monotonic() - start
+    assert info.value.node_id == "n1" and took < 2.0, took  # two 0.2 s graces and three round trips
+    assert coordinator.store.get_sequence("ghost").state == "lost"
+    with pytest.raises(SequenceLost, match="node n1"):  # every later data call says the same
+        seq.append([1], kv(1), kv(1))
+    with pytest.raises(SequenceLost, match="node n1"):
+        seq.close()
+    client.routing.close("ghost")  # the record went with that answer
+    assert engine.stats()["num_sequences"] == 0
+
+
+def test_an_open_whose_node_open_could_not_be_delivered_is_lost_not_forgotten(stack):
+    """The node Open failed on the way (the coordinator could not reach the node: it died,
+    or came back on its port while the coordinator's channel still waited out its
+    reconnect backoff): the node has no tombstone to answer with, so the record is kept
+    as lost, naming the node, instead of dropped (which left the worker NOT_FOUND)."""
+    engine, coordinator, client, address = stack
+    coordinator.register("n1", f"127.0.0.1:{free_port()}", SPEC.to_dict(), 64, epoch=9)  # nobody there
+    seq = client.open("s", PROMPT)  # answered before the node Open (which fails)
+    coordinator.wait_idle()
+    with pytest.raises(SequenceLost, match="'s' was lost: its open could not be delivered to node n1"):
+        client.sequence("s")
+    with pytest.raises(SequenceLost, match="node n1") as info:
+        seq.close()
+    assert info.value.node_id == "n1"
+    client.routing.close("s")
+    with pytest.raises(SequenceNotFound):
+        coordinator.store.get_sequence("s")
+    assert engine.stats()["num_sequences"] == 0

@@ -14,12 +14,15 @@ import sys
 import time
 import urllib.request
 
+import grpc
 import pytest
 
 from pagedkv.coordinator.core import Coordinator
 from pagedkv.coordinator.service import create_server
 from pagedkv.coordinator.store import open_store
 from pagedkv.logs import RepeatFilter
+from pagedkv.protos import pagedkv_pb2 as pb
+from pagedkv.protos import pagedkv_pb2_grpc as pb_grpc
 
 PAGEDKV = [sys.executable, "-m", "pagedkv"]
 SMALL_NODE = [
@@ -127,6 +130,34 @@ def test_node_without_coordinator_logs_json_and_warns_once() -> None:
     unreachable = [e for e in entries if "coordinator unreachable" in e["msg"]]
     assert len(unreachable) == 1, unreachable
     assert unreachable[0]["level"] == "WARNING" and unreachable[0]["logger"] == "pagedkv.node.link"
+
+
+def test_a_node_of_a_cluster_serves_no_data_call_before_it_registers() -> None:
+    """Fenced from its first call (before the process prints that it listens), not from when
+    its coordinator link starts: a restarted node never answers NOT_FOUND for a sequence its
+    registration would have reported lost."""
+    proc = start(
+        [
+            *SMALL_NODE,
+            "--listen",
+            "127.0.0.1:0",
+            "--metrics-port",
+            "off",
+            "--coordinator",
+            f"127.0.0.1:{dead_port()}",
+        ]
+    )
+    try:
+        address = read_until(proc, r"listening on (\S+) ").group(1)
+        with grpc.insecure_channel(address) as channel:
+            stub = pb_grpc.CacheNodeStub(channel)
+            assert stub.Stats(pb.Empty(), timeout=10).is_fenced  # at once
+            with pytest.raises(grpc.RpcError) as info:
+                list(stub.ReadKV(pb.ReadKVRequest(seq_id="s", start=0, end=0), timeout=10))
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE, info.value
+        assert "cannot prove its lease is live" in (info.value.details() or "")
+    finally:
+        stop(proc)
 
 
 def test_coordinator_without_redis_warns_at_start_and_then_rarely() -> None:
