@@ -37,6 +37,8 @@ SOCKET_TRANSPORTS: dict[str, Callable[[BulkLink], Transport]] = {
     "tcp": TcpTransport,
 }
 SAME_HOST = ("shm", "unix")
+# what a cluster's routing says of a data call's error, given the call's sequence ids
+Explain = Callable[[PagedKVError, Sequence[str]], PagedKVError]
 
 
 class NodeData:
@@ -49,10 +51,11 @@ class NodeData:
         where: str = "",
         address: str = "",
         wallet: Wallet | None = None,
-        explain: Callable[[PagedKVError], PagedKVError] | None = None,
+        explain: Explain | None = None,
     ) -> None:
-        """explain: asked about every error the node answered, the worker's ids in it (a
-        cluster's: whether a sequence the node does not know was lost, routing.py)."""
+        """explain(exc, seq_ids): asked about every error a data call ended with, the
+        worker's ids in it and the call's sequences (a cluster's: whether a sequence the
+        node does not know, or cannot be reached for, was lost: routing.py)."""
         self.config = config
         self.where = where  # names the node in error messages
         self.wallet = wallet or Wallet()
@@ -69,10 +72,14 @@ class NodeData:
         chosen: list[Transport] = [SOCKET_TRANSPORTS[n](self.bulk) for n in names]  # type: ignore[arg-type]
         self.transports = Fallback([*chosen, self.grpc], self._error)
 
-    def _error(self, exc: PagedKVError) -> PagedKVError:
-        """A node's answer as the worker should see it: its ids, then what the explainer adds."""
+    def _error(self, exc: PagedKVError, call: Any = None) -> PagedKVError:
+        """A node's answer as the worker should see it: its ids, then what the explainer
+        adds, told the worker's ids of the call's sequences."""
         exc = self.wallet.worker_error(exc)
-        return exc if self._explain is None else self._explain(exc)
+        if self._explain is None:
+            return exc
+        node_ids = getattr(call, "seq_ids", None) or [getattr(call, "seq_id", None)]
+        return self._explain(exc, self.wallet.worker_ids([s for s in node_ids if isinstance(s, str)]))
 
     def _learn_port(self, timeout_s: float) -> tuple[int, int]:
         return codec.bulk_info(self.grpc.stats(timeout_s))
@@ -154,7 +161,7 @@ class NodeData:
         try:
             return self.grpc.attend_prefill(call, self._t(timeout_s))
         except PagedKVError as exc:  # (gRPC alone carries it: the Fallback's rewrite, here)
-            raise self._error(exc) from exc.__cause__
+            raise self._error(exc, call) from exc.__cause__
 
     def attend_prefill_batch(
         self,

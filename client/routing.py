@@ -14,6 +14,7 @@ Every method takes a deadline; errors come back as pagedkv.protos.errors.
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Sequence
 from typing import Any
@@ -30,6 +31,7 @@ from .types import ClusterStats, ExtentRoute, MissExplanation, NodeEntry, OpenRe
 
 _EMPTY = pb.Empty()
 EXPLAIN_TIMEOUT_S = 5.0  # the most a data call's NOT_FOUND waits for the coordinator's word on it
+LOSS_CHECK_TIMEOUT_S = 1.0  # and its Unavailable (a plain page-table read: ms when it answers)
 
 
 class DirectRouting:
@@ -178,14 +180,22 @@ class CoordinatorRouting:
     def describe(self, seq_id: str, timeout_s: float | None = None) -> list[ExtentRoute]:
         return _routes(self._call("Describe", pb.CoordSeqRequest(seq_id=seq_id), timeout_s))
 
-    def explain(self, exc: PagedKVError) -> PagedKVError:
-        """What a data call's error means for the worker. A node that answers NOT_FOUND for a
-        sequence may have lost it (it restarted, or its open never reached it) and, without
-        a ticket, cannot tell, so on this error path only the coordinator is asked what
-        became of it, and it checks with the node (coordinator/missing.py): its
-        SequenceLost (naming the node) when the sequence is lost; Unavailable when that
-        cannot be told now (the coordinator or the node unreachable, or the open arrived
-        late: retry the call); `exc` as it was for an id nobody opened or one closed."""
+    def explain(self, exc: PagedKVError, seq_ids: Sequence[str] = ()) -> PagedKVError:
+        """What a data call's error means for the worker; `seq_ids`: the call's sequences.
+
+        NOT_FOUND: a node without a ticket cannot tell a sequence it lost (it restarted,
+        or its open never reached it) from an id nobody opened, so the coordinator is
+        asked what became of it, and it checks with the node (coordinator/missing.py):
+        its SequenceLost (naming the node) when the sequence is lost; Unavailable when
+        that cannot be told now (the coordinator or the node unreachable, or the open
+        arrived late: retry the call); `exc` as it was for an id nobody opened or one closed.
+
+        Unavailable: a node that is down cannot say at all, so the coordinator's page
+        tables are read (plain Describe, once per call, `LOSS_CHECK_TIMEOUT_S` in all):
+        the first sequence recorded lost gives its SequenceLost; otherwise `exc` stands
+        (the node is slow, or a suspect not yet declared dead: a retry may succeed)."""
+        if isinstance(exc, Unavailable):
+            return self._lost(seq_ids) or exc
         seq_id = getattr(exc, "seq_id", None)
         if not isinstance(exc, SequenceNotFound) or not isinstance(seq_id, str) or not seq_id:
             return exc
@@ -197,6 +207,24 @@ class CoordinatorRouting:
         except PagedKVError:
             return exc
         return exc
+
+    def _lost(self, seq_ids: Sequence[str]) -> SequenceLost | None:
+        """The SequenceLost the page table records for the first of `seq_ids` it says is
+        lost; None when none is, or the coordinator cannot say within the bound."""
+        deadline = time.monotonic() + min(self._t(None), LOSS_CHECK_TIMEOUT_S)
+        for seq_id in dict.fromkeys(seq_ids):  # (a batch may name a sequence twice)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            try:
+                self._call("Describe", pb.CoordSeqRequest(seq_id=seq_id), left)
+            except SequenceLost as lost:
+                return lost
+            except Unavailable:  # the coordinator cannot say, or the node is a suspect
+                return None  # (all of a call's sequences are on that one node)
+            except PagedKVError:  # closed, or another tenant's: not this call's loss
+                continue
+        return None
 
     def fork(self, parent_id: str, child_id: str, timeout_s: float | None = None) -> list[ExtentRoute]:
         return _routes(

@@ -33,13 +33,13 @@ import torch
 
 from ..protos import pagedkv_pb2_grpc as pb_grpc
 from ..protos.attention import LayerAttention, check_layers, to_messages
-from ..protos.errors import CapacityExceeded, InvalidArgument, PagedKVError
+from ..protos.errors import CapacityExceeded, InvalidArgument
 from ..protos.spec import ModelSpec
 from . import channels, codec
 from .batching import BatchPart, PrefillPart, check_counts, gather_rows, split_batch, split_prefill_batch
 from .config import ClientConfig
 from .control import NodeControl
-from .data import NodeData
+from .data import Explain, NodeData
 from .extents import merge, rows_of, run_parallel, stack_rows
 from .routing import CoordinatorRouting, DirectRouting
 from .sequence import Sequence
@@ -67,7 +67,7 @@ class NodeHandle:
         address: str,
         config: ClientConfig,
         token: str = "",
-        explain: Callable[[PagedKVError], PagedKVError] | None = None,
+        explain: Explain | None = None,
     ) -> None:
         """explain: what the routing adds to a data call's error (NodeData)."""
         self.address = address
@@ -134,9 +134,9 @@ class CacheClient:
         self.address = address or coordinator or ""
         self.routing: DirectRouting | CoordinatorRouting
         self._token = ""  # a standalone node's bearer token (direct mode)
-        # In a cluster a data call's NOT_FOUND asks the coordinator whether the sequence was
-        # lost (a node without tickets cannot know it: routing.py); a lone node has no one to ask.
-        self._explain: Callable[[PagedKVError], PagedKVError] | None = None
+        # In a cluster a data call's NOT_FOUND or Unavailable asks the coordinator whether the
+        # sequence was lost (the node cannot say: routing.py); a lone node has no one to ask.
+        self._explain: Explain | None = None
         if coordinator is not None:
             channel = channels.acquire(coordinator, self.config)
             self.routing = CoordinatorRouting(pb_grpc.CoordinatorStub(channel), self.config, token, spec)

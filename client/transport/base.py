@@ -78,13 +78,14 @@ class Transport(Protocol):
 class Fallback:
     """Tries a node's transports in order; the first that does not raise
     TransportUnavailable answers. The last one (gRPC) carries every call.
-    `errors` rewrites the node's errors for the caller (the worker's sequence ids
-    instead of the node's: transport/tickets.py)."""
+    `errors(exc, call)` rewrites the node's errors for the caller (the worker's
+    sequence ids instead of the node's: transport/tickets.py; what a cluster's
+    coordinator says of the call's sequences: data.py), off the success path."""
 
     def __init__(
         self,
         transports: Sequence[Transport],
-        errors: Callable[[PagedKVError], PagedKVError] | None = None,
+        errors: Callable[[PagedKVError, Any], PagedKVError] | None = None,
     ) -> None:
         if not transports:
             raise ValueError("a node needs at least one transport")
@@ -102,7 +103,7 @@ class Fallback:
         except PagedKVError as exc:
             if self._errors is None or isinstance(exc, TransportUnavailable):
                 raise
-            raise self._errors(exc) from exc.__cause__
+            raise self._errors(exc, call) from exc.__cause__
 
     def connect(self, timeout_s: float) -> None:
         for transport in self.transports:

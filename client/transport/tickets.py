@@ -71,6 +71,11 @@ class Wallet:
             return []
         return [t for t in map(tickets.get, node_seq_ids) if t is not None]
 
+    def worker_ids(self, node_seq_ids: Sequence[str]) -> list[str]:
+        """The worker's ids of these node sequence ids (each itself when not scoped)."""
+        workers = self._workers
+        return [workers.get(s, s) for s in node_seq_ids]
+
     def worker_error(self, exc: PagedKVError) -> PagedKVError:
         """exc (a node's answer) naming the worker's id of its sequence, not the node's."""
         node_seq_id = getattr(exc, "seq_id", None)
