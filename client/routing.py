@@ -192,7 +192,7 @@ class CoordinatorRouting:
 
         Unavailable: a node that is down cannot say at all, so the coordinator's page
         tables are read (plain Describe, once per call, `LOSS_CHECK_TIMEOUT_S` in all):
-        the first sequence recorded lost gives its SequenceLost; otherwise `exc` stands
+        a sequence recorded lost gives its SequenceLost; otherwise `exc` stands
         (the node is slow, or a suspect not yet declared dead: a retry may succeed)."""
         if isinstance(exc, Unavailable):
             return self._lost(seq_ids) or exc
@@ -209,21 +209,23 @@ class CoordinatorRouting:
         return exc
 
     def _lost(self, seq_ids: Sequence[str]) -> SequenceLost | None:
-        """The SequenceLost the page table records for the first of `seq_ids` it says is
-        lost; None when none is, or the coordinator cannot say within the bound."""
+        """The SequenceLost the page table records for the first of `seq_ids` it knows;
+        None when that one is live (the call's sequences share its node: a node declared
+        dead loses them all at once), or the coordinator cannot say within the bound."""
         deadline = time.monotonic() + min(self._t(None), LOSS_CHECK_TIMEOUT_S)
         for seq_id in dict.fromkeys(seq_ids):  # (a batch may name a sequence twice)
             left = deadline - time.monotonic()
             if left <= 0:
-                return None
+                break
             try:
                 self._call("Describe", pb.CoordSeqRequest(seq_id=seq_id), left)
             except SequenceLost as lost:
                 return lost
             except Unavailable:  # the coordinator cannot say, or the node is a suspect
-                return None  # (all of a call's sequences are on that one node)
+                break
             except PagedKVError:  # closed, or another tenant's: not this call's loss
                 continue
+            break  # live: its node is not declared dead
         return None
 
     def fork(self, parent_id: str, child_id: str, timeout_s: float | None = None) -> list[ExtentRoute]:
