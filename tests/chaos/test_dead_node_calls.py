@@ -102,7 +102,7 @@ def test_every_data_call_on_a_dead_nodes_sequence_answers_sequence_lost(tmp_path
         for call in data_calls(client, seq, live).values():
             with pytest.raises(Unavailable, match=address):
                 call()
-        # (the declaration comes a lease and its grace after the last beat, lease/2 before the kill)
+        # (no verdict before 1.5 L after the last beat, which came at most L/4 before the kill)
         assert time.monotonic() - killed < LEASE_S * 0.8, "too slow to see the calls before the verdict"
 
         wait_for(lambda: is_lost(client, seq.seq_id), DETECTION_BOUND_S + 2, "node-0 declared dead")

@@ -137,12 +137,15 @@ def test_killed_node_is_detected_and_its_sequences_are_lost(tmp_path, redis_url)
         name = victim.node_id
         survivor = next(n for n in c.cluster_stats().nodes if n.node_id != name)
         cluster.kill(name, signal.SIGKILL)
+        # Declared dead after its grace and a failed probe (liveness.py: within 1.75 L + 1 s of
+        # its last beat); until then its sequence answers Unavailable, never a premature loss,
+        # and from then on every data call answers the loss (the client asks on Unavailable).
+        with pytest.raises(Unavailable, match=f"node {victim.address}"):
+            a.attend(0, torch.zeros(4, SPEC.head_dim))
         detected = wait_until(lambda: len(c.cluster_stats().nodes) == 1, 8.0, "node lapse")
         assert detected < 2 * cluster.lease_ttl_s  # a suspect: out of placement
-        # Declared dead after its grace and a failed probe (liveness.py: within 1.75 L + 1 s of
-        # its last beat); until then its sequence answers Unavailable, never a premature loss.
         wait_until(lambda: _lost(c, "on-a", name), 12.0, "the verdict")
-        with pytest.raises(Unavailable, match=f"node {victim.address}"):
+        with pytest.raises(SequenceLost, match=name):
             a.attend(0, torch.zeros(4, SPEC.head_dim))
         # New opens, even of the prefix the dead node held, go to the survivor.
         fresh = c.open("after", SYSTEM + [2])

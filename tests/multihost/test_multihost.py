@@ -455,7 +455,9 @@ def test_a_node_partitioned_from_the_control_plane_stops_serving(healthy):
             reaped = _reaped(c)
             fenced = wait_until(lambda: _refused(held[0]), LEASE_TTL_S + 3, "node-0 fencing itself")
             dead = wait_until(lambda: _reaped(c) > reaped, 1.75 * LEASE_TTL_S + 6, "node-0 declared dead")
-            assert _refused(held[0])  # declared dead and still cut off: it serves nothing
+            # declared dead and still cut off: it serves nothing, and the worker learns the loss
+            with pytest.raises(FailedPrecondition, match=f"'{held[0].seq_id}' was lost: node node-0"):
+                held[0].read_kv(0, 1, timeout_s=2)
             with pytest.raises(FailedPrecondition, match=f"'{held[0].seq_id}' was lost: node node-0"):
                 held[0].close()  # the worker learns the loss from its close
         finally:
