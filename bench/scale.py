@@ -292,6 +292,9 @@ def main() -> None:
     p.add_argument("--lease-ttl-s", type=float, default=3.0)
     p.add_argument("--quiet-s", type=float, default=2.0, help="the quiet window (heartbeats only)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prompts", default="", help="prompt lengths in tokens (default 1024,8192,32768)")
+    p.add_argument("--indexes", default="", help="index sizes in keys (default 10000,100000)")
+    p.add_argument("--replicas", default="", help="coordinator counts (default 1,2)")
     p.add_argument("--out", default=str(RESULTS / "scale"), help="output path without extension")
     args = p.parse_args()
     if args.quick:
@@ -302,6 +305,12 @@ def main() -> None:
         prompts = [1024, 8192, 32768] + ([131072] if args.big else [])
         indexes = [10_000, 100_000] + ([1_000_000] if args.big else [])
         replicas = [1, 2]
+    if args.prompts:
+        prompts = [int(n) for n in args.prompts.split(",")]
+    if args.indexes:
+        indexes = [int(n) for n in args.indexes.split(",")]
+    if args.replicas:
+        replicas = [int(n) for n in args.replicas.split(",")]
     points = []
     for n in node_counts:
         points.append(run_point(args, n, 1, indexes[0], prompts))

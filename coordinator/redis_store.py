@@ -40,6 +40,7 @@ import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from operator import itemgetter
 from typing import Any
 
 import redis
@@ -365,7 +366,7 @@ class RedisStore(Store):
             new.scan_classes,
         ]
         # A tab or line feed in a node id would shift the columns of the rows.
-        ids = "".join(c[0] for c in new.candidates)
+        ids = "".join(map(itemgetter(0), new.candidates))
         if "\t" in ids or "\n" in ids:
             raise InvalidArgument("candidate node ids must not contain tabs or line feeds")
         if len(new.candidates) <= WEIGH_ALL:  # every row travels and is weighed
