@@ -11,6 +11,7 @@ import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any, NamedTuple
 
 from pagedkv.protos.errors import InvalidArgument, NodeNotLive, SequenceExists
@@ -141,6 +142,23 @@ def is_checked_room(c: Any) -> bool:
 class CheckedRooms(tuple):  # type: ignore[type-arg]
     """Candidates that passed is_checked_room one by one, in node_id order, distinct (made by
     room_index.RoomIndex only): NewSequence takes them without a pass over every row."""
+
+    def node_ids(self) -> tuple[str, ...]:
+        return tuple(r[0] for r in self)
+
+
+def node_ids(candidates: Sequence[Any]) -> tuple[str, ...]:
+    """The candidates' node ids in their order (one tuple per membership for a RoomIndex's)."""
+    if isinstance(candidates, CheckedRooms):
+        return candidates.node_ids()
+    return tuple(c[0] for c in candidates)
+
+
+@lru_cache(maxsize=8)
+def has_separators(ids: tuple[str, ...]) -> bool:
+    """Whether a node id holds a tab or a line feed (which would shift the columns of a row
+    sent as text). Cached: a RoomIndex hands out one ids tuple per membership."""
+    return any("\t" in i or "\n" in i for i in ids)
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,7 @@ class _Columns:
     """One membership's node order and its numpy columns (replaced whole when it changes)."""
 
     def __init__(self, rows: Sequence[NodeRoom]) -> None:
-        self.ids = [r.node_id for r in rows]
+        self.ids = tuple(r.node_id for r in rows)
         self.pos = {node_id: i for i, node_id in enumerate(self.ids)}
         # free, total, evictable, active (-1: None) per node: one block, one copy per snapshot
         self.ints = (
@@ -78,6 +78,9 @@ class CandidateRooms(CheckedRooms):
 
     _cols: _Columns
     _arrays: tuple[np.ndarray, np.ndarray]  # _Columns.ints, _Columns.opens
+
+    def node_ids(self) -> tuple[str, ...]:
+        return self._cols.ids  # the same tuple until the membership changes
 
     def shortlist(
         self,

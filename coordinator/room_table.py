@@ -23,12 +23,11 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from itertools import compress
-from operator import itemgetter, ne
+from operator import ne
 from typing import NamedTuple
 
-from .records import NodeRoom
+from .records import NodeRoom, node_ids
 
-_node_id = itemgetter(0)
 KEPT_TABLES = 8  # candidate sets remembered per store (one per model spec served, usually one)
 
 
@@ -52,7 +51,7 @@ class RoomTables:
 
     def args(self, candidates: Sequence[NodeRoom]) -> TableArgs:
         """The table for this candidate set and its rows that changed since the last call."""
-        ids = tuple(map(_node_id, candidates))
+        ids = node_ids(candidates)
         key = self._prefix + f"{hash(ids) & 0xFFFFFFFFFFFFFFFF:016x}".encode()
         rows_now = tuple(candidates)
         with self._lock:
@@ -79,4 +78,4 @@ class RoomTables:
     def forget(self, candidates: Sequence[NodeRoom]) -> None:
         """The table was gone: the next call sends it whole."""
         with self._lock:
-            self._sent.pop(tuple(map(_node_id, candidates)), None)
+            self._sent.pop(node_ids(candidates), None)
