@@ -11,8 +11,8 @@ An open, in round trips to the store (Redis):
     open        open_sequence    1 (one script: match the prefix on the nodes the index
                                     lists for its first key, O(holders x keys) (store.py),
                                     placement.place ported to Lua, the tenant's quota,
-                                    the page table; candidates and their room come from
-                                    a node cache refreshed by the reaper tick)
+                                    the page table; the candidates' rows are kept between
+                                    opens and ranked there (node_rooms.py, room_index.py))
     node        CacheNode.Open   0 on the critical path: sent as a future after the
                                    page table is written, and never waited for
 
@@ -29,7 +29,8 @@ wait for it first (`_inflight`, where an open enters before its script runs, so 
 concurrent close always finds it); close does not wait: it deletes the record (one
 round trip, tenant-checked in the script) and chains the node Free after the open.
 
-Node calls sent without waiting (the node Open, the Free of a close) are in deferred.py.
+Node calls sent without waiting (the node Open, the Free of a close) are in deferred.py;
+placement's view of each node (load, recent opens, the candidate rows) is node_rooms.py.
 Membership (register, heartbeat, the reaper thread, the node cache) is in
 membership.py, mixed into Coordinator; the reaper's verdicts come from liveness.py (a
 lapsed lease, a grace, a failed direct probe, never during or just after a store
