@@ -76,6 +76,8 @@ from .records import (
     check_registration,
     check_sequence_fields,
     check_ttl,
+    has_separators,
+    node_ids,
 )
 from .room_table import RoomTables
 from .sentinel import SCHEME as SENTINEL_SCHEME
@@ -365,8 +367,7 @@ class RedisStore(Store):
             new.scan_classes,
         ]
         # A tab or line feed in a node id would shift the columns of the rows.
-        ids = "".join(c[0] for c in new.candidates)
-        if "\t" in ids or "\n" in ids:
+        if has_separators(node_ids(new.candidates)):
             raise InvalidArgument("candidate node ids must not contain tabs or line feeds")
         if len(new.candidates) <= WEIGH_ALL:  # every row travels and is weighed
             rows = "".join(
