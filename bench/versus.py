@@ -51,9 +51,13 @@ def run_once(tree: Path, site: Path, module: str, args: list[str], result: str, 
     out = tree / "bench" / "results" / result
     out.unlink(missing_ok=True)
     env = {**os.environ, "PYTHONPATH": str(site), "PYTHONUNBUFFERED": "1"}
+    # `site` goes ahead of the tree: the tree's own top-level pagedkv/ folder lacks the role
+    # subpackages, and the editable install would fill them in from this checkout.
+    run = f"import runpy, sys; sys.path.insert(0, {str(site)!r}); "
+    run += f"runpy.run_module({module!r}, run_name='__main__')"
     done = subprocess.run(
-        [sys.executable, "-m", module, *args],
-        cwd=tree,  # `python -m` puts the tree first on sys.path: its own bench package
+        [sys.executable, "-c", run, *args],
+        cwd=tree,  # the tree (sys.path's '' entry) gives its own bench package
         env=env,
         capture_output=True,
         text=True,
