@@ -50,14 +50,13 @@ def run_once(tree: Path, site: Path, module: str, args: list[str], result: str, 
     """MODULE run from `tree` importing pagedkv from `site`; its JSON result."""
     out = tree / "bench" / "results" / result
     out.unlink(missing_ok=True)
-    env = {**os.environ, "PYTHONPATH": str(site), "PYTHONUNBUFFERED": "1"}
-    # `site` goes ahead of the tree: the tree's own top-level pagedkv/ folder lacks the role
-    # subpackages, and the editable install would fill them in from this checkout.
-    run = f"import runpy, sys; sys.path.insert(0, {str(site)!r}); "
-    run += f"runpy.run_module({module!r}, run_name='__main__')"
+    # Run from `site` with the tree after it on the path: the revision's pagedkv (site) and its
+    # bench package (tree). From the tree itself, its top-level pagedkv/ folder came first and
+    # the editable install filled in the role subpackages from this checkout.
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(tree)]), "PYTHONUNBUFFERED": "1"}
     done = subprocess.run(
-        [sys.executable, "-c", run, *args],
-        cwd=tree,  # the tree (sys.path's '' entry) gives its own bench package
+        [sys.executable, "-m", module, *args],
+        cwd=site,
         env=env,
         capture_output=True,
         text=True,

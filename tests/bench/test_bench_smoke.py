@@ -157,7 +157,8 @@ def test_versus_runs_the_revisions_own_code(tmp_path: Path) -> None:
     (tree / "pagedkv" / "__init__.py").write_text("")
     (tree / "probe.py").write_text(
         "import json, pathlib, pagedkv.cache_node as m\n"
-        "pathlib.Path('bench/results/probe.json').write_text(json.dumps({'file': m.__file__}))\n"
+        "out = pathlib.Path(__file__).parent / 'bench/results/probe.json'\n"
+        "out.write_text(json.dumps({'file': m.__file__}))\n"
     )
     found = Path(run_once(tree, site, "probe", [], "probe.json", 60)["file"]).resolve()
     assert found.is_relative_to(site.parent.resolve()) and not found.is_relative_to(ROOT), found
