@@ -42,7 +42,7 @@ from .control import NodeControl
 from .data import NodeData
 from .extents import merge, rows_of, run_parallel, stack_rows
 from .routing import CoordinatorRouting, DirectRouting
-from .sequence import Sequence
+from .sequence import Sequence, check_spill
 from .transport.tickets import Wallet
 from .types import AttentionResult, ClusterStats, NodeStats, Route
 
@@ -298,6 +298,7 @@ class CacheClient:
         tail reaches max_extent_tokens, a multiple of the block size) continues on another
         node (sequence.py); one opened with an attention spec does not."""
         layers = check_layers(attention, len(attention or ()))  # the layer count: node and coordinator
+        check_spill(layers, max_extent_tokens)
         messages = to_messages(layers)
         res, route = self.routing.open(
             seq_id, token_ids, max_cached_tokens, timeout_s, attention=messages, explain_miss=explain_miss
@@ -311,7 +312,7 @@ class CacheClient:
             res.miss,
             num_tokens=res.num_cached_tokens,
             max_extent_tokens=max_extent_tokens,
-            can_spill=not layers,
+            attention=layers,
         )
 
     def sequence(self, seq_id: str, *, timeout_s: float | None = None) -> Sequence:

@@ -26,10 +26,11 @@ import contextlib
 import logging
 import os
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from ..protos import pagedkv_pb2 as pb
+from ..protos.attention import from_messages
 from ..protos.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -104,9 +105,14 @@ class Extents:
                 return ext.node_id
         return record.extents[0].node_id
 
-    def extend(self, tenant: str, seq_id: str, num_tokens: int) -> SequenceRecord:
+    def extend(
+        self, tenant: str, seq_id: str, num_tokens: int, attention: Sequence[pb.LayerAttention] = ()
+    ) -> SequenceRecord:
         """Seal the tail of `seq_id` at num_tokens and open a new tail extent on another
-        node (see the module docstring and the Extend rpc). Returns the page table after."""
+        node (see the module docstring and the Extend rpc). Returns the page table after.
+        `attention`: the sequence's spec, for the new extent's node; soft-caps and scales
+        are exact per extent (the LSE merge is over the capped scores), windows and chunks
+        are refused (the node's positions would start at 0 again)."""
         self._settle(seq_id)
         with _one_extend_at_a_time(seq_id):
             record = self._record(tenant, seq_id)
@@ -119,6 +125,13 @@ class Extents:
                 raise InvalidArgument(
                     f"extend: num_tokens must be a multiple of block_size {bs}, got {num_tokens}"
                 )
+            if attention:
+                layers = from_messages(attention, int(tail_node.spec["num_layers"]))
+                if any(layer.masks for layer in layers):
+                    raise InvalidArgument(
+                        f"extend {seq_id!r}: its attention spec has a window or chunks, which "
+                        "cannot span nodes (each node counts positions from its own first token)"
+                    )
             first_block = num_tokens // bs
             if any(e.first_logical_block == first_block for e in record.extents[1:]):
                 return record  # a retry: the extent the first call made
@@ -128,7 +141,9 @@ class Extents:
                     f"{tail_ext.first_logical_block * bs}"
                 )
             node = self._place_extent(record, tail_node.spec, bs)
-            request = pb.OpenRequest(seq_id=seq_id, tenant_salt=os.urandom(SALT_BYTES), max_cached_tokens=0)
+            request = pb.OpenRequest(
+                seq_id=seq_id, tenant_salt=os.urandom(SALT_BYTES), max_cached_tokens=0, attention=attention
+            )
             quota = self.config.quotas.get(tenant)
             sealed = first_block - tail_ext.first_logical_block
             if quota is not None:

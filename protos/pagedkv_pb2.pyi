@@ -451,12 +451,14 @@ class CoordSeqRequest(_message.Message):
     def __init__(self, seq_id: _Optional[str] = ..., keep_prefix: _Optional[int] = ...) -> None: ...
 
 class CoordExtendRequest(_message.Message):
-    __slots__ = ("seq_id", "num_tokens")
+    __slots__ = ("seq_id", "num_tokens", "attention")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ATTENTION_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     num_tokens: int
-    def __init__(self, seq_id: _Optional[str] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+    attention: _containers.RepeatedCompositeFieldContainer[LayerAttention]
+    def __init__(self, seq_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., attention: _Optional[_Iterable[_Union[LayerAttention, _Mapping]]] = ...) -> None: ...
 
 class CoordForkRequest(_message.Message):
     __slots__ = ("parent_id", "child_id")

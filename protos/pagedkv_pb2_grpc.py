@@ -1110,7 +1110,8 @@ class CoordinatorServicer:
         num_tokens gets the extent the first call made. Placement as for an open (room,
         load), among live nodes of the same spec holding no extent of the sequence.
         Changes: the page table, a sequence opened on the new node. Codes: OK,
-        INVALID_ARGUMENT (num_tokens not a block boundary past the tail's start),
+        INVALID_ARGUMENT (num_tokens not a block boundary past the tail's start; an
+        attention spec with a window or chunks),
         NOT_FOUND, FAILED_PRECONDITION (lost or swapped out), RESOURCE_EXHAUSTED (no
         other node has room), UNAVAILABLE, PERMISSION_DENIED.
         """
