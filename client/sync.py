@@ -40,7 +40,7 @@ from . import channels, codec
 from .config import ClientConfig
 from .control import NodeControl
 from .data import NodeData
-from .extents import merge, rows_of, run_parallel, stack_rows
+from .extents import attend_batch, run_parallel
 from .routing import CoordinatorRouting, DirectRouting
 from .sequence import Sequence, check_spill
 from .transport.tickets import Wallet
@@ -412,65 +412,8 @@ class CacheClient:
         return_block_mass: bool,
         timeout_s: float | None,
     ) -> AttentionResult:
-        """A decode step over sequences of which some span several nodes: per node, one call
-        for the rows whose tail it holds (appending the new token when k is given) and one
-        for the rows of earlier extents it holds (attend only; only when both kinds meet on
-        a node are there two), all nodes in parallel; each row merges its parts by LSE."""
-        tokens = None if token_ids is None else codec.token_list(token_ids)
-        if k is not None and layer == 0:
-            for s in handles:
-                if s._tail_room() == 0:  # max_extent_tokens reached: the new token starts an extent
-                    s.extend(timeout_s=timeout_s)
-        # (address, appends) -> [(row, extent index)]
-        groups: dict[tuple[str, bool], list[tuple[int, int]]] = {}
-        for row, s in enumerate(handles):
-            last = len(s.extents) - 1
-            for i, ext in enumerate(s.extents):
-                if i == last and k is None and s._extent_tokens(i) == 0:
-                    continue  # an empty new tail: nothing to attend to there yet
-                groups.setdefault((ext.route.address, i == last and k is not None), []).append((row, i))
-        calls: list[Callable[[], AttentionResult]] = []
-        for (address, appends), members in groups.items():
-            rows = [r for r, _ in members]
-            ids = [handles[r].seq_id for r in rows]
-            pick = torch.tensor(rows)
-            data = self.node(address).data
-
-            def call(
-                data: NodeData = data,
-                ids: list[str] = ids,
-                pick: torch.Tensor = pick,
-                appends: bool = appends,
-            ) -> AttentionResult:
-                return data.attend(
-                    ids,
-                    layer,
-                    q[pick],
-                    k[pick] if appends else None,
-                    v[pick] if appends else None,
-                    [tokens[i] for i in pick.tolist()] if appends and tokens is not None else None,
-                    return_block_mass=return_block_mass,
-                    timeout_s=timeout_s,
-                )
-
-            calls.append(call)
-        try:
-            results = run_parallel(self.pool(), calls)
-        except CapacityExceeded as exc:
-            if layer != 0 or k is None or not self._spill_full(handles, exc, timeout_s):
-                raise
-            return self._attend_sharded(handles, layer, q, k, v, token_ids, return_block_mass, timeout_s)
-        if any(s.is_sharded for s in handles):
-            self.counters["sharded_attends"] += len(calls)
-        per_row: list[dict[int, AttentionResult]] = [{} for _ in handles]
-        for ((_, _), members), res in zip(groups.items(), results, strict=True):
-            for j, (row, index) in enumerate(members):
-                per_row[row][index] = rows_of(res, [j])
-        if k is not None and layer == 0:
-            for s in handles:
-                if s.num_tokens is not None:
-                    s.num_tokens += 1
-        return stack_rows([merge([parts[i] for i in sorted(parts)]) for parts in per_row])
+        """A decode step over sequences of which some span several nodes (extents.py)."""
+        return attend_batch(self, handles, layer, q, k, v, token_ids, return_block_mass, timeout_s)
 
     def attend_prefill_batch(
         self,

@@ -187,7 +187,7 @@ class CacheNodeServicer:
     def Attend(self, request, context):
         """One decode step of one layer for a batch of sequences. With k/v the new
         token is appended first (token_ids at layer 0 reserve its slot; later layers
-        write into it). Changes: with k/v as Append; with the score policy or a token
+        write into it); with `appends`, by the flagged rows only. Changes: with k/v as Append; with the score policy or a token
         budget, the blocks' attention mass. Codes: OK, INVALID_ARGUMENT, NOT_FOUND,
         FAILED_PRECONDITION, RESOURCE_EXHAUSTED.
         """

@@ -218,7 +218,7 @@ def test_read_kv_ranges_across_extent_boundaries(cluster: Cluster):
 
 
 def test_batch_mixing_sharded_and_unsharded_sequences(cluster: Cluster):
-    """One decode step for a batch whose rows span one, two and three nodes."""
+    """One decode step for a batch whose rows span one, two and three nodes: one call per node."""
     c = cluster
     bs = c.spec.block_size
     refs = [Reference(c.spec, seed=10 + i) for i in range(3)]
@@ -239,7 +239,11 @@ def test_batch_mixing_sharded_and_unsharded_sequences(cluster: Cluster):
             k = torch.stack([kv[0][layer, 0] for kv in kvs])
             v = torch.stack([kv[1][layer, 0] for kv in kvs])
             tokens = [step, step, step] if layer == 0 else None
+            calls = c.client.counters["sharded_attends"]
             res = c.client.attend_batch(seqs, layer, q, k, v, tokens)
+            # one call per node, though a node holds tails (append) and earlier extents (not)
+            nodes = {e.route.address for s in seqs for e in s.extents}
+            assert c.client.counters["sharded_attends"] - calls == len(nodes) == 3
             for row, ref in enumerate(refs):
                 want = ref.attention(layer, q[row : row + 1], ref.num_tokens - 1)
                 torch.testing.assert_close(res.out[row].double(), want[0][0], atol=1e-4, rtol=1e-4)
