@@ -159,6 +159,7 @@ def attend_batch(
             raise
         return attend_batch(client, handles, layer, q, k, v, token_ids, return_block_mass, timeout_s)
     if any(s.is_sharded for s in handles):
+        client.counters["sharded_steps"] += 1
         client.counters["sharded_attends"] += len(calls)
     per_row: list[dict[int, AttentionResult]] = [{} for _ in handles]
     for members, res in zip(groups.values(), results, strict=True):

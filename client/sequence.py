@@ -315,6 +315,7 @@ class Sequence:
         calls.reverse()  # the tail (which may refuse the token) on this thread, first
         results = run_parallel(self.client.pool(), calls)
         if len(calls) > 1:
+            self.client.counters["sharded_steps"] += 1
             self.client.counters["sharded_attends"] += len(calls)
         return merge(results[::-1])
 
@@ -423,6 +424,9 @@ class Sequence:
                 )
             )
         results = run_parallel(self.client.pool(), calls)
+        if len(calls) > 1:
+            self.client.counters["sharded_steps"] += 1
+            self.client.counters["sharded_attends"] += len(calls)
         return merge([*results[1:], results[0]])
 
     def fork(self, child_id: str, *, timeout_s: float | None = None) -> Sequence:

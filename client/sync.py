@@ -238,8 +238,9 @@ class CacheClient:
             self.routing = DirectRouting(node.control, self.address, node.data)
         self._is_closed = False
         self._pool: ThreadPoolExecutor | None = None
-        # spills: extents this client added; sharded_attends: node calls of steps over several extents
-        self.counters = {"spills": 0, "sharded_attends": 0}
+        # spills: extents this client added; sharded_steps / sharded_attends: attend calls (one
+        # layer) over several extents, and the node calls they made (client/metrics.py)
+        self.counters = {"spills": 0, "sharded_steps": 0, "sharded_attends": 0}
 
     def pool(self) -> ThreadPoolExecutor:
         """The threads a sharded step's node calls run on in parallel (made on first use)."""

@@ -65,6 +65,7 @@ def _one_extend_at_a_time(seq_id: str) -> Iterator[None]:
 
 
 SALT_BYTES = 16
+EXTENDS_TO = "extends_to_"  # + n: Extends that gave a sequence its n-th extent (a counter each)
 
 
 class Extents:
@@ -162,6 +163,8 @@ class Extents:
             if quota is not None and tail_ext.num_blocks > sealed:  # the sealed tail's unused allowance
                 self.store.release_blocks(tenant, tail_ext.num_blocks - sealed)
             self.counters["spills"] += 1
+            key = f"{EXTENDS_TO}{len(updated.extents)}"
+            self.counters[key] = self.counters.get(key, 0) + 1
             return updated
 
     def _place_extent(self, record: SequenceRecord, spec: Mapping[str, Any], bs: int) -> NodeInfo:
