@@ -173,11 +173,13 @@ class Sequence:
         block (then a new extent for the rest), after extending when it has none. Re-raises
         exc when the sequence cannot spill or the tail is not where a new extent may begin."""
         if not self.can_spill:
-            raise CapacityExceeded(
-                f"{exc.what} (sequence {self.seq_id!r} cannot spill to another node: {self._why_not()})",
-                exc.requested,
-                exc.available,
-            ) from exc
+            # the node's error, its fields kept, saying why no other node takes the rest
+            refused = CapacityExceeded.__new__(CapacityExceeded)
+            Exception.__init__(
+                refused, f"{exc} (sequence {self.seq_id!r} cannot spill to another node: {self._why_not()})"
+            )
+            refused.__dict__.update(exc.__dict__)
+            raise refused from exc
         tail = self._extent_tokens(len(self.extents) - 1)
         if tail is None or tail == 0:
             raise exc
