@@ -344,13 +344,13 @@ class CacheClient:
             )
         handles = self._handles(seqs, timeout_s)
         if any(s.is_sharded or (k is not None and s._tail_room() is not None) for s in handles):
-            return self._attend_sharded(handles, layer, q, k, v, token_ids, return_block_mass, timeout_s)
+            return attend_batch(self, handles, layer, q, k, v, token_ids, return_block_mass, timeout_s)
         try:
             res = self._attend_one_extent(handles, layer, q, k, v, token_ids, return_block_mass, timeout_s)
         except CapacityExceeded as exc:
             if layer != 0 or k is None or not self._spill_full(handles, exc, timeout_s):
                 raise
-            return self._attend_sharded(handles, layer, q, k, v, token_ids, return_block_mass, timeout_s)
+            return attend_batch(self, handles, layer, q, k, v, token_ids, return_block_mass, timeout_s)
         if k is not None and layer == 0:
             for s in handles:
                 if s.num_tokens is not None:
@@ -401,20 +401,6 @@ class CacheClient:
             )
             parts.append((p.rows, res))
         return parts[0][1] if len(parts) == 1 else _gather_rows(parts, len(handles))
-
-    def _attend_sharded(
-        self,
-        handles: list[Sequence],
-        layer: int,
-        q: Any,
-        k: Any,
-        v: Any,
-        token_ids: codec.TokenIds | None,
-        return_block_mass: bool,
-        timeout_s: float | None,
-    ) -> AttentionResult:
-        """A decode step over sequences of which some span several nodes (extents.py)."""
-        return attend_batch(self, handles, layer, q, k, v, token_ids, return_block_mass, timeout_s)
 
     def attend_prefill_batch(
         self,
