@@ -54,10 +54,21 @@ def _set_tensor(msg: Any, field: str, t: Any) -> None:
 
 
 def attend_request(
-    seq_ids: Sequence[str], layer: int, q: Any, k: Any, v: Any, token_ids: TokenIds | None, mass: bool
+    seq_ids: Sequence[str],
+    layer: int,
+    q: Any,
+    k: Any,
+    v: Any,
+    token_ids: TokenIds | None,
+    mass: bool,
+    appends: Sequence[int] = (),
 ) -> pb.AttendRequest:
     req = pb.AttendRequest(
-        seq_ids=list(seq_ids), layer=layer, token_ids=token_list(token_ids), return_block_mass=mass
+        seq_ids=list(seq_ids),
+        layer=layer,
+        token_ids=token_list(token_ids),
+        return_block_mass=mass,
+        appends=[bool(a) for a in appends],
     )
     _set_tensor(req, "q", q)
     _set_tensor(req, "k", k)

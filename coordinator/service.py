@@ -275,7 +275,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     def Extend(self, request: pb.CoordExtendRequest, context: grpc.ServicerContext) -> Any:
         def run() -> pb.CoordOpenResponse:
             tenant, seq_id = self._caller(context, request.seq_id)
-            record = self.coordinator.extend(tenant, seq_id, request.num_tokens)
+            record = self.coordinator.extend(tenant, seq_id, request.num_tokens, request.attention)
             return self._extents(tenant, seq_id, record)
 
         return self._run("Extend", context, run)
