@@ -359,6 +359,7 @@ class CacheNodeServicer(pb_grpc.CacheNodeServicer):
                     head_dim=s.head_dim,
                     dtype=s.dtype,
                     block_size=s.block_size,
+                    model=s.model,
                 ),
                 device=str(self.engine.device),
                 policy=self.engine.config.policy,

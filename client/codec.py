@@ -241,13 +241,13 @@ def kv_bytes(k: Any, v: Any) -> int:
 def bulk_info(resp: pb.StatsResponse) -> tuple[int, int]:
     """(bulk port, 0 when off; bytes per token) from a node's Stats reply."""
     s = resp.spec
-    spec = ModelSpec(s.num_layers, s.num_kv_heads, s.head_dim, s.dtype, s.block_size)
+    spec = ModelSpec(s.num_layers, s.num_kv_heads, s.head_dim, s.dtype, s.block_size, s.model)
     return resp.bulk_port, spec.bytes_per_token
 
 
 def stats_result(resp: pb.StatsResponse) -> NodeStats:
     s = resp.spec
-    spec = ModelSpec(s.num_layers, s.num_kv_heads, s.head_dim, s.dtype, s.block_size)
+    spec = ModelSpec(s.num_layers, s.num_kv_heads, s.head_dim, s.dtype, s.block_size, s.model)
     return NodeStats(dict(resp.counters), spec, resp.device, resp.policy)
 
 

@@ -84,7 +84,7 @@ from .node_calls import NodeCalls
 from .node_rooms import NodeRooms
 from .placement import Placement, PlacementWeights
 from .reconcile import Reconciler
-from .records import NewSequence, NodeInfo, SequenceRecord
+from .records import NewSequence, NodeInfo, SequenceRecord, spec_text, spec_view
 from .reuse import ReuseClasses, ReuseConfig
 from .store import Store
 
@@ -269,13 +269,14 @@ class Coordinator(DeferredCalls, Failures, Membership, NodeRooms, Extents, Missi
         if not nodes:
             nodes = {n.node_id: n for n in self.refresh_nodes()}
         if spec:
-            nodes = {k: n for k, n in nodes.items() if n.spec == dict(spec)}
+            want = spec_view(spec)
+            nodes = {k: n for k, n in nodes.items() if n.spec == want}
         return nodes
 
     def _served_specs(self) -> str:
         """'; live nodes serve [...]': what a refused spec could have been (for its error)."""
-        specs = list({tuple(n.spec.items()): n.spec for n in self._nodes_for(None).values()}.values())
-        return f"; live nodes serve {specs}" if specs else ""
+        specs = {spec_text(n.spec): None for n in self._nodes_for(None).values()}
+        return f"; live nodes serve [{', '.join(specs)}]" if specs else ""
 
     def _record(self, tenant: str, seq_id: str) -> SequenceRecord:
         record = self.store.get_sequence(seq_id)
@@ -349,7 +350,7 @@ class Coordinator(DeferredCalls, Failures, Membership, NodeRooms, Extents, Missi
         if not candidates:
             raise Unavailable(
                 "no live cache node"
-                + (f" serves model spec {dict(spec)}" if spec else "")
+                + (f" serves model spec {spec_text(spec)}" if spec else "")
                 + self._served_specs()
             )
         bs = self._block_size(spec)

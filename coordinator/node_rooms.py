@@ -16,14 +16,14 @@ from dataclasses import replace
 from typing import Any
 
 from ..protos.errors import InvalidArgument
-from .records import NodeInfo, NodeRoom
+from .records import NodeInfo, NodeRoom, spec_view
 from .room_index import CandidateRooms, RoomIndex
 
 SpecKey = tuple[tuple[str, Any], ...] | None  # a model spec's items, sorted; None: every node
 
 
 def spec_key(spec: Mapping[str, Any] | None) -> SpecKey:
-    return tuple(sorted(dict(spec).items())) if spec else None
+    return tuple(sorted(spec_view(spec).items())) if spec else None
 
 
 class NodeRooms:

@@ -77,6 +77,17 @@ class SequenceRecord:
         return tuple(dict.fromkeys(e.node_id for e in self.extents))
 
 
+def spec_view(spec: Mapping[str, Any]) -> dict[str, Any]:
+    """A spec as specs are compared: `model` is "" where not said (a request or a registration
+    from before ModelSpec named models)."""
+    return {"model": "", **spec}
+
+
+def spec_text(spec: Mapping[str, Any]) -> str:
+    """A spec for an error message: the model only where one is named."""
+    return str({k: v for k, v in spec.items() if k != "model" or v})
+
+
 @dataclass(frozen=True)
 class NodeInfo:
     """A registered node as the store knows it (load is what its last heartbeat said)."""
@@ -88,6 +99,9 @@ class NodeInfo:
     load: dict[str, int] = field(default_factory=dict)
     policy: str = ""  # its eviction policy, as it registered ("": not said)
     epoch: int = 0  # this registration's: tickets name it (0: registered without one)
+
+    def __post_init__(self) -> None:
+        self.spec.setdefault("model", "")  # the view placement compares (spec_view)
 
 
 @dataclass(frozen=True)

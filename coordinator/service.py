@@ -33,7 +33,7 @@ from .records import NodeNotLive, SequenceRecord
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Coordinator"].full_name
 MAX_LOST_REPORTED = 1 << 16  # lost ids a registration reply names (the .proto's bound)
 T = TypeVar("T")
-_SPEC_FIELDS = ("num_layers", "num_kv_heads", "head_dim", "dtype", "block_size")
+_SPEC_FIELDS = ("num_layers", "num_kv_heads", "head_dim", "dtype", "block_size", "model")
 
 
 def spec_dict(spec: pb.ModelSpec) -> dict[str, Any] | None:
