@@ -30,6 +30,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from .health import check as health_check
 from .model_config import kv_shape
@@ -81,6 +82,12 @@ class NodeOptions:
             *([f"--model-id={self.model_id}"] if self.model_id else []),
             *self.extra_args,
         ]
+
+    @classmethod
+    def for_spec(cls, spec: ModelSpec, **options: Any) -> NodeOptions:
+        """Nodes serving `spec` (its shape and model), with the other options given."""
+        shape = spec.to_dict()
+        return cls(model_id=shape.pop("model"), **shape, **options)
 
     def spec(self) -> dict:
         return {

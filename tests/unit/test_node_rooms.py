@@ -8,7 +8,7 @@ from __future__ import annotations
 from pagedkv.coordinator.core import Coordinator, CoordinatorConfig
 from pagedkv.coordinator.liveness import Liveness, LivenessConfig
 from pagedkv.coordinator.memory_store import MemoryStore
-from pagedkv.coordinator.records import NodeRoom
+from pagedkv.coordinator.records import NodeRoom, spec_view
 from pagedkv.protos.errors import InvalidArgument
 
 SPEC = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 8, "dtype": "float16", "block_size": 4}
@@ -17,7 +17,7 @@ OTHER = {**SPEC, "block_size": 8}
 
 def from_scratch(c: Coordinator, spec: dict | None = None) -> list[NodeRoom]:
     with c._lock:
-        ids = sorted(n for n, info in c._nodes.items() if spec is None or info.spec == spec)
+        ids = sorted(n for n, info in c._nodes.items() if spec is None or info.spec == spec_view(spec))
         return [r for r in (c._room_row(n) for n in ids) if r is not None]
 
 
