@@ -16,7 +16,8 @@ some of them to other nodes: the hit share is reported). Reported:
 
 - register: seconds for N registrations (64 in flight); nodes reaped and beats
   answered "not registered" over the whole point (none should be: every node beats);
-- open: the rpc's p50 / p99 (open and close, ms) as the bench process sees it;
+- open: the rpc's p50 / p99 (open and close, ms) as the bench process sees it; closes
+  answered UNAVAILABLE (a node whose beat was late is a suspect) are retried and counted;
 - Redis time per script (SLOWLOG at a 0 us threshold: every command with its server
   time) for open_sequence and delete_sequence, p50 (us);
 - CPU per open + close: the coordinators' (/proc, user + system) and Redis's (INFO cpu),
@@ -40,6 +41,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+import grpc
 import numpy as np
 
 from bench import plots
@@ -124,11 +126,26 @@ def script_us(cluster: ScaleCluster, names: dict[str, str]) -> dict[str, list[in
     return out
 
 
+def close_retrying(stub: Any, seq_id: str) -> int:
+    """Close as a worker does: an UNAVAILABLE answer (the sequence's node is a suspect, its
+    beat late on an overloaded host) is retried after a pause. Returns the retries."""
+    for retries in range(100):
+        try:
+            stub.Close(pb.CoordSeqRequest(seq_id=seq_id), timeout=60)
+            return retries
+        except grpc.RpcError as err:
+            if err.code() != grpc.StatusCode.UNAVAILABLE:
+                raise
+            time.sleep(0.1)
+    raise RuntimeError(f"close of {seq_id} still UNAVAILABLE after 100 tries")
+
+
 def measure_opens(
     cluster: ScaleCluster, window: Window, names: dict[str, str], prompt: list[int], num_opens: int, tag: str
 ) -> dict[str, Any]:
     open_ms, close_ms = [], []
     hits = 0  # opens placed on the node holding the prompt (placement's balance bound sends some elsewhere)
+    unavailable = 0  # closes answered UNAVAILABLE (their node's beat was late: a suspect), then retried
     cluster.redis.execute_command("SLOWLOG", "RESET")
     start = window.sample()
     for i in range(num_opens):
@@ -138,7 +155,7 @@ def measure_opens(
         t0 = time.perf_counter()
         reply = stub.Open(pb.CoordOpenRequest(seq_id=seq_id, token_ids=tokens), timeout=60)
         t1 = time.perf_counter()
-        stub.Close(pb.CoordSeqRequest(seq_id=seq_id), timeout=60)
+        unavailable += close_retrying(stub, seq_id)
         t2 = time.perf_counter()
         open_ms.append((t1 - t0) * 1e3)
         close_ms.append((t2 - t1) * 1e3)
@@ -151,6 +168,7 @@ def measure_opens(
         "open_p50_ms": pct(open_ms, 50),
         "open_p99_ms": pct(open_ms, 99),
         "close_p50_ms": pct(close_ms, 50),
+        "closes_unavailable": unavailable,
         "open_script_p50_us": pct(us.get("open_seq", []), 50),
         "open_script_max_us": max(us.get("open_seq", [0])),
         "delete_script_p50_us": pct(us.get("delete_seq", []), 50),
@@ -232,8 +250,8 @@ def render(r: dict[str, Any]) -> str:
     lines = [
         f"# bench.scale ({r['mode']}), {r['host']}",
         "",
-        "| nodes | coords | index | prompt | hit share | open p50 / p99 ms | open script p50 us | delete script p50 us | coord CPU / open+close ms (raw) | Redis CPU / open+close ms |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| nodes | coords | index | prompt | hit share | open p50 / p99 ms | open script p50 us | delete script p50 us | coord CPU / open+close ms (raw) | Redis CPU / open+close ms | closes retried |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for p in r["points"]:
         for tokens, o in p["prompts"].items():
@@ -242,7 +260,7 @@ def render(r: dict[str, Any]) -> str:
                 f"{o['hit_share']:.2f} | {o['open_p50_ms']:.2f} / {o['open_p99_ms']:.2f} | "
                 f"{o['open_script_p50_us']:.0f} | {o['delete_script_p50_us']:.0f} | "
                 f"{o['coord_cpu_per_open_close_ms']:.2f} ({o['coord_cpu_raw_per_open_close_ms']:.2f}) | "
-                f"{o['redis_cpu_per_open_close_ms']:.3f} |"
+                f"{o['redis_cpu_per_open_close_ms']:.3f} | {o.get('closes_unavailable', 0)} |"
             )
     lines += [
         "",
@@ -292,6 +310,9 @@ def main() -> None:
     p.add_argument("--lease-ttl-s", type=float, default=3.0)
     p.add_argument("--quiet-s", type=float, default=2.0, help="the quiet window (heartbeats only)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prompts", default="", help="prompt lengths in tokens (default 1024,8192,32768)")
+    p.add_argument("--indexes", default="", help="index sizes in keys (default 10000,100000)")
+    p.add_argument("--replicas", default="", help="coordinator counts (default 1,2)")
     p.add_argument("--out", default=str(RESULTS / "scale"), help="output path without extension")
     args = p.parse_args()
     if args.quick:
@@ -302,6 +323,12 @@ def main() -> None:
         prompts = [1024, 8192, 32768] + ([131072] if args.big else [])
         indexes = [10_000, 100_000] + ([1_000_000] if args.big else [])
         replicas = [1, 2]
+    if args.prompts:
+        prompts = [int(n) for n in args.prompts.split(",")]
+    if args.indexes:
+        indexes = [int(n) for n in args.indexes.split(",")]
+    if args.replicas:
+        replicas = [int(n) for n in args.replicas.split(",")]
     points = []
     for n in node_counts:
         points.append(run_point(args, n, 1, indexes[0], prompts))

@@ -131,7 +131,7 @@ class FakeNodes:
     def __init__(self, cluster: ScaleCluster, num_nodes: int) -> None:
         self.cluster = cluster
         self.ids = [f"node{i:05}" for i in range(num_nodes)]
-        self.interval_s = cluster.lease_ttl_s / 2
+        self.interval_s = cluster.lease_ttl_s / 4  # until a registration hands out the interval
         self.late_beats = 0  # beats sent more than a tenth of the interval late
         self.unregistered = 0  # beats answered is_registered=False (the node was reaped)
         self.failed_beats = 0  # beats that failed (UNAVAILABLE, deadline)
@@ -151,7 +151,8 @@ class FakeNodes:
             if len(pending) >= 64:
                 pending.pop(0).result()
         for f in pending:
-            f.result()
+            interval = f.result().heartbeat_interval_s
+            self.interval_s = interval or self.interval_s  # what a CoordinatorLink beats at
         return time.perf_counter() - start
 
     def _register_request(self, node_id: str) -> pb.RegisterRequest:

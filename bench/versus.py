@@ -50,10 +50,13 @@ def run_once(tree: Path, site: Path, module: str, args: list[str], result: str, 
     """MODULE run from `tree` importing pagedkv from `site`; its JSON result."""
     out = tree / "bench" / "results" / result
     out.unlink(missing_ok=True)
-    env = {**os.environ, "PYTHONPATH": str(site), "PYTHONUNBUFFERED": "1"}
+    # Run from `site` with the tree after it on the path: the revision's pagedkv (site) and its
+    # bench package (tree). From the tree itself, its top-level pagedkv/ folder came first and
+    # the editable install filled in the role subpackages from this checkout.
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(tree)]), "PYTHONUNBUFFERED": "1"}
     done = subprocess.run(
         [sys.executable, "-m", module, *args],
-        cwd=tree,  # `python -m` puts the tree first on sys.path: its own bench package
+        cwd=site,
         env=env,
         capture_output=True,
         text=True,

@@ -105,6 +105,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=_env("BLOCK_SIZE", "16"),
         help="tokens per block (the unit of sharing and eviction)",
     )
+    spec.add_argument(
+        "--model-id",
+        default=_env("MODEL_ID", ""),
+        help="the weights this node's KV belongs to (e.g. org/name@revision): workers of another "
+        "model are refused, whatever their shape (default: not named)",
+    )
     pool = p.add_argument_group("memory (give blocks or bytes; bytes are rounded down to whole blocks)")
     pool.add_argument(
         "--num-blocks",
@@ -321,7 +327,9 @@ def serve(args: argparse.Namespace) -> None:
     if args.coordinator:
         split_host_port(args.coordinator, "--coordinator")
     try:
-        spec = ModelSpec(args.num_layers, args.num_kv_heads, args.head_dim, args.dtype, args.block_size)
+        spec = ModelSpec(
+            args.num_layers, args.num_kv_heads, args.head_dim, args.dtype, args.block_size, args.model_id
+        )
     except InvalidArgument as exc:
         raise UsageError(str(exc)) from None
     num_blocks = args.num_blocks if args.num_blocks is not None else spec.blocks_for_bytes(args.pool_bytes)

@@ -249,12 +249,15 @@ class CacheEngine:
         *,
         return_block_mass: bool = False,
         out: tuple[torch.Tensor, torch.Tensor] | None = None,
+        appends: Seq[bool] | None = None,
     ) -> AttentionOutput:
         """One decode step of one layer for a batch: q [B, q_heads, head_dim].
 
         With k, v [B, kv_heads, head_dim] the new token is appended first: at
         layer 0 `token_ids` (one per sequence) reserves its slot; later layers
         write into that slot and take no token_ids. Without k, v it only attends.
+        `appends` (one flag per sequence): only the flagged rows append, and k, v,
+        token_ids hold those rows (a sharded batch's tails beside earlier extents).
         Returns out [B, q_heads, head_dim], lse [B, q_heads] and, if asked, the
         attention mass per block. out: where to write out and lse (see paged_decode).
         """
@@ -262,21 +265,22 @@ class CacheEngine:
         layer = self._checks.layer(layer)
         s = self.spec
         q = self._checks.query("q", q, (len(ids), None, s.head_dim))
-        tokens = self._checks.step_tokens(layer, k, v, token_ids, len(ids))
-        k, v = self._checks.step_kv(k, v, len(ids))
+        writers = self._checks.writers(ids, appends, k)
+        tokens = self._checks.step_tokens(layer, k, v, token_ids, len(writers))
+        k, v = self._checks.step_kv(k, v, len(writers))
         with self._lock:
             for sid in ids:
                 self.manager.get_active(sid)
             if k is not None:
                 if tokens is not None:
                     slots = self._layered.reserve(
-                        self.manager, ids, lambda: self.manager.append_tokens(ids, tokens)
+                        self.manager, writers, lambda: self.manager.append_tokens(writers, tokens)
                     )
                 else:
-                    slots = self._tail_slots(ids, 1)
+                    slots = self._tail_slots(writers, 1)
                 self._io.write_layer(layer, *self._slot_index(slots), k, v)
                 if layer == s.num_layers - 1:
-                    self._layered.publish(self.manager, ids)
+                    self._layered.publish(self.manager, writers)
             seqs = [self.manager.seqs[sid] for sid in ids]
             width = max(len(seq.table) for seq in seqs)
             if width == 0:

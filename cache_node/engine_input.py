@@ -135,6 +135,20 @@ class RequestChecks:
             raise InvalidArgument(f"token_ids are taken at layer 0 only (got them at layer {layer})")
         return None
 
+    def writers(self, ids: list[str], appends: Any, k: Any) -> list[str]:
+        """The sequences of a decode batch that append (k, v and token ids hold their rows):
+        every one without `appends`, else those flagged (one flag per sequence, >= 1 set, k given)."""
+        if appends is None or (not isinstance(appends, bool | int) and len(appends) == 0):
+            return ids
+        flags = list(appends)
+        if len(flags) != len(ids):
+            raise InvalidArgument(f"appends: {len(flags)} flags for {len(ids)} sequences")
+        if any(type(a) not in (bool, int) or a not in (0, 1) for a in flags):
+            raise InvalidArgument(f"appends: flags must be 0/1 (one per sequence), got {flags!r}")
+        if k is None or not any(flags):
+            raise InvalidArgument("appends: flags need k and v, and at least one row that appends")
+        return [sid for sid, a in zip(ids, flags, strict=True) if a]
+
     def step_kv(self, k: Any, v: Any, n: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """A step's new K and V, each [n, kv_heads, head_dim] (or both None)."""
         if k is None:

@@ -200,11 +200,17 @@ class CacheNodeServicer(pb_grpc.CacheNodeServicer):
 
     def Attend(self, request: pb.AttendRequest, context: grpc.ServicerContext) -> pb.AttendResponse:
         def run() -> pb.AttendResponse:
-            ids, mass = list(request.seq_ids), request.return_block_mass
+            ids, mass, flags = list(request.seq_ids), request.return_block_mass, list(request.appends) or None
             appends = request.HasField("k") and request.layer == 0 and bool(request.token_ids)
             self.gate.require(self._creds(context), ids, _rights(request.HasField("k")), "Attend")
-            with self.gate.charging(ids, [int(appends)] * len(ids), self._held, self._spec.block_size):
-                out = self.engine.attend_decode(ids, request.layer, *_qkv(request), return_block_mass=mass)
+            rows = [True] * len(ids) if flags is None else flags
+            if len(rows) != len(ids):
+                raise InvalidArgument(f"appends: {len(rows)} flags for {len(ids)} sequences")
+            new_tokens = [int(appends and row) for row in rows]
+            with self.gate.charging(ids, new_tokens, self._held, self._spec.block_size):
+                out = self.engine.attend_decode(
+                    ids, request.layer, *_qkv(request), return_block_mass=mass, appends=flags
+                )
             return self._attention_response(out, request.return_block_mass)
 
         return self._observe("Attend", context, run)
@@ -353,6 +359,7 @@ class CacheNodeServicer(pb_grpc.CacheNodeServicer):
                     head_dim=s.head_dim,
                     dtype=s.dtype,
                     block_size=s.block_size,
+                    model=s.model,
                 ),
                 device=str(self.engine.device),
                 policy=self.engine.config.policy,

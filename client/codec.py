@@ -54,10 +54,21 @@ def _set_tensor(msg: Any, field: str, t: Any) -> None:
 
 
 def attend_request(
-    seq_ids: Sequence[str], layer: int, q: Any, k: Any, v: Any, token_ids: TokenIds | None, mass: bool
+    seq_ids: Sequence[str],
+    layer: int,
+    q: Any,
+    k: Any,
+    v: Any,
+    token_ids: TokenIds | None,
+    mass: bool,
+    appends: Sequence[int] = (),
 ) -> pb.AttendRequest:
     req = pb.AttendRequest(
-        seq_ids=list(seq_ids), layer=layer, token_ids=token_list(token_ids), return_block_mass=mass
+        seq_ids=list(seq_ids),
+        layer=layer,
+        token_ids=token_list(token_ids),
+        return_block_mass=mass,
+        appends=[bool(a) for a in appends],
     )
     _set_tensor(req, "q", q)
     _set_tensor(req, "k", k)
@@ -230,13 +241,13 @@ def kv_bytes(k: Any, v: Any) -> int:
 def bulk_info(resp: pb.StatsResponse) -> tuple[int, int]:
     """(bulk port, 0 when off; bytes per token) from a node's Stats reply."""
     s = resp.spec
-    spec = ModelSpec(s.num_layers, s.num_kv_heads, s.head_dim, s.dtype, s.block_size)
+    spec = ModelSpec(s.num_layers, s.num_kv_heads, s.head_dim, s.dtype, s.block_size, s.model)
     return resp.bulk_port, spec.bytes_per_token
 
 
 def stats_result(resp: pb.StatsResponse) -> NodeStats:
     s = resp.spec
-    spec = ModelSpec(s.num_layers, s.num_kv_heads, s.head_dim, s.dtype, s.block_size)
+    spec = ModelSpec(s.num_layers, s.num_kv_heads, s.head_dim, s.dtype, s.block_size, s.model)
     return NodeStats(dict(resp.counters), spec, resp.device, resp.policy)
 
 

@@ -138,9 +138,10 @@ class NodeData:
         *,
         return_block_mass: bool = False,
         timeout_s: float | None = None,
+        appends: Sequence[bool] | None = None,
     ) -> AttentionResult:
         ids = self.wallet.node_ids(seq_ids)
-        call = calls.attend_call(ids, layer, q, k, v, token_ids, None, return_block_mass)
+        call = calls.attend_call(ids, layer, q, k, v, token_ids, None, return_block_mass, appends)
         result: AttentionResult = self.transports.call("attend", call, self._t(timeout_s))
         return result
 

@@ -17,19 +17,27 @@ decode over that extent with the n queries laid out as extra query heads of one 
 (`widen`): a single call, no causal mask, GQA groups kept.
 
 Calls to different nodes run in parallel on the client's threads, so a step costs about
-the slowest node's call, not their sum.
+the slowest node's call, not their sum. A decode batch is one call per node it spans, even
+where a node holds one sequence's tail (append) and another's earlier extent (attend only):
+the call flags the rows that append (AttendRequest.appends).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
-from typing import TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
+from ..protos.errors import CapacityExceeded
 from ..protos.merge import merge_partials
+from . import codec
 from .types import AttentionResult
+
+if TYPE_CHECKING:
+    from .sequence import Sequence as Seq
+    from .sync import CacheClient
 
 T = TypeVar("T")
 
@@ -111,3 +119,92 @@ def stack_rows(parts: Sequence[AttentionResult]) -> AttentionResult:
         assert p.block_mass is not None
         mass[i, : p.block_mass.shape[-1]] = p.block_mass[0]
     return AttentionResult(out, lse, mass)
+
+
+def attend_batch(
+    client: CacheClient,
+    handles: list[Seq],
+    layer: int,
+    q: Any,
+    k: Any,
+    v: Any,
+    token_ids: codec.TokenIds | None,
+    return_block_mass: bool,
+    timeout_s: float | None,
+) -> AttentionResult:
+    """A decode step over sequences of which some span several nodes: one call per node for
+    every row it holds an extent of (the rows whose tail it holds append the new token when
+    k is given), all nodes in parallel; each row merges its parts by LSE in extent order."""
+    tokens = None if token_ids is None else codec.token_list(token_ids)
+    if k is not None and layer == 0:
+        for s in handles:
+            if s._tail_room() == 0:  # max_extent_tokens reached: the new token starts an extent
+                s.extend(timeout_s=timeout_s)
+    # address -> [(row, extent index, appends)]
+    groups: dict[str, list[tuple[int, int, bool]]] = {}
+    for row, s in enumerate(handles):
+        last = len(s.extents) - 1
+        for i, ext in enumerate(s.extents):
+            if i == last and k is None and s._extent_tokens(i) == 0:
+                continue  # an empty new tail: nothing to attend to there yet
+            groups.setdefault(ext.route.address, []).append((row, i, i == last and k is not None))
+    calls = [
+        _node_call(client, address, members, handles, layer, q, k, v, tokens, return_block_mass, timeout_s)
+        for address, members in groups.items()
+    ]
+    try:
+        results = run_parallel(client.pool(), calls)
+    except CapacityExceeded as exc:
+        if layer != 0 or k is None or not client._spill_full(handles, exc, timeout_s):
+            raise
+        return attend_batch(client, handles, layer, q, k, v, token_ids, return_block_mass, timeout_s)
+    if any(s.is_sharded for s in handles):
+        client.counters["sharded_steps"] += 1
+        client.counters["sharded_attends"] += len(calls)
+    per_row: list[dict[int, AttentionResult]] = [{} for _ in handles]
+    for members, res in zip(groups.values(), results, strict=True):
+        for j, (row, index, _) in enumerate(members):
+            per_row[row][index] = rows_of(res, [j])
+    if k is not None and layer == 0:
+        for s in handles:
+            if s.num_tokens is not None:
+                s.num_tokens += 1
+    return stack_rows([merge([parts[i] for i in sorted(parts)]) for parts in per_row])
+
+
+def _node_call(
+    client: CacheClient,
+    address: str,
+    members: list[tuple[int, int, bool]],
+    handles: list[Seq],
+    layer: int,
+    q: Any,
+    k: Any,
+    v: Any,
+    tokens: list[int] | None,
+    return_block_mass: bool,
+    timeout_s: float | None,
+) -> Callable[[], AttentionResult]:
+    """The one call of a sharded decode step to the node at `address`: q of every row it
+    holds; k, v, token ids of the rows that append there (flagged when not all do)."""
+    rows = [r for r, _, _ in members]
+    ids = [handles[r].seq_id for r in rows]
+    writers = [r for r, _, appends in members if appends]
+    flags = None if len(writers) in (0, len(rows)) else [appends for _, _, appends in members]
+    pick, write = torch.tensor(rows), torch.tensor(writers, dtype=torch.long)
+    data = client.node(address).data
+
+    def call() -> AttentionResult:
+        return data.attend(
+            ids,
+            layer,
+            q[pick],
+            k[write] if writers else None,
+            v[write] if writers else None,
+            [tokens[r] for r in writers] if writers and tokens is not None else None,
+            return_block_mass=return_block_mass,
+            timeout_s=timeout_s,
+            appends=flags,
+        )
+
+    return call

@@ -34,7 +34,8 @@ from typing import Any, Literal, cast
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from ..protos.errors import FailedPrecondition, InvalidArgument, PagedKVError
+from ..protos.errors import FailedPrecondition, InvalidArgument, PagedKVError, SpecMismatch
+from ..protos.spec import ModelSpec
 from .hf_attend import attend_layer
 from .hf_backend import KVBackend
 from .hf_masks import MaskKind
@@ -120,6 +121,18 @@ class _PagedLayer(CacheLayerMixin):
         raise AssertionError("unreachable: PagedKVCache reorders all layers at once")
 
 
+def check_model_identity(model: torch.nn.Module, spec: ModelSpec) -> None:
+    """A node that names its model serves no other: a same-shape model (a base model and its
+    fine-tune) would read K/V its own weights never computed."""
+    name = str(getattr(cast(Any, model).config, "_name_or_path", "") or "")
+    if spec.model and name != spec.model:
+        raise SpecMismatch(
+            f"the node serves the KV of model {spec.model!r}, this model is {name or 'not named'!r} "
+            "(its config's name_or_path); load that model, or start the node with --model-id matching "
+            "this one"
+        )
+
+
 class PagedKVCache(Cache):
     """A transformers Cache backed by a pagedkv node (see the module docstring).
 
@@ -158,6 +171,7 @@ class PagedKVCache(Cache):
         model_dtype = next(model.parameters()).dtype
         if _TORCH_DTYPES[spec.dtype] != model_dtype:
             raise InvalidArgument(f"model runs in {model_dtype}, the node serves {spec.dtype}")
+        check_model_identity(model, spec)
         if mode == "node":
             self.plan = plan_attention(model, max_tokens)
         else:  # the model's own attention runs over gathered K/V: every feature it has works

@@ -58,7 +58,9 @@ class DirectRouting:
         self.node.fork(parent_id, child_id, timeout_s)
         return [ExtentRoute(self.route, 0)]
 
-    def extend(self, seq_id: str, num_tokens: int, timeout_s: float | None = None) -> list[ExtentRoute]:
+    def extend(
+        self, seq_id: str, num_tokens: int, timeout_s: float | None = None, attention: Any = ()
+    ) -> list[ExtentRoute]:
         raise InvalidArgument(
             f"sequence {seq_id!r}: a client of one node has no other node to extend it to (use a cluster)"
         )
@@ -233,9 +235,12 @@ class CoordinatorRouting:
             self._call("Fork", pb.CoordForkRequest(parent_id=parent_id, child_id=child_id), timeout_s)
         )
 
-    def extend(self, seq_id: str, num_tokens: int, timeout_s: float | None = None) -> list[ExtentRoute]:
-        """A new tail extent on another node, the old tail sealed at num_tokens; every extent."""
-        request = pb.CoordExtendRequest(seq_id=seq_id, num_tokens=num_tokens)
+    def extend(
+        self, seq_id: str, num_tokens: int, timeout_s: float | None = None, attention: Any = ()
+    ) -> list[ExtentRoute]:
+        """A new tail extent on another node, the old tail sealed at num_tokens; every extent.
+        attention: the sequence's spec (LayerAttention messages) for the new extent's node."""
+        request = pb.CoordExtendRequest(seq_id=seq_id, num_tokens=num_tokens, attention=attention)
         return _routes(self._call("Extend", request, timeout_s))
 
     def close(self, seq_id: str, timeout_s: float | None = None, keep_prefix: int | None = None) -> None:

@@ -11,16 +11,27 @@ coordinator (Extend) and keeps going; every extent before the tail is sealed::
 Appends go to the tail (split at the seal when they cross it); attention runs on every
 node holding an extent and merges by LSE (extents.py); read_kv reads each extent's part
 of a range from its node; fork forks every extent; close frees every extent (the
-coordinator does). A sequence opened with an attention spec (windows, chunks) never
-spills: its node's positions would no longer be the sequence's.
+coordinator does). What may spill::
+
+    attention spec        soft-cap, scale: yes, exact (each node caps its own scores; the
+                          LSE merge is over the capped scores); sinks: yes (the client
+                          folds them in after the merge)
+                          window, chunk: no (a node counts positions from its extent's
+                          first token): refused at the open with max_extent_tokens, and a
+                          full node's RESOURCE_EXHAUSTED says why
+    token budget          no (it is counted and enforced on one node): set_budget refuses
+                          a sharded sequence or one with max_extent_tokens, and a budgeted
+                          sequence stays on its node
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence as Seq
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..protos.attention import LayerAttention, to_messages
 from ..protos.errors import CapacityExceeded, InvalidArgument, NotFound, OpenFailed, SequenceLost
 from . import codec
 from .extents import merge, narrow, run_parallel, widen
@@ -28,6 +39,16 @@ from .types import AttentionResult, ExtentRoute, MissExplanation, Route
 
 if TYPE_CHECKING:
     from .sync import CacheClient, NodeHandle
+
+
+WINDOWED = "its attention spec has a window or chunks (a node counts positions from its own first token)"
+BUDGETED = "it has a token budget (kept and enforced by one node)"
+
+
+def check_spill(attention: Seq[LayerAttention], max_extent_tokens: int | None) -> None:
+    """Refuse, before anything is opened, a maximum extent size on a sequence that cannot spill."""
+    if max_extent_tokens is not None and any(layer.masks for layer in attention):
+        raise InvalidArgument(f"max_extent_tokens: the sequence could not spill to another node: {WINDOWED}")
 
 
 def squeeze(res: AttentionResult, squeeze: bool) -> AttentionResult:
@@ -58,7 +79,8 @@ class Sequence:
         *,
         num_tokens: int | None = None,
         max_extent_tokens: int | None = None,
-        can_spill: bool = True,
+        attention: Seq[LayerAttention] = (),
+        no_spill: str | None = None,
     ) -> None:
         self.client = client
         self.seq_id = seq_id
@@ -74,7 +96,11 @@ class Sequence:
         if max_extent_tokens is not None and (type(max_extent_tokens) is not int or max_extent_tokens < 1):
             raise InvalidArgument(f"max_extent_tokens must be an int >= 1, got {max_extent_tokens!r}")
         self.max_extent_tokens = max_extent_tokens
-        self.can_spill = can_spill and client.is_cluster
+        # The spec its open gave, sent with every Extend (a handle found by id does not know it:
+        # set it before the sequence grows past its node)
+        self.attention = tuple(attention)
+        # Why it may not spill to another node (None: it may)
+        self.no_spill = no_spill if client.is_cluster else "a client of one node has no other node"
         self._plan: list[tuple[int, int]] = []  # a layered prefill's (extent, count) parts, from layer 0
 
     # -- extents ------------------------------------------------------------------
@@ -88,6 +114,10 @@ class Sequence:
     def node(self) -> NodeHandle:
         """The tail's node: where appends go."""
         return self._nodes[-1]
+
+    @property
+    def can_spill(self) -> bool:
+        return self.no_spill is None and not any(layer.masks for layer in self.attention)
 
     @property
     def is_sharded(self) -> bool:
@@ -122,15 +152,14 @@ class Sequence:
         new extent on another node (the coordinator's Extend). Usually automatic: an append
         or a decode step the tail cannot take calls it."""
         if not self.can_spill:
-            raise InvalidArgument(
-                f"sequence {self.seq_id!r} cannot spill to another node (a client of one node, or "
-                "opened with an attention spec)"
-            )
+            raise InvalidArgument(f"sequence {self.seq_id!r} cannot spill to another node: {self._why_not()}")
         if self.num_tokens is None:
             raise InvalidArgument(
                 f"sequence {self.seq_id!r}: its length is unknown to this handle; append first"
             )
-        extents = self.client.routing.extend(self.seq_id, self.num_tokens, timeout_s)
+        extents = self.client.routing.extend(
+            self.seq_id, self.num_tokens, timeout_s, to_messages(self.attention)
+        )
         if extents[-1].first_token != self.num_tokens:
             raise InvalidArgument(
                 f"sequence {self.seq_id!r}: the coordinator's tail starts at {extents[-1].first_token}, "
@@ -143,8 +172,16 @@ class Sequence:
         """The tail refused `wanted` more tokens: how many of them still fit in its partial last
         block (then a new extent for the rest), after extending when it has none. Re-raises
         exc when the sequence cannot spill or the tail is not where a new extent may begin."""
+        if not self.can_spill:
+            # the node's error, its fields kept, saying why no other node takes the rest
+            refused = CapacityExceeded.__new__(CapacityExceeded)
+            Exception.__init__(
+                refused, f"{exc} (sequence {self.seq_id!r} cannot spill to another node: {self._why_not()})"
+            )
+            refused.__dict__.update(exc.__dict__)
+            raise refused from exc
         tail = self._extent_tokens(len(self.extents) - 1)
-        if not self.can_spill or tail is None or tail == 0:
+        if tail is None or tail == 0:
             raise exc
         fill = -tail % self._block_size(timeout_s)
         if fill == 0:
@@ -153,6 +190,9 @@ class Sequence:
         if fill >= wanted:  # it fits the partial block, yet was refused (a shared block to copy)
             raise exc
         return fill
+
+    def _why_not(self) -> str:
+        return self.no_spill or WINDOWED
 
     # -- data calls ---------------------------------------------------------------
 
@@ -164,7 +204,7 @@ class Sequence:
             try:
                 return self._append_tail(tokens, k, v, timeout_s)
             except CapacityExceeded as exc:
-                if not self.can_spill or self.num_tokens is None:
+                if self.num_tokens is None:
                     raise
                 take = self._spill_after(exc, len(tokens), timeout_s)
         else:
@@ -224,7 +264,7 @@ class Sequence:
                     timeout_s=timeout_s,
                 )
             except CapacityExceeded as exc:
-                if layer != 0 or k is None or not self.can_spill or self.num_tokens is None:
+                if layer != 0 or k is None or self.num_tokens is None:
                     raise
                 self._spill_after(exc, 1, timeout_s)  # one token: the tail's last block is full
             else:
@@ -277,6 +317,7 @@ class Sequence:
         calls.reverse()  # the tail (which may refuse the token) on this thread, first
         results = run_parallel(self.client.pool(), calls)
         if len(calls) > 1:
+            self.client.counters["sharded_steps"] += 1
             self.client.counters["sharded_attends"] += len(calls)
         return merge(results[::-1])
 
@@ -308,7 +349,7 @@ class Sequence:
                     timeout_s=timeout_s,
                 )
             except CapacityExceeded as exc:
-                if layer != 0 or k is None or not self.can_spill or self.num_tokens is None:
+                if layer != 0 or k is None or self.num_tokens is None:
                     raise
                 self._spill_after(exc, len(q), timeout_s)
             else:
@@ -385,6 +426,9 @@ class Sequence:
                 )
             )
         results = run_parallel(self.client.pool(), calls)
+        if len(calls) > 1:
+            self.client.counters["sharded_steps"] += 1
+            self.client.counters["sharded_attends"] += len(calls)
         return merge([*results[1:], results[0]])
 
     def fork(self, child_id: str, *, timeout_s: float | None = None) -> Sequence:
@@ -397,7 +441,8 @@ class Sequence:
             extents,
             num_tokens=self.num_tokens,
             max_extent_tokens=self.max_extent_tokens,
-            can_spill=self.can_spill,
+            attention=self.attention,
+            no_spill=self.no_spill,
         )
 
     def read_kv(
@@ -465,11 +510,19 @@ class Sequence:
         *,
         timeout_s: float | None = None,
     ) -> None:
-        if self.is_sharded:
+        """A lossy token budget on the sequence's node (None lifts it). A budgeted sequence
+        stays on one node: refused (InvalidArgument) on one that spans several or has a
+        max_extent_tokens; its node's RESOURCE_EXHAUSTED is not answered by a spill."""
+        if max_tokens is not None and (self.is_sharded or self.max_extent_tokens is not None):
+            where = f"spans {len(self.extents)} nodes" if self.is_sharded else "has max_extent_tokens"
             raise InvalidArgument(
-                f"sequence {self.seq_id!r} spans {len(self.extents)} nodes: no token budget"
+                f"sequence {self.seq_id!r} {where}: a token budget is counted on one node only"
             )
         self.node.control.set_budget(self.seq_id, max_tokens, sink_blocks, recent_blocks, timeout_s)
+        if max_tokens is not None and self.no_spill is None:
+            self.no_spill = BUDGETED
+        elif max_tokens is None and self.no_spill == BUDGETED:
+            self.no_spill = None
 
     def close(self, *, keep_prefix: int | None = None, timeout_s: float | None = None) -> None:
         """Free the sequence (and, in a cluster, its page table: every extent). Idempotent on

@@ -40,9 +40,9 @@ from .batching import BatchPart, PrefillPart, check_counts, gather_rows, split_b
 from .config import ClientConfig
 from .control import NodeControl
 from .data import Explain, NodeData
-from .extents import merge, rows_of, run_parallel, stack_rows
+from .extents import attend_batch, run_parallel
 from .routing import CoordinatorRouting, DirectRouting
-from .sequence import Sequence
+from .sequence import Sequence, check_spill
 from .transport.tickets import Wallet
 from .types import AttentionResult, ClusterStats, NodeStats, Route
 
@@ -147,8 +147,9 @@ class CacheClient:
             self.routing = DirectRouting(node.control, self.address, node.data)
         self._is_closed = False
         self._pool: ThreadPoolExecutor | None = None
-        # spills: extents this client added; sharded_attends: node calls of steps over several extents
-        self.counters = {"spills": 0, "sharded_attends": 0}
+        # spills: extents this client added; sharded_steps / sharded_attends: attend calls (one
+        # layer) over several extents, and the node calls they made (client/metrics.py)
+        self.counters = {"spills": 0, "sharded_steps": 0, "sharded_attends": 0}
 
     def pool(self) -> ThreadPoolExecutor:
         """The threads a sharded step's node calls run on in parallel (made on first use)."""
@@ -207,6 +208,7 @@ class CacheClient:
         tail reaches max_extent_tokens, a multiple of the block size) continues on another
         node (sequence.py); one opened with an attention spec does not."""
         layers = check_layers(attention, len(attention or ()))  # the layer count: node and coordinator
+        check_spill(layers, max_extent_tokens)
         messages = to_messages(layers)
         res, route = self.routing.open(
             seq_id, token_ids, max_cached_tokens, timeout_s, attention=messages, explain_miss=explain_miss
@@ -220,7 +222,7 @@ class CacheClient:
             res.miss,
             num_tokens=res.num_cached_tokens,
             max_extent_tokens=max_extent_tokens,
-            can_spill=not layers,
+            attention=layers,
         )
 
     def sequence(self, seq_id: str, *, timeout_s: float | None = None) -> Sequence:
@@ -252,13 +254,13 @@ class CacheClient:
         handles = self._handles(seqs, timeout_s)
         step = _Step(layer, q, k, v, token_ids, return_block_mass, timeout_s)
         if any(s.is_sharded or (k is not None and s._tail_room() is not None) for s in handles):
-            return self._attend_sharded(handles, step)
+            return attend_batch(self, handles, *step)
         try:
             res = self._attend_one_extent(handles, step)
         except CapacityExceeded as exc:
             if layer != 0 or k is None or not self._spill_full(handles, exc, timeout_s):
                 raise
-            return self._attend_sharded(handles, step)
+            return attend_batch(self, handles, *step)
         if k is not None and layer == 0:
             _count_appended(handles, [1] * len(handles))
         return res
@@ -298,66 +300,6 @@ class CacheClient:
             )
             parts.append((p.rows, res))
         return parts[0][1] if len(parts) == 1 else gather_rows(parts, len(handles))
-
-    def _attend_sharded(self, handles: list[Sequence], step: _Step) -> AttentionResult:
-        """A decode step over sequences of which some span several nodes: per node, one call
-        for the rows whose tail it holds (appending the new token when k is given) and one
-        for the rows of earlier extents it holds (attend only; only when both kinds meet on
-        a node are there two), all nodes in parallel; each row merges its parts by LSE."""
-        layer, q, k, v, token_ids, return_block_mass, timeout_s = step
-        tokens = None if token_ids is None else codec.token_list(token_ids)
-        if k is not None and layer == 0:
-            for s in handles:
-                if s._tail_room() == 0:  # max_extent_tokens reached: the new token starts an extent
-                    s.extend(timeout_s=timeout_s)
-        # (address, appends) -> [(row, extent index)]
-        groups: dict[tuple[str, bool], list[tuple[int, int]]] = {}
-        for row, s in enumerate(handles):
-            last = len(s.extents) - 1
-            for i, ext in enumerate(s.extents):
-                if i == last and k is None and s._extent_tokens(i) == 0:
-                    continue  # an empty new tail: nothing to attend to there yet
-                groups.setdefault((ext.route.address, i == last and k is not None), []).append((row, i))
-        calls: list[Callable[[], AttentionResult]] = []
-        for (address, appends), members in groups.items():
-            rows = [r for r, _ in members]
-            ids = [handles[r].seq_id for r in rows]
-            pick = torch.tensor(rows)
-            data = self.node(address).data
-
-            def call(
-                data: NodeData = data,
-                ids: list[str] = ids,
-                pick: torch.Tensor = pick,
-                appends: bool = appends,
-            ) -> AttentionResult:
-                return data.attend(
-                    ids,
-                    layer,
-                    q[pick],
-                    k[pick] if appends else None,
-                    v[pick] if appends else None,
-                    [tokens[i] for i in pick.tolist()] if appends and tokens is not None else None,
-                    return_block_mass=return_block_mass,
-                    timeout_s=timeout_s,
-                )
-
-            calls.append(call)
-        try:
-            results = run_parallel(self.pool(), calls)
-        except CapacityExceeded as exc:
-            if layer != 0 or k is None or not self._spill_full(handles, exc, timeout_s):
-                raise
-            return self._attend_sharded(handles, step)
-        if any(s.is_sharded for s in handles):
-            self.counters["sharded_attends"] += len(calls)
-        per_row: list[dict[int, AttentionResult]] = [{} for _ in handles]
-        for ((_, _), members), res in zip(groups.items(), results, strict=True):
-            for j, (row, index) in enumerate(members):
-                per_row[row][index] = rows_of(res, [j])
-        if k is not None and layer == 0:
-            _count_appended(handles, [1] * len(handles))
-        return stack_rows([merge([parts[i] for i in sorted(parts)]) for parts in per_row])
 
     def attend_prefill_batch(
         self,

@@ -7,6 +7,8 @@ rule. The single-key scripts (LIVE_NODE, TRY_LEAD, RESERVE, RELEASE, EXPIRE_LOST
 redis_scripts.py's own.
 """
 
+from . import redis_scripts as lua
+
 # KEYS: the node's record, alive, nkeys, hkeys, nseqs (tag {n:<id>}).
 # ARGV: address, spec_json, num_blocks, ttl_ms, epoch, policy.
 # Returns {was registered (0/1), {keys it held}, {ids of its sequences}}: what to purge.
@@ -70,14 +72,27 @@ redis.call('HSET', KEYS[1], unpack(ARGV))
 return 1
 """
 
-# KEYS: a sequence's record. ARGV: field, value, ...
-# Returns {1, extents before (JSON), the record after (flat)} | {0} (missing).
-UPDATE_SEQ = """
+# KEYS: a sequence's record. ARGV: field, value, ... (the pseudo field '?tail': redis_scripts.py's
+# EXPECT_TAIL). Returns {1, extents before (JSON), the record after (flat)} | {0} (missing) |
+# {-2, '', the record (flat)} (its tail is not '?tail''s: nothing changed).
+UPDATE_SEQ = (
+    lua.TAIL_IS
+    + """
 if redis.call('EXISTS', KEYS[1]) == 0 then return {0} end
 local before = redis.call('HGET', KEYS[1], 'extents')
-redis.call('HSET', KEYS[1], unpack(ARGV))
+local set = {}
+for i = 1, #ARGV, 2 do
+  if ARGV[i] == '?tail' then
+    if not tail_is(KEYS[1], ARGV[i + 1]) then return {-2, '', redis.call('HGETALL', KEYS[1])} end
+  else
+    table.insert(set, ARGV[i])
+    table.insert(set, ARGV[i + 1])
+  end
+end
+redis.call('HSET', KEYS[1], unpack(set))
 return {1, before, redis.call('HGETALL', KEYS[1])}
 """
+)
 
 # KEYS: a sequence's record. ARGV: tenant ('' = any). Returns the deleted record (flat), {}
 # if missing, or {'!tenant'} if it is another tenant's (then it stays).

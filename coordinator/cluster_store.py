@@ -78,8 +78,8 @@ from .records import (
     check_sequence_fields,
     check_ttl,
 )
-from .redis_store import SALT_BYTES, RedisStoreConfig, _encode_field, _node_info, _record, _s
-from .store import Store
+from .redis_store import SALT_BYTES, RedisStoreConfig, _encode_field, _node_info, _record, _s, expect_tail_arg
+from .store import Store, TailMoved
 
 SCHEME = "redis+cluster://"
 
@@ -442,7 +442,9 @@ class ClusterStore(Store):
             raise SequenceNotFound(seq_id)
         return _record(seq_id, [x for kv in h.items() for x in kv])
 
-    def update_sequence(self, seq_id: str, **fields: Any) -> SequenceRecord:
+    def update_sequence(
+        self, seq_id: str, *, expect_tail: tuple[str, int] | None = None, **fields: Any
+    ) -> SequenceRecord:
         check_name("seq_id", seq_id)
         fields = check_sequence_fields(fields)
         nodes = list(dict.fromkeys(e.node_id for e in fields.get("extents", ())))
@@ -451,9 +453,13 @@ class ClusterStore(Store):
                 if not live:
                     raise NodeNotLive(n, f"cannot move sequence {seq_id!r} there")
         flat = [x for name, value in fields.items() for x in (name, _encode_field(name, value))]
+        if expect_tail is not None:
+            flat = [lua.EXPECT_TAIL, expect_tail_arg(expect_tail), *flat]
         reply = self._call("update_sequence", self._update_seq, keys=[self._seq(seq_id)], args=flat)
         if reply[0] == 0:
             raise SequenceNotFound(seq_id)
+        if reply[0] == -2:
+            raise TailMoved(_record(seq_id, reply[2]), expect_tail or ("", 0))
         if "extents" in fields:
             before = [e[0] for e in json.loads(reply[1])]
             self._link("update_sequence", seq_id, [n for n in before if n not in nodes], add=False)

@@ -11,8 +11,8 @@ An open, in round trips to the store (Redis):
     open        open_sequence    1 (one script: match the prefix on the nodes the index
                                     lists for its first key, O(holders x keys) (store.py),
                                     placement.place ported to Lua, the tenant's quota,
-                                    the page table; candidates and their room come from
-                                    a node cache refreshed by the reaper tick)
+                                    the page table; the candidates' rows are kept between
+                                    opens and ranked there (node_rooms.py, room_index.py))
     node        CacheNode.Open   0 on the critical path: sent as a future after the
                                    page table is written, and never waited for
 
@@ -29,7 +29,8 @@ wait for it first (`_inflight`, where an open enters before its script runs, so 
 concurrent close always finds it); close does not wait: it deletes the record (one
 round trip, tenant-checked in the script) and chains the node Free after the open.
 
-Node calls sent without waiting (the node Open, the Free of a close) are in deferred.py.
+Node calls sent without waiting (the node Open, the Free of a close) are in deferred.py;
+placement's view of each node (load, recent opens, the candidate rows) is node_rooms.py.
 Membership (register, heartbeat, the reaper thread, the node cache) is in
 membership.py, mixed into Coordinator; the reaper's verdicts come from liveness.py (a
 lapsed lease, a grace, a failed direct probe, never during or just after a store
@@ -50,7 +51,7 @@ import threading
 import uuid
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -77,12 +78,13 @@ from .extents import Extents
 from .failures import Failures
 from .liveness import Liveness, LivenessConfig
 from .membership import Membership
-from .misses import REASONS, MissExplanation, RemovedKeys, explain
+from .misses import REASONS, MissExplanation, NodePolicies, RemovedKeys, explain
 from .missing import MissingChecks
 from .node_calls import NodeCalls
+from .node_rooms import NodeRooms
 from .placement import Placement, PlacementWeights
 from .reconcile import Reconciler
-from .records import NewSequence, NodeInfo, NodeRoom, SequenceRecord
+from .records import NewSequence, NodeInfo, SequenceRecord, spec_text, spec_view
 from .reuse import ReuseClasses, ReuseConfig
 from .store import Store
 
@@ -135,7 +137,7 @@ class OpenResult:
     record: SequenceRecord | None = None  # fork, swap_in: the page table (every extent)
 
 
-class Coordinator(DeferredCalls, Failures, Membership, Extents, MissingChecks):
+class Coordinator(DeferredCalls, Failures, Membership, NodeRooms, Extents, MissingChecks):
     def __init__(self, store: Store, config: CoordinatorConfig | None = None) -> None:
         self.store = store
         self.config = config or CoordinatorConfig()
@@ -147,6 +149,7 @@ class Coordinator(DeferredCalls, Failures, Membership, Extents, MissingChecks):
         # Placement's load: blocks of the sequences this coordinator opened on each node and has
         # not closed (exact at once, where a node's report is up to a heartbeat old).
         self._active_blocks: dict[str, int] = {}
+        self._init_rooms()
         self._reuse = ReuseClasses(self.config.reuse)
         self._stubs: dict[str, tuple[grpc.Channel, pb_grpc.CacheNodeStub]] = {}
         self._lock = threading.Lock()
@@ -221,9 +224,10 @@ class Coordinator(DeferredCalls, Failures, Membership, Extents, MissingChecks):
             self._removed.add(node_id, removed)
         return len(events)
 
-    def _policies(self) -> dict[str, str]:
+    def _cached_node(self, node_id: str) -> NodeInfo | None:
+        """A node in this coordinator's cache of live nodes (O(1), no store call)."""
         with self._lock:
-            return {n: info.policy for n, info in self._nodes.items()}
+            return self._nodes.get(node_id)
 
     # -- helpers ------------------------------------------------------------------
 
@@ -237,7 +241,9 @@ class Coordinator(DeferredCalls, Failures, Membership, Extents, MissingChecks):
 
     def node(self, node_id: str) -> NodeInfo | None:
         """A live node as this coordinator last saw it (None when it is not live)."""
-        return self._nodes_for(None).get(node_id)
+        if not self._nodes:
+            self.refresh_nodes()
+        return self._cached_node(node_id)
 
     def _stub(self, address: str) -> pb_grpc.CacheNodeStub:
         with self._lock:
@@ -263,21 +269,14 @@ class Coordinator(DeferredCalls, Failures, Membership, Extents, MissingChecks):
         if not nodes:
             nodes = {n.node_id: n for n in self.refresh_nodes()}
         if spec:
-            nodes = {k: n for k, n in nodes.items() if n.spec == dict(spec)}
+            want = spec_view(spec)
+            nodes = {k: n for k, n in nodes.items() if n.spec == want}
         return nodes
 
     def _served_specs(self) -> str:
         """'; live nodes serve [...]': what a refused spec could have been (for its error)."""
-        specs = list({tuple(n.spec.items()): n.spec for n in self._nodes_for(None).values()}.values())
-        return f"; live nodes serve {specs}" if specs else ""
-
-    def _block_size(self, nodes: Mapping[str, NodeInfo], spec: Mapping[str, Any] | None) -> int:
-        if spec:
-            return int(spec["block_size"])
-        sizes = {int(n.spec["block_size"]) for n in nodes.values()}
-        if len(sizes) > 1:
-            raise InvalidArgument(f"nodes serve several block sizes {sorted(sizes)}: name the model spec")
-        return sizes.pop() if sizes else 16
+        specs = {spec_text(n.spec): None for n in self._nodes_for(None).values()}
+        return f"; live nodes serve [{', '.join(specs)}]" if specs else ""
 
     def _record(self, tenant: str, seq_id: str) -> SequenceRecord:
         record = self.store.get_sequence(seq_id)
@@ -292,7 +291,7 @@ class Coordinator(DeferredCalls, Failures, Membership, Extents, MissingChecks):
         if record.state == "lost":
             raise SequenceLost(record.seq_id, record.lost_reason or f"node {node_id} died", node_id)
         # (the cache lags a registration taken by another replica: the store says, O(1))
-        node = self._nodes_for(None).get(node_id) or self.live_node(node_id)
+        node = self._cached_node(node_id) or self.live_node(node_id)
         if node is None:
             raise self._suspect(record.seq_id, node_id)
         return node
@@ -309,58 +308,6 @@ class Coordinator(DeferredCalls, Failures, Membership, Extents, MissingChecks):
             f"{bound:.1f} s of its last beat)"
         )
 
-    def _opens_of(self, node_id: str) -> float:
-        return self._recent_opens.get(node_id, 0.0) / self._open_growth
-
-    def _count_open(self, node_id: str, num_blocks: int) -> None:
-        """One more open of num_blocks blocks on node_id: its load (until closed) and its recent
-        opens; every open count decays by the configured half-life (O(1): the counts are kept
-        scaled by a growing factor, rescaled before it overflows)."""
-        with self._lock:
-            self._active_blocks[node_id] = self._active_blocks.get(node_id, 0) + num_blocks
-            self._open_growth *= 2.0 ** (1.0 / self.config.balance_half_life_opens)
-            if self._open_growth > 1e100:
-                self._recent_opens = {n: v / self._open_growth for n, v in self._recent_opens.items()}
-                self._open_growth = 1.0
-            self._recent_opens[node_id] = self._recent_opens.get(node_id, 0.0) + self._open_growth
-
-    def _release_active(self, node_id: str, num_blocks: int) -> None:
-        """A sequence of num_blocks blocks on node_id closed, failed or left the device."""
-        with self._lock:
-            left = self._active_blocks.get(node_id, 0) - num_blocks
-            if left > 0:
-                self._active_blocks[node_id] = left
-            else:
-                self._active_blocks.pop(node_id, None)
-
-    def _account(self, node_id: str, blocks: int) -> None:
-        """Count a placement (blocks > 0: taken from free, then from cached) or a close
-        (blocks < 0: the sequence's blocks become cached, room again) against the node's
-        cached load until its next heartbeat brings the truth. A burst of cold opens thus
-        spreads instead of piling onto the node that looked emptiest at the last beat,
-        and a burst of open + close pairs between two beats (or on a replica, which
-        reads the loads from the store only when it refreshes its nodes) does not make
-        a node look full."""
-        with self._lock:
-            node = self._nodes.get(node_id)
-            if node is None:
-                return
-            load = dict(node.load)
-            free = load.get("free_blocks", node.num_blocks)
-            cached = load.get("cached_blocks", 0)
-            used = load.get("used_blocks", 0)
-            if blocks >= 0:
-                from_free = min(blocks, free)
-                from_cached = min(blocks - from_free, cached)
-                load["free_blocks"] = free - from_free
-                load["cached_blocks"] = cached - from_cached
-                load["used_blocks"] = used + from_free + from_cached
-            else:
-                back = min(-blocks, used)
-                load["cached_blocks"] = cached + back
-                load["used_blocks"] = used - back
-            self._nodes[node_id] = replace(node, load=load)
-
     # -- control calls ------------------------------------------------------------
 
     def lookup(
@@ -368,7 +315,7 @@ class Coordinator(DeferredCalls, Failures, Membership, Extents, MissingChecks):
     ) -> tuple[int, str]:
         """(cached tokens on the best node, that node's id). Changes nothing."""
         nodes = self._nodes_for(spec)
-        bs = self._block_size(nodes, spec)
+        bs = self._block_size(spec)
         keys = chain_keys(self._salt(tenant)[1], np.asarray(token_ids), bs)
         counts = {k: v for k, v in self.store.match_prefix(keys).items() if k in nodes}
         if not counts:
@@ -397,16 +344,18 @@ class Coordinator(DeferredCalls, Failures, Membership, Extents, MissingChecks):
         seq id) returns the first answer, from the page table, instead of SequenceExists."""
         seq_id = seq_id or uuid.uuid4().hex
         self._settle(seq_id, raise_error=False)  # a reopen of this id waits for its last node call
-        nodes = self._nodes_for(spec)
-        if not nodes:
+        if not self.num_live_nodes():
+            self.refresh_nodes()
+        candidates = self._candidates(spec)  # kept between opens (node_rooms.py)
+        if not candidates:
             raise Unavailable(
                 "no live cache node"
-                + (f" serves model spec {dict(spec)}" if spec else "")
+                + (f" serves model spec {spec_text(spec)}" if spec else "")
                 + self._served_specs()
             )
-        bs = self._block_size(nodes, spec)
+        bs = self._block_size(spec)
         if attention:  # the node's Open is not awaited: refuse here what it would refuse
-            depths = {int(n.spec["num_layers"]) for n in nodes.values()}
+            depths = {int(n.spec["num_layers"]) for n in self._nodes_for(spec).values()}
             if len(depths) > 1:
                 raise InvalidArgument(f"nodes serve models of {sorted(depths)} layers: name the model spec")
             from_messages(attention, depths.pop())
@@ -416,18 +365,8 @@ class Coordinator(DeferredCalls, Failures, Membership, Extents, MissingChecks):
         tokens = np.asarray(token_ids)  # one C-level copy; slicing a protobuf field makes a list
         keys = chain_keys_packed(root, tokens[: max(limit, 0) // bs * bs], bs)
         num_blocks = max(1, -(-num_tokens // bs))
-        rooms = []
         with self._lock:
-            opens, opens_scale = self._recent_opens, self._open_growth  # scaled: rows change less
-            for node in nodes.values():
-                # Cached blocks nobody holds are room, not idle capacity: placement counts them apart.
-                load, total = node.load, node.num_blocks
-                free = min(load.get("free_blocks", total), total)
-                evictable = min(load.get("cached_blocks", 0), total - free)
-                active = self._active_blocks.get(node.node_id, 0)
-                rooms.append(
-                    NodeRoom(node.node_id, free, total, evictable, opens.get(node.node_id, 0.0), active)
-                )
+            opens_scale = self._open_growth  # the rows' counts are scaled by it
             scan_classes = self._reuse.scan_classes()
         quota = self.config.quotas.get(tenant)
         new = NewSequence(
@@ -437,7 +376,7 @@ class Coordinator(DeferredCalls, Failures, Membership, Extents, MissingChecks):
             num_blocks,
             bs,
             keys,
-            tuple(rooms),
+            candidates,
             self.config.weights,
             quota,
             scan_classes=scan_classes,
@@ -456,8 +395,13 @@ class Coordinator(DeferredCalls, Failures, Membership, Extents, MissingChecks):
             if isinstance(exc, SequenceExists) and request_id:
                 return self._first_answer(tenant, seq_id, request_id, exc)
             raise
-        node = nodes[placement.node_id]
         num_cached = placement.cached_tokens
+        node = self._cached_node(placement.node_id) or self.live_node(placement.node_id)
+        if node is None:  # it left since its row was read: as a node Open that failed
+            call.finish(Unavailable(f"node {placement.node_id} left while a sequence was placed on it"))
+            call.mark_recorded()
+            self._background.submit(self._drop_failed_open, call, tenant if quota is not None else None)
+            raise call.error  # type: ignore[misc]
         call.mark_recorded()
         request = pb.OpenRequest(
             seq_id=seq_id,
@@ -472,9 +416,8 @@ class Coordinator(DeferredCalls, Failures, Membership, Extents, MissingChecks):
         self._account(node.node_id, placement.new_blocks + placement.host_blocks)
         self._count_open(node.node_id, num_blocks)
         self._learn(placement, keys)
-        policies = self._policies()
         with self._lock:
-            miss = explain(placement, keys, self._removed, policies)
+            miss = explain(placement, keys, self._removed, NodePolicies(self._nodes))
         if miss.reason != "none":
             self.counters["misses_" + miss.reason] += 1
         self.counters["opens"] += 1
@@ -524,10 +467,7 @@ class Coordinator(DeferredCalls, Failures, Membership, Extents, MissingChecks):
                     self._call(on, "Free", pb.SeqRequest(seq_id=child_id))
                 raise
             if record.state == "active":  # its close releases them
-                with self._lock:
-                    self._active_blocks[node.node_id] = (
-                        self._active_blocks.get(node.node_id, 0) + parent.num_blocks
-                    )
+                self._add_active(node.node_id, parent.num_blocks)
         except PagedKVError:
             if quota is not None:
                 self.store.release_blocks(tenant, parent.num_blocks)
@@ -573,7 +513,7 @@ class Coordinator(DeferredCalls, Failures, Membership, Extents, MissingChecks):
         for ext in record.extents[1:]:  # later extents were opened synchronously (Extend)
             self._free_extent(ext.node_id, seq_id)
         node_id = record.extents[0].node_id
-        node = self._nodes_for(None).get(node_id) or self.live_node(node_id)
+        node = self._cached_node(node_id) or self.live_node(node_id)
         if node is None:  # it lapsed since the delete: reconcile.py frees the orphan if it comes back
             return
         self._send_free(node, seq_id, after=call, keep_prefix=keep_prefix)
@@ -600,10 +540,7 @@ class Coordinator(DeferredCalls, Failures, Membership, Extents, MissingChecks):
         moved = self.swap_extents(seq_id, placed, "SwapIn", "SwapOut")
         self.store.update_sequence(seq_id, state="active")
         if record.state == "swapped":
-            with self._lock:
-                self._active_blocks[node.node_id] = (
-                    self._active_blocks.get(node.node_id, 0) + record.num_blocks
-                )
+            self._add_active(node.node_id, record.num_blocks)
         placement = Placement(node.node_id, 0, 0, 0)
         return OpenResult(seq_id, node.node_id, node.address, 0, placement, num_blocks=moved, record=record)
 
@@ -624,7 +561,7 @@ class Coordinator(DeferredCalls, Failures, Membership, Extents, MissingChecks):
         self, method: str, tenant: str, token_ids: Sequence[int], spec: Mapping[str, Any] | None
     ) -> int:
         nodes = self._nodes_for(spec)
-        bs = self._block_size(nodes, spec)
+        bs = self._block_size(spec)
         salt, root = self._salt(tenant)
         counts = self.store.match_prefix(chain_keys(root, token_ids, bs))
         holders = [nodes[n] for n, c in counts.items() if c and n in nodes]

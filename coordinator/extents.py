@@ -14,6 +14,15 @@ node's positions are local; the worker merges the nodes' attention by LSE). The 
 table's extents tile the logical blocks; the tail's block count is what its open (or
 quota reservations) recorded, and the seal sets it exactly.
 
+Two coordinators extending one sequence at once (replicas; a worker's retry to another):
+the page table is written first, as a compare-and-set on the tail each saw (the store's
+update_sequence(expect_tail=...), one script). One wins and opens the new extent on its
+node; the other changes nothing, opens nothing, and answers with the winner's extents when
+they seal at the same token (else FailedPrecondition). A data call that reaches the new
+node before its Open waits for it there, as after any open. Failure model: a crash after
+the write and before the Open leaves a page table naming an extent its node never held;
+the node's reconciliation reports it and the sequence is lost, as for a node restart.
+
 Prefix caching over a sharded sequence: an open reuses the cached prefix on ONE node,
 so a prompt is matched against first extents only. A later extent's blocks are keyed
 under a fresh random salt of its own: they never alias a first extent's blocks (whose
@@ -26,10 +35,11 @@ import contextlib
 import logging
 import os
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from ..protos import pagedkv_pb2 as pb
+from ..protos.attention import from_messages
 from ..protos.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -40,7 +50,7 @@ from ..protos.errors import (
 )
 from .placement import NodeCandidate, place
 from .records import Extent, NodeInfo, SequenceRecord
-from .store import Store
+from .store import Store, TailMoved
 
 log = logging.getLogger("pagedkv.coordinator")
 # Sequences with an Extend running in this process: a concurrent one for the same sequence (a
@@ -64,6 +74,7 @@ def _one_extend_at_a_time(seq_id: str) -> Iterator[None]:
 
 
 SALT_BYTES = 16
+EXTENDS_TO = "extends_to_"  # + n: Extends that gave a sequence its n-th extent (a counter each)
 
 
 class Extents:
@@ -104,9 +115,14 @@ class Extents:
                 return ext.node_id
         return record.extents[0].node_id
 
-    def extend(self, tenant: str, seq_id: str, num_tokens: int) -> SequenceRecord:
+    def extend(
+        self, tenant: str, seq_id: str, num_tokens: int, attention: Sequence[pb.LayerAttention] = ()
+    ) -> SequenceRecord:
         """Seal the tail of `seq_id` at num_tokens and open a new tail extent on another
-        node (see the module docstring and the Extend rpc). Returns the page table after."""
+        node (see the module docstring and the Extend rpc). Returns the page table after.
+        `attention`: the sequence's spec, for the new extent's node; soft-caps and scales
+        are exact per extent (the LSE merge is over the capped scores), windows and chunks
+        are refused (the node's positions would start at 0 again)."""
         self._settle(seq_id)
         with _one_extend_at_a_time(seq_id):
             record = self._record(tenant, seq_id)
@@ -119,6 +135,13 @@ class Extents:
                 raise InvalidArgument(
                     f"extend: num_tokens must be a multiple of block_size {bs}, got {num_tokens}"
                 )
+            if attention:
+                layers = from_messages(attention, int(tail_node.spec["num_layers"]))
+                if any(layer.masks for layer in layers):
+                    raise InvalidArgument(
+                        f"extend {seq_id!r}: its attention spec has a window or chunks, which "
+                        "cannot span nodes (each node counts positions from its own first token)"
+                    )
             first_block = num_tokens // bs
             if any(e.first_logical_block == first_block for e in record.extents[1:]):
                 return record  # a retry: the extent the first call made
@@ -128,25 +151,44 @@ class Extents:
                     f"{tail_ext.first_logical_block * bs}"
                 )
             node = self._place_extent(record, tail_node.spec, bs)
-            request = pb.OpenRequest(seq_id=seq_id, tenant_salt=os.urandom(SALT_BYTES), max_cached_tokens=0)
+            request = pb.OpenRequest(
+                seq_id=seq_id, tenant_salt=os.urandom(SALT_BYTES), max_cached_tokens=0, attention=attention
+            )
             quota = self.config.quotas.get(tenant)
             sealed = first_block - tail_ext.first_logical_block
             if quota is not None:
                 request.max_blocks = 0  # its blocks are reserved as it grows (quota.py)
-            self._call(node, "Open", request)
             extents = (
                 *record.extents[:-1],
                 Extent(tail_ext.node_id, tail_ext.first_logical_block, sealed),
                 Extent(node.node_id, first_block, 0),
             )
+            # The page table first, as a compare-and-set on the tail this call saw: of two
+            # coordinators extending the sequence at once, one writes its extent and only it
+            # opens one on a node; the other answers with the winner's (module docstring)
+            seen = (tail_ext.node_id, tail_ext.first_logical_block)
             try:
-                updated = self.store.update_sequence(seq_id, extents=extents)
+                updated = self.store.update_sequence(seq_id, extents=extents, expect_tail=seen)
+            except TailMoved as exc:
+                if any(e.first_logical_block == first_block for e in exc.record.extents[1:]):
+                    return exc.record
+                raise FailedPrecondition(
+                    f"extend {seq_id!r} at token {num_tokens}: another call extended it meanwhile "
+                    f"(its extents start at blocks {[e.first_logical_block for e in exc.record.extents]})"
+                ) from exc
+            try:
+                self._call(node, "Open", request)
             except PagedKVError:
-                self._call(node, "Free", pb.SeqRequest(seq_id=seq_id))
+                with contextlib.suppress(PagedKVError):  # back to the tail it had, if still ours
+                    self.store.update_sequence(
+                        seq_id, extents=record.extents, expect_tail=(node.node_id, first_block)
+                    )
                 raise
             if quota is not None and tail_ext.num_blocks > sealed:  # the sealed tail's unused allowance
                 self.store.release_blocks(tenant, tail_ext.num_blocks - sealed)
             self.counters["spills"] += 1
+            key = f"{EXTENDS_TO}{len(updated.extents)}"
+            self.counters[key] = self.counters.get(key, 0) + 1
             return updated
 
     def _place_extent(self, record: SequenceRecord, spec: Mapping[str, Any], bs: int) -> NodeInfo:

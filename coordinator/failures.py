@@ -6,7 +6,7 @@ answer of an open retried with the same request id (from its page table)."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import grpc
@@ -30,6 +30,7 @@ class Failures:
     reconciler: Reconciler
     _lock: threading.Lock
     _active_blocks: dict[str, int]
+    _touch: Callable[[Iterable[str]], None]  # node_rooms.py: these nodes' rows changed
     _stub: Callable[[str], pb_grpc.CacheNodeStub]
     _live_node_of: Callable[[SequenceRecord], NodeInfo]
 
@@ -38,6 +39,7 @@ class Failures:
         they were just before)."""
         with self._lock:
             self._active_blocks.pop(node_id, None)  # its sequences are lost
+            self._touch((node_id,))
         self.liveness.forget(node_id)
         self.reconciler.forget(node_id)
         lost = set(lost_ids)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -51,6 +51,8 @@ class Membership:
     _recent_opens: dict[str, float]
     _active_blocks: dict[str, int]
     _holder: str  # this replica's name for the store's leases (unique per process)
+    _touch: Callable[[Iterable[str]], None]  # node_rooms.py: these nodes' rows changed
+    _sync_rooms: Callable[[], None]
     liveness: Liveness
     reconciler: Reconciler
     _node_gone: Callable[[str, Sequence[SequenceRecord], Sequence[str]], None]  # failures.py
@@ -120,7 +122,9 @@ class Membership:
     def refresh_nodes(self) -> list[NodeInfo]:
         nodes = self.store.live_nodes()
         with self._lock:
+            self._touch([*self._nodes, *(n.node_id for n in nodes)])
             self._nodes = {n.node_id: n for n in nodes}
+        self._sync_rooms()  # here, on the reaper's thread, not on the next open's
         self.liveness.seen_live(nodes)
         return nodes
 
@@ -152,6 +156,7 @@ class Membership:
             self._nodes[node_id] = info = NodeInfo(
                 node_id, address, dict(spec), num_blocks, {}, policy, epoch
             )
+            self._touch((node_id,))
         self.liveness.seen_live([info])
         if result.was_registered and (result.lost_seq_ids or result.num_keys_purged):
             log.warning("node %s re-registered empty: %d sequences lost", node_id, len(result.lost_seq_ids))
@@ -172,11 +177,13 @@ class Membership:
                 node = self._nodes.get(node_id)
                 if node is not None:
                     self._nodes[node_id] = replace(node, load=dict(load))
+                    self._touch((node_id,))
             if node is None:  # its lease had lapsed (e.g. while we were down): live again
                 revived = self.store.live_node(node_id)
                 if revived is not None:
                     with self._lock:
                         self._nodes[node_id] = revived
+                        self._touch((node_id,))
         free: list[str] = []
         if ok and held is not None:
             try:

@@ -43,7 +43,7 @@ from .records import (
     check_sequence_fields,
     check_ttl,
 )
-from .store import Store
+from .store import Store, TailMoved
 
 SALT_BYTES = 16
 
@@ -348,7 +348,9 @@ class MemoryStore(Store):
                 raise SequenceNotFound(seq_id)
             return self._seqs[seq_id]
 
-    def update_sequence(self, seq_id: str, **fields: Any) -> SequenceRecord:
+    def update_sequence(
+        self, seq_id: str, *, expect_tail: tuple[str, int] | None = None, **fields: Any
+    ) -> SequenceRecord:
         check_name("seq_id", seq_id)
         fields = check_sequence_fields(fields)
         with self._lock:
@@ -356,6 +358,9 @@ class MemoryStore(Store):
             old = self._seqs.get(seq_id)
             if old is None:
                 raise SequenceNotFound(seq_id)
+            tail = old.extents[-1]
+            if expect_tail is not None and (tail.node_id, tail.first_logical_block) != tuple(expect_tail):
+                raise TailMoved(old, expect_tail)
             new = replace(old, **fields)
             if "extents" in fields:
                 self._check_live_nodes(new)

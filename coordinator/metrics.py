@@ -15,6 +15,7 @@ from prometheus_client.registry import Collector
 
 from ..protos.errors import PagedKVError
 from .core import Coordinator
+from .extents import EXTENDS_TO
 from .misses import REASONS
 
 LATENCY_BUCKETS_S = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -79,6 +80,16 @@ class CoordinatorCollector(Collector):
         )
         spills.add_metric([], c["spills"])
         yield spills
+        extends = CounterMetricFamily(
+            "pagedkv_coordinator_extends",
+            'Extends by the extent count they gave the sequence: extents="2" counts the sequences '
+            'that spilled at all, extents="n" those that reached n extents.',
+            labels=["extents"],
+        )
+        for key, value in sorted(c.items()):
+            if key.startswith(EXTENDS_TO):
+                extends.add_metric([key.removeprefix(EXTENDS_TO)], value)
+        yield extends
         reaped = CounterMetricFamily(
             "pagedkv_coordinator_nodes_reaped", "Nodes declared dead (lease lapsed)."
         )

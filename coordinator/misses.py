@@ -23,8 +23,9 @@ the tenant's own prompts only: nothing says whether another tenant's prompt is c
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from pagedkv.protos import pagedkv_pb2 as pb
 from pagedkv.protos.keys import KEY_BYTES
@@ -75,6 +76,23 @@ class RemovedKeys:
 
     def __len__(self) -> int:
         return len(self._by_key)
+
+
+class NodePolicies(Mapping[str, str]):
+    """node id -> eviction policy, read through a node table (NodeInfo values) when asked:
+    an open explains its miss without copying every node's policy."""
+
+    def __init__(self, nodes: Mapping[str, Any]) -> None:
+        self._nodes = nodes
+
+    def __getitem__(self, node_id: str) -> str:
+        return str(self._nodes[node_id].policy)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._nodes)
+
+    def __len__(self) -> int:
+        return len(self._nodes)
 
 
 def explain(

@@ -11,6 +11,7 @@ import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any, NamedTuple
 
 from pagedkv.protos.errors import InvalidArgument, NodeNotLive, SequenceExists
@@ -76,6 +77,17 @@ class SequenceRecord:
         return tuple(dict.fromkeys(e.node_id for e in self.extents))
 
 
+def spec_view(spec: Mapping[str, Any]) -> dict[str, Any]:
+    """A spec as specs are compared: `model` is "" where not said (a request or a registration
+    from before ModelSpec named models)."""
+    return {"model": "", **spec}
+
+
+def spec_text(spec: Mapping[str, Any]) -> str:
+    """A spec for an error message: the model only where one is named."""
+    return str({k: v for k, v in spec.items() if k != "model" or v})
+
+
 @dataclass(frozen=True)
 class NodeInfo:
     """A registered node as the store knows it (load is what its last heartbeat said)."""
@@ -87,6 +99,9 @@ class NodeInfo:
     load: dict[str, int] = field(default_factory=dict)
     policy: str = ""  # its eviction policy, as it registered ("": not said)
     epoch: int = 0  # this registration's: tickets name it (0: registered without one)
+
+    def __post_init__(self) -> None:
+        self.spec.setdefault("model", "")  # the view placement compares (spec_view)
 
 
 @dataclass(frozen=True)
@@ -120,6 +135,44 @@ class NodeRoom(NamedTuple):
 
 
 _DEFAULT_WEIGHTS = PlacementWeights()
+
+
+def is_checked_room(c: Any) -> bool:
+    """Whether c is a NodeRoom NewSequence takes as it is (every check below in one expression)."""
+    return bool(
+        type(c) is NodeRoom
+        and type(c[0]) is str
+        and c[0]
+        and type(c[1]) is type(c[2]) is type(c[3]) is int
+        and c[1] >= 0
+        and c[3] >= 0
+        and c[1] + c[3] <= c[2]
+        and type(c[4]) is float
+        and 0 <= c[4] < math.inf
+        and (c[5] is None or (type(c[5]) is int and c[5] >= 0))
+    )
+
+
+class CheckedRooms(tuple):  # type: ignore[type-arg]
+    """Candidates that passed is_checked_room one by one, in node_id order, distinct (made by
+    room_index.RoomIndex only): NewSequence takes them without a pass over every row."""
+
+    def node_ids(self) -> tuple[str, ...]:
+        return tuple(r[0] for r in self)
+
+
+def node_ids(candidates: Sequence[Any]) -> tuple[str, ...]:
+    """The candidates' node ids in their order (one tuple per membership for a RoomIndex's)."""
+    if isinstance(candidates, CheckedRooms):
+        return candidates.node_ids()
+    return tuple(c[0] for c in candidates)
+
+
+@lru_cache(maxsize=8)
+def has_separators(ids: tuple[str, ...]) -> bool:
+    """Whether a node id holds a tab or a line feed (which would shift the columns of a row
+    sent as text). Cached: a RoomIndex hands out one ids tuple per membership."""
+    return any("\t" in i or "\n" in i for i in ids)
 
 
 @dataclass(frozen=True)
@@ -174,22 +227,12 @@ class NewSequence:
             raise InvalidArgument(f"opens_scale must be a finite number > 0, got {scale!r}")
         if check_count("scan_classes", self.scan_classes) >= 1 << 52:
             raise InvalidArgument(f"scan_classes must be a bit mask below 2**52, got {self.scan_classes!r}")
+        if isinstance(self.candidates, CheckedRooms):  # checked row by row as they changed
+            return
         rooms = []
         for c in self.candidates:
-            # A well-formed NodeRoom (what the coordinator sends, 1,000 an open at 1,000 nodes)
-            # passes in one expression; anything else takes the checks below.
-            if (
-                type(c) is NodeRoom
-                and type(c[0]) is str
-                and c[0]
-                and type(c[1]) is type(c[2]) is type(c[3]) is int
-                and c[1] >= 0
-                and c[3] >= 0
-                and c[1] + c[3] <= c[2]
-                and type(c[4]) is float
-                and 0 <= c[4] < math.inf
-                and (c[5] is None or (type(c[5]) is int and c[5] >= 0))
-            ):
+            # A well-formed NodeRoom passes in one expression; anything else takes the checks below.
+            if is_checked_room(c):
                 rooms.append(c)
                 continue
             if not isinstance(c, tuple) or not 3 <= len(c) <= 6:

@@ -452,15 +452,32 @@ for i = 8, #ARGV do redis.call('SADD', P .. 'nseqs:' .. ARGV[i], s) end
 return {1}
 """
 
+# The pseudo field of update_sequence's compare-and-set: its value is 'node@first_block', the
+# tail extent the record must still have (TAIL_IS: a Lua function of the hash key and value).
+EXPECT_TAIL = "?tail"
+TAIL_IS = """
+local function tail_is(key, want)
+  local ex = cjson.decode(redis.call('HGET', key, 'extents'))
+  local t = ex[#ex]
+  return t[1] .. '@' .. string.format('%d', t[2]) == want
+end
+"""
+
 # ARGV: P, seq_id, num_field_args (2 per field), field, value, ..., new node ids (when extents set)
-# Returns {1, hgetall} | {0} (missing) | {-1, node} (node not live)
-UPDATE_SEQ = """
+# Returns {1, hgetall} | {0} (missing) | {-1, node} (node not live) | {-2, hgetall} (the tail
+# is not the '?tail' field's: nothing changed)
+UPDATE_SEQ = (
+    TAIL_IS
+    + """
 local P, s = ARGV[1], ARGV[2]
 local sk = P .. 'seq:' .. s
 if redis.call('EXISTS', sk) == 0 then return {0} end
 local m = tonumber(ARGV[3])
 local moves = false
-for i = 4, 3 + m, 2 do if ARGV[i] == 'extents' then moves = true end end
+for i = 4, 3 + m, 2 do
+  if ARGV[i] == 'extents' then moves = true end
+  if ARGV[i] == '?tail' and not tail_is(sk, ARGV[i + 1]) then return {-2, redis.call('HGETALL', sk)} end
+end
 if moves then
   for i = 4 + m, #ARGV do
     if redis.call('EXISTS', P .. 'alive:' .. ARGV[i]) == 0 then return {-1, ARGV[i]} end
@@ -470,9 +487,12 @@ if moves then
   end
   for i = 4 + m, #ARGV do redis.call('SADD', P .. 'nseqs:' .. ARGV[i], s) end
 end
-for i = 4, 3 + m, 2 do redis.call('HSET', sk, ARGV[i], ARGV[i + 1]) end
+for i = 4, 3 + m, 2 do
+  if ARGV[i] ~= '?tail' then redis.call('HSET', sk, ARGV[i], ARGV[i + 1]) end
+end
 return {1, redis.call('HGETALL', sk)}
 """
+)
 
 # ARGV: P, seq_id, tenant ('' : any), require_live ('1' / absent).
 # Returns the deleted hash (flat), {} if missing, {'!tenant'}, or {'!live', node} (kept).

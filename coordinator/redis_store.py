@@ -76,12 +76,14 @@ from .records import (
     check_registration,
     check_sequence_fields,
     check_ttl,
+    has_separators,
+    node_ids,
 )
 from .room_table import RoomTables
 from .sentinel import SCHEME as SENTINEL_SCHEME
 from .sentinel import primary_client
 from .shortlist import WEIGH_ALL, shortlist
-from .store import Store
+from .store import Store, TailMoved
 
 SALT_BYTES = 16
 
@@ -133,6 +135,12 @@ def _node_info(
 
 def _purge_result(node_id: str, reply: Sequence[Any]) -> PurgeResult:
     return PurgeResult(node_id, bool(reply[0]), int(reply[1]), tuple(sorted(_s(s) for s in reply[2])))
+
+
+def expect_tail_arg(expect_tail: tuple[str, int]) -> str:
+    """update_sequence's expect_tail as the scripts compare it (lua.EXPECT_TAIL)."""
+    node_id, first_block = expect_tail
+    return f"{node_id}@{int(first_block)}"
 
 
 def _encode_field(name: str, value: Any) -> str | int:
@@ -365,8 +373,7 @@ class RedisStore(Store):
             new.scan_classes,
         ]
         # A tab or line feed in a node id would shift the columns of the rows.
-        ids = "".join(c[0] for c in new.candidates)
-        if "\t" in ids or "\n" in ids:
+        if has_separators(node_ids(new.candidates)):
             raise InvalidArgument("candidate node ids must not contain tabs or line feeds")
         if len(new.candidates) <= WEIGH_ALL:  # every row travels and is weighed
             rows = "".join(
@@ -433,18 +440,22 @@ class RedisStore(Store):
             raise SequenceNotFound(seq_id)
         return _record(seq_id, [x for kv in h.items() for x in kv])
 
-    def update_sequence(self, seq_id: str, **fields: Any) -> SequenceRecord:
+    def update_sequence(
+        self, seq_id: str, *, expect_tail: tuple[str, int] | None = None, **fields: Any
+    ) -> SequenceRecord:
         check_name("seq_id", seq_id)
         fields = check_sequence_fields(fields)
         flat = [x for name, value in fields.items() for x in (name, _encode_field(name, value))]
         nodes = list(dict.fromkeys(e.node_id for e in fields.get("extents", ())))
-        reply = self._call(
-            "update_sequence", self._update_seq, args=[self._prefix, seq_id, len(flat), *flat, *nodes]
-        )
+        tail = [] if expect_tail is None else [lua.EXPECT_TAIL, expect_tail_arg(expect_tail)]
+        args = [self._prefix, seq_id, len(flat) + len(tail), *tail, *flat, *nodes]
+        reply = self._call("update_sequence", self._update_seq, args=args)
         if reply[0] == 0:
             raise SequenceNotFound(seq_id)
         if reply[0] == -1:
             raise NodeNotLive(_s(reply[1]), f"cannot move sequence {seq_id!r} there")
+        if reply[0] == -2:
+            raise TailMoved(_record(seq_id, reply[1]), expect_tail or ("", 0))
         return _record(seq_id, reply[1])
 
     def delete_sequence(

@@ -22,9 +22,11 @@ import os
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
+from itertools import compress
+from operator import ne
 from typing import NamedTuple
 
-from .records import NodeRoom
+from .records import NodeRoom, node_ids
 
 KEPT_TABLES = 8  # candidate sets remembered per store (one per model spec served, usually one)
 
@@ -45,26 +47,27 @@ class RoomTables:
         self._prefix = prefix + b"rooms:" + os.urandom(8).hex().encode() + b":"
         self._lock = threading.Lock()
         self._stamp = 0
-        self._sent: OrderedDict[tuple[str, ...], dict[str, NodeRoom]] = OrderedDict()
+        self._sent: OrderedDict[tuple[str, ...], tuple[NodeRoom, ...]] = OrderedDict()  # ids -> rows
 
     def args(self, candidates: Sequence[NodeRoom]) -> TableArgs:
         """The table for this candidate set and its rows that changed since the last call."""
-        ids = tuple(c.node_id for c in candidates)
+        ids = node_ids(candidates)
         key = self._prefix + f"{hash(ids) & 0xFFFFFFFFFFFFFFFF:016x}".encode()
+        rows_now = tuple(candidates)
         with self._lock:
             self._stamp += 1
             stamp = self._stamp
             sent = self._sent.get(ids)
             full = sent is None
             if sent is None:
-                sent = self._sent[ids] = {}
-                while len(self._sent) > KEPT_TABLES:
+                changed = list(rows_now)
+                while len(self._sent) >= KEPT_TABLES:
                     self._sent.popitem(last=False)
             else:
                 self._sent.move_to_end(ids)
-            # NodeRooms compare as tuples (in C): only the changed ones are formatted.
-            changed = [c for c in candidates if sent.get(c.node_id) != c]
-            sent.update((c.node_id, c) for c in changed)
+                # The same ids in the same order: rows compare pairwise as tuples, in C.
+                changed = list(compress(rows_now, map(ne, rows_now, sent)))
+            self._sent[ids] = rows_now
         rows = "".join(
             f"\n{c.node_id}\t{stamp}\t{c.free_blocks}\t{c.total_blocks}\t{c.evictable_blocks}\t"
             f"{c.recent_opens!r}\t{-1 if c.active_blocks is None else c.active_blocks}"
@@ -75,4 +78,4 @@ class RoomTables:
     def forget(self, candidates: Sequence[NodeRoom]) -> None:
         """The table was gone: the next call sends it whole."""
         with self._lock:
-            self._sent.pop(tuple(c.node_id for c in candidates), None)
+            self._sent.pop(node_ids(candidates), None)

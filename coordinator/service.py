@@ -33,7 +33,7 @@ from .records import NodeNotLive, SequenceRecord
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Coordinator"].full_name
 MAX_LOST_REPORTED = 1 << 16  # lost ids a registration reply names (the .proto's bound)
 T = TypeVar("T")
-_SPEC_FIELDS = ("num_layers", "num_kv_heads", "head_dim", "dtype", "block_size")
+_SPEC_FIELDS = ("num_layers", "num_kv_heads", "head_dim", "dtype", "block_size", "model")
 
 
 def spec_dict(spec: pb.ModelSpec) -> dict[str, Any] | None:
@@ -275,7 +275,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     def Extend(self, request: pb.CoordExtendRequest, context: grpc.ServicerContext) -> Any:
         def run() -> pb.CoordOpenResponse:
             tenant, seq_id = self._caller(context, request.seq_id)
-            record = self.coordinator.extend(tenant, seq_id, request.num_tokens)
+            record = self.coordinator.extend(tenant, seq_id, request.num_tokens, request.attention)
             return self._extents(tenant, seq_id, record)
 
         return self._run("Extend", context, run)

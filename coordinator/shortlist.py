@@ -28,6 +28,7 @@ from typing import Any, NamedTuple
 
 from .placement import SCAN_KEY, PlacementWeights, size_class, tie_rank
 from .records import NodeRoom
+from .room_index import CandidateRooms
 
 SIZE = 2  # the best non-holders weighed per order (plain and scan): one spare for a lapsed one
 WEIGH_ALL = 16  # up to this many candidates the script weighs every one (no shortlist)
@@ -61,7 +62,10 @@ def shortlist(
     nodes without room for `need` are left out (they are rejected unless they hold some of
     it, and then the index lists them); opens_scale: recent_opens is that many times each
     node's count (NewSequence.opens_scale). O(N log size), a sha1 only for ties of the last
-    place. Pure."""
+    place. Pure. A RoomIndex snapshot ranks itself in numpy, with the same result
+    (room_index.py)."""
+    if isinstance(candidates, CandidateRooms):
+        return Shortlist(*candidates.shortlist(need, weights, tie_key, scan_classes, size, opens_scale))
     sum_opens = math.fsum(c.recent_opens / opens_scale for c in candidates)
     sum_total = sum(c.total_blocks for c in candidates)
     ow, lw, hw = weights.overlap_weight, weights.load_weight, weights.host_weight

@@ -31,8 +31,22 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ..protos.errors import FailedPrecondition
 from .placement import Placement
 from .records import NewSequence, NodeInfo, PurgeResult, SequenceRecord
+
+
+class TailMoved(FailedPrecondition):
+    """update_sequence(expect_tail=...): the sequence's tail extent is no longer the one the
+    caller saw (another coordinator extended it); `record` is the page table now."""
+
+    def __init__(self, record: SequenceRecord, expected: tuple[str, int]) -> None:
+        self.record = record
+        tail = record.extents[-1]
+        super().__init__(
+            f"sequence {record.seq_id!r}: its tail is on {tail.node_id} from block "
+            f"{tail.first_logical_block}, not on {expected[0]} from block {expected[1]}"
+        )
 
 
 class Store(ABC):
@@ -199,11 +213,16 @@ class Store(ABC):
         """The entry, or SequenceNotFound. Read-only; one round trip."""
 
     @abstractmethod
-    def update_sequence(self, seq_id: str, **fields: Any) -> SequenceRecord:
+    def update_sequence(
+        self, seq_id: str, *, expect_tail: tuple[str, int] | None = None, **fields: Any
+    ) -> SequenceRecord:
         """Set some of extents, num_tokens, state, lost_reason; returns the updated record.
 
         Unknown or invalid fields raise InvalidArgument; a missing id raises
         SequenceNotFound; new extents on a node that is not live raise NodeNotLive;
+        `expect_tail` (node id, first logical block): the update applies only while the
+        last extent is that one, else TailMoved with the record as it is (an Extend's
+        compare-and-set: two coordinators extending one sequence make one extent);
         nothing changes then. Atomic (node->sequences links move with the extents);
         one round trip.
         """

@@ -30,6 +30,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from .health import check as health_check
 from .model_config import kv_shape
@@ -65,6 +66,7 @@ class NodeOptions:
     policy: str = "lru"
     bulk_port: str = "auto"  # each node's bulk KV port: auto (a free one) or off
     extra_args: tuple[str, ...] = ()  # more `pagedkv node` flags, as given
+    model_id: str = ""  # the weights the KV belongs to ("": not named)
 
     def args(self) -> list[str]:
         return [
@@ -77,8 +79,15 @@ class NodeOptions:
             f"--host-blocks={self.host_blocks}",
             f"--policy={self.policy}",
             f"--bulk-port={self.bulk_port}",
+            *([f"--model-id={self.model_id}"] if self.model_id else []),
             *self.extra_args,
         ]
+
+    @classmethod
+    def for_spec(cls, spec: ModelSpec, **options: Any) -> NodeOptions:
+        """Nodes serving `spec` (its shape and model), with the other options given."""
+        shape = spec.to_dict()
+        return cls(model_id=shape.pop("model"), **shape, **options)
 
     def spec(self) -> dict:
         return {
@@ -87,13 +96,15 @@ class NodeOptions:
             "head_dim": self.head_dim,
             "dtype": self.dtype,
             "block_size": self.block_size,
+            "model": self.model_id,
         }
 
     def describe(self) -> str:
         s = ModelSpec(**self.spec())
         pool = human_bytes(self.num_blocks * s.bytes_per_block)
         return (
-            f"{s.num_layers} layers x {s.num_kv_heads} KV heads x head_dim {s.head_dim}, {s.dtype}, "
+            (f"{s.model}: " if s.model else "")
+            + f"{s.num_layers} layers x {s.num_kv_heads} KV heads x head_dim {s.head_dim}, {s.dtype}, "
             f"{s.block_size} tokens/block; per node {self.num_blocks} blocks ({pool}) "
             f"+ {self.host_blocks} host blocks"
         )
@@ -390,13 +401,18 @@ def add_shape_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--head-dim", type=positive_int("--head-dim"), help="head dimension (default 32)")
     g.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="KV dtype (default float32)")
     g.add_argument("--block-size", type=positive_int("--block-size"), help="tokens per block (default 16)")
+    g.add_argument(
+        "--model-id",
+        help="the weights the KV belongs to (e.g. org/name@revision): workers of another model are "
+        "refused, whatever their shape (default: not named)",
+    )
 
 
 def node_options_from_args(args: argparse.Namespace) -> NodeOptions:
     """The NodeOptions of add_shape_args' flags (the model's config first, then each flag)."""
     shape: dict = kv_shape(args.model) if args.model else {}
-    for name in ("num_layers", "num_kv_heads", "head_dim", "dtype", "block_size"):
-        if getattr(args, name) is not None:
+    for name in ("num_layers", "num_kv_heads", "head_dim", "dtype", "block_size", "model_id"):
+        if getattr(args, name, None) is not None:
             shape[name] = getattr(args, name)
     return NodeOptions(**shape)
 

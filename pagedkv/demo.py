@@ -213,7 +213,7 @@ def demo(args: argparse.Namespace) -> None:
         seed=args.seed, num_layers=args.layers, hidden_size=args.hidden, num_heads=8, num_kv_heads=2
     )
     spec = node_spec(config, block_size=16)
-    cluster = cluster_from_args(args, NodeOptions(*spec.to_dict().values()))
+    cluster = cluster_from_args(args, NodeOptions.for_spec(spec))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="pagedkv-demo-") as tmp:

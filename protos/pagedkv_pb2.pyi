@@ -26,18 +26,20 @@ class TensorHeader(_message.Message):
     def __init__(self, dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ModelSpec(_message.Message):
-    __slots__ = ("num_layers", "num_kv_heads", "head_dim", "dtype", "block_size")
+    __slots__ = ("num_layers", "num_kv_heads", "head_dim", "dtype", "block_size", "model")
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
     HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     num_layers: int
     num_kv_heads: int
     head_dim: int
     dtype: str
     block_size: int
-    def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ...) -> None: ...
+    model: str
+    def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., model: _Optional[str] = ...) -> None: ...
 
 class Empty(_message.Message):
     __slots__ = ()
@@ -110,7 +112,7 @@ class AppendResponse(_message.Message):
     def __init__(self, num_tokens: _Optional[int] = ...) -> None: ...
 
 class AttendRequest(_message.Message):
-    __slots__ = ("seq_ids", "layer", "q", "k", "v", "token_ids", "return_block_mass")
+    __slots__ = ("seq_ids", "layer", "q", "k", "v", "token_ids", "return_block_mass", "appends")
     SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     LAYER_FIELD_NUMBER: _ClassVar[int]
     Q_FIELD_NUMBER: _ClassVar[int]
@@ -118,6 +120,7 @@ class AttendRequest(_message.Message):
     V_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     RETURN_BLOCK_MASS_FIELD_NUMBER: _ClassVar[int]
+    APPENDS_FIELD_NUMBER: _ClassVar[int]
     seq_ids: _containers.RepeatedScalarFieldContainer[str]
     layer: int
     q: Tensor
@@ -125,7 +128,8 @@ class AttendRequest(_message.Message):
     v: Tensor
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     return_block_mass: bool
-    def __init__(self, seq_ids: _Optional[_Iterable[str]] = ..., layer: _Optional[int] = ..., q: _Optional[_Union[Tensor, _Mapping]] = ..., k: _Optional[_Union[Tensor, _Mapping]] = ..., v: _Optional[_Union[Tensor, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ..., return_block_mass: _Optional[bool] = ...) -> None: ...
+    appends: _containers.RepeatedScalarFieldContainer[bool]
+    def __init__(self, seq_ids: _Optional[_Iterable[str]] = ..., layer: _Optional[int] = ..., q: _Optional[_Union[Tensor, _Mapping]] = ..., k: _Optional[_Union[Tensor, _Mapping]] = ..., v: _Optional[_Union[Tensor, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ..., return_block_mass: _Optional[bool] = ..., appends: _Optional[_Iterable[bool]] = ...) -> None: ...
 
 class AttendPrefillRequest(_message.Message):
     __slots__ = ("seq_id", "layer", "q", "k", "v", "token_ids", "return_block_mass")
@@ -453,12 +457,14 @@ class CoordSeqRequest(_message.Message):
     def __init__(self, seq_id: _Optional[str] = ..., keep_prefix: _Optional[int] = ..., node_not_found: _Optional[bool] = ...) -> None: ...
 
 class CoordExtendRequest(_message.Message):
-    __slots__ = ("seq_id", "num_tokens")
+    __slots__ = ("seq_id", "num_tokens", "attention")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ATTENTION_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     num_tokens: int
-    def __init__(self, seq_id: _Optional[str] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+    attention: _containers.RepeatedCompositeFieldContainer[LayerAttention]
+    def __init__(self, seq_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., attention: _Optional[_Iterable[_Union[LayerAttention, _Mapping]]] = ...) -> None: ...
 
 class CoordForkRequest(_message.Message):
     __slots__ = ("parent_id", "child_id")

@@ -187,7 +187,7 @@ class CacheNodeServicer:
     def Attend(self, request, context):
         """One decode step of one layer for a batch of sequences. With k/v the new
         token is appended first (token_ids at layer 0 reserve its slot; later layers
-        write into it). Changes: with k/v as Append; with the score policy or a token
+        write into it); with `appends`, by the flagged rows only. Changes: with k/v as Append; with the score policy or a token
         budget, the blocks' attention mass. Codes: OK, INVALID_ARGUMENT, NOT_FOUND,
         FAILED_PRECONDITION, RESOURCE_EXHAUSTED.
         """
@@ -1114,7 +1114,8 @@ class CoordinatorServicer:
         num_tokens gets the extent the first call made. Placement as for an open (room,
         load), among live nodes of the same spec holding no extent of the sequence.
         Changes: the page table, a sequence opened on the new node. Codes: OK,
-        INVALID_ARGUMENT (num_tokens not a block boundary past the tail's start),
+        INVALID_ARGUMENT (num_tokens not a block boundary past the tail's start; an
+        attention spec with a window or chunks),
         NOT_FOUND, FAILED_PRECONDITION (lost or swapped out), RESOURCE_EXHAUSTED (no
         other node has room), UNAVAILABLE, PERMISSION_DENIED.
         """

@@ -2,7 +2,9 @@
 
 Pure data (dtype by name) so the coordinator, which never imports torch, can
 carry and compare specs. A node serves exactly one spec; a request made for
-another is refused with SpecMismatch.
+another is refused with SpecMismatch. `model` names the weights: two models of
+one shape (a base model and its fine-tune) compute different K/V for the same
+tokens, so a node that names its model serves no other.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from dataclasses import asdict, dataclass
 from .errors import InvalidArgument, SpecMismatch
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+MODEL_ID_MAX = 256
 
 
 @dataclass(frozen=True)
@@ -21,6 +24,7 @@ class ModelSpec:
     head_dim: int
     dtype: str = "float32"
     block_size: int = 16
+    model: str = ""  # the weights' identity, e.g. "org/name@revision"; "" = not named
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
@@ -29,6 +33,11 @@ class ModelSpec:
                 raise InvalidArgument(f"ModelSpec.{name} must be a positive int, got {value!r}")
         if self.dtype not in DTYPE_BYTES:
             raise InvalidArgument(f"ModelSpec.dtype must be one of {sorted(DTYPE_BYTES)}, got {self.dtype!r}")
+        if not isinstance(self.model, str) or len(self.model) > MODEL_ID_MAX or not self.model.isprintable():
+            raise InvalidArgument(
+                f"ModelSpec.model must be printable text of at most {MODEL_ID_MAX} characters, "
+                f"got {self.model!r}"
+            )
 
     @property
     def bytes_per_token(self) -> int:

@@ -112,6 +112,7 @@ class AttendOps:
                         call.token_ids,
                         return_block_mass=call.want_mass,
                         out=dst,
+                        appends=call.counts or None,
                     )
                 else:
                     out = e.attend_prefill_batch(
@@ -133,7 +134,8 @@ class AttendOps:
             self.server.observe(method, start, seconds)  # after the reply left: not on the caller's path
 
         if call.k is not None and call.layer == 0 and call.token_ids:
-            appends = call.counts if op != wire.OP_ATTEND and len(call.counts) == len(call.seq_ids) else None
+            # a prefill batch's rows per sequence, or a decode's per-row appends (0/1)
+            appends = call.counts if len(call.counts) == len(call.seq_ids) else None
             new_tokens = appends or [1] * len(call.seq_ids)
         else:
             new_tokens = [0] * len(call.seq_ids)

@@ -32,7 +32,7 @@ class AttendCall(NamedTuple):
     k: torch.Tensor | None
     v: torch.Tensor | None
     token_ids: np.ndarray | None  # int64
-    num_tokens: list[int]  # a prefill batch's rows per sequence
+    num_tokens: list[int]  # a prefill batch's rows per sequence; a decode's appends (0/1 per row)
     return_block_mass: bool
     is_prefill_batch: bool
 
@@ -118,8 +118,10 @@ def attend_call(
     token_ids: codec.TokenIds | None,
     num_tokens: Sequence[int] | None,
     return_block_mass: bool,
+    appends: Sequence[bool] | None = None,
 ) -> AttendCall:
-    """num_tokens None: a decode step; else a prefill batch's rows per sequence."""
+    """num_tokens None: a decode step (appends: which rows append, None: all); else a
+    prefill batch's rows per sequence."""
     ids = list(seq_ids) if type(seq_ids) is not list else seq_ids
     if not all(type(s) is str for s in ids):
         raise InvalidArgument("sequence ids must be str")
@@ -127,7 +129,7 @@ def attend_call(
         layer = operator.index(layer)  # an int or a numpy integer, not a float
     except TypeError:
         raise InvalidArgument(f"layer must be an int, got {type(layer).__name__}") from None
-    counts: list[int] = []
+    counts: list[int] = [] if appends is None else [int(bool(a)) for a in appends]
     if num_tokens is not None:
         counts = [int(n) for n in num_tokens]
         if any(not -INT32 <= n < INT32 for n in counts):

@@ -54,7 +54,7 @@ class GrpcTransport:
                 unary(self.stub.AttendPrefillBatch, req, timeout_s, meta, self.where)
             )
         req = codec.attend_request(
-            call.seq_ids, call.layer, call.q, call.k, call.v, tokens, call.return_block_mass
+            call.seq_ids, call.layer, call.q, call.k, call.v, tokens, call.return_block_mass, call.num_tokens
         )
         return codec.attention_result(unary(self.stub.Attend, req, timeout_s, meta, self.where))
 

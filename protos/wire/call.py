@@ -125,7 +125,7 @@ class Call(NamedTuple):
     layer: int
     want_mass: bool
     seq_ids: list[str]
-    counts: list[int]
+    counts: list[int]  # a prefill batch's rows per sequence; a decode's appends (0/1 per row)
     token_ids: list[int] | None
     q: torch.Tensor
     k: torch.Tensor | None
@@ -188,8 +188,8 @@ def decode_call(op: int, mv: memoryview, memo: IdsMemo) -> Call:
 
     need(0, CALL.size, "the CALL header")
     layer, flags, num_seqs, num_counts, num_tokens, ids_len = CALL.unpack_from(mv, 0)
-    if op == OP_ATTEND and num_counts:
-        raise InvalidArgument(f"bulk attend: {num_counts} num_tokens given (prefill batch only)")
+    if op == OP_ATTEND and num_counts and num_counts != num_seqs:  # a decode's counts: per-row appends
+        raise InvalidArgument(f"bulk attend: {num_counts} append flags for {num_seqs} sequences")
     names = ["q"] + ["k"] * bool(flags & FLAG_K) + ["v"] * bool(flags & FLAG_V)
     at, descs = CALL.size, []
     for name in names:

@@ -144,6 +144,26 @@ def test_versus_runs_one_module_on_two_revisions() -> None:
     assert "| paged_waste |" in done.stdout and "| 1.00 |" in done.stdout
 
 
+def test_versus_runs_the_revisions_own_code(tmp_path: Path) -> None:
+    """Each side imports its own revision's pagedkv, not this checkout's (the editable
+    install maps the role subpackages here, which once made both sides run the new code)."""
+    from bench.revisions import import_root
+    from bench.versus import run_once
+
+    site, _ = import_root("HEAD")
+    tree = tmp_path / "tree"
+    (tree / "bench" / "results").mkdir(parents=True)
+    (tree / "pagedkv").mkdir()  # like an archived revision: a top-level pagedkv/ without roles
+    (tree / "pagedkv" / "__init__.py").write_text("")
+    (tree / "probe.py").write_text(
+        "import json, pathlib, pagedkv.cache_node as m\n"
+        "out = pathlib.Path(__file__).parent / 'bench/results/probe.json'\n"
+        "out.write_text(json.dumps({'file': m.__file__}))\n"
+    )
+    found = Path(run_once(tree, site, "probe", [], "probe.json", 60)["file"]).resolve()
+    assert found.is_relative_to(site.parent.resolve()) and not found.is_relative_to(ROOT), found
+
+
 def test_sharded(tmp_path: Path) -> None:
     done = run_bench("bench.sharded", "--smoke", "--out", str(tmp_path))
     assert "3 nodes" in done.stdout

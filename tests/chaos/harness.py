@@ -280,7 +280,7 @@ class ChaosCluster:
         self.redis = redis or Redis(workdir, aof)
         tenants = workdir / "tenants.json"
         tenants.write_text(json.dumps({"tokens": {TOKEN: "chaos"}}))
-        node = NodeOptions(**SPEC.to_dict(), num_blocks=256, host_blocks=32)
+        node = NodeOptions.for_spec(SPEC, num_blocks=256, host_blocks=32)
         self.cluster = LocalCluster(
             2,
             node,

@@ -23,9 +23,11 @@ ECHO = "return {ARGV[1], tonumber(ARGV[2]) * 2}"
 SPEC = {"num_layers": 1, "num_kv_heads": 1, "head_dim": 8}
 
 
-def _client(url: str) -> redis.Redis:
+def _client(url: str, name: str | None = None) -> redis.Redis:
     """A client that retries a connection error once (RedisStore's own retries twice)."""
-    return redis.Redis.from_url(url, retry=Retry(NoBackoff(), 1), retry_on_error=[redis.ConnectionError])
+    return redis.Redis.from_url(
+        url, retry=Retry(NoBackoff(), 1), retry_on_error=[redis.ConnectionError], client_name=name
+    )
 
 
 def test_replies_match_redis_py_script_calls(redis_url: str) -> None:
@@ -50,21 +52,23 @@ def test_noscript_after_script_flush_reloads_and_answers(redis_url: str) -> None
     client.close()
 
 
-def _evalsha_client_ids(r: redis.Redis) -> list[str]:
-    return [str(c["id"]) for c in r.client_list() if c.get("cmd") == "evalsha"]
+def _evalsha_client_ids(r: redis.Redis, name: str) -> list[str]:
+    """Connections of client `name` whose last command was EVALSHA (the server is shared with
+    other tests, whose stores may still hold connections)."""
+    return [str(c["id"]) for c in r.client_list() if c.get("cmd") == "evalsha" and c.get("name") == name]
 
 
 def test_a_killed_kept_connection_is_retried_on_a_new_one(redis_url: str) -> None:
-    client = _client(redis_url)
+    client = _client(redis_url, "kept-killed")
     script = client.register_script(ECHO)
     kept = KeptScripts(client)
     killer = redis.Redis.from_url(redis_url)
     assert kept.run(script, ["a", 1]) == [b"a", 2]
     assert kept.run(script, ["b", 1]) == [b"b", 2]
-    (first_id,) = _evalsha_client_ids(killer)  # both calls went on the one kept connection
+    (first_id,) = _evalsha_client_ids(killer, "kept-killed")  # both calls went on the one kept connection
     assert killer.client_kill_filter(_id=first_id) == 1
     assert kept.run(script, ["c", 5]) == [b"c", 10]  # the dead socket fails, Retry reconnects it
-    (second_id,) = _evalsha_client_ids(killer)
+    (second_id,) = _evalsha_client_ids(killer, "kept-killed")
     assert second_id != first_id
     kept.close()
     killer.close()
@@ -137,7 +141,7 @@ def test_store_maps_a_script_error_to_integrity_error(redis_url: str) -> None:
 def test_a_forked_child_never_uses_the_parents_kept_connection(redis_url: str) -> None:
     import os
 
-    client = _client(redis_url)
+    client = _client(redis_url, "kept-forked")
     script = client.register_script(ECHO)
     kept = KeptScripts(client)
     assert kept.run(script, ["parent", 1]) == [b"parent", 2]
@@ -145,7 +149,7 @@ def test_a_forked_child_never_uses_the_parents_kept_connection(redis_url: str) -
     if pid == 0:  # the child: a connection of its own, the parent's socket left alone
         ok = kept.run(script, ["child", 2]) == [b"child", 4]
         lister = redis.Redis.from_url(redis_url)
-        ok = ok and len(_evalsha_client_ids(lister)) == 2  # the parent's and the child's
+        ok = ok and len(_evalsha_client_ids(lister, "kept-forked")) == 2  # the parent's and the child's
         os._exit(0 if ok else 1)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0

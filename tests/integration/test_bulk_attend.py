@@ -392,7 +392,7 @@ def test_raw_frames_errors_truncation_and_disconnects(node: Node) -> None:
             (wire.CALL.pack(1, 0, 2, 0, 0, 3) + body[wire.CALL.size :], "cannot fit"),
             (wire.CALL.pack(1, 0, 2, 0, 0, 4) + body[wire.CALL.size :], "overrun"),
             (body[:24] + struct.pack("<BB", 99, 3) + body[26:], "bad tensor descriptor"),
-            (wire.CALL.pack(1, 0, 1, 1, 0, 3) + body[wire.CALL.size :], "prefill batch only"),
+            (wire.CALL.pack(1, 0, 1, 2, 0, 3) + body[wire.CALL.size :], "2 append flags for 1 sequences"),
         ):
             sock.sendall(Frame(wire.OP_ATTEND, 2, payload_len=len(bad)).pack() + bad)
             reply = wire.read_frame(sock)

@@ -218,7 +218,7 @@ def test_read_kv_ranges_across_extent_boundaries(cluster: Cluster):
 
 
 def test_batch_mixing_sharded_and_unsharded_sequences(cluster: Cluster):
-    """One decode step for a batch whose rows span one, two and three nodes."""
+    """One decode step for a batch whose rows span one, two and three nodes: one call per node."""
     c = cluster
     bs = c.spec.block_size
     refs = [Reference(c.spec, seed=10 + i) for i in range(3)]
@@ -239,7 +239,11 @@ def test_batch_mixing_sharded_and_unsharded_sequences(cluster: Cluster):
             k = torch.stack([kv[0][layer, 0] for kv in kvs])
             v = torch.stack([kv[1][layer, 0] for kv in kvs])
             tokens = [step, step, step] if layer == 0 else None
+            calls = c.client.counters["sharded_attends"]
             res = c.client.attend_batch(seqs, layer, q, k, v, tokens)
+            # one call per node, though a node holds tails (append) and earlier extents (not)
+            nodes = {e.route.address for s in seqs for e in s.extents}
+            assert c.client.counters["sharded_attends"] - calls == len(nodes) == 3
             for row, ref in enumerate(refs):
                 want = ref.attention(layer, q[row : row + 1], ref.num_tokens - 1)
                 torch.testing.assert_close(res.out[row].double(), want[0][0], atol=1e-4, rtol=1e-4)
@@ -368,20 +372,35 @@ def test_losing_one_extents_node_loses_the_sequence_and_frees_the_others(redis_u
 def test_spills_are_counted_and_exported(redis_url):
     from prometheus_client import CollectorRegistry, generate_latest
 
+    from pagedkv.client.metrics import ClientCollector
     from pagedkv.coordinator.metrics import CoordinatorCollector
 
     spec = spec_of(4)
-    for c in start_cluster(redis_url, spec, {"n1": 64, "n2": 64}):
+    for c in start_cluster(redis_url, spec, {"n1": 64, "n2": 64, "n3": 64}):
         with c.client.open("m", [1], max_extent_tokens=4) as seq:
             k = torch.randn(spec.num_layers, 6, spec.num_kv_heads, spec.head_dim)
             seq.append(list(range(6)), k, k)
             assert len(seq.extents) == 2
             seq.attend(0, torch.randn(Q_HEADS, spec.head_dim))
-        assert c.client.cluster_stats().counters["spills"] == 1
-        assert c.client.counters == {"spills": 1, "sharded_attends": 2}
+            seq.append(list(range(6)), k, k)  # a third extent (12 tokens: 4 + 4 + 4)
+            assert len(seq.extents) == 3
+            seq.attend_prefill(1, torch.randn(2, Q_HEADS, spec.head_dim))
+        with c.client.open("one", [1]) as seq:  # one extent: neither spills nor sharded steps
+            seq.append(list(range(6)), k, k)
+            seq.attend(0, torch.randn(Q_HEADS, spec.head_dim))
+        assert c.client.cluster_stats().counters["spills"] == 2
+        assert c.client.counters == {"spills": 2, "sharded_steps": 2, "sharded_attends": 5}
         registry = CollectorRegistry()
         registry.register(CoordinatorCollector(c.coordinator))
-        assert "pagedkv_coordinator_spills_total 1.0" in generate_latest(registry).decode()
+        registry.register(ClientCollector(c.client))
+        text = generate_latest(registry).decode()
+        assert "pagedkv_coordinator_spills_total 2.0" in text
+        # extents per sequence: "m" reached 2, then 3; "one" never extended
+        assert 'pagedkv_coordinator_extends_total{extents="2"} 1.0' in text
+        assert 'pagedkv_coordinator_extends_total{extents="3"} 1.0' in text
+        assert "pagedkv_client_spills_total 2.0" in text
+        assert "pagedkv_client_sharded_steps_total 2.0" in text
+        assert "pagedkv_client_sharded_attends_total 5.0" in text
 
 
 def test_a_quota_charges_every_extent_and_close_gives_it_back(redis_url):

@@ -1,0 +1,200 @@
+"""The room index: the coordinator's candidate rows kept ranked between opens.
+
+An open at N nodes used to build N rows (NodeRoom), check them, and rank them in Python for
+the shortlist (shortlist.py): ~4 us a node, most of the open's coordinator CPU at 1,000
+nodes. Here a row is built and checked once when its node changes (a beat, an open or a
+close placed there, a registration), kept in node_id order, and mirrored in numpy columns;
+an open takes a snapshot (a tuple of the rows and a copy of the columns: C-speed copies)
+and ranks it with array operations that compute placement's terms in the same order as
+shortlist.shortlist, so the floats and the choice are the same.
+
+Ties of the rank head (a cold, even cluster: every node costs the same) resolve by the
+rendezvous rank of each node for the prompt's first key, a sha1 per node: above TIE_CACHE_MIN
+tied nodes the ranks of every node for that key are computed once and kept (TIE_KEYS keys,
+until the membership changes): prompts sharing a first key (a system prompt) share them.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+
+from ..protos.errors import InvalidArgument
+from .placement import SCAN_KEY, PlacementWeights, size_class, tie_rank
+from .records import CheckedRooms, NodeRoom, is_checked_room
+
+TIE_CACHE_MIN = 8  # tied nodes above which every node's rank for the key is computed and kept
+TIE_KEYS = 64  # tie keys whose ranks are kept per membership
+
+
+def _active(r: NodeRoom) -> int:
+    return -1 if r.active_blocks is None else r.active_blocks
+
+
+class _Columns:
+    """One membership's node order and its numpy columns (replaced whole when it changes)."""
+
+    def __init__(self, rows: Sequence[NodeRoom]) -> None:
+        self.ids = tuple(r.node_id for r in rows)
+        self.pos = {node_id: i for i, node_id in enumerate(self.ids)}
+        # free, total, evictable, active (-1: None) per node: one block, one copy per snapshot
+        self.ints = (
+            np.array(
+                [[r.free_blocks, r.total_blocks, r.evictable_blocks, _active(r)] for r in rows],
+                dtype=np.int64,
+            )
+            .reshape(len(rows), 4)
+            .T.copy()
+        )
+        self.opens = np.array([r.recent_opens for r in rows], dtype=np.float64)
+        by_scan = sorted(range(len(rows)), key=lambda i: tie_rank(SCAN_KEY, self.ids[i]))
+        self.scan_pos = np.empty(len(rows), dtype=np.int64)
+        self.scan_pos[by_scan] = np.arange(len(rows))
+        self.tie_pos: dict[bytes, np.ndarray] = {}  # tie key -> each node's rank position
+
+    def set(self, i: int, r: NodeRoom) -> None:
+        self.ints[:, i] = (r.free_blocks, r.total_blocks, r.evictable_blocks, _active(r))
+        self.opens[i] = r.recent_opens
+
+    def tie_positions(self, tie_key: bytes) -> np.ndarray:
+        pos = self.tie_pos.get(tie_key)
+        if pos is None:
+            ranks = [tie_rank(tie_key, node_id) for node_id in self.ids]
+            order = sorted(range(len(ranks)), key=ranks.__getitem__)
+            pos = np.empty(len(ranks), dtype=np.int64)
+            pos[order] = np.arange(len(ranks))
+            if len(self.tie_pos) >= TIE_KEYS:
+                self.tie_pos.clear()
+            self.tie_pos[tie_key] = pos
+        return pos
+
+
+class CandidateRooms(CheckedRooms):
+    """A snapshot of a RoomIndex: its rows (NodeRoom, node_id order, distinct, checked: a
+    NewSequence takes them as they are) and its columns as they were, for `shortlist`."""
+
+    _cols: _Columns
+    _arrays: tuple[np.ndarray, np.ndarray]  # _Columns.ints, _Columns.opens
+
+    def node_ids(self) -> tuple[str, ...]:
+        return self._cols.ids  # the same tuple until the membership changes
+
+    def shortlist(
+        self,
+        need: int,
+        weights: PlacementWeights,
+        tie_key: bytes,
+        scan_classes: int,
+        size: int,
+        opens_scale: float,
+    ) -> tuple[tuple[str, ...], float, int]:
+        """shortlist.shortlist over these rows: (ids, sum_opens, sum_total). Pure."""
+        (free, total, evictable, active), opens_scaled = self._arrays
+        opens_per = opens_scaled / opens_scale
+        sum_opens = math.fsum(opens_per.tolist())
+        sum_total = int(total.sum())
+        ow, lw, hw = weights.overlap_weight, weights.load_weight, weights.host_weight
+        slack, margin, aff = weights.balance_slack, weights.balance_margin, weights.affinity_share
+        room = free + evictable
+        eligible = np.flatnonzero(need <= room)
+        load = np.where(active < 0, total - room, active)[eligible]
+        cost = (ow * need + hw * 0) + lw * (load + need)
+        with np.errstate(invalid="ignore"):  # an unbounded slack times a zero fair share: nan, not over
+            fair = (sum_opens + 1) * total[eligible] / sum_total if sum_total else np.zeros(len(eligible))
+            opens = opens_per[eligible] + 1
+            over = opens > (1.0 + slack) * fair + margin
+            if not aff * need > 0:
+                over &= opens > (1.0 + 2 * slack) * fair + 2 * margin
+        ids = self._best(eligible, (over, cost), size, tie_key)
+        if scan_classes & ((2 << size_class(need)) - 1):  # a scan is possible: its run fits the need
+            scan = self._cols.scan_pos[eligible]
+            more = self._best(eligible, (over, scan, cost), size, tie_key)
+            ids += tuple(i for i in more if i not in ids)
+        return ids, sum_opens, sum_total
+
+    def _best(
+        self, eligible: np.ndarray, head: tuple[np.ndarray, ...], size: int, tie_key: bytes
+    ) -> tuple[str, ...]:
+        """The `size` smallest eligible rows by (head, rendezvous tie), as shortlist._best."""
+        if not len(eligible):
+            return ()
+        order = np.lexsort(head[::-1])  # lexsort's last key is the primary one
+        ids = self._cols.ids
+        if len(order) <= size:
+            chosen = order.tolist()
+        else:
+            last = order[size - 1]
+            is_last = np.ones(len(order), dtype=bool)
+            for column in head:
+                is_last &= column == column[last]
+            chosen = [int(i) for i in order[:size] if not is_last[i]]
+            tied = np.flatnonzero(is_last)
+            want = size - len(chosen)
+            if len(tied) > TIE_CACHE_MIN:
+                ranks = self._cols.tie_positions(tie_key)[eligible[tied]]
+                chosen += tied[np.argsort(ranks, kind="stable")[:want]].tolist()
+            else:
+                chosen += sorted(tied.tolist(), key=lambda i: tie_rank(tie_key, ids[eligible[i]]))[:want]
+        chosen.sort(key=lambda i: (*(column[i] for column in head), tie_rank(tie_key, ids[eligible[i]])))
+        return tuple(ids[eligible[i]] for i in chosen)
+
+
+class RoomIndex:
+    """One candidate set's rows (a model spec's nodes, or every node). Thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._rows: dict[str, NodeRoom] = {}  # node_id order
+        self._cols = _Columns(())
+        self._snapshot: CandidateRooms | None = None
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def __contains__(self, node_id: object) -> bool:
+        return node_id in self._rows
+
+    def update(self, rows: Iterable[NodeRoom]) -> None:
+        """Put these rows (a new node's, or a changed one's). Raises InvalidArgument, changing
+        nothing, when one is a row NewSequence would refuse."""
+        rows = list(rows)
+        for r in rows:
+            if not is_checked_room(r):
+                raise InvalidArgument(f"a candidate room must be a well-formed NodeRoom, got {r!r}")
+        with self._lock:
+            added = False
+            for r in rows:
+                i = self._cols.pos.get(r.node_id)
+                if i is None:
+                    added = True
+                else:
+                    self._cols.set(i, r)
+                self._rows[r.node_id] = r
+            if added:
+                self._rebuild()
+            self._snapshot = None
+
+    def remove(self, node_ids: Iterable[str]) -> None:
+        with self._lock:
+            gone = [n for n in list(node_ids) if self._rows.pop(n, None) is not None]
+            if gone:
+                self._rebuild()
+                self._snapshot = None
+
+    def snapshot(self) -> CandidateRooms:
+        """The rows now, with their columns (an open's candidates)."""
+        with self._lock:
+            snap = self._snapshot
+            if snap is None:
+                cols = self._cols
+                snap = self._snapshot = CandidateRooms(self._rows.values())
+                snap._cols = cols
+                snap._arrays = (cols.ints.copy(), cols.opens.copy())
+            return snap
+
+    def _rebuild(self) -> None:
+        self._rows = dict(sorted(self._rows.items()))
+        self._cols = _Columns(list(self._rows.values()))

@@ -1,0 +1,147 @@
+"""Attention specs and token budgets on sequences sharded across nodes (issue 20).
+
+A soft-cap and a scale are per score: each node caps its own scores and the LSE merge over
+the capped scores is exact, so such a sequence spills like a plain one; a sink (gpt-oss) is
+folded in by the client after the merge. A window or chunks count positions from a node's
+first token, and a token budget is kept by one node: those sequences never spill, and say
+so (at the open for max_extent_tokens, else in the full node's RESOURCE_EXHAUSTED).
+Real parts as in test_sharded.py; checked against float64 dense attention.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from test_sharded import Q_HEADS, Reference, extent_sizes, spec_of, start_cluster
+
+from pagedkv.protos.attention import LayerAttention, to_messages
+from pagedkv.protos.errors import CapacityExceeded, InvalidArgument, SequenceNotFound
+
+CAPPED = (LayerAttention(softcap=5.0, scale=0.9), LayerAttention(softcap=2.0))
+
+
+def capped_attention(
+    ref: Reference, layer: int, q: torch.Tensor, first_query: int, sink: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [n, Hq, D] at positions first_query.. (causal) under CAPPED[layer], in float64; with a
+    sink [Hq], one more logit per head in the softmax denominator (its value is zero)."""
+    spec = CAPPED[layer]
+    k, v = ref.k[layer].double(), ref.v[layer].double()
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    scale = spec.scale if spec.scale is not None else 1 / math.sqrt(q.shape[-1])
+    scores = torch.einsum("nhd,lhd->nhl", q.double(), k) * scale
+    scores = spec.softcap * torch.tanh(scores / spec.softcap)
+    pos = torch.arange(k.shape[0])
+    mask = pos[None, :] > (first_query + torch.arange(q.shape[0]))[:, None]
+    scores = scores.masked_fill(mask[:, None, :], float("-inf"))
+    lse = torch.logsumexp(scores, -1)
+    if sink is not None:
+        lse = torch.logaddexp(lse, sink.double()[None, :])
+    return torch.einsum("nhl,lhd->nhd", torch.exp(scores - lse[..., None]), v), lse
+
+
+def close(got: torch.Tensor, want: torch.Tensor) -> None:
+    torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("bs", [1, 16])
+def test_a_soft_capped_scaled_sequence_spills_and_attends_exactly(redis_url, bs):
+    spec = spec_of(bs)
+    for c in start_cluster(redis_url, spec, {"n1": 256, "n2": 256, "n3": 256}):
+        ref = Reference(spec, seed=11)
+        seq = c.client.open("capped", [0], attention=CAPPED, max_extent_tokens=3 * bs)
+        k, v = ref.kv(4 * bs + 1)
+        seq.append(list(range(4 * bs + 1)), k, v)
+        seq.max_extent_tokens = 2 * bs
+        sink = ref.rand(Q_HEADS)
+        for step in range(2 * bs):  # decode across the second seal
+            k, v = ref.kv(1)
+            for layer in range(spec.num_layers):
+                q = ref.rand(Q_HEADS, spec.head_dim)
+                res = seq.attend(layer, q, k[layer, 0], v[layer, 0], step if layer == 0 else None)
+                out, lse = capped_attention(ref, layer, q[None], ref.num_tokens - 1)
+                close(res.out, out[0])
+                close(res.lse, lse[0])
+                # a sink folds into the merged result exactly as into one node's (hf_attend.py)
+                folded = res.out * torch.sigmoid(res.lse - sink)[:, None]
+                close(folded, capped_attention(ref, layer, q[None], ref.num_tokens - 1, sink)[0][0])
+            c.check()
+        seq.max_extent_tokens = None  # three nodes, three extents: the tail takes the rest
+        start = ref.num_tokens
+        k, v = ref.kv(bs + 3)
+        for layer in range(spec.num_layers):  # a prefill over every extent
+            q = ref.rand(bs + 3, Q_HEADS, spec.head_dim)
+            res = seq.attend_prefill(
+                layer, q, k[layer], v[layer], list(range(bs + 3)) if layer == 0 else None
+            )
+            out, lse = capped_attention(ref, layer, q, start)
+            close(res.out, out)
+            close(res.lse, lse)
+        c.check()
+        assert len(seq.extents) == 3 and extent_sizes(seq)[:2] == [3 * bs, 2 * bs]
+        # every extent's node keeps the spec: a handle found by id attends the same
+        other = c.client.sequence("capped")
+        q = ref.rand(Q_HEADS, spec.head_dim)
+        close(other.attend(1, q).out, capped_attention(ref, 1, q[None], ref.num_tokens - 1)[0][0])
+        child = seq.fork("capped-child")
+        assert child.attention == CAPPED and child.can_spill
+        close(child.attend(0, q).out, capped_attention(ref, 0, q[None], ref.num_tokens - 1)[0][0])
+        child.close()
+        seq.close()
+        c.coordinator.wait_idle()
+        assert sum(c.held().values()) == 0
+        c.check()
+
+
+def test_a_window_or_chunks_never_spill_and_say_why(redis_url):
+    spec = spec_of(4)
+    windowed = (LayerAttention(window=4), LayerAttention())  # one full layer: it keeps every block
+    for c in start_cluster(redis_url, spec, {"n1": 3, "n2": 3}):
+        with pytest.raises(InvalidArgument, match="could not spill .* window or chunks"):
+            c.client.open("w", [0], attention=windowed, max_extent_tokens=8)
+        with pytest.raises(SequenceNotFound):  # refused before anything was opened
+            c.coordinator.store.get_sequence("w")
+        chunked = (LayerAttention(chunk=8), LayerAttention(chunk=8))
+        with pytest.raises(InvalidArgument, match="window or chunks"):
+            c.client.open("c", [0], attention=chunked, max_extent_tokens=8)
+        with c.client.open("w", [0], attention=windowed) as seq:
+            assert not seq.can_spill
+            k = torch.randn(spec.num_layers, 16, spec.num_kv_heads, spec.head_dim)
+            with pytest.raises(CapacityExceeded, match="cannot spill to another node: its attention spec"):
+                seq.append(list(range(16)), k, k)  # 4 blocks on a node of 3
+            assert len(seq.extents) == 1
+            seq.append(list(range(8)), k[:, :8], k[:, :8])  # what fits still goes in
+            with pytest.raises(InvalidArgument, match="window or chunks"):  # the coordinator refuses too
+                c.coordinator.extend("default", "w", 8, to_messages(windowed))
+            c.check()
+        c.coordinator.wait_idle()
+        assert sum(c.held().values()) == 0
+
+
+def test_a_budgeted_sequence_stays_on_its_node(redis_url):
+    spec = spec_of(4)
+    for c in start_cluster(redis_url, spec, {"n1": 3, "n2": 3}):
+        with (
+            c.client.open("capped-size", [0], max_extent_tokens=8) as seq,
+            pytest.raises(InvalidArgument, match="has max_extent_tokens: a token budget"),
+        ):
+            seq.set_budget(64)
+        with c.client.open("b", [0]) as seq:
+            k = torch.randn(spec.num_layers, 8, spec.num_kv_heads, spec.head_dim)
+            seq.append(list(range(8)), k, k)  # 2 blocks of its node's 3
+            seq.set_budget(64, sink_blocks=1, recent_blocks=2)  # more than its node holds
+            with pytest.raises(CapacityExceeded, match="cannot spill to another node: it has a token budget"):
+                seq.append(list(range(8)), k, k)
+            assert len(seq.extents) == 1
+            seq.set_budget(None)  # lifted: the sequence may spill again
+            assert seq.can_spill
+            assert seq.append(list(range(8)), k, k) == 16
+            assert len(seq.extents) == 2
+            with pytest.raises(InvalidArgument, match="spans 2 nodes: a token budget"):
+                seq.set_budget(64)
+            c.check()
+        c.coordinator.wait_idle()
+        assert sum(c.held().values()) == 0

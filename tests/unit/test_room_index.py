@@ -1,0 +1,115 @@
+"""RoomIndex (coordinator/room_index.py): the rows kept between opens and the numpy ranking
+of their snapshot must shortlist exactly as shortlist.shortlist over the same rows, through
+updates, additions and removals; bad rows are refused and leave the index as it was."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pagedkv.coordinator.placement import PlacementWeights
+from pagedkv.coordinator.records import NewSequence, NodeRoom
+from pagedkv.coordinator.room_index import TIE_CACHE_MIN, RoomIndex
+from pagedkv.coordinator.shortlist import shortlist
+from pagedkv.protos.errors import InvalidArgument
+
+
+@st.composite
+def rooms(draw: Any, n: int) -> NodeRoom:
+    total = draw(st.sampled_from([8, 16, 64]))
+    free = draw(st.integers(0, total))
+    return NodeRoom(
+        f"node-{n:03d}",
+        free,
+        total,
+        draw(st.integers(0, total - free)),
+        draw(st.sampled_from([0.0, 1.0, 2.5]) | st.floats(0, 6, allow_nan=False)),
+        draw(st.none() | st.sampled_from([0, 0, 4, 8])),
+    )
+
+
+@st.composite
+def scenarios(draw: Any) -> dict[str, Any]:
+    n = draw(st.integers(1, 60))
+    even = draw(st.booleans())  # a cold, even cluster: every node ties (the tie cache's path)
+    rows = [NodeRoom(f"node-{i:03d}", 16, 16, 0, 0.0, 0) if even else draw(rooms(i)) for i in range(n)]
+    return {
+        "rows": rows,
+        "changes": [draw(rooms(draw(st.integers(0, n + 3)))) for _ in range(draw(st.integers(0, 6)))],
+        "removed": [f"node-{i:03d}" for i in draw(st.lists(st.integers(0, n - 1), max_size=3))],
+        "need": draw(st.integers(1, 20)),
+        "weights": PlacementWeights(
+            1.0,
+            draw(st.sampled_from([0.0, 0.1, 1.0])),
+            draw(st.sampled_from([0.0, 0.05, 0.5, math.inf])),
+            draw(st.sampled_from([0.0, 0.5, 2.0])),
+            draw(st.sampled_from([0.0, 1.0, 4.0])),
+            0.25,
+        ),
+        "tie_key": draw(st.binary(min_size=16, max_size=16)),
+        "scan_classes": draw(st.sampled_from([0, 0b11110, 1 << 6])),
+        "size": draw(st.integers(1, 4)),
+        "scale": draw(st.sampled_from([1.0, 3.5, 2.0**40])),
+    }
+
+
+@settings(max_examples=300, deadline=None)
+@given(sc=scenarios())
+def test_snapshot_shortlists_as_the_rows_do(sc: dict[str, Any]) -> None:
+    index = RoomIndex()
+    index.update(sc["rows"])
+    index.snapshot()  # an earlier snapshot must not leak into the later one
+    index.update(sc["changes"])
+    index.remove(sc["removed"])
+    expect = {r.node_id: r for r in [*sc["rows"], *sc["changes"]]}
+    for node_id in sc["removed"]:
+        expect.pop(node_id, None)
+    snap = index.snapshot()
+    assert list(snap) == [expect[k] for k in sorted(expect)]
+    args = (sc["need"], sc["weights"], sc["tie_key"], sc["scan_classes"], sc["size"], sc["scale"])
+    assert shortlist(snap, *args[:4], size=args[4], opens_scale=args[5]) == shortlist(
+        tuple(snap), *args[:4], size=args[4], opens_scale=args[5]
+    )
+
+
+def test_an_even_cluster_resolves_ties_by_rendezvous_and_keeps_the_ranks() -> None:
+    rows = [NodeRoom(f"n{i:04d}", 100, 100, 0, 0.0, 0) for i in range(4 * TIE_CACHE_MIN)]
+    index = RoomIndex()
+    index.update(rows)
+    w = PlacementWeights()
+    for key in (b"\x01" * 16, b"\x02" * 16, b"\x01" * 16):
+        got = shortlist(index.snapshot(), 3, w, key, 0)
+        assert got == shortlist(tuple(rows), 3, w, key, 0)
+        assert len(got.ids) == 2
+    assert len(index.snapshot()._cols.tie_pos) == 2  # one rank array per tie key, reused
+
+
+def test_a_snapshot_is_a_new_sequences_candidates_as_it_is() -> None:
+    index = RoomIndex()
+    index.update([NodeRoom("b", 4, 8, 1, 0.0, None), NodeRoom("a", 8, 8)])
+    snap = index.snapshot()
+    new = NewSequence("s", "t", 4, 1, 4, b"", snap)
+    assert new.candidates is snap
+    assert [c.node_id for c in new.candidates] == ["a", "b"]
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        NodeRoom("a", 9, 8),  # free above total
+        NodeRoom("a", -1, 8),
+        NodeRoom("", 1, 8),
+        NodeRoom("a", 1, 8, 0, math.inf),
+        ("a", 1, 8, 0, 0.0, None),  # not a NodeRoom
+    ],
+)
+def test_a_bad_row_is_refused_and_changes_nothing_after_it(bad: Any) -> None:
+    index = RoomIndex()
+    index.update([NodeRoom("a", 1, 8, 0, 0.0, None)])
+    with pytest.raises(InvalidArgument, match="well-formed NodeRoom"):
+        index.update([bad])
+    assert list(index.snapshot()) == [NodeRoom("a", 1, 8, 0, 0.0, None)]
