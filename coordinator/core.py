@@ -289,7 +289,8 @@ class Coordinator(DeferredCalls, Failures, Membership, NodeRooms, Extents, Missi
         while its node is a suspect (see `_suspect`)."""
         node_id = record.extents[0].node_id
         if record.state == "lost":
-            raise SequenceLost(record.seq_id, record.lost_reason or f"node {node_id} died", node_id)
+            lost = self.lost_node_of(record)  # a sharded sequence's tail may be the one lost
+            raise SequenceLost(record.seq_id, record.lost_reason or f"node {lost} died", lost)
         # (the cache lags a registration taken by another replica: the store says, O(1))
         node = self._cached_node(node_id) or self.live_node(node_id)
         if node is None:
