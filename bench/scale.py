@@ -46,7 +46,7 @@ import numpy as np
 
 from bench import plots
 from bench.control_redis import script_names, slowlog_entries
-from bench.scale_cluster import SPEC, FakeNodes, ScaleCluster, cpu_s
+from bench.scale_cluster import SPEC, FakeNodes, ScaleCluster, cpu_s, thread_cpu_s
 from pagedkv.coordinator.redis_store import RedisStore
 from pagedkv.protos import pagedkv_pb2 as pb
 from pagedkv.protos.keys import chain_keys, root_key
@@ -147,6 +147,8 @@ def measure_opens(
     hits = 0  # opens placed on the node holding the prompt (placement's balance bound sends some elsewhere)
     unavailable = 0  # closes answered UNAVAILABLE (their node's beat was late: a suspect), then retried
     cluster.redis.execute_command("SLOWLOG", "RESET")
+    first = cluster.coordinator_pids()[0]
+    threads0 = thread_cpu_s(first)
     start = window.sample()
     for i in range(num_opens):
         stub = cluster.stubs[i % len(cluster.stubs)]
@@ -161,6 +163,7 @@ def measure_opens(
         close_ms.append((t2 - t1) * 1e3)
         hits += reply.num_cached_tokens == len(prompt)
     raw_s, coord_s, redis_s = window.since(start)
+    threads = {k: v - threads0.get(k, 0.0) for k, v in thread_cpu_s(first).items()}
     us = script_us(cluster, names)
     return {
         "opens": num_opens,
@@ -175,6 +178,10 @@ def measure_opens(
         "coord_cpu_per_open_close_ms": coord_s / num_opens * 1e3,
         "coord_cpu_raw_per_open_close_ms": raw_s / num_opens * 1e3,  # heartbeats meanwhile included
         "redis_cpu_per_open_close_ms": redis_s / num_opens * 1e3,
+        # the first coordinator's CPU by thread role (beats included: raw), per open+close it served
+        "coord_thread_ms": {
+            k: v / -(-num_opens // len(cluster.stubs)) * 1e3 for k, v in sorted(threads.items()) if v > 0
+        },
     }
 
 
@@ -261,6 +268,13 @@ def render(r: dict[str, Any]) -> str:
                 f"{o['open_script_p50_us']:.0f} | {o['delete_script_p50_us']:.0f} | "
                 f"{o['coord_cpu_per_open_close_ms']:.2f} ({o['coord_cpu_raw_per_open_close_ms']:.2f}) | "
                 f"{o['redis_cpu_per_open_close_ms']:.3f} | {o.get('closes_unavailable', 0)} |"
+            )
+    lines += ["", "The first coordinator's CPU per open+close it served, by thread (ms, beats included):", ""]
+    for p in r["points"]:
+        for tokens, o in p["prompts"].items():
+            split = ", ".join(f"{k} {v:.2f}" for k, v in o.get("coord_thread_ms", {}).items())
+            lines.append(
+                f"- {p['nodes']} nodes, {p['coordinators']} coordinators, {int(tokens):,} tokens: {split}"
             )
     lines += [
         "",

@@ -52,6 +52,23 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def thread_cpu_s(pid: int) -> dict[str, float]:
+    """CPU seconds of a process's threads so far, summed by role: the OS thread name
+    without its pool index ("grpc-handler_3" -> "grpc-handler"); the coordinator names
+    its threads (protos.serving.name_os_thread), gRPC's own are "event_engine", and
+    "python" is what nobody named (the gRPC server's poll loop, the main thread)."""
+    out: dict[str, float] = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            name = (task / "comm").read_text().strip().rstrip("0123456789").rstrip("_-")
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # the thread ended meanwhile
+            continue
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
 class ScaleCluster:
     """redis-server + `coordinators` coordinator processes + the stub node; `stop()` ends them all."""
 

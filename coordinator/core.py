@@ -71,6 +71,7 @@ from ..protos.errors import (
     Unavailable,
 )
 from ..protos.keys import KEY_BYTES, chain_keys, chain_keys_packed, root_key
+from ..protos.serving import name_os_thread
 from ..protos.status import error_from_rpc
 from .auth import ClusterAccess
 from .deferred import DeferredCalls, NodeCall
@@ -159,7 +160,7 @@ class Coordinator(DeferredCalls, Failures, Membership, NodeRooms, Extents, Missi
         self._inflight: dict[str, NodeCall] = {}  # seq id -> its node Open not yet settled
         # Cleanups after failed node opens and Free retries: Redis and sleeps, never
         # on gRPC's callback thread.
-        self._background = ThreadPoolExecutor(max_workers=2, thread_name_prefix="coord-bg")
+        self._background = ThreadPoolExecutor(2, thread_name_prefix="coord-bg", initializer=name_os_thread)
         self._node_calls = NodeCalls(self.config.node_rpc_timeout_s, self.config.access)
         self.counters = {
             "opens": 0,
