@@ -41,6 +41,10 @@ class StubNode(pb_grpc.CacheNodeServicer):
         self.num_opens += 1
         return pb.OpenResponse(num_cached_tokens=request.expect_cached_tokens)
 
+    def OpenSigned(self, request: pb.SignedOpen, context: grpc.ServicerContext) -> pb.OpenResponse:
+        """The Open a worker carries (CoordOpenRequest.worker_opens): parsed, not checked."""
+        return self.Open(pb.OpenRequest.FromString(request.order), context)
+
     def Free(self, request: pb.SeqRequest, context: grpc.ServicerContext) -> pb.Empty:
         self.num_frees += 1
         return pb.Empty()
@@ -99,6 +103,7 @@ class ScaleCluster:
         pb_grpc.add_CacheNodeServicer_to_server(self.stub, self.stub_server)
         self.stub_address = f"127.0.0.1:{self.stub_server.add_insecure_port('127.0.0.1:0')}"
         self.stub_server.start()
+        self.stub_node = pb_grpc.CacheNodeStub(grpc.insecure_channel(self.stub_address))  # a worker's
         self.coordinators: list[tuple[subprocess.Popen[bytes], str]] = []
         for i in range(coordinators):
             address = f"127.0.0.1:{free_port()}"
