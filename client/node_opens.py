@@ -1,12 +1,12 @@
 """Node Opens this worker carries for the coordinator (CoordOpenRequest.worker_opens).
 
 The coordinator answers an open with the node Open signed for the node (SignedOpen)
-and sends nothing itself; the worker sends it on without waiting, so open() still
-costs one round trip and the coordinator no node rpc. What the coordinator did for
+and sends nothing itself; the worker sends it on from a sender thread without waiting,
+so open() still costs one round trip and the coordinator no node rpc. What the coordinator did for
 its own asynchronous Open moves here: a refusal is remembered and is what the
 sequence's next data call (routing.explain) and its close raise; the page table is
-dropped so the id can be opened again (a reopen by this client waits for that); a
-close first waits for the Open to be answered, so its Free never overtakes it.
+dropped so the id can be opened again (a reopen by this client waits for that). A
+close does not wait: a Free that overtakes the Open waits for it at the node.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ from ..protos.errors import PagedKVError, SequenceLost, Unavailable
 from ..protos.status import error_from_rpc
 
 MAX_REMEMBERED = 1 << 14  # failed opens kept for their next call (the oldest forgotten first)
-Send = Callable[[str, pb.SignedOpen, float], Any]  # (address, order, timeout) -> a grpc future
+MAX_SENDERS = 8  # node Opens in flight at once (a node that stopped answering holds its for the deadline)
+Send = Callable[[str, pb.SignedOpen, float], Any]  # (address, order, timeout) -> the node's reply
 
 
 class NodeOpens:
@@ -36,34 +37,33 @@ class NodeOpens:
         self._failed: OrderedDict[str, PagedKVError] = OrderedDict()
         self._lock = threading.Lock()
         self._dropper: ThreadPoolExecutor | None = None
+        self._sender: ThreadPoolExecutor | None = None
 
     def send(self, seq_id: str, address: str, order: pb.SignedOpen) -> None:
         settled: Future[None] = Future()
         with self._lock:
             self._pending[seq_id] = settled
             self._failed.pop(seq_id, None)
+        with self._lock:
+            if self._sender is None:
+                self._sender = ThreadPoolExecutor(MAX_SENDERS, thread_name_prefix="pagedkv-node-opens")
+            sender = self._sender
+        sender.submit(self._deliver, seq_id, address, order, settled)
+
+    def _deliver(self, seq_id: str, address: str, order: pb.SignedOpen, settled: Future[None]) -> None:
+        """On a sender thread (a sync channel's own future() starts a thread per call)."""
         where = f"node {order.node_id!r} ({address}), open of {seq_id!r}"
+        error: PagedKVError | None = None
         try:
-            call = self._send(address, order, self.timeout_s)
-        except Exception as exc:  # noqa: BLE001 - a channel that could not start the call
-            reason = f"its open could not be delivered to node {order.node_id} ({exc!r})"
-            self._answered(seq_id, settled, SequenceLost(seq_id, reason, order.node_id))
-            return
-
-        def done(fut: Any) -> None:  # on a gRPC thread: never block here
-            error: PagedKVError | None = None
-            try:
-                fut.result()
-            except grpc.RpcError as err:
-                error = error_from_rpc(err, where)
-            except Exception as exc:  # noqa: BLE001 - never lose an outcome
-                error = Unavailable(f"{where}: {exc!r}")
-            if isinstance(error, Unavailable):  # as the coordinator words an Open it could not deliver
-                reason = f"its open could not be delivered to node {order.node_id} ({error})"
-                error = SequenceLost(seq_id, reason, order.node_id)
-            self._answered(seq_id, settled, error)
-
-        call.add_done_callback(done)
+            self._send(address, order, self.timeout_s)
+        except grpc.RpcError as err:
+            error = error_from_rpc(err, where)
+        except Exception as exc:  # noqa: BLE001 - never lose an outcome
+            error = Unavailable(f"{where}: {exc!r}")
+        if isinstance(error, Unavailable):  # as the coordinator words an Open it could not deliver
+            reason = f"its open could not be delivered to node {order.node_id} ({error})"
+            error = SequenceLost(seq_id, reason, order.node_id)
+        self._answered(seq_id, settled, error)
 
     def _answered(self, seq_id: str, settled: Future[None], error: PagedKVError | None) -> None:
         if error is None:
@@ -113,6 +113,9 @@ class NodeOpens:
 
     def close(self) -> None:
         with self._lock:
+            sender, self._sender = self._sender, None
             dropper, self._dropper = self._dropper, None
+        if sender is not None:
+            sender.shutdown(wait=True)
         if dropper is not None:
             dropper.shutdown(wait=True)

@@ -286,10 +286,9 @@ class CoordinatorRouting:
         return _routes(self._call("Extend", request, timeout_s))
 
     def close(self, seq_id: str, timeout_s: float | None = None, keep_prefix: int | None = None) -> None:
-        failed = None
-        if self.node_opens is not None:  # its Free must not overtake the Open this worker sent
-            self.node_opens.wait(seq_id, timeout_s)
-            failed = self.node_opens.forget(seq_id)
+        # A Free that overtakes the node Open this worker sent waits for it at the node (its
+        # grace for unknown ids), so the close does not wait here.
+        failed = None if self.node_opens is None else self.node_opens.forget(seq_id)
         self._call("Close", pb.CoordSeqRequest(seq_id=seq_id, keep_prefix=keep_prefix), timeout_s)
         if failed is not None:  # as the coordinator's own failed Open: the close says why
             raise failed

@@ -187,8 +187,7 @@ class CacheClient:
         return self.node(self.address)
 
     def _open_on_node(self, address: str, order: Any, timeout_s: float) -> Any:
-        """Start the coordinator's signed node Open (client/node_opens.py) on the node at
-        `address`: its gRPC future."""
+        """The coordinator's signed node Open (client/node_opens.py), sent to the node at `address`."""
         return self.node(address).control.open_signed(order, timeout_s)
 
     def node(self, address: str) -> NodeHandle:
