@@ -68,6 +68,15 @@ class LayerAttention:
         """Whether it sees fewer keys than causal attention (a window or chunks)."""
         return self.window > 0 or self.chunk > 0
 
+    def first_visible(self, pos: int) -> int:
+        """The lowest key position a query at `pos` sees (the node's AttentionSpec agrees)."""
+        lo = 0
+        if self.window:
+            lo = max(lo, pos - self.window + 1)
+        if self.chunk:
+            lo = max(lo, pos - pos % self.chunk)
+        return lo
+
 
 _PLAIN = LayerAttention()
 
