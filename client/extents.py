@@ -33,7 +33,7 @@ import torch
 from ..protos.errors import CapacityExceeded
 from ..protos.merge import merge_partials
 from . import codec
-from .extent_masks import PAST, SKIP, WHOLE, extent_view, layer_of
+from .extent_masks import PAST, SKIP, WHOLE, extent_view, layer_of, pad_rows, query_split
 from .types import AttentionResult
 
 if TYPE_CHECKING:
@@ -239,3 +239,62 @@ def _node_call(
         )
 
     return call
+
+
+def prefill_part(
+    seq: Seq,
+    layer: int,
+    ext: int,
+    q: Any,
+    k: Any,
+    v: Any,
+    tokens: list[int] | None,
+    first: int | None,
+    timeout_s: float | None,
+) -> AttentionResult:
+    """Queries (at positions first..) whose own tokens go to extent `ext` of `seq`: causal
+    there, every earlier extent whole, or as much of it as their window or chunk sees (an
+    extent none of them sees is not attended; extent_masks.py)."""
+    node, seq_id, client = seq._nodes[ext], seq.seq_id, seq.client
+    calls = [lambda: node.data.attend_prefill(seq_id, layer, q, k, v, tokens, timeout_s=timeout_s)]
+    kv_heads = node.model_spec(timeout_s).num_kv_heads
+    n = len(q)
+    spec = layer_of(seq.attention, layer)
+    if spec.masks and first is None:
+        first = seq._query_position(layer, None)  # raises: the length is unknown
+    skipped = 0
+    for i in range(ext):
+        data = seq._nodes[i].data
+        whole = seen = n
+        if spec.masks:
+            assert first is not None
+            whole, seen = query_split(
+                spec, seq.extents[i].first_token, seq.extents[i + 1].first_token, first, n
+            )
+        if seen == 0:
+            skipped += 1
+        elif whole == seen:  # one usual call: the queries as one row's heads (widen)
+            wide = widen(torch.as_tensor(q[:seen]), kv_heads)
+            calls.append(
+                lambda data=data, wide=wide, seen=seen: pad_rows(  # type: ignore[misc]
+                    narrow(data.attend([seq_id], layer, wide, timeout_s=timeout_s), seen, kv_heads), n
+                )
+            )
+        else:  # a window's edge inside it: the node masks from the queries' positions
+            calls.append(
+                lambda data=data, seen=seen: pad_rows(  # type: ignore[misc]
+                    data.attend_prefill(seq_id, layer, q[:seen], timeout_s=timeout_s, query_position=first), n
+                )
+            )
+    client.counters["window_skipped_attends"] += skipped
+    results = run_parallel(client.pool(), calls)
+    if len(calls) > 1:
+        client.counters["sharded_steps"] += 1
+        client.counters["sharded_attends"] += len(calls)
+    return merge([*results[1:], results[0]])
+
+
+def cat_rows(parts: list[AttentionResult]) -> AttentionResult:
+    if len(parts) == 1:
+        return parts[0]
+    return AttentionResult(torch.cat([p.out for p in parts]), torch.cat([p.lse for p in parts]))

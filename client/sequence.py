@@ -34,8 +34,8 @@ import torch
 from ..protos.attention import LayerAttention, to_messages
 from ..protos.errors import CapacityExceeded, InvalidArgument, NotFound, OpenFailed, SequenceLost
 from . import codec
-from .extent_masks import PAST, SKIP, WHOLE, extent_view, layer_of, pad_rows, query_split
-from .extents import merge, narrow, run_parallel, widen
+from .extent_masks import PAST, SKIP, WHOLE, extent_view, layer_of
+from .extents import cat_rows, merge, prefill_part, run_parallel
 from .types import AttentionResult, ExtentRoute, MissExplanation, Route
 
 if TYPE_CHECKING:
@@ -96,7 +96,7 @@ class Sequence:
         # Why it may not spill to another node (None: it may)
         self.no_spill = no_spill if client.is_cluster else "a client of one node has no other node"
         # a layered prefill's (extent, count, first position) parts, from layer 0
-        self._plan: list[tuple[int, int, int]] = []
+        self._plan: list[tuple[int, int, int | None]] = []
 
     # -- extents ------------------------------------------------------------------
 
@@ -396,17 +396,17 @@ class Sequence:
                 )
             last = len(self.extents) - 1
             first = None if self.num_tokens is None else self.num_tokens - n
-            return self._prefill_part(layer, last, q, None, None, None, first, timeout_s)
+            return prefill_part(self, layer, last, q, None, None, None, first, timeout_s)
         if layer > 0:  # the parts layer 0 made, in order
             plan = self._plan
             if sum(c for _, c, _ in plan) != n:
-                plan = [(len(self.extents) - 1, n, -n if self.num_tokens is None else self.num_tokens - n)]
+                plan = [(len(self.extents) - 1, n, None if self.num_tokens is None else self.num_tokens - n)]
             parts, done = [], 0
             for ext, count, first in plan:
                 s = slice(done, done + count)
-                parts.append(self._prefill_part(layer, ext, q[s], k[s], v[s], None, first, timeout_s))
+                parts.append(prefill_part(self, layer, ext, q[s], k[s], v[s], None, first, timeout_s))
                 done += count
-            return _cat(parts)
+            return cat_rows(parts)
         tokens = codec.token_list(token_ids)
         plan, parts, done = [], [], 0
         take = n
@@ -421,7 +421,7 @@ class Sequence:
             assert self.num_tokens is not None
             first = self.num_tokens
             try:
-                parts.append(self._prefill_part(layer, ext, q[s], k[s], v[s], tokens[s], first, timeout_s))
+                parts.append(prefill_part(self, layer, ext, q[s], k[s], v[s], tokens[s], first, timeout_s))
             except CapacityExceeded as exc:
                 take = self._spill_after(exc, count, timeout_s)
                 continue
@@ -430,65 +430,7 @@ class Sequence:
             done += count
             take = n - done
         self._plan = plan
-        return _cat(parts)
-
-    def _prefill_part(
-        self,
-        layer: int,
-        ext: int,
-        q: Any,
-        k: Any,
-        v: Any,
-        tokens: list[int] | None,
-        first: int | None,
-        timeout_s: float | None,
-    ) -> AttentionResult:
-        """Queries (at positions first..) whose own tokens go to extent `ext`: causal there,
-        every earlier extent whole, or as much of it as their window or chunk sees."""
-        node = self._nodes[ext]
-        calls = [lambda: node.data.attend_prefill(self.seq_id, layer, q, k, v, tokens, timeout_s=timeout_s)]
-        kv_heads = node.model_spec(timeout_s).num_kv_heads
-        n = len(q)
-        spec = layer_of(self.attention, layer)
-        if spec.masks and first is None:
-            first = self._query_position(layer, None)  # raises: the length is unknown
-        skipped = 0
-        for i in range(ext):
-            earlier = self._nodes[i]
-            whole = seen = n
-            if spec.masks:
-                assert first is not None
-                ends = self.extents[i].first_token, self.extents[i + 1].first_token
-                whole, seen = query_split(spec, *ends, first, n)
-            if seen == 0:
-                skipped += 1
-            elif whole == seen:  # one usual call: the queries as one row's heads (widen)
-                wide = widen(torch.as_tensor(q[:seen]), kv_heads)
-                calls.append(
-                    lambda earlier=earlier, wide=wide, seen=seen: pad_rows(  # type: ignore[misc]
-                        narrow(
-                            earlier.data.attend([self.seq_id], layer, wide, timeout_s=timeout_s),
-                            seen,
-                            kv_heads,
-                        ),
-                        n,
-                    )
-                )
-            else:  # a window's edge inside it: the node masks from the queries' positions
-                calls.append(
-                    lambda earlier=earlier, seen=seen: pad_rows(  # type: ignore[misc]
-                        earlier.data.attend_prefill(
-                            self.seq_id, layer, q[:seen], timeout_s=timeout_s, query_position=first
-                        ),
-                        n,
-                    )
-                )
-        self.client.counters["window_skipped_attends"] += skipped
-        results = run_parallel(self.client.pool(), calls)
-        if len(calls) > 1:
-            self.client.counters["sharded_steps"] += 1
-            self.client.counters["sharded_attends"] += len(calls)
-        return merge([*results[1:], results[0]])
+        return cat_rows(parts)
 
     def fork(self, child_id: str, *, timeout_s: float | None = None) -> Sequence:
         """A new sequence sharing every block of every extent (copy-on-write of the tail's
@@ -625,9 +567,3 @@ class Sequence:
         except (OpenFailed, NotFound, SequenceLost):
             if exc_type is None:  # else the body's error (e.g. the OpenFailed itself) says it
                 raise
-
-
-def _cat(parts: list[AttentionResult]) -> AttentionResult:
-    if len(parts) == 1:
-        return parts[0]
-    return AttentionResult(torch.cat([p.out for p in parts]), torch.cat([p.lse for p in parts]))
