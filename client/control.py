@@ -50,6 +50,11 @@ class NodeControl:
     def fork(self, parent_id: str, child_id: str, timeout_s: float | None = None) -> None:
         self._call(self.stub.Fork, pb.ForkRequest(parent_id=parent_id, child_id=child_id), timeout_s)
 
+    def open_signed(self, order: pb.SignedOpen, timeout_s: float | None = None) -> Any:
+        """Start the coordinator's node Open, carried by this worker (the coordinator signed
+        what the node checks), without waiting: its gRPC future (client/node_opens.py)."""
+        return self.stub.OpenSigned.future(order, timeout=self._t(timeout_s))
+
     def free(self, seq_id: str, timeout_s: float | None = None, keep_prefix: int | None = None) -> None:
         self._call(self.stub.Free, pb.SeqRequest(seq_id=seq_id, keep_prefix=keep_prefix), timeout_s)
 

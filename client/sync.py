@@ -139,7 +139,13 @@ class CacheClient:
         self._explain: Explain | None = None
         if coordinator is not None:
             channel = channels.acquire(coordinator, self.config)
-            self.routing = CoordinatorRouting(pb_grpc.CoordinatorStub(channel), self.config, token, spec)
+            self.routing = CoordinatorRouting(
+                pb_grpc.CoordinatorStub(channel),
+                self.config,
+                token,
+                spec,
+                open_on_node=self._open_on_node if self.config.worker_opens else None,
+            )
             self._explain = self.routing.explain
         else:
             self._token = token or ""
@@ -182,6 +188,11 @@ class CacheClient:
                 f"CacheClient.{what}: a cluster client talks to many nodes; use client.node(address).{what}"
             )
         return self.node(self.address)
+
+    def _open_on_node(self, address: str, order: Any, timeout_s: float) -> Any:
+        """Start the coordinator's signed node Open (client/node_opens.py) on the node at
+        `address`: its gRPC future."""
+        return self.node(address).control.open_signed(order, timeout_s)
 
     def node(self, address: str) -> NodeHandle:
         """The (cached) handle for data calls to the node at `address`."""
@@ -429,6 +440,8 @@ class CacheClient:
         if not self._is_closed:
             self._is_closed = True
             if isinstance(self.routing, CoordinatorRouting):
+                if self.routing.node_opens is not None:
+                    self.routing.node_opens.close()  # the page-table drops of failed node Opens
                 channels.release(self.address, self.config)
             for address, handle in self._nodes.items():
                 handle.data.close()  # its bulk connections
