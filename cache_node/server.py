@@ -143,10 +143,11 @@ class CacheNodeServicer(pb_grpc.CacheNodeServicer):
         ids = np.asarray(request.token_ids)  # one C-level copy, not a Python list
         max_blocks = request.max_blocks if request.HasField("max_blocks") else None
         attention = from_messages(request.attention, self.engine.spec.num_layers)
+        first, salt = request.first_position, request.tenant_salt
         res = self._with_allowance(
             request.seq_id,
             max_blocks,
-            lambda: self.engine.open(request.seq_id, ids, request.tenant_salt, limit, exact, attention),
+            lambda: self.engine.open(request.seq_id, ids, salt, limit, exact, attention, first),
         )
         hits = res.num_host_hit_tokens
         return pb.OpenResponse(num_cached_tokens=res.num_cached_tokens, num_host_hit_tokens=hits)
@@ -249,8 +250,9 @@ class CacheNodeServicer(pb_grpc.CacheNodeServicer):
             appends = len(request.token_ids) if request.HasField("k") and request.layer == 0 else 0
             self.gate.require(self._creds(context), [seq_id], _rights(request.HasField("k")), "AttendPrefill")
             with self.gate.charging([seq_id], [appends], self._held, self._spec.block_size):
+                at = request.query_position if request.HasField("query_position") else None
                 out = self.engine.attend_prefill(
-                    seq_id, request.layer, *_qkv(request), return_block_mass=mass
+                    seq_id, request.layer, *_qkv(request), return_block_mass=mass, query_position=at
                 )
             return self._attention_response(out, request.return_block_mass)
 

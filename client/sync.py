@@ -42,7 +42,7 @@ from .control import NodeControl
 from .data import Explain, NodeData
 from .extents import attend_batch, run_parallel
 from .routing import CoordinatorRouting, DirectRouting
-from .sequence import Sequence, check_spill
+from .sequence import Sequence
 from .transport.tickets import Wallet
 from .types import AttentionResult, ClusterStats, NodeStats, Route
 
@@ -154,8 +154,11 @@ class CacheClient:
         self._is_closed = False
         self._pool: ThreadPoolExecutor | None = None
         # spills: extents this client added; sharded_steps / sharded_attends: attend calls (one
-        # layer) over several extents, and the node calls they made (client/metrics.py)
-        self.counters = {"spills": 0, "sharded_steps": 0, "sharded_attends": 0}
+        # layer) over several extents, and the node calls they made; window_skipped_attends: the
+        # extents they did not attend, outside every query's window or chunk (client/metrics.py)
+        self.counters = dict.fromkeys(
+            ("spills", "sharded_steps", "sharded_attends", "window_skipped_attends"), 0
+        )
 
     def pool(self) -> ThreadPoolExecutor:
         """The threads a sharded step's node calls run on in parallel (made on first use)."""
@@ -216,9 +219,8 @@ class CacheClient:
         the first block not served from the node's device missed (MissExplanation; in a
         cluster, else None). In a cluster a sequence that its node cannot grow (or whose
         tail reaches max_extent_tokens, a multiple of the block size) continues on another
-        node (sequence.py); one opened with an attention spec does not."""
+        node (sequence.py), its attention spec (windows and chunks too) kept exact."""
         layers = check_layers(attention, len(attention or ()))  # the layer count: node and coordinator
-        check_spill(layers, max_extent_tokens)
         messages = to_messages(layers)
         res, route = self.routing.open(
             seq_id, token_ids, max_cached_tokens, timeout_s, attention=messages, explain_miss=explain_miss

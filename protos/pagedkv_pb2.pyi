@@ -46,7 +46,7 @@ class Empty(_message.Message):
     def __init__(self) -> None: ...
 
 class OpenRequest(_message.Message):
-    __slots__ = ("seq_id", "token_ids", "max_cached_tokens", "expect_cached_tokens", "tenant_salt", "max_blocks", "attention")
+    __slots__ = ("seq_id", "token_ids", "max_cached_tokens", "expect_cached_tokens", "tenant_salt", "max_blocks", "attention", "first_position")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -54,6 +54,7 @@ class OpenRequest(_message.Message):
     TENANT_SALT_FIELD_NUMBER: _ClassVar[int]
     MAX_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_FIELD_NUMBER: _ClassVar[int]
+    FIRST_POSITION_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     max_cached_tokens: int
@@ -61,7 +62,8 @@ class OpenRequest(_message.Message):
     tenant_salt: bytes
     max_blocks: int
     attention: _containers.RepeatedCompositeFieldContainer[LayerAttention]
-    def __init__(self, seq_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., max_cached_tokens: _Optional[int] = ..., expect_cached_tokens: _Optional[int] = ..., tenant_salt: _Optional[bytes] = ..., max_blocks: _Optional[int] = ..., attention: _Optional[_Iterable[_Union[LayerAttention, _Mapping]]] = ...) -> None: ...
+    first_position: int
+    def __init__(self, seq_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., max_cached_tokens: _Optional[int] = ..., expect_cached_tokens: _Optional[int] = ..., tenant_salt: _Optional[bytes] = ..., max_blocks: _Optional[int] = ..., attention: _Optional[_Iterable[_Union[LayerAttention, _Mapping]]] = ..., first_position: _Optional[int] = ...) -> None: ...
 
 class SignedOpen(_message.Message):
     __slots__ = ("order", "tag", "expires_at", "epoch", "node_id")
@@ -146,7 +148,7 @@ class AttendRequest(_message.Message):
     def __init__(self, seq_ids: _Optional[_Iterable[str]] = ..., layer: _Optional[int] = ..., q: _Optional[_Union[Tensor, _Mapping]] = ..., k: _Optional[_Union[Tensor, _Mapping]] = ..., v: _Optional[_Union[Tensor, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ..., return_block_mass: _Optional[bool] = ..., appends: _Optional[_Iterable[bool]] = ...) -> None: ...
 
 class AttendPrefillRequest(_message.Message):
-    __slots__ = ("seq_id", "layer", "q", "k", "v", "token_ids", "return_block_mass")
+    __slots__ = ("seq_id", "layer", "q", "k", "v", "token_ids", "return_block_mass", "query_position")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     LAYER_FIELD_NUMBER: _ClassVar[int]
     Q_FIELD_NUMBER: _ClassVar[int]
@@ -154,6 +156,7 @@ class AttendPrefillRequest(_message.Message):
     V_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     RETURN_BLOCK_MASS_FIELD_NUMBER: _ClassVar[int]
+    QUERY_POSITION_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     layer: int
     q: Tensor
@@ -161,7 +164,8 @@ class AttendPrefillRequest(_message.Message):
     v: Tensor
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     return_block_mass: bool
-    def __init__(self, seq_id: _Optional[str] = ..., layer: _Optional[int] = ..., q: _Optional[_Union[Tensor, _Mapping]] = ..., k: _Optional[_Union[Tensor, _Mapping]] = ..., v: _Optional[_Union[Tensor, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ..., return_block_mass: _Optional[bool] = ...) -> None: ...
+    query_position: int
+    def __init__(self, seq_id: _Optional[str] = ..., layer: _Optional[int] = ..., q: _Optional[_Union[Tensor, _Mapping]] = ..., k: _Optional[_Union[Tensor, _Mapping]] = ..., v: _Optional[_Union[Tensor, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ..., return_block_mass: _Optional[bool] = ..., query_position: _Optional[int] = ...) -> None: ...
 
 class AttendPrefillBatchRequest(_message.Message):
     __slots__ = ("seq_ids", "layer", "num_tokens", "q", "k", "v", "token_ids")
