@@ -13,19 +13,27 @@ enters when its last holder releases it, leaves when a prefix hit revives it; `t
 - wtinylfu  W-TinyLFU (Einziger et al., Caffeine): a 1% LRU window, then an SLRU main whose
             admission compares the window's victim with main's by access frequency (a counter
             per key, halved every 10x the pool's accesses).
+- deadpred  an online dead-block predictor (this repo's, issue #19): it learns from what the
+            cache sees which releases are wanted again (see DeadPredPolicy) and evicts the blocks
+            least likely to be, in a virtual time that ages every prediction out.
 - deadfirst an oracle, not an online policy: LRU that first evicts blocks whose key is never
             wanted again (the replay tells it), so it bounds what perfect dead-block prediction
             (a conversation's last turn, a one-shot document) would give LRU.
 
-They are pure Python (OrderedDicts), so their speed says nothing; their hit rates are what
-bench.hitrate compares. None beat SLRU by more than noise where SLRU beats LRU, and each loses to
-LRU by more than 1% somewhere (bench/README, "Eviction policies").
+- turnoracle deadpred told each request's true turn number in its conversation and, per turn,
+            the share of conversations that end there (the workload's own, in hindsight): what
+            knowing a conversation's turn count would give that ranking.
+
+They are pure Python (OrderedDicts, heaps), so their speed says nothing; their hit rates are what
+bench.hitrate compares (bench/README, "Eviction policies").
 """
 
 from __future__ import annotations
 
+import math
 import sys
 from collections import OrderedDict, deque
+from collections.abc import Hashable
 
 from pagedkv.cache_node.eviction import EvictionPolicy, HeapPolicy
 
@@ -318,4 +326,138 @@ class DeadFirstPolicy(BeladyPolicy):
         return not uses  # now dead: priority 0
 
 
-CANDIDATES = {"s3fifo": S3FIFOPolicy, "arc": ARCPolicy, "wtinylfu": WTinyLFUPolicy}
+class DeadPredPolicy(HeapPolicy):
+    """Evicts the blocks least likely to be wanted again, as learned online from the cache's own opens.
+
+    What it observes: each open's full-block keys in prompt order (`observe_open`, which the
+    replay calls after the manager's open, as the node's open would), the pool's block -> key
+    list, and releases (`add`). Nothing else: no conversation ids, no future.
+
+    A release is labelled by the request that made it, in a bucket: the request's chain depth
+    (1 + the depth of the request that first published its deepest known key: a conversation's
+    turn number, a one-shot prompt's 1 or 2) for its own blocks, and one class per depth for
+    the blocks up to the deepest branch point it passes (a key seen followed by two different
+    keys: a shared prefix). A later open that wants any key a release last held marks that
+    release alive; p(bucket) = (alive + 1) / (released + 2). Keys are remembered for `memory`
+    times the pool's blocks after they were first published (evicted ones too), so a request
+    that comes back after its blocks were evicted still teaches the predictor.
+
+    Rank: a block's release is placed at virtual time now + gap * logit(p), clamped to
+    +-`clamp`, where gap is the mean number of requests between a release and its first reuse
+    (the posterior that a block is alive after waiting falls as exp(-age / gap) for memoryless
+    returns, so that order is the posterior's order; 50 requests is the prior gap); the earliest
+    virtual time goes first, release order among equals. LRU is the special case p constant.
+    """
+
+    name = "deadpred"
+
+    def __init__(self, clamp: float = 4.0, memory: int = 8) -> None:
+        super().__init__()
+        self._clamp, self._memory = clamp, memory
+        self._key_of: list[bytes | None] = []
+        self._creator: OrderedDict[bytes, int] = OrderedDict()  # key -> request that published it
+        self._holder: dict[bytes, int] = {}  # key -> label of the latest release that held it
+        self._child: dict[bytes, bytes] = {}  # key -> the first key seen after it
+        self._branch: set[bytes] = set()  # keys seen followed by two different keys
+        self._depth: list[int] = []  # per request
+        self._labels: list[tuple[Hashable, int, bool]] = []  # (bucket, opened at, wanted again)
+        self._alive: dict[Hashable, int] = {}
+        self._released: dict[Hashable, int] = {}
+        self._gap_sum, self._gap_n = 0.0, 0
+        self._now = 0  # opens so far
+
+    def bind_keys(self, key_of: list[bytes | None]) -> None:
+        self._key_of = key_of
+
+    def _bucket(self, depth: int) -> Hashable:
+        return min(depth, 16)
+
+    def p(self, bucket: Hashable) -> float:
+        """The learned chance that a release in `bucket` is wanted again."""
+        return (self._alive.get(bucket, 0) + 1) / (self._released.get(bucket, 0) + 2)
+
+    def _label(self, bucket: Hashable) -> int:
+        self._labels.append((bucket, self._now, False))
+        self._released[bucket] = self._released.get(bucket, 0) + 1
+        return len(self._labels) - 1
+
+    def observe_open(self, keys: list[bytes]) -> None:
+        """An open of a prompt whose full blocks have these keys (the node computes them)."""
+        self._now += 1
+        creator, holder = self._creator, self._holder
+        known = 0
+        while known < len(keys) and keys[known] in creator:
+            known += 1
+        for label in {holder[k] for k in keys[:known] if k in holder}:
+            bucket, opened, alive = self._labels[label]
+            if not alive:
+                self._labels[label] = (bucket, opened, True)
+                self._alive[bucket] = self._alive.get(bucket, 0) + 1
+                self._gap_sum += self._now - opened
+                self._gap_n += 1
+        depth = self._depth[creator[keys[known - 1]]] + 1 if known else 1
+        request = len(self._depth)
+        self._depth.append(depth)
+        shared = 0
+        for i in range(min(known, len(keys) - 1)):
+            key, after = keys[i], keys[i + 1]
+            if key in self._branch or self._child.setdefault(key, after) != after:
+                self._branch.add(key)
+                shared = i + 1
+        own = self._label(self._bucket(depth))
+        prefix = self._label(("shared", min(depth, 16))) if shared else own
+        for i, key in enumerate(keys):
+            holder[key] = prefix if i < shared else own
+        for key in keys[known:]:
+            creator[key] = request
+        while len(creator) > self._memory * max(1, len(self._key_of)):
+            key = creator.popitem(last=False)[0]
+            holder.pop(key, None)
+            self._child.pop(key, None)
+            self._branch.discard(key)
+
+    def _priority(self, block: int) -> float:
+        key = self._key_of[block]
+        label = self._holder.get(key) if key is not None else None
+        p = self.p(self._labels[label][0]) if label is not None else 0.5
+        logit = max(-self._clamp, min(self._clamp, math.log(p / (1 - p))))
+        return self._now + (self._gap_sum + 50.0) / (self._gap_n + 1) * logit
+
+
+class TurnOraclePolicy(DeadPredPolicy):
+    """deadpred whose buckets are the requests' true turn numbers (conversation ids the node does
+    not see) and whose p is, per turn, the share of conversations that go on past it (hindsight):
+    the most a turn-count predictor could know, under the same ranking."""
+
+    name = "turnoracle"
+
+    def __init__(self, conversations: list[int | None]) -> None:
+        super().__init__()
+        turns: dict[int, int] = {}
+        self._turn: list[int] = []
+        for i, c in enumerate(conversations):
+            conv = c if c is not None else -1 - i
+            turns[conv] = turns.get(conv, 0) + 1
+            self._turn.append(turns[conv])
+        reached: dict[int, int] = {}
+        for n in turns.values():
+            for t in range(1, n + 1):
+                reached[t] = reached.get(t, 0) + 1
+        self._goes_on = {t: reached.get(t + 1, 0) / reached[t] for t in reached}
+
+    def _bucket(self, depth: int) -> Hashable:
+        return ("turn", self._turn[self._now - 1])
+
+    def p(self, bucket: Hashable) -> float:
+        if isinstance(bucket, tuple) and bucket[0] == "turn":
+            assert isinstance(bucket[1], int)
+            return min(max(self._goes_on[bucket[1]], 1e-6), 1 - 1e-6)
+        return super().p(bucket)
+
+
+CANDIDATES = {
+    "s3fifo": S3FIFOPolicy,
+    "arc": ARCPolicy,
+    "wtinylfu": WTinyLFUPolicy,
+    "deadpred": DeadPredPolicy,
+}

@@ -2,7 +2,7 @@
 the offline optimum. Deterministic (no timing), so the numbers do not depend on the machine.
 
     python -m bench.hitrate [--quick] [--workloads trace16,trace1000-16,chat-issue,...]
-                            [--policies lru,lfu,slru,s3fifo,arc,wtinylfu]
+                            [--policies lru,lfu,slru,s3fifo,arc,wtinylfu,deadpred] [--stem NAME]
 
 Workloads: the Mooncake trace with its 512-token hash ids as the block unit (trace, trace1000:
 the first 1,000 requests) and with 16-token blocks as the issue measured it (trace16,
@@ -18,8 +18,9 @@ running ones to finish. The hit rate is cached prompt tokens over prompt tokens 
 token is always computed). `belady` is the offline optimum of the same replay: it evicts the
 evictable block whose key is next wanted furthest in the future (running requests' blocks
 pinned, as for every policy); `deadfirst` an oracle that only knows which keys are never wanted
-again (LRU otherwise); `ideal` is an unbounded pool; `+host` LRU with a host tier as large as
-the pool. s3fifo, arc and wtinylfu are bench/eviction_candidates.py. Writes
+again (LRU otherwise); `turnoracle` deadpred told each request's true turn number and each
+turn's share of conversations that go on; `ideal` is an unbounded pool; `+host` LRU with a host
+tier as large as the pool. s3fifo, arc, wtinylfu and deadpred are bench/eviction_candidates.py. Writes
 bench/results/hitrate.{json,md,png}.
 """
 
@@ -35,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench import plots
-from bench.eviction_candidates import CANDIDATES, BeladyPolicy, DeadFirstPolicy
+from bench.eviction_candidates import CANDIDATES, BeladyPolicy, DeadFirstPolicy, TurnOraclePolicy
 from bench.workloads import TRACE_BLOCK_TOKENS, ChatShape, Request, chat_requests, trace_requests
 from pagedkv.cache_node.eviction import EvictionPolicy
 from pagedkv.cache_node.kv_manager import KVCacheManager
@@ -43,7 +44,7 @@ from pagedkv.cache_node.kv_manager import KVCacheManager
 ROOT = Path(__file__).resolve().parents[1]
 HINTED = "+end"  # a policy name with this suffix: closes carry the end-of-conversation hint
 POLICIES = ["lru", "lfu", "slru", *CANDIDATES, "lru+end"]
-ORACLES = ["belady", "deadfirst"]
+ORACLES = ["belady", "deadfirst", "turnoracle"]
 CHAT_ISSUE = ChatShape(active=40, turns=(5, 18), document_every=0)
 
 
@@ -88,9 +89,12 @@ def replay(
         oracle = BeladyPolicy(wanted)
     elif policy == "deadfirst":
         oracle = DeadFirstPolicy(wanted)
+    elif policy == "turnoracle":
+        policy = TurnOraclePolicy([r.conversation for r in w.requests])
     elif isinstance(policy, str) and policy in CANDIDATES:
         policy = CANDIDATES[policy]()
     chosen = policy if oracle is None else oracle
+    observe = getattr(chosen, "observe_open", None)  # a policy that learns from opens (deadpred)
     mgr = KVCacheManager(num_blocks, bs, policy=chosen, num_host_blocks=num_host_blocks)  # type: ignore[arg-type]
     device = mgr.device
     running: deque[int] = deque()
@@ -106,6 +110,8 @@ def replay(
             oracle.advance(wanted[i], device.block_of_key)
         rid = str(i)
         cached = mgr.open(rid, r.tokens).num_cached_tokens
+        if observe is not None:
+            observe(mgr.block_keys(r.tokens))
         mgr.reserve(rid, r.tokens[cached:])
         running.append(i)
         hit += cached
@@ -169,14 +175,15 @@ def markdown(results: dict, policies: list[str]) -> str:
         "# Prefix hit rate by eviction policy (bench/hitrate.py)",
         "",
         "Deterministic replay through KVCacheManager. belady: the offline optimum, running requests pinned;"
-        " deadfirst: LRU that knows which keys are never wanted again; +host: LRU with a host tier of"
+        " deadfirst: LRU that knows which keys are never wanted again; turnoracle: deadpred told the"
+        " true turn numbers and each turn's chance to go on; +host: LRU with a host tier of"
         " the pool's size (device + host hits).",
         "",
         "| workload | pool blocks | "
         + " | ".join(policies)
-        + " | belady | deadfirst | +host | best online / belady | lru / belady | best online vs lru"
-        + " | ideal |",
-        "|---|---:|" + "---:|" * (len(policies) + 7),
+        + " | belady | deadfirst | turnoracle | +host | best online / belady | lru / belady"
+        + " | best online vs lru | ideal |",
+        "|---|---:|" + "---:|" * (len(policies) + 8),
     ]
     for name, row in results.items():
         for pool, cell in row["pools"].items():
@@ -186,7 +193,8 @@ def markdown(results: dict, policies: list[str]) -> str:
             lines.append(
                 f"| {name} | {pool} | "
                 + " | ".join(f"{cell[p]:.4f}" for p in policies)
-                + f" | {opt:.4f} | {cell['deadfirst']:.4f} | {host} | {best / opt:.2f} | {lru / opt:.2f}"
+                + f" | {opt:.4f} | {cell['deadfirst']:.4f} | {cell['turnoracle']:.4f} | {host}"
+                f" | {best / opt:.2f} | {lru / opt:.2f}"
                 f" | {best / lru - 1 if lru else 0.0:+.1%} | {row['ideal']:.4f} |"
             )
     return "\n".join(lines) + "\n"
@@ -224,13 +232,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--policies", default=",".join(POLICIES))
     p.add_argument("--quick", action="store_true", help="small sizes (a smoke run)")
     p.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    p.add_argument("--stem", help="output file names (default: hitrate, or hitrate_quick)")
     args = p.parse_args(argv)
     policies = args.policies.split(",")
     start = time.perf_counter()
     results = run(args.workloads.split(","), policies, args.quick)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = "hitrate_quick" if args.quick else "hitrate"
+    stem = args.stem or ("hitrate_quick" if args.quick else "hitrate")
     (out / f"{stem}.json").write_text(json.dumps(results, indent=1))
     (out / f"{stem}.md").write_text(markdown(results, policies))
     plot(results, policies, out / f"{stem}.png")
