@@ -53,6 +53,7 @@ from ..protos.errors import (
 )
 from ..protos.tickets import (
     RIGHT_ADMIN,
+    RIGHT_WRITE,
     ClusterKeys,
     Ticket,
     Verifier,
@@ -285,6 +286,15 @@ class Gate:
                 f"{method}: node {self.node_id!r} serves a cluster; only its coordinator may call it "
                 "(direct mode is refused: open, fork and close sequences through the coordinator)"
             )
+
+    def require_free(self, creds: Credentials, seq_id: str) -> None:
+        """Free: the coordinator's ADMIN ticket (as every control rpc), or in a cluster the
+        sequence's own ticket with WRITE (the worker closing it frees it first, so its close
+        hears a loss from the node): checked as a data call, fenced and lost answers included."""
+        if creds.is_owner or creds.admin is not None or self.mode != CLUSTER:
+            self.require_admin(creds, "Free")
+            return
+        self.require(creds, [seq_id], RIGHT_WRITE, "Free")
 
     def require(self, creds: Credentials, seq_ids: Sequence[str], rights: int, method: str) -> None:
         """Every sequence named needs a live ticket with `rights` (the coordinator's

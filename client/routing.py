@@ -243,8 +243,18 @@ class CoordinatorRouting:
         request = pb.CoordExtendRequest(seq_id=seq_id, num_tokens=num_tokens, attention=attention)
         return _routes(self._call("Extend", request, timeout_s))
 
-    def close(self, seq_id: str, timeout_s: float | None = None, keep_prefix: int | None = None) -> None:
-        self._call("Close", pb.CoordSeqRequest(seq_id=seq_id, keep_prefix=keep_prefix), timeout_s)
+    def close(
+        self,
+        seq_id: str,
+        timeout_s: float | None = None,
+        keep_prefix: int | None = None,
+        *,
+        freed_extents: int = 0,
+    ) -> None:
+        """Drop the page table; freed_extents: the worker freed the sequence on the nodes of
+        its first that many extents already (client/closing.py), the coordinator frees the rest."""
+        request = pb.CoordSeqRequest(seq_id=seq_id, keep_prefix=keep_prefix, freed_extents=freed_extents)
+        self._call("Close", request, timeout_s)
 
     def swap_out(self, seq_id: str, timeout_s: float | None = None) -> int:
         return self._call("SwapOut", pb.CoordSeqRequest(seq_id=seq_id), timeout_s).num_blocks
