@@ -15,7 +15,8 @@ Modes (NodeTrust):
   Ping and CheckIntegrity needs it (gRPC `authorization` metadata, or AUTH);
 - cluster: a node serving a cluster with the cluster secret: the control rpcs
   need its coordinator's ADMIN ticket for this node's registration (direct mode
-  is refused: no worker chooses a salt), data calls a ticket per sequence.
+  is refused: no worker chooses a salt), data calls a ticket per sequence; Free
+  takes either (a worker's close frees its sequence itself: `require_free`).
 
 Fencing (Chubby/etcd leases with fencing tokens): a node in a cluster holds a lease
 that its link renews with every heartbeat. Once it cannot prove the lease is live
@@ -290,11 +291,18 @@ class Gate:
     def require_free(self, creds: Credentials, seq_id: str) -> None:
         """Free: the coordinator's ADMIN ticket (as every control rpc), or in a cluster the
         sequence's own ticket with WRITE (the worker closing it frees it first, so its close
-        hears a loss from the node): checked as a data call, fenced and lost answers included."""
-        if creds.is_owner or creds.admin is not None or self.mode != CLUSTER:
-            self.require_admin(creds, "Free")
+        hears a loss from the node): checked as a data call, fenced and lost answers included.
+        A node without a cluster secret cannot tell the two callers apart: it answers every
+        Free as a data call (a coordinator's refused Free is retried, then reconciliation's)."""
+        if self.mode == CLUSTER and not creds.is_owner and creds.admin is None:
+            self.require(creds, [seq_id], RIGHT_WRITE, "Free")
             return
-        self.require(creds, [seq_id], RIGHT_WRITE, "Free")
+        if self.mode == OPEN:
+            if self._lease_deadline is not None:
+                self.check_lease()
+            if self._lost:
+                self._check_lost([seq_id])
+        self.require_admin(creds, "Free")
 
     def require(self, creds: Credentials, seq_ids: Sequence[str], rights: int, method: str) -> None:
         """Every sequence named needs a live ticket with `rights` (the coordinator's
