@@ -405,9 +405,11 @@ def reads_back(seq) -> bool:
         return False
 
 
-def assert_lost_everywhere(held: list, node_id: str, *, on_close: bool = True) -> None:
-    """Each held sequence answers SequenceLost naming the node on a data call and, when the
-    store kept its page table (on_close), on close; a second close succeeds."""
+def assert_lost_everywhere(held: list, node_id: str) -> None:
+    """Each held sequence answers SequenceLost naming the node on a data call and on close
+    (the page table says so, or the node itself: its close frees on the node first, and a
+    node that came back empty remembers what it lost, even when the store forgot it); a
+    second close succeeds (the handle is closed, the record gone)."""
     for seq in held:
         deadline = time.monotonic() + 2 * LEASE_S
         while True:
@@ -420,9 +422,8 @@ def assert_lost_everywhere(held: list, node_id: str, *, on_close: bool = True) -
             except Unavailable:  # fenced, not yet re-registered
                 assert time.monotonic() < deadline, f"{seq.seq_id}: Unavailable for {2 * LEASE_S}s"
                 time.sleep(0.2)
-        if on_close:
-            with pytest.raises(SequenceLost, match=node_id):
-                seq.close()
+        with pytest.raises(SequenceLost, match=node_id):
+            seq.close()
         seq.close()  # the record is gone with the report: a second close succeeds
 
 
