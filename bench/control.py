@@ -87,6 +87,7 @@ from bench.control_setup import (
 )
 from bench.revisions import import_root
 from pagedkv.client import channels
+from pagedkv.client.config import ClientConfig
 from pagedkv.client.sync import CacheClient
 from pagedkv.cluster import free_port
 from pagedkv.coordinator.records import NewSequence, NodeRoom
@@ -154,6 +155,10 @@ def run(cluster: BenchCluster, args: argparse.Namespace, systems, prompts, sourc
     spec = ModelSpec(**NODE.spec())
     bs = NODE.block_size
     client = CacheClient(coordinator=cluster.current_address, spec=spec)
+    # the same code with the coordinator sending the node Open (the default before fe0b7a3)
+    coord_opens = CacheClient(
+        coordinator=cluster.current_address, spec=spec, config=ClientConfig(worker_opens=False)
+    )
     base = CacheClient(coordinator=cluster.baseline_address, spec=spec) if cluster.baseline_address else None
     if base is not None:
         with_previous_token_lists(base)
@@ -222,6 +227,14 @@ def run(cluster: BenchCluster, args: argparse.Namespace, systems, prompts, sourc
         t2 = time.perf_counter()
         cached_seen[seq.num_cached_tokens] += 1
         return {"open": t1 - t0, "close": t2 - t1, "open+close": t2 - t0}
+
+    def v_open_close_coord(p: list[int]) -> dict[str, float]:
+        sid = f"oo-{next(it)}"
+        t0 = time.perf_counter()
+        seq = coord_opens.open(sid, p)
+        t1 = time.perf_counter()
+        seq.close()
+        return {"open_coord": t1 - t0, "close_coord": time.perf_counter() - t1}
 
     def v_open_close_base(p: list[int]) -> dict[str, float]:
         assert base is not None
@@ -382,6 +395,7 @@ def run(cluster: BenchCluster, args: argparse.Namespace, systems, prompts, sourc
 
     variants = [
         v_open_close,
+        v_open_close_coord,
         v_open_append,
         v_lookup,
         v_health,
@@ -484,6 +498,7 @@ def run(cluster: BenchCluster, args: argparse.Namespace, systems, prompts, sourc
     store.close()
     r_cand.close()
     client.close()
+    coord_opens.close()
     if base is not None:
         base.close()
     r.close()

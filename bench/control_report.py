@@ -122,7 +122,12 @@ def render(r: dict) -> str:
         row(
             "**open** (CacheClient.open)",
             "open",
-            "RPC to coordinator: keys + open_sequence (1 Redis round trip); node Open sent after the script, not awaited",
+            "RPC to coordinator: keys + open_sequence (1 Redis round trip); the worker sends the node Open it answers (signed), not awaited",
+        ),
+        row(
+            "open, the coordinator sending the node Open (`worker_opens=False`)",
+            "open_coord",
+            "the same, but the node Open sent by the coordinator after the script",
         ),
         row(
             "**close** (Sequence.close)",

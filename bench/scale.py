@@ -46,7 +46,7 @@ import numpy as np
 
 from bench import plots
 from bench.control_redis import script_names, slowlog_entries
-from bench.scale_cluster import SPEC, FakeNodes, ScaleCluster, cpu_s
+from bench.scale_cluster import SPEC, FakeNodes, ScaleCluster, cpu_s, thread_cpu_s
 from pagedkv.coordinator.redis_store import RedisStore
 from pagedkv.protos import pagedkv_pb2 as pb
 from pagedkv.protos.keys import chain_keys, root_key
@@ -143,6 +143,9 @@ def close_retrying(stub: Any, seq_id: str, freed_extents: int = 0) -> int:
     raise RuntimeError(f"close of {seq_id} still UNAVAILABLE after 100 tries")
 
 
+MODES = ("coordinator", "worker")  # who sends the node Open (CoordOpenRequest.worker_opens)
+
+
 def measure_opens(
     cluster: ScaleCluster,
     window: Window,
@@ -150,41 +153,72 @@ def measure_opens(
     prompt: list[int],
     num_opens: int,
     tag: str,
+    rounds: int = 4,
     freed_extents: int = 0,
-) -> dict[str, Any]:
-    open_ms, close_ms = [], []
-    hits = 0  # opens placed on the node holding the prompt (placement's balance bound sends some elsewhere)
-    unavailable = 0  # closes answered UNAVAILABLE (their node's beat was late: a suspect), then retried
-    cluster.redis.execute_command("SLOWLOG", "RESET")
-    start = window.sample()
-    for i in range(num_opens):
-        stub = cluster.stubs[i % len(cluster.stubs)]
-        tokens = prompt + [1_000_000 + i] * BLOCK + [7]  # a unique block after the shared prompt
-        seq_id = f"{tag}-{i}"
-        t0 = time.perf_counter()
-        reply = stub.Open(pb.CoordOpenRequest(seq_id=seq_id, token_ids=tokens), timeout=60)
-        t1 = time.perf_counter()
-        unavailable += close_retrying(stub, seq_id, freed_extents)
-        t2 = time.perf_counter()
-        open_ms.append((t1 - t0) * 1e3)
-        close_ms.append((t2 - t1) * 1e3)
-        hits += reply.num_cached_tokens == len(prompt)
-    raw_s, coord_s, redis_s = window.since(start)
-    us = script_us(cluster, names)
-    return {
-        "opens": num_opens,
-        "hit_share": hits / num_opens,
-        "open_p50_ms": pct(open_ms, 50),
-        "open_p99_ms": pct(open_ms, 99),
-        "close_p50_ms": pct(close_ms, 50),
-        "closes_unavailable": unavailable,
-        "open_script_p50_us": pct(us.get("open_seq", []), 50),
-        "open_script_max_us": max(us.get("open_seq", [0])),
-        "delete_script_p50_us": pct(us.get("delete_seq", []), 50),
-        "coord_cpu_per_open_close_ms": coord_s / num_opens * 1e3,
-        "coord_cpu_raw_per_open_close_ms": raw_s / num_opens * 1e3,  # heartbeats meanwhile included
-        "redis_cpu_per_open_close_ms": redis_s / num_opens * 1e3,
+) -> dict[str, dict[str, Any]]:
+    """Opens and closes of the prompt in each mode, the modes alternating in `rounds`
+    rounds so that load drifts hit both alike; each mode's figures over all its rounds."""
+    acc: dict[str, dict[str, Any]] = {
+        m: {"open_ms": [], "close_ms": [], "hits": 0, "unavailable": 0, "raw_s": 0.0, "coord_s": 0.0}
+        | {"redis_s": 0.0, "threads": {}, "scripts": {}, "n": 0, "first_n": 0}
+        for m in MODES
     }
+    per_round = max(1, num_opens // rounds)
+    for _ in range(rounds):
+        for mode in MODES:
+            a = acc[mode]
+            cluster.redis.execute_command("SLOWLOG", "RESET")
+            first = cluster.coordinator_pids()[0]
+            threads0 = thread_cpu_s(first)
+            start = window.sample()
+            for i in range(per_round):
+                n = a["n"] + i
+                stub = cluster.stubs[n % len(cluster.stubs)]
+                a["first_n"] += n % len(cluster.stubs) == 0
+                tokens = prompt + [1_000_000 + n] * BLOCK + [7]  # a unique block after the shared prompt
+                seq_id = f"{tag}-{mode}-{n}"
+                t0 = time.perf_counter()
+                req = pb.CoordOpenRequest(seq_id=seq_id, token_ids=tokens, worker_opens=mode == "worker")
+                reply = stub.Open(req, timeout=60)
+                if mode == "worker":  # as CacheClient does: the node Open, then open() returns
+                    cluster.stub_node.OpenSigned(reply.node_open, timeout=60)
+                t1 = time.perf_counter()
+                a["unavailable"] += close_retrying(stub, seq_id, freed_extents)
+                t2 = time.perf_counter()
+                a["open_ms"].append((t1 - t0) * 1e3)
+                a["close_ms"].append((t2 - t1) * 1e3)
+                a["hits"] += reply.num_cached_tokens == len(prompt)
+            raw_s, coord_s, redis_s = window.since(start)
+            a["raw_s"] += raw_s
+            a["coord_s"] += coord_s
+            a["redis_s"] += redis_s
+            a["n"] += per_round
+            for k, v in thread_cpu_s(first).items():
+                a["threads"][k] = a["threads"].get(k, 0.0) + v - threads0.get(k, 0.0)
+            for k, v in script_us(cluster, names).items():
+                a["scripts"].setdefault(k, []).extend(v)
+    out = {}
+    for mode, a in acc.items():
+        n, us = a["n"], a["scripts"]
+        out[mode] = {
+            "opens": n,
+            "hit_share": a["hits"] / n,
+            "open_p50_ms": pct(a["open_ms"], 50),
+            "open_p99_ms": pct(a["open_ms"], 99),
+            "close_p50_ms": pct(a["close_ms"], 50),
+            "closes_unavailable": a["unavailable"],
+            "open_script_p50_us": pct(us.get("open_seq", []), 50),
+            "open_script_max_us": max(us.get("open_seq", [0])),
+            "delete_script_p50_us": pct(us.get("delete_seq", []), 50),
+            "coord_cpu_per_open_close_ms": a["coord_s"] / n * 1e3,
+            "coord_cpu_raw_per_open_close_ms": a["raw_s"] / n * 1e3,  # heartbeats meanwhile included
+            "redis_cpu_per_open_close_ms": a["redis_s"] / n * 1e3,
+            # the first coordinator's CPU by thread role (beats included), per open+close it served
+            "coord_thread_ms": {
+                k: v / max(1, a["first_n"]) * 1e3 for k, v in sorted(a["threads"].items()) if v > 0
+            },
+        }
+    return out
 
 
 def measure_events(
@@ -233,13 +267,15 @@ def run_point(
             nodes.report(0, chain_keys(root_key(salt), prompt, BLOCK), 4096)
             num_opens = max(10, min(args.opens, args.opens * 8192 // tokens))
             freed = 0 if args.coordinator_frees else 1
-            result = measure_opens(cluster, window, names, prompt, num_opens, f"p{tokens}", freed)
-            point["prompts"][tokens] = result
-            log(
-                f"  prompt {tokens:>6}: open p50 {result['open_p50_ms']:.2f} ms, script p50 "
-                f"{result['open_script_p50_us']:.0f} us, coordinator CPU/open+close "
-                f"{result['coord_cpu_per_open_close_ms']:.2f} ms"
-            )
+            both = measure_opens(cluster, window, names, prompt, num_opens, f"p{tokens}", freed_extents=freed)
+            point["prompts"][tokens] = both["worker"]  # the client's default
+            point.setdefault("prompts_coordinator_opens", {})[tokens] = both["coordinator"]
+            for mode, result in both.items():
+                log(
+                    f"  prompt {tokens:>6}, {mode} sends the node Open: open p50 "
+                    f"{result['open_p50_ms']:.2f} ms, script p50 {result['open_script_p50_us']:.0f} us, "
+                    f"coordinator CPU/open+close {result['coord_cpu_per_open_close_ms']:.2f} ms"
+                )
         point["events"] = measure_events(cluster, nodes, window, names, args.seed + 1)
         log(f"  events: {point['events']}")
         counters = [cluster.counters(i) for i in range(coordinators)]
@@ -272,6 +308,25 @@ def render(r: dict[str, Any]) -> str:
                 f"{o['coord_cpu_per_open_close_ms']:.2f} ({o['coord_cpu_raw_per_open_close_ms']:.2f}) | "
                 f"{o['redis_cpu_per_open_close_ms']:.3f} | {o.get('closes_unavailable', 0)} |"
             )
+    lines += [
+        "",
+        "Who sends the node Open (rounds alternating): the worker (the client's default, above) or the coordinator.",
+        "CPU by thread is the first coordinator's per open+close it served (ms, beats included).",
+        "",
+        "| nodes | coords | prompt | node Open from | coord CPU / open+close ms | open p50 ms | by thread |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for p in r["points"]:
+        for tokens, worker in p["prompts"].items():
+            coordinator = p.get("prompts_coordinator_opens", {}).get(tokens)
+            for mode, o in (("worker", worker), ("coordinator", coordinator)):
+                if o is None:
+                    continue
+                split = ", ".join(f"{k} {v:.2f}" for k, v in o.get("coord_thread_ms", {}).items())
+                lines.append(
+                    f"| {p['nodes']} | {p['coordinators']} | {int(tokens):,} | {mode} | "
+                    f"{o['coord_cpu_per_open_close_ms']:.2f} | {o['open_p50_ms']:.2f} | {split} |"
+                )
     lines += [
         "",
         "| nodes | coords | register s | reaped | held reaps | beats refused | coord CPU / beat us | coord CPU / event, batch 1 us | batch 256 us | apply_events p50 us, batch 1 / 256 | Redis MB |",

@@ -41,6 +41,10 @@ class StubNode(pb_grpc.CacheNodeServicer):
         self.num_opens += 1
         return pb.OpenResponse(num_cached_tokens=request.expect_cached_tokens)
 
+    def OpenSigned(self, request: pb.SignedOpen, context: grpc.ServicerContext) -> pb.OpenResponse:
+        """The Open a worker carries (CoordOpenRequest.worker_opens): parsed, not checked."""
+        return self.Open(pb.OpenRequest.FromString(request.order), context)
+
     def Free(self, request: pb.SeqRequest, context: grpc.ServicerContext) -> pb.Empty:
         self.num_frees += 1
         return pb.Empty()
@@ -50,6 +54,23 @@ def cpu_s(pid: int) -> float:
     """User + system CPU seconds of a process so far (/proc/<pid>/stat)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def thread_cpu_s(pid: int) -> dict[str, float]:
+    """CPU seconds of a process's threads so far, summed by role: the OS thread name
+    without its pool index ("grpc-handler_3" -> "grpc-handler"); the coordinator names
+    its threads (protos.serving.name_os_thread), gRPC's own are "event_engine", and
+    "python" is what nobody named (the gRPC server's poll loop, the main thread)."""
+    out: dict[str, float] = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            name = (task / "comm").read_text().strip().rstrip("0123456789").rstrip("_-")
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # the thread ended meanwhile
+            continue
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
 
 
 class ScaleCluster:
@@ -82,6 +103,7 @@ class ScaleCluster:
         pb_grpc.add_CacheNodeServicer_to_server(self.stub, self.stub_server)
         self.stub_address = f"127.0.0.1:{self.stub_server.add_insecure_port('127.0.0.1:0')}"
         self.stub_server.start()
+        self.stub_node = pb_grpc.CacheNodeStub(grpc.insecure_channel(self.stub_address))  # a worker's
         self.coordinators: list[tuple[subprocess.Popen[bytes], str]] = []
         for i in range(coordinators):
             address = f"127.0.0.1:{free_port()}"

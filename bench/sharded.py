@@ -7,7 +7,10 @@ nodes (extents of L/E tokens, made by `max_extent_tokens`), each decoded step by
 interleaved so load drifts hit them alike. "2 nodes, one by one" sends the same calls
 without the client's threads: what the parallel attends save.
 
-    python -m bench.sharded [--length 8192] [--steps 60] [--smoke] [--out DIR]
+    python -m bench.sharded [--length 8192] [--steps 60] [--smoke] [--out DIR] [--window W]
+
+--window W opens every sequence with a sliding window of W tokens on every layer: the client
+attends only the extents the window reaches (the others are skipped: client/extent_masks.py).
 
 Writes sharded.json (every step's time) and sharded.md (the table) into --out.
 """
@@ -27,7 +30,7 @@ from typing import Any
 import torch
 
 from bench.plots import pyplot, save
-from pagedkv.client import CacheClient, Sequence
+from pagedkv.client import CacheClient, LayerAttention, Sequence
 from pagedkv.cluster import LocalCluster, NodeOptions
 from pagedkv.protos.spec import ModelSpec
 
@@ -76,6 +79,7 @@ def main() -> None:
         default=0,
         help="torch threads per node process (OMP_NUM_THREADS; 0: torch's default, every core)",
     )
+    p.add_argument("--window", type=int, default=0, help="a sliding window on every layer (0: none)")
     args = p.parse_args()
     length, steps = (256, 4) if args.smoke else (args.length, args.steps)
     node = NodeOptions(
@@ -96,7 +100,8 @@ def main() -> None:
             seqs: dict[str, Sequence] = {}
             for extents in (1, 2, 3):
                 cap = -(-length // extents // 16) * 16
-                seq = client.open(f"len-{extents}", [0], max_extent_tokens=cap)
+                attention = [LayerAttention(window=args.window)] * node.num_layers if args.window else None
+                seq = client.open(f"len-{extents}", [0], max_extent_tokens=cap, attention=attention)
                 fill(seq, spec, length)
                 seq.max_extent_tokens = None  # decode grows the tail
                 assert len(seq.extents) == extents, seq.extents
@@ -104,13 +109,16 @@ def main() -> None:
             modes = [*seqs, "2 nodes, one by one"]
             times: dict[str, list[float]] = {m: [] for m in modes}
             pool = client.pool()
+            attends = dict.fromkeys(modes, 0)
             for i in range(steps + 5):
                 for mode in modes:
                     seq = seqs.get(mode, seqs["2 nodes"])
                     client._pool = Inline() if mode.endswith("one by one") else pool  # type: ignore[assignment]
+                    before = client.counters["sharded_attends"]
                     took = step(client, seq, spec, 100 + i)
                     if i >= 5:  # warm-up
                         times[mode].append(took)
+                        attends[mode] += client.counters["sharded_attends"] - before
             client._pool = pool
             for seq in seqs.values():
                 seq.close()
@@ -122,16 +130,19 @@ def main() -> None:
         f"decode step ({spec.num_layers} layers, {length} tokens, {Q_HEADS} q heads, "
         f"{node.num_kv_heads} kv heads, D {node.head_dim}), median of {steps}, load {load:.1f}, "
         f"torch threads per node: {args.node_threads or 'default'}"
+        + (f", window {args.window}" if args.window else "")
     )
-    lines = [title, "", "| mode | ms | x one node |", "|---|---|---|"]
+    lines = [title, "", "| mode | ms | x one node | node calls a layer |", "|---|---|---|---|"]
     print(title)
     for mode in modes:
         med = statistics.median(times[mode])
-        lines.append(f"| {mode} | {med * 1e3:.3f} | {med / base:.2f}x |")
-        print(f"  {mode:22s} {med * 1e3:8.3f} ms   {med / base:5.2f}x one node")
+        # sharded_attends counts the calls of steps over several nodes; a single call is not counted
+        calls = max(attends[mode] / (steps * spec.num_layers), 1.0)
+        lines.append(f"| {mode} | {med * 1e3:.3f} | {med / base:.2f}x | {calls:.1f} |")
+        print(f"  {mode:22s} {med * 1e3:8.3f} ms   {med / base:5.2f}x one node   {calls:.1f} calls a layer")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "sharded.md").write_text("\n".join(lines) + "\n")
-    raw = {"length": length, "steps": steps, "load": load, "seconds": times}
+    raw = {"length": length, "steps": steps, "load": load, "window": args.window, "seconds": times}
     (args.out / "sharded.json").write_text(json.dumps(raw, indent=1))
     plot(times, title, args.out / "sharded.png")
 

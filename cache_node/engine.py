@@ -116,6 +116,7 @@ class CacheEngine:
         max_cached_tokens: int | None = None,
         expect_cached_tokens: int | None = None,
         attention: Seq[LayerAttention] | None = None,
+        first_position: int = 0,
     ) -> OpenResult:
         """Create a sequence starting with the longest cached prefix of `token_ids`
         (see KVCacheManager.open). The caller appends the remaining tokens' KV.
@@ -126,11 +127,12 @@ class CacheEngine:
         the node holds fewer, evicted since the coordinator read its index). Such a
         failure is also kept as a tombstone, so the first data call on `seq_id`
         raises it instead of NOT_FOUND (await_sequence). `attention`: one LayerAttention per
-        layer (or None), kept for the sequence and its forks (windows.py)."""
+        layer (or None), kept for the sequence and its forks (windows.py); `first_position`:
+        a later extent's first token in the whole sequence, which its masks count from."""
         seq_id = seq_id_of(seq_id)
         want = expect_cached_tokens
         try:
-            spec = self.specs.check(attention)
+            spec = self.specs.check(attention, first_position)
             tokens = token_list(token_ids, f"open {seq_id!r}")
             limit = max_cached_tokens if want is None else want
             if want is not None and (type(want) is not int or not 0 <= want <= len(tokens)):
@@ -293,7 +295,7 @@ class CacheEngine:
                 empty = [sid for sid, seq in zip(ids, seqs, strict=True) if seq.cache_len == 0]
                 raise InvalidArgument(f"sequences {empty} hold no tokens to attend to")
             want_mass = return_block_mass or tracks_mass(self.manager.device.policy, seqs)
-            specs = self.specs.batch_specs(ids, layer)
+            specs = self.specs.batch_specs(ids, layer, seqs)
             if specs is None:
                 res = decode_trusted(
                     q,
@@ -325,11 +327,14 @@ class CacheEngine:
         token_ids: Seq[int] | None = None,
         *,
         return_block_mass: bool = False,
+        query_position: int | None = None,
     ) -> AttentionOutput:
         """n query tokens of one sequence (q [n, q_heads, head_dim]) attending
         causally to its cached prefix and to themselves. With k, v [n, kv_heads,
         head_dim] the n tokens are appended first (token_ids at layer 0, as in
-        attend_decode); without them q stands for the sequence's last n tokens."""
+        attend_decode); without them q stands for the sequence's last n tokens, or,
+        with `query_position`, for queries at that position of the whole sequence and
+        on, past every token this node holds (an earlier extent: windows.py)."""
         seq_id = seq_id_of(seq_id)
         layer = self._checks.layer(layer)
         s = self.spec
@@ -358,11 +363,16 @@ class CacheEngine:
                     self._io.write_layer(layer, table[pos // s.block_size], pos % s.block_size, k, v)
                 if layer == s.num_layers - 1:
                     self._layered.publish(self.manager, [seq_id])
-            if seq.cache_len < n:
+            first_query = None
+            if query_position is not None:
+                if k is not None:
+                    raise InvalidArgument("query_position is for queries without k and v")
+                first_query = self.specs.check_past(seq_id, layer, seq, query_position, n)
+            elif seq.cache_len < n:
                 raise InvalidArgument(
                     f"sequence {seq_id!r} holds {seq.cache_len} tokens, fewer than {n} queries"
                 )
-            if k is None:
+            elif k is None:
                 self.specs.check_queries(seq_id, layer, seq.num_tokens - n, seq.num_dropped_tokens)
             want_mass = return_block_mass or tracks_mass(self.manager.device.policy, [seq])
             if table is None:
@@ -376,6 +386,8 @@ class CacheEngine:
                 seq.cache_len,
                 return_block_mass=want_mass,
                 spec=spec,
+                position_base=self.specs.base(seq_id, seq),
+                first_query=first_query,
             )
             if want_mass and out.block_mass is not None:
                 credit_mass(self.manager.device.policy, [seq], out.block_mass.unsqueeze(0))

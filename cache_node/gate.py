@@ -45,6 +45,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 from ..protos.errors import (
+    FailedPrecondition,
     PagedKVError,
     PermissionDenied,
     SequenceLost,
@@ -59,6 +60,7 @@ from ..protos.tickets import (
     Ticket,
     Verifier,
     bearer_in,
+    check_order,
     tickets_in,
 )
 
@@ -303,6 +305,33 @@ class Gate:
             if self._lost:
                 self._check_lost([seq_id])
         self.require_admin(creds, "Free")
+
+    def check_order(
+        self, creds: Credentials, order: bytes, tag: bytes, node_id: str, epoch: int, expires_at: int
+    ) -> None:
+        """An open order a worker carries (OpenSigned): signed with the cluster secret for
+        this node's current registration, not expired. Without a secret the order is
+        taken as an Open (open mode) or needs the node's token (token mode); an order
+        for another registration is refused in every mode once this node registered."""
+        if self.mode == TOKEN:
+            self.require_admin(creds, "OpenSigned")
+        if self.mode == CLUSTER and self.epoch is None:
+            raise self._unregistered()
+        if self.epoch is not None and (node_id != self.node_id or epoch != self.epoch):
+            raise FailedPrecondition(
+                f"an open order for node {node_id!r} (registration {epoch}) reached node {self.node_id!r} "
+                f"(registration {self.epoch}): the node restarted or re-registered since; open again"
+            )
+        if self.mode != CLUSTER:
+            return
+        if expires_at < self._clock():
+            raise FailedPrecondition(
+                "the open order expired (it is sent on at once: clock skew?); open again"
+            )
+        if not check_order(self.trust.keys, order, tag, node_id, epoch, expires_at):  # type: ignore[arg-type]
+            raise Unauthenticated(
+                "open order not signed by this cluster's key (forged, altered, or another cluster's)"
+            )
 
     def require(self, creds: Credentials, seq_ids: Sequence[str], rights: int, method: str) -> None:
         """Every sequence named needs a live ticket with `rights` (the coordinator's

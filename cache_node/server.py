@@ -26,6 +26,7 @@ from typing import Any, NoReturn, TypeVar
 import grpc
 import numpy as np
 import torch
+from google.protobuf.message import DecodeError
 
 from ..protos import pagedkv_pb2 as pb
 from ..protos import pagedkv_pb2_grpc as pb_grpc
@@ -39,11 +40,12 @@ from ..protos.errors import (
 )
 from ..protos.serving import GrpcServer, build_server
 from ..protos.status import abort_details
-from ..protos.tickets import RIGHT_READ, RIGHT_WRITE
+from ..protos.tickets import RIGHT_READ, RIGHT_WRITE, unseal_salt
 from ..protos.tls import TlsConfig
 from .engine import CacheEngine
 from .gate import Credentials, Gate, NodeTrust
 from .metrics import NodeMetrics
+from .orders import OpenOrders, order_digest
 from .serve import BulkLimits, BulkServer, bulk_host
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["CacheNode"].full_name
@@ -58,6 +60,7 @@ class CacheNodeServicer(pb_grpc.CacheNodeServicer):
         self.gate = gate or Gate()
         self._spec = engine.spec
         self.bulk_port = 0  # advertised in Stats; set by create_server when the bulk channel is on
+        self._orders = OpenOrders()
 
     def _creds(self, context: grpc.ServicerContext) -> Credentials:
         return self.gate.from_metadata(context.invocation_metadata())
@@ -108,22 +111,46 @@ class CacheNodeServicer(pb_grpc.CacheNodeServicer):
     def Open(self, request: pb.OpenRequest, context: grpc.ServicerContext) -> pb.OpenResponse:
         def run() -> pb.OpenResponse:
             self._admin(context, "Open")
-            self.gate.opened(request.seq_id)
-            limit = request.max_cached_tokens if request.HasField("max_cached_tokens") else None
-            exact = request.expect_cached_tokens if request.HasField("expect_cached_tokens") else None
-            ids = np.asarray(request.token_ids)  # one C-level copy, not a Python list
-            max_blocks = request.max_blocks if request.HasField("max_blocks") else None
-            attention = from_messages(request.attention, self.engine.spec.num_layers)
-            res = self._with_allowance(
-                request.seq_id,
-                max_blocks,
-                lambda: self.engine.open(request.seq_id, ids, request.tenant_salt, limit, exact, attention),
-            )
-            return pb.OpenResponse(
-                num_cached_tokens=res.num_cached_tokens, num_host_hit_tokens=res.num_host_hit_tokens
-            )
+            return self._open(request)
 
         return self._observe("Open", context, run)
+
+    def OpenSigned(self, request: pb.SignedOpen, context: grpc.ServicerContext) -> pb.OpenResponse:
+        def run() -> pb.OpenResponse:
+            r = request
+            self.gate.check_order(self._creds(context), r.order, r.tag, r.node_id, r.epoch, r.expires_at)
+            digest = order_digest(r.order)
+            prior = self._orders.prior(digest, self.engine.manager.seqs.__contains__)
+            if prior is not None:  # the worker's retry after a lost reply
+                return prior
+            try:
+                order = pb.OpenRequest.FromString(r.order)
+            except DecodeError:
+                raise InvalidArgument("the open order is not an OpenRequest") from None
+            if self.gate.trust.keys is not None:  # sealed by the coordinator (protos/tickets.py)
+                where = (r.node_id, r.epoch, r.expires_at, order.seq_id)
+                order.tenant_salt = unseal_salt(self.gate.trust.keys, order.tenant_salt, r.tag, *where)
+            reply = self._open(order)
+            self._orders.ran(digest, r.expires_at, order.seq_id, reply)
+            return reply
+
+        return self._observe("OpenSigned", context, run)
+
+    def _open(self, request: pb.OpenRequest) -> pb.OpenResponse:
+        self.gate.opened(request.seq_id)
+        limit = request.max_cached_tokens if request.HasField("max_cached_tokens") else None
+        exact = request.expect_cached_tokens if request.HasField("expect_cached_tokens") else None
+        ids = np.asarray(request.token_ids)  # one C-level copy, not a Python list
+        max_blocks = request.max_blocks if request.HasField("max_blocks") else None
+        attention = from_messages(request.attention, self.engine.spec.num_layers)
+        first, salt = request.first_position, request.tenant_salt
+        res = self._with_allowance(
+            request.seq_id,
+            max_blocks,
+            lambda: self.engine.open(request.seq_id, ids, salt, limit, exact, attention, first),
+        )
+        hits = res.num_host_hit_tokens
+        return pb.OpenResponse(num_cached_tokens=res.num_cached_tokens, num_host_hit_tokens=hits)
 
     def _with_allowance(self, seq_id: str, max_blocks: int | None, create: Callable[[], T]) -> T:
         """create() a sequence with its quota allowance in place first (a data call may
@@ -223,8 +250,9 @@ class CacheNodeServicer(pb_grpc.CacheNodeServicer):
             appends = len(request.token_ids) if request.HasField("k") and request.layer == 0 else 0
             self.gate.require(self._creds(context), [seq_id], _rights(request.HasField("k")), "AttendPrefill")
             with self.gate.charging([seq_id], [appends], self._held, self._spec.block_size):
+                at = request.query_position if request.HasField("query_position") else None
                 out = self.engine.attend_prefill(
-                    seq_id, request.layer, *_qkv(request), return_block_mass=mass
+                    seq_id, request.layer, *_qkv(request), return_block_mass=mass, query_position=at
                 )
             return self._attention_response(out, request.return_block_mass)
 

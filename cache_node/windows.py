@@ -21,13 +21,21 @@ whole chunk at a time, as a chunk ends). A query that would reach a released blo
 without new tokens for earlier positions than the last) is refused, never computed over a
 shorter past. A token budget (lossy, middle blocks) is refused on such a sequence: it would
 shift positions inside the window.
+
+A later extent of a sequence sharded across nodes (coordinator/extents.py) is opened with its
+first token's position in the whole sequence (`first_position`, a block multiple): masks count
+absolute positions, table position t being first_position + D + t. A window needs nothing more;
+a chunk whose edges do not fall on this node's table edges is masked, in a decode, as the window
+of the keys the query's chunk holds here (one kernel call per such row: the kernels take one
+window per call), and a prefill passes the base to the kernel. An earlier extent is attended by
+queries past its last token (AttendPrefill's query_position), masked the same way.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -36,6 +44,7 @@ from ..protos.errors import IntegrityError, InvalidArgument
 from .attention import AttentionOutput
 from .attention.decode import decode_trusted
 from .attention.spec import PLAIN, AttentionSpec, dead_prefix_blocks, from_layer
+from .kv.sequence import Sequence as KVSequence
 from .kv_manager import KVCacheManager
 
 __all__ = ["SequenceSpec", "SequenceSpecs"]
@@ -48,26 +57,45 @@ class SequenceSpec:
     layers: tuple[AttentionSpec, ...]
     masks: bool  # some layer has a window or chunks
     release_step: int  # blocks are released in multiples of this many (chunks); 0: never
+    first_position: int = 0  # this extent's first token in the whole sequence (module docstring)
 
     @staticmethod
-    def of(layers: Sequence[LayerAttention], block_size: int) -> SequenceSpec:
+    def of(layers: Sequence[LayerAttention], block_size: int, first_position: int = 0) -> SequenceSpec:
         specs = tuple(from_layer(layer) for layer in layers)
         masks = any(s.masks for s in specs)
         step = 0
         if masks and all(s.masks for s in specs):  # one full layer keeps every block
             step = 1
             for s in specs:
-                if s.chunk:  # D * block_size must be a multiple of the chunk
+                # D * block_size must be a multiple of the chunk (a later extent's rows are
+                # masked as windows whatever D is: row_spec)
+                if s.chunk and not first_position:
                     step = math.lcm(step, math.lcm(s.chunk, block_size) // block_size)
-        return SequenceSpec(specs, masks, step)
+        return SequenceSpec(specs, masks, step, first_position)
 
     def releasable(self, last_pos: int, block_size: int) -> int:
-        """Leading blocks no query at `last_pos` or later sees in any layer, rounded down to the
-        release step."""
+        """Leading blocks (of this node's, from its first) no query at `last_pos` (counted on
+        this node) or later sees in any layer, rounded down to the release step."""
         if not self.release_step:
             return 0
-        dead = dead_prefix_blocks(self.layers, last_pos, block_size)
+        first = self.first_position
+        dead = dead_prefix_blocks(self.layers, last_pos + first, block_size) - first // block_size
+        dead = max(dead, 0)
         return dead - dead % self.release_step
+
+    def base(self, seq: KVSequence) -> int:
+        """The position in the whole sequence of table position 0."""
+        return self.first_position + seq.num_dropped_tokens
+
+    def row_spec(self, layer: int, seq: KVSequence) -> AttentionSpec:
+        """The layer's spec for a decode query at the sequence's last token: a chunk whose edges
+        are not this table's becomes the window of the keys the query's chunk holds here."""
+        spec = self.layers[layer]
+        base = self.base(seq)
+        if not spec.chunk or base % spec.chunk == 0:
+            return spec
+        last = base + seq.cache_len - 1
+        return replace(spec, window=last - spec.first_visible(last) + 1, chunk=0)
 
 
 class SequenceSpecs:
@@ -80,11 +108,16 @@ class SequenceSpecs:
 
     # -- lifecycle (open, fork, free) ---------------------------------------------------
 
-    def check(self, layers: Sequence[LayerAttention] | None) -> SequenceSpec | None:
+    def check(self, layers: Sequence[LayerAttention] | None, first_position: int = 0) -> SequenceSpec | None:
         """The spec an open asks for, checked against the node's model (InvalidArgument naming
         what does not fit); None for plain attention. Changes nothing."""
         checked = check_layers(layers, self.num_layers)
-        return SequenceSpec.of(checked, self.block_size) if checked else None
+        bs = self.block_size
+        if isinstance(first_position, bool) or not isinstance(first_position, int) or first_position < 0:
+            raise InvalidArgument(f"first_position must be an int >= 0, got {first_position!r}")
+        if first_position % bs:
+            raise InvalidArgument(f"first_position {first_position} is not a multiple of block_size {bs}")
+        return SequenceSpec.of(checked, bs, first_position) if checked else None
 
     def set(self, seq_id: str, spec: SequenceSpec | None) -> None:
         """`seq_id` was just opened with `spec`."""
@@ -122,15 +155,53 @@ class SequenceSpecs:
         spec = self._by_seq.get(seq_id)
         return PLAIN if spec is None else spec.layers[layer]
 
-    def batch_specs(self, seq_ids: Sequence[str], layer: int) -> list[AttentionSpec] | None:
-        """Each sequence's spec at `layer`, or None when every one is plain (the usual case)."""
+    def batch_specs(
+        self, seq_ids: Sequence[str], layer: int, seqs: Sequence[KVSequence]
+    ) -> list[AttentionSpec] | None:
+        """Each sequence's spec at `layer` for a decode query at its last token, or None when
+        every one is plain (the usual case)."""
         by_seq = self._by_seq
         if not by_seq:
             return None
         got = [by_seq.get(sid) for sid in seq_ids]
         if not any(got):
             return None
-        return [PLAIN if s is None else s.layers[layer] for s in got]
+        return [PLAIN if s is None else s.row_spec(layer, seq) for s, seq in zip(got, seqs, strict=True)]
+
+    def base(self, seq_id: str, seq: KVSequence) -> int:
+        """The position in the whole sequence of the table's first token."""
+        spec = self._by_seq.get(seq_id)
+        return seq.num_dropped_tokens if spec is None else spec.base(seq)
+
+    def check_past(self, seq_id: str, layer: int, seq: KVSequence, query_position: int, n: int) -> int:
+        """The table position of the first of n queries at `query_position` (in the whole
+        sequence) and on, which must come after every token this node holds and see at least one
+        of them that is not released; InvalidArgument otherwise."""
+        if isinstance(query_position, bool) or not isinstance(query_position, int):
+            raise InvalidArgument(f"query_position must be an int, got {query_position!r}")
+        spec = self._by_seq.get(seq_id)
+        first = 0 if spec is None else spec.first_position
+        layer_spec = PLAIN if spec is None else spec.layers[layer]
+        end = first + seq.num_tokens
+        if query_position < end:
+            raise InvalidArgument(
+                f"sequence {seq_id!r}: query_position {query_position} is not past its last position "
+                f"{end - 1} on this node"
+            )
+        last_seen = layer_spec.first_visible(query_position + n - 1)
+        if last_seen >= end:
+            raise InvalidArgument(
+                f"sequence {seq_id!r}: the query at {query_position + n - 1} sees none of its positions "
+                f"{first}..{end - 1} on this node at layer {layer}"
+            )
+        released = first + seq.num_dropped_tokens
+        if seq.num_dropped_tokens and layer_spec.first_visible(query_position) < released:
+            raise InvalidArgument(
+                f"sequence {seq_id!r}: a query at {query_position} sees from position "
+                f"{layer_spec.first_visible(query_position)} at layer {layer}, but positions before "
+                f"{released} were released"
+            )
+        return query_position - released
 
     def decode(
         self,
@@ -178,7 +249,8 @@ class SequenceSpecs:
         spec = self._by_seq.get(seq_id)
         if spec is None or not num_released:
             return
-        lo = spec.layers[layer].first_visible(first_pos)
+        first = spec.first_position
+        lo = spec.layers[layer].first_visible(first_pos + first) - first
         if lo < num_released:
             raise InvalidArgument(
                 f"sequence {seq_id!r}: a query at position {first_pos} sees from position {lo} at layer "

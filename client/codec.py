@@ -77,11 +77,20 @@ def attend_request(
 
 
 def prefill_request(
-    seq_id: str, layer: int, q: Any, k: Any, v: Any, token_ids: TokenIds | None, mass: bool
+    seq_id: str,
+    layer: int,
+    q: Any,
+    k: Any,
+    v: Any,
+    token_ids: TokenIds | None,
+    mass: bool,
+    query_position: int | None = None,
 ) -> pb.AttendPrefillRequest:
     req = pb.AttendPrefillRequest(
         seq_id=seq_id, layer=layer, token_ids=token_list(token_ids), return_block_mass=mass
     )
+    if query_position is not None:
+        req.query_position = query_position
     _set_tensor(req, "q", q)
     _set_tensor(req, "k", k)
     _set_tensor(req, "v", v)

@@ -48,6 +48,11 @@ class ClientConfig:
     # certificate when they require one (mTLS). None: plaintext. TlsConfig.from_env()
     # reads the PAGEDKV_TLS_* variables the servers use.
     tls: TlsConfig | None = None
+    # In a cluster the worker sends its sequence's node Open itself (the coordinator signs
+    # it and spends no rpc on it) and open() waits for it: a node's refusal is open()'s
+    # error. False: the coordinator sends it without waiting, open() returns a round trip
+    # sooner, and a refusal comes with the first data call (OpenFailed / PrefixEvicted).
+    worker_opens: bool = True
 
     def __post_init__(self) -> None:
         if self.deadline_s <= 0:

@@ -50,6 +50,11 @@ class NodeControl:
     def fork(self, parent_id: str, child_id: str, timeout_s: float | None = None) -> None:
         self._call(self.stub.Fork, pb.ForkRequest(parent_id=parent_id, child_id=child_id), timeout_s)
 
+    def open_signed(self, order: pb.SignedOpen, timeout_s: float | None = None) -> pb.OpenResponse:
+        """The coordinator's node Open, carried by this worker (the coordinator signed what
+        the node checks; client/node_opens.py sends it from its own thread)."""
+        return self.stub.OpenSigned(order, timeout=self._t(timeout_s))
+
     def free(self, seq_id: str, timeout_s: float | None = None, keep_prefix: int | None = None) -> None:
         """Free the sequence here, by the node's id for it and with its ticket when the
         wallet holds one (a cluster worker's close: client/closing.py)."""

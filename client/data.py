@@ -156,9 +156,13 @@ class NodeData:
         *,
         return_block_mass: bool = False,
         timeout_s: float | None = None,
+        query_position: int | None = None,
     ) -> AttentionResult:
+        """query_position: without k, q are queries at that position of the whole sequence and
+        on, past every token the node holds (an earlier extent; extent_masks.py)."""
         node_id = self.wallet.node_id(seq_id)
-        call = calls.PrefillCall(node_id, layer, q, k, v, codec.token_list(token_ids), return_block_mass)
+        tokens = codec.token_list(token_ids)
+        call = calls.PrefillCall(node_id, layer, q, k, v, tokens, return_block_mass, query_position)
         try:
             return self.grpc.attend_prefill(call, self._t(timeout_s))
         except PagedKVError as exc:  # (gRPC alone carries it: the Fallback's rewrite, here)

@@ -33,6 +33,7 @@ import torch
 from ..protos.errors import CapacityExceeded
 from ..protos.merge import merge_partials
 from . import codec
+from .extent_masks import PAST, SKIP, WHOLE, extent_view, layer_of, pad_rows, query_split
 from .types import AttentionResult
 
 if TYPE_CHECKING:
@@ -142,16 +143,31 @@ def attend_batch(
                 s.extend(timeout_s=timeout_s)
     # address -> [(row, extent index, appends)]
     groups: dict[str, list[tuple[int, int, bool]]] = {}
+    past: list[tuple[int, int, Callable[[], AttentionResult]]] = []  # a window's edge inside: its own call
+    skipped: set[int] = set()  # rows with an extent outside the window: their masses would not line up
     for row, s in enumerate(handles):
         last = len(s.extents) - 1
+        spec = layer_of(s.attention, layer)
+        pos = s._query_position(layer, k) if spec.masks and last else 0
         for i, ext in enumerate(s.extents):
             if i == last and k is None and s._extent_tokens(i) == 0:
                 continue  # an empty new tail: nothing to attend to there yet
-            groups.setdefault(ext.route.address, []).append((row, i, i == last and k is not None))
+            view = WHOLE
+            if spec.masks and i < last:
+                view = extent_view(spec, ext.first_token, s.extents[i + 1].first_token, pos)
+            if view == SKIP:
+                skipped.add(row)
+                client.counters["window_skipped_attends"] += 1
+            elif view == PAST:
+                data = client.node(ext.route.address).data
+                past.append((row, i, _past_call(data, s.seq_id, layer, q[row : row + 1], pos, timeout_s)))
+            else:
+                groups.setdefault(ext.route.address, []).append((row, i, i == last and k is not None))
     calls = [
         _node_call(client, address, members, handles, layer, q, k, v, tokens, return_block_mass, timeout_s)
         for address, members in groups.items()
     ]
+    calls += [call for _, _, call in past]
     try:
         results = run_parallel(client.pool(), calls)
     except CapacityExceeded as exc:
@@ -162,14 +178,29 @@ def attend_batch(
         client.counters["sharded_steps"] += 1
         client.counters["sharded_attends"] += len(calls)
     per_row: list[dict[int, AttentionResult]] = [{} for _ in handles]
-    for members, res in zip(groups.values(), results, strict=True):
+    for members, res in zip(groups.values(), results[: len(groups)], strict=True):
         for j, (row, index, _) in enumerate(members):
-            per_row[row][index] = rows_of(res, [j])
+            part = rows_of(res, [j])
+            per_row[row][index] = AttentionResult(part.out, part.lse) if row in skipped else part
+    for (row, index, _), res in zip(past, results[len(groups) :], strict=True):
+        per_row[row][index] = res
     if k is not None and layer == 0:
         for s in handles:
             if s.num_tokens is not None:
                 s.num_tokens += 1
     return stack_rows([merge([parts[i] for i in sorted(parts)]) for parts in per_row])
+
+
+def _past_call(
+    data: Any, seq_id: str, layer: int, q: Any, pos: int, timeout_s: float | None
+) -> Callable[[], AttentionResult]:
+    """A decode row's query at `pos` over an earlier extent its window's edge cuts (extent_masks.py)."""
+
+    def call() -> AttentionResult:
+        res: AttentionResult = data.attend_prefill(seq_id, layer, q, timeout_s=timeout_s, query_position=pos)
+        return res
+
+    return call
 
 
 def _node_call(
@@ -208,3 +239,62 @@ def _node_call(
         )
 
     return call
+
+
+def prefill_part(
+    seq: Seq,
+    layer: int,
+    ext: int,
+    q: Any,
+    k: Any,
+    v: Any,
+    tokens: list[int] | None,
+    first: int | None,
+    timeout_s: float | None,
+) -> AttentionResult:
+    """Queries (at positions first..) whose own tokens go to extent `ext` of `seq`: causal
+    there, every earlier extent whole, or as much of it as their window or chunk sees (an
+    extent none of them sees is not attended; extent_masks.py)."""
+    node, seq_id, client = seq._nodes[ext], seq.seq_id, seq.client
+    calls = [lambda: node.data.attend_prefill(seq_id, layer, q, k, v, tokens, timeout_s=timeout_s)]
+    kv_heads = node.model_spec(timeout_s).num_kv_heads
+    n = len(q)
+    spec = layer_of(seq.attention, layer)
+    if spec.masks and first is None:
+        first = seq._query_position(layer, None)  # raises: the length is unknown
+    skipped = 0
+    for i in range(ext):
+        data = seq._nodes[i].data
+        whole = seen = n
+        if spec.masks:
+            assert first is not None
+            whole, seen = query_split(
+                spec, seq.extents[i].first_token, seq.extents[i + 1].first_token, first, n
+            )
+        if seen == 0:
+            skipped += 1
+        elif whole == seen:  # one usual call: the queries as one row's heads (widen)
+            wide = widen(torch.as_tensor(q[:seen]), kv_heads)
+            calls.append(
+                lambda data=data, wide=wide, seen=seen: pad_rows(  # type: ignore[misc]
+                    narrow(data.attend([seq_id], layer, wide, timeout_s=timeout_s), seen, kv_heads), n
+                )
+            )
+        else:  # a window's edge inside it: the node masks from the queries' positions
+            calls.append(
+                lambda data=data, seen=seen: pad_rows(  # type: ignore[misc]
+                    data.attend_prefill(seq_id, layer, q[:seen], timeout_s=timeout_s, query_position=first), n
+                )
+            )
+    client.counters["window_skipped_attends"] += skipped
+    results = run_parallel(client.pool(), calls)
+    if len(calls) > 1:
+        client.counters["sharded_steps"] += 1
+        client.counters["sharded_attends"] += len(calls)
+    return merge([*results[1:], results[0]])
+
+
+def cat_rows(parts: list[AttentionResult]) -> AttentionResult:
+    if len(parts) == 1:
+        return parts[0]
+    return AttentionResult(torch.cat([p.out for p in parts]), torch.cat([p.lse for p in parts]))

@@ -217,8 +217,8 @@ class GrpcBackend(_BatchedAttention):
         max_extent_tokens: int | None = None,
     ) -> None:
         """max_extent_tokens: each row's sequence continues on another node past this many
-        tokens on one (a cluster; client/sequence.py), as it does when its node is full;
-        not a sequence whose model has sliding windows or chunks (they never spill)."""
+        tokens on one (a cluster; client/sequence.py), as it does when its node is full,
+        sliding windows and chunks included (each extent's node counts the sequence's positions)."""
         from .sync import CacheClient  # the in-process path never loads the gRPC stubs
 
         self.client = CacheClient(address, config, coordinator=coordinator, token=token, spec=spec)
@@ -248,8 +248,7 @@ class GrpcBackend(_BatchedAttention):
             list(token_ids),
             max_cached_tokens=max_cached_tokens,
             attention=attention,
-            # windows and chunks never spill (sequence.py); soft-caps and scales do
-            max_extent_tokens=None if any(a.masks for a in attention) else self.max_extent_tokens,
+            max_extent_tokens=self.max_extent_tokens,
         )
         self._seqs[seq_id] = seq
         return seq.num_cached_tokens

@@ -28,6 +28,10 @@ COUNTERS = {
         "pagedkv_client_sharded_attends",
         "Node calls those steps made (one per node spanned, in parallel; merged by LSE).",
     ),
+    "window_skipped_attends": (
+        "pagedkv_client_window_skipped_attends",
+        "Extents those steps did not attend: wholly outside the query's window or chunk.",
+    ),
 }
 
 

@@ -14,6 +14,7 @@ Every method takes a deadline; errors come back as pagedkv.protos.errors.
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
 from collections.abc import Sequence
@@ -27,6 +28,7 @@ from . import codec
 from .config import ClientConfig
 from .control import NodeControl, call
 from .data import NodeData
+from .node_opens import NodeOpens, Send
 from .types import ClusterStats, ExtentRoute, MissExplanation, NodeEntry, OpenResult, Route
 
 _EMPTY = pb.Empty()
@@ -125,9 +127,23 @@ def cluster_stats(resp: pb.CoordStatsResponse) -> ClusterStats:
 
 class CoordinatorRouting:
     def __init__(
-        self, stub: pb_grpc.CoordinatorStub, config: ClientConfig, token: str | None, spec: ModelSpec | None
+        self,
+        stub: pb_grpc.CoordinatorStub,
+        config: ClientConfig,
+        token: str | None,
+        spec: ModelSpec | None,
+        open_on_node: Send | None = None,
     ):
+        """open_on_node(address, order, timeout_s): starts the node's OpenSigned with the
+        coordinator's signed node Open and returns its gRPC future (node_opens.py: the
+        worker opens on the node, the coordinator spends no rpc on it); None: the
+        coordinator sends it."""
         self.stub, self.config, self.spec = stub, config, spec
+        self.node_opens = (
+            None
+            if open_on_node is None
+            else NodeOpens(open_on_node, self._drop_failed_open, config.deadline_s)
+        )
         self.metadata = _metadata(token)
         self._spec_cache: tuple[ModelSpec | None, pb.ModelSpec | None] = (spec, _spec(spec))
 
@@ -176,8 +192,20 @@ class CoordinatorRouting:
         explain_miss: bool = False,
     ) -> tuple[OpenResult, Route]:
         request = self._open_request(seq_id, token_ids, max_cached_tokens, attention, explain_miss)
+        if self.node_opens is not None:
+            self.node_opens.wait(seq_id)  # a reopen after a failed node Open: its page table is gone
+            request.worker_opens = True
         resp = self._call("Open", request, timeout_s)
+        if self.node_opens is not None and resp.HasField("node_open"):
+            self.node_opens.send(seq_id, resp.extents[0].address, resp.node_open)
         return OpenResult(resp.num_cached_tokens, resp.num_host_hit_tokens, _miss(resp)), _route(resp)
+
+    def _drop_failed_open(self, seq_id: str) -> None:
+        """The node refused (or never got) the Open this worker carried: drop the page
+        table so the id can be opened again; if the coordinator cannot be reached either,
+        reconciliation marks the record lost (its node does not hold it) and it expires."""
+        with contextlib.suppress(PagedKVError):
+            self._call("Close", pb.CoordSeqRequest(seq_id=seq_id), None)
 
     def describe(self, seq_id: str, timeout_s: float | None = None) -> list[ExtentRoute]:
         return _routes(self._call("Describe", pb.CoordSeqRequest(seq_id=seq_id), timeout_s))
@@ -196,6 +224,9 @@ class CoordinatorRouting:
         tables are read (plain Describe, once per call, `LOSS_CHECK_TIMEOUT_S` in all):
         a sequence recorded lost gives its SequenceLost; otherwise `exc` stands
         (the node is slow, or a suspect not yet declared dead: a retry may succeed)."""
+        failed = self._failed_open(exc, seq_ids)
+        if failed is not None:
+            return failed
         if isinstance(exc, Unavailable):
             return self._lost(seq_ids) or exc
         seq_id = getattr(exc, "seq_id", None)
@@ -209,6 +240,17 @@ class CoordinatorRouting:
         except PagedKVError:
             return exc
         return exc
+
+    def _failed_open(self, exc: PagedKVError, seq_ids: Sequence[str]) -> PagedKVError | None:
+        """The refusal of a node Open this worker carried for one of the call's sequences."""
+        if self.node_opens is None:
+            return None
+        seq_id = getattr(exc, "seq_id", None)
+        for s in (*seq_ids, *((seq_id,) if isinstance(seq_id, str) else ())):
+            failed = self.node_opens.failure(s)
+            if failed is not None:
+                return failed
+        return None
 
     def _lost(self, seq_ids: Sequence[str]) -> SequenceLost | None:
         """The SequenceLost the page table records for the first of `seq_ids` it knows;
@@ -253,8 +295,13 @@ class CoordinatorRouting:
     ) -> None:
         """Drop the page table; freed_extents: the worker freed the sequence on the nodes of
         its first that many extents already (client/closing.py), the coordinator frees the rest."""
+        # A Free that overtakes the node Open this worker sent waits for it at the node (its
+        # grace for unknown ids), so the close does not wait here.
+        failed = None if self.node_opens is None else self.node_opens.forget(seq_id)
         request = pb.CoordSeqRequest(seq_id=seq_id, keep_prefix=keep_prefix, freed_extents=freed_extents)
         self._call("Close", request, timeout_s)
+        if failed is not None:  # as the coordinator's own failed Open: the close says why
+            raise failed
 
     def swap_out(self, seq_id: str, timeout_s: float | None = None) -> int:
         return self._call("SwapOut", pb.CoordSeqRequest(seq_id=seq_id), timeout_s).num_blocks

@@ -16,9 +16,9 @@ worker does, then the coordinator drops the page table: closing.py). What may sp
     attention spec        soft-cap, scale: yes, exact (each node caps its own scores; the
                           LSE merge is over the capped scores); sinks: yes (the client
                           folds them in after the merge)
-                          window, chunk: no (a node counts positions from its extent's
-                          first token): refused at the open with max_extent_tokens, and a
-                          full node's RESOURCE_EXHAUSTED says why
+                          window, chunk: yes, exact (each extent's node counts the
+                          sequence's positions; extents wholly outside the query's window
+                          or chunk are not attended: extent_masks.py)
     token budget          no (it is counted and enforced on one node): set_budget refuses
                           a sharded sequence or one with max_extent_tokens, and a budgeted
                           sequence stays on its node
@@ -35,21 +35,15 @@ from ..protos.attention import LayerAttention, to_messages
 from ..protos.errors import CapacityExceeded, InvalidArgument, NotFound, OpenFailed, SequenceLost
 from . import codec
 from .closing import close_in_cluster
-from .extents import merge, narrow, run_parallel, widen
+from .extent_masks import PAST, SKIP, WHOLE, extent_view, layer_of
+from .extents import cat_rows, merge, prefill_part, run_parallel
 from .types import AttentionResult, ExtentRoute, MissExplanation, Route
 
 if TYPE_CHECKING:
     from .sync import CacheClient, NodeHandle
 
 
-WINDOWED = "its attention spec has a window or chunks (a node counts positions from its own first token)"
 BUDGETED = "it has a token budget (kept and enforced by one node)"
-
-
-def check_spill(attention: Seq[LayerAttention], max_extent_tokens: int | None) -> None:
-    """Refuse, before anything is opened, a maximum extent size on a sequence that cannot spill."""
-    if max_extent_tokens is not None and any(layer.masks for layer in attention):
-        raise InvalidArgument(f"max_extent_tokens: the sequence could not spill to another node: {WINDOWED}")
 
 
 def squeeze(res: AttentionResult, squeeze: bool) -> AttentionResult:
@@ -102,7 +96,8 @@ class Sequence:
         self.attention = tuple(attention)
         # Why it may not spill to another node (None: it may)
         self.no_spill = no_spill if client.is_cluster else "a client of one node has no other node"
-        self._plan: list[tuple[int, int]] = []  # a layered prefill's (extent, count) parts, from layer 0
+        # a layered prefill's (extent, count, first position) parts, from layer 0
+        self._plan: list[tuple[int, int, int | None]] = []
 
     # -- extents ------------------------------------------------------------------
 
@@ -118,7 +113,7 @@ class Sequence:
 
     @property
     def can_spill(self) -> bool:
-        return self.no_spill is None and not any(layer.masks for layer in self.attention)
+        return self.no_spill is None
 
     @property
     def is_sharded(self) -> bool:
@@ -193,7 +188,17 @@ class Sequence:
         return fill
 
     def _why_not(self) -> str:
-        return self.no_spill or WINDOWED
+        return self.no_spill or "it may not"
+
+    def _query_position(self, layer: int, k: Any) -> int:
+        """The position of a decode step's query: the new token's (k given at layer 0, before
+        the count moves), else the last token's."""
+        if self.num_tokens is None:
+            raise InvalidArgument(
+                f"sequence {self.seq_id!r}: its length is unknown to this handle, and its window or "
+                "chunks over several extents need it; append first"
+            )
+        return self.num_tokens if k is not None and layer == 0 else self.num_tokens - 1
 
     # -- data calls ---------------------------------------------------------------
 
@@ -298,11 +303,27 @@ class Sequence:
         """One decode step of this sequence over its extents: one call per node, in parallel
         (the tail's appends when k is given), merged by LSE in extent order."""
         last = len(self.extents) - 1
+        spec = layer_of(self.attention, layer)
+        pos = self._query_position(layer, k) if spec.masks else 0
         calls = []
+        skipped = 0
         for i, node in enumerate(self._nodes):
             appends = i == last and k is not None
             if i == last and not appends and self._extent_tokens(i) == 0:
                 continue  # an empty new tail: nothing to attend to there yet
+            view = WHOLE
+            if spec.masks and i < last:
+                view = extent_view(spec, self.extents[i].first_token, self.extents[i + 1].first_token, pos)
+            if view == SKIP:
+                skipped += 1
+                continue
+            if view == PAST:  # the window's edge is inside it: the node masks from the query's position
+                calls.append(
+                    lambda data=node.data: data.attend_prefill(  # type: ignore[misc]
+                        self.seq_id, layer, q, timeout_s=timeout_s, query_position=pos
+                    )
+                )
+                continue
             calls.append(
                 lambda data=node.data, appends=appends: data.attend(  # type: ignore[misc]
                     [self.seq_id],
@@ -320,6 +341,9 @@ class Sequence:
         if len(calls) > 1:
             self.client.counters["sharded_steps"] += 1
             self.client.counters["sharded_attends"] += len(calls)
+        self.client.counters["window_skipped_attends"] += skipped
+        if skipped:  # the masses would no longer line up with the extents
+            results = [AttentionResult(r.out, r.lse) for r in results]
         return merge(results[::-1])
 
     def attend_prefill(
@@ -371,15 +395,19 @@ class Sequence:
                     f"sequence {self.seq_id!r}: {n} queries for its last tokens but its tail extent "
                     f"holds {tail}; append them with k and v instead"
                 )
-            return self._prefill_part(layer, len(self.extents) - 1, q, None, None, None, timeout_s)
+            last = len(self.extents) - 1
+            first = None if self.num_tokens is None else self.num_tokens - n
+            return prefill_part(self, layer, last, q, None, None, None, first, timeout_s)
         if layer > 0:  # the parts layer 0 made, in order
-            plan = self._plan if sum(c for _, c in self._plan) == n else [(len(self.extents) - 1, n)]
+            plan = self._plan
+            if sum(c for _, c, _ in plan) != n:
+                plan = [(len(self.extents) - 1, n, None if self.num_tokens is None else self.num_tokens - n)]
             parts, done = [], 0
-            for ext, count in plan:
+            for ext, count, first in plan:
                 s = slice(done, done + count)
-                parts.append(self._prefill_part(layer, ext, q[s], k[s], v[s], None, timeout_s))
+                parts.append(prefill_part(self, layer, ext, q[s], k[s], v[s], None, first, timeout_s))
                 done += count
-            return _cat(parts)
+            return cat_rows(parts)
         tokens = codec.token_list(token_ids)
         plan, parts, done = [], [], 0
         take = n
@@ -391,46 +419,19 @@ class Sequence:
             count = min(take, n - done, room if room is not None else n)
             s = slice(done, done + count)
             ext = len(self.extents) - 1
+            assert self.num_tokens is not None
+            first = self.num_tokens
             try:
-                parts.append(self._prefill_part(layer, ext, q[s], k[s], v[s], tokens[s], timeout_s))
+                parts.append(prefill_part(self, layer, ext, q[s], k[s], v[s], tokens[s], first, timeout_s))
             except CapacityExceeded as exc:
                 take = self._spill_after(exc, count, timeout_s)
                 continue
-            assert self.num_tokens is not None
             self.num_tokens += count
-            plan.append((ext, count))
+            plan.append((ext, count, first))
             done += count
             take = n - done
         self._plan = plan
-        return _cat(parts)
-
-    def _prefill_part(
-        self,
-        layer: int,
-        ext: int,
-        q: Any,
-        k: Any,
-        v: Any,
-        tokens: list[int] | None,
-        timeout_s: float | None,
-    ) -> AttentionResult:
-        """Queries whose own tokens go to extent `ext`: causal there, every earlier extent whole."""
-        node = self._nodes[ext]
-        calls = [lambda: node.data.attend_prefill(self.seq_id, layer, q, k, v, tokens, timeout_s=timeout_s)]
-        kv_heads = node.model_spec(timeout_s).num_kv_heads
-        wide = widen(torch.as_tensor(q), kv_heads)
-        for i in range(ext):
-            earlier = self._nodes[i]
-            calls.append(
-                lambda earlier=earlier: narrow(  # type: ignore[misc]
-                    earlier.data.attend([self.seq_id], layer, wide, timeout_s=timeout_s), len(q), kv_heads
-                )
-            )
-        results = run_parallel(self.client.pool(), calls)
-        if len(calls) > 1:
-            self.client.counters["sharded_steps"] += 1
-            self.client.counters["sharded_attends"] += len(calls)
-        return merge([*results[1:], results[0]])
+        return cat_rows(parts)
 
     def fork(self, child_id: str, *, timeout_s: float | None = None) -> Sequence:
         """A new sequence sharing every block of every extent (copy-on-write of the tail's
@@ -571,9 +572,3 @@ class Sequence:
         except (OpenFailed, NotFound, SequenceLost):
             if exc_type is None:  # else the body's error (e.g. the OpenFailed itself) says it
                 raise
-
-
-def _cat(parts: list[AttentionResult]) -> AttentionResult:
-    if len(parts) == 1:
-        return parts[0]
-    return AttentionResult(torch.cat([p.out for p in parts]), torch.cat([p.lse for p in parts]))

@@ -42,7 +42,7 @@ from .control import NodeControl
 from .data import Explain, NodeData
 from .extents import attend_batch, run_parallel
 from .routing import CoordinatorRouting, DirectRouting
-from .sequence import Sequence, check_spill
+from .sequence import Sequence
 from .transport.tickets import Wallet
 from .types import AttentionResult, ClusterStats, NodeStats, Route
 
@@ -139,7 +139,13 @@ class CacheClient:
         self._explain: Explain | None = None
         if coordinator is not None:
             channel = channels.acquire(coordinator, self.config)
-            self.routing = CoordinatorRouting(pb_grpc.CoordinatorStub(channel), self.config, token, spec)
+            self.routing = CoordinatorRouting(
+                pb_grpc.CoordinatorStub(channel),
+                self.config,
+                token,
+                spec,
+                open_on_node=self._open_on_node if self.config.worker_opens else None,
+            )
             self._explain = self.routing.explain
         else:
             self._token = token or ""
@@ -148,8 +154,11 @@ class CacheClient:
         self._is_closed = False
         self._pool: ThreadPoolExecutor | None = None
         # spills: extents this client added; sharded_steps / sharded_attends: attend calls (one
-        # layer) over several extents, and the node calls they made (client/metrics.py)
-        self.counters = {"spills": 0, "sharded_steps": 0, "sharded_attends": 0}
+        # layer) over several extents, and the node calls they made; window_skipped_attends: the
+        # extents they did not attend, outside every query's window or chunk (client/metrics.py)
+        self.counters = dict.fromkeys(
+            ("spills", "sharded_steps", "sharded_attends", "window_skipped_attends"), 0
+        )
 
     def pool(self) -> ThreadPoolExecutor:
         """The threads a sharded step's node calls run on in parallel (made on first use)."""
@@ -180,6 +189,10 @@ class CacheClient:
             )
         return self.node(self.address)
 
+    def _open_on_node(self, address: str, order: Any, timeout_s: float) -> Any:
+        """The coordinator's signed node Open (client/node_opens.py), sent to the node at `address`."""
+        return self.node(address).control.open_signed(order, timeout_s)
+
     def node(self, address: str) -> NodeHandle:
         """The (cached) handle for data calls to the node at `address`."""
         handle = self._nodes.get(address)
@@ -206,9 +219,8 @@ class CacheClient:
         the first block not served from the node's device missed (MissExplanation; in a
         cluster, else None). In a cluster a sequence that its node cannot grow (or whose
         tail reaches max_extent_tokens, a multiple of the block size) continues on another
-        node (sequence.py); one opened with an attention spec does not."""
+        node (sequence.py), its attention spec (windows and chunks too) kept exact."""
         layers = check_layers(attention, len(attention or ()))  # the layer count: node and coordinator
-        check_spill(layers, max_extent_tokens)
         messages = to_messages(layers)
         res, route = self.routing.open(
             seq_id, token_ids, max_cached_tokens, timeout_s, attention=messages, explain_miss=explain_miss
@@ -427,6 +439,8 @@ class CacheClient:
         if not self._is_closed:
             self._is_closed = True
             if isinstance(self.routing, CoordinatorRouting):
+                if self.routing.node_opens is not None:
+                    self.routing.node_opens.close()  # the page-table drops of failed node Opens
                 channels.release(self.address, self.config)
             for address, handle in self._nodes.items():
                 handle.data.close()  # its bulk connections

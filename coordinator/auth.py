@@ -31,6 +31,7 @@ from pathlib import Path
 
 import grpc
 
+from ..protos import pagedkv_pb2 as pb
 from ..protos.errors import InvalidArgument, PermissionDenied, Unauthenticated
 from ..protos.tickets import (
     RIGHT_ADMIN,
@@ -43,6 +44,8 @@ from ..protos.tickets import (
     Verifier,
     bearer_in,
     issue,
+    order_tag,
+    seal_salt,
     tickets_in,
 )
 from ..protos.tls import TlsConfig, secure_channel
@@ -51,6 +54,9 @@ from .records import NodeInfo
 DEFAULT_TENANT = "default"
 TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # never "/": it scopes sequence ids
 DEFAULT_TICKET_TTL_S = 24 * 3600.0
+# An open order is sent on at once; its life covers clock skew between hosts, and bounds
+# how long a node must remember it was used (a replay is refused).
+ORDER_TTL_S = 300.0
 
 
 @dataclass(frozen=True)
@@ -141,6 +147,19 @@ class ClusterAccess:
             return b""
         expires = int(time.time() + self.ticket_ttl_s)
         return issue(self.keys, Ticket(RIGHT_DATA, expires, node.epoch, tenant, seq_id, node.node_id))
+
+    def sign_open(self, request: pb.OpenRequest, node: NodeInfo) -> pb.SignedOpen:
+        """The node Open a worker carries (CoordOpenRequest.worker_opens): `request`
+        serialized and, with a secret, signed for the node's registration."""
+        expires = int(time.time() + ORDER_TTL_S)
+        if self.keys is None:
+            order, tag = request.SerializeToString(), b""
+        else:  # the worker carries the order but never reads its tenant's salt
+            where = (node.node_id, node.epoch, expires, request.seq_id)
+            request.tenant_salt = seal_salt(self.keys, request.tenant_salt, *where)
+            order = request.SerializeToString()
+            tag = order_tag(self.keys, order, node.node_id, node.epoch, expires)
+        return pb.SignedOpen(order=order, tag=tag, expires_at=expires, epoch=node.epoch, node_id=node.node_id)
 
     def check_node(
         self, metadata: Iterable[tuple[str, str | bytes]] | None, node_id: str, method: str

@@ -53,7 +53,7 @@ import threading
 import uuid
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import grpc
@@ -73,9 +73,10 @@ from ..protos.errors import (
     Unavailable,
 )
 from ..protos.keys import KEY_BYTES, chain_keys, chain_keys_packed, root_key
+from ..protos.serving import name_os_thread
 from ..protos.status import error_from_rpc
 from .auth import ClusterAccess
-from .deferred import DeferredCalls, NodeCall
+from .deferred import DeferredCalls, NodeCall, node_open_request
 from .extents import Extents
 from .failures import Failures
 from .liveness import Liveness, LivenessConfig
@@ -137,6 +138,7 @@ class OpenResult:
     num_blocks: int = 0  # swap_in: blocks copied back
     miss: MissExplanation | None = None  # open: why its first block not on the device missed it
     record: SequenceRecord | None = None  # fork, swap_in: the page table (every extent)
+    node_open: pb.SignedOpen | None = None  # open with worker_opens: the node Open the worker sends
 
 
 class Coordinator(DeferredCalls, Failures, Membership, NodeRooms, Extents, MissingChecks):
@@ -161,7 +163,7 @@ class Coordinator(DeferredCalls, Failures, Membership, NodeRooms, Extents, Missi
         self._inflight: dict[str, NodeCall] = {}  # seq id -> its node Open not yet settled
         # Cleanups after failed node opens and Free retries: Redis and sleeps, never
         # on gRPC's callback thread.
-        self._background = ThreadPoolExecutor(max_workers=2, thread_name_prefix="coord-bg")
+        self._background = ThreadPoolExecutor(2, thread_name_prefix="coord-bg", initializer=name_os_thread)
         self._node_calls = NodeCalls(self.config.node_rpc_timeout_s, self.config.access)
         self.counters = {
             "opens": 0,
@@ -337,6 +339,7 @@ class Coordinator(DeferredCalls, Failures, Membership, NodeRooms, Extents, Missi
         wait: bool = False,
         attention: Sequence[pb.LayerAttention] = (),
         request_id: str = "",
+        worker_opens: bool = False,
     ) -> OpenResult:
         """Place the sequence and write its page table (one store call), then send the
         node Open without waiting for it (see the module docstring); num_cached_tokens
@@ -344,7 +347,10 @@ class Coordinator(DeferredCalls, Failures, Membership, NodeRooms, Extents, Missi
         failure is raised here, and num_host_hit_tokens is known): for tests and tools only.
         `attention` (one LayerAttention per layer, or none) is checked before placing and
         travels to the node's Open. `request_id`: an open retried with the same one (and
-        seq id) returns the first answer, from the page table, instead of SequenceExists."""
+        seq id) returns the first answer, from the page table, instead of SequenceExists.
+        `worker_opens`: nothing is sent; the result carries the node Open, signed for the
+        node (`node_open`), for the worker to send (CacheNode.OpenSigned). A worker that
+        dies first leaves a page table its node does not hold: reconcile.py marks it lost."""
         seq_id = seq_id or uuid.uuid4().hex
         self._settle(seq_id, raise_error=False)  # a reopen of this id waits for its last node call
         if not self.num_live_nodes():
@@ -396,7 +402,15 @@ class Coordinator(DeferredCalls, Failures, Membership, NodeRooms, Extents, Missi
             call.finish(None)  # nothing was sent: what waits on it (a close's Free) goes ahead
             self._settled(call)
             if isinstance(exc, SequenceExists) and request_id:
-                return self._first_answer(tenant, seq_id, request_id, exc)
+                first = self._first_answer(tenant, seq_id, request_id, exc)
+                if worker_opens:  # its first answer never reached the worker: sign the Open again
+                    request = node_open_request(seq_id, token_ids, salt, first.num_cached_tokens, attention)
+                    if quota is not None:
+                        request.max_blocks = first.placement.cached_blocks + first.placement.new_blocks
+                    node = self._cached_node(first.node_id) or self.live_node(first.node_id)
+                    if node is not None:
+                        first = replace(first, node_open=self.config.access.sign_open(request, node))
+                return first
             raise
         num_cached = placement.cached_tokens
         node = self._cached_node(placement.node_id) or self.live_node(placement.node_id)
@@ -406,16 +420,16 @@ class Coordinator(DeferredCalls, Failures, Membership, NodeRooms, Extents, Missi
             self._background.submit(self._drop_failed_open, call, tenant if quota is not None else None)
             raise call.error  # type: ignore[misc]
         call.mark_recorded()
-        request = pb.OpenRequest(
-            seq_id=seq_id,
-            token_ids=token_ids,
-            tenant_salt=salt,
-            expect_cached_tokens=num_cached,
-            attention=attention,
-        )
+        request = node_open_request(seq_id, token_ids, salt, num_cached, attention)
         if quota is not None:  # the sequence may hold what was reserved; more through Reserve
             request.max_blocks = num_blocks
-        self._send_open(node, request, call, tenant if quota is not None else None)
+        node_open = None
+        if worker_opens:  # nothing in flight here: what waits on this id goes ahead
+            node_open = self.config.access.sign_open(request, node)
+            call.finish(None)
+            self._settled(call)
+        else:
+            self._send_open(node, request, call, tenant if quota is not None else None)
         self._account(node.node_id, placement.new_blocks + placement.host_blocks)
         self._count_open(node.node_id, num_blocks)
         self._learn(placement, keys)
@@ -432,7 +446,8 @@ class Coordinator(DeferredCalls, Failures, Membership, NodeRooms, Extents, Missi
         if wait:
             call.settled.result()  # raises the node's error (the page table is gone by then)
             num_host_hit = call.host_hit_tokens
-        return OpenResult(seq_id, node.node_id, node.address, num_cached, placement, num_host_hit, miss=miss)
+        where = (seq_id, node.node_id, node.address, num_cached, placement, num_host_hit)
+        return OpenResult(*where, miss=miss, node_open=node_open)
 
     def _learn(self, placement: Placement, keys: bytes) -> None:
         """Feed the open to the reuse classes (reuse.py): the keys it hit on its node, the first

@@ -65,6 +65,19 @@ class NodeCall:
         fn(self.error)
 
 
+def node_open_request(
+    seq_id: str, token_ids: Any, salt: bytes, num_cached: int, attention: Any
+) -> pb.OpenRequest:
+    """The node Open of an open (sent from here, or signed for the worker to carry)."""
+    return pb.OpenRequest(
+        seq_id=seq_id,
+        token_ids=token_ids,
+        tenant_salt=salt,
+        expect_cached_tokens=num_cached,
+        attention=attention,
+    )
+
+
 class DeferredCalls:
     """Mixed into Coordinator, which sets the attributes declared here in its __init__."""
 

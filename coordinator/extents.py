@@ -10,7 +10,8 @@ sequence is opened on another node, which takes every later append::
                sealed, immutable  sealed, immutable   takes appends
 
 Each extent is the same sequence id on its own node, holding only its own tokens (the
-node's positions are local; the worker merges the nodes' attention by LSE). The page
+worker merges the nodes' attention by LSE); its Open names its first token's position in the
+whole sequence (first_position), from which the node counts a window's or a chunk's positions. The page
 table's extents tile the logical blocks; the tail's block count is what its open (or
 quota reservations) recorded, and the seal sets it exactly.
 
@@ -120,9 +121,8 @@ class Extents:
     ) -> SequenceRecord:
         """Seal the tail of `seq_id` at num_tokens and open a new tail extent on another
         node (see the module docstring and the Extend rpc). Returns the page table after.
-        `attention`: the sequence's spec, for the new extent's node; soft-caps and scales
-        are exact per extent (the LSE merge is over the capped scores), windows and chunks
-        are refused (the node's positions would start at 0 again)."""
+        `attention`: the sequence's spec, for the new extent's node (opened with its first
+        position, so its windows and chunks count the sequence's positions)."""
         self._settle(seq_id)
         with _one_extend_at_a_time(seq_id):
             record = self._record(tenant, seq_id)
@@ -136,12 +136,7 @@ class Extents:
                     f"extend: num_tokens must be a multiple of block_size {bs}, got {num_tokens}"
                 )
             if attention:
-                layers = from_messages(attention, int(tail_node.spec["num_layers"]))
-                if any(layer.masks for layer in layers):
-                    raise InvalidArgument(
-                        f"extend {seq_id!r}: its attention spec has a window or chunks, which "
-                        "cannot span nodes (each node counts positions from its own first token)"
-                    )
+                from_messages(attention, int(tail_node.spec["num_layers"]))  # InvalidArgument
             first_block = num_tokens // bs
             if any(e.first_logical_block == first_block for e in record.extents[1:]):
                 return record  # a retry: the extent the first call made
@@ -152,7 +147,11 @@ class Extents:
                 )
             node = self._place_extent(record, tail_node.spec, bs)
             request = pb.OpenRequest(
-                seq_id=seq_id, tenant_salt=os.urandom(SALT_BYTES), max_cached_tokens=0, attention=attention
+                seq_id=seq_id,
+                tenant_salt=os.urandom(SALT_BYTES),
+                max_cached_tokens=0,
+                attention=attention,
+                first_position=num_tokens,
             )
             quota = self.config.quotas.get(tenant)
             sealed = first_block - tail_ext.first_logical_block

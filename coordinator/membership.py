@@ -28,6 +28,7 @@ from dataclasses import replace
 from typing import Any
 
 from ..protos.errors import FailedPrecondition, PagedKVError, Unavailable
+from ..protos.serving import name_os_thread
 from .liveness import Liveness
 from .reconcile import Reconciler
 from .records import NodeInfo, PurgeResult, SequenceRecord
@@ -58,6 +59,7 @@ class Membership:
     _node_gone: Callable[[str, Sequence[SequenceRecord], Sequence[str]], None]  # failures.py
 
     def _reap_loop(self, interval_s: float) -> None:
+        name_os_thread()
         # Grace: after a (re)start every node gets one lease to beat before any
         # is declared dead (a lapse during our own downtime is not a death).
         if self._stop.wait(self.config.lease_ttl_s):

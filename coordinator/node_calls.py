@@ -33,6 +33,7 @@ import grpc
 
 from ..protos import pagedkv_pb2_grpc as pb_grpc
 from ..protos.errors import PagedKVError, Unavailable
+from ..protos.serving import name_os_thread
 from ..protos.status import error_from_rpc
 
 if TYPE_CHECKING:
@@ -55,7 +56,9 @@ class NodeCalls:
     def __init__(self, timeout_s: float, access: ClusterAccess | None = None) -> None:
         self.timeout_s = timeout_s
         self._access = access
-        self._pool = ThreadPoolExecutor(MAX_SENDERS, thread_name_prefix="node-calls")
+        self._pool = ThreadPoolExecutor(
+            MAX_SENDERS, thread_name_prefix="node-calls", initializer=name_os_thread
+        )
         self._stubs: dict[str, tuple[grpc.Channel, pb_grpc.CacheNodeStub]] = {}
         self._lock = threading.Lock()
         self._held = threading.local()  # .calls: this thread's sends held back, or None

@@ -119,6 +119,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         )
         if explain_miss and result.miss is not None:
             resp.miss.CopyFrom(miss_message(result.miss))
+        if result.node_open is not None:
+            resp.node_open.CopyFrom(result.node_open)
         return resp
 
     def _extents(self, tenant: str, seq_id: str, record: SequenceRecord) -> pb.CoordOpenResponse:
@@ -207,6 +209,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 spec=spec_dict(request.spec),
                 attention=request.attention,
                 request_id=request.request_id,
+                worker_opens=request.worker_opens,
             )
             self.metrics.observe_open(tenant, len(request.token_ids), result.num_cached_tokens)
             return self._placed(tenant, seq_id, result, request.explain_miss)

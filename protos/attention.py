@@ -31,7 +31,7 @@ from typing import Any
 
 from .errors import InvalidArgument
 
-__all__ = ["LayerAttention", "check_layers", "from_messages", "to_messages"]
+__all__ = ["LayerAttention", "check_layers", "first_visible", "from_messages", "to_messages"]
 
 
 @dataclass(frozen=True)
@@ -67,6 +67,21 @@ class LayerAttention:
     def masks(self) -> bool:
         """Whether it sees fewer keys than causal attention (a window or chunks)."""
         return self.window > 0 or self.chunk > 0
+
+    def first_visible(self, pos: int) -> int:
+        """The lowest key position a query at `pos` sees."""
+        return first_visible(self.window, self.chunk, pos)
+
+
+def first_visible(window: int, chunk: int, pos: int) -> int:
+    """The lowest key position a query at `pos` sees under a window and chunks (0 = off): one
+    definition for the client (which extents a query reaches) and the node (its masks)."""
+    lo = 0
+    if window:
+        lo = max(lo, pos - window + 1)
+    if chunk:
+        lo = max(lo, pos - pos % chunk)
+    return lo
 
 
 _PLAIN = LayerAttention()

@@ -46,7 +46,7 @@ class Empty(_message.Message):
     def __init__(self) -> None: ...
 
 class OpenRequest(_message.Message):
-    __slots__ = ("seq_id", "token_ids", "max_cached_tokens", "expect_cached_tokens", "tenant_salt", "max_blocks", "attention")
+    __slots__ = ("seq_id", "token_ids", "max_cached_tokens", "expect_cached_tokens", "tenant_salt", "max_blocks", "attention", "first_position")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -54,6 +54,7 @@ class OpenRequest(_message.Message):
     TENANT_SALT_FIELD_NUMBER: _ClassVar[int]
     MAX_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_FIELD_NUMBER: _ClassVar[int]
+    FIRST_POSITION_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     max_cached_tokens: int
@@ -61,7 +62,22 @@ class OpenRequest(_message.Message):
     tenant_salt: bytes
     max_blocks: int
     attention: _containers.RepeatedCompositeFieldContainer[LayerAttention]
-    def __init__(self, seq_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., max_cached_tokens: _Optional[int] = ..., expect_cached_tokens: _Optional[int] = ..., tenant_salt: _Optional[bytes] = ..., max_blocks: _Optional[int] = ..., attention: _Optional[_Iterable[_Union[LayerAttention, _Mapping]]] = ...) -> None: ...
+    first_position: int
+    def __init__(self, seq_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., max_cached_tokens: _Optional[int] = ..., expect_cached_tokens: _Optional[int] = ..., tenant_salt: _Optional[bytes] = ..., max_blocks: _Optional[int] = ..., attention: _Optional[_Iterable[_Union[LayerAttention, _Mapping]]] = ..., first_position: _Optional[int] = ...) -> None: ...
+
+class SignedOpen(_message.Message):
+    __slots__ = ("order", "tag", "expires_at", "epoch", "node_id")
+    ORDER_FIELD_NUMBER: _ClassVar[int]
+    TAG_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    order: bytes
+    tag: bytes
+    expires_at: int
+    epoch: int
+    node_id: str
+    def __init__(self, order: _Optional[bytes] = ..., tag: _Optional[bytes] = ..., expires_at: _Optional[int] = ..., epoch: _Optional[int] = ..., node_id: _Optional[str] = ...) -> None: ...
 
 class OpenResponse(_message.Message):
     __slots__ = ("num_cached_tokens", "num_host_hit_tokens")
@@ -132,7 +148,7 @@ class AttendRequest(_message.Message):
     def __init__(self, seq_ids: _Optional[_Iterable[str]] = ..., layer: _Optional[int] = ..., q: _Optional[_Union[Tensor, _Mapping]] = ..., k: _Optional[_Union[Tensor, _Mapping]] = ..., v: _Optional[_Union[Tensor, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ..., return_block_mass: _Optional[bool] = ..., appends: _Optional[_Iterable[bool]] = ...) -> None: ...
 
 class AttendPrefillRequest(_message.Message):
-    __slots__ = ("seq_id", "layer", "q", "k", "v", "token_ids", "return_block_mass")
+    __slots__ = ("seq_id", "layer", "q", "k", "v", "token_ids", "return_block_mass", "query_position")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     LAYER_FIELD_NUMBER: _ClassVar[int]
     Q_FIELD_NUMBER: _ClassVar[int]
@@ -140,6 +156,7 @@ class AttendPrefillRequest(_message.Message):
     V_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     RETURN_BLOCK_MASS_FIELD_NUMBER: _ClassVar[int]
+    QUERY_POSITION_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     layer: int
     q: Tensor
@@ -147,7 +164,8 @@ class AttendPrefillRequest(_message.Message):
     v: Tensor
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     return_block_mass: bool
-    def __init__(self, seq_id: _Optional[str] = ..., layer: _Optional[int] = ..., q: _Optional[_Union[Tensor, _Mapping]] = ..., k: _Optional[_Union[Tensor, _Mapping]] = ..., v: _Optional[_Union[Tensor, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ..., return_block_mass: _Optional[bool] = ...) -> None: ...
+    query_position: int
+    def __init__(self, seq_id: _Optional[str] = ..., layer: _Optional[int] = ..., q: _Optional[_Union[Tensor, _Mapping]] = ..., k: _Optional[_Union[Tensor, _Mapping]] = ..., v: _Optional[_Union[Tensor, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ..., return_block_mass: _Optional[bool] = ..., query_position: _Optional[int] = ...) -> None: ...
 
 class AttendPrefillBatchRequest(_message.Message):
     __slots__ = ("seq_ids", "layer", "num_tokens", "q", "k", "v", "token_ids")
@@ -397,7 +415,7 @@ class Placement(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., first_token: _Optional[int] = ..., ticket: _Optional[bytes] = ...) -> None: ...
 
 class CoordOpenRequest(_message.Message):
-    __slots__ = ("seq_id", "token_ids", "max_cached_tokens", "spec", "attention", "explain_miss", "request_id")
+    __slots__ = ("seq_id", "token_ids", "max_cached_tokens", "spec", "attention", "explain_miss", "request_id", "worker_opens")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -405,6 +423,7 @@ class CoordOpenRequest(_message.Message):
     ATTENTION_FIELD_NUMBER: _ClassVar[int]
     EXPLAIN_MISS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    WORKER_OPENS_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     max_cached_tokens: int
@@ -412,23 +431,26 @@ class CoordOpenRequest(_message.Message):
     attention: _containers.RepeatedCompositeFieldContainer[LayerAttention]
     explain_miss: bool
     request_id: str
-    def __init__(self, seq_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., max_cached_tokens: _Optional[int] = ..., spec: _Optional[_Union[ModelSpec, _Mapping]] = ..., attention: _Optional[_Iterable[_Union[LayerAttention, _Mapping]]] = ..., explain_miss: _Optional[bool] = ..., request_id: _Optional[str] = ...) -> None: ...
+    worker_opens: bool
+    def __init__(self, seq_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., max_cached_tokens: _Optional[int] = ..., spec: _Optional[_Union[ModelSpec, _Mapping]] = ..., attention: _Optional[_Iterable[_Union[LayerAttention, _Mapping]]] = ..., explain_miss: _Optional[bool] = ..., request_id: _Optional[str] = ..., worker_opens: _Optional[bool] = ...) -> None: ...
 
 class CoordOpenResponse(_message.Message):
-    __slots__ = ("extents", "num_cached_tokens", "num_host_hit_tokens", "num_blocks", "miss", "node_seq_id")
+    __slots__ = ("extents", "num_cached_tokens", "num_host_hit_tokens", "num_blocks", "miss", "node_seq_id", "node_open")
     EXTENTS_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_HOST_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     MISS_FIELD_NUMBER: _ClassVar[int]
     NODE_SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    NODE_OPEN_FIELD_NUMBER: _ClassVar[int]
     extents: _containers.RepeatedCompositeFieldContainer[Placement]
     num_cached_tokens: int
     num_host_hit_tokens: int
     num_blocks: int
     miss: MissExplanation
     node_seq_id: str
-    def __init__(self, extents: _Optional[_Iterable[_Union[Placement, _Mapping]]] = ..., num_cached_tokens: _Optional[int] = ..., num_host_hit_tokens: _Optional[int] = ..., num_blocks: _Optional[int] = ..., miss: _Optional[_Union[MissExplanation, _Mapping]] = ..., node_seq_id: _Optional[str] = ...) -> None: ...
+    node_open: SignedOpen
+    def __init__(self, extents: _Optional[_Iterable[_Union[Placement, _Mapping]]] = ..., num_cached_tokens: _Optional[int] = ..., num_host_hit_tokens: _Optional[int] = ..., num_blocks: _Optional[int] = ..., miss: _Optional[_Union[MissExplanation, _Mapping]] = ..., node_seq_id: _Optional[str] = ..., node_open: _Optional[_Union[SignedOpen, _Mapping]] = ...) -> None: ...
 
 class CoordLookupRequest(_message.Message):
     __slots__ = ("token_ids", "spec")

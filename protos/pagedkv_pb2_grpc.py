@@ -51,6 +51,11 @@ class CacheNodeStub:
                 request_serializer=pagedkv__pb2.OpenRequest.SerializeToString,
                 response_deserializer=pagedkv__pb2.OpenResponse.FromString,
                 _registered_method=True)
+        self.OpenSigned = channel.unary_unary(
+                '/pagedkv.v1.CacheNode/OpenSigned',
+                request_serializer=pagedkv__pb2.SignedOpen.SerializeToString,
+                response_deserializer=pagedkv__pb2.OpenResponse.FromString,
+                _registered_method=True)
         self.Lookup = channel.unary_unary(
                 '/pagedkv.v1.CacheNode/Lookup',
                 request_serializer=pagedkv__pb2.LookupRequest.SerializeToString,
@@ -159,6 +164,19 @@ class CacheNodeServicer:
         does not know waits up to a grace (0.5 s by default) for its Open first, since
         the coordinator sends Open asynchronously; a sequence whose asynchronous Open
         failed answers that open's error (OpenFailed / PrefixEvicted) instead of NOT_FOUND.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def OpenSigned(self, request, context):
+        """The coordinator's Open, carried by the worker (CoordOpenRequest.worker_opens): the
+        order is an OpenRequest the coordinator serialized and signed for this node's
+        registration, so the worker can deliver it but not change it (the tenant salt, the
+        quota, the cached-token count stay the coordinator's). Once per order: a replay of
+        one whose sequence is gone is refused. Codes: as Open, plus UNAUTHENTICATED (a
+        tag not signed with the cluster secret), FAILED_PRECONDITION (an order for another
+        node or an earlier registration, expired, or replayed).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -325,6 +343,11 @@ def add_CacheNodeServicer_to_server(servicer, server):
                     request_deserializer=pagedkv__pb2.OpenRequest.FromString,
                     response_serializer=pagedkv__pb2.OpenResponse.SerializeToString,
             ),
+            'OpenSigned': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenSigned,
+                    request_deserializer=pagedkv__pb2.SignedOpen.FromString,
+                    response_serializer=pagedkv__pb2.OpenResponse.SerializeToString,
+            ),
             'Lookup': grpc.unary_unary_rpc_method_handler(
                     servicer.Lookup,
                     request_deserializer=pagedkv__pb2.LookupRequest.FromString,
@@ -444,6 +467,33 @@ class CacheNode:
             target,
             '/pagedkv.v1.CacheNode/Open',
             pagedkv__pb2.OpenRequest.SerializeToString,
+            pagedkv__pb2.OpenResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenSigned(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedkv.v1.CacheNode/OpenSigned',
+            pagedkv__pb2.SignedOpen.SerializeToString,
             pagedkv__pb2.OpenResponse.FromString,
             options,
             channel_credentials,

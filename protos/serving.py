@@ -4,6 +4,10 @@ wrapper for handlers. Role-neutral: it knows services by name only."""
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import sys
+import threading
 import time
 from collections.abc import Callable, Iterable
 from concurrent import futures
@@ -20,6 +24,16 @@ T = TypeVar("T")
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
+_PR_SET_NAME = 15
+_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True) if sys.platform == "linux" else None
+
+
+def name_os_thread() -> None:
+    """Give the calling thread's Python name to the OS (`top -H`, /proc/*/task/*/comm
+    show it; first 15 bytes), so a process's CPU can be split by role. A pool's
+    `initializer`; Linux only, a no-op elsewhere."""
+    if _libc is not None:
+        _libc.prctl(_PR_SET_NAME, threading.current_thread().name.encode()[:15], 0, 0, 0)
 
 
 class GrpcServer:
@@ -59,7 +73,10 @@ def build_server(
     until started) and reflection on; TLS with `tls` (plaintext without). Returns
     (server, health servicer, port)."""
     names = tuple(service_names)
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=list(options))
+    pool = futures.ThreadPoolExecutor(
+        max_workers, thread_name_prefix="grpc-handler", initializer=name_os_thread
+    )
+    server = grpc.server(pool, options=list(options))
     add_servicers(server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

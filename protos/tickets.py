@@ -8,7 +8,8 @@ A ticket is a short signed statement, HMAC-SHA256 (truncated to 128 bits) over
 
     rights | expiry | the node's registration epoch | tenant | sequence | node
 
-Three kinds, by their rights:
+Three kinds, by their rights (and one signed statement that is not a ticket: the open
+order a worker carries from the coordinator to a node, `order_tag`):
 - READ / WRITE on one sequence of one node's registration: what a worker presents
   on every data call (the coordinator issues it on open, fork, describe, swap-in);
 - ADMIN on one node's registration: the coordinator's own calls to that node
@@ -109,6 +110,14 @@ class ClusterKeys:
     def mac(self, body: bytes) -> bytes:
         """key id + MAC of body under the signing key."""
         return self._signing_id + _mac(self._signing, body)
+
+    @property
+    def signing_key(self) -> bytes:
+        return self._signing
+
+    def key_of(self, tag: bytes) -> bytes | None:
+        """The key a tag (key id + MAC) names, if it is one of these."""
+        return self._by_id.get(tag[:KEY_ID_BYTES])
 
     def check(self, body: bytes, tag: bytes) -> bool:
         """True when tag (key id + MAC) is body's MAC under one of the keys."""
@@ -223,6 +232,59 @@ class Minter:
                 self._made.clear()
             self._made[key] = (raw, now + self.ttl_s / 2)
         return raw
+
+
+_ORDER_HEAD = struct.Struct("<8sqQH")  # magic, expires_at, epoch, len(node_id)
+
+
+def _order_body(order: bytes, node_id: str, epoch: int, expires_at: int) -> bytes:
+    node = node_id.encode()
+    return _ORDER_HEAD.pack(b"PKORDER1", expires_at, epoch, len(node)) + node + order
+
+
+def order_tag(keys: ClusterKeys, order: bytes, node_id: str, epoch: int, expires_at: int) -> bytes:
+    """The MAC of a signed open order (SignedOpen): the serialized OpenRequest bound to
+    the node's registration and an expiry, so a worker delivers it unchanged."""
+    return keys.mac(_order_body(order, node_id, epoch, expires_at))
+
+
+def check_order(
+    keys: ClusterKeys, order: bytes, tag: bytes, node_id: str, epoch: int, expires_at: int
+) -> bool:
+    """True when `tag` is order_tag(...) under one of the keys."""
+    try:
+        body = _order_body(order, node_id, epoch, expires_at)
+    except (struct.error, UnicodeEncodeError):
+        return False
+    return keys.check(body, tag)
+
+
+def _pad(key: bytes, n: int, node_id: str, epoch: int, expires_at: int, seq_id: str) -> bytes:
+    """n bytes of HMAC keystream for one order (unique per sequence, node registration
+    and expiry): what hides the tenant salt inside the order from the worker carrying it."""
+    head = b"pagedkv salt\0" + _ORDER_HEAD.pack(b"PKSALT01", expires_at, epoch, 0) + node_id.encode() + b"\0"
+    head += seq_id.encode()
+    out = b"".join(hmac.new(key, head + bytes([i]), hashlib.sha256).digest() for i in range(-(-n // 32)))
+    return out[:n]
+
+
+def seal_salt(
+    keys: ClusterKeys, salt: bytes, node_id: str, epoch: int, expires_at: int, seq_id: str
+) -> bytes:
+    """The salt an order carries, XORed with the signing key's keystream for it."""
+    pad = _pad(keys.signing_key, len(salt), node_id, epoch, expires_at, seq_id)
+    return bytes(a ^ b for a, b in zip(salt, pad, strict=True))
+
+
+def unseal_salt(
+    keys: ClusterKeys, sealed: bytes, tag: bytes, node_id: str, epoch: int, expires_at: int, seq_id: str
+) -> bytes:
+    """seal_salt undone with the key that signed the order (named by its tag)."""
+    key = keys.key_of(tag)
+    if key is None:
+        return sealed  # the tag's check refuses such an order first
+    pad = _pad(key, len(sealed), node_id, epoch, expires_at, seq_id)
+    return bytes(a ^ b for a, b in zip(sealed, pad, strict=True))
 
 
 def tickets_in(metadata: Iterable[tuple[str, str | bytes]] | None) -> list[bytes]:

@@ -84,17 +84,25 @@ def prefill_trusted(
     return_block_mass: bool = False,
     backend: Backend | None = None,
     spec: AttentionSpec = PLAIN,
+    position_base: int = 0,
+    first_query: int | None = None,
 ) -> AttentionOutput:
     """paged_prefill for a caller that built q and the table itself against these caches (the
-    engine, which checked the wire input once): only the spec and the block ids are checked here."""
+    engine, which checked the wire input once): only the spec and the block ids are checked here.
+
+    position_base: the sequence position of table position 0 (a later extent's first token,
+    plus released tokens), which a chunk counts from. first_query: the table position of q[0]
+    when the queries come after every key (an earlier extent attended by later queries; each
+    must see a key); None: the last n tokens."""
     num_queries, num_q_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
     scale = check_spec(spec, num_q_heads).resolve_scale(scale, head_dim)
     device = q.device
     num_blocks = k_cache.shape[0]
     num_logical = -(-context_len // block_size)
-    first_pos = context_len - num_queries
-    start = spec.first_visible(first_pos) // block_size  # the first block any query sees
+    first_pos = context_len - num_queries if first_query is None else first_query
+    base = position_base
+    start = max(spec.first_visible(base + first_pos) - base, 0) // block_size  # the first block seen
     ids = table[:num_logical].to(device=device, dtype=torch.int64)
     used = torch.arange(num_logical, device=device) >= start
     check_block_ids(ids, used, num_blocks, "block_table")
@@ -105,6 +113,8 @@ def prefill_trusted(
     choice = backend or os.environ.get(BACKEND_ENV, "auto")
     # Only triton has a prefill of its own; on CPU tensors "auto" and "kernel" mean the torch paths.
     wants_triton = choice == "triton" or (choice == "auto" and device.type != "cpu")
+    # the Triton prefill counts chunks from table position 0 and takes the last n queries only
+    wants_triton &= first_query is None and (not spec.chunk or base % spec.chunk == 0)
     if wants_triton and pick_backend(backend, device) == "triton":
         tri = load_triton()
         assert tri is not None
@@ -118,11 +128,13 @@ def prefill_trusted(
     key_base = start * block_size  # position of the first gathered key
     padded = num_logical * block_size - key_base
     # The flash kernel takes an additive mask but no soft-cap; sinks fold in after it.
+    masked = spec.masks or first_query is not None
     flash_ok = spec.softcap == 0.0 and (
-        not spec.masks or group * num_queries * (context_len - key_base) <= _MASKED_PREFILL_MAX
+        not masked or group * num_queries * (context_len - key_base) <= _MASKED_PREFILL_MAX
     )
     if not return_block_mass and device.type == "cpu" and flash_ok:
-        res = _prefill_flash(q, k_cache, v_cache, rows, context_len, scale, spec, key_base)
+        where = (first_pos, base) if masked else None
+        res = _prefill_flash(q, k_cache, v_cache, rows, context_len, scale, spec, key_base, where)
         sinks = spec.sinks_tensor(device)
         return res if sinks is None else AttentionOutput(*apply_sinks(res.out, res.lse, sinks))
     qf = q.float().view(num_queries, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)  # [Hk, G, n, D]
@@ -139,14 +151,14 @@ def prefill_trusted(
         v = gather_float(v_cache, rows, taken).view(num_kv_heads, padded, head_dim)
         for begin in range(0, num_queries, chunk):
             stop = min(num_queries, begin + chunk)
-            lo = spec.first_visible(first_pos + begin) - key_base
-            hi = first_pos + stop - key_base
+            lo = max(spec.first_visible(base + first_pos + begin) - base, 0) - key_base
+            hi = min(first_pos + stop, context_len) - key_base
             rows_q = group * (stop - begin)  # the G heads of a KV head folded into one matmul
             q_chunk = qf[:, :, begin:stop].reshape(num_kv_heads, rows_q, head_dim)
             scores = torch.bmm(q_chunk, k[:, lo:hi].transpose(1, 2)).mul_(scale)
             scores = spec.cap_(scores.view(num_kv_heads, group, stop - begin, hi - lo))
-            query_pos = torch.arange(first_pos + begin, first_pos + stop, device=device)
-            key_pos = torch.arange(key_base + lo, key_base + hi, device=device)
+            query_pos = torch.arange(base + first_pos + begin, base + first_pos + stop, device=device)
+            key_pos = torch.arange(base + key_base + lo, base + key_base + hi, device=device)
             scores.masked_fill_(spec.hidden(query_pos.unsqueeze(1), key_pos), -math.inf)
             chunk_lse = torch.logsumexp(scores, dim=-1)
             if sinks is not None:  # one more denominator term per head (attention_spec.py)
@@ -181,11 +193,18 @@ def _folded_causal_mask(group: int, num_queries: int, context_len: int) -> Tenso
 
 @functools.lru_cache(maxsize=4)
 def _folded_spec_mask(
-    group: int, num_queries: int, context_len: int, key_base: int, spec: AttentionSpec
+    group: int,
+    num_queries: int,
+    context_len: int,
+    key_base: int,
+    spec: AttentionSpec,
+    first_pos: int,
+    base: int,
 ) -> Tensor:
-    """_folded_causal_mask for keys key_base .. context_len - 1 under a window or chunks."""
-    query_pos = torch.arange(context_len - num_queries, context_len)
-    hidden = spec.hidden(query_pos.unsqueeze(1), torch.arange(key_base, context_len))
+    """_folded_causal_mask for keys key_base .. context_len - 1 under a window or chunks, the
+    queries at table positions first_pos.., table position 0 at sequence position base."""
+    query_pos = torch.arange(first_pos, first_pos + num_queries) + base
+    hidden = spec.hidden(query_pos.unsqueeze(1), torch.arange(key_base, context_len) + base)
     return torch.zeros(hidden.shape).masked_fill_(hidden, -math.inf).repeat(group, 1)
 
 
@@ -198,6 +217,7 @@ def _prefill_flash(
     scale: float,
     spec: AttentionSpec = PLAIN,
     key_base: int = 0,
+    where: tuple[int, int] | None = None,
 ) -> AttentionOutput:
     """Prefill through torch's fused CPU flash kernel, which also returns the LSE. The G
     query heads of a KV head fold into one row block (K/V are not expanded), so a KV head's
@@ -214,8 +234,9 @@ def _prefill_flash(
     (the explicit path, kept for block mass, materialises it: ~7x slower). The one
     call is fewer ops (on a 2-core VM, a 128-token suffix over 1,152 keys: 2.2 vs
     2.4 ms, 1.8 vs 3.0 ms with OMP_WAIT_POLICY=PASSIVE, where each op wakes its threads).
-    A window or chunks always take the one masked call (the caller checked it fits), over the
-    keys from key_base; sinks are the caller's."""
+    A window or chunks, or queries past the keys, always take the one masked call (the caller
+    checked it fits), over the keys from key_base, `where` = (the first query's table position,
+    the sequence position of table position 0); sinks are the caller's."""
     num_queries, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     group = num_q_heads // num_kv_heads
@@ -226,9 +247,9 @@ def _prefill_flash(
         k = gather_float(k_cache, rows, taken).view(num_kv_heads, -1, head_dim)
         v = gather_float(v_cache, rows, taken).view(num_kv_heads, -1, head_dim)
         qf = q.float()
-        if spec.masks or group * num_queries * context_len <= _MASKED_PREFILL_MAX:
-            if spec.masks:
-                mask = _folded_spec_mask(group, num_queries, context_len, key_base, spec)
+        if where is not None or group * num_queries * context_len <= _MASKED_PREFILL_MAX:
+            if where is not None:
+                mask = _folded_spec_mask(group, num_queries, context_len, key_base, spec, *where)
             else:
                 mask = _folded_causal_mask(group, num_queries, context_len)
             q_fold = qf.reshape(num_queries, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)

@@ -30,7 +30,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from pagedkv.protos.attention import LayerAttention
+from pagedkv.protos.attention import LayerAttention, first_visible
 from pagedkv.protos.errors import InvalidArgument
 
 __all__ = ["PLAIN", "AttentionSpec", "apply_sinks", "dead_prefix_blocks", "from_layer"]
@@ -108,12 +108,7 @@ class AttentionSpec:
 
     def first_visible(self, pos: int) -> int:
         """The lowest key position a query at `pos` sees."""
-        lo = 0
-        if self.window:
-            lo = max(lo, pos - self.window + 1)
-        if self.chunk:
-            lo = max(lo, pos - pos % self.chunk)
-        return lo
+        return first_visible(self.window, self.chunk, pos)
 
     def first_visible_t(self, pos: Tensor) -> Tensor:
         """first_visible for a tensor of positions."""

@@ -45,6 +45,7 @@ class PrefillCall(NamedTuple):
     v: Any
     token_ids: list[int]
     return_block_mass: bool
+    query_position: int | None = None  # queries past the node's tokens (an earlier extent)
 
 
 class AppendCall(NamedTuple):

@@ -60,7 +60,14 @@ class GrpcTransport:
 
     def attend_prefill(self, call: PrefillCall, timeout_s: float) -> AttentionResult:
         req = codec.prefill_request(
-            call.seq_id, call.layer, call.q, call.k, call.v, call.token_ids, call.return_block_mass
+            call.seq_id,
+            call.layer,
+            call.q,
+            call.k,
+            call.v,
+            call.token_ids,
+            call.return_block_mass,
+            call.query_position,
         )
         meta = self.wallet.metadata((call.seq_id,))
         return codec.attention_result(unary(self.stub.AttendPrefill, req, timeout_s, meta, self.where))

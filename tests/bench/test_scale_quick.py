@@ -27,5 +27,8 @@ def test_the_quick_scale_run_measures_every_point_and_reaps_nobody(tmp_path: Pat
         assert opens["open_script_p50_us"] > 0 and opens["delete_script_p50_us"] > 0
         assert opens["open_p99_ms"] >= opens["open_p50_ms"] > 0
         assert p["events"]["batch256_apply_events_p50_us"] > 0
+        by_coordinator = p["prompts_coordinator_opens"]["2048"]  # the same opens, the old way
+        assert by_coordinator["opens"] == 20 and by_coordinator["coord_cpu_per_open_close_ms"] > 0
+        assert by_coordinator["open_p50_ms"] > 0 and by_coordinator["hit_share"] > 0
     assert out.with_suffix(".md").read_text().count("|") > 20
     assert out.with_suffix(".png").stat().st_size > 1000

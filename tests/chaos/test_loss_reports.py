@@ -169,7 +169,9 @@ def test_an_open_whose_node_open_could_not_be_delivered_is_lost_not_forgotten(st
     or came back on its port while the coordinator's channel still waited out its
     reconnect backoff): the node has no tombstone to answer with, so the record is kept
     as lost, naming the node, instead of dropped (which left the worker NOT_FOUND)."""
-    engine, coordinator, client, address = stack
+    engine, coordinator, worker, address = stack
+    # the coordinator sends the node Open (a worker that carries it learns on its own: below)
+    client = CacheClient(coordinator=worker.address, spec=SPEC, config=ClientConfig(worker_opens=False))
     coordinator.register("n1", f"127.0.0.1:{free_port()}", SPEC.to_dict(), 64, epoch=9)  # nobody there
     seq = client.open("s", PROMPT)  # answered before the node Open (which fails)
     coordinator.wait_idle()
@@ -181,4 +183,30 @@ def test_an_open_whose_node_open_could_not_be_delivered_is_lost_not_forgotten(st
     client.routing.close("s")
     with pytest.raises(SequenceNotFound):
         coordinator.store.get_sequence("s")
+    assert engine.stats()["num_sequences"] == 0
+    client.close()
+
+
+def test_a_node_open_the_worker_could_not_deliver_is_lost_and_its_page_table_dropped(stack):
+    """The worker carries the node Open (the client's default) and the node is not there:
+    open() has answered; the next data call and the close raise SequenceLost naming the
+    node, the page table is dropped (the id opens again), nothing is held anywhere."""
+    engine, coordinator, client, address = stack
+    coordinator.register("n1", f"127.0.0.1:{free_port()}", SPEC.to_dict(), 64, epoch=9)  # nobody there
+    seq = client.open("s", PROMPT)
+    with pytest.raises(
+        SequenceLost, match="'s' was lost: its open could not be delivered to node n1"
+    ) as info:
+        seq.append(PROMPT, kv(len(PROMPT)), kv(len(PROMPT)))
+    assert info.value.node_id == "n1"
+    client.routing.node_opens.wait("s")  # the page table dropped
+    with pytest.raises(SequenceNotFound):
+        coordinator.store.get_sequence("s")
+    with pytest.raises(SequenceLost, match="node n1"):
+        seq.close()  # once
+    client.routing.close("s")  # then closing is a no-op
+    coordinator.register("n1", address, SPEC.to_dict(), 64, epoch=10)  # the node is back
+    with client.open("s", PROMPT) as again:  # the id opens again
+        assert again.append(PROMPT, kv(len(PROMPT)), kv(len(PROMPT))) == len(PROMPT)
+    coordinator.wait_idle()  # the close's Free
     assert engine.stats()["num_sequences"] == 0

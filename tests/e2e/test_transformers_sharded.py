@@ -25,9 +25,8 @@ BLOCK_SIZE = 4
 EXTENT_TOKENS = 20  # rows of 13 + 30 and 21 + 30 tokens: three extents each
 
 
-@pytest.fixture
-def cluster(model, redis_url) -> Iterator[tuple[str, dict[str, CacheEngine], Coordinator]]:
-    spec = node_spec(model.config, BLOCK_SIZE)
+def three_nodes(spec, redis_url: str) -> Iterator[tuple[str, dict[str, CacheEngine], Coordinator]]:
+    """Three node servers of `spec` (512 blocks each) and a coordinator on `redis_url`, over gRPC."""
     store = RedisStore(redis_url)
     coordinator = Coordinator(store, CoordinatorConfig(lease_ttl_s=30))
     engines, servers = {}, []
@@ -48,6 +47,11 @@ def cluster(model, redis_url) -> Iterator[tuple[str, dict[str, CacheEngine], Coo
         for server in servers:
             server.stop(0)
         store.close()
+
+
+@pytest.fixture
+def cluster(model, redis_url) -> Iterator[tuple[str, dict[str, CacheEngine], Coordinator]]:
+    yield from three_nodes(node_spec(model.config, BLOCK_SIZE), redis_url)
 
 
 def run(model, ids, mask, cache, **kw):

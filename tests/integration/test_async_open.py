@@ -23,7 +23,7 @@ import torch
 
 from pagedkv.cache_node.engine import CacheEngine, EngineConfig
 from pagedkv.cache_node.server import create_server as create_node_server
-from pagedkv.client import CacheClient, OpenFailed, PrefixEvicted, Sequence
+from pagedkv.client import CacheClient, ClientConfig, OpenFailed, PrefixEvicted, Sequence
 from pagedkv.client.types import Route
 from pagedkv.coordinator.auth import Tenants
 from pagedkv.coordinator.core import Coordinator, CoordinatorConfig
@@ -54,7 +54,10 @@ def stack(redis_url):
     coordinator.heartbeat("n1", {"free_blocks": 32, "used_blocks": 0})
     coord_server, coord_port = create_coordinator_server(coordinator, "127.0.0.1:0", tenants=Tenants())
     coord_server.start()
-    client = CacheClient(coordinator=f"127.0.0.1:{coord_port}", spec=SPEC)
+    # the coordinator's Open without waiting (the asynchronous open these tests are about)
+    client = CacheClient(
+        coordinator=f"127.0.0.1:{coord_port}", spec=SPEC, config=ClientConfig(worker_opens=False)
+    )
     yield engine, coordinator, client
     client.close()
     coord_server.stop(0)

@@ -389,7 +389,12 @@ def test_spills_are_counted_and_exported(redis_url):
             seq.append(list(range(6)), k, k)
             seq.attend(0, torch.randn(Q_HEADS, spec.head_dim))
         assert c.client.cluster_stats().counters["spills"] == 2
-        assert c.client.counters == {"spills": 2, "sharded_steps": 2, "sharded_attends": 5}
+        assert c.client.counters == {
+            "spills": 2,
+            "sharded_steps": 2,
+            "sharded_attends": 5,
+            "window_skipped_attends": 0,  # no window: every extent attended
+        }
         registry = CollectorRegistry()
         registry.register(CoordinatorCollector(c.coordinator))
         registry.register(ClientCollector(c.client))

@@ -2,9 +2,9 @@
 
 A soft-cap and a scale are per score: each node caps its own scores and the LSE merge over
 the capped scores is exact, so such a sequence spills like a plain one; a sink (gpt-oss) is
-folded in by the client after the merge. A window or chunks count positions from a node's
-first token, and a token budget is kept by one node: those sequences never spill, and say
-so (at the open for max_extent_tokens, else in the full node's RESOURCE_EXHAUSTED).
+folded in by the client after the merge. Windows and chunks spill too
+(each extent's node counts the sequence's positions: test_sharded_windows.py); a token
+budget is kept by one node: such a sequence never spills, and says so.
 Real parts as in test_sharded.py; checked against float64 dense attention.
 """
 
@@ -16,8 +16,8 @@ import pytest
 import torch
 from test_sharded import Q_HEADS, Reference, extent_sizes, spec_of, start_cluster
 
-from pagedkv.protos.attention import LayerAttention, to_messages
-from pagedkv.protos.errors import CapacityExceeded, InvalidArgument, SequenceNotFound
+from pagedkv.protos.attention import LayerAttention
+from pagedkv.protos.errors import CapacityExceeded, InvalidArgument
 
 CAPPED = (LayerAttention(softcap=5.0, scale=0.9), LayerAttention(softcap=2.0))
 
@@ -96,26 +96,36 @@ def test_a_soft_capped_scaled_sequence_spills_and_attends_exactly(redis_url, bs)
         c.check()
 
 
-def test_a_window_or_chunks_never_spill_and_say_why(redis_url):
+def test_a_full_node_spills_a_windowed_sequence_at_its_first_position(redis_url):
+    """No max_extent_tokens: the node's RESOURCE_EXHAUSTED spills a windowed sequence as a
+    plain one, and the new extent's node is opened with the extent's first position (it
+    masks a chunk that does not start on its own first token exactly)."""
     spec = spec_of(4)
-    windowed = (LayerAttention(window=4), LayerAttention())  # one full layer: it keeps every block
+    chunked = (LayerAttention(chunk=6), LayerAttention(window=5))
     for c in start_cluster(redis_url, spec, {"n1": 3, "n2": 3}):
-        with pytest.raises(InvalidArgument, match="could not spill .* window or chunks"):
-            c.client.open("w", [0], attention=windowed, max_extent_tokens=8)
-        with pytest.raises(SequenceNotFound):  # refused before anything was opened
-            c.coordinator.store.get_sequence("w")
-        chunked = (LayerAttention(chunk=8), LayerAttention(chunk=8))
-        with pytest.raises(InvalidArgument, match="window or chunks"):
-            c.client.open("c", [0], attention=chunked, max_extent_tokens=8)
-        with c.client.open("w", [0], attention=windowed) as seq:
-            assert not seq.can_spill
-            k = torch.randn(spec.num_layers, 16, spec.num_kv_heads, spec.head_dim)
-            with pytest.raises(CapacityExceeded, match="cannot spill to another node: its attention spec"):
-                seq.append(list(range(16)), k, k)  # 4 blocks on a node of 3
-            assert len(seq.extents) == 1
-            seq.append(list(range(8)), k[:, :8], k[:, :8])  # what fits still goes in
-            with pytest.raises(InvalidArgument, match="window or chunks"):  # the coordinator refuses too
-                c.coordinator.extend("default", "w", 8, to_messages(windowed))
+        ref = Reference(spec, seed=3)
+        with c.client.open("c", [0], attention=chunked) as seq:
+            assert seq.can_spill
+            for _ in range(2):  # 4 blocks on a node of 3: the 4th spills
+                k, v = ref.kv(8)
+                seq.append(list(range(8)), k, v)
+            assert extent_sizes(seq) == [8, 8]  # the second append found no room: all of it moved
+            tail = c.engines[seq.extents[1].route.node_id]
+            spec_there = tail.specs.get("c")
+            assert spec_there is not None and spec_there.first_position == 8
+            for layer, want_first in (
+                (0, 12),
+                (1, 11),
+            ):  # chunk [12, 18), from inside the extent; window 11..15
+                q = ref.rand(Q_HEADS, spec.head_dim)
+                res = seq.attend(layer, q)
+                k_l, v_l = ref.k[layer, want_first:].double(), ref.v[layer, want_first:].double()
+                k_l, v_l = k_l.repeat_interleave(2, 1), v_l.repeat_interleave(2, 1)
+                scores = torch.einsum("hd,lhd->hl", q.double(), k_l) / math.sqrt(spec.head_dim)
+                close(res.lse, torch.logsumexp(scores, -1))
+                close(res.out, torch.einsum("hl,lhd->hd", torch.softmax(scores, -1), v_l))
+            with pytest.raises(InvalidArgument, match="first_position 3 is not a multiple of block_size 4"):
+                tail.open("bad", [], attention=chunked, first_position=3)
             c.check()
         c.coordinator.wait_idle()
         assert sum(c.held().values()) == 0

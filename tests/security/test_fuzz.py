@@ -63,6 +63,8 @@ def _spec(r: random.Random) -> pb.ModelSpec | None:
             pb.ModelSpec(num_layers=-1, num_kv_heads=2, head_dim=32, dtype="float32", block_size=16),
             pb.ModelSpec(num_layers=2, num_kv_heads=2, head_dim=32, dtype="int8", block_size=16),
             pb.ModelSpec(block_size=-5),
+            # the model's name: empty, too long, control bytes, another model's
+            pb.ModelSpec(**{**SPEC.to_dict(), "model": r.choice(["x" * 5000, "m\x00", "\n", "other/model"])}),
         ]
     )
 
@@ -125,6 +127,8 @@ def test_node_rpcs(cluster: Secured) -> None:
                 req.v.CopyFrom(_tensor(r))
                 req.token_ids.extend(_tokens(r))
             req.return_block_mass = r.random() < 0.3
+            if r.random() < 0.3:  # which rows append: any length, with or without k/v
+                req.appends.extend(r.random() < 0.5 for _ in range(r.randrange(0, 4)))
         elif method == "AttendPrefill":
             req = pb.AttendPrefillRequest(seq_id=seq_id, layer=layer, q=_tensor(r), token_ids=_tokens(r))
             if r.random() < 0.5:
@@ -196,7 +200,8 @@ def test_coordinator_rpcs(cluster: Secured) -> None:
         elif method == "Fork":
             req = pb.CoordForkRequest(parent_id=seq_id, child_id=r.choice(ids))
         elif method in ("Close", "SwapOut", "SwapIn", "Describe"):
-            req = pb.CoordSeqRequest(seq_id=seq_id)
+            # node_not_found: the coordinator then asks the node (only for this tenant's ids)
+            req = pb.CoordSeqRequest(seq_id=seq_id, node_not_found=r.random() < 0.3)
         elif method in ("Pin", "Unpin"):
             req = pb.CoordPinRequest(token_ids=_tokens(r), spec=spec)
         elif method == "Register":
