@@ -126,12 +126,15 @@ def script_us(cluster: ScaleCluster, names: dict[str, str]) -> dict[str, list[in
     return out
 
 
-def close_retrying(stub: Any, seq_id: str) -> int:
+def close_retrying(stub: Any, seq_id: str, freed_extents: int = 0) -> int:
     """Close as a worker does: an UNAVAILABLE answer (the sequence's node is a suspect, its
-    beat late on an overloaded host) is retried after a pause. Returns the retries."""
+    beat late on an overloaded host) is retried after a pause. Returns the retries.
+    freed_extents: as a client's close sends it once it freed the sequence on its node
+    itself (client/closing.py; the stub nodes hold nothing to free): no node Free from the
+    coordinator; 0: the coordinator sends it, as an older client's close has it do."""
     for retries in range(100):
         try:
-            stub.Close(pb.CoordSeqRequest(seq_id=seq_id), timeout=60)
+            stub.Close(pb.CoordSeqRequest(seq_id=seq_id, freed_extents=freed_extents), timeout=60)
             return retries
         except grpc.RpcError as err:
             if err.code() != grpc.StatusCode.UNAVAILABLE:
@@ -151,6 +154,7 @@ def measure_opens(
     num_opens: int,
     tag: str,
     rounds: int = 4,
+    freed_extents: int = 0,
 ) -> dict[str, dict[str, Any]]:
     """Opens and closes of the prompt in each mode, the modes alternating in `rounds`
     rounds so that load drifts hit both alike; each mode's figures over all its rounds."""
@@ -179,7 +183,7 @@ def measure_opens(
                 if mode == "worker":  # as CacheClient does: the node Open, then open() returns
                     cluster.stub_node.OpenSigned(reply.node_open, timeout=60)
                 t1 = time.perf_counter()
-                a["unavailable"] += close_retrying(stub, seq_id)
+                a["unavailable"] += close_retrying(stub, seq_id, freed_extents)
                 t2 = time.perf_counter()
                 a["open_ms"].append((t1 - t0) * 1e3)
                 a["close_ms"].append((t2 - t1) * 1e3)
@@ -262,7 +266,8 @@ def run_point(
             prompt = rng.integers(0, 50_000, tokens).tolist()
             nodes.report(0, chain_keys(root_key(salt), prompt, BLOCK), 4096)
             num_opens = max(10, min(args.opens, args.opens * 8192 // tokens))
-            both = measure_opens(cluster, window, names, prompt, num_opens, f"p{tokens}")
+            freed = 0 if args.coordinator_frees else 1
+            both = measure_opens(cluster, window, names, prompt, num_opens, f"p{tokens}", freed_extents=freed)
             point["prompts"][tokens] = both["worker"]  # the client's default
             point.setdefault("prompts_coordinator_opens", {})[tokens] = both["coordinator"]
             for mode, result in both.items():
@@ -370,6 +375,11 @@ def main() -> None:
     p.add_argument("--lease-ttl-s", type=float, default=3.0)
     p.add_argument("--quiet-s", type=float, default=2.0, help="the quiet window (heartbeats only)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--coordinator-frees",
+        action="store_true",
+        help="closes as an older client's: the coordinator sends the node Free (default: the worker did)",
+    )
     p.add_argument("--prompts", default="", help="prompt lengths in tokens (default 1024,8192,32768)")
     p.add_argument("--indexes", default="", help="index sizes in keys (default 10000,100000)")
     p.add_argument("--replicas", default="", help="coordinator counts (default 1,2)")

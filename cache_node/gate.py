@@ -15,7 +15,8 @@ Modes (NodeTrust):
   Ping and CheckIntegrity needs it (gRPC `authorization` metadata, or AUTH);
 - cluster: a node serving a cluster with the cluster secret: the control rpcs
   need its coordinator's ADMIN ticket for this node's registration (direct mode
-  is refused: no worker chooses a salt), data calls a ticket per sequence.
+  is refused: no worker chooses a salt), data calls a ticket per sequence; Free
+  takes either (a worker's close frees its sequence itself: `require_free`).
 
 Fencing (Chubby/etcd leases with fencing tokens): a node in a cluster holds a lease
 that its link renews with every heartbeat. Once it cannot prove the lease is live
@@ -54,6 +55,7 @@ from ..protos.errors import (
 )
 from ..protos.tickets import (
     RIGHT_ADMIN,
+    RIGHT_WRITE,
     ClusterKeys,
     Ticket,
     Verifier,
@@ -287,6 +289,22 @@ class Gate:
                 f"{method}: node {self.node_id!r} serves a cluster; only its coordinator may call it "
                 "(direct mode is refused: open, fork and close sequences through the coordinator)"
             )
+
+    def require_free(self, creds: Credentials, seq_id: str) -> None:
+        """Free: the coordinator's ADMIN ticket (as every control rpc), or in a cluster the
+        sequence's own ticket with WRITE (the worker closing it frees it first, so its close
+        hears a loss from the node): checked as a data call, fenced and lost answers included.
+        A node without a cluster secret cannot tell the two callers apart: it answers every
+        Free as a data call (a coordinator's refused Free is retried, then reconciliation's)."""
+        if self.mode == CLUSTER and not creds.is_owner and creds.admin is None:
+            self.require(creds, [seq_id], RIGHT_WRITE, "Free")
+            return
+        if self.mode == OPEN:
+            if self._lease_deadline is not None:
+                self.check_lease()
+            if self._lost:
+                self._check_lost([seq_id])
+        self.require_admin(creds, "Free")
 
     def check_order(
         self, creds: Credentials, order: bytes, tag: bytes, node_id: str, epoch: int, expires_at: int

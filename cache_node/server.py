@@ -284,7 +284,7 @@ class CacheNodeServicer(pb_grpc.CacheNodeServicer):
 
     def Free(self, request: pb.SeqRequest, context: grpc.ServicerContext) -> pb.Empty:
         def run() -> pb.Empty:
-            self._admin(context, "Free")
+            self.gate.require_free(self._creds(context), request.seq_id)
             keep = request.keep_prefix if request.HasField("keep_prefix") else None
             self.engine.free(request.seq_id, keep)
             self.gate.drop(request.seq_id)

@@ -56,7 +56,11 @@ class NodeControl:
         return self.stub.OpenSigned(order, timeout=self._t(timeout_s))
 
     def free(self, seq_id: str, timeout_s: float | None = None, keep_prefix: int | None = None) -> None:
-        self._call(self.stub.Free, pb.SeqRequest(seq_id=seq_id, keep_prefix=keep_prefix), timeout_s)
+        """Free the sequence here, by the node's id for it and with its ticket when the
+        wallet holds one (a cluster worker's close: client/closing.py)."""
+        node_seq_id = self.wallet.node_id(seq_id)
+        request = pb.SeqRequest(seq_id=node_seq_id, keep_prefix=keep_prefix)
+        self._call(self.stub.Free, request, timeout_s, node_seq_id)
 
     def swap_out(self, seq_id: str, timeout_s: float | None = None) -> int:
         return self._call(self.stub.SwapOut, pb.SeqRequest(seq_id=seq_id), timeout_s).num_blocks

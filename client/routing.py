@@ -285,11 +285,21 @@ class CoordinatorRouting:
         request = pb.CoordExtendRequest(seq_id=seq_id, num_tokens=num_tokens, attention=attention)
         return _routes(self._call("Extend", request, timeout_s))
 
-    def close(self, seq_id: str, timeout_s: float | None = None, keep_prefix: int | None = None) -> None:
+    def close(
+        self,
+        seq_id: str,
+        timeout_s: float | None = None,
+        keep_prefix: int | None = None,
+        *,
+        freed_extents: int = 0,
+    ) -> None:
+        """Drop the page table; freed_extents: the worker freed the sequence on the nodes of
+        its first that many extents already (client/closing.py), the coordinator frees the rest."""
         # A Free that overtakes the node Open this worker sent waits for it at the node (its
         # grace for unknown ids), so the close does not wait here.
         failed = None if self.node_opens is None else self.node_opens.forget(seq_id)
-        self._call("Close", pb.CoordSeqRequest(seq_id=seq_id, keep_prefix=keep_prefix), timeout_s)
+        request = pb.CoordSeqRequest(seq_id=seq_id, keep_prefix=keep_prefix, freed_extents=freed_extents)
+        self._call("Close", request, timeout_s)
         if failed is not None:  # as the coordinator's own failed Open: the close says why
             raise failed
 

@@ -11,7 +11,7 @@ coordinator (Extend) and keeps going; every extent before the tail is sealed::
 Appends go to the tail (split at the seal when they cross it); attention runs on every
 node holding an extent and merges by LSE (extents.py); read_kv reads each extent's part
 of a range from its node; fork forks every extent; close frees every extent (the
-coordinator does). What may spill::
+worker does, then the coordinator drops the page table: closing.py). What may spill::
 
     attention spec        soft-cap, scale: yes, exact (each node caps its own scores; the
                           LSE merge is over the capped scores); sinks: yes (the client
@@ -34,6 +34,7 @@ import torch
 from ..protos.attention import LayerAttention, to_messages
 from ..protos.errors import CapacityExceeded, InvalidArgument, NotFound, OpenFailed, SequenceLost
 from . import codec
+from .closing import close_in_cluster
 from .extent_masks import PAST, SKIP, WHOLE, extent_view, layer_of
 from .extents import cat_rows, merge, prefill_part, run_parallel
 from .types import AttentionResult, ExtentRoute, MissExplanation, Route
@@ -527,11 +528,12 @@ class Sequence:
 
     def close(self, *, keep_prefix: int | None = None, timeout_s: float | None = None) -> None:
         """Free the sequence (and, in a cluster, its page table: every extent). Idempotent on
-        this handle. In a cluster the node frees it in the background; a sequence whose open
-        failed on its node (OpenFailed) has nothing to close: that error, or NotFound, is
-        raised; a lost one raises SequenceLost (its page table is dropped: the handle is closed).
-        Unavailable (e.g. its node missed its lease and has no verdict yet) leaves the
-        handle open: close again to get the answer.
+        this handle. In a cluster the worker frees it on each extent's node, then the
+        coordinator drops the page table (closing.py); a sequence whose open failed on its
+        node (OpenFailed) has nothing to close: that error, or NotFound, is raised; a lost
+        one raises SequenceLost naming the node (its page table is dropped: the handle is
+        closed). Unavailable (a node down or cut off, or a suspect, with no verdict yet)
+        leaves the handle open and the page table kept: close again to get the answer.
 
         `keep_prefix=k` when nothing past the first k tokens will be asked for again (the
         conversation ended; k = the system prompt's length): the node drops those cached
@@ -541,7 +543,10 @@ class Sequence:
             raise InvalidArgument(f"keep_prefix must be >= 0 tokens, got {keep_prefix}")
         if not self.is_closed:
             try:
-                self.client.routing.close(self.seq_id, timeout_s, keep_prefix)
+                if self.client.is_cluster:
+                    close_in_cluster(self, timeout_s, keep_prefix)
+                else:
+                    self.client.routing.close(self.seq_id, timeout_s, keep_prefix)
             except (OpenFailed, NotFound, SequenceLost):
                 self.is_closed = True
                 self._forget()

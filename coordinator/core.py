@@ -27,7 +27,9 @@ overtakes the node Open waits on the node for a short grace. Coordinator calls o
 a sequence whose node call is in flight (fork, swaps; a reopen of the same id)
 wait for it first (`_inflight`, where an open enters before its script runs, so a
 concurrent close always finds it); close does not wait: it deletes the record (one
-round trip, tenant-checked in the script) and chains the node Free after the open.
+round trip, tenant-checked in the script) and chains the node Free after the open. A
+client's close frees the sequence on its nodes itself first (freed_extents): then the
+coordinator sends those no Free, only one after its own Open when that is still in flight.
 
 Node calls sent without waiting (the node Open, the Free of a close) are in deferred.py;
 placement's view of each node (load, recent opens, the candidate rows) is node_rooms.py.
@@ -491,7 +493,9 @@ class Coordinator(DeferredCalls, Failures, Membership, NodeRooms, Extents, Missi
         placement = Placement(node.node_id, 0, 0, 0)
         return OpenResult(child_id, node.node_id, node.address, 0, placement, record=record)
 
-    def close(self, tenant: str, seq_id: str, keep_prefix: int | None = None) -> None:
+    def close(
+        self, tenant: str, seq_id: str, keep_prefix: int | None = None, *, freed_extents: int = 0
+    ) -> None:
         """Drop the page table (one round trip, tenant-checked) and free the sequence on
         its node without waiting: after its node Open when that is still in flight, with
         retries when it fails. Closing a sequence whose node open failed raises that
@@ -499,11 +503,19 @@ class Coordinator(DeferredCalls, Failures, Membership, NodeRooms, Extents, Missi
         table (closed already) succeeds; a lost one raises SequenceLost, once (its record
         is dropped with it; reconcile.py frees whatever a crash left on a node).
 
-        While the sequence's node is a suspect (its lease lapsed, not declared dead) the
-        close changes nothing and raises Unavailable: answering OK would hide a loss that
-        the verdict may still declare. Retried, it gets the verdict: OK and the Free when
-        the node beat again, SequenceLost once it was declared dead. Nothing leaks either
-        way: the record stays until then, and a lost one expires (lost_ttl_s).
+        freed_extents: the worker freed it on the nodes of its first that many extents
+        already (its close heard each node's answer, so a loss reaches it:
+        client/closing.py); they get no Free, except the first after this coordinator's own
+        node Open of it while that is in flight (the worker's Free may have come first);
+        later extents (added since the worker's handle learned them) are freed here. A
+        suspect node does not hold the close: the node answered the worker after the lease
+        this coordinator counts.
+
+        Without it, while the sequence's node is a suspect (its lease lapsed, not declared
+        dead) the close changes nothing and raises Unavailable: answering OK would hide a
+        loss that the verdict may still declare. Retried, it gets the verdict: OK and the
+        Free when the node beat again, SequenceLost once it was declared dead. Nothing leaks
+        either way: the record stays until then, and a lost one expires (lost_ttl_s).
 
         keep_prefix: the node drops the cached blocks past that many tokens (KVCacheManager.free)."""
         if keep_prefix is not None and keep_prefix < 0:  # checked here: the node's Free runs later
@@ -512,7 +524,7 @@ class Coordinator(DeferredCalls, Failures, Membership, NodeRooms, Extents, Missi
             call = self._inflight.get(seq_id)
         try:
             # A suspect node keeps the record (NodeNotLive): the close answers its verdict.
-            record = self.store.delete_sequence(seq_id, tenant=tenant, require_live=True)
+            record = self.store.delete_sequence(seq_id, tenant=tenant, require_live=not freed_extents)
         except SequenceNotFound:
             if call is not None and call.is_finished and call.error is not None:
                 raise call.error from None
@@ -520,19 +532,21 @@ class Coordinator(DeferredCalls, Failures, Membership, NodeRooms, Extents, Missi
         except NodeNotLive as exc:
             raise self._suspect(seq_id, exc.node_id) from None
         if record.state == "lost":  # its quota was released when it was lost
-            for ext in record.extents if len(record.extents) > 1 else ():
+            for ext in record.extents[freed_extents:] if len(record.extents) > 1 else ():
                 self._free_extent(ext.node_id, seq_id)  # what the live nodes still hold of it
             node_id = self.lost_node_of(record)
             raise SequenceLost(seq_id, record.lost_reason or f"node {node_id} died", node_id)
         if tenant in self.config.quotas:
             self.store.release_blocks(tenant, record.num_blocks)
-        for ext in record.extents[1:]:  # later extents were opened synchronously (Extend)
+        for ext in record.extents[max(1, freed_extents) :]:  # opened synchronously (Extend)
             self._free_extent(ext.node_id, seq_id)
         node_id = record.extents[0].node_id
         node = self._cached_node(node_id) or self.live_node(node_id)
         if node is None:  # it lapsed since the delete: reconcile.py frees the orphan if it comes back
             return
-        self._send_free(node, seq_id, after=call, keep_prefix=keep_prefix)
+        # Freed by the worker: only after our own Open still in flight (it may land after that Free).
+        if not freed_extents or (call is not None and not call.is_finished):
+            self._send_free(node, seq_id, after=call, keep_prefix=keep_prefix)
         self._account(node.node_id, -record.num_blocks)
         if record.state == "active":  # a swapped one left the device's load at swap_out
             self._release_active(node.node_id, record.num_blocks)

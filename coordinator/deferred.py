@@ -13,7 +13,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from ..protos import pagedkv_pb2 as pb
-from ..protos.errors import NotFound, PagedKVError, SequenceNotFound, Unavailable
+from ..protos.errors import NotFound, PagedKVError, SequenceLost, SequenceNotFound, Unavailable
 from .node_calls import NodeCalls
 from .records import NodeInfo
 from .store import Store
@@ -188,9 +188,10 @@ class DeferredCalls:
     ) -> None:
         """Free `seq_id` on the node without waiting; with `after` (its node Open still in
         flight), once that Open has succeeded (a failed one left nothing to free). A
-        failure other than NOT_FOUND is retried (free_retries, backoff) so blocks never
-        leak on a transient error. The Free is in `_inflight` from this call on, before
-        it is sent, so a reopen of the same id waits for it and never overtakes it."""
+        failure other than NOT_FOUND and SequenceLost (the node holds nothing of it) is
+        retried (free_retries, backoff) so blocks never leak on a transient error. The
+        Free is in `_inflight` from this call on, before it is sent, so a reopen of the
+        same id waits for it and never overtakes it."""
         call = NodeCall(seq_id)
         request = pb.SeqRequest(seq_id=seq_id, keep_prefix=keep_prefix)
         with self._lock:
@@ -210,7 +211,7 @@ class DeferredCalls:
 
     def _free_attempt(self, node: NodeInfo, call: NodeCall, request: pb.SeqRequest, attempt: int) -> None:
         def done(reply: Any, error: PagedKVError | None) -> None:  # on a NodeCalls sender thread
-            if error is not None and not isinstance(error, NotFound):  # NotFound: already gone
+            if error is not None and not isinstance(error, (NotFound, SequenceLost)):  # already gone
                 if attempt < self.config.free_retries and not self._stop.is_set():
                     self._background.submit(self._retry_free, node, call, request, attempt + 1)
                     return

@@ -239,7 +239,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     def Close(self, request: pb.CoordSeqRequest, context: grpc.ServicerContext) -> Any:
         def run() -> pb.Empty:
             keep = request.keep_prefix if request.HasField("keep_prefix") else None
-            self.coordinator.close(*self._caller(context, request.seq_id), keep_prefix=keep)
+            tenant, seq_id = self._caller(context, request.seq_id)
+            self.coordinator.close(tenant, seq_id, keep_prefix=keep, freed_extents=request.freed_extents)
             return pb.Empty()
 
         with self.coordinator.node_calls.held():

@@ -469,14 +469,16 @@ class CoordLookupResponse(_message.Message):
     def __init__(self, num_cached_tokens: _Optional[int] = ..., node_id: _Optional[str] = ...) -> None: ...
 
 class CoordSeqRequest(_message.Message):
-    __slots__ = ("seq_id", "keep_prefix", "node_not_found")
+    __slots__ = ("seq_id", "keep_prefix", "node_not_found", "freed_extents")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     KEEP_PREFIX_FIELD_NUMBER: _ClassVar[int]
     NODE_NOT_FOUND_FIELD_NUMBER: _ClassVar[int]
+    FREED_EXTENTS_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     keep_prefix: int
     node_not_found: bool
-    def __init__(self, seq_id: _Optional[str] = ..., keep_prefix: _Optional[int] = ..., node_not_found: _Optional[bool] = ...) -> None: ...
+    freed_extents: int
+    def __init__(self, seq_id: _Optional[str] = ..., keep_prefix: _Optional[int] = ..., node_not_found: _Optional[bool] = ..., freed_extents: _Optional[int] = ...) -> None: ...
 
 class CoordExtendRequest(_message.Message):
     __slots__ = ("seq_id", "num_tokens", "attention")

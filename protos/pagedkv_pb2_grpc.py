@@ -247,8 +247,12 @@ class CacheNodeServicer:
 
     def Free(self, request, context):
         """Release a sequence (device or swapped). Keyed blocks stay cached until
-        evicted, except past keep_prefix when it is set. Codes: OK, NOT_FOUND,
-        INVALID_ARGUMENT (negative keep_prefix; nothing freed).
+        evicted, except past keep_prefix when it is set. Who: the coordinator (its ADMIN
+        ticket), or in a cluster the worker closing the sequence, with the sequence's ticket
+        (WRITE): then it is checked as a data call is (UNAVAILABLE while the node is fenced,
+        FAILED_PRECONDITION when the node knows the sequence lost). Codes: OK, NOT_FOUND,
+        INVALID_ARGUMENT (negative keep_prefix; nothing freed), UNAVAILABLE,
+        FAILED_PRECONDITION, UNAUTHENTICATED, PERMISSION_DENIED (nothing freed).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -1104,6 +1108,7 @@ class CoordinatorServicer:
         """Free a sequence on its node(s) and drop its page table. Idempotent: closing an id
         with no page table succeeds (a retried close). A lost sequence answers
         FAILED_PRECONDITION (SequenceLost, naming its node) once, its record dropped.
+        With freed_extents the worker has freed it on those nodes already (see CoordSeqRequest).
         keep_prefix: see SeqRequest. Codes: OK, INVALID_ARGUMENT, FAILED_PRECONDITION,
         UNAVAILABLE, PERMISSION_DENIED.
         """

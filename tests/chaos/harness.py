@@ -405,9 +405,11 @@ def reads_back(seq) -> bool:
         return False
 
 
-def assert_lost_everywhere(held: list, node_id: str, *, on_close: bool = True) -> None:
-    """Each held sequence answers SequenceLost naming the node on a data call and, when the
-    store kept its page table (on_close), on close; a second close succeeds."""
+def assert_lost_everywhere(held: list, node_id: str) -> None:
+    """Each held sequence answers SequenceLost naming the node on a data call and on close
+    (the page table says so, or the node itself: its close frees on the node first, and a
+    node that came back empty remembers what it lost, even when the store forgot it); a
+    second close succeeds (the handle is closed, the record gone)."""
     for seq in held:
         deadline = time.monotonic() + 2 * LEASE_S
         while True:
@@ -420,10 +422,33 @@ def assert_lost_everywhere(held: list, node_id: str, *, on_close: bool = True) -
             except Unavailable:  # fenced, not yet re-registered
                 assert time.monotonic() < deadline, f"{seq.seq_id}: Unavailable for {2 * LEASE_S}s"
                 time.sleep(0.2)
-        if on_close:
-            with pytest.raises(SequenceLost, match=node_id):
-                seq.close()
+        with pytest.raises(SequenceLost, match=node_id):
+            seq.close()
         seq.close()  # the record is gone with the report: a second close succeeds
+
+
+PROMPT_TOKENS = 2 * SPEC.block_size  # whole blocks: a sharded sequence's extent seals there
+
+
+def seeded_kv(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of n tokens, from `seed` (a placed sequence's are seeded by its index)."""
+    g = torch.Generator().manual_seed(seed)
+    shape = (SPEC.num_layers, n, SPEC.num_kv_heads, SPEC.head_dim)
+    return torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+
+
+def placed(client: CacheClient, node_id: str, name: str, base: int = 40_000):
+    """A sequence opened on `node_id` with PROMPT_TOKENS appended (other placements closed);
+    its id ends in the index that seeded its KV (seeded_kv)."""
+    for i in range(100):
+        prompt = [base + 100 * i + j for j in range(PROMPT_TOKENS)]
+        seq = client.open(f"{name}-{i}", prompt)
+        if seq.route.node_id != node_id:
+            seq.close()
+            continue
+        seq.append(prompt, *seeded_kv(PROMPT_TOKENS, i))
+        return seq
+    raise AssertionError(f"no sequence placed on {node_id} in 100 opens")
 
 
 def wait_for(predicate, timeout_s: float, what: str) -> float:

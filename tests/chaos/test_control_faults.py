@@ -60,7 +60,7 @@ def test_redis_outage_longer_than_the_lease(tmp_path, aof):
                 seq.close()
         else:  # Redis forgot the nodes: they came back empty, and every handle learns it
             for seq in held:
-                assert_lost_everywhere([seq], seq.route.node_id, on_close=False)
+                assert_lost_everywhere([seq], seq.route.node_id)
         tally = work.stop()
         assert not tally.wrong, tally.wrong[:5]
         stats = cc.cluster.stats()

@@ -16,7 +16,18 @@ import time
 
 import pytest
 import torch
-from harness import DETECTION_BOUND_S, LEASE_S, Q_HEADS, SPEC, TOKEN, ChaosCluster, wait_for
+from harness import (
+    DETECTION_BOUND_S,
+    LEASE_S,
+    PROMPT_TOKENS,
+    Q_HEADS,
+    SPEC,
+    TOKEN,
+    ChaosCluster,
+    placed,
+    wait_for,
+)
+from harness import seeded_kv as kv
 
 from pagedkv.client import (
     AsyncCacheClient,
@@ -28,26 +39,6 @@ from pagedkv.client import (
 )
 
 pytestmark = pytest.mark.timeout(180)
-PROMPT_TOKENS = 2 * SPEC.block_size  # whole blocks: a sharded sequence's extent seals there
-
-
-def kv(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    shape = (SPEC.num_layers, n, SPEC.num_kv_heads, SPEC.head_dim)
-    return torch.randn(shape, generator=g), torch.randn(shape, generator=g)
-
-
-def placed(client: CacheClient, node_id: str, name: str):
-    """A sequence opened on `node_id` with PROMPT_TOKENS appended (other placements closed)."""
-    for i in range(100):
-        prompt = [40_000 + 100 * i + j for j in range(PROMPT_TOKENS)]
-        seq = client.open(f"{name}-{i}", prompt)
-        if seq.route.node_id != node_id:
-            seq.close()
-            continue
-        seq.append(prompt, *kv(PROMPT_TOKENS, i))
-        return seq
-    raise AssertionError(f"no sequence placed on {node_id} in 100 opens")
 
 
 def data_calls(client: CacheClient, seq, live) -> dict:

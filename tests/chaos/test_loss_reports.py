@@ -4,9 +4,9 @@ one nobody opened), a coordinator on a real redis-server served over gRPC, and t
 
 - a sequence its node lost (the node came back empty) answers SequenceLost naming the node
   on every data call and on close, once; an id nobody opened and a closed one stay NOT_FOUND;
-- a close while the node is a suspect (lease lapsed, no verdict yet) changes nothing and
-  answers Unavailable; retried, it gets the verdict: OK and the Free when the node beats
-  again, SequenceLost once it is declared dead.
+- the coordinator's close while the node is a suspect (lease lapsed, no verdict yet)
+  changes nothing and answers Unavailable; a worker's close frees on the node first, so a
+  node that answers is closed, and once it is declared dead the close answers SequenceLost.
 """
 
 from __future__ import annotations
@@ -109,24 +109,25 @@ def lapse(coordinator: Coordinator) -> None:
 
 
 def test_a_close_while_the_node_is_a_suspect_waits_for_the_verdict(stack):
+    """The coordinator's own close (an older client's: no node_freed) changes nothing while
+    the node is a suspect and answers Unavailable; retried, it gets the verdict. A worker's
+    close asks the node first: this node answers (it keeps no lease, so it is never fenced),
+    so the close frees it there and succeeds; once the node is declared dead the page table
+    says lost and the close answers SequenceLost."""
     engine, coordinator, client, address = stack
     back, dead = opened(client, "back"), opened(client, "dead")
     coordinator.wait_idle()
     lapse(coordinator)
     with pytest.raises(Unavailable, match="node n1 missed its lease .*suspect"):
-        back.close()
-    assert not back.is_closed and coordinator.store.get_sequence("back").state == "active"
+        client.routing.close("back")
+    assert coordinator.store.get_sequence("back").state == "active"
     assert engine.stats()["num_sequences"] == 2  # nothing changed anywhere
-    # The node beats again: the retried close succeeds and frees it on the node.
-    assert coordinator.heartbeat("n1", {"free_blocks": 60})[0]
-    back.close()
-    coordinator.wait_idle()
-    assert engine.stats()["num_sequences"] == 1
-    # It lapses again and is declared dead (liveness.py: a grace, then a failed probe: the
-    # node answers another epoch): the retried close reports the loss, once.
-    lapse(coordinator)
-    with pytest.raises(Unavailable, match="suspect"):
-        dead.close()
+    back.close()  # the node answered the worker's Free: freed, the page table dropped
+    assert back.is_closed and engine.stats()["num_sequences"] == 1
+    with pytest.raises(SequenceNotFound):
+        coordinator.store.get_sequence("back")
+    # Declared dead (liveness.py: a grace, then a failed probe: the node answers another
+    # epoch): the close reports the loss, once.
     deadline = time.monotonic() + 15
     while coordinator.reap() != ["n1"]:
         assert time.monotonic() < deadline, "n1 was not declared dead"
@@ -137,6 +138,7 @@ def test_a_close_while_the_node_is_a_suspect_waits_for_the_verdict(stack):
     client.routing.close("dead")  # a second close succeeds
     with pytest.raises(SequenceNotFound):
         coordinator.store.get_sequence("dead")
+    assert engine.stats()["num_sequences"] == 0  # (the node kept it: the worker's Free freed it)
 
 
 def test_an_open_whose_node_open_never_came_answers_sequence_lost_within_a_second(stack):

@@ -454,12 +454,17 @@ def test_a_node_partitioned_from_the_control_plane_stops_serving(healthy):
         try:
             reaped = _reaped(c)
             fenced = wait_until(lambda: _refused(held[0]), LEASE_TTL_S + 3, "node-0 fencing itself")
+            # cut off, not declared dead yet: the close hears the node refuse (fenced), and
+            # keeps the handle and the page table for the verdict
+            with pytest.raises(Unavailable, match="cannot prove its lease"):
+                held[0].close(timeout_s=2)
+            assert not held[0].is_closed
             dead = wait_until(lambda: _reaped(c) > reaped, 1.75 * LEASE_TTL_S + 6, "node-0 declared dead")
             # declared dead and still cut off: it serves nothing, and the worker learns the loss
             with pytest.raises(FailedPrecondition, match=f"'{held[0].seq_id}' was lost: node node-0"):
                 held[0].read_kv(0, 1, timeout_s=2)
             with pytest.raises(FailedPrecondition, match=f"'{held[0].seq_id}' was lost: node node-0"):
-                held[0].close()  # the worker learns the loss from its close
+                held[0].close()  # retried, the close learns the loss
         finally:
             for target in blackholes:
                 lab.run("node0", ["ip", "route", "del", "blackhole", target])

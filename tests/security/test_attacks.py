@@ -53,19 +53,35 @@ def test_node_grpc_refuses_every_data_call_without_a_ticket(cluster: Secured) ->
             ),
             "Append": (stub.Append, iter(_kv_chunks(seq_id, [7]))),
             "SetBudget": (stub.SetBudget, pb.SetBudgetRequest(seq_id=seq_id, max_tokens=16)),
+            # a worker's close frees on the node with its ticket: checked as a data call
+            "Free": (stub.Free, pb.SeqRequest(seq_id=seq_id)),
         }
         for name, (fn, request) in data_calls.items():
             code, details = status_of(fn, request)
             assert code == "UNAUTHENTICATED" and NO_TICKET in details, (name, code, details)
         control_calls = {
             "Fork": (stub.Fork, pb.ForkRequest(parent_id=seq_id, child_id="stolen")),
-            "Free": (stub.Free, pb.SeqRequest(seq_id=seq_id)),
             "SwapOut": (stub.SwapOut, pb.SeqRequest(seq_id=seq_id)),
             "SwapIn": (stub.SwapIn, pb.SeqRequest(seq_id=seq_id)),
         }
         for name, (fn, request) in control_calls.items():
             code, details = status_of(fn, request)
             assert code == "PERMISSION_DENIED" and NOT_COORDINATOR in details, (name, code, details)
+
+
+def test_a_free_with_another_sequences_ticket_frees_nothing(cluster: Secured) -> None:
+    """beta's ticket for its own sequence on the victim's node frees neither the victim (by
+    the node's id or the owner's) nor anything else (the fixture checks the victim intact)."""
+    v = cluster.victim
+    assert v is not None
+    stub = cluster.node_stub(v.address)
+    own = _own_seq(cluster, v.address, "free")
+    metadata = ((TICKET_KEY, own.route.ticket),)
+    for seq_id in (v.node_seq_id, "victim"):
+        code, details = status_of(stub.Free, pb.SeqRequest(seq_id=seq_id), metadata)
+        assert code == "PERMISSION_DENIED" and "no ticket for sequence" in details, (code, details)
+    assert status_of(stub.Free, pb.SeqRequest(seq_id=own.route.node_seq_id), metadata) == ("OK", "")
+    own.close()  # its own Free answers NOT_FOUND now: the coordinator's Close still succeeds
 
 
 def test_no_client_chooses_a_salt_on_a_cluster_node(cluster: Secured) -> None:

@@ -184,3 +184,26 @@ def test_a_node_that_registers_starts_at_its_fair_share_of_recent_opens(cluster)
     assert coordinator._opens_of("n2") == pytest.approx(before["n1"])  # n1's per block, 64 blocks
     coordinator.register("n3", "127.0.0.1:2", SPEC.to_dict(), 128)
     assert coordinator._opens_of("n3") == pytest.approx(2 * before["n1"])  # n1 and n2 per block, 128 blocks
+
+
+def test_a_close_the_worker_freed_sends_no_free_but_one_after_an_open_in_flight(cluster):
+    """freed_extents: the worker freed it on its node (client/closing.py), so the coordinator
+    sends no Free of its own; unless its own node Open is still in flight (the worker's Free
+    may have come first): then it frees after that Open, and nothing stays on the node."""
+    coordinator, engines = cluster
+    held = coordinator.open("t", list(range(40)), seq_id="settled")
+    coordinator.wait_idle()
+    coordinator.close("t", "settled", freed_extents=1)
+    coordinator.wait_idle()
+    engine = engines[held.node_id]
+    assert engine.stats()["num_sequences"] == 1  # no Free came: this test is the worker here
+    engine.free("settled")
+    with coordinator.node_calls.held():  # the node Open is held back: in flight at the close
+        raced = coordinator.open("t", list(range(100, 140)), seq_id="raced")
+        coordinator.close("t", "raced", freed_extents=1)
+    coordinator.wait_idle()
+    for e in engines.values():
+        e.check_integrity()
+        assert e.stats()["num_sequences"] == 0 and e.stats()["used_blocks"] == 0, raced.node_id
+    with pytest.raises(SequenceNotFound):
+        coordinator.store.get_sequence("raced")

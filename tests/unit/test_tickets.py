@@ -176,3 +176,42 @@ def test_a_wallet_translates_ids_and_errors() -> None:
     w.forget("a")
     assert w.is_empty and w.node_id("a") == "a"
     assert Wallet("tok").metadata(["x"]) == (("authorization", "Bearer tok"),)
+
+
+def test_a_free_takes_the_sequences_write_ticket_or_the_coordinators() -> None:
+    """A worker's close frees its sequence with its ticket, checked as a data call (fenced,
+    lost); the coordinator's ADMIN ticket frees as before, fenced or not."""
+    keys = ClusterKeys([OLD])
+    gate = _gate()
+    own = gate.from_metadata(((TICKET_KEY, issue(keys, ticket())),))
+    gate.require_free(own, "acme/s")
+    with pytest.raises(PermissionDenied, match="no ticket for sequence 'acme/other'"):
+        gate.require_free(own, "acme/other")
+    read_only = gate.from_metadata(((TICKET_KEY, issue(keys, ticket(rights=RIGHT_READ))),))
+    with pytest.raises(PermissionDenied):
+        gate.require_free(read_only, "acme/s")
+    with pytest.raises(Unauthenticated, match="none presented"):
+        gate.require_free(gate.from_metadata(()), "acme/s")
+    admin = gate.from_metadata(((TICKET_KEY, issue(keys, ticket(seq_id="", rights=RIGHT_ADMIN))),))
+    gate.fence("cut off")
+    with pytest.raises(Unavailable, match="cannot prove its lease"):
+        gate.require_free(own, "acme/s")
+    gate.require_free(admin, "acme/s")  # the coordinator's Free is not fenced
+    gate.lease_renewed(time.monotonic(), 10.0, 1.0)
+    gate.mark_lost(["acme/s"], "node n1 was reset")
+    with pytest.raises(SequenceLost, match="reset"):
+        gate.require_free(own, "acme/s")
+    # Without a cluster secret nobody presents anything: every Free is checked as a data call.
+    open_gate = _gate("open")
+    nobody = open_gate.from_metadata(())
+    open_gate.require_free(nobody, "s")
+    open_gate.keep_lease()
+    with pytest.raises(Unavailable, match="cannot prove its lease"):
+        open_gate.require_free(nobody, "s")
+    open_gate.lease_renewed(time.monotonic(), 10.0, 1.0)
+    open_gate.mark_lost(["s"], "node n1 re-registered")
+    with pytest.raises(SequenceLost, match="re-registered"):
+        open_gate.require_free(nobody, "s")
+    token = _gate("token")
+    with pytest.raises(Unauthenticated, match="bearer token"):
+        token.require_free(token.from_metadata(()), "s")
