@@ -24,6 +24,7 @@ lives on (NodeData), never through the coordinator.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from concurrent.futures import ThreadPoolExecutor
@@ -131,6 +132,7 @@ class CacheClient:
             raise InvalidArgument("CacheClient needs a node address or coordinator=, not both")
         self.config = config if config is not None else ClientConfig()
         self._nodes: dict[str, NodeHandle] = {}
+        self._nodes_lock = threading.Lock()
         self.address = address or coordinator or ""
         self.routing: DirectRouting | CoordinatorRouting
         self._token = ""  # a standalone node's bearer token (direct mode)
@@ -197,7 +199,11 @@ class CacheClient:
         """The (cached) handle for data calls to the node at `address`."""
         handle = self._nodes.get(address)
         if handle is None:
-            handle = self._nodes[address] = NodeHandle(address, self.config, self._token, self._explain)
+            with self._nodes_lock:  # one per address: the handle holds the tickets (node_opens.py's thread)
+                handle = self._nodes.get(address)
+                if handle is None:
+                    handle = NodeHandle(address, self.config, self._token, self._explain)
+                    self._nodes[address] = handle
         return handle
 
     def open(
