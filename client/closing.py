@@ -60,6 +60,13 @@ def _free(
     """The node's answer to the worker's Free (None: freed), naming the worker's id."""
     try:
         node.control.free(seq_id, timeout_s, keep_prefix)
+    except Unavailable as exc:  # named by its node: gRPC's "Stream removed" names none
+        if node.address not in str(exc):
+            named = PagedKVError.__new__(type(exc))
+            Exception.__init__(named, f"node {node.address}: {exc}")
+            named.__dict__.update(exc.__dict__)
+            exc = named
+        return node.wallet.worker_error(exc)
     except PagedKVError as exc:
         return node.wallet.worker_error(exc)
     return None
