@@ -30,8 +30,8 @@ Send = Callable[[str, pb.SignedOpen, float], Any]  # (address, order, timeout) -
 
 class NodeOpens:
     def __init__(self, send: Send, drop: Callable[[str], None], timeout_s: float) -> None:
-        """send: starts the node's OpenSigned; drop(seq_id): the coordinator's Close of a
-        sequence whose node Open failed (best effort)."""
+        """send: the node's OpenSigned (blocking, run on a sender thread); drop(seq_id): the
+        coordinator's Close of a sequence whose node Open failed (best effort)."""
         self._send, self._drop, self.timeout_s = send, drop, timeout_s
         self._pending: dict[str, Future[None]] = {}  # seq_id -> settles once answered (and dropped)
         self._failed: OrderedDict[str, PagedKVError] = OrderedDict()
@@ -44,14 +44,13 @@ class NodeOpens:
         with self._lock:
             self._pending[seq_id] = settled
             self._failed.pop(seq_id, None)
-        with self._lock:
             if self._sender is None:
                 self._sender = ThreadPoolExecutor(MAX_SENDERS, thread_name_prefix="pagedkv-node-opens")
             sender = self._sender
         sender.submit(self._deliver, seq_id, address, order, settled)
 
     def _deliver(self, seq_id: str, address: str, order: pb.SignedOpen, settled: Future[None]) -> None:
-        """On a sender thread (a sync channel's own future() starts a thread per call)."""
+        """On a sender thread: a sync channel's future() would start a thread per call."""
         where = f"node {order.node_id!r} ({address}), open of {seq_id!r}"
         error: PagedKVError | None = None
         try:
