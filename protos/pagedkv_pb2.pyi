@@ -337,16 +337,18 @@ class RegisterRequest(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., spec: _Optional[_Union[ModelSpec, _Mapping]] = ..., num_blocks: _Optional[int] = ..., num_host_blocks: _Optional[int] = ..., metrics_address: _Optional[str] = ..., policy: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("lease_ttl_s", "heartbeat_interval_s", "epoch", "lost_seq_ids")
+    __slots__ = ("lease_ttl_s", "heartbeat_interval_s", "epoch", "lost_seq_ids", "frame_port")
     LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     LOST_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    FRAME_PORT_FIELD_NUMBER: _ClassVar[int]
     lease_ttl_s: float
     heartbeat_interval_s: float
     epoch: int
     lost_seq_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, lease_ttl_s: _Optional[float] = ..., heartbeat_interval_s: _Optional[float] = ..., epoch: _Optional[int] = ..., lost_seq_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    frame_port: int
+    def __init__(self, lease_ttl_s: _Optional[float] = ..., heartbeat_interval_s: _Optional[float] = ..., epoch: _Optional[int] = ..., lost_seq_ids: _Optional[_Iterable[str]] = ..., frame_port: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("node_id", "load", "held_seq_ids", "held_complete")
@@ -435,7 +437,7 @@ class CoordOpenRequest(_message.Message):
     def __init__(self, seq_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., max_cached_tokens: _Optional[int] = ..., spec: _Optional[_Union[ModelSpec, _Mapping]] = ..., attention: _Optional[_Iterable[_Union[LayerAttention, _Mapping]]] = ..., explain_miss: _Optional[bool] = ..., request_id: _Optional[str] = ..., worker_opens: _Optional[bool] = ...) -> None: ...
 
 class CoordOpenResponse(_message.Message):
-    __slots__ = ("extents", "num_cached_tokens", "num_host_hit_tokens", "num_blocks", "miss", "node_seq_id", "node_open")
+    __slots__ = ("extents", "num_cached_tokens", "num_host_hit_tokens", "num_blocks", "miss", "node_seq_id", "node_open", "frame_port")
     EXTENTS_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_HOST_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -443,6 +445,7 @@ class CoordOpenResponse(_message.Message):
     MISS_FIELD_NUMBER: _ClassVar[int]
     NODE_SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     NODE_OPEN_FIELD_NUMBER: _ClassVar[int]
+    FRAME_PORT_FIELD_NUMBER: _ClassVar[int]
     extents: _containers.RepeatedCompositeFieldContainer[Placement]
     num_cached_tokens: int
     num_host_hit_tokens: int
@@ -450,7 +453,8 @@ class CoordOpenResponse(_message.Message):
     miss: MissExplanation
     node_seq_id: str
     node_open: SignedOpen
-    def __init__(self, extents: _Optional[_Iterable[_Union[Placement, _Mapping]]] = ..., num_cached_tokens: _Optional[int] = ..., num_host_hit_tokens: _Optional[int] = ..., num_blocks: _Optional[int] = ..., miss: _Optional[_Union[MissExplanation, _Mapping]] = ..., node_seq_id: _Optional[str] = ..., node_open: _Optional[_Union[SignedOpen, _Mapping]] = ...) -> None: ...
+    frame_port: int
+    def __init__(self, extents: _Optional[_Iterable[_Union[Placement, _Mapping]]] = ..., num_cached_tokens: _Optional[int] = ..., num_host_hit_tokens: _Optional[int] = ..., num_blocks: _Optional[int] = ..., miss: _Optional[_Union[MissExplanation, _Mapping]] = ..., node_seq_id: _Optional[str] = ..., node_open: _Optional[_Union[SignedOpen, _Mapping]] = ..., frame_port: _Optional[int] = ...) -> None: ...
 
 class CoordLookupRequest(_message.Message):
     __slots__ = ("token_ids", "spec")

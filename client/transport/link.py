@@ -168,7 +168,7 @@ class BulkLink:
             idle = self._idle[kind]
             while idle:
                 conn = idle.pop()
-                if _is_alive(conn.sock):
+                if is_alive(conn.sock):
                     _set_timeout(conn.sock, timeout_s)
                     return conn
                 conn.close()
@@ -304,7 +304,7 @@ def _host(address: str) -> str:
     return host.strip("[]")
 
 
-def _is_alive(sock: socket.socket) -> bool:
+def is_alive(sock: socket.socket) -> bool:
     """False when the node closed this idle connection (restart, stop), or when it is
     readable at all (EOF, or bytes on an idle connection: out of sync). One poll
     (a peek would need the socket set non-blocking and back: three syscalls)."""
