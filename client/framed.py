@@ -50,7 +50,7 @@ class FramedPort:
     def learn(self, port: int) -> None:
         """The port a reply advertised (a restarted coordinator may advertise another)."""
         if port != self.port:
-            self.port = port
+            self.port, self._retry_at = port, 0.0  # (a new port: no reason to wait on the old one's failure)
             self.close()
 
     @property

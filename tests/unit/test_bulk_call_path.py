@@ -168,12 +168,12 @@ def test_node_reuses_the_last_parse_only_for_the_same_bytes_and_count() -> None:
 def test_idle_connection_liveness(pair: tuple[socket.socket, socket.socket]) -> None:
     a, b = pair
     a.settimeout(2.0)
-    assert client_bulk._is_alive(a)
+    assert client_bulk.is_alive(a)
     b.sendall(b"x")  # bytes on an idle connection: out of sync
-    assert not client_bulk._is_alive(a)
+    assert not client_bulk.is_alive(a)
     a.recv(1)
-    assert client_bulk._is_alive(a) and a.gettimeout() == 2.0
+    assert client_bulk.is_alive(a) and a.gettimeout() == 2.0
     b.close()  # the node went away
-    assert not client_bulk._is_alive(a)
+    assert not client_bulk.is_alive(a)
     a.close()
-    assert not client_bulk._is_alive(a)
+    assert not client_bulk.is_alive(a)
