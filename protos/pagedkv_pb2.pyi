@@ -46,7 +46,7 @@ class Empty(_message.Message):
     def __init__(self) -> None: ...
 
 class OpenRequest(_message.Message):
-    __slots__ = ("seq_id", "token_ids", "max_cached_tokens", "expect_cached_tokens", "tenant_salt", "max_blocks", "attention", "first_position")
+    __slots__ = ("seq_id", "token_ids", "max_cached_tokens", "expect_cached_tokens", "tenant_salt", "max_blocks", "attention", "first_position", "order_nonce")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -55,6 +55,7 @@ class OpenRequest(_message.Message):
     MAX_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_FIELD_NUMBER: _ClassVar[int]
     FIRST_POSITION_FIELD_NUMBER: _ClassVar[int]
+    ORDER_NONCE_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     max_cached_tokens: int
@@ -63,7 +64,8 @@ class OpenRequest(_message.Message):
     max_blocks: int
     attention: _containers.RepeatedCompositeFieldContainer[LayerAttention]
     first_position: int
-    def __init__(self, seq_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., max_cached_tokens: _Optional[int] = ..., expect_cached_tokens: _Optional[int] = ..., tenant_salt: _Optional[bytes] = ..., max_blocks: _Optional[int] = ..., attention: _Optional[_Iterable[_Union[LayerAttention, _Mapping]]] = ..., first_position: _Optional[int] = ...) -> None: ...
+    order_nonce: bytes
+    def __init__(self, seq_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., max_cached_tokens: _Optional[int] = ..., expect_cached_tokens: _Optional[int] = ..., tenant_salt: _Optional[bytes] = ..., max_blocks: _Optional[int] = ..., attention: _Optional[_Iterable[_Union[LayerAttention, _Mapping]]] = ..., first_position: _Optional[int] = ..., order_nonce: _Optional[bytes] = ...) -> None: ...
 
 class SignedOpen(_message.Message):
     __slots__ = ("order", "tag", "expires_at", "epoch", "node_id")
