@@ -53,7 +53,7 @@ class ClientConfig:
     # error. False: the coordinator sends it without waiting, open() returns a round trip
     # sooner, and a refusal comes with the first data call (OpenFailed / PrefixEvicted).
     worker_opens: bool = True
-    # Open and Close on the coordinator's framed port when it advertises one (client/framed.py:
+    # Open and Close on the coordinator's framed port when it advertises one (protos/framed_client.py:
     # the same calls without gRPC's per-call cost); gRPC carries them when it cannot be reached.
     coordinator_frames: bool = True
 

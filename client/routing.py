@@ -23,14 +23,13 @@ from typing import Any
 from ..protos import pagedkv_pb2 as pb
 from ..protos import pagedkv_pb2_grpc as pb_grpc
 from ..protos.errors import InvalidArgument, PagedKVError, SequenceLost, SequenceNotFound, Unavailable
+from ..protos.framed_client import FramedPort, NotCarried
 from ..protos.spec import ModelSpec
 from . import codec
 from .config import ClientConfig
 from .control import NodeControl, call
 from .data import NodeData
-from .framed import FramedPort
 from .node_opens import NodeOpens, Send
-from .transport.base import TransportUnavailable
 from .types import ClusterStats, ExtentRoute, MissExplanation, NodeEntry, OpenResult, Route
 
 _EMPTY = pb.Empty()
@@ -150,7 +149,7 @@ class CoordinatorRouting:
             else NodeOpens(open_on_node, self._drop_failed_open, config.deadline_s)
         )
         self.metadata = _metadata(token)
-        # Open and Close on the framed port the coordinator's replies advertise (framed.py)
+        # Open and Close on the framed port the coordinator's replies advertise (protos/framed_client.py)
         self.framed = FramedPort(host, self.metadata, config.tls) if config.coordinator_frames else None
         self._spec_cache: tuple[ModelSpec | None, pb.ModelSpec | None] = (spec, _spec(spec))
 
@@ -189,7 +188,7 @@ class CoordinatorRouting:
     def _call(self, method: str, request: Any, timeout_s: float | None) -> Any:
         framed = self.framed
         if framed is not None and method in FRAMED_REPLIES and framed.is_usable:
-            with contextlib.suppress(TransportUnavailable):  # (then gRPC carries it)
+            with contextlib.suppress(NotCarried):  # (then gRPC carries it)
                 return framed.call(method, request, FRAMED_REPLIES[method], self._t(timeout_s))
         resp = call(getattr(self.stub, method), request, self._t(timeout_s), self.metadata, "coordinator")
         if framed is not None and type(resp) is pb.CoordOpenResponse and resp.frame_port != framed.port:

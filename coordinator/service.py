@@ -186,7 +186,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             load = {f.name: v for f, v in request.load.ListFields()}
             held = list(request.held_seq_ids) if request.held_complete else None
             ok, free = self.coordinator.heartbeat(request.node_id, load, held)
-            return pb.HeartbeatResponse(is_registered=ok, free_seq_ids=free)
+            return pb.HeartbeatResponse(is_registered=ok, free_seq_ids=free, frame_port=self.frame_port)
 
         return self._run("Heartbeat", context, run)
 

@@ -365,12 +365,14 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., load: _Optional[_Union[NodeLoad, _Mapping]] = ..., held_seq_ids: _Optional[_Iterable[str]] = ..., held_complete: _Optional[bool] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("is_registered", "free_seq_ids")
+    __slots__ = ("is_registered", "frame_port", "free_seq_ids")
     IS_REGISTERED_FIELD_NUMBER: _ClassVar[int]
+    FRAME_PORT_FIELD_NUMBER: _ClassVar[int]
     FREE_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     is_registered: bool
+    frame_port: int
     free_seq_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, is_registered: _Optional[bool] = ..., free_seq_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    def __init__(self, is_registered: _Optional[bool] = ..., frame_port: _Optional[int] = ..., free_seq_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class BlockEvent(_message.Message):
     __slots__ = ("kind", "key")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import array
 import enum
 import functools
+import select
 import socket
 import ssl
 import struct
@@ -323,3 +324,15 @@ def _extra(cls: str, exc: BaseException) -> str:
     """A frame's extra text: the error class name, then a space and its ids (JSON)."""
     ids = error_ids(exc) if cls else ""
     return f"{cls} {ids}" if ids else cls
+
+
+def is_alive(sock: socket.socket) -> bool:
+    """False when the peer closed this idle connection (restart, stop), or when it is
+    readable at all (EOF, or bytes on an idle connection: out of sync). One poll
+    (a peek would need the socket set non-blocking and back: three syscalls)."""
+    try:
+        poller = select.poll()
+        poller.register(sock, select.POLLIN)
+        return not poller.poll(0)
+    except (OSError, ValueError):  # closed
+        return False

@@ -10,8 +10,10 @@ import socket
 import time
 
 import pytest
+import torch
 
 from pagedkv.cache_node.engine import CacheEngine, EngineConfig
+from pagedkv.cache_node.coordinator_link import CoordinatorLink
 from pagedkv.cache_node.server import create_server as create_node_server
 from pagedkv.client import CacheClient, ClientConfig
 from pagedkv.coordinator.auth import Tenants
@@ -181,3 +183,41 @@ def test_a_closed_id_reopens_at_once_with_the_same_prompt(stack) -> None:
             assert seq.read_kv()[0].shape[1] == 0  # its node holds it
             seq.close()
     assert not engine.manager.seqs
+
+
+def test_a_nodes_beats_and_events_take_the_framed_port_and_fall_back() -> None:
+    coordinator = Coordinator(MemoryStore(), CoordinatorConfig(lease_ttl_s=1.0))
+    server, port = create_coordinator_server(coordinator, "127.0.0.1:0")
+    server.start()
+    coordinator.start()
+    engine = CacheEngine(EngineConfig(SPEC, 16, device="cpu"))
+    node_server, node_port = create_node_server(engine, "127.0.0.1:0")
+    node_server.start()
+    link = CoordinatorLink(engine, f"127.0.0.1:{port}", "n2", f"127.0.0.1:{node_port}")
+    try:
+        link.start()
+        assert link.is_registered.wait(10)
+        framed = link._framed
+        assert framed.port == server.companions[0].port
+        engine.open("s", list(range(8)))
+        engine.append("s", list(range(8)), *kv(8))
+        deadline = time.monotonic() + 10
+        while framed.num_calls < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert framed.num_calls >= 2  # a beat and the stored blocks' events
+        server.companions[0].stop()
+        beats = link.num_beats
+        while link.num_beats < beats + 3 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert link.num_beats >= beats + 3 and framed.num_fallbacks == 1  # gRPC carries them
+        assert coordinator.live_node("n2") is not None and link.num_registrations == 1
+    finally:
+        link.stop()
+        node_server.stop(0)
+        server.stop(0)
+        coordinator.stop()
+
+
+def kv(n: int):
+    shape = (SPEC.num_layers, n, SPEC.num_kv_heads, SPEC.head_dim)
+    return torch.zeros(shape), torch.zeros(shape)

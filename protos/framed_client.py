@@ -1,15 +1,16 @@
-"""The coordinator's framed port (docs/bulk-protocol.md, UNARY) as the client calls it:
-Open and Close, the per-request control pair, without gRPC's per-call cost on either
-end. The same request and reply messages, metadata and errors as the rpc; gRPC stays
-the path of every other call and the fallback of these.
+"""A framed port (docs/bulk-protocol.md, UNARY) as its callers use it: a worker's Open
+and Close, a node's Heartbeat and ReportEvents on the coordinator's port, without
+gRPC's per-call cost on either end. The same request and reply messages, metadata and
+errors as the rpc; gRPC stays the path of every other call and the fallback of these.
+Role-neutral: the client and the node both use it.
 
 The port is learned from the coordinator's replies (`frame_port`). Connections are
-pooled, one call at a time each, TLS when the client config has it. A call that
-cannot connect, or whose connection breaks, is not answered here: `call` raises
-TransportUnavailable and the caller sends it over gRPC (Open and Close are safe to
-send again: an open's request id gets its first answer); after a failed connect the
-port is left alone for RETRY_AFTER_S. Only a call whose deadline passed fails here
-(Unavailable, as gRPC's DEADLINE_EXCEEDED does).
+pooled, one call at a time each, TLS when given. A call that cannot connect, or whose
+connection breaks, is not answered here: `call` raises NotCarried and the caller sends
+it over gRPC (each of these calls is safe to send again: an open's request id gets
+its first answer); after a failed connect the port is left alone for RETRY_AFTER_S.
+Only a call whose deadline passed fails here (Unavailable, as gRPC's
+DEADLINE_EXCEEDED does).
 """
 
 from __future__ import annotations
@@ -21,14 +22,19 @@ import threading
 import time
 from typing import Any
 
-from ..protos import wire
-from ..protos.errors import Unavailable
-from ..protos.tls import TlsConfig
-from ..protos.wire.unary import encode_metadata, encode_unary
-from .transport.base import TransportUnavailable
-from .transport.link import CONNECT_TIMEOUT_S, RETRY_AFTER_S, is_alive
+from . import wire
+from .errors import Unavailable
+from .tls import TlsConfig
+from .wire.frame import is_alive
+from .wire.unary import encode_metadata, encode_unary
 
 MAX_POOLED = 8  # idle connections kept (a worker's concurrent opens and closes)
+CONNECT_TIMEOUT_S = 2.0
+RETRY_AFTER_S = 30.0
+
+
+class NotCarried(Exception):
+    """The framed port could not carry the call (nothing answered it): send it over gRPC."""
 
 
 class FramedPort:
@@ -57,10 +63,14 @@ class FramedPort:
     def is_usable(self) -> bool:
         return bool(self.port) and time.monotonic() >= self._retry_at
 
-    def call(self, method: str, request: Any, reply_type: Any, timeout_s: float) -> Any:
+    def call(
+        self, method: str, request: Any, reply_type: Any, timeout_s: float, metadata: bytes | None = None
+    ) -> Any:
         """The reply of `method`; its error reply raised as the domain error; Unavailable
-        when the deadline passed; TransportUnavailable when gRPC should carry it."""
-        payload = encode_unary(next(self._ids), method, self._metadata, request.SerializeToString())
+        when the deadline passed; NotCarried when gRPC should carry it. `metadata`
+        (encode_metadata's): this call's, instead of the port's own."""
+        meta = self._metadata if metadata is None else metadata
+        payload = encode_unary(next(self._ids), method, meta, request.SerializeToString())
         sock = self._take(timeout_s)
         deadline = time.monotonic() + timeout_s
         try:
@@ -77,7 +87,7 @@ class FramedPort:
             self.num_fallbacks += 1
             if time.monotonic() >= deadline:
                 raise Unavailable(f"coordinator: DEADLINE_EXCEEDED: {method}: {exc}") from exc
-            raise TransportUnavailable(f"the coordinator's framed port broke a call: {exc}") from exc
+            raise NotCarried(f"the coordinator's framed port broke a call: {exc}") from exc
         self._give(sock)
         self.num_calls += 1
         if reply.status != wire.Status.OK:
@@ -107,7 +117,7 @@ class FramedPort:
         except (OSError, ValueError) as exc:  # (ssl.SSLError is an OSError)
             self._retry_at = time.monotonic() + RETRY_AFTER_S
             self.num_fallbacks += 1
-            raise TransportUnavailable(f"cannot connect to {self.host}:{self.port}: {exc}") from exc
+            raise NotCarried(f"cannot connect to {self.host}:{self.port}: {exc}") from exc
         sock.settimeout(timeout_s)
         return sock
 
