@@ -12,8 +12,8 @@ import time
 import pytest
 import torch
 
-from pagedkv.cache_node.engine import CacheEngine, EngineConfig
 from pagedkv.cache_node.coordinator_link import CoordinatorLink
+from pagedkv.cache_node.engine import CacheEngine, EngineConfig
 from pagedkv.cache_node.server import create_server as create_node_server
 from pagedkv.client import CacheClient, ClientConfig
 from pagedkv.coordinator.auth import Tenants
