@@ -6,8 +6,11 @@ request over gRPC would not; the victim's sequence stays intact (the fixture che
 
 from __future__ import annotations
 
+import contextlib
+import random
 import socket
 import ssl
+from collections import Counter
 
 import pytest
 from hostile import TOKENS, Secured, rss_bytes
@@ -17,6 +20,7 @@ from pagedkv.protos import wire
 from pagedkv.protos.errors import SequenceNotFound
 from pagedkv.protos.wire.unary import PAIR, encode_metadata, encode_unary
 
+FUZZ_CASES = 600
 BETA = encode_metadata([("authorization", f"Bearer {TOKENS['beta']}")])
 
 
@@ -56,6 +60,7 @@ def is_closed(sock: socket.socket) -> bool:
 
 
 def test_the_clients_opens_and_closes_take_the_framed_port(cluster: Secured) -> None:
+    framed_port(cluster)  # (a client's first open learns the port)
     framed = cluster.clients["beta"].routing.framed
     assert framed is not None
     before = framed.num_calls
@@ -163,3 +168,39 @@ def test_a_plaintext_peer_gets_nothing(cluster: Secured) -> None:
     assert not data.startswith(wire.MAGIC)
     with pytest.raises(SequenceNotFound):
         cluster.clients["beta"].sequence("fp-plain")  # nothing opened
+
+
+def test_random_unary_frames_get_errors_not_failures(cluster: Secured) -> None:
+    """Seeded random calls on one connection: served methods with random, truncated or
+    mutated bodies and metadata. Every reply is a status a handler gives on purpose (never
+    INTERNAL or UNKNOWN) and the connection stays in step; the coordinator keeps serving."""
+    r = random.Random(41)
+    good = {
+        "Open": open_request("fz-open"),
+        "Close": pb.CoordSeqRequest(seq_id="fz-open").SerializeToString(),
+        "Heartbeat": pb.HeartbeatRequest(node_id="node-0").SerializeToString(),
+        "ReportEvents": pb.ReportEventsRequest(node_id="node-1").SerializeToString(),
+    }
+    metas = [BETA, b"", encode_metadata([("authorization", "Bearer forged")]), PAIR.pack(3, 2) + b"abcde"]
+    statuses: Counter[str] = Counter()
+    with connect(cluster) as sock:
+        for _ in range(FUZZ_CASES):
+            method = r.choice([*good, "Open", "Close", r.choice(["", "open", "Open\x00", "Stats"])])
+            body = good.get(method, b"")
+            kind = r.random()
+            if kind < 0.3:
+                body = body[: r.randrange(len(body) + 1)]
+            elif kind < 0.6 and body:
+                pos = r.randrange(len(body))
+                body = body[:pos] + bytes([r.randrange(256)]) + body[pos + 1 :]
+            elif kind < 0.7:
+                body = r.randbytes(r.randrange(64))
+            head, _ = call(sock, method, body, metadata=r.choice(metas))
+            name = wire.Status(head.status).name
+            statuses[name] += 1
+            assert name not in ("INTERNAL", "UNKNOWN"), (method, body, head.text)
+        sock.sendall(wire.Frame(wire.OP_PING, 3).pack())
+        assert wire.read_reply(sock).status == wire.Status.OK
+    assert statuses["INVALID_ARGUMENT"] and statuses["UNAUTHENTICATED"], statuses
+    with contextlib.suppress(Exception):
+        cluster.clients["beta"].routing._call("Close", pb.CoordSeqRequest(seq_id="fz-open"), None)
