@@ -17,7 +17,6 @@ from typing import NamedTuple
 
 from ..errors import PagedKVError
 from ..status import error_from_status, error_ids, status_for
-from ..tensors import MAX_MESSAGE_BYTES
 
 MAGIC = b"PKVB"
 VERSION = 1
@@ -41,7 +40,9 @@ MIN_REGION_BYTES = 4096
 FLAG_BLOCK_MASS, FLAG_K, FLAG_V = 1, 2, 4
 MAX_TENSOR_DIMS = 5
 ALIGN = 64  # tensors in a CALL body start at multiples of this offset
-MAX_CALL_BYTES = MAX_MESSAGE_BYTES  # an ATTEND* body over gRPC's message cap is refused (as the rpc is)
+# An ATTEND* body over gRPC's message cap (tensors.MAX_MESSAGE_BYTES; this module stays
+# torch-free) is refused, as the rpc is.
+MAX_CALL_BYTES = 64 << 20
 # A region holds one CALL body and its results (out is q's size): twice the cap, and slack.
 MAX_REGION_BYTES = 2 * MAX_CALL_BYTES + (16 << 20)
 END_OF_SEQUENCE = 2**64 - 1
