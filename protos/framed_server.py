@@ -187,11 +187,7 @@ class FramedServer:
             assert exc.error is not None  # (this server always says why)
             with contextlib.suppress(OSError):
                 sock.sendall(error_frame(exc.frame.op, exc.frame.request_id, exc.error)[0].pack())
-        except (
-            OSError,
-            ValueError,
-            ProtocolError,
-        ) as exc:  # a reset, a bad handshake, stop(), broken framing
+        except (OSError, ValueError, ProtocolError) as exc:  # a reset, a handshake, stop(), bad framing
             logger.info("framed connection dropped: %s", exc)
         except Exception:  # a bug: drop this connection, keep serving the others
             logger.exception("framed connection failed")
@@ -203,13 +199,16 @@ class FramedServer:
 
     def _call(self, conn: TimedConn, f: Frame) -> bytes:
         """Read one UNARY request's payload, run its handler; the reply's bytes."""
-        if f.payload_len > self.max_message_bytes or f.start > f.payload_len:
-            what = (
-                f"{f.payload_len}-byte request" if f.start <= f.payload_len else "metadata past the request"
+        if f.payload_len > self.max_message_bytes:
+            error = InvalidArgument(
+                f"framed {f.text[:64]}: a {f.payload_len}-byte request (at most {self.max_message_bytes})"
             )
-            raise Refused(
-                f, f.text, InvalidArgument(f"framed {f.text}: {what} (at most {self.max_message_bytes})")
+            raise Refused(f, f.text, error)
+        if f.start > f.payload_len:
+            error = InvalidArgument(
+                f"framed {f.text[:64]}: {f.start} bytes of metadata in a {f.payload_len}-byte request"
             )
+            raise Refused(f, f.text, error)
         try:
             self._budget.take(f.payload_len, "call")
         except Exception as exc:
