@@ -16,10 +16,12 @@ the new ones; an earlier extent sees every query attend to ALL its keys, which i
 decode over that extent with the n queries laid out as extra query heads of one row
 (`widen`): a single call, no causal mask, GQA groups kept.
 
-Calls to different nodes run in parallel on the client's threads, so a step costs about
-the slowest node's call, not their sum. A decode batch is one call per node it spans, even
-where a node holds one sequence's tail (append) and another's earlier extent (attend only):
-the call flags the rows that append (AttendRequest.appends).
+Calls to different nodes overlap: every node's request is sent first, then every reply
+read (`exchange`, on the caller's thread), so a step costs about the slowest node's call,
+not their sum, with no thread hand-off (a pool's wake-ups cost more than the sends on a
+busy host: bench/README). A decode batch is one call per node it spans, even where a node
+holds one sequence's tail (append) and another's earlier extent (attend only): the call
+flags the rows that append (AttendRequest.appends).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from ..protos.errors import CapacityExceeded
 from ..protos.merge import merge_partials
 from . import codec
 from .extent_masks import PAST, SKIP, WHOLE, extent_view, layer_of, pad_rows, query_split
+from .transport.base import Reply
 from .types import AttentionResult
 
 if TYPE_CHECKING:
@@ -63,6 +66,44 @@ def run_parallel(pool: Executor, calls: Sequence[Callable[[], T]]) -> list[T]:
     if first is not None:
         raise first
     return results
+
+
+def exchange(starts: Sequence[Callable[[], Reply]]) -> list[Any]:
+    """Every call's request sent, in order, then every answer read, in order: the nodes
+    work at once while this thread waits. A send that fails stops the later ones; the
+    first error in call order is raised once every request sent has its answer (so no
+    connection is left holding one)."""
+    replies: list[Reply] = []
+    failed: BaseException | None = None
+    for start in starts:
+        try:
+            replies.append(start())
+        except BaseException as exc:  # noqa: BLE001 - raised below, once the sent ones are answered
+            failed = exc
+            break
+    results = []
+    first: BaseException | None = None
+    for reply in replies:
+        try:
+            results.append(reply.result())
+        except BaseException as exc:  # noqa: BLE001 - the first one in call order wins
+            first = first or exc
+    first = first or failed
+    if first is not None:
+        raise first
+    return results
+
+
+class Then:
+    """A Reply whose answer goes through `then` (a widened prefill narrowed back)."""
+
+    __slots__ = ("_reply", "_then")
+
+    def __init__(self, reply: Reply, then: Callable[[AttentionResult], AttentionResult]) -> None:
+        self._reply, self._then = reply, then
+
+    def result(self) -> AttentionResult:
+        return self._then(self._reply.result())
 
 
 def widen(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
@@ -143,7 +184,7 @@ def attend_batch(
                 s.extend(timeout_s=timeout_s)
     # address -> [(row, extent index, appends)]
     groups: dict[str, list[tuple[int, int, bool]]] = {}
-    past: list[tuple[int, int, Callable[[], AttentionResult]]] = []  # a window's edge inside: its own call
+    past: list[tuple[int, int, Callable[[], Reply]]] = []  # a window's edge inside: its own call
     skipped: set[int] = set()  # rows with an extent outside the window: their masses would not line up
     for row, s in enumerate(handles):
         last = len(s.extents) - 1
@@ -169,7 +210,7 @@ def attend_batch(
     ]
     calls += [call for _, _, call in past]
     try:
-        results = run_parallel(client.pool(), calls)
+        results = exchange(calls)
     except CapacityExceeded as exc:
         if layer != 0 or k is None or not client._spill_full(handles, exc, timeout_s):
             raise
@@ -193,12 +234,12 @@ def attend_batch(
 
 def _past_call(
     data: Any, seq_id: str, layer: int, q: Any, pos: int, timeout_s: float | None
-) -> Callable[[], AttentionResult]:
+) -> Callable[[], Reply]:
     """A decode row's query at `pos` over an earlier extent its window's edge cuts (extent_masks.py)."""
 
-    def call() -> AttentionResult:
-        res: AttentionResult = data.attend_prefill(seq_id, layer, q, timeout_s=timeout_s, query_position=pos)
-        return res
+    def call() -> Reply:
+        reply: Reply = data.start_attend_prefill(seq_id, layer, q, timeout_s=timeout_s, query_position=pos)
+        return reply
 
     return call
 
@@ -215,7 +256,7 @@ def _node_call(
     tokens: list[int] | None,
     return_block_mass: bool,
     timeout_s: float | None,
-) -> Callable[[], AttentionResult]:
+) -> Callable[[], Reply]:
     """The one call of a sharded decode step to the node at `address`: q of every row it
     holds; k, v, token ids of the rows that append there (flagged when not all do)."""
     rows = [r for r, _, _ in members]
@@ -225,8 +266,8 @@ def _node_call(
     pick, write = torch.tensor(rows), torch.tensor(writers, dtype=torch.long)
     data = client.node(address).data
 
-    def call() -> AttentionResult:
-        return data.attend(
+    def call() -> Reply:
+        reply: Reply = data.start_attend(
             ids,
             layer,
             q[pick],
@@ -237,6 +278,7 @@ def _node_call(
             timeout_s=timeout_s,
             appends=flags,
         )
+        return reply
 
     return call
 
@@ -256,7 +298,9 @@ def prefill_part(
     there, every earlier extent whole, or as much of it as their window or chunk sees (an
     extent none of them sees is not attended; extent_masks.py)."""
     node, seq_id, client = seq._nodes[ext], seq.seq_id, seq.client
-    calls = [lambda: node.data.attend_prefill(seq_id, layer, q, k, v, tokens, timeout_s=timeout_s)]
+    calls: list[Callable[[], Reply]] = [
+        lambda: node.data.start_attend_prefill(seq_id, layer, q, k, v, tokens, timeout_s=timeout_s)
+    ]
     kv_heads = node.model_spec(timeout_s).num_kv_heads
     n = len(q)
     spec = layer_of(seq.attention, layer)
@@ -276,18 +320,22 @@ def prefill_part(
         elif whole == seen:  # one usual call: the queries as one row's heads (widen)
             wide = widen(torch.as_tensor(q[:seen]), kv_heads)
             calls.append(
-                lambda data=data, wide=wide, seen=seen: pad_rows(  # type: ignore[misc]
-                    narrow(data.attend([seq_id], layer, wide, timeout_s=timeout_s), seen, kv_heads), n
+                lambda data=data, wide=wide, seen=seen: Then(  # type: ignore[misc]
+                    data.start_attend([seq_id], layer, wide, timeout_s=timeout_s),
+                    lambda res: pad_rows(narrow(res, seen, kv_heads), n),
                 )
             )
         else:  # a window's edge inside it: the node masks from the queries' positions
             calls.append(
-                lambda data=data, seen=seen: pad_rows(  # type: ignore[misc]
-                    data.attend_prefill(seq_id, layer, q[:seen], timeout_s=timeout_s, query_position=first), n
+                lambda data=data, seen=seen: Then(  # type: ignore[misc]
+                    data.start_attend_prefill(
+                        seq_id, layer, q[:seen], timeout_s=timeout_s, query_position=first
+                    ),
+                    lambda res: pad_rows(res, n),
                 )
             )
     client.counters["window_skipped_attends"] += skipped
-    results = run_parallel(client.pool(), calls)
+    results = exchange(calls)
     if len(calls) > 1:
         client.counters["sharded_steps"] += 1
         client.counters["sharded_attends"] += len(calls)

@@ -258,8 +258,31 @@ class BulkLink:
         closed when the transfer broke (Unavailable naming the node) or on anything else."""
         if conn is None:
             conn = self.take(kind, timeout_s)
+        result = self._guarded(kind, conn, body)
+        self.give(kind, conn)
+        return result
+
+    def start(
+        self,
+        kind: str,
+        timeout_s: float,
+        send: Callable[[Any], Any],
+        receive: Callable[[Any, Any], Any],
+        conn: Any = None,
+    ) -> Exchange:
+        """`run` in two halves: send(conn) now, receive(conn, what send returned) when the
+        Exchange's result is asked, so that one thread can have requests out on several
+        nodes at once. Errors are handled as `run` handles them, in either half."""
+        if conn is None:
+            conn = self.take(kind, timeout_s)
+        sent = self._guarded(kind, conn, send)
+        return Exchange(self, kind, conn, receive, sent)
+
+    def _guarded(self, kind: str, conn: Any, body: Callable[..., Any], *args: Any) -> Any:
+        """body(conn, *args), conn kept on success; on a node's error reply given back (it is in
+        sync), else closed (a broken transfer raises Unavailable naming the node)."""
         try:
-            result = body(conn)
+            return body(conn, *args)
         except Abandoned as exc:
             conn.close()
             raise exc.error from None
@@ -277,8 +300,6 @@ class BulkLink:
         except BaseException:
             conn.close()
             raise
-        self.give(kind, conn)
-        return result
 
     def error(self, status: int, text: str, extra: str) -> PagedKVError:
         self.num_refused += 1
@@ -297,6 +318,27 @@ class BulkLink:
         if buf is None:
             buf = self._local.reply = bytearray(wire.FRAME.size + wire.REPLY_SIZE)
         return buf
+
+
+class Exchange:
+    """A request out on a taken connection, its reply not read yet (BulkLink.start).
+    `result()` reads it, once, and gives the connection back (or closes it); every
+    started exchange must be asked for its result, or its connection is never reused."""
+
+    __slots__ = ("_link", "_kind", "_conn", "_receive", "_sent")
+
+    def __init__(self, link: BulkLink, kind: str, conn: Any, receive: Callable[[Any, Any], Any], sent: Any):
+        self._link: BulkLink | None = link
+        self._kind, self._conn, self._receive, self._sent = kind, conn, receive, sent
+
+    def result(self) -> Any:
+        link, self._link = self._link, None
+        if link is None:
+            raise RuntimeError("an exchange's reply is read once")
+        sent, self._sent = self._sent, None
+        result = link._guarded(self._kind, self._conn, self._receive, sent)
+        link.give(self._kind, self._conn)
+        return result
 
 
 def _host(address: str) -> str:
