@@ -4,7 +4,7 @@ A local cluster of node processes (real gRPC, the bulk channel, a coordinator on
 when a redis-server is on the PATH): sequences of the same length L held on 1, 2 and 3
 nodes (extents of L/E tokens, made by `max_extent_tokens`), each decoded step by step
 (every layer one attend per node, the new token's K/V to the tail), the modes
-interleaved so load drifts hit them alike. "2 nodes, one by one" makes the same calls, each
+interleaved (in turn forward and backward) so load drifts hit them alike. "2 nodes, one by one" makes the same calls, each
 answered before the next is sent: what overlapping the nodes' attends saves.
 
     python -m bench.sharded [--length 8192] [--steps 60] [--smoke] [--out DIR] [--window W]
@@ -141,7 +141,7 @@ def main() -> None:
             times: dict[str, list[float]] = {m: [] for m in modes}
             attends = dict.fromkeys(modes, 0)
             for i in range(steps + 5):
-                for mode in modes:
+                for mode in modes if i % 2 else modes[::-1]:  # each mode after every other
                     seq = seqs.get(mode, seqs["2 nodes"])
                     before = client.counters["sharded_attends"]
                     if mode.endswith("one by one"):
