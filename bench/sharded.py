@@ -4,8 +4,9 @@ A local cluster of node processes (real gRPC, the bulk channel, a coordinator on
 when a redis-server is on the PATH): sequences of the same length L held on 1, 2 and 3
 nodes (extents of L/E tokens, made by `max_extent_tokens`), each decoded step by step
 (every layer one attend per node, the new token's K/V to the tail), the modes
-interleaved (in turn forward and backward) so load drifts hit them alike. "2 nodes, one by one" makes the same calls, each
-answered before the next is sent: what overlapping the nodes' attends saves.
+interleaved (in turn forward and backward) so load drifts hit them alike. "2 nodes, one
+by one" makes the same calls, each answered before the next is sent: what overlapping
+the nodes' attends saves.
 
     python -m bench.sharded [--length 8192] [--steps 60] [--smoke] [--out DIR] [--window W]
 

@@ -49,9 +49,7 @@ def wait_for(done: Callable[[], bool], what: str) -> None:
         time.sleep(0.001)
 
 
-def test_both_nodes_work_before_either_reply_is_read(
-    make_node: Callable[..., Node], transport: str
-) -> None:
+def test_both_nodes_work_before_either_reply_is_read(make_node: Callable[..., Node], transport: str) -> None:
     """Each node appends the new token and attends once its request is in: both have
     appended before the first reply is read, and the replies equal float64 attention."""
     nodes = [make_node(), make_node()]
@@ -60,15 +58,15 @@ def test_both_nodes_work_before_either_reply_is_read(
     try:
         q = rand_q(1, seed=5)
         new_k, new_v = rand_kv(1, seed=6)
-        replies = [
-            c.data.start_attend(["s"], 1, q, new_k[1], new_v[1]) for c in clients
-        ]  # layer 1: no token id
+        replies = [c.data.start_attend(["s"], 0, q, new_k[0], new_v[0], [77]) for c in clients]
         for node, (k, _) in zip(nodes, kvs, strict=True):
             wait_for(lambda node=node, n=k.shape[1]: node.engine.sequence_length("s") == n + 1, "appended")
+        if transport != "grpc":  # neither reply read yet: both nodes had their request at once
+            assert [c.data.bulk.num_calls for c in clients if c.data.bulk is not None] == [0, 0]
         results = [r.result() for r in replies]
         for res, (k, v) in zip(results, kvs, strict=True):
-            keys = torch.cat([k[1], new_k[1]])
-            values = torch.cat([v[1], new_v[1]])
+            keys = torch.cat([k[0], new_k[0]])
+            values = torch.cat([v[0], new_v[0]])
             out, lse = dense(q, keys, values)
             torch.testing.assert_close(res.out.double(), out, rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(res.lse.double(), lse, rtol=1e-5, atol=1e-5)
@@ -89,7 +87,9 @@ def test_both_nodes_work_before_either_reply_is_read(
         node.engine.check_integrity()
 
 
-def test_a_started_call_fails_as_the_blocking_call_does(make_node: Callable[..., Node], transport: str) -> None:
+def test_a_started_call_fails_as_the_blocking_call_does(
+    make_node: Callable[..., Node], transport: str
+) -> None:
     node = make_node()
     fill(node, "s", 5, seed=1)
     with client_for(node, transport) as client:
