@@ -5,7 +5,9 @@ counters tests and benchmarks read. The redis-py shape: the pool and the protoco
 are written once, each transport only says how its connection opens.
 
 Connections are pooled per kind, one request at a time on each, so concurrent calls
-from several threads each get their own. Each remembers the credentials it
+from several threads each get their own. `start` sends a request and leaves its reply
+on the connection for later (an Exchange), so one thread can have calls out on several
+nodes at once. Each remembers the credentials it
 presented (AUTH): a sequence's ticket goes once per connection, before its first
 call there (`authorize`). TCP connections use TLS when the client config has it.
 After a failed TCP connect the node's listener is left alone for RETRY_AFTER_S (gRPC
