@@ -47,8 +47,11 @@ import numpy as np
 from bench import plots
 from bench.control_redis import script_names, slowlog_entries
 from bench.scale_cluster import SPEC, FakeNodes, ScaleCluster, cpu_s, thread_cpu_s
+from pagedkv.client.routing import FRAMED_REPLIES
 from pagedkv.coordinator.redis_store import RedisStore
 from pagedkv.protos import pagedkv_pb2 as pb
+from pagedkv.protos.errors import Unavailable
+from pagedkv.protos.framed_client import FramedPort
 from pagedkv.protos.keys import chain_keys, root_key
 
 RESULTS = Path(__file__).parent / "results"
@@ -126,24 +129,45 @@ def script_us(cluster: ScaleCluster, names: dict[str, str]) -> dict[str, list[in
     return out
 
 
-def close_retrying(stub: Any, seq_id: str, freed_extents: int = 0) -> int:
+def coordinator_call(stub: Any, framed: FramedPort | None, method: str, request: Any) -> Any:
+    """`method` on the coordinator's framed port when `framed` (learning the port from the
+    first gRPC reply, as CacheClient does), else over gRPC."""
+    if framed is not None and framed.is_usable:
+        return framed.call(method, request, FRAMED_REPLIES[method], 60)
+    reply = getattr(stub, method)(request, timeout=60)
+    if framed is not None and method == "Open":
+        framed.learn(reply.frame_port)
+    return reply
+
+
+def close_retrying(stub: Any, seq_id: str, freed_extents: int = 0, framed: FramedPort | None = None) -> int:
     """Close as a worker does: an UNAVAILABLE answer (the sequence's node is a suspect, its
     beat late on an overloaded host) is retried after a pause. Returns the retries.
     freed_extents: as a client's close sends it once it freed the sequence on its node
     itself (client/closing.py; the stub nodes hold nothing to free): no node Free from the
     coordinator; 0: the coordinator sends it, as an older client's close has it do."""
+    request = pb.CoordSeqRequest(seq_id=seq_id, freed_extents=freed_extents)
     for retries in range(100):
         try:
-            stub.Close(pb.CoordSeqRequest(seq_id=seq_id, freed_extents=freed_extents), timeout=60)
+            coordinator_call(stub, framed, "Close", request)
             return retries
         except grpc.RpcError as err:
             if err.code() != grpc.StatusCode.UNAVAILABLE:
                 raise
-            time.sleep(0.1)
+        except Unavailable:
+            pass
+        time.sleep(0.1)
     raise RuntimeError(f"close of {seq_id} still UNAVAILABLE after 100 tries")
 
 
-MODES = ("coordinator", "worker")  # who sends the node Open (CoordOpenRequest.worker_opens)
+# Who sends the node Open (CoordOpenRequest.worker_opens) and how Open and Close travel:
+# the coordinator (gRPC), the worker (gRPC), the worker over the coordinator's framed port.
+MODES = ("coordinator", "worker", "framed")
+MODE_NAMES = {
+    "coordinator": "gRPC, node Open by the coordinator",
+    "worker": "gRPC, node Open by the worker",
+    "framed": "framed port, node Open by the worker",
+}
 
 
 def measure_opens(
@@ -164,6 +188,7 @@ def measure_opens(
         for m in MODES
     }
     per_round = max(1, num_opens // rounds)
+    framed_ports = [FramedPort("127.0.0.1", None, None) for _ in cluster.stubs]
     for _ in range(rounds):
         for mode in MODES:
             a = acc[mode]
@@ -178,12 +203,14 @@ def measure_opens(
                 tokens = prompt + [1_000_000 + n] * BLOCK + [7]  # a unique block after the shared prompt
                 seq_id = f"{tag}-{mode}-{n}"
                 t0 = time.perf_counter()
-                req = pb.CoordOpenRequest(seq_id=seq_id, token_ids=tokens, worker_opens=mode == "worker")
-                reply = stub.Open(req, timeout=60)
-                if mode == "worker":  # as CacheClient does: the node Open, then open() returns
+                worker = mode != "coordinator"
+                req = pb.CoordOpenRequest(seq_id=seq_id, token_ids=tokens, worker_opens=worker)
+                framed = framed_ports[n % len(cluster.stubs)] if mode == "framed" else None
+                reply = coordinator_call(stub, framed, "Open", req)
+                if worker:  # as CacheClient does: the node Open, then open() returns
                     cluster.stub_node.OpenSigned(reply.node_open, timeout=60)
                 t1 = time.perf_counter()
-                a["unavailable"] += close_retrying(stub, seq_id, freed_extents)
+                a["unavailable"] += close_retrying(stub, seq_id, freed_extents, framed)
                 t2 = time.perf_counter()
                 a["open_ms"].append((t1 - t0) * 1e3)
                 a["close_ms"].append((t2 - t1) * 1e3)
@@ -224,20 +251,25 @@ def measure_opens(
 def measure_events(
     cluster: ScaleCluster, nodes: FakeNodes, window: Window, names: dict[str, str], seed: int
 ) -> dict[str, Any]:
-    """Coordinator CPU per event at batch 1 (200 rpcs) and batch 256 (8 rpcs of fresh keys)."""
+    """Coordinator CPU per event at batch 1 (400 rpcs) and batch 256 (8 rpcs of fresh keys),
+    on the framed port (as nodes send them) and over gRPC, alternating in 2 rounds."""
     rng = np.random.default_rng(seed)
-    out: dict[str, Any] = {}
-    for batch, rpcs in ((1, 200), (256, 8)):
-        raw = rng.bytes(16 * batch * rpcs)
-        keys = [raw[i : i + 16] for i in range(0, len(raw), 16)]
-        cluster.redis.execute_command("SLOWLOG", "RESET")
-        start = window.sample()
-        nodes.report(len(nodes.ids) - 1, keys, batch)
-        _, coord_s, _ = window.since(start)
-        us = script_us(cluster, names).get("apply_events", [])
-        out[f"batch{batch}_coord_cpu_per_event_us"] = coord_s / len(keys) * 1e6
-        out[f"batch{batch}_apply_events_p50_us"] = pct(us, 50)
-    return out
+    acc: dict[str, list[float]] = defaultdict(list)
+    for _ in range(2):
+        for framed in (True, False):
+            for batch, rpcs in ((1, 200), (256, 4)):
+                raw = rng.bytes(16 * batch * rpcs)
+                keys = [raw[i : i + 16] for i in range(0, len(raw), 16)]
+                cluster.redis.execute_command("SLOWLOG", "RESET")
+                start = window.sample()
+                nodes.report(len(nodes.ids) - 1, keys, batch, framed=framed)
+                _, coord_s, _ = window.since(start)
+                tag = f"batch{batch}" + ("" if framed else "_grpc")
+                acc[f"{tag}_coord_cpu_per_event_us"].append(coord_s / len(keys) * 1e6)
+                acc[f"{tag}_apply_events_p50_us"].append(
+                    pct(script_us(cluster, names).get("apply_events", []), 50)
+                )
+    return {k: float(np.mean(v)) for k, v in acc.items()}
 
 
 def run_point(
@@ -246,6 +278,7 @@ def run_point(
     workdir = Path(tempfile.mkdtemp(prefix="pagedkv-scale-"))
     cluster = ScaleCluster(workdir, coordinators, args.lease_ttl_s)
     nodes = FakeNodes(cluster, num_nodes)
+    nodes.beat_framed = not args.grpc_beats
     point: dict[str, Any] = {"nodes": num_nodes, "coordinators": coordinators, "index_keys": index}
     try:
         names = script_names()
@@ -268,11 +301,11 @@ def run_point(
             num_opens = max(10, min(args.opens, args.opens * 8192 // tokens))
             freed = 0 if args.coordinator_frees else 1
             both = measure_opens(cluster, window, names, prompt, num_opens, f"p{tokens}", freed_extents=freed)
-            point["prompts"][tokens] = both["worker"]  # the client's default
-            point.setdefault("prompts_coordinator_opens", {})[tokens] = both["coordinator"]
+            point["prompts"][tokens] = both["framed"]  # the client's default
             for mode, result in both.items():
+                point.setdefault("prompts_by_mode", {}).setdefault(mode, {})[tokens] = result
                 log(
-                    f"  prompt {tokens:>6}, {mode} sends the node Open: open p50 "
+                    f"  prompt {tokens:>6}, {MODE_NAMES[mode]}: open p50 "
                     f"{result['open_p50_ms']:.2f} ms, script p50 {result['open_script_p50_us']:.0f} us, "
                     f"coordinator CPU/open+close {result['coord_cpu_per_open_close_ms']:.2f} ms"
                 )
@@ -310,24 +343,24 @@ def render(r: dict[str, Any]) -> str:
             )
     lines += [
         "",
-        "Who sends the node Open (rounds alternating): the worker (the client's default, above) or the coordinator.",
+        "How Open and Close travel and who sends the node Open (rounds alternating): the framed port,",
+        "the worker's node Open (the client's default, above); gRPC, the worker's; gRPC, the coordinator's.",
         "CPU by thread is the first coordinator's per open+close it served (ms, beats included).",
         "",
-        "| nodes | coords | prompt | node Open from | coord CPU / open+close ms | open p50 ms | by thread |",
+        "| nodes | coords | prompt | Open and Close | coord CPU / open+close ms | open p50 ms | by thread |",
         "|---|---|---|---|---|---|---|",
     ]
     for p in r["points"]:
-        for tokens, worker in p["prompts"].items():
-            coordinator = p.get("prompts_coordinator_opens", {}).get(tokens)
-            for mode, o in (("worker", worker), ("coordinator", coordinator)):
-                if o is None:
-                    continue
+        for mode, by_prompt in p.get("prompts_by_mode", {}).items():
+            for tokens, o in by_prompt.items():
                 split = ", ".join(f"{k} {v:.2f}" for k, v in o.get("coord_thread_ms", {}).items())
                 lines.append(
-                    f"| {p['nodes']} | {p['coordinators']} | {int(tokens):,} | {mode} | "
+                    f"| {p['nodes']} | {p['coordinators']} | {int(tokens):,} | {MODE_NAMES[mode]} | "
                     f"{o['coord_cpu_per_open_close_ms']:.2f} | {o['open_p50_ms']:.2f} | {split} |"
                 )
     lines += [
+        "",
+        "Events on the framed port (as nodes send them); gRPC's in brackets.",
         "",
         "| nodes | coords | register s | reaped | held reaps | beats refused | coord CPU / beat us | coord CPU / event, batch 1 us | batch 256 us | apply_events p50 us, batch 1 / 256 | Redis MB |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
@@ -337,8 +370,9 @@ def render(r: dict[str, Any]) -> str:
         lines.append(
             f"| {p['nodes']} | {p['coordinators']} | {p['register_s']:.2f} | {p['nodes_reaped']} | "
             f"{p['reaps_held']} | {p['beats_unregistered']} | {p['coord_cpu_per_beat_us']:.0f} | "
-            f"{e['batch1_coord_cpu_per_event_us']:.0f} | "
-            f"{e['batch256_coord_cpu_per_event_us']:.1f} | {e['batch1_apply_events_p50_us']:.0f} / "
+            f"{e['batch1_coord_cpu_per_event_us']:.0f} ({e.get('batch1_grpc_coord_cpu_per_event_us', 0):.0f}) | "
+            f"{e['batch256_coord_cpu_per_event_us']:.1f} ({e.get('batch256_grpc_coord_cpu_per_event_us', 0):.1f}) | "
+            f"{e['batch1_apply_events_p50_us']:.0f} / "
             f"{e['batch256_apply_events_p50_us']:.0f} | {p['redis_used_memory_mb']:.0f} |"
         )
     return "\n".join(lines) + "\n"
@@ -379,6 +413,11 @@ def main() -> None:
         "--coordinator-frees",
         action="store_true",
         help="closes as an older client's: the coordinator sends the node Free (default: the worker did)",
+    )
+    p.add_argument(
+        "--grpc-beats",
+        action="store_true",
+        help="the fake nodes beat over gRPC (default: on the coordinator's framed port, as nodes do)",
     )
     p.add_argument("--prompts", default="", help="prompt lengths in tokens (default 1024,8192,32768)")
     p.add_argument("--indexes", default="", help="index sizes in keys (default 10000,100000)")

@@ -25,6 +25,8 @@ import redis
 from pagedkv.cluster import free_port
 from pagedkv.protos import pagedkv_pb2 as pb
 from pagedkv.protos import pagedkv_pb2_grpc as pb_grpc
+from pagedkv.protos.errors import PagedKVError
+from pagedkv.protos.framed_client import FramedPort, NotCarried
 
 SPEC = pb.ModelSpec(num_layers=2, num_kv_heads=2, head_dim=64, dtype="float16", block_size=16)
 NODE_BLOCKS = 1_000_000  # fake nodes never fill: the bench measures the control plane, not eviction
@@ -146,6 +148,21 @@ class ScaleCluster:
                 proc.wait()
 
 
+def _framed_beat(port: FramedPort, stub: Any, request: pb.HeartbeatRequest) -> Any:
+    """A beat on the framed port as a done future; over gRPC when the port cannot carry it."""
+    if port.is_usable:
+        done: futures.Future[Any] = futures.Future()
+        try:
+            done.set_result(port.call("Heartbeat", request, pb.HeartbeatResponse, 30))
+            return done
+        except NotCarried:
+            pass
+        except PagedKVError as exc:
+            done.set_exception(exc)
+            return done
+    return stub.Heartbeat.future(request, timeout=30)
+
+
 class FakeNodes:
     """`num_nodes` node ids registered through the coordinators (round robin), beating at
     the interval the coordinator hands out until `stop()`."""
@@ -160,6 +177,8 @@ class FakeNodes:
         self.lapsed_reports = 0  # ReportEvents refused (lease lapsed): registered again
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self.frame_ports = [0] * len(cluster.stubs)
+        self.beat_framed = True  # as real nodes beat (CoordinatorLink)
 
     def _stub(self, i: int) -> pb_grpc.CoordinatorStub:
         return self.cluster.stubs[i % len(self.cluster.stubs)]
@@ -172,9 +191,12 @@ class FakeNodes:
             pending.append(self._stub(i).Register.future(self._register_request(node_id), timeout=60))
             if len(pending) >= 64:
                 pending.pop(0).result()
+            if i < len(self.frame_ports):  # each coordinator's framed port, from its first reply
+                self.frame_ports[i] = pending[-1].result().frame_port
         for f in pending:
-            interval = f.result().heartbeat_interval_s
-            self.interval_s = interval or self.interval_s  # what a CoordinatorLink beats at
+            self.interval_s = (
+                f.result().heartbeat_interval_s or self.interval_s
+            )  # what a CoordinatorLink beats at
         return time.perf_counter() - start
 
     def _register_request(self, node_id: str) -> pb.RegisterRequest:
@@ -187,32 +209,51 @@ class FakeNodes:
         self._thread.start()
 
     def _beat(self) -> None:
+        """Every node's beat each interval: on the coordinators' framed ports as real nodes
+        beat (one connection each, the beats one after another), or over gRPC (all in flight)."""
         load = pb.NodeLoad(free_blocks=NODE_BLOCKS, num_blocks=NODE_BLOCKS)
+        ports = [FramedPort("127.0.0.1", None, None) for _ in self.cluster.stubs]
+        for port, number in zip(ports, self.frame_ports, strict=True):
+            port.learn(number)
         next_at = time.monotonic()
         while not self._stop.is_set():
             if time.monotonic() - next_at > self.interval_s / 10:
                 self.late_beats += 1
-            calls = [
-                self._stub(i).Heartbeat.future(pb.HeartbeatRequest(node_id=n, load=load), timeout=30)
-                for i, n in enumerate(self.ids)
-            ]
+            requests = [pb.HeartbeatRequest(node_id=n, load=load) for n in self.ids]
+            if self.beat_framed:
+                calls = [
+                    _framed_beat(ports[i % len(ports)], self._stub(i), r) for i, r in enumerate(requests)
+                ]
+            else:
+                calls = [self._stub(i).Heartbeat.future(r, timeout=30) for i, r in enumerate(requests)]
             for call in calls:
                 try:
-                    if not call.result().is_registered:
+                    reply = call.result()
+                    if not reply.is_registered:
                         self.unregistered += 1
-                except grpc.RpcError:  # UNAVAILABLE (Redis timed out under load): a missed beat
+                except (grpc.RpcError, PagedKVError):  # UNAVAILABLE (Redis timed out under load): missed
                     self.failed_beats += 1
             next_at += self.interval_s
             self._stop.wait(max(0.0, next_at - time.monotonic()))
+        for port in ports:
+            port.close()
 
-    def report(self, node: int, keys: list[bytes], batch: int, coordinator: int = 0) -> int:
-        """ReportEvents: `keys` stored on node `node`, `batch` events an rpc; returns the rpcs sent."""
-        stub = self.cluster.stubs[coordinator]
+    def report(self, node: int, keys: list[bytes], batch: int, framed: bool = False) -> int:
+        """ReportEvents: `keys` stored on node `node`, `batch` events an rpc, to the first
+        coordinator (on its framed port when `framed`, as a node does once it knows it);
+        returns the rpcs sent."""
+        stub = self.cluster.stubs[0]
+        port = FramedPort("127.0.0.1", None, None)
+        port.learn(self.frame_ports[0] if framed else 0)
         rpcs = 0
         for first in range(0, len(keys), batch):
             events = [pb.BlockEvent(kind=pb.BlockEvent.STORED, key=k) for k in keys[first : first + batch]]
             request = pb.ReportEventsRequest(node_id=self.ids[node], events=events)
             try:
+                if framed:
+                    port.call("ReportEvents", request, pb.ReportEventsResponse, 60)
+                    rpcs += 1
+                    continue
                 stub.ReportEvents(request, timeout=60)
             except grpc.RpcError as err:  # its lease lapsed (an overloaded host): as a node, register again
                 if err.code() != grpc.StatusCode.NOT_FOUND:
@@ -221,6 +262,7 @@ class FakeNodes:
                 stub.Register(self._register_request(self.ids[node]), timeout=60)
                 stub.ReportEvents(request, timeout=60)
             rpcs += 1
+        port.close()
         return rpcs
 
     def stop(self) -> None:

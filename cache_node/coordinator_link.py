@@ -29,6 +29,10 @@ own id (the coordinator refuses nodes without one), and each registration's epoc
 goes to the node's gate: tickets for an earlier registration are refused. A node
 re-registering names its current epoch, so only it may replace its own live
 registration. `reserve` is the gate's way to ask for more of a tenant's quota.
+
+Beats and event reports take the coordinator's framed port once its replies name one
+(protos/framed_client.py: a small rpc's cost without gRPC's), gRPC when it cannot be
+reached; registration and Reserve stay on gRPC.
 """
 
 from __future__ import annotations
@@ -37,15 +41,18 @@ import logging
 import random
 import threading
 import time
+from typing import Any
 
 import grpc
 
 from ..protos import pagedkv_pb2 as pb
 from ..protos import pagedkv_pb2_grpc as pb_grpc
 from ..protos.errors import PagedKVError
+from ..protos.framed_client import FramedPort, NotCarried
 from ..protos.status import error_from_rpc
 from ..protos.tickets import RIGHT_NODE, TICKET_KEY, ClusterKeys, Minter
 from ..protos.tls import TlsConfig, secure_channel
+from ..protos.wire.unary import encode_metadata
 from .engine import CacheEngine
 from .gate import Gate
 from .kv_manager import OFFLOADED, STORED
@@ -78,6 +85,24 @@ def node_load(engine: CacheEngine) -> pb.NodeLoad:
     )
 
 
+_REPLIES = {"Heartbeat": pb.HeartbeatResponse, "ReportEvents": pb.ReportEventsResponse}
+
+
+class FramedRpcError(grpc.RpcError):
+    """A framed call's error reply, as the grpc.RpcError the link handles."""
+
+    def __init__(self, error: PagedKVError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+    def code(self) -> grpc.StatusCode:
+        name = getattr(self.error, "grpc_status", None) or self.error.status_name
+        return getattr(grpc.StatusCode, name, grpc.StatusCode.UNKNOWN)
+
+    def details(self) -> str:
+        return str(self.error)
+
+
 class CoordinatorLink:
     def __init__(
         self,
@@ -105,6 +130,8 @@ class CoordinatorLink:
         # grows to 120 s, which could outlast our lease and get us declared dead).
         self._channel = secure_channel(coordinator_address, tls, RECONNECT_OPTIONS)
         self._stub = pb_grpc.CoordinatorStub(self._channel)
+        # Beats and event reports on the coordinator's framed port once a reply names it
+        self._framed = FramedPort(coordinator_address.rsplit(":", 1)[0].strip("[]"), None, tls)
         self._minter = None if keys is None else Minter(keys, ttl_s=600.0)
         self.gate = gate
         if gate is not None:
@@ -129,12 +156,26 @@ class CoordinatorLink:
         self._stop.set()
         self._thread.join(timeout_s)
         self._channel.close()
+        self._framed.close()
 
     def _metadata(self) -> tuple[tuple[str, bytes], ...]:
         """The NODE ticket this node signs for itself (none without a cluster secret)."""
         if self._minter is None:
             return ()
         return ((TICKET_KEY, self._minter.get(RIGHT_NODE, self.node_id)),)
+
+    def _call(self, method: str, request: Any, timeout_s: float) -> Any:
+        """`method` on the coordinator's framed port when it advertised one, else over gRPC
+        (and when the port cannot carry it); a failure is a grpc.RpcError either way."""
+        if self._framed.is_usable:
+            metadata = encode_metadata(self._metadata())
+            try:
+                return self._framed.call(method, request, _REPLIES[method], timeout_s, metadata)
+            except NotCarried:
+                pass
+            except PagedKVError as exc:
+                raise FramedRpcError(exc) from None
+        return getattr(self._stub, method)(request, timeout=timeout_s, metadata=self._metadata())
 
     def _register(self) -> None:
         spec = self.engine.spec
@@ -153,6 +194,7 @@ class CoordinatorLink:
             timeout=self.rpc_timeout_s,
             metadata=self._metadata(),
         )
+        self._framed.learn(reply.frame_port)
         self.epoch = reply.epoch
         self.heartbeat_interval_s = reply.heartbeat_interval_s or self.heartbeat_interval_s
         self.lease_ttl_s = reply.lease_ttl_s
@@ -193,11 +235,8 @@ class CoordinatorLink:
             return
         batch = self._pending
         try:
-            self._stub.ReportEvents(
-                pb.ReportEventsRequest(node_id=self.node_id, events=batch, load=node_load(self.engine)),
-                timeout=self.rpc_timeout_s,
-                metadata=self._metadata(),
-            )
+            request = pb.ReportEventsRequest(node_id=self.node_id, events=batch, load=node_load(self.engine))
+            self._call("ReportEvents", request, self.rpc_timeout_s)
         except grpc.RpcError as err:
             if err.code() != grpc.StatusCode.NOT_FOUND:
                 raise
@@ -233,7 +272,9 @@ class CoordinatorLink:
         # The renewal counts from when it was sent, so a late answer (a loaded coordinator) still
         # renews; one slower than half the lease would leave too little of it: fail and retry.
         timeout = min(self.rpc_timeout_s, max(self.lease_ttl_s / 2, 0.2))
-        reply = self._stub.Heartbeat(request, timeout=timeout, metadata=self._metadata())
+        reply = self._call("Heartbeat", request, timeout)
+        if reply.frame_port != self._framed.port:
+            self._framed.learn(reply.frame_port)
         if not reply.is_registered:
             self._rejoin()
             return

@@ -53,6 +53,9 @@ class ClientConfig:
     # error. False: the coordinator sends it without waiting, open() returns a round trip
     # sooner, and a refusal comes with the first data call (OpenFailed / PrefixEvicted).
     worker_opens: bool = True
+    # Open and Close on the coordinator's framed port when it advertises one (protos/framed_client.py:
+    # the same calls without gRPC's per-call cost); gRPC carries them when it cannot be reached.
+    coordinator_frames: bool = True
 
     def __post_init__(self) -> None:
         if self.deadline_s <= 0:

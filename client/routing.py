@@ -23,6 +23,7 @@ from typing import Any
 from ..protos import pagedkv_pb2 as pb
 from ..protos import pagedkv_pb2_grpc as pb_grpc
 from ..protos.errors import InvalidArgument, PagedKVError, SequenceLost, SequenceNotFound, Unavailable
+from ..protos.framed_client import FramedPort, NotCarried
 from ..protos.spec import ModelSpec
 from . import codec
 from .config import ClientConfig
@@ -33,6 +34,8 @@ from .types import ClusterStats, ExtentRoute, MissExplanation, NodeEntry, OpenRe
 
 _EMPTY = pb.Empty()
 EXPLAIN_TIMEOUT_S = 5.0  # the most a data call's NOT_FOUND waits for the coordinator's word on it
+# The calls the coordinator's framed port takes from a worker, and their reply types.
+FRAMED_REPLIES = {"Open": pb.CoordOpenResponse, "Close": pb.Empty}
 LOSS_CHECK_TIMEOUT_S = 1.0  # and its Unavailable (a plain page-table read: ms when it answers)
 
 
@@ -133,6 +136,7 @@ class CoordinatorRouting:
         token: str | None,
         spec: ModelSpec | None,
         open_on_node: Send | None = None,
+        host: str = "",
     ):
         """open_on_node(address, order, timeout_s): starts the node's OpenSigned with the
         coordinator's signed node Open and returns its gRPC future (node_opens.py: the
@@ -145,6 +149,8 @@ class CoordinatorRouting:
             else NodeOpens(open_on_node, self._drop_failed_open, config.deadline_s)
         )
         self.metadata = _metadata(token)
+        # Open and Close on the framed port the coordinator's replies advertise (protos/framed_client.py)
+        self.framed = FramedPort(host, self.metadata, config.tls) if config.coordinator_frames else None
         self._spec_cache: tuple[ModelSpec | None, pb.ModelSpec | None] = (spec, _spec(spec))
 
     def _spec_msg(self) -> pb.ModelSpec | None:
@@ -180,7 +186,14 @@ class CoordinatorRouting:
         return pb.CoordPinRequest(token_ids=codec.token_list(token_ids), spec=self._spec_msg())
 
     def _call(self, method: str, request: Any, timeout_s: float | None) -> Any:
-        return call(getattr(self.stub, method), request, self._t(timeout_s), self.metadata, "coordinator")
+        framed = self.framed
+        if framed is not None and method in FRAMED_REPLIES and framed.is_usable:
+            with contextlib.suppress(NotCarried):  # (then gRPC carries it)
+                return framed.call(method, request, FRAMED_REPLIES[method], self._t(timeout_s))
+        resp = call(getattr(self.stub, method), request, self._t(timeout_s), self.metadata, "coordinator")
+        if framed is not None and type(resp) is pb.CoordOpenResponse and resp.frame_port != framed.port:
+            framed.learn(resp.frame_port)
+        return resp
 
     def open(
         self,

@@ -147,6 +147,7 @@ class CacheClient:
                 token,
                 spec,
                 open_on_node=self._open_on_node if self.config.worker_opens else None,
+                host=coordinator.rsplit(":", 1)[0].strip("[]"),
             )
             self._explain = self.routing.explain
         else:
@@ -447,6 +448,8 @@ class CacheClient:
             if isinstance(self.routing, CoordinatorRouting):
                 if self.routing.node_opens is not None:
                     self.routing.node_opens.close()  # the page-table drops of failed node Opens
+                if self.routing.framed is not None:
+                    self.routing.framed.close()
                 channels.release(self.address, self.config)
             for address, handle in self._nodes.items():
                 handle.data.close()  # its bulk connections

@@ -72,6 +72,14 @@ def build_parser() -> argparse.ArgumentParser:
         "(0 = any free port, off = none; default off)",
     )
     p.add_argument(
+        "--frame-port",
+        type=port_or_off("--frame-port"),
+        default=env("PAGEDKV_FRAME_PORT", "0"),
+        help="framed port on the --listen host: Open, Close and the nodes' beats and events without "
+        "gRPC's per-call cost, advertised in the replies [PAGEDKV_FRAME_PORT] (0 = any free port, "
+        "the default; off = none: every call takes gRPC). TLS as the gRPC port",
+    )
+    p.add_argument(
         "--tenants",
         default=env("PAGEDKV_TENANTS_FILE", ""),
         help="JSON file mapping bearer tokens to tenants and tenants to block quotas "
@@ -106,6 +114,8 @@ def serve(args: argparse.Namespace) -> None:
     check_port_free("gRPC", "--listen", host, port)
     if args.metrics_port:
         check_port_free("metrics", "--metrics-port", host, args.metrics_port)
+    if args.frame_port:
+        check_port_free("framed", "--frame-port", host, args.frame_port)
     try:
         tenants = Tenants.load(args.tenants)
     except InvalidArgument as exc:
@@ -137,7 +147,9 @@ def serve(args: argparse.Namespace) -> None:
     if hasattr(store, "observer"):  # the Redis store reports each call's latency and outcome
         store.observer = metrics.observe_redis
     try:
-        server, port = create_server(coordinator, args.listen, tenants=tenants, metrics=metrics, tls=tls)
+        server, port = create_server(
+            coordinator, args.listen, tenants=tenants, metrics=metrics, tls=tls, frame_port=args.frame_port
+        )
     except (OSError, RuntimeError):  # the probe above raced with another process
         store.close()
         raise port_in_use("gRPC", "--listen", host, port) from None
@@ -153,6 +165,8 @@ def serve(args: argparse.Namespace) -> None:
     server.start()
     shown = args.listen.rsplit(":", 1)[0]
     print(f"pagedkv coordinator listening on {shown}:{port} (store: {args.redis or 'embedded'})", flush=True)
+    for framed in server.companions:
+        print(f"framed port {shown}:{framed.port} (Open, Close, Heartbeat, ReportEvents)", flush=True)
     if metrics_address:
         print(f"metrics on http://{metrics_address}/metrics", flush=True)
     done = threading.Event()

@@ -404,7 +404,9 @@ class Coordinator(DeferredCalls, Failures, Membership, NodeRooms, Extents, Missi
             if isinstance(exc, SequenceExists) and request_id:
                 first = self._first_answer(tenant, seq_id, request_id, exc)
                 if worker_opens:  # its first answer never reached the worker: sign the Open again
-                    request = node_open_request(seq_id, token_ids, salt, first.num_cached_tokens, attention)
+                    request = node_open_request(
+                        seq_id, token_ids, salt, first.num_cached_tokens, attention, request_id
+                    )
                     if quota is not None:
                         request.max_blocks = first.placement.cached_blocks + first.placement.new_blocks
                     node = self._cached_node(first.node_id) or self.live_node(first.node_id)
@@ -420,7 +422,7 @@ class Coordinator(DeferredCalls, Failures, Membership, NodeRooms, Extents, Missi
             self._background.submit(self._drop_failed_open, call, tenant if quota is not None else None)
             raise call.error  # type: ignore[misc]
         call.mark_recorded()
-        request = node_open_request(seq_id, token_ids, salt, num_cached, attention)
+        request = node_open_request(seq_id, token_ids, salt, num_cached, attention, request_id)
         if quota is not None:  # the sequence may hold what was reserved; more through Reserve
             request.max_blocks = num_blocks
         node_open = None

@@ -6,6 +6,7 @@ table, and a failed Free is retried so no block leaks."""
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -66,15 +67,17 @@ class NodeCall:
 
 
 def node_open_request(
-    seq_id: str, token_ids: Any, salt: bytes, num_cached: int, attention: Any
+    seq_id: str, token_ids: Any, salt: bytes, num_cached: int, attention: Any, request_id: str = ""
 ) -> pb.OpenRequest:
-    """The node Open of an open (sent from here, or signed for the worker to carry)."""
+    """The node Open of an open (sent from here, or signed for the worker to carry);
+    `request_id`: the open's, which makes its signed order unique (random without one)."""
     return pb.OpenRequest(
         seq_id=seq_id,
         token_ids=token_ids,
         tenant_salt=salt,
         expect_cached_tokens=num_cached,
         attention=attention,
+        order_nonce=request_id.encode()[:64] or os.urandom(12),
     )
 
 

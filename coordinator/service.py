@@ -20,6 +20,7 @@ import grpc
 from ..protos import pagedkv_pb2 as pb
 from ..protos import pagedkv_pb2_grpc as pb_grpc
 from ..protos.errors import FailedPrecondition, InvalidArgument, NotFound, PagedKVError
+from ..protos.framed_server import FramedServer
 from ..protos.serving import GrpcServer, build_server, observe
 from ..protos.spec import ModelSpec
 from ..protos.tls import TlsConfig
@@ -31,6 +32,8 @@ from .quota import reserve
 from .records import NodeNotLive, SequenceRecord
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Coordinator"].full_name
+# The rpcs the framed port serves: a worker's per-request pair and a node's periodic calls.
+FRAMED_METHODS = ("Open", "Close", "Heartbeat", "ReportEvents")
 MAX_LOST_REPORTED = 1 << 16  # lost ids a registration reply names (the .proto's bound)
 T = TypeVar("T")
 _SPEC_FIELDS = ("num_layers", "num_kv_heads", "head_dim", "dtype", "block_size", "model")
@@ -72,6 +75,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self.coordinator = coordinator
         self.tenants = tenants
         self.metrics = metrics
+        self.frame_port = 0  # the framed port its replies advertise (create_server sets it)
 
     def _run(self, method: str, context: grpc.ServicerContext, fn: Callable[[], T]) -> T | None:
         def run() -> T:
@@ -116,6 +120,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             num_host_hit_tokens=result.num_host_hit_tokens,
             num_blocks=result.num_blocks,
             node_seq_id=seq_id,
+            frame_port=self.frame_port,
         )
         if explain_miss and result.miss is not None:
             resp.miss.CopyFrom(miss_message(result.miss))
@@ -139,6 +144,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 for ext, node in placed
             ],
             node_seq_id=seq_id,
+            frame_port=self.frame_port,
         )
 
     def _node(self, context: grpc.ServicerContext, node_id: str, method: str) -> None:
@@ -169,6 +175,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 heartbeat_interval_s=cfg.heartbeat_interval_s,
                 epoch=epoch,
                 lost_seq_ids=result.lost_seq_ids[:MAX_LOST_REPORTED],
+                frame_port=self.frame_port,
             )
 
         return self._run("Register", context, run)
@@ -179,7 +186,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             load = {f.name: v for f, v in request.load.ListFields()}
             held = list(request.held_seq_ids) if request.held_complete else None
             ok, free = self.coordinator.heartbeat(request.node_id, load, held)
-            return pb.HeartbeatResponse(is_registered=ok, free_seq_ids=free)
+            return pb.HeartbeatResponse(is_registered=ok, free_seq_ids=free, frame_port=self.frame_port)
 
         return self._run("Heartbeat", context, run)
 
@@ -338,10 +345,13 @@ def create_server(
     metrics: CoordinatorMetrics | None = None,
     max_workers: int = 32,
     tls: TlsConfig | None = None,
+    frame_port: int | None = 0,
 ) -> tuple[GrpcServer, int]:
     """A coordinator server bound to `address` (not yet started) and its port; TLS
     on it with `tls`. The cluster secret and TLS to the nodes are the coordinator's
-    config (CoordinatorConfig.access)."""
+    config (CoordinatorConfig.access). `frame_port`: the framed port for FRAMED_METHODS
+    on the same host (0: any free port, None: none), TLS as the gRPC port; its number
+    is the companion's `port` (`server.companions`)."""
     metrics = metrics or CoordinatorMetrics(coordinator)
     servicer = CoordinatorServicer(coordinator, tenants or Tenants(), metrics)
     server, health_servicer, port = build_server(
@@ -353,4 +363,10 @@ def create_server(
         options=[("grpc.so_reuseport", 0)],
         tls=tls,
     )
-    return GrpcServer(server, health_servicer, [SERVICE_NAME]), port
+    framed = []
+    if frame_port is not None:
+        host = address.rsplit(":", 1)[0].strip("[]") or "0.0.0.0"
+        service = pb.DESCRIPTOR.services_by_name["Coordinator"]
+        framed.append(FramedServer(servicer, service, pb, FRAMED_METHODS, host, frame_port, tls=tls))
+        servicer.frame_port = framed[0].port
+    return GrpcServer(server, health_servicer, [SERVICE_NAME], framed), port

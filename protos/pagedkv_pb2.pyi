@@ -46,7 +46,7 @@ class Empty(_message.Message):
     def __init__(self) -> None: ...
 
 class OpenRequest(_message.Message):
-    __slots__ = ("seq_id", "token_ids", "max_cached_tokens", "expect_cached_tokens", "tenant_salt", "max_blocks", "attention", "first_position")
+    __slots__ = ("seq_id", "token_ids", "max_cached_tokens", "expect_cached_tokens", "tenant_salt", "max_blocks", "attention", "first_position", "order_nonce")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -55,6 +55,7 @@ class OpenRequest(_message.Message):
     MAX_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_FIELD_NUMBER: _ClassVar[int]
     FIRST_POSITION_FIELD_NUMBER: _ClassVar[int]
+    ORDER_NONCE_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     max_cached_tokens: int
@@ -63,7 +64,8 @@ class OpenRequest(_message.Message):
     max_blocks: int
     attention: _containers.RepeatedCompositeFieldContainer[LayerAttention]
     first_position: int
-    def __init__(self, seq_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., max_cached_tokens: _Optional[int] = ..., expect_cached_tokens: _Optional[int] = ..., tenant_salt: _Optional[bytes] = ..., max_blocks: _Optional[int] = ..., attention: _Optional[_Iterable[_Union[LayerAttention, _Mapping]]] = ..., first_position: _Optional[int] = ...) -> None: ...
+    order_nonce: bytes
+    def __init__(self, seq_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., max_cached_tokens: _Optional[int] = ..., expect_cached_tokens: _Optional[int] = ..., tenant_salt: _Optional[bytes] = ..., max_blocks: _Optional[int] = ..., attention: _Optional[_Iterable[_Union[LayerAttention, _Mapping]]] = ..., first_position: _Optional[int] = ..., order_nonce: _Optional[bytes] = ...) -> None: ...
 
 class SignedOpen(_message.Message):
     __slots__ = ("order", "tag", "expires_at", "epoch", "node_id")
@@ -337,16 +339,18 @@ class RegisterRequest(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., spec: _Optional[_Union[ModelSpec, _Mapping]] = ..., num_blocks: _Optional[int] = ..., num_host_blocks: _Optional[int] = ..., metrics_address: _Optional[str] = ..., policy: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("lease_ttl_s", "heartbeat_interval_s", "epoch", "lost_seq_ids")
+    __slots__ = ("lease_ttl_s", "heartbeat_interval_s", "epoch", "lost_seq_ids", "frame_port")
     LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     LOST_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    FRAME_PORT_FIELD_NUMBER: _ClassVar[int]
     lease_ttl_s: float
     heartbeat_interval_s: float
     epoch: int
     lost_seq_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, lease_ttl_s: _Optional[float] = ..., heartbeat_interval_s: _Optional[float] = ..., epoch: _Optional[int] = ..., lost_seq_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    frame_port: int
+    def __init__(self, lease_ttl_s: _Optional[float] = ..., heartbeat_interval_s: _Optional[float] = ..., epoch: _Optional[int] = ..., lost_seq_ids: _Optional[_Iterable[str]] = ..., frame_port: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("node_id", "load", "held_seq_ids", "held_complete")
@@ -361,12 +365,14 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., load: _Optional[_Union[NodeLoad, _Mapping]] = ..., held_seq_ids: _Optional[_Iterable[str]] = ..., held_complete: _Optional[bool] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("is_registered", "free_seq_ids")
+    __slots__ = ("is_registered", "frame_port", "free_seq_ids")
     IS_REGISTERED_FIELD_NUMBER: _ClassVar[int]
+    FRAME_PORT_FIELD_NUMBER: _ClassVar[int]
     FREE_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     is_registered: bool
+    frame_port: int
     free_seq_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, is_registered: _Optional[bool] = ..., free_seq_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    def __init__(self, is_registered: _Optional[bool] = ..., frame_port: _Optional[int] = ..., free_seq_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class BlockEvent(_message.Message):
     __slots__ = ("kind", "key")
@@ -435,7 +441,7 @@ class CoordOpenRequest(_message.Message):
     def __init__(self, seq_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., max_cached_tokens: _Optional[int] = ..., spec: _Optional[_Union[ModelSpec, _Mapping]] = ..., attention: _Optional[_Iterable[_Union[LayerAttention, _Mapping]]] = ..., explain_miss: _Optional[bool] = ..., request_id: _Optional[str] = ..., worker_opens: _Optional[bool] = ...) -> None: ...
 
 class CoordOpenResponse(_message.Message):
-    __slots__ = ("extents", "num_cached_tokens", "num_host_hit_tokens", "num_blocks", "miss", "node_seq_id", "node_open")
+    __slots__ = ("extents", "num_cached_tokens", "num_host_hit_tokens", "num_blocks", "miss", "node_seq_id", "node_open", "frame_port")
     EXTENTS_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_HOST_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -443,6 +449,7 @@ class CoordOpenResponse(_message.Message):
     MISS_FIELD_NUMBER: _ClassVar[int]
     NODE_SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     NODE_OPEN_FIELD_NUMBER: _ClassVar[int]
+    FRAME_PORT_FIELD_NUMBER: _ClassVar[int]
     extents: _containers.RepeatedCompositeFieldContainer[Placement]
     num_cached_tokens: int
     num_host_hit_tokens: int
@@ -450,7 +457,8 @@ class CoordOpenResponse(_message.Message):
     miss: MissExplanation
     node_seq_id: str
     node_open: SignedOpen
-    def __init__(self, extents: _Optional[_Iterable[_Union[Placement, _Mapping]]] = ..., num_cached_tokens: _Optional[int] = ..., num_host_hit_tokens: _Optional[int] = ..., num_blocks: _Optional[int] = ..., miss: _Optional[_Union[MissExplanation, _Mapping]] = ..., node_seq_id: _Optional[str] = ..., node_open: _Optional[_Union[SignedOpen, _Mapping]] = ...) -> None: ...
+    frame_port: int
+    def __init__(self, extents: _Optional[_Iterable[_Union[Placement, _Mapping]]] = ..., num_cached_tokens: _Optional[int] = ..., num_host_hit_tokens: _Optional[int] = ..., num_blocks: _Optional[int] = ..., miss: _Optional[_Union[MissExplanation, _Mapping]] = ..., node_seq_id: _Optional[str] = ..., node_open: _Optional[_Union[SignedOpen, _Mapping]] = ..., frame_port: _Optional[int] = ...) -> None: ...
 
 class CoordLookupRequest(_message.Message):
     __slots__ = ("token_ids", "spec")

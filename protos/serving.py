@@ -11,7 +11,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from concurrent import futures
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -36,16 +36,36 @@ def name_os_thread() -> None:
         _libc.prctl(_PR_SET_NAME, threading.current_thread().name.encode()[:15], 0, 0, 0)
 
 
-class GrpcServer:
-    """A built (not yet started) gRPC server with its health servicer."""
+class Companion(Protocol):
+    """A listener that lives and dies with a gRPC server (the coordinator's framed port)."""
 
-    def __init__(self, server: grpc.Server, health_servicer: health.HealthServicer, services: Iterable[str]):
+    port: int
+
+    def start(self) -> object: ...
+
+    def stop(self) -> None: ...
+
+
+class GrpcServer:
+    """A built (not yet started) gRPC server with its health servicer, and the
+    listeners that start and stop with it."""
+
+    def __init__(
+        self,
+        server: grpc.Server,
+        health_servicer: health.HealthServicer,
+        services: Iterable[str],
+        companions: Iterable[Companion] = (),
+    ):
         self.grpc_server = server
         self.health = health_servicer
         self.services = ("", *services)
+        self.companions = tuple(companions)
 
     def start(self) -> GrpcServer:
         self.grpc_server.start()
+        for companion in self.companions:
+            companion.start()
         for name in self.services:
             self.health.set(name, SERVING)
         return self
@@ -54,6 +74,8 @@ class GrpcServer:
         """Flip health to NOT_SERVING, refuse new calls, let running ones finish
         for up to grace_s seconds, then cancel the rest. Blocks until stopped."""
         self.health.enter_graceful_shutdown()
+        for companion in self.companions:
+            companion.stop()
         self.grpc_server.stop(grace_s).wait()
 
     def wait_for_termination(self, timeout_s: float | None = None) -> bool:

@@ -32,13 +32,13 @@ from ...protos import wire
 from ...protos.errors import InvalidArgument, PagedKVError
 from ...protos.tls import TlsConfig
 from ...protos.wire import Frame, ProtocolError, Status
+from ...protos.wire.limits import BulkLimits, ByteBudget, PeerCounter, Refused, TimedConn
 from ..engine import CacheEngine
 from ..gate import Credentials, Gate
 from ..metrics import NodeMetrics
 from ..shm import Region, local_listener, map_region
 from .attend import AttendOps, CallBuffer
 from .kv import KVOps
-from .limits import BulkLimits, ByteBudget, PeerCounter, Refused, TimedConn
 
 logger = logging.getLogger("pagedkv.cache_node.bulk")
 DRAIN_BYTES = 4 << 20  # scratch for discarding the payload of a refused request
@@ -102,7 +102,8 @@ class BulkServer:
         self._local_sock: socket.socket | None = None if listener is None else listener[0]
         self.local_name = "" if listener is None else listener[1]
         # What HELLO advertises and the loop serves (a test may narrow it to play a smaller node).
-        self.ops = frozenset(wire.OP_NAMES) - (frozenset() if listener else LOCAL_OPS)
+        node_ops = frozenset(wire.OP_NAMES) - {wire.OP_UNARY}  # (UNARY: the coordinator's port)
+        self.ops = node_ops - (frozenset() if listener else LOCAL_OPS)
         self._max_connections = max_connections
         self.attend_ops = AttendOps(self)
         self.kv_ops = KVOps(self, max_staging_bytes)

@@ -18,7 +18,6 @@ timeout per interval, and a restarted node's new port is found.
 from __future__ import annotations
 
 import itertools
-import select
 import socket
 import ssl
 import threading
@@ -170,7 +169,7 @@ class BulkLink:
             idle = self._idle[kind]
             while idle:
                 conn = idle.pop()
-                if _is_alive(conn.sock):
+                if wire.is_alive(conn.sock):
                     _set_timeout(conn.sock, timeout_s)
                     return conn
                 conn.close()
@@ -346,18 +345,6 @@ class Exchange:
 def _host(address: str) -> str:
     host = address.rsplit(":", 1)[0] if ":" in address else address
     return host.strip("[]")
-
-
-def _is_alive(sock: socket.socket) -> bool:
-    """False when the node closed this idle connection (restart, stop), or when it is
-    readable at all (EOF, or bytes on an idle connection: out of sync). One poll
-    (a peek would need the socket set non-blocking and back: three syscalls)."""
-    try:
-        poller = select.poll()
-        poller.register(sock, select.POLLIN)
-        return not poller.poll(0)
-    except (OSError, ValueError):  # closed
-        return False
 
 
 def _set_timeout(sock: socket.socket, timeout_s: float) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import array
 import enum
 import functools
+import select
 import socket
 import ssl
 import struct
@@ -16,7 +17,6 @@ from typing import NamedTuple
 
 from ..errors import PagedKVError
 from ..status import error_from_status, error_ids, status_for
-from ..tensors import MAX_MESSAGE_BYTES
 
 MAGIC = b"PKVB"
 VERSION = 1
@@ -32,6 +32,7 @@ OP_ATTEND_PREFILL_BATCH_SHM = 9
 OP_READ_SHM = 10
 OP_OPEN = 11
 OP_AUTH = 12
+OP_UNARY = 13  # a unary rpc of a gRPC service, carried by a framed control port (unary.py)
 OP_NAMES = {op: name[3:] for name, op in list(globals().items()) if name.startswith("OP_")}
 SHM_OPS = {OP_ATTEND_SHM: OP_ATTEND, OP_ATTEND_PREFILL_BATCH_SHM: OP_ATTEND_PREFILL_BATCH}
 PLACED_INLINE, PLACED_REGION = 0, 1
@@ -39,7 +40,9 @@ MIN_REGION_BYTES = 4096
 FLAG_BLOCK_MASS, FLAG_K, FLAG_V = 1, 2, 4
 MAX_TENSOR_DIMS = 5
 ALIGN = 64  # tensors in a CALL body start at multiples of this offset
-MAX_CALL_BYTES = MAX_MESSAGE_BYTES  # an ATTEND* body over gRPC's message cap is refused (as the rpc is)
+# An ATTEND* body over gRPC's message cap (tensors.MAX_MESSAGE_BYTES; this module stays
+# torch-free) is refused, as the rpc is.
+MAX_CALL_BYTES = 64 << 20
 # A region holds one CALL body and its results (out is q's size): twice the cap, and slack.
 MAX_REGION_BYTES = 2 * MAX_CALL_BYTES + (16 << 20)
 END_OF_SEQUENCE = 2**64 - 1
@@ -322,3 +325,15 @@ def _extra(cls: str, exc: BaseException) -> str:
     """A frame's extra text: the error class name, then a space and its ids (JSON)."""
     ids = error_ids(exc) if cls else ""
     return f"{cls} {ids}" if ids else cls
+
+
+def is_alive(sock: socket.socket) -> bool:
+    """False when the peer closed this idle connection (restart, stop), or when it is
+    readable at all (EOF, or bytes on an idle connection: out of sync). One poll
+    (a peek would need the socket set non-blocking and back: three syscalls)."""
+    try:
+        poller = select.poll()
+        poller.register(sock, select.POLLIN)
+        return not poller.poll(0)
+    except (OSError, ValueError):  # closed
+        return False

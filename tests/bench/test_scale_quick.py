@@ -23,12 +23,23 @@ def test_the_quick_scale_run_measures_every_point_and_reaps_nobody(tmp_path: Pat
         assert p["nodes_reaped"] == 0 and p["beats_unregistered"] == 0
         assert p["register_s"] < 30
         opens = p["prompts"]["2048"]
-        assert opens["opens"] == 20 and 0.0 < opens["hit_share"] <= 1.0
+        assert opens["opens"] == 20 and 0.0 <= opens["hit_share"] <= 1.0
         assert opens["open_script_p50_us"] > 0 and opens["delete_script_p50_us"] > 0
         assert opens["open_p99_ms"] >= opens["open_p50_ms"] > 0
         assert p["events"]["batch256_apply_events_p50_us"] > 0
-        by_coordinator = p["prompts_coordinator_opens"]["2048"]  # the same opens, the old way
-        assert by_coordinator["opens"] == 20 and by_coordinator["coord_cpu_per_open_close_ms"] > 0
-        assert by_coordinator["open_p50_ms"] > 0 and by_coordinator["hit_share"] > 0
+        by_mode = p["prompts_by_mode"]  # the same opens each way: framed (above), gRPC, the old way
+        assert by_mode["framed"]["2048"] == opens
+        for mode in ("worker", "coordinator"):
+            other = by_mode[mode]["2048"]
+            assert other["opens"] == 20 and other["coord_cpu_per_open_close_ms"] > 0
+            assert other["open_p50_ms"] > 0
+        # the fake nodes report the prompt on one node only: as placement spreads the hot prefix
+        # to other nodes (which never report it here) later rounds hit less; the first mode hits
+        assert by_mode["coordinator"]["2048"]["hit_share"] > 0
+        assert "frame-conn" in opens["coord_thread_ms"]  # the framed port served them
+        assert (
+            p["events"]["batch1_coord_cpu_per_event_us"] > 0
+            and "batch1_grpc_coord_cpu_per_event_us" in p["events"]
+        )
     assert out.with_suffix(".md").read_text().count("|") > 20
     assert out.with_suffix(".png").stat().st_size > 1000

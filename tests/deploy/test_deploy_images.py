@@ -45,7 +45,7 @@ def test_dockerfile(name: str) -> None:
     exposed = {int(p) for ln in lines if ln.upper().startswith("EXPOSE ") for p in ln.split()[1:]}
     assert {50051, 9400} <= exposed
     if name == "Dockerfile":
-        assert {50050, 9401} <= exposed
+        assert {50049, 50050, 9401} <= exposed
         assert re.search(r"^FROM python:3\.11-slim|ARG PYTHON_IMAGE=python:3\.11-slim", text, re.M)
         assert "https://download.pytorch.org/whl/cpu" in text
     else:
@@ -124,6 +124,7 @@ def test_compose_config() -> None:
     assert _env(coord)["PAGEDKV_LISTEN"].endswith(":50050")
     assert _env(coord)["PAGEDKV_METRICS_PORT"] == "9401"
     assert (50050, 50050) in _published(coord)
+    assert _env(coord)["PAGEDKV_FRAME_PORT"] == "50049" and (50049, 50049) in _published(coord)
     assert coord["depends_on"]["redis"]["condition"] == "service_healthy"
     assert coord["healthcheck"]["test"][:3] == ["CMD", "pagedkv", "health"]
     assert coord["healthcheck"]["test"][3].endswith(":50050")

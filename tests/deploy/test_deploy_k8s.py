@@ -98,7 +98,7 @@ def test_k8s_coordinator() -> None:
     assert "$(REDIS_PASSWORD)" in env["PAGEDKV_REDIS_URL"]
     names = [e["name"] for e in c["env"]]
     assert names.index("REDIS_PASSWORD") < names.index("PAGEDKV_REDIS_URL"), "$(VAR) needs VAR defined first"
-    assert {p["containerPort"] for p in c["ports"]} == {50050, 9401}
+    assert {p["containerPort"] for p in c["ports"]} == {50049, 50050, 9401}
     _assert_grpc_probes(c, 50050)
     _assert_hardened(dep)
     ann = dep["spec"]["template"]["metadata"]["annotations"]
@@ -109,7 +109,7 @@ def test_k8s_coordinator() -> None:
     assert env["PAGEDKV_TENANTS_FILE"] == "/etc/pagedkv/tenants.json"
     _assert_cluster_secret(dep, c)
     svc = docs[("Service", "pagedkv-coordinator")]
-    assert {p["port"] for p in svc["spec"]["ports"]} == {50050, 9401}
+    assert {p["port"] for p in svc["spec"]["ports"]} == {50049, 50050, 9401}
 
 
 def test_k8s_nodes() -> None:

@@ -140,6 +140,10 @@ def test_node_rpcs(cluster: Secured) -> None:
             )
         elif method == "Fork":
             req = pb.ForkRequest(parent_id=seq_id, child_id=r.choice(ids))
+        elif method == "Free" and seq_id == own.route.node_seq_id:
+            # (freeing its own sequence would leave every later call on it waiting out the
+            # node's grace for a late open, 0.5 s each: the cases after it test nothing more)
+            req = pb.SeqRequest(seq_id=r.choice(ids[12:]))
         elif method in ("Free", "SwapOut", "SwapIn"):
             req = pb.SeqRequest(seq_id=seq_id)
         elif method == "ReadKV":

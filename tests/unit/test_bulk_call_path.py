@@ -13,7 +13,6 @@ import threading
 import pytest
 import torch
 
-from pagedkv.client.transport import link as client_bulk
 from pagedkv.protos import wire
 from pagedkv.protos.errors import InvalidArgument
 from pagedkv.protos.wire import Frame, ProtocolError
@@ -168,12 +167,12 @@ def test_node_reuses_the_last_parse_only_for_the_same_bytes_and_count() -> None:
 def test_idle_connection_liveness(pair: tuple[socket.socket, socket.socket]) -> None:
     a, b = pair
     a.settimeout(2.0)
-    assert client_bulk._is_alive(a)
+    assert wire.is_alive(a)
     b.sendall(b"x")  # bytes on an idle connection: out of sync
-    assert not client_bulk._is_alive(a)
+    assert not wire.is_alive(a)
     a.recv(1)
-    assert client_bulk._is_alive(a) and a.gettimeout() == 2.0
+    assert wire.is_alive(a) and a.gettimeout() == 2.0
     b.close()  # the node went away
-    assert not client_bulk._is_alive(a)
+    assert not wire.is_alive(a)
     a.close()
-    assert not client_bulk._is_alive(a)
+    assert not wire.is_alive(a)

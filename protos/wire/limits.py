@@ -1,4 +1,5 @@
-"""What bounds the bulk listener, so that no client can hold it or inflate it.
+"""What bounds a framed listener (the node's bulk channel, the coordinator's framed
+control port), so that no client can hold it or inflate it.
 
 - Connections: at most `max_connections` per listener and `max_per_peer` per peer
   (an IP address over TCP, a process over the Unix socket); one over is closed at
@@ -24,8 +25,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from ...protos.errors import CapacityExceeded, InvalidArgument
-from ...protos.wire import Frame, ProtocolError
+from ..errors import CapacityExceeded, InvalidArgument
+from .frame import Frame, ProtocolError
 
 
 class Refused(Exception):

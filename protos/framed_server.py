@@ -1,0 +1,250 @@
+"""A gRPC servicer's unary methods served over the framing (wire/unary.py), beside its
+gRPC port: the same handler runs, with the same checks and errors, without HTTP/2, the
+server's poll loop and its hand-off to a handler pool (most of a small control rpc's
+cost in gRPC-Python). Role-neutral: it knows a service by its descriptor only.
+
+One thread accepts, one thread serves each connection (its requests one at a time,
+as the node's bulk listener); TLS when given, the bulk listener's limits (connections
+per listener and per peer, idle and per-request deadlines, a budget for receive
+buffers). A handler sees a context with the call's metadata; its abort() becomes the
+error reply (status, details, the error class its trailing metadata names).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import threading
+from collections.abc import Callable, Iterable
+from types import ModuleType
+from typing import Any
+
+import grpc
+from google.protobuf.descriptor import ServiceDescriptor
+from google.protobuf.message import DecodeError
+
+from .errors import InvalidArgument
+from .serving import name_os_thread
+from .status import ERROR_CLASS_KEY, ERROR_IDS_KEY
+from .tls import TlsConfig
+from .wire import Frame, ProtocolError, Status, error_frame, read_frame, recv_exact
+from .wire import frame as wire_frame
+from .wire.limits import BulkLimits, ByteBudget, PeerCounter, Refused, TimedConn
+from .wire.unary import decode_metadata
+
+logger = logging.getLogger("pagedkv.framed")
+MAX_MESSAGE_BYTES = 4 << 20  # gRPC-Python's default receive limit: the same requests fit
+DEFAULT_LIMITS = BulkLimits(max_connections=512, max_per_peer=128, max_inflight_bytes=256 << 20)
+
+
+class _Aborted(Exception):
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code, self.details = code, details
+
+
+class FrameContext:
+    """What a handler asks of its grpc.ServicerContext, for a framed call."""
+
+    __slots__ = ("_metadata", "trailing")
+
+    def __init__(self, metadata: list[tuple[str, str | bytes]]) -> None:
+        self._metadata = metadata
+        self.trailing: tuple[tuple[str, str], ...] = ()
+
+    def invocation_metadata(self) -> list[tuple[str, str | bytes]]:
+        return self._metadata
+
+    def set_trailing_metadata(self, metadata: tuple[tuple[str, str], ...]) -> None:
+        self.trailing = metadata
+
+    def abort(self, code: grpc.StatusCode, details: str) -> None:
+        raise _Aborted(code, details)
+
+
+class _Conn:
+    __slots__ = ("peer", "sock", "thread")
+
+    def __init__(self, sock: socket.socket, peer: object) -> None:
+        self.sock, self.peer = sock, peer
+        self.thread: threading.Thread | None = None
+
+
+Handler = tuple[Callable[[Any, FrameContext], Any], Callable[[bytes], Any]]
+
+
+class FramedServer:
+    """`methods` of `servicer` (a gRPC servicer of `service`, whose messages are in
+    `messages`) on a TCP port of `host`, bound by the constructor (`port` is known
+    before start; 0: any free port)."""
+
+    def __init__(
+        self,
+        servicer: Any,
+        service: ServiceDescriptor,
+        messages: ModuleType,
+        methods: Iterable[str],
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        tls: TlsConfig | None = None,
+        limits: BulkLimits | None = None,
+        max_message_bytes: int = MAX_MESSAGE_BYTES,
+    ) -> None:
+        self.handlers: dict[str, Handler] = {}
+        for name in methods:
+            method = service.methods_by_name[name]
+            if method.client_streaming or method.server_streaming:
+                raise ValueError(f"{service.name}.{name} is not unary")
+            self.handlers[name] = (
+                getattr(servicer, name),
+                getattr(messages, method.input_type.name).FromString,
+            )
+        self.limits = limits or DEFAULT_LIMITS
+        self.max_message_bytes = max_message_bytes
+        self._budget = ByteBudget(self.limits.max_inflight_bytes)
+        self._tls = None if tls is None else tls.server_context()
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._sock = socket.create_server((host, port), family=family, backlog=self.limits.max_connections)
+        self.port: int = self._sock.getsockname()[1]
+        self._conns: dict[int, _Conn] = {}
+        self._peers = PeerCounter()
+        self._lock = threading.Lock()
+        self._accepter: threading.Thread | None = None
+        self._is_stopping = False
+        self.num_calls = 0  # calls answered (an error reply included)
+
+    def start(self) -> FramedServer:
+        self._accepter = threading.Thread(target=self._accept_loop, name="frame-accept", daemon=True)
+        self._accepter.start()
+        return self
+
+    def stop(self) -> None:
+        """Close the port and every connection (a call in flight fails on its client as
+        Unavailable; one already in its handler finishes first), joining their threads."""
+        with self._lock:
+            self._is_stopping = True
+            conns = list(self._conns.values())
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)  # wakes accept() on Linux
+        self._sock.close()
+        for c in conns:
+            with contextlib.suppress(OSError):
+                c.sock.shutdown(socket.SHUT_RDWR)
+        for c in conns:
+            if c.thread is not None:
+                c.thread.join(5)
+        if self._accepter is not None:
+            self._accepter.join(5)
+
+    def _accept_loop(self) -> None:
+        name_os_thread()
+        while True:
+            try:
+                sock, addr = self._sock.accept()
+            except OSError:
+                return  # closed
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            with self._lock:
+                if (
+                    self._is_stopping
+                    or len(self._conns) >= self.limits.max_connections
+                    or not self._peers.admit(addr[0], self.limits.max_per_peer)
+                ):
+                    sock.close()  # the client takes gRPC
+                    continue
+                conn = _Conn(sock, addr[0])
+                conn.thread = threading.Thread(
+                    target=self._serve, args=(conn,), name="frame-conn", daemon=True
+                )
+                self._conns[id(conn)] = conn
+            conn.thread.start()
+
+    def _serve(self, served: _Conn) -> None:
+        name_os_thread()
+        sock: Any = served.sock
+        try:
+            if self._tls is not None:
+                sock.settimeout(self.limits.handshake_timeout_s)
+                sock = self._tls.wrap_socket(sock, server_side=True)
+                with self._lock:
+                    served.sock = sock
+            conn = TimedConn(sock, self.limits)
+            head = bytearray(wire_frame.FRAME.size)
+            while (frame := read_frame(conn, eof_ok=True, buf=head)) is not None:  # type: ignore[arg-type]
+                conn.arm(frame.payload_len)
+                if frame.op == wire_frame.OP_PING and not frame.payload_len:
+                    conn.sendall(Frame(frame.op, frame.request_id).pack())
+                elif frame.op != wire_frame.OP_UNARY:
+                    msg = f"framed port: op {frame.op} is not served here (UNARY and PING are)"
+                    conn.sendall(error_frame(frame.op, frame.request_id, InvalidArgument(msg))[0].pack())
+                    return  # its payload's framing is unknown: close
+                else:
+                    conn.sendall(self._call(conn, frame))
+                conn.disarm()
+        except Refused as exc:
+            assert exc.error is not None  # (this server always says why)
+            with contextlib.suppress(OSError):
+                sock.sendall(error_frame(exc.frame.op, exc.frame.request_id, exc.error)[0].pack())
+        except (
+            OSError,
+            ValueError,
+            ProtocolError,
+        ) as exc:  # a reset, a bad handshake, stop(), broken framing
+            logger.info("framed connection dropped: %s", exc)
+        except Exception:  # a bug: drop this connection, keep serving the others
+            logger.exception("framed connection failed")
+        finally:
+            sock.close()
+            with self._lock:
+                self._conns.pop(id(served), None)
+                self._peers.release(served.peer)
+
+    def _call(self, conn: TimedConn, f: Frame) -> bytes:
+        """Read one UNARY request's payload, run its handler; the reply's bytes."""
+        if f.payload_len > self.max_message_bytes or f.start > f.payload_len:
+            what = (
+                f"{f.payload_len}-byte request" if f.start <= f.payload_len else "metadata past the request"
+            )
+            raise Refused(
+                f, f.text, InvalidArgument(f"framed {f.text}: {what} (at most {self.max_message_bytes})")
+            )
+        try:
+            self._budget.take(f.payload_len, "call")
+        except Exception as exc:
+            raise Refused(f, f.text, exc) from None
+        try:
+            payload = bytearray(f.payload_len)
+            recv_exact(conn, memoryview(payload), "a unary request")  # type: ignore[arg-type]
+        finally:
+            self._budget.give(f.payload_len)
+        self.num_calls += 1
+        handler = self.handlers.get(f.text)
+        if handler is None:
+            known = ", ".join(sorted(self.handlers))
+            error = InvalidArgument(
+                f"framed port: no method {f.text[:64]!r} (it serves {known}; gRPC serves all)"
+            )
+            return error_frame(f.op, f.request_id, error)[0].pack()
+        fn, parse = handler
+        try:
+            request = parse(bytes(payload[f.start :]))
+            context = FrameContext(decode_metadata(memoryview(payload)[: f.start]))
+        except (DecodeError, InvalidArgument) as exc:
+            error = InvalidArgument(f"framed {f.text}: the request does not parse: {exc}")
+            return error_frame(f.op, f.request_id, error)[0].pack()
+        try:
+            reply = fn(request, context).SerializeToString()
+        except _Aborted as exc:
+            extra = dict(context.trailing)
+            cls, ids = extra.get(ERROR_CLASS_KEY, ""), extra.get(ERROR_IDS_KEY, "")
+            head = Frame(
+                f.op,
+                f.request_id,
+                status=Status[exc.code.name],
+                text=exc.details,
+                extra=f"{cls} {ids}" if ids else cls,
+            )
+            return head.pack()
+        return Frame(f.op, f.request_id, payload_len=len(reply)).pack() + reply
