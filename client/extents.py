@@ -17,7 +17,7 @@ decode over that extent with the n queries laid out as extra query heads of one 
 (`widen`): a single call, no causal mask, GQA groups kept.
 
 Calls to different nodes overlap: every node's request is sent first, then every reply
-read (`exchange`, on the caller's thread), so a step costs about the slowest node's call,
+read, the last sent first (`exchange`, on the caller's thread), so a step costs about the slowest node's call,
 not their sum, with no thread hand-off (a pool's wake-ups cost more than the sends on a
 busy host: bench/README). A decode batch is one call per node it spans, even where a node
 holds one sequence's tail (append) and another's earlier extent (attend only): the call
@@ -69,10 +69,14 @@ def run_parallel(pool: Executor, calls: Sequence[Callable[[], T]]) -> list[T]:
 
 
 def exchange(starts: Sequence[Callable[[], Reply]]) -> list[Any]:
-    """Every call's request sent, in order, then every answer read, in order: the nodes
-    work at once while this thread waits. A send that fails stops the later ones; the
-    first error in call order is raised once every request sent has its answer (so no
-    connection is left holding one)."""
+    """Every call's request sent, in order, then every answer read, the last sent first:
+    the nodes work at once while this thread waits. Linux runs the node a socket send
+    wakes on the sender's core when the sender blocks right after (a sync wakeup), so the
+    last node sent to starts at once there while the earlier ones had longer to finish:
+    waiting on it first wakes this thread once a step, not once per node (reading in
+    send order was slower where a core was busy: bench/README). A send that fails stops
+    the later ones; the first error in call order is raised once every request sent has
+    its answer (so no connection is left holding one)."""
     replies: list[Reply] = []
     failed: BaseException | None = None
     for start in starts:
@@ -81,14 +85,14 @@ def exchange(starts: Sequence[Callable[[], Reply]]) -> list[Any]:
         except BaseException as exc:  # noqa: BLE001 - raised below, once the sent ones are answered
             failed = exc
             break
-    results = []
-    first: BaseException | None = None
-    for reply in replies:
+    results: list[Any] = [None] * len(replies)
+    errors: list[BaseException | None] = [None] * len(replies)
+    for i in reversed(range(len(replies))):
         try:
-            results.append(reply.result())
+            results[i] = replies[i].result()
         except BaseException as exc:  # noqa: BLE001 - the first one in call order wins
-            first = first or exc
-    first = first or failed
+            errors[i] = exc
+    first = next((e for e in errors if e is not None), failed)
     if first is not None:
         raise first
     return results

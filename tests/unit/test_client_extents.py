@@ -88,10 +88,10 @@ class Pending:
         return self.name
 
 
-def test_exchange_sends_every_request_before_reading_any_reply():
+def test_exchange_sends_every_request_before_reading_any_reply_the_last_sent_first():
     log: list[str] = []
     assert exchange([lambda n=n: Pending(log, n) for n in "abc"]) == ["a", "b", "c"]
-    assert log == ["send a", "send b", "send c", "read a", "read b", "read c"]
+    assert log == ["send a", "send b", "send c", "read c", "read b", "read a"]
     assert exchange([lambda: Then(Pending(log, "d"), str.upper)]) == ["D"]  # type: ignore[arg-type]
 
 
@@ -112,11 +112,11 @@ def test_exchange_reads_every_sent_reply_and_raises_the_first_error_in_call_orde
         exchange([lambda: Pending(log, "a", KeyError("a")), lambda: refused("b")])
     assert log == ["send a", "refused b", "read a"]
     log.clear()
-    with pytest.raises(KeyError, match="b"):  # every reply read, the first failure raised
+    with pytest.raises(KeyError, match="b"):  # every reply read, the first failure in call order raised
         exchange(
             [
                 lambda n=n, e=e: Pending(log, n, e)
                 for n, e in (("a", None), ("b", KeyError("b")), ("c", KeyError("c")))
             ]
         )
-    assert log == ["send a", "send b", "send c", "read a", "read b", "read c"]
+    assert log == ["send a", "send b", "send c", "read c", "read b", "read a"]
