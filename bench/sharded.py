@@ -8,10 +8,16 @@ interleaved (in turn forward and backward) so load drifts hit them alike. "2 nod
 by one" makes the same calls, each answered before the next is sent: what overlapping
 the nodes' attends saves.
 
-    python -m bench.sharded [--length 8192] [--steps 60] [--smoke] [--out DIR] [--window W]
+    python -m bench.sharded [--length 8192] [--steps 60] [--smoke] [--out DIR] [--window W] [--pin-nodes]
 
 --window W opens every sequence with a sliding window of W tokens on every layer: the client
 attends only the extents the window reaches (the others are skipped: client/extent_masks.py).
+
+--pin-nodes pins each node process to one core (round robin, the 2-node sequence's nodes
+first, so its halves get a core each; the client is left free): a node with compute of its
+own, as on a device each. Unpinned, this 2-core VM's scheduler may keep both nodes on one
+core for a whole run (Linux skips balancing a core whose idle periods are short), and their
+attends then cannot overlap however the client sends them.
 
 Writes sharded.json (every step's time, each mode's median and its ratio to one node) and
 sharded.md (the table) into --out.
@@ -82,6 +88,21 @@ def one_by_one(client: CacheClient, seq: Sequence) -> Iterator[None]:
             vars(data).pop("start_attend", None)
 
 
+def pin_nodes(cluster: LocalCluster, first: Sequence) -> dict[str, int]:
+    """Every thread of each node process pinned to one core, round robin over this process's
+    cores, the nodes of `first`'s extents first; {node address: core}."""
+    cores = sorted(os.sched_getaffinity(0))
+    pids = {a: cluster.procs[f"node-{i}"].pid for i, a in enumerate(cluster.node_addresses)}
+    order = [e.route.address for e in first.extents]
+    order += [a for a in pids if a not in order]
+    placed = {}
+    for i, address in enumerate(order):
+        placed[address] = core = cores[i % len(cores)]
+        for tid in os.listdir(f"/proc/{pids[address]}/task"):
+            os.sched_setaffinity(int(tid), {core})
+    return placed
+
+
 def fill(seq: Sequence, spec: ModelSpec, length: int) -> None:
     chunk = 1024
     for start in range(0, length, chunk):
@@ -112,6 +133,7 @@ def main() -> None:
         help="torch threads per node process (OMP_NUM_THREADS; 0: torch's default, every core)",
     )
     p.add_argument("--window", type=int, default=0, help="a sliding window on every layer (0: none)")
+    p.add_argument("--pin-nodes", action="store_true", help="each node process on one core (see above)")
     args = p.parse_args()
     length, steps = (256, 4) if args.smoke else (args.length, args.steps)
     node = NodeOptions(
@@ -138,6 +160,8 @@ def main() -> None:
                 seq.max_extent_tokens = None  # decode grows the tail
                 assert len(seq.extents) == extents, seq.extents
                 seqs[f"{extents} node{'s' if extents > 1 else ''}"] = seq
+            if args.pin_nodes:
+                pin_nodes(cluster, seqs["2 nodes"])
             modes = [*seqs, "2 nodes, one by one"]
             times: dict[str, list[float]] = {m: [] for m in modes}
             attends = dict.fromkeys(modes, 0)
@@ -164,6 +188,7 @@ def main() -> None:
         f"{node.num_kv_heads} kv heads, D {node.head_dim}), median of {steps}, load {load:.1f}, "
         f"torch threads per node: {args.node_threads or 'default'}"
         + (f", window {args.window}" if args.window else "")
+        + (", nodes pinned to cores" if args.pin_nodes else "")
     )
     lines = [title, "", "| mode | ms | x one node | node calls a layer |", "|---|---|---|---|"]
     print(title)
@@ -181,6 +206,7 @@ def main() -> None:
         "steps": steps,
         "load": load,
         "window": args.window,
+        "pinned": args.pin_nodes,
         "median_ms": {mode: med * 1e3 for mode, med in medians.items()},
         "ratio": {mode: med / base for mode, med in medians.items()},
         "seconds": times,
