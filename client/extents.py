@@ -17,9 +17,9 @@ decode over that extent with the n queries laid out as extra query heads of one 
 (`widen`): a single call, no causal mask, GQA groups kept.
 
 Calls to different nodes overlap: every node's request is sent first, then every reply
-read, the last sent first (`exchange`, on the caller's thread), so a step costs about the slowest node's call,
-not their sum, with no thread hand-off (a pool's wake-ups cost more than the sends on a
-busy host: bench/README). A decode batch is one call per node it spans, even where a node
+read, the last sent first (`exchange`, on the caller's thread), so a step costs about the
+slowest node's call, not their sum, with no thread hand-off (a pool's wake-ups cost more
+than the sends on a busy host: bench/README). A decode batch is one call per node it spans, even where a node
 holds one sequence's tail (append) and another's earlier extent (attend only): the call
 flags the rows that append (AttendRequest.appends).
 """
