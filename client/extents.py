@@ -77,25 +77,32 @@ def exchange(starts: Sequence[Callable[[], Reply]]) -> list[Any]:
     send order was slower where a core was busy: bench/README). A send that fails stops
     the later ones; the first error in call order is raised once every request sent has
     its answer (so no connection is left holding one)."""
+    results, errors = exchange_each(starts)
+    first = next((e for e in errors if e is not None), None)
+    if first is not None:
+        raise first
+    return results
+
+
+def exchange_each(starts: Sequence[Callable[[], Reply]]) -> tuple[list[Any], list[BaseException | None]]:
+    """`exchange` without raising: each call's result or error (None where it answered).
+    A send that fails gives its error, and the calls after it (never sent) get it too."""
     replies: list[Reply] = []
     failed: BaseException | None = None
     for start in starts:
         try:
             replies.append(start())
-        except BaseException as exc:  # noqa: BLE001 - raised below, once the sent ones are answered
+        except BaseException as exc:  # noqa: BLE001 - handed back, once the sent ones are answered
             failed = exc
             break
-    results: list[Any] = [None] * len(replies)
-    errors: list[BaseException | None] = [None] * len(replies)
+    results: list[Any] = [None] * len(starts)
+    errors: list[BaseException | None] = [failed] * len(starts)
     for i in reversed(range(len(replies))):
         try:
-            results[i] = replies[i].result()
-        except BaseException as exc:  # noqa: BLE001 - the first one in call order wins
+            results[i], errors[i] = replies[i].result(), None
+        except BaseException as exc:  # noqa: BLE001 - handed back
             errors[i] = exc
-    first = next((e for e in errors if e is not None), failed)
-    if first is not None:
-        raise first
-    return results
+    return results, errors
 
 
 class Then:
@@ -177,14 +184,18 @@ def attend_batch(
     token_ids: codec.TokenIds | None,
     return_block_mass: bool,
     timeout_s: float | None,
+    appended: frozenset[int] = frozenset(),
 ) -> AttentionResult:
     """A decode step over sequences of which some span several nodes: one call per node for
     every row it holds an extent of (the rows whose tail it holds append the new token when
-    k is given), all nodes in parallel; each row merges its parts by LSE in extent order."""
+    k is given), all nodes in parallel; each row merges its parts by LSE in extent order.
+    appended: rows whose token already landed (a step retried after a spill): they only
+    attend. A node that cannot take its rows' tokens makes those sequences spill, and the
+    step is retried without appending again what the other nodes took."""
     tokens = None if token_ids is None else codec.token_list(token_ids)
     if k is not None and layer == 0:
-        for s in handles:
-            if s._tail_room() == 0:  # max_extent_tokens reached: the new token starts an extent
+        for row, s in enumerate(handles):
+            if row not in appended and s._tail_room() == 0:  # the new token starts an extent
                 s.extend(timeout_s=timeout_s)
     # address -> [(row, extent index, appends)]
     groups: dict[str, list[tuple[int, int, bool]]] = {}
@@ -207,18 +218,18 @@ def attend_batch(
                 data = client.node(ext.route.address).data
                 past.append((row, i, _past_call(data, s.seq_id, layer, q[row : row + 1], pos, timeout_s)))
             else:
-                groups.setdefault(ext.route.address, []).append((row, i, i == last and k is not None))
+                appends = i == last and k is not None and row not in appended
+                groups.setdefault(ext.route.address, []).append((row, i, appends))
     calls = [
         _node_call(client, address, members, handles, layer, q, k, v, tokens, return_block_mass, timeout_s)
         for address, members in groups.items()
     ]
     calls += [call for _, _, call in past]
-    try:
-        results = exchange(calls)
-    except CapacityExceeded as exc:
-        if layer != 0 or k is None or not client._spill_full(handles, exc, timeout_s):
-            raise
-        return attend_batch(client, handles, layer, q, k, v, token_ids, return_block_mass, timeout_s)
+    results, errors = exchange_each(calls)
+    if any(e is not None for e in errors):
+        writers = [[row for row, _, appends in members if appends] for members in groups.values()]
+        step = (layer, q, k, v, token_ids, return_block_mass, timeout_s)
+        return spill_and_retry(client, handles, step, writers, errors[: len(groups)], errors, appended)
     if any(s.is_sharded for s in handles):
         client.counters["sharded_steps"] += 1
         client.counters["sharded_attends"] += len(calls)
@@ -234,6 +245,37 @@ def attend_batch(
             if s.num_tokens is not None:
                 s.num_tokens += 1
     return stack_rows([merge([parts[i] for i in sorted(parts)]) for parts in per_row])
+
+
+def spill_and_retry(
+    client: CacheClient,
+    handles: list[Seq],
+    step: tuple[Any, ...],
+    writers: list[list[int]],
+    errors: list[BaseException | None],
+    all_errors: list[BaseException | None],
+    appended: frozenset[int] = frozenset(),
+) -> AttentionResult:
+    """A decode step's node calls failed (all_errors: every call's, in call order; errors
+    and writers: the calls that append, and the rows each appends). Unless the first error
+    is a refused token at layer 0, it is raised. Else the sequences of the refusing nodes'
+    rows spill, and the step runs again (attend_batch) with the rows the other nodes took
+    marked appended: a node's refusal is the whole call's, so those rows hold their token."""
+    layer, q, k, v, token_ids, return_block_mass, timeout_s = step
+    failure = next(e for e in all_errors if e is not None)
+    if not isinstance(failure, CapacityExceeded) or layer != 0 or k is None:
+        raise failure
+    landed, refused = set(appended), []
+    for rows, error in zip(writers, errors, strict=True):
+        if error is None:
+            landed.update(rows)
+        elif isinstance(error, CapacityExceeded):
+            refused += [handles[row] for row in rows]
+    if not client._spill_full(refused, failure, timeout_s):
+        raise failure
+    return attend_batch(
+        client, handles, layer, q, k, v, token_ids, return_block_mass, timeout_s, frozenset(landed)
+    )
 
 
 def _past_call(
