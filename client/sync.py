@@ -306,30 +306,17 @@ class CacheClient:
         layer, q, k, v, token_ids, return_block_mass, timeout_s = step
         where = [(s.route.address, s.seq_id) for s in handles]
         parts = split_batch(where, q, k, v, token_ids)
+        opts: dict[str, Any] = {"return_block_mass": return_block_mass, "timeout_s": timeout_s}
+
+        def args(p: BatchPart) -> tuple[Any, ...]:
+            return p.seq_ids, layer, p.q, p.k, p.v, p.token_ids
+
         if len(parts) == 1:
             p = parts[0]
-            res = self.node(p.address).data.attend(
-                p.seq_ids,
-                layer,
-                p.q,
-                p.k,
-                p.v,
-                p.token_ids,
-                return_block_mass=return_block_mass,
-                timeout_s=timeout_s,
-            )
+            res = self.node(p.address).data.attend(*args(p), **opts)
         else:
             starts = [
-                lambda p=p: self.node(p.address).data.start_attend(  # type: ignore[misc]
-                    p.seq_ids,
-                    layer,
-                    p.q,
-                    p.k,
-                    p.v,
-                    p.token_ids,
-                    return_block_mass=return_block_mass,
-                    timeout_s=timeout_s,
-                )
+                lambda p=p: self.node(p.address).data.start_attend(*args(p), **opts)  # type: ignore[misc]
                 for p in parts
             ]
             results, errors = exchange_each(starts)
