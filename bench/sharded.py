@@ -4,15 +4,23 @@ A local cluster of node processes (real gRPC, the bulk channel, a coordinator on
 when a redis-server is on the PATH): sequences of the same length L held on 1, 2 and 3
 nodes (extents of L/E tokens, made by `max_extent_tokens`), each decoded step by step
 (every layer one attend per node, the new token's K/V to the tail), the modes
-interleaved so load drifts hit them alike. "2 nodes, one by one" sends the same calls
-without the client's threads: what the parallel attends save.
+interleaved (in turn forward and backward) so load drifts hit them alike. "2 nodes, one
+by one" makes the same calls, each answered before the next is sent: what overlapping
+the nodes' attends saves.
 
-    python -m bench.sharded [--length 8192] [--steps 60] [--smoke] [--out DIR] [--window W]
+    python -m bench.sharded [--length 8192] [--steps 60] [--smoke] [--out DIR] [--window W] [--pin-nodes]
 
 --window W opens every sequence with a sliding window of W tokens on every layer: the client
 attends only the extents the window reaches (the others are skipped: client/extent_masks.py).
 
-Writes sharded.json (every step's time) and sharded.md (the table) into --out.
+--pin-nodes pins each node process to one core (round robin, the 2-node sequence's nodes
+first, so its halves get a core each; the client is left free): a node with compute of its
+own, as on a device each. Unpinned, this 2-core VM's scheduler may keep both nodes on one
+core for a whole run (Linux skips balancing a core whose idle periods are short), and their
+attends then cannot overlap however the client sends them.
+
+Writes sharded.json (every step's time, each mode's median and its ratio to one node) and
+sharded.md (the table) into --out.
 """
 
 from __future__ import annotations
@@ -23,7 +31,9 @@ import os
 import statistics
 import tempfile
 import time
+from collections.abc import Iterator
 from concurrent.futures import Executor, Future
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +58,49 @@ class Inline(Executor):
         except BaseException as exc:  # noqa: BLE001 - handed to the caller through the future
             future.set_exception(exc)
         return future
+
+
+class Answered:
+    """A node call's reply, already read (the one-by-one baseline's start_attend)."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def result(self) -> Any:
+        return self.value
+
+
+@contextmanager
+def one_by_one(client: CacheClient, seq: Sequence) -> Iterator[None]:
+    """seq's steps with each node call answered before the next is sent: its nodes'
+    start_attend made blocking (and, for a revision that ran the calls on the client's
+    threads, those threads replaced by the caller's)."""
+    datas = [client.node(e.route.address).data for e in seq.extents]
+    pool = client._pool
+    client._pool = Inline()  # type: ignore[assignment]
+    for data in datas:
+        data.start_attend = lambda *a, _data=data, **kw: Answered(_data.attend(*a, **kw))  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        client._pool = pool
+        for data in datas:
+            vars(data).pop("start_attend", None)
+
+
+def pin_nodes(cluster: LocalCluster, first: Sequence) -> dict[str, int]:
+    """Every thread of each node process pinned to one core, round robin over this process's
+    cores, the nodes of `first`'s extents first; {node address: core}."""
+    cores = sorted(os.sched_getaffinity(0))
+    pids = {a: cluster.procs[f"node-{i}"].pid for i, a in enumerate(cluster.node_addresses)}
+    order = [e.route.address for e in first.extents]
+    order += [a for a in pids if a not in order]
+    placed = {}
+    for i, address in enumerate(order):
+        placed[address] = core = cores[i % len(cores)]
+        for tid in os.listdir(f"/proc/{pids[address]}/task"):
+            os.sched_setaffinity(int(tid), {core})
+    return placed
 
 
 def fill(seq: Sequence, spec: ModelSpec, length: int) -> None:
@@ -80,6 +133,7 @@ def main() -> None:
         help="torch threads per node process (OMP_NUM_THREADS; 0: torch's default, every core)",
     )
     p.add_argument("--window", type=int, default=0, help="a sliding window on every layer (0: none)")
+    p.add_argument("--pin-nodes", action="store_true", help="each node process on one core (see above)")
     args = p.parse_args()
     length, steps = (256, 4) if args.smoke else (args.length, args.steps)
     node = NodeOptions(
@@ -106,20 +160,23 @@ def main() -> None:
                 seq.max_extent_tokens = None  # decode grows the tail
                 assert len(seq.extents) == extents, seq.extents
                 seqs[f"{extents} node{'s' if extents > 1 else ''}"] = seq
+            if args.pin_nodes:
+                pin_nodes(cluster, seqs["2 nodes"])
             modes = [*seqs, "2 nodes, one by one"]
             times: dict[str, list[float]] = {m: [] for m in modes}
-            pool = client.pool()
             attends = dict.fromkeys(modes, 0)
             for i in range(steps + 5):
-                for mode in modes:
+                for mode in modes if i % 2 else modes[::-1]:  # each mode after every other
                     seq = seqs.get(mode, seqs["2 nodes"])
-                    client._pool = Inline() if mode.endswith("one by one") else pool  # type: ignore[assignment]
                     before = client.counters["sharded_attends"]
-                    took = step(client, seq, spec, 100 + i)
+                    if mode.endswith("one by one"):
+                        with one_by_one(client, seq):
+                            took = step(client, seq, spec, 100 + i)
+                    else:
+                        took = step(client, seq, spec, 100 + i)
                     if i >= 5:  # warm-up
                         times[mode].append(took)
                         attends[mode] += client.counters["sharded_attends"] - before
-            client._pool = pool
             for seq in seqs.values():
                 seq.close()
         finally:
@@ -131,6 +188,7 @@ def main() -> None:
         f"{node.num_kv_heads} kv heads, D {node.head_dim}), median of {steps}, load {load:.1f}, "
         f"torch threads per node: {args.node_threads or 'default'}"
         + (f", window {args.window}" if args.window else "")
+        + (", nodes pinned to cores" if args.pin_nodes else "")
     )
     lines = [title, "", "| mode | ms | x one node | node calls a layer |", "|---|---|---|---|"]
     print(title)
@@ -142,7 +200,17 @@ def main() -> None:
         print(f"  {mode:22s} {med * 1e3:8.3f} ms   {med / base:5.2f}x one node   {calls:.1f} calls a layer")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "sharded.md").write_text("\n".join(lines) + "\n")
-    raw = {"length": length, "steps": steps, "load": load, "window": args.window, "seconds": times}
+    medians = {mode: statistics.median(times[mode]) for mode in modes}
+    raw = {
+        "length": length,
+        "steps": steps,
+        "load": load,
+        "window": args.window,
+        "pinned": args.pin_nodes,
+        "median_ms": {mode: med * 1e3 for mode, med in medians.items()},
+        "ratio": {mode: med / base for mode, med in medians.items()},
+        "seconds": times,
+    }
     (args.out / "sharded.json").write_text(json.dumps(raw, indent=1))
     plot(times, title, args.out / "sharded.png")
 

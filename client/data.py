@@ -23,7 +23,7 @@ from ..protos.errors import PagedKVError
 from . import codec, shm
 from .config import ClientConfig
 from .transport import calls
-from .transport.base import Fallback, Transport, TransportUnavailable
+from .transport.base import Fallback, Reply, Rewritten, Transport, TransportUnavailable
 from .transport.grpc import GrpcTransport
 from .transport.link import BulkLink
 from .transport.shm import ShmTransport
@@ -145,6 +145,27 @@ class NodeData:
         result: AttentionResult = self.transports.call("attend", call, self._t(timeout_s))
         return result
 
+    def start_attend(
+        self,
+        seq_ids: Sequence[str],
+        layer: int,
+        q: Any,
+        k: Any = None,
+        v: Any = None,
+        token_ids: codec.TokenIds | None = None,
+        *,
+        return_block_mass: bool = False,
+        timeout_s: float | None = None,
+        appends: Sequence[bool] | None = None,
+    ) -> Reply:
+        """attend, its request sent now and its answer read by the Reply's result() (once,
+        and always: it holds a connection): one thread keeps calls out on several nodes
+        at once. Bad arguments, and a transfer that fails before the node has the
+        request, raise here as attend raises them."""
+        ids = self.wallet.node_ids(seq_ids)
+        call = calls.attend_call(ids, layer, q, k, v, token_ids, None, return_block_mass, appends)
+        return self.transports.start("attend", call, self._t(timeout_s))
+
     def attend_prefill(
         self,
         seq_id: str,
@@ -167,6 +188,30 @@ class NodeData:
             return self.grpc.attend_prefill(call, self._t(timeout_s))
         except PagedKVError as exc:  # (gRPC alone carries it: the Fallback's rewrite, here)
             raise self._error(exc, call) from exc.__cause__
+
+    def start_attend_prefill(
+        self,
+        seq_id: str,
+        layer: int,
+        q: Any,
+        k: Any = None,
+        v: Any = None,
+        token_ids: codec.TokenIds | None = None,
+        *,
+        return_block_mass: bool = False,
+        timeout_s: float | None = None,
+        query_position: int | None = None,
+    ) -> Reply:
+        """attend_prefill started as start_attend starts attend (its gRPC future)."""
+        tokens = codec.token_list(token_ids)
+        call = calls.PrefillCall(
+            self.wallet.node_id(seq_id), layer, q, k, v, tokens, return_block_mass, query_position
+        )
+        try:
+            reply = self.grpc.start_attend_prefill(call, self._t(timeout_s))
+        except PagedKVError as exc:
+            raise self._error(exc, call) from exc.__cause__
+        return Rewritten(reply, self._error, call)
 
     def attend_prefill_batch(
         self,

@@ -16,10 +16,12 @@ the new ones; an earlier extent sees every query attend to ALL its keys, which i
 decode over that extent with the n queries laid out as extra query heads of one row
 (`widen`): a single call, no causal mask, GQA groups kept.
 
-Calls to different nodes run in parallel on the client's threads, so a step costs about
-the slowest node's call, not their sum. A decode batch is one call per node it spans, even
-where a node holds one sequence's tail (append) and another's earlier extent (attend only):
-the call flags the rows that append (AttendRequest.appends).
+Calls to different nodes overlap: every node's request is sent first, then every reply
+read, the last sent first (`exchange`, on the caller's thread), so a step costs about the
+slowest node's call, not their sum, with no thread hand-off (a pool's wake-ups cost more
+than the sends on a busy host: bench/README). A decode batch is one call per node it spans, even where a node
+holds one sequence's tail (append) and another's earlier extent (attend only): the call
+flags the rows that append (AttendRequest.appends).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from ..protos.errors import CapacityExceeded
 from ..protos.merge import merge_partials
 from . import codec
 from .extent_masks import PAST, SKIP, WHOLE, extent_view, layer_of, pad_rows, query_split
+from .transport.base import Reply
 from .types import AttentionResult
 
 if TYPE_CHECKING:
@@ -63,6 +66,55 @@ def run_parallel(pool: Executor, calls: Sequence[Callable[[], T]]) -> list[T]:
     if first is not None:
         raise first
     return results
+
+
+def exchange(starts: Sequence[Callable[[], Reply]]) -> list[Any]:
+    """Every call's request sent, in order, then every answer read, the last sent first:
+    the nodes work at once while this thread waits. Linux runs the node a socket send
+    wakes on the sender's core when the sender blocks right after (a sync wakeup), so the
+    last node sent to starts at once there while the earlier ones had longer to finish:
+    waiting on it first wakes this thread once a step, not once per node (reading in
+    send order was slower where a core was busy: bench/README). A send that fails stops
+    the later ones; the first error in call order is raised once every request sent has
+    its answer (so no connection is left holding one)."""
+    results, errors = exchange_each(starts)
+    first = next((e for e in errors if e is not None), None)
+    if first is not None:
+        raise first
+    return results
+
+
+def exchange_each(starts: Sequence[Callable[[], Reply]]) -> tuple[list[Any], list[BaseException | None]]:
+    """`exchange` without raising: each call's result or error (None where it answered).
+    A send that fails gives its error, and the calls after it (never sent) get it too."""
+    replies: list[Reply] = []
+    failed: BaseException | None = None
+    for start in starts:
+        try:
+            replies.append(start())
+        except BaseException as exc:  # noqa: BLE001 - handed back, once the sent ones are answered
+            failed = exc
+            break
+    results: list[Any] = [None] * len(starts)
+    errors: list[BaseException | None] = [failed] * len(starts)
+    for i in reversed(range(len(replies))):
+        try:
+            results[i], errors[i] = replies[i].result(), None
+        except BaseException as exc:  # noqa: BLE001 - handed back
+            errors[i] = exc
+    return results, errors
+
+
+class Then:
+    """A Reply whose answer goes through `then` (a widened prefill narrowed back)."""
+
+    __slots__ = ("_reply", "_then")
+
+    def __init__(self, reply: Reply, then: Callable[[AttentionResult], AttentionResult]) -> None:
+        self._reply, self._then = reply, then
+
+    def result(self) -> AttentionResult:
+        return self._then(self._reply.result())
 
 
 def widen(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
@@ -132,18 +184,22 @@ def attend_batch(
     token_ids: codec.TokenIds | None,
     return_block_mass: bool,
     timeout_s: float | None,
+    appended: frozenset[int] = frozenset(),
 ) -> AttentionResult:
     """A decode step over sequences of which some span several nodes: one call per node for
     every row it holds an extent of (the rows whose tail it holds append the new token when
-    k is given), all nodes in parallel; each row merges its parts by LSE in extent order."""
+    k is given), all nodes in parallel; each row merges its parts by LSE in extent order.
+    appended: rows whose token already landed (a step retried after a spill): they only
+    attend. A node that cannot take its rows' tokens makes those sequences spill, and the
+    step is retried without appending again what the other nodes took."""
     tokens = None if token_ids is None else codec.token_list(token_ids)
     if k is not None and layer == 0:
-        for s in handles:
-            if s._tail_room() == 0:  # max_extent_tokens reached: the new token starts an extent
+        for row, s in enumerate(handles):
+            if row not in appended and s._tail_room() == 0:  # the new token starts an extent
                 s.extend(timeout_s=timeout_s)
     # address -> [(row, extent index, appends)]
     groups: dict[str, list[tuple[int, int, bool]]] = {}
-    past: list[tuple[int, int, Callable[[], AttentionResult]]] = []  # a window's edge inside: its own call
+    past: list[tuple[int, int, Callable[[], Reply]]] = []  # a window's edge inside: its own call
     skipped: set[int] = set()  # rows with an extent outside the window: their masses would not line up
     for row, s in enumerate(handles):
         last = len(s.extents) - 1
@@ -162,18 +218,18 @@ def attend_batch(
                 data = client.node(ext.route.address).data
                 past.append((row, i, _past_call(data, s.seq_id, layer, q[row : row + 1], pos, timeout_s)))
             else:
-                groups.setdefault(ext.route.address, []).append((row, i, i == last and k is not None))
+                appends = i == last and k is not None and row not in appended
+                groups.setdefault(ext.route.address, []).append((row, i, appends))
     calls = [
         _node_call(client, address, members, handles, layer, q, k, v, tokens, return_block_mass, timeout_s)
         for address, members in groups.items()
     ]
     calls += [call for _, _, call in past]
-    try:
-        results = run_parallel(client.pool(), calls)
-    except CapacityExceeded as exc:
-        if layer != 0 or k is None or not client._spill_full(handles, exc, timeout_s):
-            raise
-        return attend_batch(client, handles, layer, q, k, v, token_ids, return_block_mass, timeout_s)
+    results, errors = exchange_each(calls)
+    if any(e is not None for e in errors):
+        writers = [[row for row, _, appends in members if appends] for members in groups.values()]
+        step = (layer, q, k, v, token_ids, return_block_mass, timeout_s)
+        return spill_and_retry(client, handles, step, writers, errors[: len(groups)], errors, appended)
     if any(s.is_sharded for s in handles):
         client.counters["sharded_steps"] += 1
         client.counters["sharded_attends"] += len(calls)
@@ -191,14 +247,45 @@ def attend_batch(
     return stack_rows([merge([parts[i] for i in sorted(parts)]) for parts in per_row])
 
 
+def spill_and_retry(
+    client: CacheClient,
+    handles: list[Seq],
+    step: tuple[Any, ...],
+    writers: list[list[int]],
+    errors: list[BaseException | None],
+    all_errors: list[BaseException | None],
+    appended: frozenset[int] = frozenset(),
+) -> AttentionResult:
+    """A decode step's node calls failed (all_errors: every call's, in call order; errors
+    and writers: the calls that append, and the rows each appends). Unless the first error
+    is a refused token at layer 0, it is raised. Else the sequences of the refusing nodes'
+    rows spill, and the step runs again (attend_batch) with the rows the other nodes took
+    marked appended: a node's refusal is the whole call's, so those rows hold their token."""
+    layer, q, k, v, token_ids, return_block_mass, timeout_s = step
+    failure = next(e for e in all_errors if e is not None)
+    if not isinstance(failure, CapacityExceeded) or layer != 0 or k is None:
+        raise failure
+    landed, refused = set(appended), []
+    for rows, error in zip(writers, errors, strict=True):
+        if error is None:
+            landed.update(rows)
+        elif isinstance(error, CapacityExceeded):
+            refused += [handles[row] for row in rows]
+    if not client._spill_full(refused, failure, timeout_s):
+        raise failure
+    return attend_batch(
+        client, handles, layer, q, k, v, token_ids, return_block_mass, timeout_s, frozenset(landed)
+    )
+
+
 def _past_call(
     data: Any, seq_id: str, layer: int, q: Any, pos: int, timeout_s: float | None
-) -> Callable[[], AttentionResult]:
+) -> Callable[[], Reply]:
     """A decode row's query at `pos` over an earlier extent its window's edge cuts (extent_masks.py)."""
 
-    def call() -> AttentionResult:
-        res: AttentionResult = data.attend_prefill(seq_id, layer, q, timeout_s=timeout_s, query_position=pos)
-        return res
+    def call() -> Reply:
+        reply: Reply = data.start_attend_prefill(seq_id, layer, q, timeout_s=timeout_s, query_position=pos)
+        return reply
 
     return call
 
@@ -215,7 +302,7 @@ def _node_call(
     tokens: list[int] | None,
     return_block_mass: bool,
     timeout_s: float | None,
-) -> Callable[[], AttentionResult]:
+) -> Callable[[], Reply]:
     """The one call of a sharded decode step to the node at `address`: q of every row it
     holds; k, v, token ids of the rows that append there (flagged when not all do)."""
     rows = [r for r, _, _ in members]
@@ -225,8 +312,8 @@ def _node_call(
     pick, write = torch.tensor(rows), torch.tensor(writers, dtype=torch.long)
     data = client.node(address).data
 
-    def call() -> AttentionResult:
-        return data.attend(
+    def call() -> Reply:
+        reply: Reply = data.start_attend(
             ids,
             layer,
             q[pick],
@@ -237,6 +324,7 @@ def _node_call(
             timeout_s=timeout_s,
             appends=flags,
         )
+        return reply
 
     return call
 
@@ -256,7 +344,9 @@ def prefill_part(
     there, every earlier extent whole, or as much of it as their window or chunk sees (an
     extent none of them sees is not attended; extent_masks.py)."""
     node, seq_id, client = seq._nodes[ext], seq.seq_id, seq.client
-    calls = [lambda: node.data.attend_prefill(seq_id, layer, q, k, v, tokens, timeout_s=timeout_s)]
+    calls: list[Callable[[], Reply]] = [
+        lambda: node.data.start_attend_prefill(seq_id, layer, q, k, v, tokens, timeout_s=timeout_s)
+    ]
     kv_heads = node.model_spec(timeout_s).num_kv_heads
     n = len(q)
     spec = layer_of(seq.attention, layer)
@@ -276,18 +366,22 @@ def prefill_part(
         elif whole == seen:  # one usual call: the queries as one row's heads (widen)
             wide = widen(torch.as_tensor(q[:seen]), kv_heads)
             calls.append(
-                lambda data=data, wide=wide, seen=seen: pad_rows(  # type: ignore[misc]
-                    narrow(data.attend([seq_id], layer, wide, timeout_s=timeout_s), seen, kv_heads), n
+                lambda data=data, wide=wide, seen=seen: Then(  # type: ignore[misc]
+                    data.start_attend([seq_id], layer, wide, timeout_s=timeout_s),
+                    lambda res: pad_rows(narrow(res, seen, kv_heads), n),
                 )
             )
         else:  # a window's edge inside it: the node masks from the queries' positions
             calls.append(
-                lambda data=data, seen=seen: pad_rows(  # type: ignore[misc]
-                    data.attend_prefill(seq_id, layer, q[:seen], timeout_s=timeout_s, query_position=first), n
+                lambda data=data, seen=seen: Then(  # type: ignore[misc]
+                    data.start_attend_prefill(
+                        seq_id, layer, q[:seen], timeout_s=timeout_s, query_position=first
+                    ),
+                    lambda res: pad_rows(res, n),
                 )
             )
     client.counters["window_skipped_attends"] += skipped
-    results = run_parallel(client.pool(), calls)
+    results = exchange(calls)
     if len(calls) > 1:
         client.counters["sharded_steps"] += 1
         client.counters["sharded_attends"] += len(calls)

@@ -36,7 +36,7 @@ from ..protos.errors import CapacityExceeded, InvalidArgument, NotFound, OpenFai
 from . import codec
 from .closing import close_in_cluster
 from .extent_masks import PAST, SKIP, WHOLE, extent_view, layer_of
-from .extents import cat_rows, merge, prefill_part, run_parallel
+from .extents import cat_rows, exchange, merge, prefill_part
 from .types import AttentionResult, ExtentRoute, MissExplanation, Route
 
 if TYPE_CHECKING:
@@ -319,13 +319,13 @@ class Sequence:
                 continue
             if view == PAST:  # the window's edge is inside it: the node masks from the query's position
                 calls.append(
-                    lambda data=node.data: data.attend_prefill(  # type: ignore[misc]
+                    lambda data=node.data: data.start_attend_prefill(  # type: ignore[misc]
                         self.seq_id, layer, q, timeout_s=timeout_s, query_position=pos
                     )
                 )
                 continue
             calls.append(
-                lambda data=node.data, appends=appends: data.attend(  # type: ignore[misc]
+                lambda data=node.data, appends=appends: data.start_attend(  # type: ignore[misc]
                     [self.seq_id],
                     layer,
                     q,
@@ -336,8 +336,8 @@ class Sequence:
                     timeout_s=timeout_s,
                 )
             )
-        calls.reverse()  # the tail (which may refuse the token) on this thread, first
-        results = run_parallel(self.client.pool(), calls)
+        calls.reverse()  # the tail's request (it appends) out first
+        results = exchange(calls)
         if len(calls) > 1:
             self.client.counters["sharded_steps"] += 1
             self.client.counters["sharded_attends"] += len(calls)

@@ -41,7 +41,7 @@ from .batching import BatchPart, PrefillPart, check_counts, gather_rows, split_b
 from .config import ClientConfig
 from .control import NodeControl
 from .data import Explain, NodeData
-from .extents import attend_batch, run_parallel
+from .extents import attend_batch, exchange_each, run_parallel, spill_and_retry
 from .routing import CoordinatorRouting, DirectRouting
 from .sequence import Sequence
 from .transport.tickets import Wallet
@@ -275,14 +275,11 @@ class CacheClient:
         if any(s.is_sharded or (k is not None and s._tail_room() is not None) for s in handles):
             return attend_batch(self, handles, *step)
         try:
-            res = self._attend_one_extent(handles, step)
-        except CapacityExceeded as exc:
+            return self._attend_one_extent(handles, step)
+        except CapacityExceeded as exc:  # (one node refused the whole call: nothing landed)
             if layer != 0 or k is None or not self._spill_full(handles, exc, timeout_s):
                 raise
             return attend_batch(self, handles, *step)
-        if k is not None and layer == 0:
-            _count_appended(handles, [1] * len(handles))
-        return res
 
     def _handles(self, seqs: Seq[Sequence | str], timeout_s: float | None) -> list[Sequence]:
         """Handles for a batch; an id (not a handle) asks the routing where it lives (in a
@@ -301,24 +298,35 @@ class CacheClient:
         return spilled
 
     def _attend_one_extent(self, handles: list[Sequence], step: _Step) -> AttentionResult:
-        """Every sequence on one node: one call per node the batch spans."""
+        """Every sequence on one node: one call per node the batch spans, every node's
+        request sent before the replies are read. A node that cannot take its rows' tokens
+        makes them spill and the step is retried for the batch (extents.attend_batch),
+        without appending again the rows the other nodes took; a lone node's refusal is
+        raised (the whole call refused)."""
         layer, q, k, v, token_ids, return_block_mass, timeout_s = step
-        parts = []
         where = [(s.route.address, s.seq_id) for s in handles]
-        for p in split_batch(where, q, k, v, token_ids):
-            data = self.node(p.address).data
-            res = data.attend(
-                p.seq_ids,
-                layer,
-                p.q,
-                p.k,
-                p.v,
-                p.token_ids,
-                return_block_mass=return_block_mass,
-                timeout_s=timeout_s,
-            )
-            parts.append((p.rows, res))
-        return parts[0][1] if len(parts) == 1 else gather_rows(parts, len(handles))
+        parts = split_batch(where, q, k, v, token_ids)
+        opts: dict[str, Any] = {"return_block_mass": return_block_mass, "timeout_s": timeout_s}
+
+        def args(p: BatchPart) -> tuple[Any, ...]:
+            return p.seq_ids, layer, p.q, p.k, p.v, p.token_ids
+
+        if len(parts) == 1:
+            p = parts[0]
+            res = self.node(p.address).data.attend(*args(p), **opts)
+        else:
+            starts = [
+                lambda p=p: self.node(p.address).data.start_attend(*args(p), **opts)  # type: ignore[misc]
+                for p in parts
+            ]
+            results, errors = exchange_each(starts)
+            if any(e is not None for e in errors):
+                writers = [p.rows if k is not None else [] for p in parts]
+                return spill_and_retry(self, handles, tuple(step), writers, errors, errors)
+            res = gather_rows([(p.rows, r) for p, r in zip(parts, results, strict=True)], len(handles))
+        if k is not None and layer == 0:
+            _count_appended(handles, [1] * len(handles))
+        return res
 
     def attend_prefill_batch(
         self,

@@ -38,6 +38,14 @@ class TransportUnavailable(PagedKVError):
     status_name = "UNAVAILABLE"
 
 
+class Reply(Protocol):
+    """A call's request sent, its answer still to come: `result()` waits for it and
+    returns what the blocking call returns, or raises what it raises. Asked once;
+    every started call must be asked (it holds a connection until then)."""
+
+    def result(self) -> Any: ...
+
+
 class Transport(Protocol):
     """One way to carry data calls to one node. Every method either answers as the
     node's rpc does or raises TransportUnavailable with nothing sent. `timeout_s`
@@ -60,6 +68,16 @@ class Transport(Protocol):
 
     def attend_prefill(self, call: PrefillCall, timeout_s: float) -> AttentionResult:
         """n query tokens of one sequence attending causally."""
+        ...
+
+    def start_attend(self, call: AttendCall, timeout_s: float) -> Reply:
+        """attend's request sent now, its answer read by the Reply: one thread can have
+        calls out on several nodes at once (a sharded step). TransportUnavailable as
+        attend raises it (nothing sent)."""
+        ...
+
+    def start_attend_prefill(self, call: PrefillCall, timeout_s: float) -> Reply:
+        """attend_prefill, started as start_attend starts attend."""
         ...
 
     def read_kv(self, call: ReadCall, timeout_s: float) -> KV:
@@ -94,16 +112,32 @@ class Fallback:
 
     def call(self, method: str, call: Any, timeout_s: float) -> Any:
         try:
-            for transport in self.transports[:-1]:
-                try:
-                    return getattr(transport, method)(call, timeout_s)
-                except TransportUnavailable:
-                    continue
-            return getattr(self.transports[-1], method)(call, timeout_s)
+            return self._first(method, call, timeout_s)
         except PagedKVError as exc:
-            if self._errors is None or isinstance(exc, TransportUnavailable):
-                raise
-            raise self._errors(exc, call) from exc.__cause__
+            raise self.rewrite(exc, call) from exc.__cause__
+
+    def start(self, method: str, call: Any, timeout_s: float) -> Reply:
+        """`call` in two halves (Transport.start_attend): the request sent by the first
+        transport that can carry it; the Reply's errors rewritten as `call`'s are."""
+        try:
+            reply = self._first(f"start_{method}", call, timeout_s)
+        except PagedKVError as exc:
+            raise self.rewrite(exc, call) from exc.__cause__
+        return reply if self._errors is None else Rewritten(reply, self.rewrite, call)
+
+    def _first(self, method: str, call: Any, timeout_s: float) -> Any:
+        for transport in self.transports[:-1]:
+            try:
+                return getattr(transport, method)(call, timeout_s)
+            except TransportUnavailable:
+                continue
+        return getattr(self.transports[-1], method)(call, timeout_s)
+
+    def rewrite(self, exc: PagedKVError, call: Any) -> PagedKVError:
+        """The node's error as the caller should see it (itself when nothing changes)."""
+        if self._errors is None or isinstance(exc, TransportUnavailable):
+            return exc
+        return self._errors(exc, call)
 
     def connect(self, timeout_s: float) -> None:
         for transport in self.transports:
@@ -115,3 +149,18 @@ class Fallback:
 
     def get(self, name: str) -> Transport | None:
         return next((t for t in self.transports if t.name == name), None)
+
+
+class Rewritten:
+    """A Reply whose error is rewritten for the caller (Fallback's `errors`)."""
+
+    __slots__ = ("_reply", "_rewrite", "_call")
+
+    def __init__(self, reply: Reply, rewrite: Callable[[PagedKVError, Any], PagedKVError], call: Any) -> None:
+        self._reply, self._rewrite, self._call = reply, rewrite, call
+
+    def result(self) -> Any:
+        try:
+            return self._reply.result()
+        except PagedKVError as exc:
+            raise self._rewrite(exc, self._call) from exc.__cause__

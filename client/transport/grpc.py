@@ -4,6 +4,8 @@ wallet's credentials for the sequences it names as metadata."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import grpc
 
 from ...protos import pagedkv_pb2 as pb
@@ -16,6 +18,22 @@ from ..types import AttentionResult, OpenResult
 from .base import KV
 from .calls import AppendCall, AttendCall, OpenCall, PrefillCall, ReadCall
 from .tickets import Wallet
+
+
+class Started:
+    """An attend rpc in flight (its gRPC future): result() as the blocking call returns."""
+
+    __slots__ = ("_future", "_where")
+
+    def __init__(self, future: Any, where: str) -> None:
+        self._future, self._where = future, where
+
+    def result(self) -> AttentionResult:
+        try:
+            resp = self._future.result()
+        except grpc.RpcError as exc:
+            raise error_from_rpc(exc, self._where) from exc
+        return codec.attention_result(resp)
 
 
 class GrpcTransport:
@@ -44,21 +62,36 @@ class GrpcTransport:
         return int(unary(self.stub.Append, chunks, timeout_s, meta, self.where).num_tokens)
 
     def attend(self, call: AttendCall, timeout_s: float) -> AttentionResult:
+        rpc, req, meta = self._attend(call)
+        return codec.attention_result(unary(rpc, req, timeout_s, meta, self.where))
+
+    def start_attend(self, call: AttendCall, timeout_s: float) -> Started:
+        rpc, req, meta = self._attend(call)
+        return Started(rpc.future(req, timeout=timeout_s, metadata=meta), self.where)
+
+    def _attend(self, call: AttendCall) -> tuple[Any, Any, Any]:
+        """The rpc an AttendCall takes, its request and metadata."""
         tokens = None if call.token_ids is None else call.token_ids.tolist()
         meta = self.wallet.metadata(call.seq_ids)
         if call.is_prefill_batch:
             req = codec.prefill_batch_request(
                 call.seq_ids, call.layer, call.num_tokens, call.q, call.k, call.v, tokens
             )
-            return codec.attention_result(
-                unary(self.stub.AttendPrefillBatch, req, timeout_s, meta, self.where)
-            )
+            return self.stub.AttendPrefillBatch, req, meta
         req = codec.attend_request(
             call.seq_ids, call.layer, call.q, call.k, call.v, tokens, call.return_block_mass, call.num_tokens
         )
-        return codec.attention_result(unary(self.stub.Attend, req, timeout_s, meta, self.where))
+        return self.stub.Attend, req, meta
 
     def attend_prefill(self, call: PrefillCall, timeout_s: float) -> AttentionResult:
+        req, meta = self._prefill(call)
+        return codec.attention_result(unary(self.stub.AttendPrefill, req, timeout_s, meta, self.where))
+
+    def start_attend_prefill(self, call: PrefillCall, timeout_s: float) -> Started:
+        req, meta = self._prefill(call)
+        return Started(self.stub.AttendPrefill.future(req, timeout=timeout_s, metadata=meta), self.where)
+
+    def _prefill(self, call: PrefillCall) -> tuple[Any, Any]:
         req = codec.prefill_request(
             call.seq_id,
             call.layer,
@@ -69,8 +102,7 @@ class GrpcTransport:
             call.return_block_mass,
             call.query_position,
         )
-        meta = self.wallet.metadata((call.seq_id,))
-        return codec.attention_result(unary(self.stub.AttendPrefill, req, timeout_s, meta, self.where))
+        return req, self.wallet.metadata((call.seq_id,))
 
     def read_kv(self, call: ReadCall, timeout_s: float) -> KV:
         req = codec.read_kv_request(call.seq_id, call.start, call.end, self.config.chunk_bytes)

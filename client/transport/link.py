@@ -5,7 +5,9 @@ counters tests and benchmarks read. The redis-py shape: the pool and the protoco
 are written once, each transport only says how its connection opens.
 
 Connections are pooled per kind, one request at a time on each, so concurrent calls
-from several threads each get their own. Each remembers the credentials it
+from several threads each get their own. `start` sends a request and leaves its reply
+on the connection for later (an Exchange), so one thread can have calls out on several
+nodes at once. Each remembers the credentials it
 presented (AUTH): a sequence's ticket goes once per connection, before its first
 call there (`authorize`). TCP connections use TLS when the client config has it.
 After a failed TCP connect the node's listener is left alone for RETRY_AFTER_S (gRPC
@@ -257,8 +259,31 @@ class BulkLink:
         closed when the transfer broke (Unavailable naming the node) or on anything else."""
         if conn is None:
             conn = self.take(kind, timeout_s)
+        result = self._guarded(kind, conn, body)
+        self.give(kind, conn)
+        return result
+
+    def start(
+        self,
+        kind: str,
+        timeout_s: float,
+        send: Callable[[Any], Any],
+        receive: Callable[[Any, Any], Any],
+        conn: Any = None,
+    ) -> Exchange:
+        """`run` in two halves: send(conn) now, receive(conn, what send returned) when the
+        Exchange's result is asked, so that one thread can have requests out on several
+        nodes at once. Errors are handled as `run` handles them, in either half."""
+        if conn is None:
+            conn = self.take(kind, timeout_s)
+        sent = self._guarded(kind, conn, send)
+        return Exchange(self, kind, conn, receive, sent)
+
+    def _guarded(self, kind: str, conn: Any, body: Callable[..., Any], *args: Any) -> Any:
+        """body(conn, *args), conn kept on success; on a node's error reply given back (it is in
+        sync), else closed (a broken transfer raises Unavailable naming the node)."""
         try:
-            result = body(conn)
+            return body(conn, *args)
         except Abandoned as exc:
             conn.close()
             raise exc.error from None
@@ -276,8 +301,6 @@ class BulkLink:
         except BaseException:
             conn.close()
             raise
-        self.give(kind, conn)
-        return result
 
     def error(self, status: int, text: str, extra: str) -> PagedKVError:
         self.num_refused += 1
@@ -296,6 +319,27 @@ class BulkLink:
         if buf is None:
             buf = self._local.reply = bytearray(wire.FRAME.size + wire.REPLY_SIZE)
         return buf
+
+
+class Exchange:
+    """A request out on a taken connection, its reply not read yet (BulkLink.start).
+    `result()` reads it, once, and gives the connection back (or closes it); every
+    started exchange must be asked for its result, or its connection is never reused."""
+
+    __slots__ = ("_link", "_kind", "_conn", "_receive", "_sent")
+
+    def __init__(self, link: BulkLink, kind: str, conn: Any, receive: Callable[[Any, Any], Any], sent: Any):
+        self._link: BulkLink | None = link
+        self._kind, self._conn, self._receive, self._sent = kind, conn, receive, sent
+
+    def result(self) -> Any:
+        link, self._link = self._link, None
+        if link is None:
+            raise RuntimeError("an exchange's reply is read once")
+        sent, self._sent = self._sent, None
+        result = link._guarded(self._kind, self._conn, self._receive, sent)
+        link.give(self._kind, self._conn)
+        return result
 
 
 def _host(address: str) -> str:

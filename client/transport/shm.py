@@ -5,6 +5,8 @@ The region itself (mapping, leases, layout) is client/shm.py."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from ...protos import wire
 from ...protos.errors import InvalidArgument
 from ...protos.wire import Frame, ProtocolError
@@ -12,7 +14,7 @@ from .. import shm
 from ..types import AttentionResult, OpenResult
 from .base import KV, TransportUnavailable
 from .calls import AppendCall, AttendCall, OpenCall, ReadCall
-from .link import Abandoned, BulkLink
+from .link import Abandoned, BulkLink, Exchange
 from .socket import UnixTransport, encode_call, read_result
 
 
@@ -26,7 +28,7 @@ class ShmTransport(UnixTransport):
     def append(self, call: AppendCall, timeout_s: float) -> int:
         raise TransportUnavailable("appends take the Unix socket")
 
-    def attend(self, call: AttendCall, timeout_s: float) -> AttentionResult:
+    def start_attend(self, call: AttendCall, timeout_s: float) -> Exchange:
         self._usable(timeout_s)
         link = self.link
         op = wire.OP_ATTEND_PREFILL_BATCH_SHM if call.is_prefill_batch else wire.OP_ATTEND_SHM
@@ -37,15 +39,19 @@ class ShmTransport(UnixTransport):
         request_id = link.next_id()
         conn = link.take(self.kind, timeout_s)
 
-        def body(conn: shm.LocalConnection) -> AttentionResult:
-            sock = conn.sock
+        def send(conn: shm.LocalConnection) -> list[Any]:
             link.authorize(conn, call.seq_ids, timeout_s)
             body_at = map_region(link, conn, body_len + wire.pad(body_len) + out_len, request_id)
             out_at = body_at + body_len + wire.pad(body_len)
             shm.write_call(conn, body_at, head, parts)
             request = Frame(op, request_id, payload_len=wire.SHM_CALL.size).pack()
-            sock.sendall(request + wire.SHM_CALL.pack(body_at, body_len, out_at, out_len))
-            expected = shm.expect_placed(conn, out_at, out_len, call.q, call.return_block_mass)
+            conn.sock.sendall(request + wire.SHM_CALL.pack(body_at, body_len, out_at, out_len))
+            # (a list: receive drops the expected views, and their lease, before the general path)
+            return [out_at, shm.expect_placed(conn, out_at, out_len, call.q, call.return_block_mass)]
+
+        def receive(conn: shm.LocalConnection, sent: list[Any]) -> AttentionResult:
+            out_at, expected = sent
+            sock = conn.sock
             buf = link.reply_buffer()
             reply, ahead = wire.read_frame_ahead(sock, buf)
             link.num_calls += 1
@@ -59,11 +65,10 @@ class ShmTransport(UnixTransport):
                 and buf[wire.FRAME.size : wire.FRAME.size + wire.REPLY_SIZE] == expected[0]
             ):
                 return expected[1]
-            expected = None  # another layout: its lease goes with it before the general path
+            expected = sent[1] = None  # another layout: its lease goes with it before the general path
             return read_result(sock, reply.payload_len, buf, ahead, (conn, out_at, out_len))
 
-        result: AttentionResult = link.run(self.kind, timeout_s, body, conn)
-        return result
+        return link.start(self.kind, timeout_s, send, receive, conn)
 
     def read_kv(self, call: ReadCall, timeout_s: float) -> KV:
         """read_kv through a ring in the connection's region (READ_SHM)."""

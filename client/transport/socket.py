@@ -21,7 +21,7 @@ from .. import codec, shm
 from ..types import AttentionResult, OpenResult
 from .base import KV, TransportUnavailable
 from .calls import AppendCall, AttendCall, OpenCall, PrefillCall, ReadCall
-from .link import Abandoned, BulkLink, Connection
+from .link import Abandoned, BulkLink, Connection, Exchange
 
 
 class SocketTransport:
@@ -119,6 +119,10 @@ class SocketTransport:
         return length
 
     def attend(self, call: AttendCall, timeout_s: float) -> AttentionResult:
+        result: AttentionResult = self.start_attend(call, timeout_s).result()
+        return result
+
+    def start_attend(self, call: AttendCall, timeout_s: float) -> Exchange:
         self._usable(timeout_s)
         link = self.link
         op = wire.OP_ATTEND_PREFILL_BATCH if call.is_prefill_batch else wire.OP_ATTEND
@@ -126,11 +130,13 @@ class SocketTransport:
         frame = Frame(op, link.next_id(), payload_len=size).pack()
         parts = [frame, *wire.call_parts(head, [t for t in (call.q, call.k, call.v) if t is not None])]
 
-        def body(conn: Connection) -> AttentionResult:
-            sock = conn.sock
+        def send(conn: Connection) -> tuple[bytes, AttentionResult] | None:
             link.authorize(conn, call.seq_ids, timeout_s)
-            wire.send_parts(sock, parts)
-            expected = _expect_inline(call.q, call.return_block_mass)  # while the node computes
+            wire.send_parts(conn.sock, parts)
+            return _expect_inline(call.q, call.return_block_mass)  # while the node computes
+
+        def receive(conn: Connection, expected: tuple[bytes, AttentionResult] | None) -> AttentionResult:
+            sock = conn.sock
             buf = link.reply_buffer()
             reply, ahead = wire.read_frame_ahead(sock, buf)
             link.num_calls += 1
@@ -148,10 +154,12 @@ class SocketTransport:
                     return res
             return read_result(sock, reply.payload_len, buf, ahead)
 
-        result: AttentionResult = link.run(self.kind, timeout_s, body)
-        return result
+        return link.start(self.kind, timeout_s, send, receive)
 
     def attend_prefill(self, call: PrefillCall, timeout_s: float) -> AttentionResult:
+        raise TransportUnavailable("AttendPrefill has no bulk op")
+
+    def start_attend_prefill(self, call: PrefillCall, timeout_s: float) -> Exchange:
         raise TransportUnavailable("AttendPrefill has no bulk op")
 
     def read_kv(self, call: ReadCall, timeout_s: float) -> KV:

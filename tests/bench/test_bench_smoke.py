@@ -165,11 +165,11 @@ def test_versus_runs_the_revisions_own_code(tmp_path: Path) -> None:
 
 
 def test_sharded(tmp_path: Path) -> None:
-    done = run_bench("bench.sharded", "--smoke", "--out", str(tmp_path))
-    assert "3 nodes" in done.stdout
-    assert set(json.loads((tmp_path / "sharded.json").read_text())["seconds"]) == {
-        "1 node",
-        "2 nodes",
-        "3 nodes",
-        "2 nodes, one by one",
-    }
+    done = run_bench("bench.sharded", "--smoke", "--pin-nodes", "--out", str(tmp_path))
+    assert "3 nodes" in done.stdout and "nodes pinned to cores" in done.stdout
+    result = json.loads((tmp_path / "sharded.json").read_text())
+    modes = {"1 node", "2 nodes", "3 nodes", "2 nodes, one by one"}
+    assert set(result["seconds"]) == set(result["ratio"]) == modes and result["pinned"] is True
+    assert result["ratio"]["1 node"] == 1.0
+    # one by one makes the same calls: 2 a layer, each answered before the next is sent
+    assert "2 nodes, one by one" in done.stdout and "2.0 calls a layer" in done.stdout

@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from pagedkv.client.extents import merge, narrow, run_parallel, widen
+from pagedkv.client.extents import Then, exchange, merge, narrow, run_parallel, widen
 from pagedkv.client.types import AttentionResult
 
 
@@ -72,3 +72,51 @@ def test_run_parallel_runs_at_once_keeps_order_and_raises_the_first_error():
         with pytest.raises(ValueError, match="second"):
             run_parallel(pool, [lambda: done.append(1), lambda: fail("second"), lambda: fail("third")])
         assert done == [1]
+
+
+class Pending:
+    """A Reply that logs when it was sent and read."""
+
+    def __init__(self, log: list[str], name: str, error: Exception | None = None) -> None:
+        self.log, self.name, self.error = log, name, error
+        log.append(f"send {name}")
+
+    def result(self) -> str:
+        self.log.append(f"read {self.name}")
+        if self.error is not None:
+            raise self.error
+        return self.name
+
+
+def test_exchange_sends_every_request_before_reading_any_reply_the_last_sent_first():
+    log: list[str] = []
+    assert exchange([lambda n=n: Pending(log, n) for n in "abc"]) == ["a", "b", "c"]
+    assert log == ["send a", "send b", "send c", "read c", "read b", "read a"]
+    assert exchange([lambda: Then(Pending(log, "d"), str.upper)]) == ["D"]  # type: ignore[arg-type]
+
+
+def test_exchange_reads_every_sent_reply_and_raises_the_first_error_in_call_order():
+    log: list[str] = []
+
+    def refused(name: str) -> Pending:
+        log.append(f"refused {name}")
+        raise ValueError(name)
+
+    # a send that fails stops the later ones; the replies already out are still read
+    with pytest.raises(ValueError, match="b"):
+        exchange([lambda: Pending(log, "a"), lambda: refused("b"), lambda: Pending(log, "c")])
+    assert log == ["send a", "refused b", "read a"]
+    log.clear()
+    # an earlier reply's error comes before a later send's
+    with pytest.raises(KeyError, match="a"):
+        exchange([lambda: Pending(log, "a", KeyError("a")), lambda: refused("b")])
+    assert log == ["send a", "refused b", "read a"]
+    log.clear()
+    with pytest.raises(KeyError, match="b"):  # every reply read, the first failure in call order raised
+        exchange(
+            [
+                lambda n=n, e=e: Pending(log, n, e)
+                for n, e in (("a", None), ("b", KeyError("b")), ("c", KeyError("c")))
+            ]
+        )
+    assert log == ["send a", "send b", "send c", "read c", "read b", "read a"]

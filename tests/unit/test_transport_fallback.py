@@ -25,11 +25,30 @@ class Recorder:
             raise self.outcome
         return self.outcome
 
+    def start_attend(self, call: Any, timeout_s: float) -> Any:
+        """Passes or fails as attend does when told to at once; else a reply that answers
+        (or fails) when read."""
+        self.log.append(f"start {self.name}")
+        if isinstance(self.outcome, TransportUnavailable | tuple):
+            raise self.outcome[0] if isinstance(self.outcome, tuple) else self.outcome
+        return Later(self.outcome, self.log, self.name)
+
     def connect(self, timeout_s: float) -> None:
         self.log.append(f"connect {self.name}")
 
     def close(self) -> None:
         self.log.append(f"close {self.name}")
+
+
+class Later:
+    def __init__(self, outcome: Any, log: list[str], name: str) -> None:
+        self.outcome, self.log, self.name = outcome, log, name
+
+    def result(self) -> Any:
+        self.log.append(f"read {self.name}")
+        if isinstance(self.outcome, BaseException):
+            raise self.outcome
+        return self.outcome
 
 
 def chain(*outcomes: Any) -> tuple[Fallback, list[str]]:
@@ -78,3 +97,29 @@ def test_config_names_the_transports_and_grpc_comes_last() -> None:
     for bad in (("grpc", "tcp"), ("tcp",), ("tcp", "tcp", "grpc"), ("udp", "grpc"), ()):
         with pytest.raises(InvalidArgument, match="transports"):
             ClientConfig(transports=bad)
+
+
+def test_a_started_call_takes_the_first_transport_that_sends_and_its_errors_are_rewritten() -> None:
+    log: list[str] = []
+
+    def rewrite(exc: Any, call: Any) -> Any:
+        log.append(f"rewrite {type(exc).__name__} of {call}")
+        return SequenceNotFound("worker-id")
+
+    names = ("shm", "tcp", "grpc")
+    outcomes = (TransportUnavailable("no region"), "answer", "never")
+    fb = Fallback([Recorder(n, o, log) for n, o in zip(names, outcomes, strict=True)], rewrite)
+    reply = fb.start("attend", "call-1", 1.0)
+    assert log == ["start shm", "start tcp"]  # nothing read yet
+    assert reply.result() == "answer" and log[-1] == "read tcp"
+    log.clear()
+    fb = Fallback([Recorder("tcp", SequenceNotFound("node-id"), log)], rewrite)
+    reply = fb.start("attend", "call-2", 1.0)
+    with pytest.raises(SequenceNotFound, match="worker-id"):  # the node's error, in the worker's words
+        reply.result()
+    assert log == ["start tcp", "read tcp", "rewrite SequenceNotFound of call-2"]
+    log.clear()
+    fb = Fallback([Recorder("tcp", (InvalidArgument("refused before sending"),), log)], rewrite)
+    with pytest.raises(SequenceNotFound, match="worker-id"):
+        fb.start("attend", "call-3", 1.0)
+    assert log == ["start tcp", "rewrite InvalidArgument of call-3"]
