@@ -221,3 +221,10 @@ def test_a_nodes_beats_and_events_take_the_framed_port_and_fall_back() -> None:
 def kv(n: int):
     shape = (SPEC.num_layers, n, SPEC.num_kv_heads, SPEC.head_dim)
     return torch.zeros(shape), torch.zeros(shape)
+
+
+def test_the_framing_caps_calls_as_grpc_caps_messages() -> None:
+    """frame.py keeps its own copy of gRPC's message cap (it stays torch-free): the same."""
+    from pagedkv.protos import tensors
+
+    assert wire.MAX_CALL_BYTES == tensors.MAX_MESSAGE_BYTES
