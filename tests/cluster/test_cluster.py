@@ -203,6 +203,9 @@ def test_coordinator_restart_keeps_sequences_and_index(tmp_path, redis_url):
         seq = c.open("long-lived", SYSTEM + [3])
         seq.append(SYSTEM + [3], *expected_kv(SYSTEM + [3]))
         wait_until(lambda: c.lookup(SYSTEM + [3]) == len(SYSTEM), 10.0, "the prefix in the index")
+        framed = c.routing.framed
+        old_port = framed.port
+        assert old_port  # the open's reply named the coordinator's framed port
         cluster.kill("coordinator", signal.SIGTERM)
         with pytest.raises(Unavailable):
             c.lookup(SYSTEM)
@@ -219,6 +222,11 @@ def test_coordinator_restart_keeps_sequences_and_index(tmp_path, redis_url):
         hit = c.open("hit", SYSTEM + [4])
         assert hit.num_cached_tokens == len(SYSTEM) and hit.route == seq.route
         hit.close()
+        # The restarted coordinator's framed port (another free port) is learned and used again.
+        assert framed.port and framed.port != old_port
+        calls = framed.num_calls
+        c.open("framed-again", SYSTEM + [5]).close()
+        assert framed.num_calls == calls + 2
         seq.close()
         all_nodes_clean(c)
 
