@@ -131,7 +131,7 @@ class CoordinatorLink:
         self._channel = secure_channel(coordinator_address, tls, RECONNECT_OPTIONS)
         self._stub = pb_grpc.CoordinatorStub(self._channel)
         # Beats and event reports on the coordinator's framed port once a reply names it
-        self._framed = FramedPort(coordinator_address.rsplit(":", 1)[0].strip("[]"), None, tls)
+        self._framed = FramedPort(coordinator_address, None, tls)
         self._minter = None if keys is None else Minter(keys, ttl_s=600.0)
         self.gate = gate
         if gate is not None:

@@ -136,7 +136,7 @@ class CoordinatorRouting:
         token: str | None,
         spec: ModelSpec | None,
         open_on_node: Send | None = None,
-        host: str = "",
+        address: str = "",
     ):
         """open_on_node(address, order, timeout_s): starts the node's OpenSigned with the
         coordinator's signed node Open and returns its gRPC future (node_opens.py: the
@@ -150,7 +150,7 @@ class CoordinatorRouting:
         )
         self.metadata = _metadata(token)
         # Open and Close on the framed port the coordinator's replies advertise (protos/framed_client.py)
-        self.framed = FramedPort(host, self.metadata, config.tls) if config.coordinator_frames else None
+        self.framed = FramedPort(address, self.metadata, config.tls) if config.coordinator_frames else None
         self._spec_cache: tuple[ModelSpec | None, pb.ModelSpec | None] = (spec, _spec(spec))
 
     def _spec_msg(self) -> pb.ModelSpec | None:

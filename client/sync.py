@@ -147,7 +147,7 @@ class CacheClient:
                 token,
                 spec,
                 open_on_node=self._open_on_node if self.config.worker_opens else None,
-                host=coordinator.rsplit(":", 1)[0].strip("[]"),
+                address=coordinator,
             )
             self._explain = self.routing.explain
         else:

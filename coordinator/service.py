@@ -24,6 +24,7 @@ from ..protos.framed_server import FramedServer
 from ..protos.serving import GrpcServer, build_server, observe
 from ..protos.spec import ModelSpec
 from ..protos.tls import TlsConfig
+from ..protos.wire.frame import address_host
 from .auth import Tenants
 from .core import Coordinator, OpenResult
 from .metrics import CoordinatorMetrics
@@ -365,7 +366,7 @@ def create_server(
     )
     framed = []
     if frame_port is not None:
-        host = address.rsplit(":", 1)[0].strip("[]") or "0.0.0.0"
+        host = address_host(address) or "0.0.0.0"
         service = pb.DESCRIPTOR.services_by_name["Coordinator"]
         framed.append(FramedServer(servicer, service, pb, FRAMED_METHODS, host, frame_port, tls=tls))
         servicer.frame_port = framed[0].port

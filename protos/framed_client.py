@@ -25,7 +25,7 @@ from typing import Any
 from . import wire
 from .errors import Unavailable
 from .tls import TlsConfig
-from .wire.frame import is_alive
+from .wire.frame import address_host, is_alive
 from .wire.unary import encode_metadata, encode_unary
 
 MAX_POOLED = 8  # idle connections kept (a worker's concurrent opens and closes)
@@ -38,10 +38,11 @@ class NotCarried(Exception):
 
 
 class FramedPort:
-    """The framed port of the coordinator at `host`, for calls carrying `metadata`."""
+    """The framed port of the server whose gRPC address is `address` (the port's host),
+    for calls carrying `metadata`."""
 
-    def __init__(self, host: str, metadata: Any, tls: TlsConfig | None) -> None:
-        self.host = host
+    def __init__(self, address: str, metadata: Any, tls: TlsConfig | None) -> None:
+        self.host = address_host(address)
         self.port = 0  # 0: not advertised (yet), or off
         self._metadata = encode_metadata(metadata or ())
         self._tls = tls

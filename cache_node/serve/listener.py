@@ -444,5 +444,4 @@ def _family(host: str) -> socket.AddressFamily:
 
 def bulk_host(address: str) -> str:
     """The host part of a gRPC listen address ("0.0.0.0:50051", "[::]:0", "localhost:0")."""
-    host = address.rsplit(":", 1)[0] if ":" in address else address
-    return host.strip("[]") or "0.0.0.0"
+    return wire.address_host(address) or "0.0.0.0"

@@ -78,7 +78,7 @@ class BulkLink:
         wallet: Wallet | None = None,
         tls: TlsConfig | None = None,
     ) -> None:
-        self.host = _host(address)
+        self.host = wire.address_host(address)
         self.where = where
         self.wallet = wallet or Wallet()
         self._tls = tls
@@ -340,11 +340,6 @@ class Exchange:
         result = link._guarded(self._kind, self._conn, self._receive, sent)
         link.give(self._kind, self._conn)
         return result
-
-
-def _host(address: str) -> str:
-    host = address.rsplit(":", 1)[0] if ":" in address else address
-    return host.strip("[]")
 
 
 def _set_timeout(sock: socket.socket, timeout_s: float) -> None:

@@ -337,3 +337,10 @@ def is_alive(sock: socket.socket) -> bool:
         return not poller.poll(0)
     except (OSError, ValueError):  # closed
         return False
+
+
+def address_host(address: str) -> str:
+    """The host part of a gRPC address ("node-0:50051", "[::1]:0", "localhost"), brackets
+    off: where a framed or bulk port of the same server listens."""
+    host = address.rsplit(":", 1)[0] if ":" in address else address
+    return host.strip("[]")
