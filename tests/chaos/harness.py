@@ -137,6 +137,8 @@ class Workload:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self.held: list[tuple[CacheClient, object]] = []  # sequences kept open on purpose (hold())
+        self.framed_calls = 0  # Open / Close the workers sent on the coordinator's framed port
+        self._framed_lock = threading.Lock()
 
     def client(self) -> CacheClient:
         return CacheClient(
@@ -172,6 +174,15 @@ class Workload:
                 except Exception as exc:  # noqa: BLE001 - a bug in the workload is a failure too
                     self.tally.add("wrong", f"worker {i}: {type(exc).__name__}: {exc}")
                     return
+                finally:
+                    self._count_framed(client)
+
+    def _count_framed(self, client: CacheClient) -> None:
+        framed = getattr(client.routing, "framed", None)
+        if framed is not None:
+            with self._framed_lock:
+                self.framed_calls += framed.num_calls
+                framed.num_calls = 0
 
     def run_one(self, client: CacheClient, seq_id: str, prompt: list[int], rng: random.Random) -> None:
         """One sequence, start to close; every outcome counted in the tally."""

@@ -33,8 +33,11 @@ def test_coordinator_sigkill_during_bursts_leaks_nothing(tmp_path, secure):
         tally = work.stop()
         assert not tally.wrong, tally.wrong[:5]
         assert tally.counts["completed"] > 0, tally.counts
+        assert work.framed_calls > 0  # the opens and closes took the framed port between kills
         with work.client() as client:
             took = cc.converged(client, timeout_s=CONVERGE_S)
+            client.open("after-kills", [1, 2, 3, 4, 5]).close()  # learns the last restart's port
+            assert client.routing.framed.num_calls == 1  # (the close: the open learned it)
         assert cc.live_nodes() == {"node-0", "node-1"}
         print(f"coordinator kills: {dict(tally.counts)}; converged in {took:.1f}s")
 

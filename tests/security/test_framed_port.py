@@ -18,6 +18,7 @@ from hostile import TOKENS, Secured, rss_bytes
 from pagedkv.protos import pagedkv_pb2 as pb
 from pagedkv.protos import wire
 from pagedkv.protos.errors import SequenceNotFound
+from pagedkv.protos.tickets import RIGHT_NODE, TICKET_KEY, ClusterKeys, Minter
 from pagedkv.protos.wire.unary import PAIR, encode_metadata, encode_unary
 
 FUZZ_CASES = 600
@@ -204,3 +205,36 @@ def test_random_unary_frames_get_errors_not_failures(cluster: Secured) -> None:
     assert statuses["INVALID_ARGUMENT"] and statuses["UNAUTHENTICATED"], statuses
     with contextlib.suppress(Exception):
         cluster.clients["beta"].routing._call("Close", pb.CoordSeqRequest(seq_id="fz-open"), None)
+
+
+@pytest.mark.parametrize(
+    "credential,expect",
+    [
+        ("forged", wire.Status.UNAUTHENTICATED),
+        ("another node's", wire.Status.PERMISSION_DENIED),
+        ("a worker's token", wire.Status.UNAUTHENTICATED),
+    ],
+)
+def test_a_forged_or_misused_credential_is_refused_on_a_nodes_calls(
+    cluster: Secured, credential: str, expect: wire.Status
+) -> None:
+    """A node ticket signed with another secret, node-1's genuine ticket named for node-0, a
+    tenant's bearer token: each refused before the handler touches node-0's lease or index."""
+    forger = ClusterKeys([b"a secret the attacker made up ...................."])
+    metadata = {
+        "forged": encode_metadata([(TICKET_KEY, Minter(forger, ttl_s=60).get(RIGHT_NODE, "node-0"))]),
+        "another node's": encode_metadata(
+            [(TICKET_KEY, Minter(cluster.keys, ttl_s=60).get(RIGHT_NODE, "node-1"))]
+        ),
+        "a worker's token": BETA,
+    }[credential]
+    with connect(cluster) as sock:
+        for message in (
+            pb.HeartbeatRequest(node_id="node-0"),
+            pb.ReportEventsRequest(node_id="node-0", events=[pb.BlockEvent(kind=3, key=b"k" * 16)]),
+        ):
+            head, _ = call(
+                sock, type(message).__name__.removesuffix("Request"), message.SerializeToString(), metadata
+            )
+            assert head.status == expect, head.text
+    assert cluster.cluster.stats().nodes  # both nodes still registered (the fixture checks them)
