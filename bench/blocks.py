@@ -9,7 +9,8 @@ caching, W2 shared system prompts with forced eviction).
 `--baseline REV` also runs our adapters on the code of commit REV (extracted with git
 archive), in the same rounds: the before/after of a change, side by side. Every
 (adapter, workload, run) is a fresh process of the peers' venv (/tmp/peers/venv, or
-PEERS_VENV; built by ../shared/peers/setup_and_run.sh if missing), and the adapters are
+PEERS_VENV; built by ../shared/peers/setup_and_run.sh if missing; this interpreter when
+only our adapters run), and the adapters are
 interleaved in a shuffled order within each run so machine noise hits all alike. Each
 variant imports pagedkv from its own tree (a directory of links on PYTHONPATH), with
 this checkout's adapter (bench/kvbench_adapter.py), so nothing is installed.
@@ -63,12 +64,21 @@ RUN = (
 PROBE = "from pagedkv.cache_node.kv_manager import KVCacheManager as M; M(8, 4).open('a', [1] * 9)"
 
 
-def ensure_venv() -> Path:
+def ensure_venv(adapters: list[str]) -> Path:
+    """The interpreter every run uses: the peers' venv when a peer runs (built if missing),
+    else this one, which imports our adapters and kvbench's runner without the peers' packages."""
+    if all(a in OURS for a in adapters):
+        return Path(sys.executable)
     python = VENV / "bin" / "python"
     if not python.exists():
         print(f"building the peers' venv at {VENV} (a few minutes) ...", flush=True)
         env = {**os.environ, "SKIP_RUN": "1", "VENV": str(VENV)}
-        subprocess.run(["bash", str(PEERS / "setup_and_run.sh")], check=True, env=env)
+        if subprocess.run(["bash", str(PEERS / "setup_and_run.sh")], env=env).returncode:
+            shutil.rmtree(VENV, ignore_errors=True)  # half-built: the next run starts over
+            raise SystemExit(
+                f"the peers' venv at {VENV} did not build (its pip output is above); "
+                f"run only our adapters with --adapters {','.join(OURS)}"
+            )
     return python
 
 
@@ -212,7 +222,7 @@ def main(argv: list[str] | None = None) -> None:
         "adapter",
     )
     args = p.parse_args(argv)
-    python = ensure_venv()
+    python = ensure_venv(args.adapters.split(","))
     scratch = Path(tempfile.mkdtemp(prefix="pagedkv-blocks-"))
     try:
         sites: dict[str, Path] = {"": make_site(ROOT, scratch / "site")}
