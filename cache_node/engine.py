@@ -27,6 +27,7 @@ a domain error (pagedkv.protos.errors) and leaves the engine exactly as it was.
 from __future__ import annotations
 
 import functools
+import hmac
 import threading
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
@@ -117,6 +118,7 @@ class CacheEngine:
         expect_cached_tokens: int | None = None,
         attention: Seq[LayerAttention] | None = None,
         first_position: int = 0,
+        named: tuple[int, bytes] | None = None,
     ) -> OpenResult:
         """Create a sequence starting with the longest cached prefix of `token_ids`
         (see KVCacheManager.open). The caller appends the remaining tokens' KV.
@@ -128,7 +130,11 @@ class CacheEngine:
         failure is also kept as a tombstone, so the first data call on `seq_id`
         raises it instead of NOT_FOUND (await_sequence). `attention`: one LayerAttention per
         layer (or None), kept for the sequence and its forks (windows.py); `first_position`:
-        a later extent's first token in the whole sequence, which its masks count from."""
+        a later extent's first token in the whole sequence, which its masks count from.
+        `named` (an order that names its prompt, OpenRequest.prompt_key): (the prompt's length,
+        the key its cached prefix must end with); `token_ids` is then that prefix, which the
+        worker carried and which is refused (InvalidArgument, nothing kept) if it hashes to
+        another key."""
         seq_id = seq_id_of(seq_id)
         want = expect_cached_tokens
         try:
@@ -146,6 +152,8 @@ class CacheEngine:
                 if want is not None and res.num_cached_tokens != want:
                     self.manager.free(seq_id)  # back to exactly as before: the blocks stay cached
                     raise PrefixEvicted(seq_id, res.num_cached_tokens, want)
+                if named is not None:
+                    self._check_named(seq_id, len(tokens), *named)
                 self.specs.set(seq_id, spec)
                 self._waits.opened(seq_id)
                 return res
@@ -155,6 +163,19 @@ class CacheEngine:
                     if seq_id not in self.manager.seqs:  # not a duplicate id: the live one stays reachable
                         self._waits.failed(seq_id, exc)
             raise
+
+    def _check_named(self, seq_id: str, num_carried: int, num_tokens: int, key: bytes) -> None:
+        """The carried prefix of a named prompt hashes to the order's key (the keys open()
+        computed, no second hash), else the sequence is freed and the open refused."""
+        keys = self.manager.seqs[seq_id].keys
+        last = (keys[-1] or b"") if keys else b""
+        if not hmac.compare_digest(last, key):
+            self.manager.free(seq_id)
+            raise InvalidArgument(
+                f"open {seq_id!r}: the prompt carried with the open order is not the one the "
+                f"coordinator placed (its cached prefix of {num_carried} tokens hashes to another key)"
+            )
+        self.manager.counters.prefix_query_tokens += max(num_tokens - num_carried, 0)
 
     def await_sequence(self, seq_id: str, timeout_s: float | None = None) -> bool:
         """Wait (at most `timeout_s`, default config.unknown_seq_grace_s) until

@@ -38,6 +38,7 @@ from ..protos.errors import (
     InvalidArgument,
     PagedKVError,
 )
+from ..protos.prompt import tokens_of
 from ..protos.serving import GrpcServer, build_server
 from ..protos.status import abort_details
 from ..protos.tickets import RIGHT_READ, RIGHT_WRITE, unseal_salt
@@ -130,27 +131,49 @@ class CacheNodeServicer(pb_grpc.CacheNodeServicer):
             if self.gate.trust.keys is not None:  # sealed by the coordinator (protos/tickets.py)
                 where = (r.node_id, r.epoch, r.expires_at, order.seq_id)
                 order.tenant_salt = unseal_salt(self.gate.trust.keys, order.tenant_salt, r.tag, *where)
-            reply = self._open(order)
+            reply = self._open(order, r)
             self._orders.ran(digest, r.expires_at, order.seq_id, reply)
             return reply
 
         return self._observe("OpenSigned", context, run)
 
-    def _open(self, request: pb.OpenRequest) -> pb.OpenResponse:
+    def _open(self, request: pb.OpenRequest, carrier: pb.SignedOpen | None = None) -> pb.OpenResponse:
+        """A node Open; `carrier`: the signed order it came in, whose worker carried the
+        prompt when the order names it (OpenRequest.prompt_key)."""
         self.gate.opened(request.seq_id)
         limit = request.max_cached_tokens if request.HasField("max_cached_tokens") else None
         exact = request.expect_cached_tokens if request.HasField("expect_cached_tokens") else None
-        ids = np.asarray(request.token_ids)  # one C-level copy, not a Python list
+        named = None
+        if request.HasField("prompt_tokens"):
+            ids, named = self._named_prompt(request, carrier), (request.prompt_tokens, request.prompt_key)
+        else:
+            ids = np.asarray(request.token_ids)  # one C-level copy, not a Python list
         max_blocks = request.max_blocks if request.HasField("max_blocks") else None
         attention = from_messages(request.attention, self.engine.spec.num_layers)
         first, salt = request.first_position, request.tenant_salt
         res = self._with_allowance(
             request.seq_id,
             max_blocks,
-            lambda: self.engine.open(request.seq_id, ids, salt, limit, exact, attention, first),
+            lambda: self.engine.open(request.seq_id, ids, salt, limit, exact, attention, first, named),
         )
         hits = res.num_host_hit_tokens
         return pb.OpenResponse(num_cached_tokens=res.num_cached_tokens, num_host_hit_tokens=hits)
+
+    @staticmethod
+    def _named_prompt(request: pb.OpenRequest, carrier: pb.SignedOpen | None) -> np.ndarray:
+        """The cached prefix of a prompt the order names, from the tokens the worker carried
+        (engine.open checks they hash to the order's key)."""
+        where = f"open order of {request.seq_id!r}"
+        want = request.expect_cached_tokens
+        if carrier is None or not request.HasField("expect_cached_tokens") or request.token_ids:
+            raise InvalidArgument(f"{where}: names its prompt but is not a signed order of a cached prefix")
+        carried = tokens_of(carrier, where)
+        if not 0 <= want <= request.prompt_tokens or len(carried) < want:
+            raise InvalidArgument(
+                f"{where}: its cached prefix is {want} of {request.prompt_tokens} tokens; "
+                f"the worker carried {len(carried)}"
+            )
+        return np.asarray(carried[:want], dtype=np.int64)
 
     def _with_allowance(self, seq_id: str, max_blocks: int | None, create: Callable[[], T]) -> T:
         """create() a sequence with its quota allowance in place first (a data call may

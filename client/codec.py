@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from ..protos import pagedkv_pb2 as pb
-from ..protos import tensors
+from ..protos import prompt, tensors
 from ..protos.errors import InvalidArgument
 from ..protos.spec import ModelSpec
 from .types import AttentionResult, NodeStats, OpenResult
@@ -46,6 +46,16 @@ def with_token_ids(message: Callable[..., M], token_ids: TokenIds | None, **fiel
         return message(token_ids=ids, **fields)
     except (TypeError, ValueError) as exc:
         raise InvalidArgument(f"token ids must be ints in the int64 range: {exc}") from None
+
+
+def packed_prompt(token_ids: TokenIds) -> bytes | None:
+    """The ids as packed int32s (a message's packed_token_ids), or None when one does not
+    fit or is not an int: then with_token_ids sends them, and says which is wrong."""
+    if isinstance(token_ids, torch.Tensor):
+        token_ids = token_ids.numpy(force=True).reshape(-1)
+    elif isinstance(token_ids, np.ndarray):
+        token_ids = token_ids.reshape(-1)
+    return prompt.pack(token_ids)
 
 
 def _set_tensor(msg: Any, field: str, t: Any) -> None:

@@ -24,6 +24,7 @@ from ..protos import pagedkv_pb2 as pb
 from ..protos import pagedkv_pb2_grpc as pb_grpc
 from ..protos.errors import InvalidArgument, PagedKVError, SequenceLost, SequenceNotFound, Unavailable
 from ..protos.framed_client import FramedPort, NotCarried
+from ..protos.prompt import PACKED_TOKEN_BYTES
 from ..protos.spec import ModelSpec
 from . import codec
 from .config import ClientConfig
@@ -172,7 +173,11 @@ class CoordinatorRouting:
         attention: Sequence[pb.LayerAttention] = (),
         explain_miss: bool = False,
     ) -> pb.CoordOpenRequest:
-        req = codec.with_token_ids(pb.CoordOpenRequest, token_ids, seq_id=seq_id, spec=self._spec_msg())
+        packed = codec.packed_prompt(token_ids)
+        if packed is not None:
+            req = pb.CoordOpenRequest(packed_token_ids=packed, seq_id=seq_id, spec=self._spec_msg())
+        else:
+            req = codec.with_token_ids(pb.CoordOpenRequest, token_ids, seq_id=seq_id, spec=self._spec_msg())
         req.request_id = uuid.uuid4().hex  # a retry of this very request gets its first answer
         if max_cached is not None:
             req.max_cached_tokens = max_cached
@@ -207,9 +212,10 @@ class CoordinatorRouting:
         request = self._open_request(seq_id, token_ids, max_cached_tokens, attention, explain_miss)
         if self.node_opens is not None:
             self.node_opens.wait(seq_id)  # a reopen after a failed node Open: its page table is gone
-            request.worker_opens = True
+            request.worker_opens = request.carries_prompt = True
         resp = self._call("Open", request, timeout_s)
         if self.node_opens is not None and resp.HasField("node_open"):
+            _carry_prompt(resp.node_open, request, resp.num_cached_tokens)
             self.node_opens.send(seq_id, resp.extents[0].address, resp.node_open)
         return OpenResult(resp.num_cached_tokens, resp.num_host_hit_tokens, _miss(resp)), _route(resp)
 
@@ -335,3 +341,14 @@ class CoordinatorRouting:
 
     def stats(self, timeout_s: float | None = None) -> ClusterStats:
         return cluster_stats(self._call("Stats", _EMPTY, timeout_s))
+
+
+def _carry_prompt(order: pb.SignedOpen, request: pb.CoordOpenRequest, num_cached: int) -> None:
+    """Attach the prompt's cached prefix (all the node reads of it) to the node Open: the
+    order names the prompt instead of holding it (OpenRequest.prompt_key)."""
+    if num_cached <= 0:
+        return
+    if request.packed_token_ids:
+        order.packed_token_ids = request.packed_token_ids[: PACKED_TOKEN_BYTES * num_cached]
+    else:
+        order.token_ids.extend(request.token_ids[:num_cached])

@@ -76,7 +76,7 @@ from ..protos.keys import KEY_BYTES, chain_keys, chain_keys_packed, root_key
 from ..protos.serving import name_os_thread
 from ..protos.status import error_from_rpc
 from .auth import ClusterAccess
-from .deferred import DeferredCalls, NodeCall, node_open_request
+from .deferred import DeferredCalls, NodeCall, node_open_request, order_prompt
 from .extents import Extents
 from .failures import Failures
 from .liveness import Liveness, LivenessConfig
@@ -340,6 +340,7 @@ class Coordinator(DeferredCalls, Failures, Membership, NodeRooms, Extents, Missi
         attention: Sequence[pb.LayerAttention] = (),
         request_id: str = "",
         worker_opens: bool = False,
+        carried_prompt: bool = False,
     ) -> OpenResult:
         """Place the sequence and write its page table (one store call), then send the
         node Open without waiting for it (see the module docstring); num_cached_tokens
@@ -350,7 +351,9 @@ class Coordinator(DeferredCalls, Failures, Membership, NodeRooms, Extents, Missi
         seq id) returns the first answer, from the page table, instead of SequenceExists.
         `worker_opens`: nothing is sent; the result carries the node Open, signed for the
         node (`node_open`), for the worker to send (CacheNode.OpenSigned). A worker that
-        dies first leaves a page table its node does not hold: reconcile.py marks it lost."""
+        dies first leaves a page table its node does not hold: reconcile.py marks it lost.
+        `carried_prompt` (with worker_opens): the worker attaches the prompt to that Open, so
+        the order names it by its cached prefix's last key instead of holding it."""
         seq_id = seq_id or uuid.uuid4().hex
         self._settle(seq_id, raise_error=False)  # a reopen of this id waits for its last node call
         if not self.num_live_nodes():
@@ -404,8 +407,9 @@ class Coordinator(DeferredCalls, Failures, Membership, NodeRooms, Extents, Missi
             if isinstance(exc, SequenceExists) and request_id:
                 first = self._first_answer(tenant, seq_id, request_id, exc)
                 if worker_opens:  # its first answer never reached the worker: sign the Open again
+                    prompt = order_prompt(token_ids, keys, first.num_cached_tokens, bs, carried_prompt)
                     request = node_open_request(
-                        seq_id, token_ids, salt, first.num_cached_tokens, attention, request_id
+                        seq_id, prompt, salt, first.num_cached_tokens, attention, request_id
                     )
                     if quota is not None:
                         request.max_blocks = first.placement.cached_blocks + first.placement.new_blocks
@@ -422,7 +426,8 @@ class Coordinator(DeferredCalls, Failures, Membership, NodeRooms, Extents, Missi
             self._background.submit(self._drop_failed_open, call, tenant if quota is not None else None)
             raise call.error  # type: ignore[misc]
         call.mark_recorded()
-        request = node_open_request(seq_id, token_ids, salt, num_cached, attention, request_id)
+        prompt = order_prompt(token_ids, keys, num_cached, bs, worker_opens and carried_prompt)
+        request = node_open_request(seq_id, prompt, salt, num_cached, attention, request_id)
         if quota is not None:  # the sequence may hold what was reserved; more through Reserve
             request.max_blocks = num_blocks
         node_open = None

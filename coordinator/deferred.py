@@ -11,10 +11,14 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from ..protos import pagedkv_pb2 as pb
 from ..protos.errors import NotFound, PagedKVError, SequenceLost, SequenceNotFound, Unavailable
+from ..protos.keys import KEY_BYTES
 from .node_calls import NodeCalls
 from .records import NodeInfo
 from .store import Store
@@ -66,19 +70,42 @@ class NodeCall:
         fn(self.error)
 
 
+@dataclass(frozen=True)
+class NamedPrompt:
+    """A prompt an order names instead of holding (the worker carries its tokens to the
+    node): its length and the chain key of the last cached block (b"" when none is)."""
+
+    num_tokens: int
+    last_cached_key: bytes
+
+
+def order_prompt(token_ids: Any, keys: bytes, num_cached: int, block_size: int, named: bool) -> Any:
+    """What a node Open holds of the prompt: the tokens, or with `named` a NamedPrompt
+    (`keys`: the prompt's packed chain keys, covering at least the cached blocks)."""
+    if not named:
+        return token_ids
+    last = num_cached // block_size
+    return NamedPrompt(len(token_ids), keys[(last - 1) * KEY_BYTES : last * KEY_BYTES] if last else b"")
+
+
 def node_open_request(
-    seq_id: str, token_ids: Any, salt: bytes, num_cached: int, attention: Any, request_id: str = ""
+    seq_id: str, prompt: Any, salt: bytes, num_cached: int, attention: Any, request_id: str = ""
 ) -> pb.OpenRequest:
     """The node Open of an open (sent from here, or signed for the worker to carry);
-    `request_id`: the open's, which makes its signed order unique (random without one)."""
-    return pb.OpenRequest(
+    `prompt`: its token ids or a NamedPrompt (order_prompt); `request_id`: the open's,
+    which makes its signed order unique (random without one)."""
+    request = pb.OpenRequest(
         seq_id=seq_id,
-        token_ids=token_ids,
         tenant_salt=salt,
         expect_cached_tokens=num_cached,
         attention=attention,
         order_nonce=request_id.encode()[:64] or os.urandom(12),
     )
+    if isinstance(prompt, NamedPrompt):
+        request.prompt_tokens, request.prompt_key = prompt.num_tokens, prompt.last_cached_key
+    else:  # an array (a packed prompt) goes in as a list: the field would convert id by id
+        request.token_ids.extend(prompt.tolist() if isinstance(prompt, np.ndarray) else prompt)
+    return request
 
 
 class DeferredCalls:

@@ -21,6 +21,7 @@ from ..protos import pagedkv_pb2 as pb
 from ..protos import pagedkv_pb2_grpc as pb_grpc
 from ..protos.errors import FailedPrecondition, InvalidArgument, NotFound, PagedKVError
 from ..protos.framed_server import FramedServer
+from ..protos.prompt import tokens_of
 from ..protos.serving import GrpcServer, build_server, observe
 from ..protos.spec import ModelSpec
 from ..protos.tls import TlsConfig
@@ -207,9 +208,10 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     def Open(self, request: pb.CoordOpenRequest, context: grpc.ServicerContext) -> Any:
         def run() -> pb.CoordOpenResponse:
             tenant, seq_id = self._caller(context, request.seq_id)
+            tokens = tokens_of(request, "Open")
             result = self.coordinator.open(
                 tenant,
-                request.token_ids,
+                tokens,
                 seq_id=seq_id,
                 max_cached_tokens=request.max_cached_tokens
                 if request.HasField("max_cached_tokens")
@@ -218,8 +220,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 attention=request.attention,
                 request_id=request.request_id,
                 worker_opens=request.worker_opens,
+                carried_prompt=request.worker_opens and request.carries_prompt,
             )
-            self.metrics.observe_open(tenant, len(request.token_ids), result.num_cached_tokens)
+            self.metrics.observe_open(tenant, len(tokens), result.num_cached_tokens)
             return self._placed(tenant, seq_id, result, request.explain_miss)
 
         with self.coordinator.node_calls.held():

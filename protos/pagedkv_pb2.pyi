@@ -46,7 +46,7 @@ class Empty(_message.Message):
     def __init__(self) -> None: ...
 
 class OpenRequest(_message.Message):
-    __slots__ = ("seq_id", "token_ids", "max_cached_tokens", "expect_cached_tokens", "tenant_salt", "max_blocks", "attention", "first_position", "order_nonce")
+    __slots__ = ("seq_id", "token_ids", "max_cached_tokens", "expect_cached_tokens", "tenant_salt", "max_blocks", "attention", "first_position", "order_nonce", "prompt_tokens", "prompt_key")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -56,6 +56,8 @@ class OpenRequest(_message.Message):
     ATTENTION_FIELD_NUMBER: _ClassVar[int]
     FIRST_POSITION_FIELD_NUMBER: _ClassVar[int]
     ORDER_NONCE_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_KEY_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     max_cached_tokens: int
@@ -65,21 +67,27 @@ class OpenRequest(_message.Message):
     attention: _containers.RepeatedCompositeFieldContainer[LayerAttention]
     first_position: int
     order_nonce: bytes
-    def __init__(self, seq_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., max_cached_tokens: _Optional[int] = ..., expect_cached_tokens: _Optional[int] = ..., tenant_salt: _Optional[bytes] = ..., max_blocks: _Optional[int] = ..., attention: _Optional[_Iterable[_Union[LayerAttention, _Mapping]]] = ..., first_position: _Optional[int] = ..., order_nonce: _Optional[bytes] = ...) -> None: ...
+    prompt_tokens: int
+    prompt_key: bytes
+    def __init__(self, seq_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., max_cached_tokens: _Optional[int] = ..., expect_cached_tokens: _Optional[int] = ..., tenant_salt: _Optional[bytes] = ..., max_blocks: _Optional[int] = ..., attention: _Optional[_Iterable[_Union[LayerAttention, _Mapping]]] = ..., first_position: _Optional[int] = ..., order_nonce: _Optional[bytes] = ..., prompt_tokens: _Optional[int] = ..., prompt_key: _Optional[bytes] = ...) -> None: ...
 
 class SignedOpen(_message.Message):
-    __slots__ = ("order", "tag", "expires_at", "epoch", "node_id")
+    __slots__ = ("order", "tag", "expires_at", "epoch", "node_id", "token_ids", "packed_token_ids")
     ORDER_FIELD_NUMBER: _ClassVar[int]
     TAG_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PACKED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     order: bytes
     tag: bytes
     expires_at: int
     epoch: int
     node_id: str
-    def __init__(self, order: _Optional[bytes] = ..., tag: _Optional[bytes] = ..., expires_at: _Optional[int] = ..., epoch: _Optional[int] = ..., node_id: _Optional[str] = ...) -> None: ...
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    packed_token_ids: bytes
+    def __init__(self, order: _Optional[bytes] = ..., tag: _Optional[bytes] = ..., expires_at: _Optional[int] = ..., epoch: _Optional[int] = ..., node_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., packed_token_ids: _Optional[bytes] = ...) -> None: ...
 
 class OpenResponse(_message.Message):
     __slots__ = ("num_cached_tokens", "num_host_hit_tokens")
@@ -421,24 +429,28 @@ class Placement(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., first_token: _Optional[int] = ..., ticket: _Optional[bytes] = ...) -> None: ...
 
 class CoordOpenRequest(_message.Message):
-    __slots__ = ("seq_id", "token_ids", "max_cached_tokens", "spec", "attention", "explain_miss", "request_id", "worker_opens")
+    __slots__ = ("seq_id", "token_ids", "packed_token_ids", "max_cached_tokens", "spec", "attention", "explain_miss", "request_id", "worker_opens", "carries_prompt")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PACKED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_FIELD_NUMBER: _ClassVar[int]
     EXPLAIN_MISS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_OPENS_FIELD_NUMBER: _ClassVar[int]
+    CARRIES_PROMPT_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
+    packed_token_ids: bytes
     max_cached_tokens: int
     spec: ModelSpec
     attention: _containers.RepeatedCompositeFieldContainer[LayerAttention]
     explain_miss: bool
     request_id: str
     worker_opens: bool
-    def __init__(self, seq_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., max_cached_tokens: _Optional[int] = ..., spec: _Optional[_Union[ModelSpec, _Mapping]] = ..., attention: _Optional[_Iterable[_Union[LayerAttention, _Mapping]]] = ..., explain_miss: _Optional[bool] = ..., request_id: _Optional[str] = ..., worker_opens: _Optional[bool] = ...) -> None: ...
+    carries_prompt: bool
+    def __init__(self, seq_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., packed_token_ids: _Optional[bytes] = ..., max_cached_tokens: _Optional[int] = ..., spec: _Optional[_Union[ModelSpec, _Mapping]] = ..., attention: _Optional[_Iterable[_Union[LayerAttention, _Mapping]]] = ..., explain_miss: _Optional[bool] = ..., request_id: _Optional[str] = ..., worker_opens: _Optional[bool] = ..., carries_prompt: _Optional[bool] = ...) -> None: ...
 
 class CoordOpenResponse(_message.Message):
     __slots__ = ("extents", "num_cached_tokens", "num_host_hit_tokens", "num_blocks", "miss", "node_seq_id", "node_open", "frame_port")

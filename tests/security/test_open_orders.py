@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
 
+import numpy as np
 from hostile import TOKENS, Secured, kv, status_of
 
 from pagedkv.protos import pagedkv_pb2 as pb
@@ -49,6 +51,10 @@ def test_a_prefix_cached_through_a_carried_order_is_found_again(cluster: Secured
                 break
         assert time.monotonic() < deadline, "the cached prefix was never found"
         time.sleep(0.05)
+
+
+def _counter(stub: Any, name: str) -> int:
+    return int(stub.Stats(pb.Empty(), timeout=5).counters[name])
 
 
 def _num_sequences(cluster: Secured, address: str) -> int:
@@ -116,7 +122,10 @@ def _with(signed: pb.SignedOpen, **changes: object) -> pb.SignedOpen:
     out = pb.SignedOpen()
     out.CopyFrom(signed)
     for name, value in changes.items():
-        setattr(out, name, value)
+        if name == "token_ids":  # a repeated field is extended, not assigned
+            out.token_ids.extend(value)  # type: ignore[arg-type]
+        else:
+            setattr(out, name, value)
     return out
 
 
@@ -125,3 +134,78 @@ def _wait_for(done: Callable[[], bool], timeout_s: float = 10.0) -> None:
     while not done():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.02)
+
+
+def _cached(cluster: Secured, prompt: list[int], seq_id: str) -> None:
+    """`prompt`'s whole blocks cached by tenant beta, and the coordinator told of them."""
+    beta = cluster.clients["beta"]
+    with beta.open(seq_id, prompt) as seq:
+        seq.append(prompt, *kv(prompt, seed=len(prompt)))
+    _wait_for(lambda: beta.lookup(prompt + [1]) == len(prompt) // 16 * 16)
+
+
+def test_an_order_that_names_its_prompt_takes_only_the_prompt_it_names(cluster: Secured) -> None:
+    """A worker that carries the prompt (CoordOpenRequest.carries_prompt) gets an order
+    without it: the node takes the carried cached prefix only if it hashes to the order's
+    key. Another cached prompt of the same tenant, too few tokens, or two encodings at once
+    are refused before anything opens; the honest carriage opens with the whole hit."""
+    named, other = list(range(9_300, 9_333)), list(range(9_400, 9_433))
+    _cached(cluster, named, "named-src")
+    _cached(cluster, other, "other-src")
+    req = pb.CoordOpenRequest(
+        seq_id="named-1", packed_token_ids=np.asarray(named + [5], "<i4").tobytes(), worker_opens=True
+    )
+    req.carries_prompt = True
+    reply = cluster.coordinator_stub().Open(req, timeout=10, metadata=BEARER)
+    assert reply.num_cached_tokens == 32
+    order = pb.OpenRequest.FromString(reply.node_open.order)
+    assert not order.token_ids and order.prompt_tokens == 34 and len(order.prompt_key) == 16
+    stub = cluster.node_stub(reply.extents[0].address)
+    before = _num_sequences(cluster, reply.extents[0].address)
+    cases = [
+        (
+            "another cached prompt",
+            _with(reply.node_open, token_ids=other[:32]),
+            "not the one the coordinator placed",
+        ),
+        ("a cut prefix", _with(reply.node_open, token_ids=named[:16]), "the worker carried 16"),
+        ("nothing", reply.node_open, "the worker carried 0"),
+        (
+            "both encodings",
+            _with(reply.node_open, token_ids=named[:32], packed_token_ids=b"\0" * 128),
+            "both set",
+        ),
+        ("a ragged packing", _with(reply.node_open, packed_token_ids=b"\0" * 130), "not whole int32s"),
+    ]
+    for name, signed, says in cases:
+        code, details = status_of(stub.OpenSigned, signed)
+        assert code == "INVALID_ARGUMENT" and says in details, (name, code, details)
+        assert _num_sequences(cluster, reply.extents[0].address) == before, name
+    honest = _with(reply.node_open, packed_token_ids=np.asarray(named[:32], "<i4").tobytes())
+    queried = _counter(stub, "prefix_query_tokens")
+    assert stub.OpenSigned(honest, timeout=10).num_cached_tokens == 32
+    assert _counter(stub, "prefix_query_tokens") == queried + 34  # the whole prompt, as if it came
+    assert _num_sequences(cluster, reply.extents[0].address) == before + 1
+    cluster.coordinator_stub().Close(pb.CoordSeqRequest(seq_id="named-1"), timeout=10, metadata=BEARER)
+
+
+def test_a_packed_prompt_opens_as_the_repeated_one_and_a_bad_one_is_named(cluster: Secured) -> None:
+    prompt = list(range(9_500, 9_533))
+    _cached(cluster, prompt, "packed-src")
+    coordinator = cluster.coordinator_stub()
+    packed = np.asarray(prompt + [5], "<i4").tobytes()
+    for seq_id, req in (
+        ("as-varints", pb.CoordOpenRequest(seq_id="as-varints", token_ids=prompt + [5])),
+        ("as-packed", pb.CoordOpenRequest(seq_id="as-packed", packed_token_ids=packed)),
+    ):
+        assert coordinator.Open(req, timeout=10, metadata=BEARER).num_cached_tokens == 32, seq_id
+        coordinator.Close(pb.CoordSeqRequest(seq_id=seq_id), timeout=10, metadata=BEARER)
+    bad = [
+        (pb.CoordOpenRequest(seq_id="b1", packed_token_ids=packed[:-1]), "not whole int32s"),
+        (pb.CoordOpenRequest(seq_id="b2", packed_token_ids=packed, token_ids=[1]), "both set"),
+    ]
+    for req, says in bad:
+        code, details = status_of(coordinator.Open, req, BEARER)
+        assert code == "INVALID_ARGUMENT" and says in details, (code, details)
+        code, _ = status_of(coordinator.Describe, pb.CoordSeqRequest(seq_id=req.seq_id), BEARER)
+        assert code == "NOT_FOUND", "a refused open left a page table"
