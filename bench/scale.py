@@ -53,6 +53,7 @@ from pagedkv.protos import pagedkv_pb2 as pb
 from pagedkv.protos.errors import Unavailable
 from pagedkv.protos.framed_client import FramedPort
 from pagedkv.protos.keys import chain_keys, root_key
+from pagedkv.protos.prompt import PACKED_TOKEN_BYTES, pack
 
 RESULTS = Path(__file__).parent / "results"
 BLOCK = SPEC.block_size
@@ -160,13 +161,16 @@ def close_retrying(stub: Any, seq_id: str, freed_extents: int = 0, framed: Frame
     raise RuntimeError(f"close of {seq_id} still UNAVAILABLE after 100 tries")
 
 
-# Who sends the node Open (CoordOpenRequest.worker_opens) and how Open and Close travel:
-# the coordinator (gRPC), the worker (gRPC), the worker over the coordinator's framed port.
-MODES = ("coordinator", "worker", "framed")
+# Who sends the node Open (CoordOpenRequest.worker_opens), how Open and Close travel and how
+# the prompt does: the coordinator (gRPC), the worker (gRPC), the worker over the coordinator's
+# framed port with the prompt as varints in the signed order, and as the client sends it now:
+# packed, the order naming it and the worker carrying its cached prefix (carries_prompt).
+MODES = ("coordinator", "worker", "framed_varints", "framed")
 MODE_NAMES = {
     "coordinator": "gRPC, node Open by the coordinator",
     "worker": "gRPC, node Open by the worker",
-    "framed": "framed port, node Open by the worker",
+    "framed_varints": "framed port, node Open by the worker, prompt in the order",
+    "framed": "framed port, node Open by the worker, prompt packed and carried",
 }
 
 
@@ -204,9 +208,16 @@ def measure_opens(
                 seq_id = f"{tag}-{mode}-{n}"
                 t0 = time.perf_counter()
                 worker = mode != "coordinator"
-                req = pb.CoordOpenRequest(seq_id=seq_id, token_ids=tokens, worker_opens=worker)
-                framed = framed_ports[n % len(cluster.stubs)] if mode == "framed" else None
+                carried = pack(tokens) if mode == "framed" else None  # as the client packs, in the loop
+                if carried is not None:
+                    req = pb.CoordOpenRequest(seq_id=seq_id, packed_token_ids=carried, worker_opens=True)
+                    req.carries_prompt = True
+                else:
+                    req = pb.CoordOpenRequest(seq_id=seq_id, token_ids=tokens, worker_opens=worker)
+                framed = framed_ports[n % len(cluster.stubs)] if mode.startswith("framed") else None
                 reply = coordinator_call(stub, framed, "Open", req)
+                if carried is not None:  # the cached prefix rides beside the order
+                    reply.node_open.packed_token_ids = carried[: PACKED_TOKEN_BYTES * reply.num_cached_tokens]
                 if worker:  # as CacheClient does: the node Open, then open() returns
                     cluster.stub_node.OpenSigned(reply.node_open, timeout=60)
                 t1 = time.perf_counter()
@@ -343,8 +354,10 @@ def render(r: dict[str, Any]) -> str:
             )
     lines += [
         "",
-        "How Open and Close travel and who sends the node Open (rounds alternating): the framed port,",
-        "the worker's node Open (the client's default, above); gRPC, the worker's; gRPC, the coordinator's.",
+        "How Open and Close travel, who sends the node Open and how the prompt goes (rounds alternating):",
+        "the framed port, the worker's node Open, the prompt packed and named by the order (the client's",
+        "default, above); the same with the prompt as varints held by the signed order; gRPC, the",
+        "worker's node Open; gRPC, the coordinator's.",
         "CPU by thread is the first coordinator's per open+close it served (ms, beats included).",
         "",
         "| nodes | coords | prompt | Open and Close | coord CPU / open+close ms | open p50 ms | by thread |",

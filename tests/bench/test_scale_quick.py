@@ -29,14 +29,14 @@ def test_the_quick_scale_run_measures_every_point_and_reaps_nobody(tmp_path: Pat
         assert p["events"]["batch256_apply_events_p50_us"] > 0
         by_mode = p["prompts_by_mode"]  # the same opens each way: framed (above), gRPC, the old way
         assert by_mode["framed"]["2048"] == opens
-        for mode in ("worker", "coordinator"):
+        for mode in ("worker", "coordinator", "framed_varints"):
             other = by_mode[mode]["2048"]
             assert other["opens"] == 20 and other["coord_cpu_per_open_close_ms"] >= 0
             assert other["open_p50_ms"] > 0
         # the fake nodes report the prompt on one node only: as placement spreads the hot prefix
         # to other nodes (which never report it here) later rounds hit less; the first mode hits
         assert by_mode["coordinator"]["2048"]["hit_share"] > 0
-        # CPU comes from /proc in 10 ms ticks: 20 opens a mode may read 0, all three modes do not
+        # CPU comes from /proc in 10 ms ticks: 20 opens a mode may read 0, all four modes do not
         assert sum(m["2048"]["coord_cpu_raw_per_open_close_ms"] for m in by_mode.values()) > 0
         assert (
             p["events"]["batch1_coord_cpu_per_event_us"] > 0

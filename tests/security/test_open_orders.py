@@ -136,12 +136,16 @@ def _wait_for(done: Callable[[], bool], timeout_s: float = 10.0) -> None:
         time.sleep(0.02)
 
 
-def _cached(cluster: Secured, prompt: list[int], seq_id: str) -> None:
-    """`prompt`'s whole blocks cached by tenant beta, and the coordinator told of them."""
+def _cached(cluster: Secured, prompt: list[int], seq_id: str) -> str:
+    """`prompt`'s whole blocks cached by tenant beta, and the coordinator told of them;
+    returns the address of the node holding them."""
     beta = cluster.clients["beta"]
     with beta.open(seq_id, prompt) as seq:
-        seq.append(prompt, *kv(prompt, seed=len(prompt)))
+        rest = prompt[seq.num_cached_tokens :]  # a shared first block may be cached already
+        seq.append(rest, *kv(rest, seed=len(prompt)))
+        address = seq.route.address
     _wait_for(lambda: beta.lookup(prompt + [1]) == len(prompt) // 16 * 16)
+    return address
 
 
 def test_an_order_that_names_its_prompt_takes_only_the_prompt_it_names(cluster: Secured) -> None:
@@ -149,15 +153,20 @@ def test_an_order_that_names_its_prompt_takes_only_the_prompt_it_names(cluster: 
     without it: the node takes the carried cached prefix only if it hashes to the order's
     key. Another cached prompt of the same tenant, too few tokens, or two encodings at once
     are refused before anything opens; the honest carriage opens with the whole hit."""
-    named, other = list(range(9_300, 9_333)), list(range(9_400, 9_433))
-    _cached(cluster, named, "named-src")
-    _cached(cluster, other, "other-src")
+    named = list(range(9_300, 9_333))
+    other = named[:16] + list(range(9_400, 9_417))  # its first block shared, its second not
+    home = _cached(cluster, named, "named-src")
+    for attempt in range(5):  # the shared block draws it to the same node: both prefixes there
+        if _cached(cluster, other, f"other-src-{attempt}") == home:
+            break
+    else:
+        raise AssertionError("the second prompt was never cached beside the first")
     req = pb.CoordOpenRequest(
         seq_id="named-1", packed_token_ids=np.asarray(named + [5], "<i4").tobytes(), worker_opens=True
     )
     req.carries_prompt = True
     reply = cluster.coordinator_stub().Open(req, timeout=10, metadata=BEARER)
-    assert reply.num_cached_tokens == 32
+    assert reply.num_cached_tokens == 32 and reply.extents[0].address == home
     order = pb.OpenRequest.FromString(reply.node_open.order)
     assert not order.token_ids and order.prompt_tokens == 34 and len(order.prompt_key) == 16
     stub = cluster.node_stub(reply.extents[0].address)
