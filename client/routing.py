@@ -153,6 +153,8 @@ class CoordinatorRouting:
         # Open and Close on the framed port the coordinator's replies advertise (protos/framed_client.py)
         self.framed = FramedPort(address, self.metadata, config.tls) if config.coordinator_frames else None
         self._spec_cache: tuple[ModelSpec | None, pb.ModelSpec | None] = (spec, _spec(spec))
+        # Prompts go packed once a reply says the coordinator reads them (the first open: varints)
+        self.packs_prompts = False
 
     def _spec_msg(self) -> pb.ModelSpec | None:
         """The spec as a message, built once per spec (not once per open);
@@ -173,7 +175,7 @@ class CoordinatorRouting:
         attention: Sequence[pb.LayerAttention] = (),
         explain_miss: bool = False,
     ) -> pb.CoordOpenRequest:
-        packed = codec.packed_prompt(token_ids)
+        packed = codec.packed_prompt(token_ids) if self.packs_prompts else None
         if packed is not None:
             req = pb.CoordOpenRequest(packed_token_ids=packed, seq_id=seq_id, spec=self._spec_msg())
         else:
@@ -214,6 +216,7 @@ class CoordinatorRouting:
             self.node_opens.wait(seq_id)  # a reopen after a failed node Open: its page table is gone
             request.worker_opens = request.carries_prompt = True
         resp = self._call("Open", request, timeout_s)
+        self.packs_prompts = resp.takes_packed_prompts  # an older coordinator reads packed as empty
         if self.node_opens is not None and resp.HasField("node_open"):
             _carry_prompt(resp.node_open, request, resp.num_cached_tokens)
             self.node_opens.send(seq_id, resp.extents[0].address, resp.node_open)

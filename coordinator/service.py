@@ -123,6 +123,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             num_blocks=result.num_blocks,
             node_seq_id=seq_id,
             frame_port=self.frame_port,
+            takes_packed_prompts=True,
         )
         if explain_miss and result.miss is not None:
             resp.miss.CopyFrom(miss_message(result.miss))

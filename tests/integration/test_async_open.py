@@ -29,7 +29,7 @@ from pagedkv.coordinator.auth import Tenants
 from pagedkv.coordinator.core import Coordinator, CoordinatorConfig
 from pagedkv.coordinator.redis_store import RedisStore
 from pagedkv.coordinator.service import create_server as create_coordinator_server
-from pagedkv.protos.errors import SequenceNotFound
+from pagedkv.protos.errors import InvalidArgument, SequenceNotFound
 from pagedkv.protos.spec import ModelSpec
 
 SPEC = ModelSpec(num_layers=1, num_kv_heads=1, head_dim=8, dtype="float32", block_size=4)
@@ -58,6 +58,7 @@ def stack(redis_url):
     client = CacheClient(
         coordinator=f"127.0.0.1:{coord_port}", spec=SPEC, config=ClientConfig(worker_opens=False)
     )
+    client.coordinator_address = f"127.0.0.1:{coord_port}"  # type: ignore[attr-defined]
     yield engine, coordinator, client
     client.close()
     coord_server.stop(0)
@@ -232,3 +233,32 @@ def test_fork_and_swaps_right_after_an_open_wait_for_its_node_open(stack):
     engine.check_integrity()
     assert engine.stats()["num_sequences"] == 0
     assert coordinator.store.tenant_usage(TENANT) == 0  # a fork reserves its blocks, its close releases them
+
+
+@pytest.mark.parametrize("big_ids", [False, True])
+def test_a_carried_open_goes_packed_once_the_coordinator_reads_it_and_hits_the_same(stack, big_ids):
+    """The worker carries the node Open (the default): the first open sends varints, and
+    once a reply says the coordinator reads packed prompts the next ones go packed, the
+    order naming the prompt and the worker carrying its cached prefix. Ids past 32 bits go
+    as varints throughout. Either way the hit is exact and the node holds the prefix."""
+    engine, coordinator, client = stack
+    prompt = [2**40 + t for t in PROMPT] if big_ids else PROMPT
+    with client.open("warm", prompt) as seq:
+        seq.append(prompt, kv(40), kv(40))
+    coordinator.wait_idle()
+    publish(coordinator, engine)
+    carrier = CacheClient(coordinator=client.coordinator_address, spec=SPEC)
+    try:
+        assert carrier.routing.packs_prompts is False  # nothing heard yet: varints
+        for i, tokens in enumerate((prompt + [7], torch.tensor(prompt + [8]), prompt + [9])):
+            with carrier.open(f"carried-{i}", tokens) as seq:
+                assert seq.num_cached_tokens == 40, i
+                seq.append([1], kv(1), kv(1))  # waits for the node Open the worker carried
+                assert engine.sequence_length(f"carried-{i}") == 41, i
+            assert carrier.routing.packs_prompts is True
+            coordinator.wait_idle()
+        with pytest.raises(InvalidArgument, match="int64"):
+            carrier.open("bools", [1, True, 2])  # refused as the varint field refuses it
+    finally:
+        carrier.close()
+    assert engine.manager.check_integrity() is None
