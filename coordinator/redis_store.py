@@ -314,7 +314,7 @@ class RedisStore(Store):
         check_name("node_id", node_id)
         stored, removed, offloaded = check_events(stored, removed, offloaded)
         args = [self._prefix, node_id, len(stored), len(offloaded), *stored, *offloaded, *removed]
-        if not self._call("apply_events", self._apply_events, args=args):
+        if not self._call("apply_events", self._kept.run, self._apply_events, args):
             raise NodeNotLive(node_id, "events ignored; register again")
 
     def match_prefix(self, keys: Sequence[bytes]) -> dict[str, int]:
