@@ -66,7 +66,7 @@ def shortlist(
     (room_index.py)."""
     if isinstance(candidates, CandidateRooms):
         return Shortlist(*candidates.shortlist(need, weights, tie_key, scan_classes, size, opens_scale))
-    sum_opens = math.fsum(c.recent_opens / opens_scale for c in candidates)
+    sum_opens = math.fsum(c.recent_opens for c in candidates) / opens_scale  # as RoomIndex keeps it
     sum_total = sum(c.total_blocks for c in candidates)
     ow, lw, hw = weights.overlap_weight, weights.load_weight, weights.host_weight
     slack, margin, aff = weights.balance_slack, weights.balance_margin, weights.affinity_share
