@@ -156,11 +156,10 @@ def test_an_order_that_names_its_prompt_takes_only_the_prompt_it_names(cluster: 
     named = list(range(9_300, 9_333))
     other = named[:16] + list(range(9_400, 9_417))  # its first block shared, its second not
     home = _cached(cluster, named, "named-src")
-    for attempt in range(5):  # the shared block draws it to the same node: both prefixes there
-        if _cached(cluster, other, f"other-src-{attempt}") == home:
-            break
-    else:
-        raise AssertionError("the second prompt was never cached beside the first")
+    # The shared block usually draws it to the same node; placement's balance bound may not
+    # (a busy module cluster), and then the node holds none of it: refused all the same
+    # (PrefixEvicted). The key check alone: tests/unit/test_engine_named_prompt.py.
+    beside = any(_cached(cluster, other, f"other-src-{attempt}") == home for attempt in range(3))
     req = pb.CoordOpenRequest(
         seq_id="named-1", packed_token_ids=np.asarray(named + [5], "<i4").tobytes(), worker_opens=True
     )
@@ -188,7 +187,10 @@ def test_an_order_that_names_its_prompt_takes_only_the_prompt_it_names(cluster: 
     ]
     for name, signed, says in cases:
         code, details = status_of(stub.OpenSigned, signed)
-        assert code == "INVALID_ARGUMENT" and says in details, (name, code, details)
+        if name == "another cached prompt" and not beside:  # not held here: refused as evicted
+            assert code == "FAILED_PRECONDITION" and "prefix evicted" in details, (name, code, details)
+        else:
+            assert code == "INVALID_ARGUMENT" and says in details, (name, code, details)
         assert _num_sequences(cluster, reply.extents[0].address) == before, name
     honest = _with(reply.node_open, packed_token_ids=np.asarray(named[:32], "<i4").tobytes())
     queried = _counter(stub, "prefix_query_tokens")
