@@ -40,6 +40,7 @@ from ..protos.attention import LayerAttention
 from ..protos.errors import InvalidArgument, PagedKVError, PrefixEvicted, SequenceNotFound
 from .attention import AttentionOutput
 from .attention.decode import decode_trusted
+from .attention.given_mass import block_mass_given
 from .attention.prefill import prefill_trusted
 from .block_mass import credit_mass, tracks_mass
 from .compute_thread import ComputeThread
@@ -573,6 +574,62 @@ class CacheEngine:
             if budget is not None:
                 self.specs.check_budget(seq_id)
             self.manager.set_budget(seq_id, budget)
+
+    @_computes
+    def block_mass(
+        self, seq_id: str, layer: int, q: Any, lse: Seq[float], *, sees_all: bool = False
+    ) -> list[float]:
+        """Each block's mass (one per table entry) from q [n, q_heads, head_dim] under the
+        normalizers lse (n * q_heads, merged over every node: attention/given_mass.py).
+        sees_all: q come after every token here, else they are the last n. Changes nothing."""
+        seq_id = seq_id_of(seq_id)
+        layer = self._checks.layer(layer)
+        q = self._checks.query("q", q, (None, None, self.spec.head_dim))
+        n, hq = q.shape[0], q.shape[1]
+        norm = torch.tensor(list(lse), dtype=torch.float32, device=self.device)
+        if n == 0 or norm.numel() != n * hq or not bool(torch.isfinite(norm).all()):
+            raise InvalidArgument(
+                f"block_mass needs n >= 1 queries and n * q_heads = {n * hq} finite lse, "
+                f"got {norm.numel()} values"
+            )
+        with self._lock:
+            seq = self.manager.get_active(seq_id)
+            self._refuse_masks(seq_id, "block mass")
+            if not sees_all and seq.cache_len < n:
+                raise InvalidArgument(
+                    f"sequence {seq_id!r} holds {seq.cache_len} tokens, fewer than {n} queries"
+                )
+            table = torch.tensor(seq.table, dtype=torch.int64, device=self.device)
+            spec = self.specs.layer_spec(seq_id, layer)
+            mass = block_mass_given(
+                q, norm.view(n, hq), self.kv[layer, 0], table, seq.cache_len, spec, causal=not sees_all
+            ).tolist()
+            return mass + [0.0] * (len(seq.table) - len(mass))
+
+    def budget_scores(self, seq_id: str) -> tuple[list[float], int]:
+        """The mass the sequence's budget has credited each block (one per table entry), and
+        the tokens it holds."""
+        seq_id = seq_id_of(seq_id)
+        with self._lock:
+            seq = self.manager.get_active(seq_id)
+            self._refuse_masks(seq_id, "token budget")
+            return list(seq.scores), seq.cache_len
+
+    @_computes
+    def drop_blocks(self, seq_id: str, indices: Seq[int]) -> int:
+        """Drop whole blocks (table indices) a budget across nodes chose; returns the tokens
+        kept. An unfinished layer-by-layer step of the sequence is never published."""
+        seq_id = seq_id_of(seq_id)
+        with self._lock:
+            self._refuse_masks(seq_id, "dropping blocks")
+            self.manager.drop_blocks(seq_id, [int(i) for i in indices])
+            self._layered.drop(seq_id)
+            return self.manager.get_active(seq_id).cache_len
+
+    def _refuse_masks(self, seq_id: str, what: str) -> None:
+        spec = self.specs.get(seq_id)
+        if spec is not None and spec.masks:
+            raise InvalidArgument(f"sequence {seq_id!r} has a sliding window or chunked attention: no {what}")
 
     @_computes
     def reset(self) -> None:

@@ -507,17 +507,18 @@ class KVCacheManager:
 
     def drop_blocks(self, seq_id: str, indices: list[int]) -> None:
         """Release whole blocks from an active sequence's table: `indices` ascending, distinct,
-        each a full block before the last one. Their tokens are no longer attended to, the key
-        chain ends at the first of them, and cache_len shrinks by a block each; shared blocks
-        lose one reference, their bytes untouched. Budgets drop through here; so can a layer
-        window that every layer has slid past (its leading blocks)."""
+        each a full block (the last one too, when full: a sealed extent's, for a budget across
+        nodes). Their tokens are no longer attended to, the key chain ends at the first of
+        them, and cache_len shrinks by a block each; shared blocks lose one reference, their
+        bytes untouched. Budgets drop through here; so can a layer window that every layer
+        has slid past (its leading blocks)."""
         seq = self.get_active(seq_id)
         if not indices or sorted(set(indices)) != list(indices) or indices[0] < 0:
             raise InvalidArgument(f"drop_blocks needs distinct ascending table indices, got {indices}")
         full = seq.cache_len // self.block_size
-        if indices[-1] >= min(full, len(seq.table) - 1):
+        if indices[-1] >= min(full, len(seq.table)):
             raise InvalidArgument(
-                f"sequence {seq_id!r}: only full blocks before the last one can be dropped "
+                f"sequence {seq_id!r}: only full blocks can be dropped "
                 f"(table of {len(seq.table)}, {full} full); got index {indices[-1]}"
             )
         group = self.decoder.group

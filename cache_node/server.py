@@ -397,6 +397,32 @@ class CacheNodeServicer(pb_grpc.CacheNodeServicer):
 
         return self._observe("SetBudget", context, run)
 
+    def BlockMass(self, request: pb.BlockMassRequest, context: grpc.ServicerContext) -> pb.BlockMassResponse:
+        def run() -> pb.BlockMassResponse:
+            self.gate.require(self._creds(context), [request.seq_id], RIGHT_READ, "BlockMass")
+            if request.accumulated:
+                scores, held = self.engine.budget_scores(request.seq_id)
+                return pb.BlockMassResponse(mass=scores, num_cached_tokens=held)
+            if not request.HasField("q"):
+                raise InvalidArgument("BlockMass needs q (or accumulated)")
+            q = tensors.decode(request.q, "q", copy=False)
+            mass = self.engine.block_mass(
+                request.seq_id, request.layer, q, request.lse, sees_all=request.sees_all
+            )
+            return pb.BlockMassResponse(mass=mass)
+
+        return self._observe("BlockMass", context, run)
+
+    def DropBlocks(
+        self, request: pb.DropBlocksRequest, context: grpc.ServicerContext
+    ) -> pb.DropBlocksResponse:
+        def run() -> pb.DropBlocksResponse:
+            self.gate.require(self._creds(context), [request.seq_id], RIGHT_WRITE, "DropBlocks")
+            kept = self.engine.drop_blocks(request.seq_id, list(request.indices))
+            return pb.DropBlocksResponse(num_cached_tokens=kept)
+
+        return self._observe("DropBlocks", context, run)
+
     # -- introspection ----------------------------------------------------------
 
     def Stats(self, request: pb.Empty, context: grpc.ServicerContext) -> pb.StatsResponse:

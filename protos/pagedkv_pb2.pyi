@@ -277,6 +277,44 @@ class SetBudgetRequest(_message.Message):
     recent_blocks: int
     def __init__(self, seq_id: _Optional[str] = ..., max_tokens: _Optional[int] = ..., sink_blocks: _Optional[int] = ..., recent_blocks: _Optional[int] = ...) -> None: ...
 
+class BlockMassRequest(_message.Message):
+    __slots__ = ("seq_id", "layer", "q", "lse", "sees_all", "accumulated")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    Q_FIELD_NUMBER: _ClassVar[int]
+    LSE_FIELD_NUMBER: _ClassVar[int]
+    SEES_ALL_FIELD_NUMBER: _ClassVar[int]
+    ACCUMULATED_FIELD_NUMBER: _ClassVar[int]
+    seq_id: str
+    layer: int
+    q: Tensor
+    lse: _containers.RepeatedScalarFieldContainer[float]
+    sees_all: bool
+    accumulated: bool
+    def __init__(self, seq_id: _Optional[str] = ..., layer: _Optional[int] = ..., q: _Optional[_Union[Tensor, _Mapping]] = ..., lse: _Optional[_Iterable[float]] = ..., sees_all: _Optional[bool] = ..., accumulated: _Optional[bool] = ...) -> None: ...
+
+class BlockMassResponse(_message.Message):
+    __slots__ = ("mass", "num_cached_tokens")
+    MASS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    mass: _containers.RepeatedScalarFieldContainer[float]
+    num_cached_tokens: int
+    def __init__(self, mass: _Optional[_Iterable[float]] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
+
+class DropBlocksRequest(_message.Message):
+    __slots__ = ("seq_id", "indices")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    INDICES_FIELD_NUMBER: _ClassVar[int]
+    seq_id: str
+    indices: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_id: _Optional[str] = ..., indices: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class DropBlocksResponse(_message.Message):
+    __slots__ = ("num_cached_tokens",)
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    num_cached_tokens: int
+    def __init__(self, num_cached_tokens: _Optional[int] = ...) -> None: ...
+
 class StatsResponse(_message.Message):
     __slots__ = ("counters", "spec", "device", "policy", "bulk_port", "epoch", "is_fenced")
     class CountersEntry(_message.Message):

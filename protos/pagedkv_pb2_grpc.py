@@ -121,6 +121,16 @@ class CacheNodeStub:
                 request_serializer=pagedkv__pb2.SetBudgetRequest.SerializeToString,
                 response_deserializer=pagedkv__pb2.Empty.FromString,
                 _registered_method=True)
+        self.BlockMass = channel.unary_unary(
+                '/pagedkv.v1.CacheNode/BlockMass',
+                request_serializer=pagedkv__pb2.BlockMassRequest.SerializeToString,
+                response_deserializer=pagedkv__pb2.BlockMassResponse.FromString,
+                _registered_method=True)
+        self.DropBlocks = channel.unary_unary(
+                '/pagedkv.v1.CacheNode/DropBlocks',
+                request_serializer=pagedkv__pb2.DropBlocksRequest.SerializeToString,
+                response_deserializer=pagedkv__pb2.DropBlocksResponse.FromString,
+                _registered_method=True)
         self.Stats = channel.unary_unary(
                 '/pagedkv.v1.CacheNode/Stats',
                 request_serializer=pagedkv__pb2.Empty.SerializeToString,
@@ -311,6 +321,26 @@ class CacheNodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def BlockMass(self, request, context):
+        """Each block's attention mass from q under the given (merged) normalizers, summed over
+        queries and heads, or the mass the node's budget has credited (accumulated): what a
+        client keeping a budget across nodes ranks blocks by. Refused for a sequence whose
+        layers mask by position (a window or chunks). Changes nothing; idempotent. Codes: OK,
+        INVALID_ARGUMENT, NOT_FOUND.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DropBlocks(self, request, context):
+        """Drop whole blocks from a sequence (a budget across nodes chose them): their tokens
+        are no longer attended to; shared blocks lose a reference. Changes: the table, the
+        counts. Codes: OK, INVALID_ARGUMENT (not full, not ascending, out of range), NOT_FOUND.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Stats(self, request, context):
         """Block counts by state and tier, prefix-cache/eviction/swap counters, the
         served ModelSpec. Changes nothing; idempotent. Codes: OK.
@@ -412,6 +442,16 @@ def add_CacheNodeServicer_to_server(servicer, server):
                     servicer.SetBudget,
                     request_deserializer=pagedkv__pb2.SetBudgetRequest.FromString,
                     response_serializer=pagedkv__pb2.Empty.SerializeToString,
+            ),
+            'BlockMass': grpc.unary_unary_rpc_method_handler(
+                    servicer.BlockMass,
+                    request_deserializer=pagedkv__pb2.BlockMassRequest.FromString,
+                    response_serializer=pagedkv__pb2.BlockMassResponse.SerializeToString,
+            ),
+            'DropBlocks': grpc.unary_unary_rpc_method_handler(
+                    servicer.DropBlocks,
+                    request_deserializer=pagedkv__pb2.DropBlocksRequest.FromString,
+                    response_serializer=pagedkv__pb2.DropBlocksResponse.SerializeToString,
             ),
             'Stats': grpc.unary_unary_rpc_method_handler(
                     servicer.Stats,
@@ -846,6 +886,60 @@ class CacheNode:
             '/pagedkv.v1.CacheNode/SetBudget',
             pagedkv__pb2.SetBudgetRequest.SerializeToString,
             pagedkv__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def BlockMass(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedkv.v1.CacheNode/BlockMass',
+            pagedkv__pb2.BlockMassRequest.SerializeToString,
+            pagedkv__pb2.BlockMassResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DropBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedkv.v1.CacheNode/DropBlocks',
+            pagedkv__pb2.DropBlocksRequest.SerializeToString,
+            pagedkv__pb2.DropBlocksResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -211,7 +211,7 @@ def test_drop_blocks_releases_leading_blocks_alike() -> None:
     same(sides, lambda m: m.reserve("a", prompt))
     same(sides, lambda m: m.fork("a", "b"))
     table = list(sides[0].get("a").table)
-    for bad in ([], [1, 0], [0, 0], [-1], [4], [3, 4]):  # the last block is never dropped
+    for bad in ([], [1, 0], [0, 0], [-1], [4], [3, 4]):  # a partial block is never dropped
         assert same(sides, lambda m, bad=bad: m.drop_blocks("a", bad))[0] == "InvalidArgument"
     assert same(sides, lambda m: m.drop_blocks("nope", [0]))[0] == "SequenceNotFound"
     assert same(sides, lambda m: m.drop_blocks("a", [0, 1])) == ("ok", None)
@@ -221,3 +221,13 @@ def test_drop_blocks_releases_leading_blocks_alike() -> None:
     assert sides[0].device.refcount_of(table[0]) == 1  # still b's
     assert same(sides, lambda m: m.reserve("a", [7] * 6)) == ("ok", 10)  # appends go on after the drop
     assert sides[0].get("a").keys[-1] is None  # no key once the chain is broken
+    # a full last block goes too (a sealed extent's, for a budget across nodes), to an empty table
+    same(sides, lambda m: m.open("c", list(range(100, 108))))
+    same(sides, lambda m: m.reserve("c", list(range(100, 108))))
+    assert same(sides, lambda m: m.drop_blocks("c", [1])) == ("ok", None)
+    assert same(sides, lambda m: m.drop_blocks("c", [0])) == ("ok", None)
+    c = sides[0].get("c")
+    assert c.table == [] and c.cache_len == 0 and c.num_tokens == 8
+    assert same(sides, lambda m: m.reserve("c", [5])) == ("ok", 0)
+    for m in sides:
+        m.check_integrity()
