@@ -9,9 +9,14 @@ by one" makes the same calls, each answered before the next is sent: what overla
 the nodes' attends saves.
 
     python -m bench.sharded [--length 8192] [--steps 60] [--smoke] [--out DIR] [--window W] [--pin-nodes]
+                            [--budget N]
 
 --window W opens every sequence with a sliding window of W tokens on every layer: the client
 attends only the extents the window reaches (the others are skipped: client/extent_masks.py).
+
+--budget N sets a token budget of N tokens on every sequence: one node keeps it; over several
+the client does (client/budget.py: a BlockMass round per attend, a DropBlocks per drop). Its
+results go to sharded_budget.*.
 
 --pin-nodes pins each node process to one core (round robin, the 2-node sequence's nodes
 first, so its halves get a core each; the client is left free): a node with compute of its
@@ -134,6 +139,12 @@ def main() -> None:
     )
     p.add_argument("--window", type=int, default=0, help="a sliding window on every layer (0: none)")
     p.add_argument("--pin-nodes", action="store_true", help="each node process on one core (see above)")
+    p.add_argument(
+        "--budget",
+        type=int,
+        default=0,
+        help="a token budget of this many tokens on every sequence, 0: none (results in sharded_budget.*)",
+    )
     args = p.parse_args()
     length, steps = (256, 4) if args.smoke else (args.length, args.steps)
     node = NodeOptions(
@@ -159,6 +170,8 @@ def main() -> None:
                 fill(seq, spec, length)
                 seq.max_extent_tokens = None  # decode grows the tail
                 assert len(seq.extents) == extents, seq.extents
+                if args.budget:  # one node keeps it; over several the client does (exact mass rounds)
+                    seq.set_budget(args.budget, 1, 4)
                 seqs[f"{extents} node{'s' if extents > 1 else ''}"] = seq
             if args.pin_nodes:
                 pin_nodes(cluster, seqs["2 nodes"])
@@ -189,6 +202,7 @@ def main() -> None:
         f"torch threads per node: {args.node_threads or 'default'}"
         + (f", window {args.window}" if args.window else "")
         + (", nodes pinned to cores" if args.pin_nodes else "")
+        + (f", token budget {args.budget}" if args.budget else "")
     )
     lines = [title, "", "| mode | ms | x one node | node calls a layer |", "|---|---|---|---|"]
     print(title)
@@ -199,7 +213,8 @@ def main() -> None:
         lines.append(f"| {mode} | {med * 1e3:.3f} | {med / base:.2f}x | {calls:.1f} |")
         print(f"  {mode:22s} {med * 1e3:8.3f} ms   {med / base:5.2f}x one node   {calls:.1f} calls a layer")
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "sharded.md").write_text("\n".join(lines) + "\n")
+    name = "sharded_budget" if args.budget else "sharded"
+    (args.out / f"{name}.md").write_text("\n".join(lines) + "\n")
     medians = {mode: statistics.median(times[mode]) for mode in modes}
     raw = {
         "length": length,
@@ -207,12 +222,13 @@ def main() -> None:
         "load": load,
         "window": args.window,
         "pinned": args.pin_nodes,
+        "budget": args.budget,
         "median_ms": {mode: med * 1e3 for mode, med in medians.items()},
         "ratio": {mode: med / base for mode, med in medians.items()},
         "seconds": times,
     }
-    (args.out / "sharded.json").write_text(json.dumps(raw, indent=1))
-    plot(times, title, args.out / "sharded.png")
+    (args.out / f"{name}.json").write_text(json.dumps(raw, indent=1))
+    plot(times, title, args.out / f"{name}.png")
 
 
 def plot(times: dict[str, list[float]], title: str, path: Path) -> None:

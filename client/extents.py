@@ -34,6 +34,7 @@ import torch
 
 from ..protos.errors import CapacityExceeded
 from ..protos.merge import merge_partials
+from . import budget as budgets
 from . import codec
 from .extent_masks import PAST, SKIP, WHOLE, extent_view, layer_of, pad_rows, query_split
 from .transport.base import Reply
@@ -197,6 +198,8 @@ def attend_batch(
         for row, s in enumerate(handles):
             if row not in appended and s._tail_room() == 0:  # the new token starts an extent
                 s.extend(timeout_s=timeout_s)
+            if row not in appended and s._budget_on:
+                budgets.make_room(s, 1, timeout_s)
     # address -> [(row, extent index, appends)]
     groups: dict[str, list[tuple[int, int, bool]]] = {}
     past: list[tuple[int, int, Callable[[], Reply]]] = []  # a window's edge inside: its own call
@@ -206,8 +209,8 @@ def attend_batch(
         spec = layer_of(s.attention, layer)
         pos = s._query_position(layer, k) if spec.masks and last else 0
         for i, ext in enumerate(s.extents):
-            if i == last and k is None and s._extent_tokens(i) == 0:
-                continue  # an empty new tail: nothing to attend to there yet
+            if (i < last or k is None) and s._held_tokens(i) == 0:
+                continue  # an empty new tail, or an extent a budget emptied: nothing to attend to
             view = WHOLE
             if spec.masks and i < last:
                 view = extent_view(spec, ext.first_token, s.extents[i + 1].first_token, pos)
@@ -244,7 +247,11 @@ def attend_batch(
         for s in handles:
             if s.num_tokens is not None:
                 s.num_tokens += 1
-    return stack_rows([merge([parts[i] for i in sorted(parts)]) for parts in per_row])
+    merged = [merge([parts[i] for i in sorted(parts)]) for parts in per_row]
+    for row, s in enumerate(handles):
+        if s._budget_on:
+            budgets.credit(s, layer, q[row : row + 1], merged[row].lse, len(s.extents) - 1, timeout_s)
+    return stack_rows(merged)
 
 
 def spill_and_retry(
@@ -354,6 +361,8 @@ def prefill_part(
         first = seq._query_position(layer, None)  # raises: the length is unknown
     skipped = 0
     for i in range(ext):
+        if seq._held_tokens(i) == 0:
+            continue  # a budget dropped every block there
         data = seq._nodes[i].data
         whole = seen = n
         if spec.masks:
@@ -385,7 +394,10 @@ def prefill_part(
     if len(calls) > 1:
         client.counters["sharded_steps"] += 1
         client.counters["sharded_attends"] += len(calls)
-    return merge([*results[1:], results[0]])
+    res = merge([*results[1:], results[0]])
+    if seq._budget_on:  # at layer 0 the part's tokens landed before the length counts them
+        budgets.credit(seq, layer, q, res.lse, ext, timeout_s, pending=n if tokens is not None else 0)
+    return res
 
 
 def cat_rows(parts: list[AttentionResult]) -> AttentionResult:

@@ -32,6 +32,10 @@ COUNTERS = {
         "pagedkv_client_window_skipped_attends",
         "Extents those steps did not attend: wholly outside the query's window or chunk.",
     ),
+    "budget_dropped_blocks": (
+        "pagedkv_client_budget_dropped_blocks",
+        "Blocks dropped by token budgets this client keeps over sequences spanning several nodes.",
+    ),
 }
 
 

@@ -19,9 +19,10 @@ worker does, then the coordinator drops the page table: closing.py). What may sp
                           window, chunk: yes, exact (each extent's node counts the
                           sequence's positions; extents wholly outside the query's window
                           or chunk are not attended: extent_masks.py)
-    token budget          no (it is counted and enforced on one node): set_budget refuses
-                          a sharded sequence or one with max_extent_tokens, and a budgeted
-                          sequence stays on its node
+    token budget          yes, the same blocks kept as on one node: the node keeps it
+                          while the sequence is on one node, the client once it spans
+                          several (exact mass under the merged softmax, drops on any
+                          extent: budget.py)
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import torch
 
 from ..protos.attention import LayerAttention, to_messages
 from ..protos.errors import CapacityExceeded, InvalidArgument, NotFound, OpenFailed, SequenceLost
+from . import budget as budgets
 from . import codec
 from .closing import close_in_cluster
 from .extent_masks import PAST, SKIP, WHOLE, extent_view, layer_of
@@ -41,9 +43,6 @@ from .types import AttentionResult, ExtentRoute, MissExplanation, Route
 
 if TYPE_CHECKING:
     from .sync import CacheClient, NodeHandle
-
-
-BUDGETED = "it has a token budget (kept and enforced by one node)"
 
 
 def squeeze(res: AttentionResult, squeeze: bool) -> AttentionResult:
@@ -98,6 +97,12 @@ class Sequence:
         self.no_spill = no_spill if client.is_cluster else "a client of one node has no other node"
         # a layered prefill's (extent, count, first position) parts, from layer 0
         self._plan: list[tuple[int, int, int | None]] = []
+        # A token budget: (max_tokens, sink_blocks, recent_blocks) as set; kept by the tail's
+        # node while the sequence is on one node, by `budget` once it spans several (which
+        # also counts each extent's dropped tokens after the budget is lifted)
+        self._budget_args: tuple[int, int, int] | None = None
+        self._was_budgeted = False
+        self.budget: budgets.SpreadBudget | None = None
 
     # -- extents ------------------------------------------------------------------
 
@@ -133,6 +138,18 @@ class Sequence:
             return self.extents[i + 1].first_token - self.extents[i].first_token
         return None if self.num_tokens is None else self.num_tokens - self.extents[i].first_token
 
+    @property
+    def _budget_on(self) -> bool:
+        """This handle keeps a budget over several nodes."""
+        return self.budget is not None and self.budget.max_tokens is not None
+
+    def _held_tokens(self, i: int) -> int | None:
+        """Tokens extent i holds now: appended less what a budget dropped there."""
+        n = self._extent_tokens(i)
+        if n is None or self.budget is None or i >= len(self.budget.dropped):
+            return n
+        return n - self.budget.dropped[i]
+
     def _tail_room(self) -> int | None:
         """Tokens the tail may still take under max_extent_tokens (None: no limit)."""
         tail = self._extent_tokens(len(self.extents) - 1)
@@ -153,6 +170,8 @@ class Sequence:
             raise InvalidArgument(
                 f"sequence {self.seq_id!r}: its length is unknown to this handle; append first"
             )
+        if self._was_budgeted and self.budget is None:
+            self.budget = budgets.take(self, self._budget_args, timeout_s)
         extents = self.client.routing.extend(
             self.seq_id, self.num_tokens, timeout_s, to_messages(self.attention)
         )
@@ -206,6 +225,8 @@ class Sequence:
         """Append tokens with K/V of every layer ([num_layers, n, kv_heads, D]); returns the new
         length. Tokens the tail cannot take go to a new extent on another node."""
         tokens = codec.token_list(token_ids)
+        if self._budget_on:  # room for all of them at once, as one node makes it
+            budgets.make_room(self, len(tokens), timeout_s)
         if not self.can_spill or (self.max_extent_tokens is None and not self.is_sharded):
             try:
                 return self._append_tail(tokens, k, v, timeout_s)
@@ -235,6 +256,8 @@ class Sequence:
         return self.num_tokens
 
     def _append_tail(self, tokens: list[int], k: Any, v: Any, timeout_s: float | None) -> int:
+        if self._budget_on:
+            budgets.make_room(self, len(tokens), timeout_s)
         local = self.node.data.append(self.seq_id, tokens, k, v, timeout_s)
         self.num_tokens = self.extents[-1].first_token + local
         return self.num_tokens
@@ -305,12 +328,14 @@ class Sequence:
         last = len(self.extents) - 1
         spec = layer_of(self.attention, layer)
         pos = self._query_position(layer, k) if spec.masks else 0
+        if self._budget_on and k is not None and layer == 0:
+            budgets.make_room(self, 1, timeout_s)
         calls = []
         skipped = 0
         for i, node in enumerate(self._nodes):
             appends = i == last and k is not None
-            if i == last and not appends and self._extent_tokens(i) == 0:
-                continue  # an empty new tail: nothing to attend to there yet
+            if not appends and self._held_tokens(i) == 0:
+                continue  # an empty new tail, or an extent a budget emptied: nothing to attend to
             view = WHOLE
             if spec.masks and i < last:
                 view = extent_view(spec, self.extents[i].first_token, self.extents[i + 1].first_token, pos)
@@ -344,7 +369,12 @@ class Sequence:
         self.client.counters["window_skipped_attends"] += skipped
         if skipped:  # the masses would no longer line up with the extents
             results = [AttentionResult(r.out, r.lse) for r in results]
-        return merge(results[::-1])
+        res = merge(results[::-1])
+        if self._budget_on:  # (the new token, landed, is counted by the caller after)
+            budgets.credit(
+                self, layer, q, res.lse, last, timeout_s, pending=int(k is not None and layer == 0)
+            )
+        return res
 
     def attend_prefill(
         self,
@@ -389,7 +419,7 @@ class Sequence:
     ) -> AttentionResult:
         n = len(q)
         if k is None:  # q are the last n tokens: they must all be in the tail
-            tail = self._extent_tokens(len(self.extents) - 1)
+            tail = self._held_tokens(len(self.extents) - 1)
             if tail is not None and tail < n:
                 raise InvalidArgument(
                     f"sequence {self.seq_id!r}: {n} queries for its last tokens but its tail extent "
@@ -422,6 +452,8 @@ class Sequence:
             assert self.num_tokens is not None
             first = self.num_tokens
             try:
+                if self._budget_on:  # room for all n at once (a no-op after the first part)
+                    budgets.make_room(self, n - done, timeout_s)
                 parts.append(prefill_part(self, layer, ext, q[s], k[s], v[s], tokens[s], first, timeout_s))
             except CapacityExceeded as exc:
                 take = self._spill_after(exc, count, timeout_s)
@@ -437,7 +469,7 @@ class Sequence:
         """A new sequence sharing every block of every extent (copy-on-write of the tail's
         partial last block)."""
         extents = self.client.routing.fork(self.seq_id, child_id, timeout_s)
-        return Sequence(
+        child = Sequence(
             self.client,
             child_id,
             extents,
@@ -446,6 +478,10 @@ class Sequence:
             attention=self.attention,
             no_spill=self.no_spill,
         )
+        # the nodes copied a budget they keep; one this handle keeps is copied here
+        child._budget_args, child._was_budgeted = self._budget_args, self._was_budgeted
+        child.budget = None if self.budget is None else self.budget.copy()
+        return child
 
     def read_kv(
         self,
@@ -462,25 +498,26 @@ class Sequence:
         is read from each node and joined."""
         if not self.is_sharded:
             return self.node.data.read_kv(self.seq_id, start, end, timeout_s, out)
-        stop = self.num_tokens if end is None else end
-        if stop is None:  # the tail's length: read it to its end
-            stop = (
-                self.extents[-1].first_token
-                + self._nodes[-1].data.read_kv(self.seq_id, 0, None, timeout_s)[0].shape[1]
-            )
+        # where each extent's held tokens begin (a budget's drops shift them, as on one node)
+        firsts = [e.first_token for e in self.extents]
+        if self.budget is not None:
+            dropped = self.budget.dropped
+            firsts = [first - sum(dropped[:i]) for i, first in enumerate(firsts)]
+        stop = end
+        if stop is None:  # to the tail's end (read it when this handle does not know its length)
+            tail = self._held_tokens(len(self.extents) - 1)
+            if tail is None:
+                tail = self._nodes[-1].data.read_kv(self.seq_id, 0, None, timeout_s)[0].shape[1]
+            stop = firsts[-1] + tail
         if not isinstance(start, int) or not isinstance(stop, int) or not 0 <= start <= stop:
             raise InvalidArgument(f"read_kv: need 0 <= start <= end, got [{start}, {stop})")
         pieces: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for i, ext in enumerate(self.extents):
-            last = i == len(self.extents) - 1
-            lo = max(start, ext.first_token)
-            hi = stop if last else min(stop, self.extents[i + 1].first_token)
+        for i, first in enumerate(firsts):
+            last = i == len(firsts) - 1
+            lo = max(start, first)
+            hi = stop if last else min(stop, firsts[i + 1])
             if lo < hi or (last and not pieces):
-                pieces.append(
-                    self._nodes[i].data.read_kv(
-                        self.seq_id, lo - ext.first_token, hi - ext.first_token, timeout_s
-                    )
-                )
+                pieces.append(self._nodes[i].data.read_kv(self.seq_id, lo - first, hi - first, timeout_s))
         k = torch.cat([p[0] for p in pieces], dim=1)
         v = torch.cat([p[1] for p in pieces], dim=1)
         if out is None:
@@ -512,19 +549,24 @@ class Sequence:
         *,
         timeout_s: float | None = None,
     ) -> None:
-        """A lossy token budget on the sequence's node (None lifts it). A budgeted sequence
-        stays on one node: refused (InvalidArgument) on one that spans several or has a
-        max_extent_tokens; its node's RESOURCE_EXHAUSTED is not answered by a spill."""
-        if max_tokens is not None and (self.is_sharded or self.max_extent_tokens is not None):
-            where = f"spans {len(self.extents)} nodes" if self.is_sharded else "has max_extent_tokens"
-            raise InvalidArgument(
-                f"sequence {self.seq_id!r} {where}: a token budget is counted on one node only"
-            )
-        self.node.control.set_budget(self.seq_id, max_tokens, sink_blocks, recent_blocks, timeout_s)
-        if max_tokens is not None and self.no_spill is None:
-            self.no_spill = BUDGETED
-        elif max_tokens is None and self.no_spill == BUDGETED:
-            self.no_spill = None
+        """A lossy token budget (None lifts it): at most max_tokens held, keeping the first
+        sink_blocks and the last recent_blocks, dropping the least attended blocks between
+        before an append that would pass it. The node keeps it while the sequence is on one
+        node; over several nodes this handle keeps it (budget.py), choosing the same blocks:
+        a handle found by id does not know a budget another handle set over several nodes."""
+        args = None if max_tokens is None else (max_tokens, sink_blocks, recent_blocks)
+        if not self.is_sharded:
+            self.node.control.set_budget(self.seq_id, max_tokens, sink_blocks, recent_blocks, timeout_s)
+        elif args is not None:
+            budgets.check(max_tokens, sink_blocks, recent_blocks, self._block_size(timeout_s))  # type: ignore[arg-type]
+            if self.budget is None:
+                self.budget = budgets.take(self, args, timeout_s)
+        self._budget_args, self._was_budgeted = args, self._was_budgeted or args is not None
+        if self.budget is not None:  # (lifted: it keeps counting what was dropped where)
+            self.budget.max_tokens = max_tokens
+            self.budget.sink_blocks, self.budget.recent_blocks = sink_blocks, recent_blocks
+            if max_tokens is not None:
+                budgets.make_room(self, 0, timeout_s)
 
     def close(self, *, keep_prefix: int | None = None, timeout_s: float | None = None) -> None:
         """Free the sequence (and, in a cluster, its page table: every extent). Idempotent on

@@ -158,9 +158,11 @@ class CacheClient:
         self._pool: ThreadPoolExecutor | None = None
         # spills: extents this client added; sharded_steps / sharded_attends: attend calls (one
         # layer) over several extents, and the node calls they made; window_skipped_attends: the
-        # extents they did not attend, outside every query's window or chunk (client/metrics.py)
+        # extents they did not attend, outside every query's window or chunk; budget_dropped_blocks:
+        # blocks dropped by budgets this client keeps over several nodes (client/metrics.py)
         self.counters = dict.fromkeys(
-            ("spills", "sharded_steps", "sharded_attends", "window_skipped_attends"), 0
+            ("spills", "sharded_steps", "sharded_attends", "window_skipped_attends", "budget_dropped_blocks"),
+            0,
         )
 
     def pool(self) -> ThreadPoolExecutor:

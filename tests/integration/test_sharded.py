@@ -394,6 +394,7 @@ def test_spills_are_counted_and_exported(redis_url):
             "sharded_steps": 2,
             "sharded_attends": 5,
             "window_skipped_attends": 0,  # no window: every extent attended
+            "budget_dropped_blocks": 0,  # no budget
         }
         registry = CollectorRegistry()
         registry.register(CoordinatorCollector(c.coordinator))
@@ -406,6 +407,7 @@ def test_spills_are_counted_and_exported(redis_url):
         assert "pagedkv_client_spills_total 2.0" in text
         assert "pagedkv_client_sharded_steps_total 2.0" in text
         assert "pagedkv_client_sharded_attends_total 5.0" in text
+        assert "pagedkv_client_budget_dropped_blocks_total 0.0" in text
 
 
 def test_a_quota_charges_every_extent_and_close_gives_it_back(redis_url):

@@ -3,8 +3,8 @@
 A soft-cap and a scale are per score: each node caps its own scores and the LSE merge over
 the capped scores is exact, so such a sequence spills like a plain one; a sink (gpt-oss) is
 folded in by the client after the merge. Windows and chunks spill too
-(each extent's node counts the sequence's positions: test_sharded_windows.py); a token
-budget is kept by one node: such a sequence never spills, and says so.
+(each extent's node counts the sequence's positions: test_sharded_windows.py); a budgeted
+sequence spills too (test_sharded_budget.py).
 Real parts as in test_sharded.py; checked against float64 dense attention.
 """
 
@@ -17,7 +17,7 @@ import torch
 from test_sharded import Q_HEADS, Reference, extent_sizes, spec_of, start_cluster
 
 from pagedkv.protos.attention import LayerAttention
-from pagedkv.protos.errors import CapacityExceeded, InvalidArgument
+from pagedkv.protos.errors import InvalidArgument
 
 CAPPED = (LayerAttention(softcap=5.0, scale=0.9), LayerAttention(softcap=2.0))
 
@@ -131,27 +131,28 @@ def test_a_full_node_spills_a_windowed_sequence_at_its_first_position(redis_url)
         assert sum(c.held().values()) == 0
 
 
-def test_a_budgeted_sequence_stays_on_its_node(redis_url):
+def test_a_budgeted_sequence_spills_and_keeps_its_budget(redis_url):
+    """The budget passes from the node to the client at the spill (test_sharded_budget.py
+    shows the blocks kept are one node's); here: max_extent_tokens with a budget, and a
+    full node under one."""
     spec = spec_of(4)
-    for c in start_cluster(redis_url, spec, {"n1": 3, "n2": 3}):
-        with (
-            c.client.open("capped-size", [0], max_extent_tokens=8) as seq,
-            pytest.raises(InvalidArgument, match="has max_extent_tokens: a token budget"),
-        ):
-            seq.set_budget(64)
+    for c in start_cluster(redis_url, spec, {"n1": 3, "n2": 3, "n3": 3}):
+        with c.client.open("capped-size", [0], max_extent_tokens=8) as seq:
+            seq.set_budget(12, sink_blocks=1, recent_blocks=1)
+            k = torch.randn(spec.num_layers, 20, spec.num_kv_heads, spec.head_dim)
+            for i in range(5):
+                seq.append(list(range(4)), k[:, 4 * i : 4 * i + 4], k[:, 4 * i : 4 * i + 4])
+            assert len(seq.extents) == 3 and seq.num_tokens == 20
+            assert seq.read_kv()[0].shape[1] == 12  # the budget held across the spills
+            assert c.client.counters["budget_dropped_blocks"] == 2
+            c.check()
         with c.client.open("b", [0]) as seq:
-            k = torch.randn(spec.num_layers, 8, spec.num_kv_heads, spec.head_dim)
-            seq.append(list(range(8)), k, k)  # 2 blocks of its node's 3
+            seq.append(list(range(8)), k[:, :8], k[:, :8])  # 2 blocks of its node's 3
             seq.set_budget(64, sink_blocks=1, recent_blocks=2)  # more than its node holds
-            with pytest.raises(CapacityExceeded, match="cannot spill to another node: it has a token budget"):
-                seq.append(list(range(8)), k, k)
-            assert len(seq.extents) == 1
-            seq.set_budget(None)  # lifted: the sequence may spill again
-            assert seq.can_spill
-            assert seq.append(list(range(8)), k, k) == 16
-            assert len(seq.extents) == 2
-            with pytest.raises(InvalidArgument, match="spans 2 nodes: a token budget"):
-                seq.set_budget(64)
+            assert seq.append(list(range(8)), k[:, :8], k[:, :8]) == 16  # spilled, no drop
+            assert len(seq.extents) == 2 and seq.read_kv()[0].shape[1] == 16
+            with pytest.raises(InvalidArgument, match="max_tokens >= "):
+                seq.set_budget(4, sink_blocks=1, recent_blocks=2)
             c.check()
         c.coordinator.wait_idle()
         assert sum(c.held().values()) == 0

@@ -53,6 +53,8 @@ def test_node_grpc_refuses_every_data_call_without_a_ticket(cluster: Secured) ->
             ),
             "Append": (stub.Append, iter(_kv_chunks(seq_id, [7]))),
             "SetBudget": (stub.SetBudget, pb.SetBudgetRequest(seq_id=seq_id, max_tokens=16)),
+            "BlockMass": (stub.BlockMass, pb.BlockMassRequest(seq_id=seq_id, accumulated=True)),
+            "DropBlocks": (stub.DropBlocks, pb.DropBlocksRequest(seq_id=seq_id, indices=[0])),
             # a worker's close frees on the node with its ticket: checked as a data call
             "Free": (stub.Free, pb.SeqRequest(seq_id=seq_id)),
         }

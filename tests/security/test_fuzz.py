@@ -105,6 +105,7 @@ def test_node_rpcs(cluster: Secured) -> None:
         method = r.choice(
             ["Open", "Lookup", "Fork", "Free", "SwapOut", "SwapIn", "Pin", "Stats", "Ping", "CheckIntegrity"]
             + ["Append", "Attend", "AttendPrefill", "AttendPrefillBatch", "ReadKV", "SetBudget"] * 4
+            + ["BlockMass", "DropBlocks"] * 2
         )
         layer = r.choice([0, 0, 1, -1, 2, 2**31 - 1])
         if method == "Open":
@@ -154,6 +155,19 @@ def test_node_rpcs(cluster: Secured) -> None:
                 req.end = r.choice(IDS)
         elif method == "Pin":
             req = pb.PinRequest(token_ids=_tokens(r), tenant_salt=r.randbytes(16))
+        elif method == "BlockMass":
+            req = pb.BlockMassRequest(
+                seq_id=seq_id,
+                layer=layer,
+                q=_tensor(r),
+                lse=[r.choice([0.0, -1e30, float("nan"), float("inf"), 3.5])] * r.choice([0, 1, 4, 8, 1000]),
+                sees_all=r.random() < 0.5,
+                accumulated=r.random() < 0.2,
+            )
+        elif method == "DropBlocks":
+            req = pb.DropBlocksRequest(
+                seq_id=seq_id, indices=[r.choice([0, 1, 2, -1, 2**31 - 1]) for _ in range(r.randrange(0, 4))]
+            )
         elif method == "SetBudget":
             req = pb.SetBudgetRequest(
                 seq_id=seq_id, max_tokens=r.choice(IDS), sink_blocks=r.choice([0, -1, 1, 2**31 - 1])
