@@ -576,35 +576,43 @@ class CacheEngine:
             self.manager.set_budget(seq_id, budget)
 
     @_computes
-    def block_mass(
-        self, seq_id: str, layer: int, q: Any, lse: Seq[float], *, sees_all: bool = False
-    ) -> list[float]:
-        """Each block's mass (one per table entry) from q [n, q_heads, head_dim] under the
-        normalizers lse (n * q_heads, merged over every node: attention/given_mass.py).
-        sees_all: q come after every token here, else they are the last n. Changes nothing."""
+    def block_mass(self, seq_id: str, parts: Seq[tuple[int, Any, Seq[float], Seq[int]]]) -> list[float]:
+        """Each block's mass (one per table entry), summed over parts (layer, q [n, q_heads,
+        head_dim], lse: n * q_heads normalizers merged over every node, visible: n counts of
+        this node's leading tokens each query saw; attention/given_mass.py). Changes nothing."""
         seq_id = seq_id_of(seq_id)
-        layer = self._checks.layer(layer)
-        q = self._checks.query("q", q, (None, None, self.spec.head_dim))
-        n, hq = q.shape[0], q.shape[1]
-        norm = torch.tensor(list(lse), dtype=torch.float32, device=self.device)
-        if n == 0 or norm.numel() != n * hq or not bool(torch.isfinite(norm).all()):
-            raise InvalidArgument(
-                f"block_mass needs n >= 1 queries and n * q_heads = {n * hq} finite lse, "
-                f"got {norm.numel()} values"
-            )
+        checked = []
+        for at, (layer, q, lse, visible) in enumerate(parts):
+            layer = self._checks.layer(layer)
+            q = self._checks.query("q", q, (None, None, self.spec.head_dim))
+            n, hq = q.shape[0], q.shape[1]
+            norm = torch.tensor(list(lse), dtype=torch.float32, device=self.device)
+            seen = torch.tensor(list(visible), dtype=torch.int64)
+            if n == 0 or norm.numel() != n * hq or seen.numel() != n or not bool(torch.isfinite(norm).all()):
+                raise InvalidArgument(
+                    f"block mass part {at}: needs n >= 1 queries, n * q_heads = {n * hq} finite lse "
+                    f"and n visible counts; got {n} queries, {norm.numel()} lse, {seen.numel()} counts"
+                )
+            checked.append((layer, q, norm.view(n, hq), seen))
         with self._lock:
             seq = self.manager.get_active(seq_id)
             self._refuse_masks(seq_id, "block mass")
-            if not sees_all and seq.cache_len < n:
-                raise InvalidArgument(
-                    f"sequence {seq_id!r} holds {seq.cache_len} tokens, fewer than {n} queries"
-                )
+            by_layer: dict[int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
+            for at, (layer, q, norm, seen) in enumerate(checked):
+                if int(seen.min()) < 1 or int(seen.max()) > seq.cache_len:
+                    raise InvalidArgument(
+                        f"block mass part {at}: visible counts must be in [1, {seq.cache_len}] "
+                        f"(the tokens sequence {seq_id!r} holds), got {seen.tolist()[:8]}"
+                    )
+                by_layer.setdefault(layer, []).append((q, norm, seen))
             table = torch.tensor(seq.table, dtype=torch.int64, device=self.device)
-            spec = self.specs.layer_spec(seq_id, layer)
-            mass = block_mass_given(
-                q, norm.view(n, hq), self.kv[layer, 0], table, seq.cache_len, spec, causal=not sees_all
-            ).tolist()
-            return mass + [0.0] * (len(seq.table) - len(mass))
+            total = torch.zeros(len(seq.table), dtype=torch.float64)
+            for layer, group in by_layer.items():  # a layer's keys read once for all its queries
+                q, norm, seen = (torch.cat(t) for t in zip(*group, strict=True))
+                spec = self.specs.layer_spec(seq_id, layer)
+                mass = block_mass_given(q, norm, seen, self.kv[layer, 0], table, seq.cache_len, spec)
+                total[: len(mass)] += mass.cpu()
+            return total.tolist()
 
     def budget_scores(self, seq_id: str) -> tuple[list[float], int]:
         """The mass the sequence's budget has credited each block (one per table entry), and

@@ -403,13 +403,11 @@ class CacheNodeServicer(pb_grpc.CacheNodeServicer):
             if request.accumulated:
                 scores, held = self.engine.budget_scores(request.seq_id)
                 return pb.BlockMassResponse(mass=scores, num_cached_tokens=held)
-            if not request.HasField("q"):
-                raise InvalidArgument("BlockMass needs q (or accumulated)")
-            q = tensors.decode(request.q, "q", copy=False)
-            mass = self.engine.block_mass(
-                request.seq_id, request.layer, q, request.lse, sees_all=request.sees_all
-            )
-            return pb.BlockMassResponse(mass=mass)
+            parts = [
+                (m.layer, tensors.decode(m.q, f"queries[{i}].q", copy=False), m.lse, m.visible)
+                for i, m in enumerate(request.queries)
+            ]
+            return pb.BlockMassResponse(mass=self.engine.block_mass(request.seq_id, parts))
 
         return self._observe("BlockMass", context, run)
 

@@ -10,28 +10,48 @@ blocks laid end to end::
     blocks    s s . . . . . . . .  . . . . . . .  . . . . r r r r
               sink (extent 0's first)  middle: drop candidates     recent (the last, any extent)
 
-- Scores: after each attend over several nodes the client merges the nodes' results, then
-  asks each node for its blocks' mass under the merged log-sum-exp (BlockMass: exact, the
-  mass one node holding every key would have computed), and adds it up.
+- Scores: a node's own mass is a share of its partial softmax. After each attend over
+  several nodes the client keeps the queries and the merged log-sum-exp (and how many of
+  each node's tokens each query saw); when the budget next needs its scores (a drop), one
+  BlockMass call per node credits all of them at once: each node's blocks' share of the
+  whole softmax, exactly the mass one node holding every key would have computed. Scores
+  only add up and tables only grow at the end between drops, so crediting late changes
+  nothing but the cost: one call per node per drop, not per attend.
 - Drops: before an append of n tokens the tail cannot take within the budget, the
   client picks the globally lowest-score middle blocks (ties: the earlier block), as one
   node would, and each node holding some drops them (DropBlocks): a sealed extent too.
 - Handover: a budgeted sequence that spills hands its node's scores to the client
   (BlockMass accumulated) and the node stops dropping on its own.
 
-So the kept blocks are the ones a single node of the same budget would keep. The cost: one
-BlockMass call per node per attend (in parallel), and one DropBlocks per node per drop.
+So the kept blocks are the ones a single node of the same budget would keep. The cost, per
+drop: one BlockMass and one DropBlocks call per node (in parallel), and the queries kept
+until then (bounded: past MAX_PENDING_ROWS they are credited anyway).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import torch
 
 from ..protos.errors import InvalidArgument
 
 if TYPE_CHECKING:
     from .sequence import Sequence
+
+# Query rows kept for a later credit before they are credited anyway (memory bound)
+MAX_PENDING_ROWS = 4096
+
+
+class Queries(NamedTuple):
+    """An attend's queries, not credited yet: q [n, Hq, D], the merged lse (n * Hq floats),
+    and per extent the leading tokens there each query saw (empty: none)."""
+
+    layer: int
+    q: Any
+    lse: list[float]
+    visible: list[list[int]]
 
 
 @dataclass
@@ -45,6 +65,8 @@ class SpreadBudget:
     scores: list[list[float]] = field(default_factory=list)
     appended: list[int] = field(default_factory=list)
     dropped: list[int] = field(default_factory=list)
+    pending: list[Queries] = field(default_factory=list)  # credited at the next drop
+    pending_rows: int = 0
 
     def sync(self, appended: list[int]) -> None:
         """Each extent's tokens appended so far (the tail grows): blocks that appeared since
@@ -104,6 +126,8 @@ class SpreadBudget:
             [list(s) for s in self.scores],
             list(self.appended),
             list(self.dropped),
+            list(self.pending),
+            self.pending_rows,
         )
 
 
@@ -149,31 +173,72 @@ def appended(seq: Sequence, pending: int = 0) -> list[int]:
 
 
 def make_room(seq: Sequence, incoming: int, timeout_s: float | None) -> None:
-    """Drop what the budget evicts before `incoming` tokens go to the tail (one
-    DropBlocks per node holding some). A no-op when they fit."""
+    """Drop what the budget evicts before `incoming` tokens go to the tail (the pending
+    queries credited first; one DropBlocks per node holding some). A no-op when they fit."""
     budget = seq.budget
     assert budget is not None
     budget.sync(appended(seq))
+    if (
+        budget.max_tokens is None
+        or sum(budget.appended) - sum(budget.dropped) + incoming <= budget.max_tokens
+    ):
+        return
+    flush(seq, timeout_s)
     for extent, indices in budget.plan(incoming).items():
         seq._nodes[extent].control.drop_blocks(seq.seq_id, indices, timeout_s)
         budget.lost(extent, indices)
         seq.client.counters["budget_dropped_blocks"] += len(indices)
 
 
-def credit(
+def record(
     seq: Sequence, layer: int, q: Any, lse: Any, upto: int, timeout_s: float | None, pending: int = 0
 ) -> None:
-    """Add the mass of queries q [n, Hq, D] (merged normalizers lse [n, Hq]) that attended
-    extents 0..upto: every key of the earlier ones, causally the last n tokens of `upto`
-    (`pending`: tokens of the tail that landed, not counted in the length yet)."""
+    """Keep, for the next drop, queries q [n, Hq, D] (merged normalizers lse [n, Hq]) that
+    attended extents 0..upto: every token of the earlier ones, causally the last n of
+    `upto` (`pending`: tokens of the tail that landed, not counted in the length yet)."""
     budget = seq.budget
     assert budget is not None
     budget.sync(appended(seq, pending))
-    norms = lse.float().reshape(-1).tolist()
-    calls = [  # every node's at once
-        (i, seq._nodes[i].control.start_block_mass(seq.seq_id, layer, q, norms, i < upto, timeout_s))
-        for i in range(upto + 1)
-        if budget.held(i) > 0
-    ]
-    for i, reply in calls:
-        budget.credit(i, reply.result())
+    n = len(q)
+    visible: list[list[int]] = []
+    for e in range(len(budget.scores)):
+        held = budget.held(e)
+        if e > upto or held <= 0:
+            visible.append([])
+        elif e < upto:
+            visible.append([held] * n)
+        else:  # causal: query i is the (held - n + i)-th token there
+            visible.append([held - n + 1 + i for i in range(n)] if held >= n else [])
+    # (a copy: the caller may reuse its q buffer before the credit)
+    budget.pending.append(Queries(layer, q.detach().clone(), lse.float().reshape(-1).tolist(), visible))
+    budget.pending_rows += n
+    if budget.pending_rows >= MAX_PENDING_ROWS:
+        flush(seq, timeout_s)
+
+
+def flush(seq: Sequence, timeout_s: float | None) -> None:
+    """Credit every pending query: one BlockMass per node, all nodes at once."""
+    budget = seq.budget
+    assert budget is not None
+    if not budget.pending:
+        return
+    calls = []
+    for e in range(len(budget.scores)):
+        layers: dict[int, list[Queries]] = {}  # one part a layer: its queries stacked
+        for p in budget.pending:
+            if e < len(p.visible) and p.visible[e]:
+                layers.setdefault(p.layer, []).append(p)
+        parts = [
+            (
+                layer,
+                torch.cat([p.q for p in group]),
+                [x for p in group for x in p.lse],
+                [x for p in group for x in p.visible[e]],
+            )
+            for layer, group in layers.items()
+        ]
+        if parts:
+            calls.append((e, seq._nodes[e].control.start_block_mass(seq.seq_id, parts, timeout_s)))
+    budget.pending, budget.pending_rows = [], 0
+    for e, reply in calls:
+        budget.credit(e, reply.result())

@@ -105,13 +105,16 @@ class NodeControl:
         self._call(self.stub.SetBudget, req, timeout_s, node_seq_id)
 
     def start_block_mass(
-        self, seq_id: str, layer: int, q: Any, lse: Any, sees_all: bool, timeout_s: float | None
+        self, seq_id: str, parts: list[tuple[int, Any, list[float], list[int]]], timeout_s: float | None
     ) -> PendingMass:
-        """BlockMass sent (a budget across nodes: client/budget.py); result() is the mass list."""
+        """BlockMass sent for parts (layer, q, lse, visible) (a budget across nodes:
+        client/budget.py); result() is the mass list."""
         node_seq_id = self.wallet.node_id(seq_id)
-        req = pb.BlockMassRequest(
-            seq_id=node_seq_id, layer=layer, q=tensors.encode(q, "q"), lse=lse, sees_all=sees_all
-        )
+        queries = [
+            pb.MassQueries(layer=layer, q=tensors.encode(q, "q"), lse=lse, visible=visible)
+            for layer, q, lse, visible in parts
+        ]
+        req = pb.BlockMassRequest(seq_id=node_seq_id, queries=queries)
         meta = self.wallet.metadata([node_seq_id]) or None
         return PendingMass(self.stub.BlockMass.future(req, timeout=self._t(timeout_s), metadata=meta))
 

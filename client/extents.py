@@ -250,7 +250,7 @@ def attend_batch(
     merged = [merge([parts[i] for i in sorted(parts)]) for parts in per_row]
     for row, s in enumerate(handles):
         if s._budget_on:
-            budgets.credit(s, layer, q[row : row + 1], merged[row].lse, len(s.extents) - 1, timeout_s)
+            budgets.record(s, layer, q[row : row + 1], merged[row].lse, len(s.extents) - 1, timeout_s)
     return stack_rows(merged)
 
 
@@ -396,7 +396,7 @@ def prefill_part(
         client.counters["sharded_attends"] += len(calls)
     res = merge([*results[1:], results[0]])
     if seq._budget_on:  # at layer 0 the part's tokens landed before the length counts them
-        budgets.credit(seq, layer, q, res.lse, ext, timeout_s, pending=n if tokens is not None else 0)
+        budgets.record(seq, layer, q, res.lse, ext, timeout_s, pending=n if tokens is not None else 0)
     return res
 
 

@@ -371,7 +371,7 @@ class Sequence:
             results = [AttentionResult(r.out, r.lse) for r in results]
         res = merge(results[::-1])
         if self._budget_on:  # (the new token, landed, is counted by the caller after)
-            budgets.credit(
+            budgets.record(
                 self, layer, q, res.lse, last, timeout_s, pending=int(k is not None and layer == 0)
             )
         return res

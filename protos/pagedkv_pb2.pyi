@@ -277,21 +277,27 @@ class SetBudgetRequest(_message.Message):
     recent_blocks: int
     def __init__(self, seq_id: _Optional[str] = ..., max_tokens: _Optional[int] = ..., sink_blocks: _Optional[int] = ..., recent_blocks: _Optional[int] = ...) -> None: ...
 
-class BlockMassRequest(_message.Message):
-    __slots__ = ("seq_id", "layer", "q", "lse", "sees_all", "accumulated")
-    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+class MassQueries(_message.Message):
+    __slots__ = ("layer", "q", "lse", "visible")
     LAYER_FIELD_NUMBER: _ClassVar[int]
     Q_FIELD_NUMBER: _ClassVar[int]
     LSE_FIELD_NUMBER: _ClassVar[int]
-    SEES_ALL_FIELD_NUMBER: _ClassVar[int]
-    ACCUMULATED_FIELD_NUMBER: _ClassVar[int]
-    seq_id: str
+    VISIBLE_FIELD_NUMBER: _ClassVar[int]
     layer: int
     q: Tensor
     lse: _containers.RepeatedScalarFieldContainer[float]
-    sees_all: bool
+    visible: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, layer: _Optional[int] = ..., q: _Optional[_Union[Tensor, _Mapping]] = ..., lse: _Optional[_Iterable[float]] = ..., visible: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class BlockMassRequest(_message.Message):
+    __slots__ = ("seq_id", "queries", "accumulated")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    QUERIES_FIELD_NUMBER: _ClassVar[int]
+    ACCUMULATED_FIELD_NUMBER: _ClassVar[int]
+    seq_id: str
+    queries: _containers.RepeatedCompositeFieldContainer[MassQueries]
     accumulated: bool
-    def __init__(self, seq_id: _Optional[str] = ..., layer: _Optional[int] = ..., q: _Optional[_Union[Tensor, _Mapping]] = ..., lse: _Optional[_Iterable[float]] = ..., sees_all: _Optional[bool] = ..., accumulated: _Optional[bool] = ...) -> None: ...
+    def __init__(self, seq_id: _Optional[str] = ..., queries: _Optional[_Iterable[_Union[MassQueries, _Mapping]]] = ..., accumulated: _Optional[bool] = ...) -> None: ...
 
 class BlockMassResponse(_message.Message):
     __slots__ = ("mass", "num_cached_tokens")

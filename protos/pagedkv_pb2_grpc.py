@@ -322,11 +322,11 @@ class CacheNodeServicer:
         raise NotImplementedError('Method not implemented!')
 
     def BlockMass(self, request, context):
-        """Each block's attention mass from q under the given (merged) normalizers, summed over
-        queries and heads, or the mass the node's budget has credited (accumulated): what a
-        client keeping a budget across nodes ranks blocks by. Refused for a sequence whose
-        layers mask by position (a window or chunks). Changes nothing; idempotent. Codes: OK,
-        INVALID_ARGUMENT, NOT_FOUND.
+        """Each block's attention mass from queries under given (merged) normalizers, summed over
+        queries, heads and parts, or the mass the node's budget has credited (accumulated):
+        what a client keeping a budget across nodes ranks blocks by. Refused for a sequence
+        whose layers mask by position (a window or chunks). Changes nothing; idempotent.
+        Codes: OK, INVALID_ARGUMENT, NOT_FOUND.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -172,12 +172,22 @@ def test_budget_calls_refuse_bad_input_and_change_nothing(redis_url):
             k, v = Workload(spec, 2).kv(14)
             seq.append(list(range(14)), k, v)
             stub = pb_grpc.CacheNodeStub(grpc.insecure_channel(client.routing.route.address))
-            q = tensors.encode(torch.randn(2, Q_HEADS, spec.head_dim))
+            q2 = tensors.encode(torch.randn(2, Q_HEADS, spec.head_dim))
+
+            def mass(layer: int = 0, lse: list[float] | None = None, visible: tuple = (14, 14), q2=q2):
+                part = pb.MassQueries(
+                    layer=layer, q=q2, lse=[0.0] * 8 if lse is None else lse, visible=visible
+                )
+                return pb.BlockMassRequest(seq_id="s", queries=[part])
+
             bad = {
-                "lse count": pb.BlockMassRequest(seq_id="s", layer=0, q=q, lse=[0.0] * 3),
-                "nan lse": pb.BlockMassRequest(seq_id="s", layer=0, q=q, lse=[float("nan")] * 8),
-                "layer": pb.BlockMassRequest(seq_id="s", layer=7, q=q, lse=[0.0] * 8),
-                "no q": pb.BlockMassRequest(seq_id="s", layer=0),
+                "lse count": mass(lse=[0.0] * 3),
+                "nan lse": mass(lse=[float("nan")] * 8),
+                "layer": mass(layer=7),
+                "no q": pb.BlockMassRequest(seq_id="s", queries=[pb.MassQueries(layer=0, lse=[0.0] * 8)]),
+                "visible count": mass(visible=(14,)),
+                "visible past the end": mass(visible=(14, 15)),
+                "visible zero": mass(visible=(0, 3)),
                 "partial block": pb.DropBlocksRequest(seq_id="s", indices=[3]),
                 "descending": pb.DropBlocksRequest(seq_id="s", indices=[1, 0]),
                 "negative": pb.DropBlocksRequest(seq_id="s", indices=[-1]),
@@ -197,10 +207,11 @@ def test_budget_calls_refuse_bad_input_and_change_nothing(redis_url):
             # the good ones: mass under the node's own LSE sums to the queries' heads
             qt = torch.randn(2, Q_HEADS, spec.head_dim)
             lse = seq.attend_prefill(0, qt).lse
-            mass = stub.BlockMass(
-                pb.BlockMassRequest(seq_id="s", layer=0, q=tensors.encode(qt), lse=lse.reshape(-1).tolist())
-            ).mass
-            assert len(mass) == 4 and abs(sum(mass) - 2 * Q_HEADS) < 1e-4
+            part = pb.MassQueries(
+                layer=0, q=tensors.encode(qt), lse=lse.reshape(-1).tolist(), visible=[13, 14]
+            )
+            got = stub.BlockMass(pb.BlockMassRequest(seq_id="s", queries=[part, part])).mass
+            assert len(got) == 4 and abs(sum(got) - 2 * 2 * Q_HEADS) < 1e-4  # two parts summed
             kept = stub.DropBlocks(pb.DropBlocksRequest(seq_id="s", indices=[0, 2])).num_cached_tokens
             assert kept == 6 and seq.read_kv()[0].shape[1] == 6
             engine.check_integrity()

@@ -156,13 +156,14 @@ def test_node_rpcs(cluster: Secured) -> None:
         elif method == "Pin":
             req = pb.PinRequest(token_ids=_tokens(r), tenant_salt=r.randbytes(16))
         elif method == "BlockMass":
-            req = pb.BlockMassRequest(
-                seq_id=seq_id,
+            part = pb.MassQueries(
                 layer=layer,
                 q=_tensor(r),
                 lse=[r.choice([0.0, -1e30, float("nan"), float("inf"), 3.5])] * r.choice([0, 1, 4, 8, 1000]),
-                sees_all=r.random() < 0.5,
-                accumulated=r.random() < 0.2,
+                visible=[r.choice([0, 1, 2, -1, 2**40]) for _ in range(r.choice([0, 1, 2, 4]))],
+            )
+            req = pb.BlockMassRequest(
+                seq_id=seq_id, queries=[part] * r.choice([0, 1, 3]), accumulated=r.random() < 0.2
             )
         elif method == "DropBlocks":
             req = pb.DropBlocksRequest(
