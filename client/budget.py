@@ -151,7 +151,7 @@ def take(seq: Sequence, args: tuple[int, int, int] | None, timeout_s: float | No
     budget = SpreadBudget(max_tokens, sink, recent, seq._block_size(timeout_s))
     appended = []
     for i, node in enumerate(seq._nodes):
-        scores, held = node.control.budget_scores(seq.seq_id, timeout_s)
+        scores, held = node.data.budget_scores(seq.seq_id, timeout_s)
         n = seq._extent_tokens(i)
         appended.append(held if n is None else n)
         budget.scores.append(scores)
@@ -185,7 +185,7 @@ def make_room(seq: Sequence, incoming: int, timeout_s: float | None) -> None:
         return
     flush(seq, timeout_s)
     for extent, indices in budget.plan(incoming).items():
-        seq._nodes[extent].control.drop_blocks(seq.seq_id, indices, timeout_s)
+        seq._nodes[extent].data.drop_blocks(seq.seq_id, indices, timeout_s)
         budget.lost(extent, indices)
         seq.client.counters["budget_dropped_blocks"] += len(indices)
 
@@ -238,7 +238,7 @@ def flush(seq: Sequence, timeout_s: float | None) -> None:
             for layer, group in layers.items()
         ]
         if parts:
-            calls.append((e, seq._nodes[e].control.start_block_mass(seq.seq_id, parts, timeout_s)))
+            calls.append((e, seq._nodes[e].data.start_block_mass(seq.seq_id, parts, timeout_s)))
     budget.pending, budget.pending_rows = [], 0
     for e, reply in calls:
         budget.credit(e, reply.result())

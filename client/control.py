@@ -11,7 +11,6 @@ import grpc
 
 from ..protos import pagedkv_pb2 as pb
 from ..protos import pagedkv_pb2_grpc as pb_grpc
-from ..protos import tensors
 from ..protos.errors import IntegrityError
 from ..protos.status import error_from_rpc
 from . import codec
@@ -29,21 +28,6 @@ def call(rpc: Any, request: Any, timeout_s: float, metadata: Any = None, where: 
         return rpc(request, timeout=timeout_s, metadata=metadata)
     except grpc.RpcError as exc:
         raise error_from_rpc(exc, where) from exc
-
-
-class PendingMass:
-    """A unary call in flight; result() answers it or raises the domain error."""
-
-    __slots__ = ("_future",)
-
-    def __init__(self, future: Any) -> None:
-        self._future = future
-
-    def result(self) -> list[float]:
-        try:
-            return list(self._future.result().mass)
-        except grpc.RpcError as exc:
-            raise error_from_rpc(exc) from exc
 
 
 class NodeControl:
@@ -103,33 +87,6 @@ class NodeControl:
         node_seq_id = self.wallet.node_id(seq_id)
         req = codec.budget_request(node_seq_id, max_tokens, sink_blocks, recent_blocks)
         self._call(self.stub.SetBudget, req, timeout_s, node_seq_id)
-
-    def start_block_mass(
-        self, seq_id: str, parts: list[tuple[int, Any, list[float], list[int]]], timeout_s: float | None
-    ) -> PendingMass:
-        """BlockMass sent for parts (layer, q, lse, visible) (a budget across nodes:
-        client/budget.py); result() is the mass list."""
-        node_seq_id = self.wallet.node_id(seq_id)
-        queries = [
-            pb.MassQueries(layer=layer, q=tensors.encode(q, "q"), lse=lse, visible=visible)
-            for layer, q, lse, visible in parts
-        ]
-        req = pb.BlockMassRequest(seq_id=node_seq_id, queries=queries)
-        meta = self.wallet.metadata([node_seq_id]) or None
-        return PendingMass(self.stub.BlockMass.future(req, timeout=self._t(timeout_s), metadata=meta))
-
-    def budget_scores(self, seq_id: str, timeout_s: float | None = None) -> tuple[list[float], int]:
-        """The scores this node's budget gave each block of the sequence, and its tokens here."""
-        node_seq_id = self.wallet.node_id(seq_id)
-        req = pb.BlockMassRequest(seq_id=node_seq_id, accumulated=True)
-        resp = self._call(self.stub.BlockMass, req, timeout_s, node_seq_id)
-        return list(resp.mass), resp.num_cached_tokens
-
-    def drop_blocks(self, seq_id: str, indices: list[int], timeout_s: float | None = None) -> int:
-        """Drop these table indices of the sequence here; returns the tokens it keeps."""
-        node_seq_id = self.wallet.node_id(seq_id)
-        req = pb.DropBlocksRequest(seq_id=node_seq_id, indices=indices)
-        return self._call(self.stub.DropBlocks, req, timeout_s, node_seq_id).num_cached_tokens
 
     def stats(self, timeout_s: float | None = None) -> NodeStats:
         return codec.stats_result(call(self.stub.Stats, _EMPTY, self._t(timeout_s)))

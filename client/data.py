@@ -14,14 +14,19 @@ calls carry their tickets, both from the node's Wallet (transport/tickets.py).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
+import grpc
 import torch
 
+from ..protos import pagedkv_pb2 as pb
 from ..protos import pagedkv_pb2_grpc as pb_grpc
+from ..protos import tensors
 from ..protos.errors import PagedKVError
+from ..protos.status import error_from_rpc
 from . import codec, shm
 from .config import ClientConfig
+from .control import call as unary
 from .transport import calls
 from .transport.base import Fallback, Reply, Rewritten, Transport, TransportUnavailable
 from .transport.grpc import GrpcTransport
@@ -39,6 +44,27 @@ SOCKET_TRANSPORTS: dict[str, Callable[[BulkLink], Transport]] = {
 SAME_HOST = ("shm", "unix")
 # what a cluster's routing says of a data call's error, given the call's sequence ids
 Explain = Callable[[PagedKVError, Sequence[str]], PagedKVError]
+
+
+class _Named(NamedTuple):
+    """What the error explainer reads of a call: the node's id of its sequence."""
+
+    seq_id: str
+
+
+class _MassReply:
+    """A BlockMass rpc in flight (its gRPC future); result() is the mass list."""
+
+    __slots__ = ("_future", "_where")
+
+    def __init__(self, future: Any, where: str) -> None:
+        self._future, self._where = future, where
+
+    def result(self) -> list[float]:
+        try:
+            return list(self._future.result().mass)
+        except grpc.RpcError as exc:
+            raise error_from_rpc(exc, self._where) from exc
 
 
 class NodeData:
@@ -240,3 +266,48 @@ class NodeData:
         call = calls.read_call(self.wallet.node_id(seq_id), start, end, out)
         result: tuple[torch.Tensor, torch.Tensor] = self.transports.call("read_kv", call, self._t(timeout_s))
         return result
+
+    # -- a token budget kept over several nodes (budget.py) -----------------------------
+
+    def start_block_mass(
+        self,
+        seq_id: str,
+        parts: list[tuple[int, Any, list[float], list[int]]],
+        timeout_s: float | None = None,
+    ) -> Reply:
+        """BlockMass sent for parts (layer, q, lse, visible); result() is the mass list."""
+        node_id = self.wallet.node_id(seq_id)
+        queries = [
+            pb.MassQueries(layer=layer, q=tensors.encode(q, "q"), lse=lse, visible=visible)
+            for layer, q, lse, visible in parts
+        ]
+        req = pb.BlockMassRequest(seq_id=node_id, queries=queries)
+        meta = self.wallet.metadata([node_id]) or None
+        future = self.grpc.stub.BlockMass.future(req, timeout=self._t(timeout_s), metadata=meta)
+        return Rewritten(_MassReply(future, self.where), self._error, _Named(node_id))
+
+    def budget_scores(self, seq_id: str, timeout_s: float | None = None) -> tuple[list[float], int]:
+        """The scores this node's own budget gave each block of the sequence, and its tokens here."""
+        node_id = self.wallet.node_id(seq_id)
+        resp = self._unary(
+            self.grpc.stub.BlockMass,
+            pb.BlockMassRequest(seq_id=node_id, accumulated=True),
+            node_id,
+            timeout_s,
+        )
+        return list(resp.mass), resp.num_cached_tokens
+
+    def drop_blocks(self, seq_id: str, indices: list[int], timeout_s: float | None = None) -> int:
+        """Drop these table indices of the sequence here; returns the tokens it keeps."""
+        node_id = self.wallet.node_id(seq_id)
+        req = pb.DropBlocksRequest(seq_id=node_id, indices=indices)
+        return self._unary(self.grpc.stub.DropBlocks, req, node_id, timeout_s).num_cached_tokens
+
+    def _unary(self, rpc: Any, request: Any, node_id: str, timeout_s: float | None) -> Any:
+        """One gRPC call on a sequence, its errors as the worker should see them (lost, ids)."""
+        try:
+            return unary(
+                rpc, request, self._t(timeout_s), self.wallet.metadata([node_id]) or None, self.where
+            )
+        except PagedKVError as exc:
+            raise self._error(exc, _Named(node_id)) from exc.__cause__

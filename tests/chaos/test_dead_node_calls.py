@@ -107,6 +107,13 @@ def test_every_data_call_on_a_dead_nodes_sequence_answers_sequence_lost(tmp_path
                     with pytest.raises(SequenceLost, match="node-0") as info:
                         call()
                     assert (info.value.seq_id, info.value.node_id) == (target.seq_id, "node-0"), name
+        # a token budget kept over both nodes asks each for its scores first: answered alike
+        with pytest.raises(SequenceLost, match="node-0") as info:
+            sharded.set_budget(4 * SPEC.block_size, 1, 1)
+        assert (info.value.seq_id, info.value.node_id) == (
+            sharded.seq_id,
+            "node-0",
+        ) and sharded.budget is None
         asyncio.run(_async_calls(aclient, aseq))
         live_k, _ = live.read_kv(0, PROMPT_TOKENS)  # the live node's sequence is untouched
         assert torch.equal(live_k, kv(PROMPT_TOKENS, int(live.seq_id.rsplit("-", 1)[1]))[0])
