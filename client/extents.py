@@ -139,7 +139,9 @@ def narrow(res: AttentionResult, n: int, kv_heads: int) -> AttentionResult:
 def merge(parts: Sequence[AttentionResult]) -> AttentionResult:
     """Partial results over disjoint key sets (in extent order) as one. Block mass, when every
     part has it, is each part's mass rescaled to the merged softmax (weight exp(lse_part -
-    lse)), per row summed over heads as the node reports it, concatenated in extent order."""
+    lse)), per row summed over heads as the node reports it, concatenated in extent order: an
+    estimate (the heads' weights averaged), which the decode paths replace by exact_mass
+    where the nodes can compute it (no window or chunks)."""
     if len(parts) == 1:
         return parts[0]
     out, lse = merge_partials([p.out for p in parts], [p.lse for p in parts])
@@ -153,6 +155,25 @@ def merge(parts: Sequence[AttentionResult]) -> AttentionResult:
         w = torch.exp(p.lse.float() - lse.float()).mean(dim=-1, keepdim=True)
         scaled.append(m.float() * w)
     return AttentionResult(out, lse, torch.cat(scaled, dim=-1))
+
+
+def exact_mass(
+    seq: Seq, layer: int, q: Any, lse: Any, timeout_s: float | None, pending: int = 0
+) -> torch.Tensor:
+    """The block mass of one decode query (q [1, Hq, D], merged lse [1, Hq]) over every
+    extent of seq, each node's blocks under the merged softmax (BlockMass: the mass one node
+    holding every key computes), in extent order; `pending`: tail tokens landed, not yet
+    counted. One more parallel round: only when the caller asks for block mass."""
+    norms = lse.float().reshape(-1).tolist()
+    last = len(seq.extents) - 1
+    held = [seq._held_tokens(i) or 0 for i in range(last + 1)]
+    held[last] += pending
+    replies = [
+        (i, seq._nodes[i].data.start_block_mass(seq.seq_id, [(layer, q, norms, [n])], timeout_s))
+        for i, n in enumerate(held)
+        if n > 0
+    ]
+    return torch.tensor([m for _, reply in replies for m in reply.result()], dtype=torch.float32)[None]
 
 
 def rows_of(res: AttentionResult, rows: Sequence[int]) -> AttentionResult:
@@ -248,6 +269,11 @@ def attend_batch(
             if s.num_tokens is not None:
                 s.num_tokens += 1
     merged = [merge([parts[i] for i in sorted(parts)]) for parts in per_row]
+    for row, s in enumerate(handles):  # over several extents the exact mass (one more round)
+        if return_block_mass and len(per_row[row]) > 1 and not layer_of(s.attention, layer).masks:
+            res = merged[row]
+            mass = exact_mass(s, layer, q[row : row + 1], res.lse, timeout_s)
+            merged[row] = AttentionResult(res.out, res.lse, mass)
     for row, s in enumerate(handles):
         if s._budget_on:
             budgets.record(s, layer, q[row : row + 1], merged[row].lse, len(s.extents) - 1, timeout_s)

@@ -38,7 +38,7 @@ from . import budget as budgets
 from . import codec
 from .closing import close_in_cluster
 from .extent_masks import PAST, SKIP, WHOLE, extent_view, layer_of
-from .extents import cat_rows, exchange, merge, prefill_part
+from .extents import cat_rows, exact_mass, exchange, merge, prefill_part
 from .types import AttentionResult, ExtentRoute, MissExplanation, Route
 
 if TYPE_CHECKING:
@@ -370,6 +370,9 @@ class Sequence:
         if skipped:  # the masses would no longer line up with the extents
             results = [AttentionResult(r.out, r.lse) for r in results]
         res = merge(results[::-1])
+        if return_block_mass and len(calls) > 1 and not skipped and not spec.masks:
+            mass = exact_mass(self, layer, q, res.lse, timeout_s, int(k is not None and layer == 0))
+            res = AttentionResult(res.out, res.lse, mass)
         if self._budget_on:  # (the new token, landed, is counted by the caller after)
             budgets.record(
                 self, layer, q, res.lse, last, timeout_s, pending=int(k is not None and layer == 0)

@@ -540,8 +540,18 @@ def test_block_mass_over_extents_covers_every_block_and_sums_to_the_heads(redis_
         k = torch.randn(spec.num_layers, 14, spec.num_kv_heads, spec.head_dim)
         seq.append(list(range(14)), k, k)
         assert len(seq.extents) == 2
-        res = seq.attend(0, torch.randn(Q_HEADS, spec.head_dim), return_block_mass=True)
+        q = torch.randn(Q_HEADS, spec.head_dim)
+        res = seq.attend(0, q, return_block_mass=True)
         assert res.block_mass is not None and res.block_mass.shape == (4,)  # 2 + 2 blocks, in order
-        # each node's mass sums to the heads over its own softmax; rescaled, the whole does
-        torch.testing.assert_close(res.block_mass.sum(), torch.tensor(float(Q_HEADS)))
+        # exact: each node's blocks under the merged softmax (BlockMass), as dense float64 says
+        keys = k[0].double().repeat_interleave(Q_HEADS // spec.num_kv_heads, 1)  # [14, Hq, D]
+        probs = torch.softmax(torch.einsum("hd,thd->ht", q.double(), keys) / spec.head_dim**0.5, -1)
+        want = torch.nn.functional.pad(probs.sum(0), (0, 2)).view(4, 4).sum(-1)
+        torch.testing.assert_close(res.block_mass.double(), want, atol=1e-5, rtol=1e-5)
+        with c.client.open("solo", [1]) as solo:  # in a batch beside a one-node sequence: the same
+            solo.append(list(range(3)), k[:, :3], k[:, :3])
+            batch = c.client.attend_batch([seq, solo], 0, torch.stack([q, q]), return_block_mass=True)
+            assert batch.block_mass is not None and batch.block_mass.shape == (2, 4)
+            torch.testing.assert_close(batch.block_mass[0].double(), want, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(batch.block_mass[1, 1:].sum(), torch.tensor(0.0))  # one block there
         seq.close()
