@@ -196,6 +196,10 @@ class Sequence:
             refused.__dict__.update(exc.__dict__)
             raise refused from exc
         tail = self._extent_tokens(len(self.extents) - 1)
+        if tail == 0:  # an empty tail (a fresh sequence): what its node has room for, then spill
+            fits = exc.available * self._block_size(timeout_s)
+            if 0 < fits < wanted:
+                return fits
         if tail is None or tail == 0:
             raise exc
         fill = -tail % self._block_size(timeout_s)

@@ -555,3 +555,20 @@ def test_block_mass_over_extents_covers_every_block_and_sums_to_the_heads(redis_
             torch.testing.assert_close(batch.block_mass[0].double(), want, atol=1e-5, rtol=1e-5)
             torch.testing.assert_close(batch.block_mass[1, 1:].sum(), torch.tensor(0.0))  # one block there
         seq.close()
+
+
+def test_a_first_append_larger_than_its_node_spills(redis_url):
+    """An empty sequence's first append longer than its node's whole pool: the node refuses
+    it (RESOURCE_EXHAUSTED, from the header: nothing is read), the client appends what the
+    refusal says fits, and the rest spills as it would after any full tail."""
+    spec = spec_of(4)
+    for c in start_cluster(redis_url, spec, {"n1": 4, "n2": 4, "n3": 4}):
+        with c.client.open("big", []) as seq:
+            k = torch.randn(spec.num_layers, 40, spec.num_kv_heads, spec.head_dim)
+            assert seq.append(list(range(40)), k, -k) == 40
+            assert [e.first_token for e in seq.extents] == [0, 16, 32]
+            got_k, got_v = seq.read_kv()
+            assert torch.equal(got_k, k) and torch.equal(got_v, -k)
+            c.check()
+        c.coordinator.wait_idle()
+        assert sum(c.held().values()) == 0
