@@ -9,7 +9,7 @@ by one" makes the same calls, each answered before the next is sent: what overla
 the nodes' attends saves.
 
     python -m bench.sharded [--length 8192] [--steps 60] [--smoke] [--out DIR] [--window W] [--pin-nodes]
-                            [--budget N]
+                            [--budget N] [--pool-fraction F]
 
 --window W opens every sequence with a sliding window of W tokens on every layer: the client
 attends only the extents the window reaches (the others are skipped: client/extent_masks.py).
@@ -17,6 +17,11 @@ attends only the extents the window reaches (the others are skipped: client/exte
 --budget N sets a token budget of N tokens on every sequence: one node keeps it; over several
 the client does (client/budget.py: a BlockMass round per attend, a DropBlocks per drop). Its
 results go to sharded_budget.*.
+
+--pool-fraction F sizes each node's pool to F of the sequence (0.4: three nodes of 40%): the
+sequence is longer than any node holds and spills when its node is full (4 node processes:
+the fourth holds "1 node", a sequence of the sharded one's largest extent, the per-node
+attend it is made of).
 
 --pin-nodes pins each node process to one core (round robin, the 2-node sequence's nodes
 first, so its halves get a core each; the client is left free): a node with compute of its
@@ -108,12 +113,12 @@ def pin_nodes(cluster: LocalCluster, first: Sequence) -> dict[str, int]:
     return placed
 
 
-def fill(seq: Sequence, spec: ModelSpec, length: int) -> None:
+def fill(seq: Sequence, spec: ModelSpec, length: int, first_id: int = 0) -> None:
     chunk = 1024
     for start in range(0, length, chunk):
         n = min(chunk, length - start)
         k = torch.randn(spec.num_layers, n, spec.num_kv_heads, spec.head_dim)
-        seq.append(list(range(start, start + n)), k, k)
+        seq.append(list(range(first_id + start, first_id + start + n)), k, k)
 
 
 def step(client: CacheClient, seq: Sequence, spec: ModelSpec, token: int) -> float:
@@ -145,25 +150,31 @@ def main() -> None:
         default=0,
         help="a token budget of this many tokens on every sequence, 0: none (results in sharded_budget.*)",
     )
+    p.add_argument(
+        "--pool-fraction",
+        type=float,
+        default=0.0,
+        help="each node's pool holds this fraction of the sequence (e.g. 0.4): it spills on capacity, "
+        "over 4 node processes; 1 node holds its largest extent (results in sharded_pool.*)",
+    )
     args = p.parse_args()
     length, steps = (256, 4) if args.smoke else (args.length, args.steps)
+    fraction = args.pool_fraction
+    margin = (2 * steps + 10) // 16 + 2  # blocks the decode steps may add to a sequence's tail
+    # with a fraction, a node holds its share and room for the decode steps
+    num_blocks = -(-int(fraction * length) // 16) + margin if fraction else 2 * length // 16 + 64
     node = NodeOptions(
-        num_layers=4,
-        num_kv_heads=2,
-        head_dim=64,
-        block_size=16,
-        num_blocks=2 * length // 16 + 64,
-        host_blocks=0,
+        num_layers=4, num_kv_heads=2, head_dim=64, block_size=16, num_blocks=num_blocks, host_blocks=0
     )
     spec = ModelSpec(node.num_layers, node.num_kv_heads, node.head_dim, node.dtype, node.block_size)
     log_dir = tempfile.mkdtemp(prefix="sharded-")
     env = {"OMP_NUM_THREADS": str(args.node_threads)} if args.node_threads else {}
-    with LocalCluster(3, node, secure=False, log_dir=log_dir, env=env) as cluster:
+    with LocalCluster(4 if fraction else 3, node, secure=False, log_dir=log_dir, env=env) as cluster:
         client = CacheClient(coordinator=cluster.coordinator_address, spec=spec)
         try:
             client.connect()
             seqs: dict[str, Sequence] = {}
-            for extents in (1, 2, 3):
+            for extents in () if fraction else (1, 2, 3):
                 cap = -(-length // extents // 16) * 16
                 attention = [LayerAttention(window=args.window)] * node.num_layers if args.window else None
                 seq = client.open(f"len-{extents}", [0], max_extent_tokens=cap, attention=attention)
@@ -173,14 +184,25 @@ def main() -> None:
                 if args.budget:  # one node keeps it; over several the client does (exact mass rounds)
                     seq.set_budget(args.budget, 1, 4)
                 seqs[f"{extents} node{'s' if extents > 1 else ''}"] = seq
+            if fraction:  # longer than any node holds: it spills when a node is full
+                seq = client.open("spills", [0])
+                fill(seq, spec, length)
+                # a full extent's tokens less the margin, other ids (no prefix hit): opened with
+                # its prompt, so that placement sees the blocks it needs and picks the empty node
+                held = (num_blocks - margin) * 16
+                share = client.open("share", list(range(1 << 20, (1 << 20) + held)))
+                fill(share, spec, held, first_id=1 << 20)
+                seqs = {"1 node": share, f"{len(seq.extents)} nodes": seq}
+                assert len(share.extents) == 1, share.extents
+            sharded = max(seqs, key=lambda m: len(seqs[m].extents))
             if args.pin_nodes:
-                pin_nodes(cluster, seqs["2 nodes"])
-            modes = [*seqs, "2 nodes, one by one"]
+                pin_nodes(cluster, seqs[sharded])
+            modes = [*seqs, f"{sharded}, one by one"]
             times: dict[str, list[float]] = {m: [] for m in modes}
             attends = dict.fromkeys(modes, 0)
             for i in range(steps + 5):
                 for mode in modes if i % 2 else modes[::-1]:  # each mode after every other
-                    seq = seqs.get(mode, seqs["2 nodes"])
+                    seq = seqs.get(mode, seqs[sharded])
                     before = client.counters["sharded_attends"]
                     if mode.endswith("one by one"):
                         with one_by_one(client, seq):
@@ -203,6 +225,12 @@ def main() -> None:
         + (f", window {args.window}" if args.window else "")
         + (", nodes pinned to cores" if args.pin_nodes else "")
         + (f", token budget {args.budget}" if args.budget else "")
+        + (
+            f", node pools {fraction:.0%} of it (spilled on capacity; 1 node holds "
+            f"{(num_blocks - margin) * 16} tokens, a full extent's less the decode margin)"
+            if fraction
+            else ""
+        )
     )
     lines = [title, "", "| mode | ms | x one node | node calls a layer |", "|---|---|---|---|"]
     print(title)
@@ -213,7 +241,7 @@ def main() -> None:
         lines.append(f"| {mode} | {med * 1e3:.3f} | {med / base:.2f}x | {calls:.1f} |")
         print(f"  {mode:22s} {med * 1e3:8.3f} ms   {med / base:5.2f}x one node   {calls:.1f} calls a layer")
     args.out.mkdir(parents=True, exist_ok=True)
-    name = "sharded_budget" if args.budget else "sharded"
+    name = "sharded_pool" if fraction else "sharded_budget" if args.budget else "sharded"
     (args.out / f"{name}.md").write_text("\n".join(lines) + "\n")
     medians = {mode: statistics.median(times[mode]) for mode in modes}
     raw = {
@@ -223,6 +251,7 @@ def main() -> None:
         "window": args.window,
         "pinned": args.pin_nodes,
         "budget": args.budget,
+        "pool_fraction": fraction,
         "median_ms": {mode: med * 1e3 for mode, med in medians.items()},
         "ratio": {mode: med / base for mode, med in medians.items()},
         "seconds": times,
