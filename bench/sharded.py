@@ -190,6 +190,7 @@ def main() -> None:
                 # a full extent's tokens less the margin, other ids (no prefix hit): opened with
                 # its prompt, so that placement sees the blocks it needs and picks the empty node
                 held = (num_blocks - margin) * 16
+                time.sleep(cluster.lease_ttl_s)  # the nodes' beats tell the coordinator which are full
                 share = client.open("share", list(range(1 << 20, (1 << 20) + held)))
                 fill(share, spec, held, first_id=1 << 20)
                 seqs = {"1 node": share, f"{len(seq.extents)} nodes": seq}
