@@ -195,7 +195,8 @@ def main() -> None:
                 fill(share, spec, held, first_id=1 << 20)
                 seqs = {"1 node": share, f"{len(seq.extents)} nodes": seq}
                 assert len(share.extents) == 1, share.extents
-            sharded = max(seqs, key=lambda m: len(seqs[m].extents))
+            # the one by one mode and the pinning follow the goal's 2 nodes, or the spilled one
+            sharded = max(seqs, key=lambda m: len(seqs[m].extents)) if fraction else "2 nodes"
             if args.pin_nodes:
                 pin_nodes(cluster, seqs[sharded])
             modes = [*seqs, f"{sharded}, one by one"]

@@ -177,3 +177,14 @@ def test_sharded(tmp_path: Path) -> None:
     assert result["ratio"]["1 node"] == 1.0
     # one by one makes the same calls: 2 a layer, each answered before the next is sent
     assert "2 nodes, one by one" in done.stdout and "2.0 calls a layer" in done.stdout
+
+
+def test_sharded_past_a_nodes_pool_and_with_a_budget(tmp_path: Path) -> None:
+    done = run_bench("bench.sharded", "--smoke", "--pool-fraction", "0.4", "--out", str(tmp_path))
+    result = json.loads((tmp_path / "sharded_pool.json").read_text())
+    spread = [m for m in result["seconds"] if not m.endswith("one by one") and m != "1 node"]
+    assert len(spread) == 1 and int(spread[0].split()[0]) >= 2, result["seconds"].keys()  # it spilled
+    assert "1.0 calls a layer" in done.stdout and result["pool_fraction"] == 0.4
+    done = run_bench("bench.sharded", "--smoke", "--budget", "128", "--out", str(tmp_path))
+    result = json.loads((tmp_path / "sharded_budget.json").read_text())
+    assert result["budget"] == 128 and "token budget 128" in done.stdout
