@@ -92,13 +92,17 @@ class SpreadBudget:
         for i, m in enumerate(mass):
             held[i] += m
 
+    def excess(self, incoming: int) -> int:
+        """Tokens past max_tokens once `incoming` more land (<= 0: they fit, or no budget)."""
+        if self.max_tokens is None:
+            return 0
+        return sum(self.appended) - sum(self.dropped) + incoming - self.max_tokens
+
     def plan(self, incoming: int) -> dict[int, list[int]]:
         """Extent -> its table indices to drop (ascending) so that the held tokens plus
         `incoming` fit max_tokens; changes nothing. The same choice as one node's
         drop_plan over the blocks laid end to end (sync first)."""
-        if self.max_tokens is None:
-            return {}
-        excess = sum(self.appended) - sum(self.dropped) + incoming - self.max_tokens
+        excess = self.excess(incoming)
         if excess <= 0:
             return {}
         need = -(-excess // self.block_size)
@@ -178,10 +182,7 @@ def make_room(seq: Sequence, incoming: int, timeout_s: float | None) -> None:
     budget = seq.budget
     assert budget is not None
     budget.sync(appended(seq))
-    if (
-        budget.max_tokens is None
-        or sum(budget.appended) - sum(budget.dropped) + incoming <= budget.max_tokens
-    ):
+    if budget.excess(incoming) <= 0:
         return
     flush(seq, timeout_s)
     for extent, indices in budget.plan(incoming).items():
