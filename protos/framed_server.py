@@ -170,7 +170,7 @@ class FramedServer:
                 sock = self._tls.wrap_socket(sock, server_side=True)
                 with self._lock:
                     served.sock = sock
-            conn = TimedConn(sock, self.limits)
+            conn = TimedConn(sock, self.limits, kernel_timeout=True)
             head = bytearray(wire_frame.FRAME.size)
             while (frame := read_frame(conn, eof_ok=True, buf=head)) is not None:  # type: ignore[arg-type]
                 conn.arm(frame.payload_len)
