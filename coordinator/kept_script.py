@@ -10,6 +10,7 @@ SELECT, HELLO), the timeouts and the error mapping, and the client's `Retry` sti
 applies (the one retry layer): a connection or timeout error disconnects it and the
 call is sent again. A script Redis no longer has (NOSCRIPT, after a restart or a
 SCRIPT FLUSH) is loaded again and the call sent once more, as redis-py's Script does.
+run_many pipelines several calls the same way (one write, the replies read in order).
 
 Errors are redis-py's own (`redis.ConnectionError`, `redis.ResponseError`, ...): the
 store translates them as it does every other call.
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import redis
@@ -41,6 +43,20 @@ class KeptScripts:
 
     def run(self, script: Script, args: list[Any]) -> Any:
         """EVALSHA `script` with no keys and `args`; its reply as redis-py returns it."""
+        return self._on_kept_connection(lambda conn: self._evalsha(conn, script, args))
+
+    def run_many(self, calls: Sequence[tuple[Script, list[Any]]]) -> list[Any]:
+        """EVALSHA each (script, args) with no keys, every call sent in one write and the replies
+        read in order: one round trip. Redis runs them in order, others' commands possibly in
+        between. A call answered NOSCRIPT ran nothing: its script is loaded and it is sent again
+        after the rest; a connection error sends them all again (the client's Retry). So the
+        calls must be safe to reorder so and to repeat (apply_event_runs's check their own
+        order and are idempotent). A script error raises once every reply is read."""
+        if not calls:
+            return []
+        return self._on_kept_connection(lambda conn: self._evalsha_many(conn, calls))
+
+    def _on_kept_connection(self, send: Callable[[Any], Any]) -> Any:
         if self._pid != os.getpid():  # a forked child: the kept sockets are the parent's
             self._pid, self._idle = os.getpid(), []
         try:
@@ -48,9 +64,7 @@ class KeptScripts:
         except IndexError:
             conn = self._pool.get_connection()
         try:
-            reply = conn.retry.call_with_retry(
-                lambda: self._evalsha(conn, script, args), lambda _error: conn.disconnect()
-            )
+            reply = conn.retry.call_with_retry(lambda: send(conn), lambda _error: conn.disconnect())
         except ResponseError:  # the reply was read whole: the connection is clean
             self._give_back(conn)
             raise
@@ -69,6 +83,33 @@ class KeptScripts:
             script.sha = self._client.script_load(script.script)
             conn.send_packed_command(conn.pack_command("EVALSHA", script.sha, 0, *args), check_health=False)
             return conn.read_response()
+
+    def _evalsha_many(self, conn: Any, calls: Sequence[tuple[Script, list[Any]]]) -> list[Any]:
+        replies = self._send_many(conn, calls)
+        missing = [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
+        if missing:
+            for script in {id(calls[i][0]): calls[i][0] for i in missing}.values():
+                script.sha = self._client.script_load(script.script)
+            again = self._send_many(conn, [calls[i] for i in missing])
+            for i, reply in zip(missing, again, strict=True):
+                replies[i] = reply
+        for reply in replies:
+            if isinstance(reply, ResponseError):
+                raise reply
+        return replies
+
+    @staticmethod
+    def _send_many(conn: Any, calls: Sequence[tuple[Script, list[Any]]]) -> list[Any]:
+        """The calls' replies in order, an error reply as its exception (every reply is read)."""
+        commands = [("EVALSHA", script.sha, 0, *args) for script, args in calls]
+        conn.send_packed_command(conn.pack_commands(commands), check_health=False)
+        replies: list[Any] = []
+        for _ in calls:
+            try:
+                replies.append(conn.read_response())
+            except ResponseError as e:
+                replies.append(e)
+        return replies
 
     def _give_back(self, conn: Any) -> None:
         with self._lock:

@@ -87,6 +87,50 @@ def test_a_script_error_raises_and_leaves_the_connection_clean(redis_url: str) -
     client.close()
 
 
+def _evalsha_and_loads(r: redis.Redis) -> tuple[int, int]:
+    stats = r.info("commandstats")
+    return stats.get("cmdstat_evalsha", {}).get("calls", 0), stats.get("cmdstat_script|load", {}).get(
+        "calls", 0
+    )
+
+
+def test_run_many_pairs_every_reply_in_order_without_reloading(redis_url: str) -> None:
+    client = _client(redis_url, "kept-many")
+    echo = client.register_script(ECHO)
+    count = client.register_script("return redis.call('INCR', ARGV[1])")
+    kept = KeptScripts(client)
+    assert kept.run_many([]) == []
+    calls = [(echo, ["a", 1]), (count, ["many:n"]), (echo, ["b", 2]), (count, ["many:n"])]
+    kept.run(echo, ["warm", 0])  # the kept connection exists and both scripts are loaded
+    kept.run(count, ["many:warm"])
+    before = _evalsha_and_loads(client)
+    assert kept.run_many(calls) == [[b"a", 2], 1, [b"b", 4], 2]  # Redis ran them in order
+    assert _evalsha_and_loads(client) == (before[0] + 4, before[1])  # 4 EVALSHA, no SCRIPT LOAD
+    assert kept.run(echo, ["c", 3]) == [b"c", 6]  # the connection is clean after it
+    kept.close()
+    client.close()
+
+
+def test_run_many_reloads_flushed_scripts_and_raises_a_script_error_after_every_reply(
+    redis_url: str,
+) -> None:
+    client = _client(redis_url)
+    echo = client.register_script(ECHO)
+    count = client.register_script("return redis.call('INCR', ARGV[1])")
+    bad = client.register_script("return redis.call('NOSUCHCOMMAND')")
+    kept = KeptScripts(client)
+    assert kept.run_many([(echo, ["a", 1]), (count, ["flushed:n"])]) == [[b"a", 2], 1]
+    client.script_flush()
+    assert kept.run_many([(echo, ["b", 1]), (count, ["flushed:n"])]) == [[b"b", 2], 2]  # sent again
+    assert client.script_exists(echo.sha, count.sha) == [True, True]
+    with pytest.raises(redis.ResponseError, match="NOSUCHCOMMAND|Unknown"):
+        kept.run_many([(count, ["flushed:n"]), (bad, []), (count, ["flushed:n"])])
+    assert client.get("flushed:n") == b"4"  # the calls around the error ran
+    assert kept.run(echo, ["c", 3]) == [b"c", 6]  # and no reply was left unread
+    kept.close()
+    client.close()
+
+
 def test_concurrent_callers_get_their_own_replies(redis_url: str) -> None:
     client = _client(redis_url)
     script = client.register_script(ECHO)
