@@ -304,23 +304,26 @@ def check_ttl(ttl_s: object) -> float:
     return float(ttl_s)
 
 
-def check_key(key: object) -> bytes:
+def check_key(key: object, what: str = "a block key") -> bytes:
     if not isinstance(key, bytes) or len(key) != KEY_BYTES:
-        raise InvalidArgument(f"a block key must be {KEY_BYTES} bytes, got {key!r}")
+        raise InvalidArgument(f"{what} must be {KEY_BYTES} bytes, got {key!r}")
     return key
 
 
-def check_keys(keys: Sequence[bytes]) -> list[bytes]:
+def check_keys(keys: Sequence[bytes], what: str = "keys") -> list[bytes]:
+    """The keys as a list; an error names `what` (the list's field) when it is not "keys"."""
     if isinstance(keys, bytes | str):
-        raise InvalidArgument("keys must be a sequence of block keys, not one bytes/str")
-    return [check_key(k) for k in keys]
+        raise InvalidArgument(f"{what} must be a sequence of block keys, not one bytes/str")
+    label = "a block key" if what == "keys" else f"a block key in {what}"
+    return [check_key(k, label) for k in keys]
 
 
 def check_events(
     stored: Sequence[bytes], removed: Sequence[bytes], offloaded: Sequence[bytes] = ()
 ) -> tuple[list[bytes], list[bytes], list[bytes]]:
     """The lists validated; a key in two of them is refused (the node must send the net effect)."""
-    stored_keys, removed_keys, offloaded_keys = check_keys(stored), check_keys(removed), check_keys(offloaded)
+    stored_keys = check_keys(stored, "stored")
+    removed_keys, offloaded_keys = check_keys(removed, "removed"), check_keys(offloaded, "offloaded")
     s, r, o = set(stored_keys), set(removed_keys), set(offloaded_keys)
     both = (s & r) | (s & o) | (r & o)
     if both:

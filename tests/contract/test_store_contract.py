@@ -260,8 +260,10 @@ def test_apply_events_is_set_semantics_and_validates_before_changing(store: Stor
     assert store.keys_of("n1") == {key(1), key(2)}
     with pytest.raises(InvalidArgument, match="in two of stored, removed and offloaded"):
         store.apply_events("n1", [key(4)], [key(4)])
-    with pytest.raises(InvalidArgument, match="16 bytes"):
+    with pytest.raises(InvalidArgument, match="a block key in stored must be 16 bytes"):
         store.apply_events("n1", [key(5), b"short"], [])
+    with pytest.raises(InvalidArgument, match="a block key in offloaded must be 16 bytes"):
+        store.apply_events("n1", [], [], [b"short"])
     with pytest.raises(NodeNotLive, match="ghost"):
         store.apply_events("ghost", [key(6)], [])
     assert store.keys_of("n1") == {key(1), key(2)}
