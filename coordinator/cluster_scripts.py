@@ -42,28 +42,39 @@ redis.call('HSET', KEYS[1], 'load', ARGV[1])
 return 1
 """
 
+# Shared by apply_events and apply_event_runs (event_run_scripts.py): n stored keys, m
+# offloaded, then removed ones, from ARGV[at] to the end, into the node's nkeys and hkeys.
+# Returns the keys it no longer holds (their index entries go next).
+APPLY_NODE = """
+local function apply_node(nk, hk, n, m, at)
+  local has_host = redis.call('EXISTS', hk) == 1
+  for i = at, at + n - 1 do
+    redis.call('SADD', nk, ARGV[i])
+    if has_host then redis.call('SREM', hk, ARGV[i]) end
+  end
+  for i = at + n, at + n + m - 1 do
+    redis.call('SADD', nk, ARGV[i])
+    redis.call('SADD', hk, ARGV[i])
+  end
+  has_host = has_host or m > 0
+  local gone = {}
+  for i = at + n + m, #ARGV do
+    if has_host then redis.call('SREM', hk, ARGV[i]) end
+    if redis.call('SREM', nk, ARGV[i]) == 1 then gone[#gone + 1] = ARGV[i] end
+  end
+  return gone
+end
+"""
+
 # KEYS: the node's alive, nkeys, hkeys. ARGV: num_stored, num_offloaded, stored..., offloaded...,
 # removed... Returns {1, {keys it no longer holds}} (their index entries go next) | {0} (not live).
-EVENTS = """
+EVENTS = (
+    APPLY_NODE
+    + """
 if redis.call('EXISTS', KEYS[1]) == 0 then return {0} end
-local n, m = tonumber(ARGV[1]), tonumber(ARGV[2])
-local has_host = redis.call('EXISTS', KEYS[3]) == 1
-for i = 3, 2 + n do
-  redis.call('SADD', KEYS[2], ARGV[i])
-  if has_host then redis.call('SREM', KEYS[3], ARGV[i]) end
-end
-for i = 3 + n, 2 + n + m do
-  redis.call('SADD', KEYS[2], ARGV[i])
-  redis.call('SADD', KEYS[3], ARGV[i])
-end
-has_host = has_host or m > 0
-local gone = {}
-for i = 3 + n + m, #ARGV do
-  if has_host then redis.call('SREM', KEYS[3], ARGV[i]) end
-  if redis.call('SREM', KEYS[2], ARGV[i]) == 1 then gone[#gone + 1] = ARGV[i] end
-end
-return {1, gone}
+return {1, apply_node(KEYS[2], KEYS[3], tonumber(ARGV[1]), tonumber(ARGV[2]), 3)}
 """
+)
 
 # KEYS: a sequence's record. ARGV: field, value, ... Returns 1 (written) | 0 (the id is taken).
 CREATE_SEQ = """

@@ -293,17 +293,19 @@ class ClusterStore(Store):
         reply = self._call("apply_events", self._events, keys=keys, args=args)
         if not reply[0]:
             raise NodeNotLive(node_id, "events ignored; register again")
-
-        def commands(pipe: Any) -> None:
-            for k in (*stored, *offloaded):
-                pipe.sadd(self._idx(k), node_id)
-            for k in stored:  # its in-flight marker's wait is over
-                pipe.delete(self._pend(k))
-            for k in reply[1]:
-                pipe.srem(self._idx(k), node_id)
-
         if stored or offloaded or reply[1]:
-            self._pipeline("apply_events", commands)
+            self._pipeline("apply_events", lambda p: self._index(p, node_id, stored, offloaded, reply[1]))
+
+    def _index(
+        self, pipe: Any, node_id: str, stored: Sequence[bytes], offloaded: Sequence[bytes], gone: list[bytes]
+    ) -> None:
+        """Queue the index writes that follow a node-slot apply (the module's rule)."""
+        for k in (*stored, *offloaded):
+            pipe.sadd(self._idx(k), node_id)
+        for k in stored:  # its in-flight marker's wait is over
+            pipe.delete(self._pend(k))
+        for k in gone:
+            pipe.srem(self._idx(k), node_id)
 
     def _runs(self, node_ids: Sequence[str], keys: list[bytes]) -> dict[str, tuple[int, int]]:
         """{node: (cached, host)} for these nodes that the index lists for keys[0]: their

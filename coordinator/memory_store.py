@@ -184,31 +184,37 @@ class MemoryStore(Store):
         with self._lock:
             if not self._is_live(node_id):
                 raise NodeNotLive(node_id, "events ignored; register again")
-            held = self._keys.setdefault(node_id, set())
-            host = self._host.setdefault(node_id, set())
-            pending = self._pending
-            for key in stored:
-                held.add(key)
-                host.discard(key)
-                self._holders.setdefault(key, set()).add(node_id)
-                if pending:  # an in-flight marker on a key now stored: its wait is over
-                    pending.pop(key, None)
-            for key in offloaded:  # still held, on the host tier
-                held.add(key)
-                host.add(key)
-                self._holders.setdefault(key, set()).add(node_id)
-            for key in removed:
-                host.discard(key)
-                if key in held:
-                    held.discard(key)
-                    holders = self._holders[key]
-                    holders.discard(node_id)
-                    if not holders:
-                        del self._holders[key]
-            if not held:
-                del self._keys[node_id]
-            if not host:
-                del self._host[node_id]
+            self._apply(node_id, stored, removed, offloaded)
+
+    def _apply(
+        self, node_id: str, stored: Sequence[bytes], removed: Sequence[bytes], offloaded: Sequence[bytes]
+    ) -> None:
+        """apply_events' changes for checked lists; the caller holds the lock."""
+        held = self._keys.setdefault(node_id, set())
+        host = self._host.setdefault(node_id, set())
+        pending = self._pending
+        for key in stored:
+            held.add(key)
+            host.discard(key)
+            self._holders.setdefault(key, set()).add(node_id)
+            if pending:  # an in-flight marker on a key now stored: its wait is over
+                pending.pop(key, None)
+        for key in offloaded:  # still held, on the host tier
+            held.add(key)
+            host.add(key)
+            self._holders.setdefault(key, set()).add(node_id)
+        for key in removed:
+            host.discard(key)
+            if key in held:
+                held.discard(key)
+                holders = self._holders[key]
+                holders.discard(node_id)
+                if not holders:
+                    del self._holders[key]
+        if not held:
+            del self._keys[node_id]
+        if not host:
+            del self._host[node_id]
 
     def match_prefix(self, keys: Sequence[bytes]) -> dict[str, int]:
         keys = check_keys(keys)

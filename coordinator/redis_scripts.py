@@ -102,34 +102,45 @@ end
 return out
 """
 
+# Shared by apply_events and apply_event_runs (event_run_scripts.py): n stored keys, m
+# offloaded, then removed ones, from ARGV[at] to the end: the node's keys, the index and the
+# in-flight markers of the stored keys.
+APPLY = """
+local function apply(P, id, n, m, at)
+  local nk, hk = P .. 'nkeys:' .. id, P .. 'hkeys:' .. id
+  local has_host = redis.call('EXISTS', hk) == 1
+  local done = {}  -- in-flight markers (placement.py) of keys now stored: their wait is over
+  for i = at, at + n - 1 do
+    redis.call('SADD', P .. 'idx:' .. ARGV[i], id)
+    redis.call('SADD', nk, ARGV[i])
+    if has_host then redis.call('SREM', hk, ARGV[i]) end
+    done[#done + 1] = P .. 'pend:' .. ARGV[i]
+    if #done == 4000 then redis.call('DEL', unpack(done)); done = {} end
+  end
+  if #done > 0 then redis.call('DEL', unpack(done)) end
+  for i = at + n, at + n + m - 1 do  -- still held, on the host tier
+    redis.call('SADD', P .. 'idx:' .. ARGV[i], id)
+    redis.call('SADD', nk, ARGV[i])
+    redis.call('SADD', hk, ARGV[i])
+  end
+  has_host = has_host or m > 0
+  for i = at + n + m, #ARGV do
+    if has_host then redis.call('SREM', hk, ARGV[i]) end
+    if redis.call('SREM', nk, ARGV[i]) == 1 then redis.call('SREM', P .. 'idx:' .. ARGV[i], id) end
+  end
+end
+"""
+
 # ARGV: P, id, num_stored, num_offloaded, stored..., offloaded..., removed...
-APPLY_EVENTS = """
+APPLY_EVENTS = (
+    APPLY
+    + """
 local P, id = ARGV[1], ARGV[2]
 if redis.call('EXISTS', P .. 'alive:' .. id) == 0 then return 0 end
-local n, m = tonumber(ARGV[3]), tonumber(ARGV[4])
-local nk, hk = P .. 'nkeys:' .. id, P .. 'hkeys:' .. id
-local has_host = redis.call('EXISTS', hk) == 1
-local done = {}  -- in-flight markers (placement.py) of keys now stored: their wait is over
-for i = 5, 4 + n do
-  redis.call('SADD', P .. 'idx:' .. ARGV[i], id)
-  redis.call('SADD', nk, ARGV[i])
-  if has_host then redis.call('SREM', hk, ARGV[i]) end
-  done[#done + 1] = P .. 'pend:' .. ARGV[i]
-  if #done == 4000 then redis.call('DEL', unpack(done)); done = {} end
-end
-if #done > 0 then redis.call('DEL', unpack(done)) end
-for i = 5 + n, 4 + n + m do  -- still held, on the host tier
-  redis.call('SADD', P .. 'idx:' .. ARGV[i], id)
-  redis.call('SADD', nk, ARGV[i])
-  redis.call('SADD', hk, ARGV[i])
-end
-has_host = has_host or m > 0
-for i = 5 + n + m, #ARGV do
-  if has_host then redis.call('SREM', hk, ARGV[i]) end
-  if redis.call('SREM', nk, ARGV[i]) == 1 then redis.call('SREM', P .. 'idx:' .. ARGV[i], id) end
-end
+apply(P, id, tonumber(ARGV[3]), tonumber(ARGV[4]), 5)
 return 1
 """
+)
 
 # Shared by match_prefix and open_sequence. Keys arrive as ONE argument, the 16-byte
 # keys joined (redis-py encodes one bytes argument instead of 71 for a W2 open), split
