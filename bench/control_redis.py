@@ -15,7 +15,7 @@ import redis
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.control_setup import log
-from pagedkv.coordinator import redis_scripts
+from pagedkv.coordinator import event_run_scripts, redis_scripts
 
 
 def scrape_handler_hist(port: int) -> dict[str, dict[str, Any]]:
@@ -58,10 +58,11 @@ def hist_delta(a: dict, b: dict, method: str) -> dict[str, float]:
 def script_names() -> dict[str, str]:
     """EVALSHA digest -> RedisStore script name."""
     names = {}
-    for attr in dir(redis_scripts):
-        val = getattr(redis_scripts, attr)
-        if attr.isupper() and isinstance(val, str) and "redis.call" in val:
-            names[hashlib.sha1(val.encode()).hexdigest()] = attr.strip("_").lower()
+    for module in (redis_scripts, event_run_scripts):
+        for attr in dir(module):
+            val = getattr(module, attr)
+            if attr.isupper() and isinstance(val, str) and "redis.call" in val:
+                names[hashlib.sha1(val.encode()).hexdigest()] = attr.strip("_").lower()
     return names
 
 
@@ -89,7 +90,8 @@ end
 return out
 """
 
-BACKGROUND = {"heartbeat", "list_nodes", "apply_events", "register"}  # nodes' beats/events, reaper
+# nodes' beats and events (unnumbered, and numbered runs), the reaper
+BACKGROUND = {"heartbeat", "list_nodes", "apply_events", "apply_event_run", "applied_seq", "register"}
 
 
 def commandstats(r: redis.Redis) -> dict[str, int]:

@@ -18,7 +18,7 @@ local keys = redis.call('SMEMBERS', KEYS[3])
 local seqs = redis.call('SMEMBERS', KEYS[5])
 redis.call('DEL', KEYS[1], KEYS[3], KEYS[4], KEYS[5])
 redis.call('HSET', KEYS[1], 'address', ARGV[1], 'spec', ARGV[2], 'num_blocks', ARGV[3], 'load', '{}',
-           'epoch', ARGV[5], 'policy', ARGV[6])
+           'epoch', ARGV[5], 'policy', ARGV[6], 'applied', '0')
 redis.call('SET', KEYS[2], '1', 'PX', ARGV[4])
 return {was, keys, seqs}
 """

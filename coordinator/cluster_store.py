@@ -7,8 +7,8 @@ declares them all in KEYS[]):
 
     P{nodes}                 set   registered node ids
     P{n:<id>}node / alive / nkeys / hkeys / nseqs
-                                   a node's record, lease, keys (and those on its host tier),
-                                   sequences: one slot per node
+                                   a node's record (with its applied event seq), lease, keys
+                                   (and those on its host tier), sequences: one slot per node
     P{i:<b>}idx:<key>        set   node ids holding the key: the prefix index, sharded by the
     P{i:<b>}pend:<key>       str   key's first byte <b> (256 slots); the key's in-flight marker
     P{s:<seq_id>}            hash  a sequence's record
@@ -29,6 +29,10 @@ that a reader in between sees a miss, never a wrong hit. The consistency rule:
   ordered one after the other by their arrival would not); quota is never exceeded, and a
   crash between the reservation and the write leaves the tenant charged for blocks no
   sequence holds until an operator resets usage (the single-Redis store has no such window).
+- A numbered event run (apply_event_runs) is checked and applied in the node's slot, which
+  records its applied seq, then its index writes follow as for events: a crash in between
+  leaves those index entries missing or stale (by the rule above, a miss or a lookup) and a
+  resend of the run is a replay, so they stay so until the keys' next events or a purge.
 - A purge (register again, remove) clears the node's slot first (its sequences unlinked, its
   keys gone), then the index entries and marks its sequences lost: in between, opens find
   the node holding nothing.
@@ -59,9 +63,13 @@ from pagedkv.protos.errors import (
 )
 
 from . import cluster_scripts as cl
+from . import event_run_scripts as runs_lua
 from . import redis_scripts as lua
+from .cluster_pipeline import run_scripts
+from .event_runs import run_parts
 from .placement import NodeCandidate, Placement, place
 from .records import (
+    EventRun,
     NewSequence,
     NodeInfo,
     NodeNotLive,
@@ -74,7 +82,9 @@ from .records import (
     check_keys,
     check_load,
     check_name,
+    check_ordinal,
     check_registration,
+    check_runs,
     check_sequence_fields,
     check_ttl,
 )
@@ -125,6 +135,7 @@ class ClusterStore(Store):
             reg(cl.DELETE_SEQ),
         )
         self._live_node, self._try_lead = reg(lua.LIVE_NODE), reg(lua.TRY_LEAD)
+        self._apply_run, self._applied_seq = reg(runs_lua.CLUSTER_APPLY_EVENT_RUN), reg(runs_lua.APPLIED_SEQ)
         self._lose_seq = reg(cl.LOSE_SEQ)
         self._reserve, self._release, self._expire_lost = (
             reg(lua.RESERVE),
@@ -306,6 +317,26 @@ class ClusterStore(Store):
             pipe.delete(self._pend(k))
         for k in gone:
             pipe.srem(self._idx(k), node_id)
+
+    def apply_event_runs(self, runs: Sequence[EventRun]) -> list[int]:
+        parts = run_parts(check_runs(runs))
+        calls = [(self._apply_run, self._node_keys(p.run.node_id)[:4], p.args) for p in parts]
+        replies = self._call("apply_event_runs", run_scripts, self._redis, calls)
+        done = [(p, r[2]) for p, r in zip(parts, replies, strict=True) if r[1]]
+
+        def commands(pipe: Any) -> None:  # in run order: one key's writes land in its order
+            for p, gone in done:
+                self._index(pipe, p.run.node_id, p.stored, p.offloaded, gone)
+
+        if any(p.stored or p.offloaded or gone for p, gone in done):
+            self._pipeline("apply_event_runs", commands)
+        return [int(r[0]) for p, r in zip(parts, replies, strict=True) if p.ends]
+
+    def applied_seq(self, node_id: str, epoch: int) -> int:
+        check_name("node_id", node_id)
+        args = [str(check_ordinal("epoch", epoch))]
+        keys = self._node_keys(node_id)[:2]
+        return int(self._call("applied_seq", self._applied_seq, keys=keys, args=args))
 
     def _runs(self, node_ids: Sequence[str], keys: list[bytes]) -> dict[str, tuple[int, int]]:
         """{node: (cached, host)} for these nodes that the index lists for keys[0]: their

@@ -26,6 +26,8 @@ from pagedkv.protos.errors import (
 
 from .placement import NodeCandidate, Placement, place
 from .records import (
+    NOT_LIVE,
+    EventRun,
     Extent,
     NewSequence,
     NodeInfo,
@@ -39,7 +41,9 @@ from .records import (
     check_keys,
     check_load,
     check_name,
+    check_ordinal,
     check_policy,
+    check_runs,
     check_sequence_fields,
     check_ttl,
 )
@@ -58,6 +62,7 @@ class MemoryStore(Store):
         self._deadline_s: dict[str, float] = {}  # node -> clock() value its TTL lapses at
         self._holders: dict[bytes, set[str]] = {}  # block key -> nodes
         self._keys: dict[str, set[bytes]] = {}  # node -> block keys (reverse index, for purges)
+        self._applied: dict[str, int] = {}  # node -> last event seq applied of this registration
         self._host: dict[str, set[bytes]] = {}  # node -> those of its keys on its host tier
         self._seqs: dict[str, SequenceRecord] = {}
         self._node_seqs: dict[str, set[str]] = {}  # node -> seq ids with an extent there
@@ -113,6 +118,7 @@ class MemoryStore(Store):
                 node_id, address, dict(spec), num_blocks, {}, policy, check_count("epoch", epoch)
             )
             self._deadline_s[node_id] = self._clock() + ttl_s
+            self._applied[node_id] = 0
             return result
 
     def heartbeat(self, node_id: str, load: Mapping[str, int], ttl_s: float) -> bool:
@@ -155,7 +161,7 @@ class MemoryStore(Store):
             if require_expired and self._is_live(node_id):
                 raise FailedPrecondition(f"node {node_id!r} is live (heartbeat renewed); not removed")
             result = self._purge(node_id, f"node {node_id} died")
-            del self._nodes[node_id], self._deadline_s[node_id]
+            del self._nodes[node_id], self._deadline_s[node_id], self._applied[node_id]
             return result
 
     def try_lead(self, role: str, holder: str, ttl_s: float) -> bool:
@@ -215,6 +221,31 @@ class MemoryStore(Store):
             del self._keys[node_id]
         if not host:
             del self._host[node_id]
+
+    def apply_event_runs(self, runs: Sequence[EventRun]) -> list[int]:
+        checked = check_runs(runs)
+        with self._lock:  # the whole call at once: no parts (event_runs.py)
+            return [self._apply_run(run) for run in checked]
+
+    def _apply_run(self, run: EventRun) -> int:
+        """One checked run (event_run_scripts.py says why an overlapping one applies whole)."""
+        applied = self._applied_under(run.node_id, run.epoch)
+        if applied == NOT_LIVE or not applied < run.last_seq or run.first_seq > applied + 1:
+            return applied  # not live, a replay or a gap: nothing changes
+        self._apply(run.node_id, run.stored, run.removed, run.offloaded)
+        self._applied[run.node_id] = run.last_seq
+        return run.last_seq
+
+    def _applied_under(self, node_id: str, epoch: int) -> int:
+        if not self._is_live(node_id) or self._nodes[node_id].epoch != epoch:
+            return NOT_LIVE
+        return self._applied[node_id]
+
+    def applied_seq(self, node_id: str, epoch: int) -> int:
+        check_name("node_id", node_id)
+        check_ordinal("epoch", epoch)
+        with self._lock:
+            return self._applied_under(node_id, epoch)
 
     def match_prefix(self, keys: Sequence[bytes]) -> dict[str, int]:
         keys = check_keys(keys)

@@ -119,6 +119,29 @@ class PurgeResult:
     lost_seq_ids: tuple[str, ...]
 
 
+# apply_event_runs / applied_seq: the node is not live, or is live under another epoch.
+NOT_LIVE = -1
+SEQ_LIMIT = 2**63  # epochs and event seqs stay below it (a Redis integer; exact as text in Lua)
+
+
+@dataclass(frozen=True, slots=True)
+class EventRun:
+    """A node's events first_seq..last_seq of registration `epoch`, netted: each key's last event.
+
+    A node numbers its block events per registration (1, 2, ...); the store records the last
+    seq it applied (Store.apply_event_runs), so the node forgets what was applied and resends
+    the rest. Validated by check_run, not on construction (the store refuses a bad run whole).
+    """
+
+    node_id: str
+    epoch: int
+    first_seq: int
+    last_seq: int
+    stored: Sequence[bytes]
+    removed: Sequence[bytes]
+    offloaded: Sequence[bytes] = ()
+
+
 class NodeRoom(NamedTuple):
     """A node an open may go on, with the room the coordinator's node cache gives it:
     free_blocks never keyed, evictable_blocks cached but unheld (room, not idle capacity),
@@ -332,6 +355,33 @@ def check_events(
             f"{min(both).hex()}): send each key's net effect (its last event) only"
         )
     return stored_keys, removed_keys, offloaded_keys
+
+
+def check_ordinal(what: str, value: object) -> int:
+    """An epoch or an event seq: an int (not a bool) >= 1 and below SEQ_LIMIT."""
+    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value < SEQ_LIMIT:
+        raise InvalidArgument(f"{what} must be an int >= 1 and < 2**63, got {value!r}")
+    return value
+
+
+def check_run(run: EventRun) -> EventRun:
+    """A validated copy of `run` (its lists as tuples); InvalidArgument names the bad field."""
+    if not isinstance(run, EventRun):
+        raise InvalidArgument(f"expected an EventRun, got {type(run).__name__}")
+    check_name("node_id", run.node_id)
+    check_ordinal("epoch", run.epoch)
+    first, last = check_ordinal("first_seq", run.first_seq), check_ordinal("last_seq", run.last_seq)
+    if last < first:
+        raise InvalidArgument(f"last_seq must be >= first_seq ({first}), got {last}")
+    stored, removed, offloaded = check_events(run.stored, run.removed, run.offloaded)
+    return EventRun(run.node_id, run.epoch, first, last, tuple(stored), tuple(removed), tuple(offloaded))
+
+
+def check_runs(runs: Sequence[EventRun]) -> list[EventRun]:
+    """Every run checked (check_run) before any is applied."""
+    if isinstance(runs, EventRun | str | bytes) or not isinstance(runs, Sequence):
+        raise InvalidArgument(f"runs must be a sequence of EventRun, got {type(runs).__name__}")
+    return [check_run(r) for r in runs]
 
 
 def check_policy(policy: object) -> str:

@@ -38,7 +38,7 @@ local r = purge(P, id, ARGV[7])
 local nk = P .. 'node:' .. id
 redis.call('DEL', nk)
 redis.call('HSET', nk, 'address', ARGV[3], 'spec', ARGV[4], 'num_blocks', ARGV[5], 'load', '{}',
-           'epoch', ARGV[8], 'policy', ARGV[9])
+           'epoch', ARGV[8], 'policy', ARGV[9], 'applied', '0')
 redis.call('SADD', P .. 'nodes', id)
 redis.call('SET', P .. 'alive:' .. id, '1', 'PX', ARGV[6])
 return {was, r[1], r[2]}

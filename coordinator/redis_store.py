@@ -3,7 +3,8 @@
 Layout, every key under a configurable prefix P (default "pkv:"):
 
     P nodes            set   registered node ids
-    P node:<id>        hash  address, spec (JSON), num_blocks, load (JSON), policy, epoch
+    P node:<id>        hash  address, spec (JSON), num_blocks, load (JSON), policy, epoch,
+                             applied (and run): its numbered events (event_run_scripts.py)
     P alive:<id>       str   liveness; PX TTL renewed by heartbeats (tooz style)
     P nkeys:<id>       set   block keys the node holds   (reverse index: purges)
     P hkeys:<id>       set   of those, the ones on its host tier
@@ -27,8 +28,8 @@ connection that died while Redis restarted; a timeout is not retried, because
 the command may have run and not every call (reserve_blocks) is idempotent.
 EVALSHA's NOSCRIPT after a Redis restart is handled by redis-py's Script (it
 reloads and retries), so a store survives an outage without being recreated.
-The per-request scripts (open_sequence, match_prefix, delete_sequence) go through
-KeptScripts (kept_script.py): the same EVALSHA, retry and NOSCRIPT handling on a
+The per-request scripts (open_sequence, match_prefix, delete_sequence) and the pipelined
+apply_event_runs go through KeptScripts (kept_script.py): the same EVALSHA, retry and NOSCRIPT handling on a
 connection kept for them, without redis-py's per-call machinery.
 """
 
@@ -56,10 +57,13 @@ from pagedkv.protos.errors import (
     Unavailable,
 )
 
+from . import event_run_scripts as runs_lua
 from . import redis_scripts as lua
+from .event_runs import run_parts
 from .kept_script import KeptScripts
 from .placement import Placement, no_room
 from .records import (
+    EventRun,
     Extent,
     NewSequence,
     NodeInfo,
@@ -73,7 +77,9 @@ from .records import (
     check_keys,
     check_load,
     check_name,
+    check_ordinal,
     check_registration,
+    check_runs,
     check_sequence_fields,
     check_ttl,
     has_separators,
@@ -183,6 +189,8 @@ class RedisStore(Store):
         self._live_node = reg(lua.LIVE_NODE)
         self._try_lead = reg(lua.TRY_LEAD)
         self._apply_events = reg(lua.APPLY_EVENTS)
+        self._apply_event_run = reg(runs_lua.APPLY_EVENT_RUN)
+        self._applied_seq = reg(runs_lua.APPLIED_SEQ)
         self._match_prefix = reg(lua.MATCH_PREFIX)
         self._open_seq = reg(lua.OPEN_SEQ)
         self._create_seq = reg(lua.CREATE_SEQ)
@@ -316,6 +324,18 @@ class RedisStore(Store):
         args = [self._prefix, node_id, len(stored), len(offloaded), *stored, *offloaded, *removed]
         if not self._call("apply_events", self._kept.run, self._apply_events, args):
             raise NodeNotLive(node_id, "events ignored; register again")
+
+    def apply_event_runs(self, runs: Sequence[EventRun]) -> list[int]:
+        parts = run_parts(check_runs(runs))
+        calls = [(self._apply_event_run, [self._prefix, p.run.node_id, *p.args]) for p in parts]
+        replies = self._call("apply_event_runs", self._kept.run_many, calls)
+        return [int(reply) for part, reply in zip(parts, replies, strict=True) if part.ends]
+
+    def applied_seq(self, node_id: str, epoch: int) -> int:
+        check_name("node_id", node_id)
+        keys = [self._key("node:", node_id), self._key("alive:", node_id)]
+        args = [str(check_ordinal("epoch", epoch))]
+        return int(self._call("applied_seq", self._applied_seq, keys=keys, args=args))
 
     def match_prefix(self, keys: Sequence[bytes]) -> dict[str, int]:
         keys = check_keys(keys)

@@ -33,7 +33,7 @@ from typing import Any
 
 from ..protos.errors import FailedPrecondition
 from .placement import Placement
-from .records import NewSequence, NodeInfo, PurgeResult, SequenceRecord
+from .records import EventRun, NewSequence, NodeInfo, PurgeResult, SequenceRecord
 
 
 class TailMoved(FailedPrecondition):
@@ -75,7 +75,8 @@ class Store(ABC):
         gone): atomically with the new record, its old keys leave the prefix index
         and its old sequences are marked lost ("node X re-registered"); the result
         says what was purged (was_registered=False on a first registration).
-        Load starts empty. One round trip (one script).
+        Load starts empty, and so does its applied event seq (applied_seq: 0). One round trip
+        (one script).
         """
 
     @abstractmethod
@@ -145,6 +146,34 @@ class Store(ABC):
         its events are stale (it will re-register and come back empty), and the
         error tells it so at once. Atomic; one round trip.
         """
+
+    @abstractmethod
+    def apply_event_runs(self, runs: Sequence[EventRun]) -> list[int]:
+        """Apply each run; for each, the node's applied seq after it (NOT_LIVE when the node is
+        not live or is live under another epoch: nothing changed).
+
+        Every run is checked first (records.check_run): InvalidArgument before anything is
+        applied. Per run, atomically: last_seq <= applied: nothing (a replay); first_seq >
+        applied + 1: nothing (a gap: the caller resends from applied + 1); else the run applies
+        (set semantics exactly as apply_events, in-flight markers of stored keys cleared as
+        apply_events does) and applied = last_seq. A run overlapping what was applied applies
+        whole (event_run_scripts.py says why that is right). Runs of one node in one call apply
+        in order; several replicas may apply overlapping runs of one node in any order: once
+        applied reaches the node's last event, the index is its log applied in order.
+
+        The Redis stores cut a run of more than event_runs.MAX_KEYS_PER_SCRIPT keys into several
+        scripts, only the last recording last_seq: a crash between them leaves applied unchanged
+        and the run is resent whole. RedisStore pipelines every script of the call: one round
+        trip. ClusterStore: the node-slot scripts (a round trip per master), then the index
+        writes (its consistency rule).
+        """
+
+    @abstractmethod
+    def applied_seq(self, node_id: str, epoch: int) -> int:
+        """The node's applied seq under its live registration `epoch` (0 for a fresh
+        registration: register_node starts every registration at 0); NOT_LIVE when it is not
+        live or is live under another epoch. InvalidArgument unless epoch is an int in
+        [1, 2**63), as a run's. Read-only; one round trip."""
 
     @abstractmethod
     def match_prefix(self, keys: Sequence[bytes]) -> dict[str, int]:

@@ -13,7 +13,7 @@ from collections.abc import Callable
 import pytest
 import redis.connection
 
-from pagedkv.coordinator.records import Extent, NewSequence, NodeRoom, SequenceRecord
+from pagedkv.coordinator.records import EventRun, Extent, NewSequence, NodeRoom, SequenceRecord
 from pagedkv.coordinator.redis_store import RedisStore
 from pagedkv.protos.errors import SequenceNotFound
 
@@ -107,3 +107,24 @@ def test_every_control_call_is_one_round_trip(store: RedisStore, monkeypatch: py
         call()
     measured = {name: count_round_trips(monkeypatch, call) for name, call in calls.items()}
     assert measured == {name: 1 for name in calls}
+
+
+def test_apply_event_runs_is_one_round_trip_even_split(
+    store: RedisStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every script of every run goes in one pipelined write (KeptScripts.run_many)."""
+    for n in ("n1", "n2"):
+        store.register_node(n, f"a:{n}", SPEC, 100, 30.0, epoch=7)
+    keys = [i.to_bytes(16, "big") for i in range(10_000)]
+    store.apply_event_runs([EventRun("n1", 7, 1, 1, keys[:1], [])])  # loads the scripts
+    store.applied_seq("n1", 7)
+    runs = [
+        EventRun("n1", 7, 2, 3, keys[1:3], []),
+        EventRun("n2", 7, 1, 1, keys[:1], []),
+        EventRun("n1", 7, 4, 9, keys[3:], [keys[0]]),  # 10,000 keys: 3 scripts
+    ]
+    answers: list[int] = []
+    assert count_round_trips(monkeypatch, lambda: answers.extend(store.apply_event_runs(runs))) == 1
+    assert answers == [3, 1, 9]
+    assert count_round_trips(monkeypatch, lambda: store.applied_seq("n1", 7)) == 1
+    assert store.applied_seq("n1", 7) == 9 and len(store.keys_of("n1")) == 9_999
