@@ -30,9 +30,10 @@ that a reader in between sees a miss, never a wrong hit. The consistency rule:
   crash between the reservation and the write leaves the tenant charged for blocks no
   sequence holds until an operator resets usage (the single-Redis store has no such window).
 - A numbered event run (apply_event_runs) is checked and applied in the node's slot, which
-  records its applied seq, then its index writes follow as for events: a crash in between
-  leaves those index entries missing or stale (by the rule above, a miss or a lookup) and a
-  resend of the run is a replay, so they stay so until the keys' next events or a purge.
+  records its applied seq, then its index writes follow as for events. So the node's slot is
+  exact however replicas race, but the index is not: a crash in between, or two replicas'
+  index writes landing out of order, leaves entries missing or stale (a miss or a lookup, by
+  the rule above) until the keys' next events or a purge (a resend of the run is a replay).
 - A purge (register again, remove) clears the node's slot first (its sequences unlinked, its
   keys gone), then the index entries and marks its sequences lost: in between, opens find
   the node holding nothing.

@@ -159,7 +159,8 @@ class Store(ABC):
         apply_events does) and applied = last_seq. A run overlapping what was applied applies
         whole (event_run_scripts.py says why that is right). Runs of one node in one call apply
         in order; several replicas may apply overlapping runs of one node in any order: once
-        applied reaches the node's last event, the index is its log applied in order.
+        applied reaches the node's last event, the index is its log applied in order
+        (ClusterStore: keys_of is; nodes_holding may lag while replicas race, by its rule).
 
         The Redis stores cut a run of more than event_runs.MAX_KEYS_PER_SCRIPT keys into several
         scripts, only the last recording last_seq: a crash between them leaves applied unchanged
