@@ -25,7 +25,7 @@ import redis
 from pagedkv.cluster import free_port
 from pagedkv.protos import pagedkv_pb2 as pb
 from pagedkv.protos import pagedkv_pb2_grpc as pb_grpc
-from pagedkv.protos.errors import PagedKVError
+from pagedkv.protos.errors import NotFound, PagedKVError
 from pagedkv.protos.framed_client import FramedPort, NotCarried
 
 SPEC = pb.ModelSpec(num_layers=2, num_kv_heads=2, head_dim=64, dtype="float16", block_size=16)
@@ -178,6 +178,8 @@ class FakeNodes:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.frame_ports = [0] * len(cluster.stubs)
+        self.epochs = [0] * num_nodes  # each node's registration
+        self.sent = [0] * num_nodes  # the last event number each node reported
         self.beat_framed = True  # as real nodes beat (CoordinatorLink)
 
     def _stub(self, i: int) -> pb_grpc.CoordinatorStub:
@@ -186,18 +188,21 @@ class FakeNodes:
     def register(self) -> float:
         """Register every node, 64 rpcs in flight at once; returns the seconds it took."""
         start = time.perf_counter()
-        pending: list[Any] = []
+        pending: list[tuple[int, Any]] = []
         for i, node_id in enumerate(self.ids):
-            pending.append(self._stub(i).Register.future(self._register_request(node_id), timeout=60))
+            pending.append((i, self._stub(i).Register.future(self._register_request(node_id), timeout=60)))
             if len(pending) >= 64:
-                pending.pop(0).result()
+                self._registered(*pending.pop(0))
             if i < len(self.frame_ports):  # each coordinator's framed port, from its first reply
-                self.frame_ports[i] = pending[-1].result().frame_port
-        for f in pending:
-            self.interval_s = (
-                f.result().heartbeat_interval_s or self.interval_s
-            )  # what a CoordinatorLink beats at
+                self.frame_ports[i] = pending[-1][1].result().frame_port
+        for i, f in pending:
+            self._registered(i, f)
         return time.perf_counter() - start
+
+    def _registered(self, i: int, future: Any) -> None:
+        reply = future.result()
+        self.epochs[i], self.sent[i] = reply.epoch, 0  # a registration numbers its events from 1
+        self.interval_s = reply.heartbeat_interval_s or self.interval_s  # what a CoordinatorLink beats at
 
     def _register_request(self, node_id: str) -> pb.RegisterRequest:
         return pb.RegisterRequest(
@@ -239,28 +244,43 @@ class FakeNodes:
             port.close()
 
     def report(self, node: int, keys: list[bytes], batch: int, framed: bool = False) -> int:
-        """ReportEvents: `keys` stored on node `node`, `batch` events an rpc, to the first
-        coordinator (on its framed port when `framed`, as a node does once it knows it);
-        returns the rpcs sent."""
+        """ReportEvents: `keys` stored on node `node`, `batch` events an rpc, numbered as a
+        CoordinatorLink numbers them, to the first coordinator (on its framed port when
+        `framed`, as a node does once it knows it); then, as a link does, empty reports
+        until the store holds them all. Returns the rpcs sent."""
         stub = self.cluster.stubs[0]
         port = FramedPort("127.0.0.1", None, None)
         port.learn(self.frame_ports[0] if framed else 0)
+
+        def send(events: list[pb.BlockEvent]) -> Any:
+            request = pb.ReportEventsRequest(
+                node_id=self.ids[node], events=events, epoch=self.epochs[node], first_seq=self.sent[node] + 1
+            )
+            if framed:
+                return port.call("ReportEvents", request, pb.ReportEventsResponse, 60)
+            return stub.ReportEvents(request, timeout=60)
+
         rpcs = 0
+        reply = None
         for first in range(0, len(keys), batch):
             events = [pb.BlockEvent(kind=pb.BlockEvent.STORED, key=k) for k in keys[first : first + batch]]
-            request = pb.ReportEventsRequest(node_id=self.ids[node], events=events)
             try:
-                if framed:
-                    port.call("ReportEvents", request, pb.ReportEventsResponse, 60)
-                    rpcs += 1
-                    continue
-                stub.ReportEvents(request, timeout=60)
-            except grpc.RpcError as err:  # its lease lapsed (an overloaded host): as a node, register again
-                if err.code() != grpc.StatusCode.NOT_FOUND:
+                reply = send(events)
+            except (grpc.RpcError, PagedKVError) as err:  # its lease lapsed (a loaded host): register again
+                code = err.code() if isinstance(err, grpc.RpcError) else None
+                if code != grpc.StatusCode.NOT_FOUND and not isinstance(err, NotFound):
                     raise
                 self.lapsed_reports += 1
-                stub.Register(self._register_request(self.ids[node]), timeout=60)
-                stub.ReportEvents(request, timeout=60)
+                again = stub.Register.future(self._register_request(self.ids[node]), timeout=60)
+                self._registered(node, again)
+                reply = send(events)
+            rpcs += 1
+            if reply.next_seq != self.sent[node] + len(events) + 1:
+                raise RuntimeError(f"report of {self.ids[node]} not taken whole: {reply}")
+            self.sent[node] += len(events)
+        while reply is not None and reply.applied_seq < self.sent[node]:  # applied in batches
+            time.sleep(0.001)
+            reply = send([])
             rpcs += 1
         port.close()
         return rpcs

@@ -3,8 +3,12 @@ only (a node works with any control plane that speaks the contract).
 
 A background thread registers the node, then loops:
 - drains the engine's stored/removed block events and reports them with the
-  node's load (in recorded order; a batch that fails to send is kept and sent
-  again, so the coordinator's prefix index stays exact). It polls the engine's
+  node's load, numbered in recorded order per registration. The coordinator queues
+  them and applies them in batches; each event is kept here until a reply says the
+  store holds it (applied_seq), and what a reply asks for (next_seq: after a failed
+  send, a restarted coordinator) is sent again, so the prefix index stays exact.
+  Events sent and not yet known applied are asked about after `sync_after_s`
+  (an empty report). It polls the engine's
   pending-event count every `event_poll_s` (a lock-free length read) and sends as
   soon as there is something, but at most once per `event_interval_s`: a burst
   after a quiet spell reaches the index within a few ms (the next open of the
@@ -54,6 +58,7 @@ from ..protos.tickets import RIGHT_NODE, TICKET_KEY, ClusterKeys, Minter
 from ..protos.tls import TlsConfig, secure_channel
 from ..protos.wire.unary import encode_metadata
 from .engine import CacheEngine
+from .event_outbox import EventOutbox
 from .gate import Gate
 from .kv_manager import OFFLOADED, STORED
 
@@ -114,6 +119,7 @@ class CoordinatorLink:
         metrics_address: str = "",
         event_interval_s: float = 0.01,
         event_poll_s: float = 0.002,
+        sync_after_s: float = 0.05,
         rpc_timeout_s: float = 2.0,
         keys: ClusterKeys | None = None,
         tls: TlsConfig | None = None,
@@ -140,7 +146,7 @@ class CoordinatorLink:
         self.epoch = 0  # this node's registration epoch (0: not registered)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"coordinator-link-{node_id}", daemon=True)
-        self._pending: list[pb.BlockEvent] = []
+        self.outbox = EventOutbox(sync_after_s)  # events until the store holds them
         self.heartbeat_interval_s = 1.0
         self.lease_ttl_s = 0.0
         self.is_registered = threading.Event()
@@ -195,6 +201,8 @@ class CoordinatorLink:
             metadata=self._metadata(),
         )
         self._framed.learn(reply.frame_port)
+        if reply.epoch != self.epoch:  # a new registration numbers its events from 1
+            self.outbox.restart()
         self.epoch = reply.epoch
         self.heartbeat_interval_s = reply.heartbeat_interval_s or self.heartbeat_interval_s
         self.lease_ttl_s = reply.lease_ttl_s
@@ -224,19 +232,25 @@ class CoordinatorLink:
         if self.gate is not None:
             self.gate.reset()
         self.engine.take_events()
-        self._pending.clear()
         self.epoch = 0  # that registration is gone: a fresh one
         self._register()
 
     def _report(self) -> None:
-        for event in self.engine.take_events():
-            self._pending.append(pb.BlockEvent(kind=_event_kind(event.kind), key=event.key))
-        if not self._pending:
+        box = self.outbox
+        box.add([pb.BlockEvent(kind=_event_kind(e.kind), key=e.key) for e in self.engine.take_events()])
+        if not box.is_due():
             return
-        batch = self._pending
+        first_seq, base_seq, events = box.to_send()  # (none: asks how far the store got)
+        request = pb.ReportEventsRequest(
+            node_id=self.node_id,
+            events=events,
+            load=node_load(self.engine),
+            epoch=self.epoch,
+            first_seq=first_seq,
+            base_seq=base_seq,
+        )
         try:
-            request = pb.ReportEventsRequest(node_id=self.node_id, events=batch, load=node_load(self.engine))
-            self._call("ReportEvents", request, self.rpc_timeout_s)
+            reply = self._call("ReportEvents", request, self.rpc_timeout_s)
         except grpc.RpcError as err:
             if err.code() != grpc.StatusCode.NOT_FOUND:
                 raise
@@ -244,7 +258,7 @@ class CoordinatorLink:
             # sent next tick) or tells us we were removed (then we rejoin empty).
             self._heartbeat()
             return
-        del self._pending[: len(batch)]
+        box.settle(reply.applied_seq, reply.next_seq)
 
     def _renewed(self, sent_at: float) -> None:
         """A renewal sent at `sent_at` was acknowledged: the gate's lease runs from then."""
@@ -291,7 +305,7 @@ class CoordinatorLink:
 
     def _wait_for_events(self, until: float) -> None:
         """Sleep until the engine has events to report (polled), `until`, or stop."""
-        while not self._stop.is_set() and not self.engine.num_pending_events() and not self._pending:
+        while not self._stop.is_set() and not self.engine.num_pending_events() and not self.outbox.is_due():
             left = until - time.monotonic()
             if left <= 0:
                 return

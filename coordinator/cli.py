@@ -92,6 +92,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="a node is dead after this long without a heartbeat [PAGEDKV_LEASE_TTL_S] (default 3)",
     )
     p.add_argument(
+        "--event-flush-s",
+        type=positive_float("--event-flush-s"),
+        default=env("PAGEDKV_EVENT_FLUSH_S", "0.002"),
+        help="under a stream of nodes' event reports, apply them to the store at most this often, "
+        "in one round trip for all [PAGEDKV_EVENT_FLUSH_S] (default 0.002; after a quiet spell a "
+        "report is applied at once)",
+    )
+    p.add_argument(
         "--ticket-ttl-s",
         type=positive_float("--ticket-ttl-s"),
         default=env("PAGEDKV_TICKET_TTL_S", str(int(DEFAULT_TICKET_TTL_S))),
@@ -136,7 +144,9 @@ def serve(args: argparse.Namespace) -> None:
         store.ping()
     except PagedKVError as exc:
         log.warning("Redis at %s does not answer (%s); serving UNAVAILABLE until it does", args.redis, exc)
-    config = CoordinatorConfig(lease_ttl_s=args.lease_ttl_s, quotas=tenants.quotas, access=access)
+    config = CoordinatorConfig(
+        lease_ttl_s=args.lease_ttl_s, quotas=tenants.quotas, access=access, event_flush_s=args.event_flush_s
+    )
     coordinator = Coordinator(store, config)
     metrics = CoordinatorMetrics(
         coordinator,

@@ -77,6 +77,7 @@ from ..protos.serving import name_os_thread
 from ..protos.status import error_from_rpc
 from .auth import ClusterAccess
 from .deferred import DeferredCalls, NodeCall, node_open_request, order_prompt
+from .event_applier import EventApplier
 from .extents import Extents
 from .failures import Failures
 from .liveness import Liveness, LivenessConfig
@@ -110,6 +111,7 @@ class CoordinatorConfig:
     reconcile_grace_s: float | None = None  # reconcile.py's grace (None: two leases)
     lost_ttl_s: float = 3600.0  # a lost record is garbage-collected this long after the loss
     probe_timeout_s: float = 1.0  # liveness.py's direct probe of a suspect node
+    event_flush_s: float = 0.002  # event_applier.py: a stream of reports is applied this often
 
     def __post_init__(self) -> None:
         if not self.lease_ttl_s > 0:
@@ -182,6 +184,8 @@ class Coordinator(DeferredCalls, Failures, Membership, NodeRooms, Extents, Missi
         }
         # Recently removed keys (REMOVED events) and their node: tells "evicted" from "never cached".
         self._removed = RemovedKeys()
+        # Numbered event reports, applied in batches
+        self.events = EventApplier(store, self._events_applied, interval_s=self.config.event_flush_s)
         self.liveness = Liveness(self.config.liveness(), self._probe)
         grace = self.config.reconcile_grace_s
         self.reconciler = Reconciler(
@@ -203,6 +207,7 @@ class Coordinator(DeferredCalls, Failures, Membership, NodeRooms, Extents, Missi
         self._stop.set()
         if self._reaper is not None:
             self._reaper.join(5)
+        self.events.stop()
         self._background.shutdown(wait=True, cancel_futures=False)
         self._node_calls.close()
         for channel, _ in self._stubs.values():
@@ -212,6 +217,17 @@ class Coordinator(DeferredCalls, Failures, Membership, NodeRooms, Extents, Missi
     def node_calls(self) -> NodeCalls:
         """The node calls sent without waiting (a servicer holds them back while it replies)."""
         return self._node_calls
+
+    def report_numbered(
+        self, node_id: str, epoch: int, first_seq: int, events: Sequence[tuple[int, bytes]], base_seq: int = 0
+    ) -> tuple[int, int]:
+        """A numbered report (event_applier.py): queued, applied in batches; (applied, next_seq)."""
+        return self.events.offer(node_id, epoch, first_seq, events, base_seq)
+
+    def _events_applied(self, node_id: str, stored: list[bytes], removed: list[bytes]) -> None:
+        with self._lock:
+            self._removed.discard(stored)
+            self._removed.add(node_id, removed)
 
     def report_events(self, node_id: str, events: Sequence[tuple[int, bytes]]) -> int:
         """Apply a node's ordered stored/offloaded/removed events; each key's last event wins

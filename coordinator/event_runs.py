@@ -51,7 +51,9 @@ def run_parts(runs: Sequence[EventRun], max_keys: int = MAX_KEYS_PER_SCRIPT) -> 
                 at += len(keys)
             stored, offloaded, removed = cut
             is_first, is_last = start == 0, end >= total
-            head = [str(run.epoch), str(run.first_seq - 1), str(run.last_seq), token]
+            # (a base at or past first_seq - 1 vouches for what came before: no gap to check)
+            before = 0 if run.base_seq >= run.first_seq - 1 else run.first_seq - 1
+            head = [str(run.epoch), str(before), str(run.last_seq), token]
             flags = ["1" if is_first else "0", "1" if is_last else "0", str(len(stored)), str(len(offloaded))]
             args: list[str | bytes] = [*head, *flags, *stored, *offloaded, *removed]
             parts.append(RunPart(run, stored, offloaded, removed, is_last, args))

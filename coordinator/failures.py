@@ -14,6 +14,7 @@ import grpc
 from ..protos import pagedkv_pb2 as pb
 from ..protos import pagedkv_pb2_grpc as pb_grpc
 from ..protos.errors import SequenceExists
+from .event_applier import EventApplier
 from .liveness import Liveness, ProbeAnswer
 from .placement import Placement
 from .reconcile import Reconciler
@@ -28,6 +29,7 @@ class Failures:
     config: Any  # CoordinatorConfig (core.py imports this module)
     liveness: Liveness
     reconciler: Reconciler
+    events: EventApplier
     _lock: threading.Lock
     _active_blocks: dict[str, int]
     _touch: Callable[[Iterable[str]], None]  # node_rooms.py: these nodes' rows changed
@@ -42,6 +44,7 @@ class Failures:
             self._touch((node_id,))
         self.liveness.forget(node_id)
         self.reconciler.forget(node_id)
+        self.events.forget(node_id)  # (its queued events are the gone registration's)
         lost = set(lost_ids)
         self.reconciler.lost([r for r in records if r.seq_id in lost])
 

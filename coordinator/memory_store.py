@@ -230,7 +230,8 @@ class MemoryStore(Store):
     def _apply_run(self, run: EventRun) -> int:
         """One checked run (event_run_scripts.py says why an overlapping one applies whole)."""
         applied = self._applied_under(run.node_id, run.epoch)
-        if applied == NOT_LIVE or not applied < run.last_seq or run.first_seq > applied + 1:
+        gap = run.first_seq > max(applied, run.base_seq) + 1
+        if applied == NOT_LIVE or not applied < run.last_seq or gap:
             return applied  # not live, a replay or a gap: nothing changes
         self._apply(run.node_id, run.stored, run.removed, run.offloaded)
         self._applied[run.node_id] = run.last_seq

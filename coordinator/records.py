@@ -140,6 +140,10 @@ class EventRun:
     stored: Sequence[bytes]
     removed: Sequence[bytes]
     offloaded: Sequence[bytes] = ()
+    # The node forgot its events through base_seq: a reply once said the store held them. A
+    # store whose applied seq is below it lost them (a failover) and takes the run past the
+    # gap, since they cannot be resent; otherwise it changes nothing (applied >= base_seq).
+    base_seq: int = 0
 
 
 class NodeRoom(NamedTuple):
@@ -373,8 +377,12 @@ def check_run(run: EventRun) -> EventRun:
     first, last = check_ordinal("first_seq", run.first_seq), check_ordinal("last_seq", run.last_seq)
     if last < first:
         raise InvalidArgument(f"last_seq must be >= first_seq ({first}), got {last}")
+    base = run.base_seq
+    if not isinstance(base, int) or isinstance(base, bool) or not 0 <= base <= last:
+        raise InvalidArgument(f"base_seq must be an int in [0, last_seq {last}], got {base!r}")
     stored, removed, offloaded = check_events(run.stored, run.removed, run.offloaded)
-    return EventRun(run.node_id, run.epoch, first, last, tuple(stored), tuple(removed), tuple(offloaded))
+    lists = tuple(stored), tuple(removed), tuple(offloaded)
+    return EventRun(run.node_id, run.epoch, first, last, *lists, base)
 
 
 def check_runs(runs: Sequence[EventRun]) -> list[EventRun]:

@@ -196,11 +196,18 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     def ReportEvents(self, request: pb.ReportEventsRequest, context: grpc.ServicerContext) -> Any:
         def run() -> pb.ReportEventsResponse:
             self._node(context, request.node_id, "ReportEvents")
+            events = [(e.kind, e.key) for e in request.events]
             try:
-                n = self.coordinator.report_events(request.node_id, [(e.kind, e.key) for e in request.events])
+                if not request.first_seq:  # an older node's: applied before the reply
+                    return pb.ReportEventsResponse(
+                        num_events=self.coordinator.report_events(request.node_id, events)
+                    )
+                applied, next_seq = self.coordinator.report_numbered(
+                    request.node_id, request.epoch, request.first_seq, events, request.base_seq
+                )
             except NodeNotLive as exc:  # tells the node to register again
                 raise NotFound(str(exc)) from None
-            return pb.ReportEventsResponse(num_events=n)
+            return pb.ReportEventsResponse(num_events=len(events), applied_seq=applied, next_seq=next_seq)
 
         return self._run("ReportEvents", context, run)
 

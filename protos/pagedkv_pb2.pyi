@@ -445,20 +445,30 @@ class BlockEvent(_message.Message):
     def __init__(self, kind: _Optional[_Union[BlockEvent.Kind, str]] = ..., key: _Optional[bytes] = ...) -> None: ...
 
 class ReportEventsRequest(_message.Message):
-    __slots__ = ("node_id", "events", "load")
+    __slots__ = ("node_id", "events", "load", "epoch", "first_seq", "base_seq")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     EVENTS_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    FIRST_SEQ_FIELD_NUMBER: _ClassVar[int]
+    BASE_SEQ_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     events: _containers.RepeatedCompositeFieldContainer[BlockEvent]
     load: NodeLoad
-    def __init__(self, node_id: _Optional[str] = ..., events: _Optional[_Iterable[_Union[BlockEvent, _Mapping]]] = ..., load: _Optional[_Union[NodeLoad, _Mapping]] = ...) -> None: ...
+    epoch: int
+    first_seq: int
+    base_seq: int
+    def __init__(self, node_id: _Optional[str] = ..., events: _Optional[_Iterable[_Union[BlockEvent, _Mapping]]] = ..., load: _Optional[_Union[NodeLoad, _Mapping]] = ..., epoch: _Optional[int] = ..., first_seq: _Optional[int] = ..., base_seq: _Optional[int] = ...) -> None: ...
 
 class ReportEventsResponse(_message.Message):
-    __slots__ = ("num_events",)
+    __slots__ = ("num_events", "applied_seq", "next_seq")
     NUM_EVENTS_FIELD_NUMBER: _ClassVar[int]
+    APPLIED_SEQ_FIELD_NUMBER: _ClassVar[int]
+    NEXT_SEQ_FIELD_NUMBER: _ClassVar[int]
     num_events: int
-    def __init__(self, num_events: _Optional[int] = ...) -> None: ...
+    applied_seq: int
+    next_seq: int
+    def __init__(self, num_events: _Optional[int] = ..., applied_seq: _Optional[int] = ..., next_seq: _Optional[int] = ...) -> None: ...
 
 class Placement(_message.Message):
     __slots__ = ("node_id", "address", "first_token", "ticket")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import random
 import threading
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 
 import pytest
 import test_store_contract
@@ -119,6 +120,17 @@ def test_a_gap_changes_nothing_and_answers_the_applied_seq(store: Store) -> None
     assert_index(store, "n1", held_after(LOG, 7), POOL)
 
 
+def test_a_base_the_node_vouches_for_takes_a_run_past_a_gap(store: Store) -> None:
+    """base_seq: the node forgot its events through it (a reply said the store held them), so
+    a store below it lost them and takes the run past them; a base short of the gap does not."""
+    register(store, "n1")
+    assert store.apply_event_runs([net("n1", LOG, 1, 2)]) == [2]
+    short = net("n1", LOG, 5, 7)
+    assert store.apply_event_runs([replace(short, base_seq=3)]) == [2]  # 3-4 unvouched
+    assert store.apply_event_runs([replace(short, base_seq=4)]) == [7]
+    assert store.keys_of("n1") == {key(1), key(2)} | held_after(LOG[4:], 3)
+
+
 def test_not_live_or_another_epoch_gives_not_live_and_changes_nothing(store: Store) -> None:
     assert store.applied_seq("ghost", 1) == NOT_LIVE
     assert store.apply_event_runs([net("ghost", LOG, 1, 2)]) == [NOT_LIVE]
@@ -201,6 +213,9 @@ BAD_RUNS = [
     (EventRun("n1", 1, 1, 1, [key(5)[:15]], []), "in stored must be 16 bytes"),
     (EventRun("n1", 1, 1, 1, [], [key(5)[:15]]), "in removed must be 16 bytes"),
     (EventRun("", 1, 1, 1, [], []), "node_id"),
+    (EventRun("n1", 1, 1, 1, [], [], [], 2), "base_seq"),
+    (EventRun("n1", 1, 1, 1, [], [], [], -1), "base_seq"),
+    (EventRun("n1", 1, 1, 1, [], [], [], True), "base_seq"),
     ("not a run", "EventRun"),
 ]
 

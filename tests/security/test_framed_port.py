@@ -238,3 +238,40 @@ def test_a_forged_or_misused_credential_is_refused_on_a_nodes_calls(
             )
             assert head.status == expect, head.text
     assert cluster.cluster.stats().nodes  # both nodes still registered (the fixture checks them)
+
+
+@pytest.mark.parametrize(
+    "fields,status,says",
+    [
+        ({"first_seq": 1, "base_seq": 1}, wire.Status.INVALID_ARGUMENT, "base_seq"),
+        ({"first_seq": 2**64 - 1}, wire.Status.INVALID_ARGUMENT, "first_seq"),
+        ({"first_seq": 1, "epoch": 2**63}, wire.Status.INVALID_ARGUMENT, "epoch"),
+        ({"first_seq": 1, "epoch": 0}, wire.Status.INVALID_ARGUMENT, "epoch"),
+        ({"first_seq": 1, "key": b"abc"}, wire.Status.INVALID_ARGUMENT, "event 0: a 3-byte key"),
+        ({"first_seq": 1, "epoch": 1}, wire.Status.NOT_FOUND, "register again"),  # not its epoch
+    ],
+    ids=[
+        "base past first",
+        "seq past 2^63",
+        "epoch past 2^63",
+        "no epoch",
+        "a short key",
+        "another registration",
+    ],
+)
+def test_a_nodes_malformed_numbered_reports_are_refused_and_change_nothing(
+    cluster: Secured, fields: dict, status: wire.Status, says: str
+) -> None:
+    """With node-0's own credential (a buggy node): refused by name before anything is queued;
+    the index still answers the victim's prompt and node-0 stays live."""
+    metadata = encode_metadata([(TICKET_KEY, Minter(cluster.keys, ttl_s=60).get(RIGHT_NODE, "node-0"))])
+    fields = {"epoch": 1, **fields}
+    key = fields.pop("key", bytes(16))
+    message = pb.ReportEventsRequest(
+        node_id="node-0", events=[pb.BlockEvent(kind=pb.BlockEvent.REMOVED, key=key)], **fields
+    )
+    with connect(cluster) as sock:
+        head, _ = call(sock, "ReportEvents", message.SerializeToString(), metadata)
+    assert head.status == status and says in head.text, head.text
+    assert cluster.clients["alpha"].lookup(list(range(50_000, 50_100))) == 96
+    assert "node-0" in {n.node_id for n in cluster.cluster.stats().nodes}

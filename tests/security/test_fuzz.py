@@ -28,6 +28,7 @@ BAD = {"INTERNAL", "UNKNOWN"}
 DTYPES = ["float32", "float16", "bfloat16", "int64", "uint8", "bool", "", "complex64", "float32\x00"]
 DIMS = [0, 1, 2, 3, 4, 32, 64, 2**31 - 1, 2**31, 2**62, -1, -(2**40)]
 IDS = [0, 1, 5, 2**31, 2**63 - 1, -1, -(2**63)]
+SEQS = [0, 1, 5, 2**63 - 1, 2**63, 2**64 - 1]  # uint64 fields
 
 
 def _tensor(r: random.Random) -> pb.Tensor:
@@ -234,6 +235,8 @@ def test_coordinator_rpcs(cluster: Secured) -> None:
                 node_id=seq_id,
                 events=[pb.BlockEvent(kind=r.choice([0, 1, 2, 7]), key=r.randbytes(r.choice([16, 3])))],
             )
+            if r.random() < 0.5:  # numbered (queued, applied in batches)
+                req.epoch, req.first_seq, req.base_seq = (r.choice(SEQS) for _ in range(3))
         elif method == "Reserve":
             req = pb.ReserveRequest(
                 node_id=seq_id, seq_id=seq_id, min_blocks=r.choice(IDS), num_blocks=r.choice(IDS)
