@@ -56,8 +56,14 @@ class ClientConfig:
     # Open and Close on the coordinator's framed port when it advertises one (protos/framed_client.py:
     # the same calls without gRPC's per-call cost); gRPC carries them when it cannot be reached.
     coordinator_frames: bool = True
+    # An open whose prompt another worker's open is computing on the same node right now
+    # (CoordOpenResponse.num_pending_tokens) opens again once those blocks are cached,
+    # waiting at most this long, instead of computing them a second time. 0: never waits.
+    await_in_flight_s: float = 2.0
 
     def __post_init__(self) -> None:
+        if not self.await_in_flight_s >= 0:
+            raise InvalidArgument(f"await_in_flight_s must be >= 0, got {self.await_in_flight_s}")
         if self.deadline_s <= 0:
             raise InvalidArgument(f"deadline_s must be positive, got {self.deadline_s}")
         if not 1 <= self.max_attempts <= 5:

@@ -37,6 +37,7 @@ _EMPTY = pb.Empty()
 EXPLAIN_TIMEOUT_S = 5.0  # the most a data call's NOT_FOUND waits for the coordinator's word on it
 # The calls the coordinator's framed port takes from a worker, and their reply types.
 FRAMED_REPLIES = {"Open": pb.CoordOpenResponse, "Close": pb.Empty}
+INFLIGHT_FIRST_PAUSE_S, INFLIGHT_MAX_PAUSE_S = 0.01, 0.16  # _await_in_flight's backoff
 LOSS_CHECK_TIMEOUT_S = 1.0  # and its Unavailable (a plain page-table read: ms when it answers)
 
 
@@ -216,11 +217,30 @@ class CoordinatorRouting:
             self.node_opens.wait(seq_id)  # a reopen after a failed node Open: its page table is gone
             request.worker_opens = request.carries_prompt = True
         resp = self._call("Open", request, timeout_s)
+        if resp.num_pending_tokens and self.node_opens is not None:
+            resp = self._await_in_flight(request, resp, timeout_s)
         self.packs_prompts = resp.takes_packed_prompts  # an older coordinator reads packed as empty
         if self.node_opens is not None and resp.HasField("node_open"):
             _carry_prompt(resp.node_open, request, resp.num_cached_tokens)
             self.node_opens.send(seq_id, resp.extents[0].address, resp.node_open)
         return OpenResult(resp.num_cached_tokens, resp.num_host_hit_tokens, _miss(resp)), _route(resp)
+
+    def _await_in_flight(
+        self, request: pb.CoordOpenRequest, resp: pb.CoordOpenResponse, timeout_s: float | None
+    ) -> pb.CoordOpenResponse:
+        """Another worker's open is computing part of this prompt on the chosen node: close
+        this one (no node has seen it: the worker carries its node Open) and open again, with
+        backoff, until those blocks are cached there or config.await_in_flight_s is spent.
+        The in-flight marker clears when the first of its blocks is stored (or it expires)."""
+        deadline = time.monotonic() + self.config.await_in_flight_s
+        pause = INFLIGHT_FIRST_PAUSE_S
+        while resp.num_pending_tokens and time.monotonic() + pause <= deadline:
+            self._call("Close", pb.CoordSeqRequest(seq_id=request.seq_id, freed_extents=1), timeout_s)
+            time.sleep(pause)
+            pause = min(2 * pause, INFLIGHT_MAX_PAUSE_S)
+            request.request_id = uuid.uuid4().hex  # a new open (a retry of it gets its answer)
+            resp = self._call("Open", request, timeout_s)
+        return resp
 
     def _drop_failed_open(self, seq_id: str) -> None:
         """The node refused (or never got) the Open this worker carried: drop the page

@@ -141,6 +141,7 @@ class OpenResult:
     miss: MissExplanation | None = None  # open: why its first block not on the device missed it
     record: SequenceRecord | None = None  # fork, swap_in: the page table (every extent)
     node_open: pb.SignedOpen | None = None  # open with worker_opens: the node Open the worker sends
+    num_pending_tokens: int = 0  # open: of the rest, tokens an open in flight is computing on that node
 
 
 class Coordinator(DeferredCalls, Failures, Membership, NodeRooms, Extents, MissingChecks):
@@ -470,7 +471,8 @@ class Coordinator(DeferredCalls, Failures, Membership, NodeRooms, Extents, Missi
             call.settled.result()  # raises the node's error (the page table is gone by then)
             num_host_hit = call.host_hit_tokens
         where = (seq_id, node.node_id, node.address, num_cached, placement, num_host_hit)
-        return OpenResult(*where, miss=miss, node_open=node_open)
+        pending = min(placement.pending_blocks * bs, num_tokens - num_cached)
+        return OpenResult(*where, miss=miss, node_open=node_open, num_pending_tokens=pending)
 
     def _learn(self, placement: Placement, keys: bytes) -> None:
         """Feed the open to the reuse classes (reuse.py): the keys it hit on its node, the first

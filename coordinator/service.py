@@ -121,6 +121,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             num_cached_tokens=result.num_cached_tokens,
             num_host_hit_tokens=result.num_host_hit_tokens,
             num_blocks=result.num_blocks,
+            num_pending_tokens=result.num_pending_tokens,
             node_seq_id=seq_id,
             frame_port=self.frame_port,
             takes_packed_prompts=True,

@@ -1,0 +1,115 @@
+"""Two workers opening prompts that start alike, at once (issue 19's in-flight dedup): the
+second open is placed on the node the first is computing the shared start on and told so
+(num_pending_tokens); the client waits for those blocks and opens again instead of computing
+them twice, within ClientConfig.await_in_flight_s. Real parts: a node engine served over gRPC
+with its CoordinatorLink, a coordinator on a real redis-server over gRPC, two clients."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from pagedkv.cache_node.coordinator_link import CoordinatorLink
+from pagedkv.cache_node.engine import CacheEngine, EngineConfig
+from pagedkv.cache_node.server import create_server as create_node_server
+from pagedkv.client import CacheClient, ClientConfig
+from pagedkv.coordinator.auth import Tenants
+from pagedkv.coordinator.core import Coordinator, CoordinatorConfig
+from pagedkv.coordinator.redis_store import RedisStore
+from pagedkv.coordinator.service import create_server as create_coordinator_server
+from pagedkv.protos.spec import ModelSpec
+
+SPEC = ModelSpec(num_layers=1, num_kv_heads=1, head_dim=8, dtype="float32", block_size=4)
+SYSTEM = list(range(100, 132))  # 8 blocks both prompts share
+FIRST, SECOND = SYSTEM + list(range(500, 512)), SYSTEM + list(range(700, 712))
+
+
+@pytest.fixture
+def cluster(redis_url):  # type: ignore[no-untyped-def]
+    engine = CacheEngine(EngineConfig(SPEC, 64, device="cpu"))
+    node_server, node_port = create_node_server(engine, "127.0.0.1:0")
+    node_server.start()
+    coordinator = Coordinator(RedisStore(redis_url), CoordinatorConfig(lease_ttl_s=30))
+    coord_server, coord_port = create_coordinator_server(coordinator, "127.0.0.1:0", tenants=Tenants())
+    coord_server.start()
+    link = CoordinatorLink(engine, f"127.0.0.1:{coord_port}", "n1", f"127.0.0.1:{node_port}").start()
+    assert link.is_registered.wait(5)
+    clients: list[CacheClient] = []
+
+    def client(await_s: float = 2.0) -> CacheClient:
+        c = CacheClient(
+            coordinator=f"127.0.0.1:{coord_port}", spec=SPEC, config=ClientConfig(await_in_flight_s=await_s)
+        )
+        clients.append(c)
+        return c
+
+    yield client, coordinator
+    for c in clients:
+        c.close()
+    link.stop()
+    coord_server.stop(0)
+    coordinator.stop()
+    node_server.stop(0)
+
+
+def append_all(seq, prompt: list[int]) -> None:  # type: ignore[no-untyped-def]
+    rest = prompt[seq.num_cached_tokens :]
+    kv = torch.randn(SPEC.num_layers, len(rest), SPEC.num_kv_heads, SPEC.head_dim)
+    seq.append(rest, kv, kv)
+
+
+def open_in_thread(client: CacheClient, seq_id: str, prompt: list[int]):  # type: ignore[no-untyped-def]
+    out: dict = {}
+
+    def go() -> None:
+        start = time.monotonic()
+        out["seq"] = client.open(seq_id, prompt)
+        out["took_s"] = time.monotonic() - start
+
+    thread = threading.Thread(target=go)
+    thread.start()
+    return thread, out
+
+
+def test_the_second_open_waits_for_the_first_ones_blocks(cluster) -> None:  # type: ignore[no-untyped-def]
+    client, coordinator = cluster
+    first = client().open("first", FIRST)
+    assert first.num_cached_tokens == 0
+    thread, out = open_in_thread(client(), "second", SECOND)
+    time.sleep(0.3)  # the second open is waiting: the first computes the shared start meanwhile
+    assert thread.is_alive()
+    append_all(first, FIRST)
+    thread.join(10)
+    second = out["seq"]
+    assert second.num_cached_tokens == len(SYSTEM)  # the shared 8 blocks, computed once
+    assert 0.3 <= out["took_s"] < 2.0
+    append_all(second, SECOND)
+    assert second.read_kv(0, 1)[0].shape[1] == 1  # a live sequence on the node
+    first.close()
+    second.close()
+    assert coordinator.counters["misses_in_flight"] >= 1
+
+
+def test_an_in_flight_open_that_never_computes_is_waited_for_at_most_the_bound(cluster) -> None:  # type: ignore[no-untyped-def]
+    client, _ = cluster
+    first = client().open("first", FIRST)  # never appends
+    start = time.monotonic()
+    second = client(await_s=0.5).open("second", SECOND)
+    took = time.monotonic() - start
+    assert second.num_cached_tokens == 0 and 0.3 <= took < 1.5
+    append_all(second, SECOND)  # it computes the prompt itself: a working sequence
+    second.close()
+    first.close()
+
+
+def test_without_waiting_the_second_open_answers_at_once(cluster) -> None:  # type: ignore[no-untyped-def]
+    client, _ = cluster
+    first = client().open("first", FIRST)
+    start = time.monotonic()
+    second = client(await_s=0.0).open("second", SECOND)
+    assert second.num_cached_tokens == 0 and time.monotonic() - start < 0.3
+    second.close()
+    first.close()
