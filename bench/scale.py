@@ -23,8 +23,9 @@ some of them to other nodes: the hit share is reported). Reported:
 - CPU per open + close: the coordinators' (/proc, user + system) and Redis's (INFO cpu),
   less what the same processes spent over as long a quiet window (heartbeats: also
   reported, per beat), and the coordinators' raw figure;
-- events: coordinator CPU per event at batch 1 and at batch 256, and the apply_events
-  script's Redis time per batch.
+- events: coordinator CPU per event at batch 1 and at batch 256 (numbered, as a node's link
+  sends them, until the store holds them all), and the apply_event_run script's Redis time
+  per run (one per node and flush).
 
 Writes bench/results/scale.{json,md} and scale.png (open Redis time against node count).
 """
@@ -278,7 +279,7 @@ def measure_events(
                 tag = f"batch{batch}" + ("" if framed else "_grpc")
                 acc[f"{tag}_coord_cpu_per_event_us"].append(coord_s / len(keys) * 1e6)
                 acc[f"{tag}_apply_events_p50_us"].append(
-                    pct(script_us(cluster, names).get("apply_events", []), 50)
+                    pct(script_us(cluster, names).get("apply_event_run", []), 50)  # numbered reports
                 )
     return {k: float(np.mean(v)) for k, v in acc.items()}
 
@@ -375,7 +376,7 @@ def render(r: dict[str, Any]) -> str:
         "",
         "Events on the framed port (as nodes send them); gRPC's in brackets.",
         "",
-        "| nodes | coords | register s | reaped | held reaps | beats refused | coord CPU / beat us | coord CPU / event, batch 1 us | batch 256 us | apply_events p50 us, batch 1 / 256 | Redis MB |",
+        "| nodes | coords | register s | reaped | held reaps | beats refused | coord CPU / beat us | coord CPU / event, batch 1 us | batch 256 us | apply_event_run p50 us, batch 1 / 256 | Redis MB |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for p in r["points"]:
