@@ -35,7 +35,7 @@ log = logging.getLogger("pagedkv.coordinator.events")
 STORED_KIND = 1  # pb.BlockEvent.STORED
 OFFLOADED_KIND = 50  # pb.BlockEvent.OFFLOADED: still held, on the node's host tier
 MAX_SEQ = (1 << 63) - 1
-RETRY_S = 0.05  # after a failed flush (the store unreachable), before the next try
+RETRY_S, MAX_RETRY_S = 0.05, 1.0  # after failed flushes (the store unreachable): doubling pauses
 
 
 @dataclass(slots=True)
@@ -78,6 +78,7 @@ class EventApplier:
         self._thread: threading.Thread | None = None
         self._is_stopping = not background  # (no thread: the caller flushes)
         self._last_flush = 0.0
+        self._failures = 0  # flushes failed in a row
         self.num_flushes = 0
         self.num_applied = 0  # events in runs the store took
         self.num_refused = 0  # reports refused: a gap or a full queue
@@ -188,10 +189,13 @@ class EventApplier:
             if wait > 0 and not self._is_stopping:  # a stream of reports: gather an interval's worth
                 time.sleep(wait)
             self._last_flush = time.monotonic()
-            if not self.flush():
-                if self._is_stopping:
-                    return  # one try at stop: the nodes still hold what was queued
-                time.sleep(RETRY_S)
+            if self.flush():
+                self._failures = 0
+                continue
+            if self._is_stopping:
+                return  # one try at stop: the nodes still hold what was queued
+            time.sleep(min(RETRY_S * 2**self._failures, MAX_RETRY_S))
+            self._failures += 1
 
     def flush(self) -> bool:
         """Apply everything queued now, in one store call; False when the store failed (the
@@ -214,7 +218,8 @@ class EventApplier:
             self._rewind(runs)
             return True
         except PagedKVError as exc:
-            log.warning("block events not applied (%d runs, kept to retry): %s", len(runs), exc)
+            if not self._failures:  # (once an outage: the next flush that works ends it)
+                log.warning("block events not applied (%d runs, kept to retry): %s", len(runs), exc)
             self._requeue(runs)
             return False
         self.num_flushes += 1

@@ -225,3 +225,25 @@ def test_a_store_that_lost_applied_events_gets_them_again(redis_url) -> None:
         assert store.keys_of("n") == set(KEYS[:7])
     finally:
         store.close()
+
+
+def test_a_flush_that_fails_keeps_its_runs_ahead_of_newer_events(redis_server, redis_url) -> None:
+    """Redis stops answering mid-stream: the flush fails (its runs kept), newer events of the
+    same keys queue behind them, and the next flush applies both in order."""
+    from pagedkv.coordinator.redis_store import RedisStore
+
+    store = RedisStore(redis_url)
+    try:
+        store.register_node("n", "127.0.0.1:1", SPEC, 64, 60.0, EPOCH)
+        applier = EventApplier(store, background=False)
+        applier.offer("n", EPOCH, 1, [(STORED_KIND, KEYS[0]), (STORED_KIND, KEYS[1])])
+        redis_server.pause()
+        try:
+            assert not applier.flush()  # Unavailable after the socket timeout: kept
+        finally:
+            redis_server.resume()
+        applier.offer("n", EPOCH, 3, [(REMOVED_KIND, KEYS[0])])  # newer than the kept run
+        assert applier.flush()
+        assert store.applied_seq("n", EPOCH) == 3 and store.keys_of("n") == {KEYS[1]}
+    finally:
+        store.close()
