@@ -235,7 +235,10 @@ class CoordinatorRouting:
         deadline = time.monotonic() + self.config.await_in_flight_s
         pause = INFLIGHT_FIRST_PAUSE_S
         while resp.num_pending_tokens and time.monotonic() + pause <= deadline:
-            self._call("Close", pb.CoordSeqRequest(seq_id=request.seq_id, freed_extents=1), timeout_s)
+            try:
+                self._call("Close", pb.CoordSeqRequest(seq_id=request.seq_id, freed_extents=1), timeout_s)
+            except PagedKVError:  # (a store outage): keep this open and compute the prompt
+                return resp
             time.sleep(pause)
             pause = min(2 * pause, INFLIGHT_MAX_PAUSE_S)
             request.request_id = uuid.uuid4().hex  # a new open (a retry of it gets its answer)
