@@ -58,8 +58,9 @@ class ClientConfig:
     coordinator_frames: bool = True
     # An open whose prompt another worker's open is computing on the same node right now
     # (CoordOpenResponse.num_pending_tokens) opens again once those blocks are cached,
-    # waiting at most this long, instead of computing them a second time. 0: never waits.
-    await_in_flight_s: float = 2.0
+    # waiting at most this long, instead of computing them a second time. 0 (the default):
+    # never waits. Worth it where workers start alike (the demo sets 2 s).
+    await_in_flight_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.await_in_flight_s >= 0:

@@ -217,8 +217,8 @@ class CoordinatorRouting:
             self.node_opens.wait(seq_id)  # a reopen after a failed node Open: its page table is gone
             request.worker_opens = request.carries_prompt = True
         resp = self._call("Open", request, timeout_s)
-        if resp.num_pending_tokens and self.node_opens is not None:
-            resp = self._await_in_flight(request, resp, timeout_s)
+        if resp.num_pending_tokens and self.node_opens is not None and self.config.await_in_flight_s:
+            resp = self._await_in_flight(request, resp, token_ids, timeout_s)
         self.packs_prompts = resp.takes_packed_prompts  # an older coordinator reads packed as empty
         if self.node_opens is not None and resp.HasField("node_open"):
             _carry_prompt(resp.node_open, request, resp.num_cached_tokens)
@@ -226,24 +226,34 @@ class CoordinatorRouting:
         return OpenResult(resp.num_cached_tokens, resp.num_host_hit_tokens, _miss(resp)), _route(resp)
 
     def _await_in_flight(
-        self, request: pb.CoordOpenRequest, resp: pb.CoordOpenResponse, timeout_s: float | None
+        self,
+        request: pb.CoordOpenRequest,
+        resp: pb.CoordOpenResponse,
+        token_ids: codec.TokenIds,
+        timeout_s: float | None,
     ) -> pb.CoordOpenResponse:
-        """Another worker's open is computing part of this prompt on the chosen node: close
-        this one (no node has seen it: the worker carries its node Open) and open again, with
-        backoff, until those blocks are cached there or config.await_in_flight_s is spent.
-        The in-flight marker clears when the first of its blocks is stored (or it expires)."""
+        """Another worker's open is computing part of this prompt on the chosen node: keep
+        this open while the index shows none of those blocks there (Lookup, with backoff, at
+        most config.await_in_flight_s), then close it (no node has seen it: the worker carries
+        its node Open) and open again, once. Any failure before the close keeps this open."""
         deadline = time.monotonic() + self.config.await_in_flight_s
+        node_id, have = resp.extents[0].node_id, resp.num_cached_tokens
+        lookup = codec.with_token_ids(pb.CoordLookupRequest, token_ids, spec=self._spec_msg())
         pause = INFLIGHT_FIRST_PAUSE_S
-        while resp.num_pending_tokens and time.monotonic() + pause <= deadline:
-            try:
-                self._call("Close", pb.CoordSeqRequest(seq_id=request.seq_id, freed_extents=1), timeout_s)
-            except PagedKVError:  # (a store outage): keep this open and compute the prompt
-                return resp
+        while True:
+            if time.monotonic() + pause > deadline:
+                return resp  # not there in time: this worker computes them
             time.sleep(pause)
             pause = min(2 * pause, INFLIGHT_MAX_PAUSE_S)
-            request.request_id = uuid.uuid4().hex  # a new open (a retry of it gets its answer)
-            resp = self._call("Open", request, timeout_s)
-        return resp
+            try:
+                found = self._call("Lookup", lookup, timeout_s)
+                if found.node_id == node_id and found.num_cached_tokens > have:
+                    self._call("Close", pb.CoordSeqRequest(seq_id=request.seq_id, freed_extents=1), timeout_s)
+                    break
+            except PagedKVError:  # (a store outage): keep this open
+                return resp
+        request.request_id = uuid.uuid4().hex  # a new open (a retry of it gets its answer)
+        return self._call("Open", request, timeout_s)  # (fails as any open would)
 
     def _drop_failed_open(self, seq_id: str) -> None:
         """The node refused (or never got) the Open this worker carried: drop the page

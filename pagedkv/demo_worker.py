@@ -54,7 +54,9 @@ def main(coordinator: str, model_dir: str, requests_json: str, new_tokens: str) 
     kw = {"max_new_tokens": n, "min_new_tokens": n, "do_sample": False}
     with torch.no_grad():  # untimed: the model's first forward pays one-time set-up, not a path's cost
         model.generate(torch.zeros(1, 8, dtype=torch.long), cache=DynamicCache(config=model.config), **kw)
-    config = ClientConfig(tls=TlsConfig.from_env())  # the cluster's PAGEDKV_TLS_* (None: plaintext)
+    # the cluster's PAGEDKV_TLS_* (None: plaintext); workers starting on one system prompt
+    # compute it once: the second waits up to 2 s for the first's blocks
+    config = ClientConfig(tls=TlsConfig.from_env(), await_in_flight_s=2.0)
     with GrpcBackend(coordinator=coordinator, config=config) as backend:
         backend.client.connect()  # every node's connections opened before the first request, untimed
         for request in json.loads(requests_json):
