@@ -18,14 +18,8 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from pagedkv.cache_node.coordinator_link import CoordinatorLink
 from pagedkv.cache_node.engine import CacheEngine, EngineConfig
-from pagedkv.cache_node.server import create_server as create_node_server
 from pagedkv.client import CacheClient, MissExplanation
-from pagedkv.coordinator.auth import Tenants
-from pagedkv.coordinator.core import Coordinator, CoordinatorConfig
-from pagedkv.coordinator.redis_store import RedisStore
-from pagedkv.coordinator.service import create_server as create_coordinator_server
 from pagedkv.protos.spec import ModelSpec
 
 SPEC = ModelSpec(num_layers=1, num_kv_heads=1, head_dim=8, dtype="float32", block_size=4)
@@ -41,25 +35,15 @@ def wait_for(cond: Callable[[], bool], timeout_s: float = 5.0) -> None:
 
 
 @pytest.fixture
-def stack(redis_url, request):  # type: ignore[no-untyped-def]
+def stack(link_node, request):  # type: ignore[no-untyped-def]
     """One node (16 device blocks, `host_blocks` on its host tier), linked to a coordinator on
     Redis; both served over gRPC; a client of the coordinator."""
     host_blocks, policy = request.param
     engine = CacheEngine(EngineConfig(SPEC, 16, num_host_blocks=host_blocks, policy=policy, device="cpu"))
-    node_server, node_port = create_node_server(engine, "127.0.0.1:0")
-    node_server.start()
-    coordinator = Coordinator(RedisStore(redis_url), CoordinatorConfig(lease_ttl_s=30))
-    coord_server, coord_port = create_coordinator_server(coordinator, "127.0.0.1:0", tenants=Tenants())
-    coord_server.start()
-    link = CoordinatorLink(engine, f"127.0.0.1:{coord_port}", "n1", f"127.0.0.1:{node_port}").start()
-    assert link.is_registered.wait(5)
-    client = CacheClient(coordinator=f"127.0.0.1:{coord_port}", spec=SPEC)
-    yield engine, coordinator, client
+    linked = link_node(engine)
+    client = CacheClient(coordinator=linked.address, spec=SPEC)
+    yield engine, linked.coordinator, client
     client.close()
-    link.stop()
-    coord_server.stop(0)
-    coordinator.stop()
-    node_server.stop(0)
 
 
 def run(client: CacheClient, engine: CacheEngine, seq_id: str, prompt: list[int]) -> MissExplanation:

@@ -12,14 +12,8 @@ import time
 import pytest
 import torch
 
-from pagedkv.cache_node.coordinator_link import CoordinatorLink
 from pagedkv.cache_node.engine import CacheEngine, EngineConfig
-from pagedkv.cache_node.server import create_server as create_node_server
 from pagedkv.client import CacheClient, ClientConfig
-from pagedkv.coordinator.auth import Tenants
-from pagedkv.coordinator.core import Coordinator, CoordinatorConfig
-from pagedkv.coordinator.redis_store import RedisStore
-from pagedkv.coordinator.service import create_server as create_coordinator_server
 from pagedkv.protos.spec import ModelSpec
 
 SPEC = ModelSpec(num_layers=1, num_kv_heads=1, head_dim=8, dtype="float32", block_size=4)
@@ -28,31 +22,18 @@ FIRST, SECOND = SYSTEM + list(range(500, 512)), SYSTEM + list(range(700, 712))
 
 
 @pytest.fixture
-def cluster(redis_url):  # type: ignore[no-untyped-def]
-    engine = CacheEngine(EngineConfig(SPEC, 64, device="cpu"))
-    node_server, node_port = create_node_server(engine, "127.0.0.1:0")
-    node_server.start()
-    coordinator = Coordinator(RedisStore(redis_url), CoordinatorConfig(lease_ttl_s=30))
-    coord_server, coord_port = create_coordinator_server(coordinator, "127.0.0.1:0", tenants=Tenants())
-    coord_server.start()
-    link = CoordinatorLink(engine, f"127.0.0.1:{coord_port}", "n1", f"127.0.0.1:{node_port}").start()
-    assert link.is_registered.wait(5)
+def cluster(link_node):  # type: ignore[no-untyped-def]
+    linked = link_node(CacheEngine(EngineConfig(SPEC, 64, device="cpu")))
     clients: list[CacheClient] = []
 
     def client(await_s: float = 2.0) -> CacheClient:
-        c = CacheClient(
-            coordinator=f"127.0.0.1:{coord_port}", spec=SPEC, config=ClientConfig(await_in_flight_s=await_s)
-        )
+        c = CacheClient(coordinator=linked.address, spec=SPEC, config=ClientConfig(await_in_flight_s=await_s))
         clients.append(c)
         return c
 
-    yield client, coordinator
+    yield client, linked.coordinator
     for c in clients:
         c.close()
-    link.stop()
-    coord_server.stop(0)
-    coordinator.stop()
-    node_server.stop(0)
 
 
 def append_all(seq, prompt: list[int]) -> None:  # type: ignore[no-untyped-def]
