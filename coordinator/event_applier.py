@@ -69,7 +69,7 @@ class EventApplier:
         self.store = store
         self.on_applied = on_applied
         self.interval_s = interval_s
-        self.max_queued = max_queued  # queued events past which reports are refused (Unavailable)
+        self.max_queued = max_queued  # queued (netted) events past which reports are refused (Unavailable)
         self._logs: dict[str, _NodeLog] = {}
         self._dirty: list[str] = []  # nodes with queued events, in the order they came
         self._num_queued = 0
@@ -141,10 +141,11 @@ class EventApplier:
                     self._wake.notify()
                 self._dirty.append(node_id)
             net = entry.net
+            before = len(net)
             for kind, key in fresh:
                 net[key] = kind
             entry.queued += len(fresh)
-            self._num_queued += len(fresh)
+            self._num_queued += len(net) - before  # (counts what a flush takes: keys, netted)
             self._start()
         return entry.applied, entry.queued + 1
 
@@ -161,6 +162,11 @@ class EventApplier:
             entry = _NodeLog(epoch, max(applied, 0), max(applied, 0), is_dead=applied == NOT_LIVE)
             self._logs[node_id] = entry
             return entry
+
+    @property
+    def num_queued(self) -> int:
+        """Events waiting for the store (each key's last, per node)."""
+        return self._num_queued
 
     def forget(self, node_id: str) -> None:
         """The node left (removed): drop its log and whatever of it waits."""
