@@ -629,4 +629,7 @@ class Coordinator(DeferredCalls, Failures, Membership, NodeRooms, Extents, Missi
         nodes = self.refresh_nodes()
         counters = dict(self.counters)
         counters["nodes_live"] = len(nodes)
+        events = self.events  # numbered reports (event_applier.py)
+        counters["events_queued"], counters["events_applied"] = events.num_queued, events.num_applied
+        counters["event_flushes"], counters["event_reports_refused"] = events.num_flushes, events.num_refused
         return counters, nodes

@@ -20,6 +20,8 @@ from pagedkv.cache_node.engine import CacheEngine, EngineConfig
 from pagedkv.cache_node.server import create_server as create_node_server
 from pagedkv.cluster import free_port
 from pagedkv.coordinator.redis_store import RedisStore
+from pagedkv.protos import pagedkv_pb2 as pb
+from pagedkv.protos import pagedkv_pb2_grpc as pb_grpc
 from pagedkv.protos.spec import ModelSpec
 
 pytestmark = pytest.mark.timeout(120)
@@ -83,6 +85,9 @@ def test_events_queued_by_a_killed_coordinator_reach_the_index_through_its_succe
         assert store.applied_seq("n1", link.epoch) == box.last
         assert store.keys_of("n1") == set(engine.manager.device.block_of_key)
         assert link.num_registrations == 1  # the node never left the cluster
+        stub = pb_grpc.CoordinatorStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
+        counters = stub.Stats(pb.Empty(), timeout=10).counters  # the successor's
+        assert counters["events_applied"] >= box.last - applied and counters["events_queued"] == 0
     finally:
         link.stop()
         node_server.stop(0)
