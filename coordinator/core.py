@@ -77,7 +77,7 @@ from ..protos.serving import name_os_thread
 from ..protos.status import error_from_rpc
 from .auth import ClusterAccess
 from .deferred import DeferredCalls, NodeCall, node_open_request, order_prompt
-from .event_applier import EventApplier
+from .event_applier import EventApplier, split_net
 from .extents import Extents
 from .failures import Failures
 from .liveness import Liveness, LivenessConfig
@@ -93,8 +93,6 @@ from .reuse import ReuseClasses, ReuseConfig
 from .store import Store
 
 log = logging.getLogger("pagedkv.coordinator")
-STORED_KIND = 1  # pb.BlockEvent.STORED
-OFFLOADED_KIND = 50  # pb.BlockEvent.OFFLOADED: still held, on the node's host tier
 
 
 @dataclass(frozen=True)
@@ -233,16 +231,9 @@ class Coordinator(DeferredCalls, Failures, Membership, NodeRooms, Extents, Missi
     def report_events(self, node_id: str, events: Sequence[tuple[int, bytes]]) -> int:
         """Apply a node's ordered stored/offloaded/removed events; each key's last event wins
         (an unknown kind counts as removed: the index never claims a block it cannot vouch for)."""
-        final: dict[bytes, int] = {}
-        for kind, key in events:
-            final[key] = kind
-        stored = [k for k, kind in final.items() if kind == STORED_KIND]
-        offloaded = [k for k, kind in final.items() if kind == OFFLOADED_KIND]
-        removed = [k for k, kind in final.items() if kind not in (STORED_KIND, OFFLOADED_KIND)]
+        stored, removed, offloaded = split_net({key: kind for kind, key in events})
         self.store.apply_events(node_id, stored, removed, offloaded)
-        with self._lock:
-            self._removed.discard(stored)
-            self._removed.add(node_id, removed)
+        self._events_applied(node_id, stored, removed)
         return len(events)
 
     def _cached_node(self, node_id: str) -> NodeInfo | None:

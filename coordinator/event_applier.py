@@ -278,9 +278,15 @@ class EventApplier:
             thread.join(timeout_s)
 
 
-def _run_of(node_id: str, entry: _NodeLog, net: dict[bytes, int]) -> EventRun:
+def split_net(net: dict[bytes, int]) -> tuple[list[bytes], list[bytes], list[bytes]]:
+    """(stored, removed, offloaded) of each key's last event kind; an unknown kind counts as
+    removed: the index never claims a block it cannot vouch for."""
     stored = [k for k, kind in net.items() if kind == STORED_KIND]
     offloaded = [k for k, kind in net.items() if kind == OFFLOADED_KIND]
-    # an unknown kind counts as removed: the index never claims a block it cannot vouch for
     removed = [k for k, kind in net.items() if kind not in (STORED_KIND, OFFLOADED_KIND)]
+    return stored, removed, offloaded
+
+
+def _run_of(node_id: str, entry: _NodeLog, net: dict[bytes, int]) -> EventRun:
+    stored, removed, offloaded = split_net(net)
     return EventRun(node_id, entry.epoch, entry.first, entry.queued, stored, removed, offloaded, entry.base)
