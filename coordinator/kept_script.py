@@ -23,11 +23,22 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import hiredis
 import redis
 from redis.commands.core import Script
 from redis.exceptions import NoScriptError, ResponseError
 
 MAX_IDLE = 16  # kept connections beyond this go back to the pool
+
+
+def _pack(script: Script, args: list[Any]) -> bytes:
+    """EVALSHA of `script` with no keys, in RESP: hiredis's packer in C, ~3 us for an open's
+    arguments where redis-py's (an encoder call per argument, then the same packer) took ~11.
+    The stores pass str, bytes, int and float only, which both encode alike (str as UTF-8)."""
+    try:
+        return hiredis.pack_command(("EVALSHA", script.sha, 0, *args))  # type: ignore[no-any-return]
+    except TypeError as e:
+        raise redis.DataError(f"a script argument redis cannot take: {e}") from e
 
 
 class KeptScripts:
@@ -76,12 +87,12 @@ class KeptScripts:
         return reply
 
     def _evalsha(self, conn: Any, script: Script, args: list[Any]) -> Any:
-        conn.send_packed_command(conn.pack_command("EVALSHA", script.sha, 0, *args), check_health=False)
+        conn.send_packed_command([_pack(script, args)], check_health=False)
         try:
             return conn.read_response()
         except NoScriptError:
             script.sha = self._client.script_load(script.script)
-            conn.send_packed_command(conn.pack_command("EVALSHA", script.sha, 0, *args), check_health=False)
+            conn.send_packed_command([_pack(script, args)], check_health=False)
             return conn.read_response()
 
     def _evalsha_many(self, conn: Any, calls: Sequence[tuple[Script, list[Any]]]) -> list[Any]:
@@ -101,8 +112,8 @@ class KeptScripts:
     @staticmethod
     def _send_many(conn: Any, calls: Sequence[tuple[Script, list[Any]]]) -> list[Any]:
         """The calls' replies in order, an error reply as its exception (every reply is read)."""
-        commands = [("EVALSHA", script.sha, 0, *args) for script, args in calls]
-        conn.send_packed_command(conn.pack_commands(commands), check_health=False)
+        packed = b"".join(_pack(script, args) for script, args in calls)
+        conn.send_packed_command([packed], check_health=False)
         replies: list[Any] = []
         for _ in calls:
             try:

@@ -16,6 +16,7 @@ until the membership changes): prompts sharing a first key (a system prompt) sha
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections.abc import Iterable, Sequence
 
@@ -88,9 +89,21 @@ class CandidateRooms(CheckedRooms):
     _cols: _Columns
     _arrays: tuple[np.ndarray, np.ndarray]  # _Columns.ints, _Columns.opens
     _sum_opens: float  # math.fsum of the unscaled recent opens
+    _index: RoomIndex
+    version: int  # the index's change count when taken
 
     def node_ids(self) -> tuple[str, ...]:
         return self._cols.ids  # the same tuple until the membership changes
+
+    @property
+    def source(self) -> int:
+        """Which RoomIndex took it (unique in the process): versions compare within one."""
+        return self._index.uid
+
+    def changed_since(self, version: int) -> list[NodeRoom]:
+        """This snapshot's rows whose node changed after `version` (of the same index, the
+        newest snapshot a room table was sent): O(changed), not O(N)."""
+        return self._index.changed_rows(self, version)
 
     def shortlist(
         self,
@@ -163,14 +176,22 @@ class CandidateRooms(CheckedRooms):
         return sorted(tied.tolist(), key=lambda i: tie_rank(tie_key, ids[eligible[i]]))[:want]
 
 
+_uids = itertools.count(1)
+
+
 class RoomIndex:
     """One candidate set's rows (a model spec's nodes, or every node). Thread-safe."""
 
     def __init__(self) -> None:
+        self.uid = next(_uids)
         self._lock = threading.Lock()
         self._rows: dict[str, NodeRoom] = {}  # node_id order
         self._cols = _Columns(())
         self._snapshot: CandidateRooms | None = None
+        # node -> the change count at its row's last change, oldest first: a room table
+        # asks for the rows changed since it last sent (room_table.py) without a pass over all.
+        self._version = 0
+        self._changes: dict[str, int] = {}
 
     def __len__(self) -> int:
         return len(self._rows)
@@ -186,21 +207,29 @@ class RoomIndex:
             if not is_checked_room(r):
                 raise InvalidArgument(f"a candidate room must be a well-formed NodeRoom, got {r!r}")
         with self._lock:
-            added = False
+            added, version = False, self._version
             for r in rows:
+                if self._rows.get(r.node_id) == r:
+                    continue  # (a beat that changed nothing placement reads)
                 i = self._cols.pos.get(r.node_id)
                 if i is None:
                     added = True
                 else:
                     self._cols.set(i, r)
                 self._rows[r.node_id] = r
+                self._version += 1
+                self._changes.pop(r.node_id, None)
+                self._changes[r.node_id] = self._version
             if added:
                 self._rebuild()
-            self._snapshot = None
+            if self._version != version:
+                self._snapshot = None  # (kept when no row changed)
 
     def remove(self, node_ids: Iterable[str]) -> None:
         with self._lock:
             gone = [n for n in list(node_ids) if self._rows.pop(n, None) is not None]
+            for n in gone:
+                self._changes.pop(n, None)
             if gone:
                 self._rebuild()
                 self._snapshot = None
@@ -215,7 +244,26 @@ class RoomIndex:
                 snap._cols = cols
                 snap._arrays = (cols.ints.copy(), cols.opens.copy())
                 snap._sum_opens = cols.opens_exact / _EXACT_SCALE
+                snap._index, snap.version = self, self._version
             return snap
+
+    def changed_rows(self, snap: CandidateRooms, version: int) -> list[NodeRoom]:
+        """CandidateRooms.changed_since: the rows changed after `version`, as `snap` has them.
+        A row changed again after the snapshot goes as the snapshot has it (no newer one was
+        sent: `version` would be past it); a snapshot older than `version` sends nothing (its
+        rows may be older than those sent)."""
+        if snap.version < version:
+            return []
+        pos = snap._cols.pos
+        out: list[NodeRoom] = []
+        with self._lock:
+            for node_id, v in reversed(self._changes.items()):
+                if v <= version:
+                    break
+                i = pos.get(node_id)
+                if i is not None:
+                    out.append(snap[i])
+        return out
 
     def _rebuild(self) -> None:
         self._rows = dict(sorted(self._rows.items()))

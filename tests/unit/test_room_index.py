@@ -113,3 +113,55 @@ def test_a_bad_row_is_refused_and_changes_nothing_after_it(bad: Any) -> None:
     with pytest.raises(InvalidArgument, match="well-formed NodeRoom"):
         index.update([bad])
     assert list(index.snapshot()) == [NodeRoom("a", 1, 8, 0, 0.0, None)]
+
+
+def _apply(table: dict[str, tuple[int, str]], args: Any) -> None:
+    """What the open script does with a room table's args (redis_scripts.OPEN_SEQ): a row is
+    written unless the stored one has a newer stamp."""
+    for line in args.rows.split("\n")[1:]:
+        node_id, stamp, rest = line.split("\t", 2)
+        was = table.get(node_id)
+        if was is None or was[0] < int(stamp):
+            table[node_id] = (int(stamp), rest)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_room_table_sends_the_changed_rows_and_never_puts_back_older_ones(data: Any) -> None:
+    """RoomTables over RoomIndex snapshots sends only rows changed since its last call (not a
+    pass over all), and a snapshot sent late (a slower concurrent open) writes nothing older:
+    once the newest snapshot is sent, the table holds exactly its rows."""
+    from pagedkv.coordinator.room_table import RoomTables
+
+    n = data.draw(st.integers(1, 30))
+    index = RoomIndex()
+    index.update(data.draw(rooms(i)) for i in range(n))
+    tables = RoomTables(b"t:")
+    table: dict[str, tuple[int, str]] = {}
+    snaps = [index.snapshot()]
+    first = tables.args(snaps[0])
+    assert first.full and first.rows.count("\n") == n
+    _apply(table, first)
+    sent = snaps[0]
+    for _ in range(data.draw(st.integers(1, 12))):
+        changed = data.draw(st.lists(st.integers(0, n - 1), max_size=4, unique=True))
+        index.update(data.draw(rooms(i)) for i in changed)
+        snaps.append(index.snapshot())
+        late = data.draw(st.sampled_from(snaps))  # an older snapshot, sent after newer ones
+        _apply(table, tables.args(late))
+        sent = max(sent, late, key=lambda s: s.version)
+        assert {k: v[1] for k, v in table.items()} == _fields(sent)  # the newest sent, never older
+    newest = index.snapshot()
+    last = tables.args(newest)
+    assert not last.full
+    _apply(table, last)
+    assert tables.args(newest).rows == ""  # nothing changed since: nothing sent
+    assert {k: v[1] for k, v in table.items()} == _fields(newest)
+
+
+def _fields(rows: Any) -> dict[str, str]:
+    return {
+        r.node_id: f"{r.free_blocks}\t{r.total_blocks}\t{r.evictable_blocks}\t{r.recent_opens!r}\t"
+        f"{-1 if r.active_blocks is None else r.active_blocks}"
+        for r in rows
+    }
