@@ -187,12 +187,22 @@ class CheckedRooms(tuple):  # type: ignore[type-arg]
     def node_ids(self) -> tuple[str, ...]:
         return tuple(r[0] for r in self)
 
+    def has_separators(self) -> bool:
+        return has_separators(self.node_ids())
+
 
 def node_ids(candidates: Sequence[Any]) -> tuple[str, ...]:
     """The candidates' node ids in their order (one tuple per membership for a RoomIndex's)."""
     if isinstance(candidates, CheckedRooms):
         return candidates.node_ids()
     return tuple(c[0] for c in candidates)
+
+
+def ids_have_separators(candidates: Sequence[Any]) -> bool:
+    """has_separators of the candidates' ids (kept per membership by a RoomIndex snapshot)."""
+    if isinstance(candidates, CheckedRooms):
+        return candidates.has_separators()
+    return has_separators(node_ids(candidates))
 
 
 @lru_cache(maxsize=8)

@@ -82,8 +82,7 @@ from .records import (
     check_runs,
     check_sequence_fields,
     check_ttl,
-    has_separators,
-    node_ids,
+    ids_have_separators,
 )
 from .room_table import RoomTables
 from .sentinel import SCHEME as SENTINEL_SCHEME
@@ -393,7 +392,7 @@ class RedisStore(Store):
             new.scan_classes,
         ]
         # A tab or line feed in a node id would shift the columns of the rows.
-        if has_separators(node_ids(new.candidates)):
+        if ids_have_separators(new.candidates):
             raise InvalidArgument("candidate node ids must not contain tabs or line feeds")
         if len(new.candidates) <= WEIGH_ALL:  # every row travels and is weighed
             rows = "".join(

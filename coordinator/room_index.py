@@ -16,7 +16,9 @@ until the membership changes): prompts sharing a first key (a system prompt) sha
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import math
 import threading
 from collections.abc import Iterable, Sequence
 
@@ -24,7 +26,7 @@ import numpy as np
 
 from ..protos.errors import InvalidArgument
 from .placement import SCAN_KEY, PlacementWeights, size_class, tie_rank
-from .records import CheckedRooms, NodeRoom, is_checked_room
+from .records import CheckedRooms, NodeRoom, has_separators, is_checked_room
 
 TIE_CACHE_MIN = 8  # tied nodes above which every node's rank for the key is computed and kept
 TIE_KEYS = 64  # tie keys whose ranks are kept per membership
@@ -48,6 +50,8 @@ class _Columns:
     def __init__(self, rows: Sequence[NodeRoom]) -> None:
         self.ids = tuple(r.node_id for r in rows)
         self.pos = {node_id: i for i, node_id in enumerate(self.ids)}
+        self.has_separators = has_separators(self.ids)  # once per membership, not per open
+        self.everyone = np.arange(len(rows))
         # free, total, evictable, active (-1: None) per node: one block, one copy per snapshot
         self.ints = (
             np.array(
@@ -95,6 +99,9 @@ class CandidateRooms(CheckedRooms):
     def node_ids(self) -> tuple[str, ...]:
         return self._cols.ids  # the same tuple until the membership changes
 
+    def has_separators(self) -> bool:
+        return self._cols.has_separators
+
     @property
     def source(self) -> int:
         """Which RoomIndex took it (unique in the process): versions compare within one."""
@@ -122,12 +129,18 @@ class CandidateRooms(CheckedRooms):
         ow, lw, hw = weights.overlap_weight, weights.load_weight, weights.host_weight
         slack, margin, aff = weights.balance_slack, weights.balance_margin, weights.affinity_share
         room = free + evictable
-        eligible = np.flatnonzero(need <= room)
-        load = np.where(active < 0, total - room, active)[eligible]
+        fits = need <= room
+        pick: slice | np.ndarray
+        if fits.all():  # (the usual case: views, no copies by index)
+            eligible, pick = self._cols.everyone, slice(None)
+        else:
+            eligible = pick = np.flatnonzero(fits)
+        load = np.where(active < 0, total - room, active)[pick]
         cost = (ow * need + hw * 0) + lw * (load + need)
-        with np.errstate(invalid="ignore"):  # an unbounded slack times a zero fair share: nan, not over
-            fair = (sum_opens + 1) * total[eligible] / sum_total if sum_total else np.zeros(len(eligible))
-            opens = opens_per[eligible] + 1
+        # An unbounded slack times a zero fair share is nan (not over): numpy's warning is muted.
+        with np.errstate(invalid="ignore") if math.isinf(slack) else contextlib.nullcontext():
+            fair = (sum_opens + 1) * total[pick] / sum_total if sum_total else np.zeros(len(eligible))
+            opens = opens_per[pick] + 1
             over = opens > (1.0 + slack) * fair + margin
             if not aff * need > 0:
                 over &= opens > (1.0 + 2 * slack) * fair + 2 * margin
@@ -162,6 +175,12 @@ class CandidateRooms(CheckedRooms):
         if not head:
             return self._by_rank(eligible, rows, want, tie_key)
         values = head[0][rows]
+        if values.dtype == np.bool_:  # (the balance bound: no partition needed to find the cut)
+            inside = rows[~values]
+            if len(inside) >= want:
+                return self._select(eligible, inside, head[1:], want, tie_key)
+            rest = self._select(eligible, rows[values], head[1:], want - len(inside), tie_key)
+            return inside.tolist() + rest  # type: ignore[no-any-return]
         cut = values[np.argpartition(values, want - 1)[want - 1]]
         below = rows[values < cut]  # fewer than `want`: the cut is the want-th smallest
         tied = rows[values == cut]
@@ -170,8 +189,9 @@ class CandidateRooms(CheckedRooms):
     def _by_rank(self, eligible: np.ndarray, tied: np.ndarray, want: int, tie_key: bytes) -> list[int]:
         """The `want` of `tied` (rows equal on every head column) first by rendezvous rank."""
         if len(tied) > TIE_CACHE_MIN:
-            ranks = self._cols.tie_positions(tie_key)[eligible[tied]]
-            return tied[np.argsort(ranks, kind="stable")[:want]].tolist()  # type: ignore[no-any-return]
+            ranks = self._cols.tie_positions(tie_key)[eligible[tied]]  # distinct: a partition is exact
+            first = np.argpartition(ranks, want - 1)[:want] if want < len(ranks) else np.arange(len(ranks))
+            return tied[first[np.argsort(ranks[first])]].tolist()  # type: ignore[no-any-return]
         ids = self._cols.ids
         return sorted(tied.tolist(), key=lambda i: tie_rank(tie_key, ids[eligible[i]]))[:want]
 

@@ -50,8 +50,9 @@ class RoomTables:
         self._prefix = prefix + b"rooms:" + os.urandom(8).hex().encode() + b":"
         self._lock = threading.Lock()
         self._stamp = 0
-        # (source, ids) -> the rows sent (a plain sequence's) or the version sent (a snapshot's)
-        self._sent: OrderedDict[tuple[int, tuple[str, ...]], tuple[NodeRoom, ...] | int] = OrderedDict()
+        # table key -> the rows sent (a plain sequence's) or the version sent (a snapshot's);
+        # keyed by the key's bytes, not the ids: a 1,000-id tuple hashes in ~15 us
+        self._sent: OrderedDict[bytes, tuple[NodeRoom, ...] | int] = OrderedDict()
         self._keys: tuple[int, tuple[str, ...], bytes] = (0, (), b"")  # the last key made
 
     def args(self, candidates: Sequence[NodeRoom]) -> TableArgs:
@@ -65,18 +66,18 @@ class RoomTables:
         with self._lock:
             self._stamp += 1
             stamp = self._stamp
-            sent = self._sent.get((source, ids))
+            sent = self._sent.get(key)
             full = sent is None
             if sent is None:
                 while len(self._sent) >= KEPT_TABLES:
                     self._sent.popitem(last=False)
             else:
-                self._sent.move_to_end((source, ids))
+                self._sent.move_to_end(key)
             if snap is not None:
                 assert sent is None or isinstance(sent, int)
                 changed = list(snap) if sent is None else snap.changed_since(sent)
                 # A snapshot older than the last one sent adds nothing; the newer version stays.
-                self._sent[(source, ids)] = snap.version if sent is None else max(snap.version, sent)
+                self._sent[key] = snap.version if sent is None else max(snap.version, sent)
             else:
                 rows_now = tuple(candidates)
                 # The same ids in the same order: rows compare pairwise as tuples, in C.
@@ -84,7 +85,7 @@ class RoomTables:
                     changed = list(rows_now)
                 else:
                     changed = list(compress(rows_now, map(ne, rows_now, sent)))  # type: ignore[arg-type]
-                self._sent[(source, ids)] = rows_now
+                self._sent[key] = rows_now
         rows = "".join(
             f"\n{c.node_id}\t{stamp}\t{c.free_blocks}\t{c.total_blocks}\t{c.evictable_blocks}\t"
             f"{c.recent_opens!r}\t{-1 if c.active_blocks is None else c.active_blocks}"
@@ -105,5 +106,6 @@ class RoomTables:
     def forget(self, candidates: Sequence[NodeRoom]) -> None:
         """The table was gone: the next call sends it whole."""
         source = candidates.source if isinstance(candidates, CandidateRooms) else 0
+        key = self._key(source, node_ids(candidates))
         with self._lock:
-            self._sent.pop((source, node_ids(candidates)), None)
+            self._sent.pop(key, None)
