@@ -124,8 +124,11 @@ class Membership:
     def refresh_nodes(self) -> list[NodeInfo]:
         nodes = self.store.live_nodes()
         with self._lock:
-            self._touch([*self._nodes, *(n.node_id for n in nodes)])
-            self._nodes = {n.node_id: n for n in nodes}
+            old, new = self._nodes, {n.node_id: n for n in nodes}
+            # Only the nodes that joined, left or changed get their rows rebuilt: O(changed)
+            # row work a tick (the comparison is C-speed dict and dataclass equality).
+            self._touch([i for i, n in new.items() if old.get(i) != n] + [i for i in old if i not in new])
+            self._nodes = new
         self._sync_rooms()  # here, on the reaper's thread, not on the next open's
         self.liveness.seen_live(nodes)
         return nodes

@@ -84,6 +84,22 @@ def test_register_then_live_with_spec_address_and_empty_load(store: Store) -> No
     assert store.expired_nodes() == []
 
 
+def test_listing_again_shows_each_change_since_the_last(store: Store) -> None:
+    """live_nodes keeps what it parsed for rows that did not change (a reaper tick lists every
+    node): a new load, a new registration and a removal each show in the next listing."""
+    register(store, "n1", "n2")
+    before = store.live_nodes()
+    assert store.live_nodes() == before
+    store.heartbeat("n1", {"free_blocks": 7}, TTL_S)
+    assert [(n.node_id, n.load) for n in store.live_nodes()] == [("n1", {"free_blocks": 7}), ("n2", {})]
+    store.heartbeat("n1", {"free_blocks": 6}, TTL_S)
+    assert store.live_nodes()[0].load == {"free_blocks": 6}
+    store.register_node("n2", "n2.moved:1", {**SPEC, "model": "m2"}, 3, TTL_S, policy="lfu")
+    assert store.live_nodes()[1] == NodeInfo("n2", "n2.moved:1", {**SPEC, "model": "m2"}, 3, {}, "lfu")
+    store.remove_node("n1")
+    assert [n.node_id for n in store.live_nodes()] == ["n2"]
+
+
 def test_heartbeat_records_load_and_unknown_node_gets_false(store: Store) -> None:
     register(store, "n2", "n1")
     load = {"free_blocks": 900, "used_blocks": 100, "num_sequences": 3}
