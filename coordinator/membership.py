@@ -24,7 +24,6 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import replace
 from typing import Any
 
 from ..protos.errors import FailedPrecondition, PagedKVError, Unavailable
@@ -181,7 +180,7 @@ class Membership:
             with self._lock:
                 node = self._nodes.get(node_id)
                 if node is not None:
-                    self._nodes[node_id] = replace(node, load=dict(load))
+                    self._nodes[node_id] = node.with_load(dict(load))
                     self._touch((node_id,))
             if node is None:  # its lease had lapsed (e.g. while we were down): live again
                 revived = self.store.live_node(node_id)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterable, Mapping
-from dataclasses import replace
 from typing import Any
 
 from ..protos.errors import InvalidArgument
@@ -160,5 +159,5 @@ class NodeRooms:
                 back = min(-blocks, used)
                 load["cached_blocks"] = cached + back
                 load["used_blocks"] = used - back
-            self._nodes[node_id] = replace(node, load=load)
+            self._nodes[node_id] = node.with_load(load)
             self._touch((node_id,))

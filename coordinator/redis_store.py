@@ -40,7 +40,7 @@ import math
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import redis
@@ -291,7 +291,7 @@ class RedisStore(Store):
             elif last[0] == raw:
                 node = last[1]
             elif last[0][:4] == raw[:4] and last[0][5:] == raw[5:]:  # a beat changed its load only
-                node = replace(last[1], load=json.loads(raw[4]))
+                node = last[1].with_load(json.loads(raw[4]))
             else:
                 node = _node_info(_s(raw[0]), *raw[1:])
             kept[raw[0]] = (raw, node)
