@@ -82,7 +82,7 @@ class _Conn:
         self.thread: threading.Thread | None = None
 
 
-Handler = tuple[Callable[[Any, FrameContext], Any], Callable[[bytes], Any]]
+Handler = tuple[Callable[[Any, FrameContext], Any], Callable[[bytes | memoryview], Any]]
 
 
 class FramedServer:
@@ -221,8 +221,9 @@ class FramedServer:
                 self._conns.pop(id(served), None)
                 self._peers.release(served.peer)
 
-    def _read_payload(self, reader: ReadAhead, f: Frame) -> bytearray:
-        """A request's payload, checked from its header first (Refused: not read)."""
+    def _read_payload(self, reader: ReadAhead, f: Frame) -> memoryview:
+        """A request's payload, checked from its header first (Refused: not read); valid
+        until the next read (it may be the read-ahead buffer's own bytes)."""
         if f.payload_len > self.max_message_bytes:
             error = InvalidArgument(
                 f"framed {f.text[:64]}: a {f.payload_len}-byte request (at most {self.max_message_bytes})"
@@ -233,6 +234,9 @@ class FramedServer:
                 f"framed {f.text[:64]}: {f.start} bytes of metadata in a {f.payload_len}-byte request"
             )
             raise Refused(f, f.text, error)
+        buffered = reader.take(f.payload_len)
+        if buffered is not None:  # (already in the connection's buffer: nothing to allocate)
+            return buffered
         try:
             self._budget.take(f.payload_len, "call")
         except Exception as exc:
@@ -242,7 +246,16 @@ class FramedServer:
             recv_exact(reader, memoryview(payload), "a unary request")  # type: ignore[arg-type]
         finally:
             self._budget.give(f.payload_len)
-        return payload
+        return memoryview(payload)
+
+    def _parse(self, f: Frame, payload: memoryview) -> tuple[Any, FrameContext]:
+        """The request message of `payload` and its call's context; InvalidArgument when
+        either does not parse."""
+        try:
+            request = self.handlers[f.text][1](payload[f.start :])
+            return request, FrameContext(decode_metadata(payload[: f.start]))
+        except (DecodeError, InvalidArgument) as exc:
+            raise InvalidArgument(f"framed {f.text}: the request does not parse: {exc}") from None
 
     def _notify(self, reader: ReadAhead, f: Frame) -> None:
         """Read one NOTIFY request, run its handler, send nothing (Refused: the client's
@@ -252,16 +265,13 @@ class FramedServer:
             error = InvalidArgument(f"framed port: {f.text[:64]!r} is not taken one-way (these are: {taken})")
             raise Refused(f, f.text, error)
         payload = self._read_payload(reader, f)
-        fn, parse = self.handlers[f.text]
         try:
-            request = parse(bytes(payload[f.start :]))
-            context = FrameContext(decode_metadata(memoryview(payload)[: f.start]))
-        except (DecodeError, InvalidArgument) as exc:
-            error = InvalidArgument(f"framed {f.text} (one-way): the request does not parse: {exc}")
-            raise Refused(f, f.text, error) from None
+            request, context = self._parse(f, payload)
+        except InvalidArgument as exc:
+            raise Refused(f, f.text, exc) from None
         self.num_one_way += 1
         try:
-            fn(request, context)
+            self.handlers[f.text][0](request, context)
         except _Aborted as exc:
             self.num_one_way_failed += 1
             now = time.monotonic()
@@ -286,15 +296,12 @@ class FramedServer:
                 f"framed port: no method {f.text[:64]!r} (it serves {known}; gRPC serves all)"
             )
             return error_frame(f.op, f.request_id, error)[0].pack()
-        fn, parse = handler
         try:
-            request = parse(bytes(payload[f.start :]))
-            context = FrameContext(decode_metadata(memoryview(payload)[: f.start]))
-        except (DecodeError, InvalidArgument) as exc:
-            error = InvalidArgument(f"framed {f.text}: the request does not parse: {exc}")
-            return error_frame(f.op, f.request_id, error)[0].pack()
+            request, context = self._parse(f, payload)
+        except InvalidArgument as exc:
+            return error_frame(f.op, f.request_id, exc)[0].pack()
         try:
-            reply = fn(request, context).SerializeToString()
+            reply = handler[0](request, context).SerializeToString()
         except _Aborted as exc:
             extra = dict(context.trailing)
             cls, ids = extra.get(ERROR_CLASS_KEY, ""), extra.get(ERROR_IDS_KEY, "")

@@ -30,6 +30,15 @@ class ReadAhead:
         """Bytes received and not yet read (the next request's first bytes, if any)."""
         return self._end - self._start
 
+    def take(self, n: int) -> memoryview | None:
+        """The next `n` bytes, read, when all of them are buffered (else None, nothing
+        read): a view of the buffer, valid until the next receive."""
+        start = self._start
+        if self._end - start < n:
+            return None
+        self._start = start + n
+        return self._view[start : start + n]
+
     def recv_into(self, buf: Any, nbytes: int = 0, flags: int = 0) -> int:
         """As socket.recv_into (0: the peer closed); `flags` only reach a direct receive."""
         want = nbytes or len(buf)
