@@ -47,51 +47,6 @@ def report(box: EventOutbox, replica: EventApplier, deliver_reply: bool = True) 
         box.settle(applied, next_seq)
 
 
-EVENT = st.tuples(st.sampled_from([STORED_KIND, REMOVED_KIND, OFFLOADED_KIND]), st.integers(0, 11))
-ACTION = st.one_of(
-    st.tuples(st.just("events"), st.lists(EVENT, max_size=6)),
-    st.tuples(st.just("report"), st.integers(0, 1), st.booleans()),
-    st.tuples(st.just("flush"), st.integers(0, 1), st.just(0)),
-    st.tuples(st.just("crash"), st.integers(0, 1), st.just(0)),
-)
-
-
-@settings(max_examples=300, deadline=None)
-@given(st.lists(ACTION, max_size=40))
-def test_any_interleaving_ends_with_the_logs_replay(actions) -> None:
-    store = registered()
-    replicas = [EventApplier(store, background=False) for _ in range(2)]
-    box = EventOutbox(sync_after_s=0.0)
-    log: list[tuple[int, bytes]] = []
-    last_applied = 0
-    for action in actions:
-        if action[0] == "events":
-            events = [(kind, KEYS[i]) for kind, i in action[1]]
-            log.extend(events)
-            box.add(events)
-        elif action[0] == "report":
-            report(box, replicas[action[1]], deliver_reply=action[2])
-        elif action[0] == "flush":
-            replicas[action[1]].flush()
-        else:  # the replica dies with its queue; a fresh process takes its place
-            replicas[action[1]] = EventApplier(store, background=False)
-        applied = store.applied_seq("n", EPOCH)
-        assert last_applied <= applied <= len(log)  # only forward, never past what happened
-        last_applied = applied
-    for _ in range(6):  # settle: the node reports until the store holds everything
-        if not box.pending and box.sent == box.last:
-            break
-        report(box, replicas[0])
-        replicas[0].flush()
-        report(box, replicas[0])
-    assert not box.pending, (box.first, box.sent, len(log))
-    assert store.applied_seq("n", EPOCH) == len(log)
-    assert store.keys_of("n") == held(log)
-    for replica in replicas:  # what waits is counted as a flush takes it: nothing is left
-        replica.flush()
-        assert replica.num_queued == 0
-
-
 def notify(box: EventOutbox, replica: EventApplier, arrives: bool = True) -> None:
     """A one-way report (no reply): the node counts it sent; it may never arrive."""
     first, base, events = box.to_send()
@@ -109,8 +64,10 @@ def beat(box: EventOutbox, replica: EventApplier) -> None:
     box.settle(*acked)
 
 
-ONE_WAY_ACTION = st.one_of(
+EVENT = st.tuples(st.sampled_from([STORED_KIND, REMOVED_KIND, OFFLOADED_KIND]), st.integers(0, 11))
+ACTION = st.one_of(
     st.tuples(st.just("events"), st.lists(EVENT, max_size=6)),
+    st.tuples(st.just("report"), st.integers(0, 1), st.booleans()),
     st.tuples(st.just("notify"), st.integers(0, 1), st.booleans()),
     st.tuples(st.just("beat"), st.integers(0, 1), st.just(0)),
     st.tuples(st.just("flush"), st.integers(0, 1), st.just(0)),
@@ -118,38 +75,55 @@ ONE_WAY_ACTION = st.one_of(
 )
 
 
+@pytest.mark.parametrize("by_beats", [False, True], ids=["settled by replies", "settled by beats"])
 @settings(max_examples=300, deadline=None)
-@given(st.lists(ONE_WAY_ACTION, max_size=40))
-def test_one_way_reports_settled_by_beats_end_with_the_logs_replay(actions) -> None:
-    """Reports sent one-way (some lost on the way) to either replica, beats to either,
-    flushes and crashes in any order: the beats alone bring the node to the replay."""
+@given(st.lists(ACTION, max_size=40))
+def test_any_interleaving_ends_with_the_logs_replay(by_beats: bool, actions) -> None:
+    """Reports as calls (their replies delivered or lost), one-way (arriving or lost) and
+    beats asking how far they got, to either replica, with flushes and crashes: then
+    the node's own loop, two-way or one-way (its beats alone), reaches the replay."""
     store = registered()
     replicas = [EventApplier(store, background=False) for _ in range(2)]
     box = EventOutbox(sync_after_s=0.0)
-    box.is_acked_by_beats = True
     log: list[tuple[int, bytes]] = []
+    last_applied = 0
     for action in actions:
         if action[0] == "events":
             events = [(kind, KEYS[i]) for kind, i in action[1]]
             log.extend(events)
             box.add(events)
+        elif action[0] == "report":
+            report(box, replicas[action[1]], deliver_reply=action[2])
         elif action[0] == "notify":
             notify(box, replicas[action[1]], arrives=action[2])
         elif action[0] == "beat":
             beat(box, replicas[action[1]])
         elif action[0] == "flush":
             replicas[action[1]].flush()
-        else:
+        else:  # the replica dies with its queue; a fresh process takes its place
             replicas[action[1]] = EventApplier(store, background=False)
-        assert box.sent == box.last or box.is_due()  # never silent while something is unsent
-    for _ in range(4):  # the node's loop: a beat, the resend it asks for, applied, the next beat
-        beat(box, replicas[0])
-        notify(box, replicas[0])
-        replicas[0].flush()
-    beat(box, replicas[0])
-    assert not box.pending and box.sent == box.last == len(log), (box.first, box.sent, len(log))
+        applied = store.applied_seq("n", EPOCH)
+        assert last_applied <= applied <= len(log)  # only forward, never past what happened
+        last_applied = applied
+    box.is_acked_by_beats = by_beats
+    for _ in range(6):  # settle: the node reports until the store holds everything
+        if not box.pending and box.sent == box.last:
+            break
+        if by_beats:  # a beat, the resend it asks for, applied
+            beat(box, replicas[0])
+            notify(box, replicas[0])
+            replicas[0].flush()
+            beat(box, replicas[0])
+        else:
+            report(box, replicas[0])
+            replicas[0].flush()
+            report(box, replicas[0])
+    assert not box.pending and box.sent == box.last, (box.first, box.sent, len(log))
     assert store.applied_seq("n", EPOCH) == len(log)
     assert store.keys_of("n") == held(log)
+    for replica in replicas:  # what waits is counted as a flush takes it: nothing is left
+        replica.flush()
+        assert replica.num_queued == 0
 
 
 def test_the_outbox_sends_one_way_and_a_beat_settles_or_rewinds_it() -> None:

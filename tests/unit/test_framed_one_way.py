@@ -1,10 +1,9 @@
 """One-way calls (NOTIFY) on the coordinator's framed port with real sockets: the handler
 runs and nothing is sent back; what the server cannot take is answered and the connection
 closed; requests streamed back to back are read ahead and still bounded by the port's
-deadlines; no receive buffer stays taken; a node's link reports one-way and its beats
-settle them. Real parts: a coordinator on the embedded store, its servicer behind a
-FramedServer on a free port (or its gRPC server and port), raw client sockets, an
-in-process cache node with its CoordinatorLink."""
+deadlines; no receive buffer stays taken. Real parts: a coordinator on the embedded
+store, its servicer behind a FramedServer on a free port, raw client sockets. (A node's
+link reporting one-way: test_framed_server.py.)"""
 
 from __future__ import annotations
 
@@ -13,17 +12,12 @@ import socket
 import time
 
 import pytest
-import torch
 
-from pagedkv.cache_node.coordinator_link import CoordinatorLink
-from pagedkv.cache_node.engine import CacheEngine, EngineConfig
-from pagedkv.cache_node.server import create_server as create_node_server
 from pagedkv.coordinator.auth import Tenants
 from pagedkv.coordinator.core import Coordinator, CoordinatorConfig
 from pagedkv.coordinator.memory_store import MemoryStore
 from pagedkv.coordinator.metrics import CoordinatorMetrics
 from pagedkv.coordinator.service import FRAMED_METHODS, ONE_WAY_METHODS, CoordinatorServicer
-from pagedkv.coordinator.service import create_server as create_coordinator_server
 from pagedkv.protos import pagedkv_pb2 as pb
 from pagedkv.protos import wire
 from pagedkv.protos.framed_server import FramedServer
@@ -170,40 +164,3 @@ def test_a_request_trickled_behind_a_whole_one_is_cut_off_in_time(served) -> Non
                 sock.sendall(bytes([byte]))
         assert time.monotonic() - start < 3  # (the whole trickle would take 7 s)
     assert server.num_one_way == 1
-
-
-@pytest.mark.parametrize("one_way", [True, False], ids=["one-way", "two-way"])
-def test_a_nodes_events_go_one_way_and_its_beats_settle_them(one_way: bool) -> None:
-    coordinator = Coordinator(MemoryStore(), CoordinatorConfig(lease_ttl_s=1.0))
-    server, port = create_coordinator_server(coordinator, "127.0.0.1:0")
-    server.start()
-    coordinator.start()
-    engine = CacheEngine(EngineConfig(SPEC, 16, device="cpu"))
-    node_server, node_port = create_node_server(engine, "127.0.0.1:0")
-    node_server.start()
-    link = CoordinatorLink(
-        engine, f"127.0.0.1:{port}", "n2", f"127.0.0.1:{node_port}", one_way_reports=one_way
-    )
-    try:
-        link.start()
-        assert link.is_registered.wait(10)
-        for i in range(3):
-            tokens = list(range(i * 100, i * 100 + 8))
-            shape = (SPEC.num_layers, 8, SPEC.num_kv_heads, SPEC.head_dim)
-            engine.open(f"s{i}", tokens)
-            engine.append(f"s{i}", tokens, torch.zeros(shape), torch.zeros(shape))
-            time.sleep(0.03)  # a report each
-        box = link.outbox
-        until(lambda: box.last >= 6 and not box.pending, "every event applied and settled")
-        assert coordinator.store.keys_of("n2") == set(engine.manager.device.block_of_key)
-        framed, port_server = link._framed, server.companions[0]
-        if one_way:
-            assert framed.num_notified >= 3 and port_server.num_one_way == framed.num_notified
-            assert framed.num_calls <= link.num_beats  # every call a beat: no report asked how far
-        else:
-            assert framed.num_notified == 0 and port_server.num_one_way == 0
-    finally:
-        link.stop()
-        node_server.stop(0)
-        server.stop(0)
-        coordinator.stop()
