@@ -243,20 +243,26 @@ class FakeNodes:
         for port in ports:
             port.close()
 
-    def report(self, node: int, keys: list[bytes], batch: int, framed: bool = False) -> int:
+    def report(
+        self, node: int, keys: list[bytes], batch: int, framed: bool = False, one_way: bool = False
+    ) -> int:
         """ReportEvents: `keys` stored on node `node`, `batch` events an rpc, numbered as a
         CoordinatorLink numbers them, to the first coordinator (on its framed port when
-        `framed`, as a node does once it knows it); then, as a link does, empty reports
-        until the store holds them all. Returns the rpcs sent."""
+        `framed`, as a node does once it knows it; one-way as well with `one_way`, as a
+        node does where the coordinator takes them so); then, as a link does, empty reports
+        until the store holds them all (one-way: its beat would ask). Returns the rpcs sent."""
         stub = self.cluster.stubs[0]
         port = FramedPort("127.0.0.1", None, None)
-        port.learn(self.frame_ports[0] if framed else 0)
+        port.learn(self.frame_ports[0] if framed or one_way else 0)
 
-        def send(events: list[pb.BlockEvent]) -> Any:
+        def send(events: list[pb.BlockEvent], reply_wanted: bool = True) -> Any:
             request = pb.ReportEventsRequest(
                 node_id=self.ids[node], events=events, epoch=self.epochs[node], first_seq=self.sent[node] + 1
             )
-            if framed:
+            if one_way and not reply_wanted:
+                port.notify("ReportEvents", request, 60)
+                return None
+            if framed or one_way:
                 return port.call("ReportEvents", request, pb.ReportEventsResponse, 60)
             return stub.ReportEvents(request, timeout=60)
 
@@ -264,6 +270,11 @@ class FakeNodes:
         reply = None
         for first in range(0, len(keys), batch):
             events = [pb.BlockEvent(kind=pb.BlockEvent.STORED, key=k) for k in keys[first : first + batch]]
+            if one_way:  # (a lapsed lease shows as a gap below: the bench then fails)
+                send(events, reply_wanted=False)
+                rpcs += 1
+                self.sent[node] += len(events)
+                continue
             try:
                 reply = send(events)
             except (grpc.RpcError, PagedKVError) as err:  # its lease lapsed (a loaded host): register again
@@ -278,6 +289,11 @@ class FakeNodes:
             if reply.next_seq != self.sent[node] + len(events) + 1:
                 raise RuntimeError(f"report of {self.ids[node]} not taken whole: {reply}")
             self.sent[node] += len(events)
+        if one_way and keys:  # what a beat asks: how far they got (the first ask counts as a report)
+            reply = send([])
+            rpcs += 1
+            if reply.next_seq != self.sent[node] + 1:
+                raise RuntimeError(f"one-way reports of {self.ids[node]} not all taken: {reply}")
         while reply is not None and reply.applied_seq < self.sent[node]:  # applied in batches
             time.sleep(0.001)
             reply = send([])

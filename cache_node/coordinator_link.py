@@ -36,7 +36,11 @@ registration. `reserve` is the gate's way to ask for more of a tenant's quota.
 
 Beats and event reports take the coordinator's framed port once its replies name one
 (protos/framed_client.py: a small rpc's cost without gRPC's), gRPC when it cannot be
-reached; registration and Reserve stay on gRPC.
+reached; registration and Reserve stay on gRPC. When the coordinator says its port takes
+reports one-way (takes_one_way_reports), they go without a reply (half a framed call's
+cost to the coordinator) and each beat asks how far the events got (events_epoch): its
+reply settles the outbox, and a restarted coordinator's asks for what it lost, within a
+beat. No empty reports ask meanwhile (at 1,000 nodes: thousands of calls a second).
 """
 
 from __future__ import annotations
@@ -124,6 +128,7 @@ class CoordinatorLink:
         keys: ClusterKeys | None = None,
         tls: TlsConfig | None = None,
         gate: Gate | None = None,
+        one_way_reports: bool = True,
     ) -> None:
         self.engine = engine
         self.node_id = node_id
@@ -138,6 +143,8 @@ class CoordinatorLink:
         self._stub = pb_grpc.CoordinatorStub(self._channel)
         # Beats and event reports on the coordinator's framed port once a reply names it
         self._framed = FramedPort(coordinator_address, None, tls)
+        self.one_way_reports = one_way_reports  # send reports one-way where the coordinator takes them
+        self._takes_one_way = False  # the coordinator's last reply said its framed port does
         self._minter = None if keys is None else Minter(keys, ttl_s=600.0)
         self.gate = gate
         if gate is not None:
@@ -201,6 +208,7 @@ class CoordinatorLink:
             metadata=self._metadata(),
         )
         self._framed.learn(reply.frame_port)
+        self._takes_one_way = reply.takes_one_way_reports
         if reply.epoch != self.epoch:  # a new registration numbers its events from 1
             self.outbox.restart()
         self.epoch = reply.epoch
@@ -238,6 +246,8 @@ class CoordinatorLink:
     def _report(self) -> None:
         box = self.outbox
         box.add([pb.BlockEvent(kind=_event_kind(e.kind), key=e.key) for e in self.engine.take_events()])
+        one_way = self.one_way_reports and self._takes_one_way and self._framed.is_usable
+        box.is_acked_by_beats = one_way
         if not box.is_due():
             return
         first_seq, base_seq, events = box.to_send()  # (none: asks how far the store got)
@@ -249,6 +259,14 @@ class CoordinatorLink:
             first_seq=first_seq,
             base_seq=base_seq,
         )
+        if one_way and events:
+            try:
+                metadata = encode_metadata(self._metadata())
+                self._framed.notify("ReportEvents", request, self.rpc_timeout_s, metadata)
+                box.mark_sent()  # (the next beat's reply says how far it got)
+                return
+            except NotCarried:
+                pass  # not sent whole: as a call, over gRPC when the port cannot take it
         try:
             reply = self._call("ReportEvents", request, self.rpc_timeout_s)
         except grpc.RpcError as err:
@@ -276,6 +294,8 @@ class CoordinatorLink:
 
     def _heartbeat(self) -> None:
         request = pb.HeartbeatRequest(node_id=self.node_id, load=node_load(self.engine))
+        if self.outbox.pending and self.outbox.is_acked_by_beats:  # how far did our events get?
+            request.events_epoch = self.epoch
         self.num_beats += 1
         if self.num_beats % RECONCILE_EVERY == 0:
             held = self._held_ids()
@@ -289,10 +309,13 @@ class CoordinatorLink:
         reply = self._call("Heartbeat", request, timeout)
         if reply.frame_port != self._framed.port:
             self._framed.learn(reply.frame_port)
+        self._takes_one_way = reply.takes_one_way_reports
         if not reply.is_registered:
             self._rejoin()
             return
         self._renewed(sent_at)
+        if request.events_epoch and reply.next_seq:  # (0: an older coordinator, or not live)
+            self.outbox.settle(reply.applied_seq, reply.next_seq)
         for seq_id in reply.free_seq_ids:  # held here, unknown to the store past a grace
             try:
                 self.engine.free(seq_id)

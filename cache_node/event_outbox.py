@@ -5,8 +5,10 @@ store holds them (applied_seq). The coordinator queues what a report brings and 
 it later, in batches; its reply says how far it queued (next_seq), which is where the next
 report starts: after the last event it took, or earlier after a failed send or when a
 restarted coordinator lacks what was queued before it died. Events sent and not yet known
-applied are asked about again after `sync_after_s` (an empty report). Not thread-safe:
-the link's thread owns it.
+applied are asked about again after `sync_after_s` (an empty report), unless the
+node's beats ask (`is_acked_by_beats`: reports sent one-way, which get no reply; a beat's
+reply settles them, and one from a restarted coordinator asks for them again). Not
+thread-safe: the link's thread owns it.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ class EventOutbox:
         self.first = 1
         self.sent = 0  # the coordinator queued through here, as far as its last reply said
         self._asked_at = 0.0  # when a reply last said how far the store got
+        # Reports go one-way and the beats say how far they got: no empty reports to ask
+        self.is_acked_by_beats = False
 
     @property
     def last(self) -> int:
@@ -40,7 +44,14 @@ class EventOutbox:
         """Events to send, or sent a while ago and not yet known applied."""
         if self.sent < self.last:
             return True
+        if self.is_acked_by_beats:
+            return False
         return bool(self.pending) and time.monotonic() - self._asked_at >= self.sync_after_s
+
+    def mark_sent(self) -> None:
+        """The report to_send() made went out one-way: count it queued until a beat's
+        reply says otherwise (settle)."""
+        self.sent = self.last
 
     def to_send(self) -> tuple[int, int, list[Any]]:
         """(first_seq, base_seq, events) of the next report: from where the coordinator
@@ -60,3 +71,6 @@ class EventOutbox:
         if done > 0:
             del self.pending[:done]
             self.first += done
+        # What the store holds is never sent again (a replica that lags says an earlier next_seq;
+        # the next report's base_seq moves it on)
+        self.sent = max(self.sent, self.first - 1)

@@ -223,6 +223,11 @@ class Coordinator(DeferredCalls, Failures, Membership, NodeRooms, Extents, Missi
         """A numbered report (event_applier.py): queued, applied in batches; (applied, next_seq)."""
         return self.events.offer(node_id, epoch, first_seq, events, base_seq)
 
+    def events_acknowledged(self, node_id: str, epoch: int) -> tuple[int, int] | None:
+        """How far a node's numbered events got (event_applier.py): (applied, next_seq), None
+        when it is not live under `epoch`."""
+        return self.events.acknowledge(node_id, epoch)
+
     def _events_applied(self, node_id: str, stored: list[bytes], removed: list[bytes]) -> None:
         with self._lock:
             self._removed.discard(stored)

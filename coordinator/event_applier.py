@@ -107,11 +107,27 @@ class EventApplier:
             if entry is None or entry.epoch != epoch or entry.is_dead:
                 entry = self._load(node_id, epoch)
                 if entry.is_dead:
+                    self.num_refused += 1
                     raise NodeNotLive(node_id, "events ignored; register again")
             with self._lock:
                 if self._logs.get(node_id) is not entry or entry.is_dead:
                     continue  # replaced or refused meanwhile: look again
                 return self._queue(node_id, entry, first_seq, events, base_seq)
+
+    def acknowledge(self, node_id: str, epoch: int) -> tuple[int, int] | None:
+        """(applied, next_seq) of the node's events under `epoch`, as offer answers them,
+        without a report (a node reporting one-way asks on its beat); None when the node
+        is not live under it. Loads the node's log from the store when this process has
+        none (a restart: next_seq then asks for what the store lacks). Changes nothing else."""
+        if not 0 < epoch <= MAX_SEQ:
+            raise InvalidArgument(f"events_epoch must be in [1, 2^63), got {epoch}")
+        with self._lock:
+            entry = self._logs.get(node_id)
+            if entry is not None and entry.epoch == epoch and not entry.is_dead:
+                return entry.applied, entry.queued + 1
+        entry = self._load(node_id, epoch)
+        with self._lock:
+            return None if entry.is_dead else (entry.applied, entry.queued + 1)
 
     def _queue(
         self, node_id: str, entry: _NodeLog, first_seq: int, events: Sequence[tuple[int, bytes]], base: int

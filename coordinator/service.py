@@ -36,6 +36,8 @@ from .records import NodeNotLive, SequenceRecord
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Coordinator"].full_name
 # The rpcs the framed port serves: a worker's per-request pair and a node's periodic calls.
 FRAMED_METHODS = ("Open", "Close", "Heartbeat", "ReportEvents")
+# Those it also takes one-way (no reply): a node's event reports, acknowledged by its beats.
+ONE_WAY_METHODS = ("ReportEvents",)
 MAX_LOST_REPORTED = 1 << 16  # lost ids a registration reply names (the .proto's bound)
 T = TypeVar("T")
 _SPEC_FIELDS = ("num_layers", "num_kv_heads", "head_dim", "dtype", "block_size", "model")
@@ -180,6 +182,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 epoch=epoch,
                 lost_seq_ids=result.lost_seq_ids[:MAX_LOST_REPORTED],
                 frame_port=self.frame_port,
+                takes_one_way_reports=bool(self.frame_port),
             )
 
         return self._run("Register", context, run)
@@ -190,7 +193,17 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             load = {f.name: v for f, v in request.load.ListFields()}
             held = list(request.held_seq_ids) if request.held_complete else None
             ok, free = self.coordinator.heartbeat(request.node_id, load, held)
-            return pb.HeartbeatResponse(is_registered=ok, free_seq_ids=free, frame_port=self.frame_port)
+            reply = pb.HeartbeatResponse(
+                is_registered=ok,
+                free_seq_ids=free,
+                frame_port=self.frame_port,
+                takes_one_way_reports=bool(self.frame_port),
+            )
+            if ok and request.events_epoch:  # (after the renewal: a revived node's events are taken)
+                acked = self.coordinator.events_acknowledged(request.node_id, request.events_epoch)
+                if acked is not None:
+                    reply.applied_seq, reply.next_seq = acked
+            return reply
 
         return self._run("Heartbeat", context, run)
 
@@ -380,6 +393,10 @@ def create_server(
     if frame_port is not None:
         host = address_host(address) or "0.0.0.0"
         service = pb.DESCRIPTOR.services_by_name["Coordinator"]
-        framed.append(FramedServer(servicer, service, pb, FRAMED_METHODS, host, frame_port, tls=tls))
+        framed.append(
+            FramedServer(
+                servicer, service, pb, FRAMED_METHODS, host, frame_port, tls=tls, one_way=ONE_WAY_METHODS
+            )
+        )
         servicer.frame_port = framed[0].port
     return GrpcServer(server, health_servicer, [SERVICE_NAME], framed), port

@@ -11,6 +11,11 @@ it over gRPC (each of these calls is safe to send again: an open's request id ge
 its first answer); after a failed connect the port is left alone for RETRY_AFTER_S.
 Only a call whose deadline passed fails here (Unavailable, as gRPC's
 DEADLINE_EXCEEDED does).
+
+`notify` sends a request one-way (NOTIFY: no reply is sent, none is read), for a method
+the server said it takes so; its outcome is learned some other way (a node's events:
+from its next beat). A connection the server wrote to after one (an error reply, then
+its close) is readable when next taken, so it is dropped (is_alive) and never misread.
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ class FramedPort:
         self._ids = itertools.count(1)
         self._retry_at = 0.0
         self.num_calls = 0  # calls answered here (an error reply included)
+        self.num_notified = 0  # one-way calls sent here
         self.num_fallbacks = 0  # calls handed back to gRPC (no connection, or it broke)
 
     def learn(self, port: int) -> None:
@@ -71,12 +77,15 @@ class FramedPort:
         when the deadline passed; NotCarried when gRPC should carry it. `metadata`
         (encode_metadata's): this call's, instead of the port's own."""
         meta = self._metadata if metadata is None else metadata
-        payload = encode_unary(next(self._ids), method, meta, request.SerializeToString())
+        request_id = next(self._ids)
+        payload = encode_unary(request_id, method, meta, request.SerializeToString())
         sock = self._take(timeout_s)
         deadline = time.monotonic() + timeout_s
         try:
             sock.sendall(payload)
             reply = wire.read_reply(sock)
+            if reply.request_id != request_id:
+                raise wire.ProtocolError(f"a reply to request {reply.request_id}, not {request_id}")
             if reply.payload_len > wire.MAX_CALL_BYTES:
                 raise wire.ProtocolError(f"a {reply.payload_len}-byte reply")
             body = wire.recv_bytes(sock, reply.payload_len, "a unary reply") if reply.payload_len else b""
@@ -94,6 +103,21 @@ class FramedPort:
         if reply.status != wire.Status.OK:
             raise wire.error_of(reply.status, reply.text, reply.extra, "coordinator")
         return reply_type.FromString(body)
+
+    def notify(self, method: str, request: Any, timeout_s: float, metadata: bytes | None = None) -> None:
+        """Send `method` one-way: sent is all this knows (not that the server took it).
+        NotCarried when it could not be sent whole (the caller sends it another way)."""
+        meta = self._metadata if metadata is None else metadata
+        payload = encode_unary(next(self._ids), method, meta, request.SerializeToString(), wire.OP_NOTIFY)
+        sock = self._take(timeout_s)
+        try:
+            sock.sendall(payload)
+        except OSError as exc:  # (a timeout too: part of it may have gone, the stream is out of step)
+            sock.close()
+            self.num_fallbacks += 1
+            raise NotCarried(f"the coordinator's framed port broke a one-way call: {exc}") from exc
+        self._give(sock)
+        self.num_notified += 1
 
     def _take(self, timeout_s: float) -> socket.socket:
         with self._lock:

@@ -4,10 +4,18 @@ server's poll loop and its hand-off to a handler pool (most of a small control r
 cost in gRPC-Python). Role-neutral: it knows a service by its descriptor only.
 
 One thread accepts, one thread serves each connection (its requests one at a time,
-as the node's bulk listener); TLS when given, the bulk listener's limits (connections
-per listener and per peer, idle and per-request deadlines, a budget for receive
-buffers). A handler sees a context with the call's metadata; its abort() becomes the
-error reply (status, details, the error class its trailing metadata names).
+as the node's bulk listener, read ahead: one recv takes the requests that wait); TLS
+when given, the bulk listener's limits (connections per listener and per peer, idle and
+per-request deadlines, a budget for receive buffers). A handler sees a context with the
+call's metadata; its abort() becomes the error reply (status, details, the error class
+its trailing metadata names).
+
+One-way calls (NOTIFY) of the methods listed as such: the handler runs and nothing is
+sent back (a node's event reports, acknowledged by its next beat: a reply would cost the
+server a send and the client a wait per report). Its error is counted and logged, at
+most once per LOG_EVERY_S. A NOTIFY the server cannot take (another method, a request
+that does not parse, one over the cap) gets its error reply and the connection closed:
+the client, which reads no reply, would otherwise take that error for its next call's.
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ import contextlib
 import logging
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterable
 from types import ModuleType
 from typing import Any
@@ -31,11 +40,13 @@ from .tls import TlsConfig
 from .wire import Frame, ProtocolError, Status, error_frame, read_frame, recv_exact
 from .wire import frame as wire_frame
 from .wire.limits import BulkLimits, ByteBudget, PeerCounter, Refused, TimedConn
+from .wire.read_ahead import ReadAhead
 from .wire.unary import decode_metadata
 
 logger = logging.getLogger("pagedkv.framed")
 MAX_MESSAGE_BYTES = 4 << 20  # gRPC-Python's default receive limit: the same requests fit
 DEFAULT_LIMITS = BulkLimits(max_connections=512, max_per_peer=128, max_inflight_bytes=256 << 20)
+LOG_EVERY_S = 10.0  # a one-way call's failure is logged at most this often (all are counted)
 
 
 class _Aborted(Exception):
@@ -71,13 +82,14 @@ class _Conn:
         self.thread: threading.Thread | None = None
 
 
-Handler = tuple[Callable[[Any, FrameContext], Any], Callable[[bytes], Any]]
+Handler = tuple[Callable[[Any, FrameContext], Any], Callable[[bytes | memoryview], Any]]
 
 
 class FramedServer:
     """`methods` of `servicer` (a gRPC servicer of `service`, whose messages are in
     `messages`) on a TCP port of `host`, bound by the constructor (`port` is known
-    before start; 0: any free port)."""
+    before start; 0: any free port); those of them in `one_way` are also taken as
+    NOTIFY frames."""
 
     def __init__(
         self,
@@ -91,6 +103,7 @@ class FramedServer:
         tls: TlsConfig | None = None,
         limits: BulkLimits | None = None,
         max_message_bytes: int = MAX_MESSAGE_BYTES,
+        one_way: Iterable[str] = (),
     ) -> None:
         self.handlers: dict[str, Handler] = {}
         for name in methods:
@@ -101,6 +114,9 @@ class FramedServer:
                 getattr(servicer, name),
                 getattr(messages, method.input_type.name).FromString,
             )
+        self.one_way = frozenset(one_way)
+        if not self.one_way <= self.handlers.keys():
+            raise ValueError(f"one-way methods {sorted(self.one_way - self.handlers.keys())} are not served")
         self.limits = limits or DEFAULT_LIMITS
         self.max_message_bytes = max_message_bytes
         self._budget = ByteBudget(self.limits.max_inflight_bytes)
@@ -114,6 +130,9 @@ class FramedServer:
         self._accepter: threading.Thread | None = None
         self._is_stopping = False
         self.num_calls = 0  # calls answered (an error reply included)
+        self.num_one_way = 0  # one-way calls whose handler ran
+        self.num_one_way_failed = 0  # of those, the ones whose handler failed (nothing sent back)
+        self._logged_at = -LOG_EVERY_S
 
     def start(self) -> FramedServer:
         self._accepter = threading.Thread(target=self._accept_loop, name="frame-accept", daemon=True)
@@ -171,18 +190,23 @@ class FramedServer:
                 with self._lock:
                     served.sock = sock
             conn = TimedConn(sock, self.limits, kernel_timeout=True)
+            reader = ReadAhead(conn)
             head = bytearray(wire_frame.FRAME.size)
-            while (frame := read_frame(conn, eof_ok=True, buf=head)) is not None:  # type: ignore[arg-type]
+            while (frame := read_frame(reader, eof_ok=True, buf=head)) is not None:  # type: ignore[arg-type]
                 conn.arm(frame.payload_len)
-                if frame.op == wire_frame.OP_PING and not frame.payload_len:
+                if frame.op == wire_frame.OP_NOTIFY:
+                    self._notify(reader, frame)
+                elif frame.op == wire_frame.OP_UNARY:
+                    conn.sendall(self._call(reader, frame))
+                elif frame.op == wire_frame.OP_PING and not frame.payload_len:
                     conn.sendall(Frame(frame.op, frame.request_id).pack())
-                elif frame.op != wire_frame.OP_UNARY:
-                    msg = f"framed port: op {frame.op} is not served here (UNARY and PING are)"
+                else:
+                    msg = f"framed port: op {frame.op} is not served here (UNARY, NOTIFY and PING are)"
                     conn.sendall(error_frame(frame.op, frame.request_id, InvalidArgument(msg))[0].pack())
                     return  # its payload's framing is unknown: close
-                else:
-                    conn.sendall(self._call(conn, frame))
                 conn.disarm()
+                if reader.num_buffered:  # the next request's first bytes are here: its deadline runs
+                    conn.arm()
         except Refused as exc:
             assert exc.error is not None  # (this server always says why)
             with contextlib.suppress(OSError):
@@ -197,8 +221,9 @@ class FramedServer:
                 self._conns.pop(id(served), None)
                 self._peers.release(served.peer)
 
-    def _call(self, conn: TimedConn, f: Frame) -> bytes:
-        """Read one UNARY request's payload, run its handler; the reply's bytes."""
+    def _read_payload(self, reader: ReadAhead, f: Frame) -> memoryview:
+        """A request's payload, checked from its header first (Refused: not read); valid
+        until the next read (it may be the read-ahead buffer's own bytes)."""
         if f.payload_len > self.max_message_bytes:
             error = InvalidArgument(
                 f"framed {f.text[:64]}: a {f.payload_len}-byte request (at most {self.max_message_bytes})"
@@ -209,15 +234,60 @@ class FramedServer:
                 f"framed {f.text[:64]}: {f.start} bytes of metadata in a {f.payload_len}-byte request"
             )
             raise Refused(f, f.text, error)
+        buffered = reader.take(f.payload_len)
+        if buffered is not None:  # (already in the connection's buffer: nothing to allocate)
+            return buffered
         try:
             self._budget.take(f.payload_len, "call")
         except Exception as exc:
             raise Refused(f, f.text, exc) from None
         try:
             payload = bytearray(f.payload_len)
-            recv_exact(conn, memoryview(payload), "a unary request")  # type: ignore[arg-type]
+            recv_exact(reader, memoryview(payload), "a unary request")  # type: ignore[arg-type]
         finally:
             self._budget.give(f.payload_len)
+        return memoryview(payload)
+
+    def _parse(self, f: Frame, payload: memoryview) -> tuple[Any, FrameContext]:
+        """The request message of `payload` and its call's context; InvalidArgument when
+        either does not parse."""
+        try:
+            request = self.handlers[f.text][1](payload[f.start :])
+            return request, FrameContext(decode_metadata(payload[: f.start]))
+        except (DecodeError, InvalidArgument) as exc:
+            raise InvalidArgument(f"framed {f.text}: the request does not parse: {exc}") from None
+
+    def _notify(self, reader: ReadAhead, f: Frame) -> None:
+        """Read one NOTIFY request, run its handler, send nothing (Refused: the client's
+        mistake, answered and the connection closed)."""
+        if f.text not in self.one_way:
+            taken = ", ".join(sorted(self.one_way)) or "none"
+            error = InvalidArgument(f"framed port: {f.text[:64]!r} is not taken one-way (these are: {taken})")
+            raise Refused(f, f.text, error)
+        payload = self._read_payload(reader, f)
+        try:
+            request, context = self._parse(f, payload)
+        except InvalidArgument as exc:
+            raise Refused(f, f.text, exc) from None
+        self.num_one_way += 1
+        try:
+            self.handlers[f.text][0](request, context)
+        except _Aborted as exc:
+            self.num_one_way_failed += 1
+            now = time.monotonic()
+            if now - self._logged_at >= LOG_EVERY_S:
+                self._logged_at = now
+                logger.warning(
+                    "one-way %s failed (%d so far): %s: %s",
+                    f.text,
+                    self.num_one_way_failed,
+                    exc.code.name,
+                    exc,
+                )
+
+    def _call(self, reader: ReadAhead, f: Frame) -> bytes:
+        """Read one UNARY request's payload, run its handler; the reply's bytes."""
+        payload = self._read_payload(reader, f)
         self.num_calls += 1
         handler = self.handlers.get(f.text)
         if handler is None:
@@ -226,15 +296,12 @@ class FramedServer:
                 f"framed port: no method {f.text[:64]!r} (it serves {known}; gRPC serves all)"
             )
             return error_frame(f.op, f.request_id, error)[0].pack()
-        fn, parse = handler
         try:
-            request = parse(bytes(payload[f.start :]))
-            context = FrameContext(decode_metadata(memoryview(payload)[: f.start]))
-        except (DecodeError, InvalidArgument) as exc:
-            error = InvalidArgument(f"framed {f.text}: the request does not parse: {exc}")
-            return error_frame(f.op, f.request_id, error)[0].pack()
+            request, context = self._parse(f, payload)
+        except InvalidArgument as exc:
+            return error_frame(f.op, f.request_id, exc)[0].pack()
         try:
-            reply = fn(request, context).SerializeToString()
+            reply = handler[0](request, context).SerializeToString()
         except _Aborted as exc:
             extra = dict(context.trailing)
             cls, ids = extra.get(ERROR_CLASS_KEY, ""), extra.get(ERROR_IDS_KEY, "")

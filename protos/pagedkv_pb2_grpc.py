@@ -1153,7 +1153,8 @@ class CoordinatorServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Heartbeat(self, request, context):
-        """Renew a node's lease and record its load. Changes: lease, load. Codes: OK
+        """Renew a node's lease and record its load; with events_epoch, say how far the node's
+        events got (a node reporting one-way learns it here). Changes: lease, load. Codes: OK
         (is_registered=false when the lease had expired), UNAVAILABLE.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -1163,7 +1164,9 @@ class CoordinatorServicer:
     def ReportEvents(self, request, context):
         """Apply a batch of a node's stored/removed block events (drained in order) to
         the global prefix index, with its load. Changes: the index. Codes: OK,
-        NOT_FOUND (unregistered node), UNAVAILABLE.
+        NOT_FOUND (unregistered node), UNAVAILABLE. Also taken one-way on the framed port
+        (takes_one_way_reports): no reply; an error is only counted (the rpc's metrics by
+        status; event_reports_refused: a gap, a full queue, a lapsed lease).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -102,7 +102,7 @@ class BulkServer:
         self._local_sock: socket.socket | None = None if listener is None else listener[0]
         self.local_name = "" if listener is None else listener[1]
         # What HELLO advertises and the loop serves (a test may narrow it to play a smaller node).
-        node_ops = frozenset(wire.OP_NAMES) - {wire.OP_UNARY}  # (UNARY: the coordinator's port)
+        node_ops = frozenset(wire.OP_NAMES) - {wire.OP_UNARY, wire.OP_NOTIFY}  # (the coordinator's port)
         self.ops = node_ops - (frozenset() if listener else LOCAL_OPS)
         self._max_connections = max_connections
         self.attend_ops = AttendOps(self)

@@ -33,6 +33,7 @@ OP_READ_SHM = 10
 OP_OPEN = 11
 OP_AUTH = 12
 OP_UNARY = 13  # a unary rpc of a gRPC service, carried by a framed control port (unary.py)
+OP_NOTIFY = 14  # a UNARY request whose reply is not sent (a one-way rpc: unary.py)
 OP_NAMES = {op: name[3:] for name, op in list(globals().items()) if name.startswith("OP_")}
 SHM_OPS = {OP_ATTEND_SHM: OP_ATTEND, OP_ATTEND_PREFILL_BATCH_SHM: OP_ATTEND_PREFILL_BATCH}
 PLACED_INLINE, PLACED_REGION = 0, 1

@@ -9,6 +9,9 @@ back, each `key_len u16 | value_len u16 | key | value` (what gRPC's call metadat
 holds: the bearer token, a node's cluster ticket).
 Reply: FRAME(op UNARY, payload_len) | the response message; an error: the status,
 text and error class of an error reply, no payload.
+NOTIFY: the same request under op NOTIFY, for a method the server takes one-way: it runs
+the handler and sends nothing back (a request it cannot take gets an error reply, then
+the connection is closed).
 """
 
 from __future__ import annotations
@@ -58,9 +61,8 @@ def decode_metadata(raw: bytes | memoryview) -> list[tuple[str, str | bytes]]:
     return pairs
 
 
-def encode_unary(request_id: int, method: str, metadata: bytes, message: bytes) -> bytes:
-    """The request: FRAME, packed metadata (encode_metadata), the serialized message."""
-    head = Frame(
-        OP_UNARY, request_id, text=method, start=len(metadata), payload_len=len(metadata) + len(message)
-    )
+def encode_unary(request_id: int, method: str, metadata: bytes, message: bytes, op: int = OP_UNARY) -> bytes:
+    """The request: FRAME, packed metadata (encode_metadata), the serialized message
+    (`op` OP_NOTIFY: the one-way form)."""
+    head = Frame(op, request_id, text=method, start=len(metadata), payload_len=len(metadata) + len(message))
     return head.pack() + metadata + message

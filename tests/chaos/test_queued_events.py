@@ -1,8 +1,10 @@
 """A coordinator SIGKILLed with a node's block events queued and not yet applied (it
 gathers a stream of reports for a minute before applying them): its successor on the same
 port asks the node for them again, and the prefix index ends equal to what the node's pool
-holds. Real parts: redis-server, `pagedkv coordinator` processes, an in-process cache node
-with its CoordinatorLink over gRPC and the framed port."""
+holds. Reported one-way (as a node does where the coordinator takes them so: the node
+learns what was lost from its next beat) or as calls. Real parts: redis-server, `pagedkv
+coordinator` processes, an in-process cache node with its CoordinatorLink over gRPC and
+the framed port."""
 
 from __future__ import annotations
 
@@ -54,8 +56,9 @@ def until(predicate, timeout_s: float, what: str) -> None:
         time.sleep(0.02)
 
 
+@pytest.mark.parametrize("one_way", [True, False], ids=["one-way", "two-way"])
 def test_events_queued_by_a_killed_coordinator_reach_the_index_through_its_successor(
-    tmp_path, redis_url
+    tmp_path, redis_url, one_way: bool
 ) -> None:
     port = free_port()
     log = open(tmp_path / "coordinator.log", "ab")  # noqa: SIM115 - closed at the end
@@ -63,7 +66,9 @@ def test_events_queued_by_a_killed_coordinator_reach_the_index_through_its_succe
     engine = CacheEngine(EngineConfig(SPEC, 32, device="cpu"))
     node_server, node_port = create_node_server(engine, "127.0.0.1:0")
     node_server.start()
-    link = CoordinatorLink(engine, f"127.0.0.1:{port}", "n1", f"127.0.0.1:{node_port}").start()
+    link = CoordinatorLink(
+        engine, f"127.0.0.1:{port}", "n1", f"127.0.0.1:{node_port}", one_way_reports=one_way
+    ).start()
     store = RedisStore(redis_url)
     box = link.outbox
     second = None
@@ -75,7 +80,9 @@ def test_events_queued_by_a_killed_coordinator_reach_the_index_through_its_succe
         until(lambda: box.sent == box.last > 0, 20, "every event queued")
         applied = store.applied_seq("n1", link.epoch)
         assert 0 < applied < box.last  # the first report was applied at once, the rest wait
-        assert box.first == applied + 1  # the node keeps what is not applied
+        until(lambda: box.first == applied + 1, 15, "a reply (one-way: a beat's) said what was applied")
+        assert box.first == applied + 1 and box.pending  # the node keeps what is not applied
+        assert (link._framed.num_notified >= 10) == one_way
         assert store.keys_of("n1") != set(engine.manager.device.block_of_key)
         first.send_signal(signal.SIGKILL)
         first.wait(10)

@@ -10,6 +10,7 @@ import contextlib
 import random
 import socket
 import ssl
+import time
 from collections import Counter
 
 import pytest
@@ -137,8 +138,18 @@ def test_a_nodes_calls_need_the_nodes_credential(cluster: Secured, method: str) 
         (wire.Frame(wire.OP_UNARY, 1, text="Open", start=64, payload_len=8), b"x" * 8),
         (wire.Frame(wire.OP_UNARY, 1, text="Open", payload_len=1 << 30), b""),
         (wire.Frame(wire.OP_ATTEND, 1, payload_len=16), b"y" * 16),
+        (wire.Frame(wire.OP_NOTIFY, 1, text="Open", payload_len=8), b"x" * 8),
+        (wire.Frame(wire.OP_NOTIFY, 1, text="ReportEvents", payload_len=1 << 30), b""),
+        (wire.Frame(wire.OP_NOTIFY, 1, text="ReportEvents", payload_len=3), b"\xff\xff\xff"),
     ],
-    ids=["metadata past the payload", "a 1 GiB request", "a node's op"],
+    ids=[
+        "metadata past the payload",
+        "a 1 GiB request",
+        "a node's op",
+        "a one-way Open",
+        "a 1 GiB one-way report",
+        "a one-way report that does not parse",
+    ],
 )
 def test_a_request_that_cannot_be_read_is_answered_then_closed(
     cluster: Secured, frame: wire.Frame, payload: bytes
@@ -275,3 +286,48 @@ def test_a_nodes_malformed_numbered_reports_are_refused_and_change_nothing(
     assert head.status == status and says in head.text, head.text
     assert cluster.clients["alpha"].lookup(list(range(50_000, 50_100))) == 96
     assert "node-0" in {n.node_id for n in cluster.cluster.stats().nodes}
+
+
+@pytest.mark.parametrize("credential", ["forged", "another node's", "none"])
+def test_one_way_reports_without_the_nodes_credential_change_nothing(
+    cluster: Secured, credential: str
+) -> None:
+    """A stream of one-way reports for the node holding blocks, under its live epoch,
+    removing them: no reply comes (the connection stays in step: the ping after them
+    answers first), none is applied: the credential is checked as on a call."""
+    from pagedkv.coordinator.redis_store import RedisStore
+
+    store = RedisStore(cluster.cluster.redis_url)
+    try:
+        held = {n.node_id: store.keys_of(n.node_id) for n in store.live_nodes()}
+        target, other = sorted(held, key=lambda n: -len(held[n]))[:2]
+        node = store.live_node(target)
+        assert node is not None and held[target]
+        epoch, applied, keys = node.epoch, store.applied_seq(target, node.epoch), held[target]
+        forger = ClusterKeys([b"a secret the attacker made up ...................."])
+        metadata = {
+            "forged": encode_metadata([(TICKET_KEY, Minter(forger, ttl_s=60).get(RIGHT_NODE, target))]),
+            "another node's": encode_metadata(
+                [(TICKET_KEY, Minter(cluster.keys, ttl_s=60).get(RIGHT_NODE, other))]
+            ),
+            "none": b"",
+        }[credential]
+        with connect(cluster) as sock:
+            for i, key in enumerate(sorted(keys)[:50]):
+                message = pb.ReportEventsRequest(
+                    node_id=target,
+                    events=[pb.BlockEvent(kind=pb.BlockEvent.REMOVED, key=key)],
+                    epoch=epoch,
+                    first_seq=applied + i + 1,
+                )
+                body = message.SerializeToString()
+                sock.sendall(encode_unary(i, "ReportEvents", metadata, body, wire.OP_NOTIFY))
+            sock.sendall(wire.Frame(wire.OP_PING, 999).pack())
+            head = wire.read_reply(sock)
+            assert (head.op, head.request_id, head.status) == (wire.OP_PING, 999, wire.Status.OK)
+        time.sleep(0.1)  # (a report taken would be applied within milliseconds)
+        assert store.applied_seq(target, epoch) == applied and store.keys_of(target) == keys
+    finally:
+        store.close()
+    assert cluster.clients["alpha"].lookup(list(range(50_000, 50_100))) == 96
+    assert {"node-0", "node-1"} <= {n.node_id for n in cluster.cluster.stats().nodes}

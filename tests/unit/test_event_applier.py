@@ -47,18 +47,41 @@ def report(box: EventOutbox, replica: EventApplier, deliver_reply: bool = True) 
         box.settle(applied, next_seq)
 
 
+def notify(box: EventOutbox, replica: EventApplier, arrives: bool = True) -> None:
+    """A one-way report (no reply): the node counts it sent; it may never arrive."""
+    first, base, events = box.to_send()
+    if not events:
+        return
+    if arrives:
+        replica.offer("n", EPOCH, first, events, base)
+    box.mark_sent()
+
+
+def beat(box: EventOutbox, replica: EventApplier) -> None:
+    """A beat asking how far the events got; its reply settles the outbox."""
+    acked = replica.acknowledge("n", EPOCH)
+    assert acked is not None  # (the node is live throughout)
+    box.settle(*acked)
+
+
 EVENT = st.tuples(st.sampled_from([STORED_KIND, REMOVED_KIND, OFFLOADED_KIND]), st.integers(0, 11))
 ACTION = st.one_of(
     st.tuples(st.just("events"), st.lists(EVENT, max_size=6)),
     st.tuples(st.just("report"), st.integers(0, 1), st.booleans()),
+    st.tuples(st.just("notify"), st.integers(0, 1), st.booleans()),
+    st.tuples(st.just("beat"), st.integers(0, 1), st.just(0)),
     st.tuples(st.just("flush"), st.integers(0, 1), st.just(0)),
     st.tuples(st.just("crash"), st.integers(0, 1), st.just(0)),
 )
 
 
+@pytest.mark.parametrize("by_beats", [False, True], ids=["settled by replies", "settled by beats"])
 @settings(max_examples=300, deadline=None)
 @given(st.lists(ACTION, max_size=40))
-def test_any_interleaving_ends_with_the_logs_replay(actions) -> None:
+def test_any_interleaving_ends_with_the_logs_replay(by_beats: bool, actions) -> None:
+    """Reports as calls (their replies delivered or lost), one-way (arriving or lost) and
+    beats asking how far they got, to either replica, with flushes and crashes: then
+    the node's own loop, two-way or one-way (its beats alone), reaches the replay."""
     store = registered()
     replicas = [EventApplier(store, background=False) for _ in range(2)]
     box = EventOutbox(sync_after_s=0.0)
@@ -71,6 +94,10 @@ def test_any_interleaving_ends_with_the_logs_replay(actions) -> None:
             box.add(events)
         elif action[0] == "report":
             report(box, replicas[action[1]], deliver_reply=action[2])
+        elif action[0] == "notify":
+            notify(box, replicas[action[1]], arrives=action[2])
+        elif action[0] == "beat":
+            beat(box, replicas[action[1]])
         elif action[0] == "flush":
             replicas[action[1]].flush()
         else:  # the replica dies with its queue; a fresh process takes its place
@@ -78,18 +105,53 @@ def test_any_interleaving_ends_with_the_logs_replay(actions) -> None:
         applied = store.applied_seq("n", EPOCH)
         assert last_applied <= applied <= len(log)  # only forward, never past what happened
         last_applied = applied
+    box.is_acked_by_beats = by_beats
     for _ in range(6):  # settle: the node reports until the store holds everything
         if not box.pending and box.sent == box.last:
             break
-        report(box, replicas[0])
-        replicas[0].flush()
-        report(box, replicas[0])
-    assert not box.pending, (box.first, box.sent, len(log))
+        if by_beats:  # a beat, the resend it asks for, applied
+            beat(box, replicas[0])
+            notify(box, replicas[0])
+            replicas[0].flush()
+            beat(box, replicas[0])
+        else:
+            report(box, replicas[0])
+            replicas[0].flush()
+            report(box, replicas[0])
+    assert not box.pending and box.sent == box.last, (box.first, box.sent, len(log))
     assert store.applied_seq("n", EPOCH) == len(log)
     assert store.keys_of("n") == held(log)
     for replica in replicas:  # what waits is counted as a flush takes it: nothing is left
         replica.flush()
         assert replica.num_queued == 0
+
+
+def test_the_outbox_sends_one_way_and_a_beat_settles_or_rewinds_it() -> None:
+    store = registered()
+    applier = EventApplier(store, background=False)
+    box = EventOutbox(sync_after_s=0.0)
+    box.is_acked_by_beats = True
+    box.add([(STORED_KIND, k) for k in KEYS[:3]])
+    notify(box, applier)
+    assert (box.sent, box.first) == (3, 1) and not box.is_due()  # sent; no empty report asks
+    beat(box, applier)  # queued, not applied: kept
+    assert (box.sent, box.first, len(box.pending)) == (3, 1, 3)
+    applier.flush()
+    beat(box, applier)
+    assert (box.sent, box.first, box.pending) == (3, 4, [])
+    box.add([(STORED_KIND, KEYS[3]), (REMOVED_KIND, KEYS[0])])
+    notify(box, applier)
+    restarted = EventApplier(store, background=False)  # 4-5 died with the queue
+    assert restarted.acknowledge("n", EPOCH) == (3, 4)  # loaded from the store
+    beat(box, restarted)
+    assert box.is_due() and box.to_send() == (4, 3, [(STORED_KIND, KEYS[3]), (REMOVED_KIND, KEYS[0])])
+    notify(box, restarted)
+    restarted.flush()
+    beat(box, restarted)
+    assert not box.pending and store.keys_of("n") == {KEYS[1], KEYS[2], KEYS[3]}
+    assert restarted.acknowledge("n", EPOCH + 2) is None  # not live under another epoch
+    with pytest.raises(InvalidArgument, match="events_epoch"):
+        restarted.acknowledge("n", 0)
 
 
 def test_a_gap_is_answered_with_where_to_resend_from() -> None:

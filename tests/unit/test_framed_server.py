@@ -1,6 +1,7 @@
 """The coordinator's framed port with real sockets: the same answers and errors as its
-gRPC port, the client's fallback to gRPC when the port is off or gone, and the limits
-that keep a connection from holding it (idle, trickle, per peer). Real parts: the
+gRPC port, the client's fallback to gRPC when the port is off or gone, the limits
+that keep a connection from holding it (idle, trickle, per peer), and a node's events
+reported one-way and settled by its beats. Real parts: the
 coordinator's gRPC server and framed port on free ports, the embedded store, one
 in-process cache node."""
 
@@ -185,7 +186,10 @@ def test_a_closed_id_reopens_at_once_with_the_same_prompt(stack) -> None:
     assert not engine.manager.seqs
 
 
-def test_a_nodes_beats_and_events_take_the_framed_port_and_fall_back() -> None:
+@pytest.fixture
+def linked():
+    """A coordinator (1 s lease) serving gRPC and its framed port, and a node's engine and
+    server; `link(one_way_reports)` starts the node's CoordinatorLink to it."""
     coordinator = Coordinator(MemoryStore(), CoordinatorConfig(lease_ttl_s=1.0))
     server, port = create_coordinator_server(coordinator, "127.0.0.1:0")
     server.start()
@@ -193,29 +197,62 @@ def test_a_nodes_beats_and_events_take_the_framed_port_and_fall_back() -> None:
     engine = CacheEngine(EngineConfig(SPEC, 16, device="cpu"))
     node_server, node_port = create_node_server(engine, "127.0.0.1:0")
     node_server.start()
-    link = CoordinatorLink(engine, f"127.0.0.1:{port}", "n2", f"127.0.0.1:{node_port}")
-    try:
-        link.start()
-        assert link.is_registered.wait(10)
-        framed = link._framed
-        assert framed.port == server.companions[0].port
-        engine.open("s", list(range(8)))
-        engine.append("s", list(range(8)), *kv(8))
-        deadline = time.monotonic() + 10
-        while framed.num_calls < 2 and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert framed.num_calls >= 2  # a beat and the stored blocks' events
-        server.companions[0].stop()
-        beats = link.num_beats
-        while link.num_beats < beats + 3 and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert link.num_beats >= beats + 3 and framed.num_fallbacks == 1  # gRPC carries them
-        assert coordinator.live_node("n2") is not None and link.num_registrations == 1
-    finally:
-        link.stop()
-        node_server.stop(0)
-        server.stop(0)
-        coordinator.stop()
+    links: list[CoordinatorLink] = []
+
+    def link(one_way_reports: bool = True) -> CoordinatorLink:
+        addresses = f"127.0.0.1:{port}", "n2", f"127.0.0.1:{node_port}"
+        links.append(CoordinatorLink(engine, *addresses, one_way_reports=one_way_reports).start())
+        assert links[-1].is_registered.wait(10)
+        return links[-1]
+
+    yield coordinator, server, engine, link
+    for started in links:
+        started.stop()
+    node_server.stop(0)
+    server.stop(0)
+    coordinator.stop()
+
+
+def test_a_nodes_beats_and_events_take_the_framed_port_and_fall_back(linked) -> None:
+    coordinator, server, engine, start_link = linked
+    link = start_link()
+    framed = link._framed
+    assert framed.port == server.companions[0].port
+    engine.open("s", list(range(8)))
+    engine.append("s", list(range(8)), *kv(8))
+    deadline = time.monotonic() + 10
+    while framed.num_calls + framed.num_notified < 2 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert framed.num_calls >= 1 and framed.num_notified >= 1  # a beat and the stored blocks' events
+    server.companions[0].stop()
+    beats = link.num_beats
+    while link.num_beats < beats + 3 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert link.num_beats >= beats + 3 and framed.num_fallbacks == 1  # gRPC carries them
+    assert coordinator.live_node("n2") is not None and link.num_registrations == 1
+
+
+@pytest.mark.parametrize("one_way", [True, False], ids=["one-way", "two-way"])
+def test_a_nodes_events_go_one_way_and_its_beats_settle_them(linked, one_way: bool) -> None:
+    coordinator, server, engine, start_link = linked
+    link = start_link(one_way)
+    for i in range(3):
+        tokens = list(range(i * 100, i * 100 + 8))
+        engine.open(f"s{i}", tokens)
+        engine.append(f"s{i}", tokens, *kv(8))
+        time.sleep(0.03)  # a report each
+    box = link.outbox
+    deadline = time.monotonic() + 5
+    while (box.last < 6 or box.pending) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert box.last >= 6 and not box.pending  # every event applied and settled
+    assert coordinator.store.keys_of("n2") == set(engine.manager.device.block_of_key)
+    framed, port_server = link._framed, server.companions[0]
+    if one_way:
+        assert framed.num_notified >= 3 and port_server.num_one_way == framed.num_notified
+        assert framed.num_calls <= link.num_beats  # every call a beat: no report asked how far
+    else:
+        assert framed.num_notified == 0 and port_server.num_one_way == 0
 
 
 def kv(n: int):
