@@ -1,0 +1,126 @@
+# ruff: noqa: E501  (report strings and table rows)
+"""Batch-1 events at a paced rate from many nodes (issue 24): what each one-event report costs
+the coordinator when reports do not stream back to back.
+
+    python -m bench.scale_events_paced                      # 100 nodes, 1,200 reports/s in all
+    python -m bench.scale_events_paced --nodes 1 --rate 1000
+
+bench.scale sends one node's reports back to back, so one-way reports reach the coordinator
+several to a read and one store flush covers many. Here N registered fake nodes (each its own
+framed connection, as nodes have) send one-event reports in turn at `--rate` reports a second
+in all, so each report arrives alone: one wake-up of its connection's thread, and one script
+per node in each flush (2 ms). Each round sends `--seconds` of reports one-way (NOTIFY), then
+the same as framed calls (each waiting for its reply), then asks every node's position once;
+reported: coordinator CPU per report (/proc, the flushes included), medians over the rounds.
+
+Writes bench/results/scale_events_paced.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.scale_cluster import FakeNodes, ScaleCluster, cpu_s
+from pagedkv.protos import pagedkv_pb2 as pb
+from pagedkv.protos.framed_client import FramedPort
+
+RESULTS = Path(__file__).parent / "results"
+MODES = ("one-way", "framed call")
+
+
+def log(msg: str) -> None:
+    print(f"[events-paced {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def run(num_nodes: int, rate: float, seconds: float, rounds: int) -> dict[str, Any]:
+    cluster = ScaleCluster(Path(tempfile.mkdtemp(prefix="pagedkv-paced-")), 1, 30.0)  # no beats due
+    ports: list[FramedPort] = []
+    try:
+        nodes = FakeNodes(cluster, num_nodes)
+        nodes.register()
+        for _ in range(num_nodes):
+            port = FramedPort("127.0.0.1", None, None)
+            port.learn(nodes.frame_ports[0])
+            ports.append(port)
+        pid = cluster.coordinator_pids()[0]
+        sent = [0] * num_nodes
+
+        def report(i: int, events: int) -> pb.ReportEventsRequest:
+            blocks = [pb.BlockEvent(kind=pb.BlockEvent.STORED, key=os.urandom(16)) for _ in range(events)]
+            request = pb.ReportEventsRequest(
+                node_id=nodes.ids[i], epoch=nodes.epochs[i], first_seq=sent[i] + 1, events=blocks
+            )
+            sent[i] += events
+            return request
+
+        count = int(rate * seconds)
+        cpu: dict[str, list[float]] = {m: [] for m in MODES}
+        for r in range(rounds):
+            for mode in MODES if r % 2 == 0 else reversed(MODES):
+                c0, t0 = cpu_s(pid), time.perf_counter()
+                for k in range(count):
+                    i = k % num_nodes
+                    if mode == "one-way":
+                        ports[i].notify("ReportEvents", report(i, 1), 30)
+                    else:
+                        ports[i].call("ReportEvents", report(i, 1), pb.ReportEventsResponse, 30)
+                    due = t0 + (k + 1) / rate
+                    while (left := due - time.perf_counter()) > 0:
+                        time.sleep(left)
+                for i in range(num_nodes):  # every report taken (what a beat would ask)
+                    reply = ports[i].call("ReportEvents", report(i, 0), pb.ReportEventsResponse, 30)
+                    if reply.next_seq != sent[i] + 1:
+                        raise RuntimeError(f"{nodes.ids[i]}: reports not all taken: {reply}")
+                time.sleep(0.2)  # the last flush lands in this mode's window
+                cpu[mode].append((cpu_s(pid) - c0) / count * 1e6)
+                log(f"round {r + 1}: {mode}: {cpu[mode][-1]:.0f} us of coordinator CPU a report")
+        return {m: {"per_report_us": statistics.median(v), "rounds_us": v} for m, v in cpu.items()}
+    finally:
+        for port in ports:
+            port.close()
+        cluster.stop()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--nodes", type=int, default=100)
+    p.add_argument(
+        "--rate", type=float, default=1200.0, help="one-event reports a second, all nodes together"
+    )
+    p.add_argument("--seconds", type=float, default=2.0, help="of reports per mode and round")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--out", default=str(RESULTS / "scale_events_paced"), help="output path without extension")
+    args = p.parse_args()
+    load0 = os.getloadavg()[0]
+    result = run(args.nodes, args.rate, args.seconds, args.rounds)
+    load1 = os.getloadavg()[0]
+    meta = {"host": platform.node(), "cpus": os.cpu_count(), "load": [load0, load1]} | vars(args)
+    out = Path(args.out)
+    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "modes": result}, indent=2))
+    lines = [
+        f"# bench.scale_events_paced, {os.cpu_count()} CPUs, load {load0:.1f}-{load1:.1f}",
+        "",
+        f"{args.nodes} nodes, one-event reports in turn at {args.rate:.0f} a second in all, {args.rounds} rounds of {args.seconds:.0f} s a mode.",
+        "",
+        "| sent as | coordinator CPU per report, median us | rounds |",
+        "|---|---|---|",
+        *(
+            f"| {m} | {r['per_report_us']:.0f} | {' / '.join(f'{x:.0f}' for x in r['rounds_us'])} |"
+            for m, r in result.items()
+        ),
+    ]
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    log(f"wrote {out}.json, .md")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,23 @@
+"""`python -m bench.scale_events_paced` at its smallest (its own redis-server and coordinator):
+both ways of sending are measured, every report is taken, and the table is written."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_a_small_paced_events_run_measures_both_ways(tmp_path: Path) -> None:
+    out = tmp_path / "paced"
+    args = ["--nodes", "3", "--rate", "300", "--seconds", "0.2", "--rounds", "1", "--out", str(out)]
+    cmd = [sys.executable, "-m", "bench.scale_events_paced", *args]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=200)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    modes = json.loads(out.with_suffix(".json").read_text())["modes"]
+    assert set(modes) == {"one-way", "framed call"}
+    assert all(len(m["rounds_us"]) == 1 and m["per_report_us"] >= 0 for m in modes.values())
+    assert "| one-way |" in out.with_suffix(".md").read_text()
