@@ -34,9 +34,16 @@ MAX_IDLE = 16  # kept connections beyond this go back to the pool
 def _pack(script: Script, args: list[Any]) -> bytes:
     """EVALSHA of `script` with no keys, in RESP: hiredis's packer in C, ~3 us for an open's
     arguments where redis-py's (an encoder call per argument, then the same packer) took ~11.
-    The stores pass str, bytes, int and float only, which both encode alike (str as UTF-8)."""
+    str, bytes, int and float encode as redis-py's would (str as UTF-8); a bytearray as its bytes."""
     try:
         return hiredis.pack_command(("EVALSHA", script.sha, 0, *args))  # type: ignore[no-any-return]
+    except TypeError:
+        pass  # a bytearray (redis-py sends its bytes), or what redis takes nowhere
+    if any(isinstance(a, bool) for a in args):
+        raise redis.DataError("a script argument redis cannot take: a bool")
+    flat: list[Any] = [bytes(a) if isinstance(a, bytearray) else a for a in args]
+    try:
+        return hiredis.pack_command(("EVALSHA", script.sha, 0, *flat))  # type: ignore[no-any-return]
     except TypeError as e:
         raise redis.DataError(f"a script argument redis cannot take: {e}") from e
 

@@ -39,6 +39,24 @@ def test_replies_match_redis_py_script_calls(redis_url: str) -> None:
     client.close()
 
 
+def test_arguments_travel_as_redis_py_sends_them(redis_url: str) -> None:
+    """KeptScripts packs with hiredis itself: str (UTF-8), bytes, a bytearray, int (past 64 bits)
+    and float arrive as redis-py's own packing sends them; a bool is refused as redis-py does."""
+    client = _client(redis_url)
+    script = client.register_script("return ARGV")
+    kept = KeptScripts(client)
+    args = ["é\tx", b"\x00\xff", bytearray(b"ba"), -5, 2**70, 0.1, 1e300, 1 / 3]
+    assert kept.run(script, args) == script(args=args)
+    assert kept.run_many([(script, args), (script, [7])]) == [script(args=args), [b"7"]]
+    with pytest.raises(redis.DataError):
+        kept.run(script, [True])
+    with pytest.raises(redis.DataError):
+        script(args=[True])
+    assert kept.run(script, ["still usable"]) == [b"still usable"]
+    kept.close()
+    client.close()
+
+
 def test_noscript_after_script_flush_reloads_and_answers(redis_url: str) -> None:
     client = _client(redis_url)
     script = client.register_script(ECHO)
