@@ -293,6 +293,7 @@ def run_point(
     cluster = ScaleCluster(workdir, coordinators, args.lease_ttl_s)
     nodes = FakeNodes(cluster, num_nodes)
     nodes.beat_framed = not args.grpc_beats
+    nodes.beats_spread = not args.burst_beats
     point: dict[str, Any] = {"nodes": num_nodes, "coordinators": coordinators, "index_keys": index}
     try:
         names = script_names()
@@ -436,6 +437,12 @@ def main() -> None:
         "--grpc-beats",
         action="store_true",
         help="the fake nodes beat over gRPC (default: on the coordinator's framed port, as nodes do)",
+    )
+    p.add_argument(
+        "--burst-beats",
+        action="store_true",
+        help="every node beats at the start of each interval, back to back (before 2026-12: the "
+        "default; now each node beats at its own moment of the interval, as nodes on their own timers)",
     )
     p.add_argument("--prompts", default="", help="prompt lengths in tokens (default 1024,8192,32768)")
     p.add_argument("--indexes", default="", help="index sizes in keys (default 10000,100000)")

@@ -181,6 +181,7 @@ class FakeNodes:
         self.epochs = [0] * num_nodes  # each node's registration
         self.sent = [0] * num_nodes  # the last event number each node reported
         self.beat_framed = True  # as real nodes beat (CoordinatorLink)
+        self.beats_spread = True  # each node at its own moment of the interval, as real nodes
 
     def _stub(self, i: int) -> pb_grpc.CoordinatorStub:
         return self.cluster.stubs[i % len(self.cluster.stubs)]
@@ -215,7 +216,9 @@ class FakeNodes:
 
     def _beat(self) -> None:
         """Every node's beat each interval: on the coordinators' framed ports as real nodes
-        beat (one connection each, the beats one after another), or over gRPC (all in flight)."""
+        beat (one connection each, the beats one after another), or over gRPC (all in flight).
+        Spread over the interval (`beats_spread`), as nodes beating on their own timers do;
+        else all at its start (a burst: the coordinator saturated for its length)."""
         load = pb.NodeLoad(free_blocks=NODE_BLOCKS, num_blocks=NODE_BLOCKS)
         ports = [FramedPort("127.0.0.1", None, None) for _ in self.cluster.stubs]
         for port, number in zip(ports, self.frame_ports, strict=True):
@@ -225,12 +228,15 @@ class FakeNodes:
             if time.monotonic() - next_at > self.interval_s / 10:
                 self.late_beats += 1
             requests = [pb.HeartbeatRequest(node_id=n, load=load) for n in self.ids]
-            if self.beat_framed:
-                calls = [
-                    _framed_beat(ports[i % len(ports)], self._stub(i), r) for i, r in enumerate(requests)
-                ]
-            else:
-                calls = [self._stub(i).Heartbeat.future(r, timeout=30) for i, r in enumerate(requests)]
+            calls = []
+            for i, r in enumerate(requests):
+                if self.beats_spread:  # node i beats i/N of the interval in
+                    due = next_at + i * self.interval_s / len(requests)
+                    self._stop.wait(max(0.0, due - time.monotonic()))
+                if self.beat_framed:
+                    calls.append(_framed_beat(ports[i % len(ports)], self._stub(i), r))
+                else:
+                    calls.append(self._stub(i).Heartbeat.future(r, timeout=30))
             for call in calls:
                 try:
                     reply = call.result()
