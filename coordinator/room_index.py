@@ -21,11 +21,13 @@ import itertools
 import math
 import threading
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import numpy as np
 
 from ..protos.errors import InvalidArgument
 from .placement import SCAN_KEY, PlacementWeights, size_class, tie_rank
+from .rank_native import MAX_WANT, get_rank
 from .records import CheckedRooms, NodeRoom, has_separators, is_checked_room
 
 TIE_CACHE_MIN = 8  # tied nodes above which every node's rank for the key is computed and kept
@@ -66,6 +68,7 @@ class _Columns:
         by_scan = sorted(range(len(rows)), key=lambda i: tie_rank(SCAN_KEY, self.ids[i]))
         self.scan_pos = np.empty(len(rows), dtype=np.int64)
         self.scan_pos[by_scan] = np.arange(len(rows))
+        self.scan_ptr = self.scan_pos.ctypes.data  # (the compiled ranking reads it in place)
         self.tie_pos: dict[bytes, np.ndarray] = {}  # tie key -> each node's rank position
 
     def set(self, i: int, r: NodeRoom) -> None:
@@ -92,6 +95,7 @@ class CandidateRooms(CheckedRooms):
 
     _cols: _Columns
     _arrays: tuple[np.ndarray, np.ndarray]  # _Columns.ints, _Columns.opens
+    _ptrs: tuple[int, int]  # their addresses, for the compiled ranking
     _sum_opens: float  # math.fsum of the unscaled recent opens
     _index: RoomIndex
     version: int  # the index's change count when taken
@@ -120,8 +124,13 @@ class CandidateRooms(CheckedRooms):
         scan_classes: int,
         size: int,
         opens_scale: float,
+        compiled: bool = True,
     ) -> tuple[tuple[str, ...], float, int]:
-        """shortlist.shortlist over these rows: (ids, sum_opens, sum_total). Pure."""
+        """shortlist.shortlist over these rows: (ids, sum_opens, sum_total). Pure. Ranked by
+        csrc/rank_rooms.c where it loaded (`compiled`), else in numpy: the same choice."""
+        rank = _compiled_rank() if compiled and size <= MAX_WANT else None
+        if rank is not None:
+            return self._shortlist_compiled(rank, need, weights, tie_key, scan_classes, size, opens_scale)
         (free, total, evictable, active), opens_scaled = self._arrays
         opens_per = opens_scaled / opens_scale
         sum_opens = self._sum_opens / opens_scale
@@ -150,6 +159,64 @@ class CandidateRooms(CheckedRooms):
             more = self._best(eligible, (over, scan, cost), size, tie_key)
             ids += tuple(i for i in more if i not in ids)
         return ids, sum_opens, sum_total
+
+    def _shortlist_compiled(
+        self,
+        rank: Any,
+        need: int,
+        weights: PlacementWeights,
+        tie_key: bytes,
+        scan_classes: int,
+        size: int,
+        opens_scale: float,
+    ) -> tuple[tuple[str, ...], float, int]:
+        """shortlist() by csrc/rank_rooms.c, its terms as the numpy ranking rounds them: both
+        orders in one pass over the rows."""
+        w, cols, n = weights, self._cols, len(self)
+        sum_opens = self._sum_opens / opens_scale
+        scans = scan_classes & ((2 << size_class(need)) - 1)  # a scan is possible: its run fits the need
+        tie = cols.tie_pos.get(tie_key)  # kept ranks order every row: no ties left to settle
+        section = 3 + 2 * size + n
+        out = np.empty(2 * section if scans else section, dtype=np.int64)
+        code = rank(
+            n,
+            *self._ptrs,
+            cols.scan_ptr if scans else None,
+            None if tie is None else tie.ctypes.data,
+            need,
+            w.overlap_weight * need + w.host_weight * 0,
+            w.load_weight,
+            sum_opens + 1,
+            opens_scale,
+            1.0 + w.balance_slack,
+            w.balance_margin,
+            not w.affinity_share * need > 0,
+            1.0 + 2 * w.balance_slack,
+            2 * w.balance_margin,
+            size,
+            out.ctypes.data,
+        )
+        if code != 0:
+            raise MemoryError(f"the compiled shortlist ranking failed ({code})")
+        ids = self._ranked(out, size, tie_key)
+        if scans:
+            ids += tuple(i for i in self._ranked(out[section:], size, tie_key) if i not in ids)
+        return ids, sum_opens, int(out[2])
+
+    def _ranked(self, out: np.ndarray, size: int, tie_key: bytes) -> tuple[str, ...]:
+        """One order's `size` first rows from its section of the compiled ranking's output:
+        rows of equal heads (no tie ranks were kept) settled by rendezvous rank here."""
+        nb, nt = out[:2].tolist()
+        best = out[3 : 3 + nb].tolist()
+        ids = self._cols.ids
+        groups = out[3 + size : 3 + size + nb].tolist()
+        if nb > 1 and groups[-1] < nb - 1:
+            order = sorted(range(nb), key=lambda j: (groups[j], tie_rank(tie_key, ids[best[j]])))
+            best = [best[j] for j in order]
+        if nt:
+            tied = out[3 + 2 * size : 3 + 2 * size + nt]
+            best += self._by_rank(self._cols.everyone, tied, size - nb, tie_key) if nt > 1 else tied.tolist()
+        return tuple(ids[i] for i in best)
 
     def _best(
         self, eligible: np.ndarray, head: tuple[np.ndarray, ...], size: int, tie_key: bytes
@@ -197,6 +264,14 @@ class CandidateRooms(CheckedRooms):
 
 
 _uids = itertools.count(1)
+_rank: list[Any] = []
+
+
+def _compiled_rank() -> Any:
+    """csrc/rank_rooms.c's entry point, or None (rank_native.py says why, once)."""
+    if not _rank:
+        _rank.append(get_rank()[0])
+    return _rank[0]
 
 
 class RoomIndex:
@@ -263,6 +338,7 @@ class RoomIndex:
                 snap = self._snapshot = CandidateRooms(self._rows.values())
                 snap._cols = cols
                 snap._arrays = (cols.ints.copy(), cols.opens.copy())
+                snap._ptrs = (snap._arrays[0].ctypes.data, snap._arrays[1].ctypes.data)
                 snap._sum_opens = cols.opens_exact / _EXACT_SCALE
                 snap._index, snap.version = self, self._version
             return snap

@@ -88,6 +88,7 @@ def test_wheel_builds_cleanly_with_the_proto_types_and_license(wheel: tuple[Path
         "pagedkv/cache_node/csrc/paged_attention.cpp",
         "pagedkv/cache_node/csrc/block_core.c",
         "pagedkv/protos/csrc/chain_keys.c",
+        "pagedkv/coordinator/csrc/rank_rooms.c",
         "pagedkv/client/sync.py",
         "pagedkv/coordinator/cli.py",
     }

@@ -5,16 +5,19 @@ updates, additions and removals; bad rows are refused and leave the index as it 
 from __future__ import annotations
 
 import math
+import random
 from typing import Any
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pagedkv.coordinator import rank_native
 from pagedkv.coordinator.placement import PlacementWeights
+from pagedkv.coordinator.rank_native import get_rank
 from pagedkv.coordinator.records import NewSequence, NodeRoom
 from pagedkv.coordinator.room_index import TIE_CACHE_MIN, RoomIndex
-from pagedkv.coordinator.shortlist import shortlist
+from pagedkv.coordinator.shortlist import Shortlist, shortlist
 from pagedkv.protos.errors import InvalidArgument
 
 
@@ -71,9 +74,65 @@ def test_snapshot_shortlists_as_the_rows_do(sc: dict[str, Any]) -> None:
     snap = index.snapshot()
     assert list(snap) == [expect[k] for k in sorted(expect)]
     args = (sc["need"], sc["weights"], sc["tie_key"], sc["scan_classes"], sc["size"], sc["scale"])
-    assert shortlist(snap, *args[:4], size=args[4], opens_scale=args[5]) == shortlist(
-        tuple(snap), *args[:4], size=args[4], opens_scale=args[5]
-    )
+    want = shortlist(tuple(snap), *args[:4], size=args[4], opens_scale=args[5])
+    assert shortlist(snap, *args[:4], size=args[4], opens_scale=args[5]) == want
+    # numpy, then compiled twice: the second reads the tie ranks an even cluster's first kept
+    for compiled in (False, True, True):
+        assert Shortlist(*snap.shortlist(*args, compiled=compiled)) == want
+
+
+@pytest.mark.skipif(not get_rank()[1].is_available, reason="no C compiler: numpy ranks alone")
+def test_the_compiled_ranking_chooses_as_numpy_at_a_thousand_nodes() -> None:
+    rng = random.Random(7)
+    rows = [
+        NodeRoom(
+            f"n{i:05d}",
+            f,
+            64,
+            rng.randint(0, 64 - f),
+            rng.choice([0.0, 1.0, rng.random() * 4]),
+            rng.choice([None, 0, 8, 8, 16]),
+        )
+        for i, f in enumerate(rng.choices([0, 8, 40, 64], k=1000))
+    ]
+    index = RoomIndex()
+    index.update(rows)
+    snap = index.snapshot()
+    for need, slack, scan in [
+        (4, 0.05, 0),
+        (4, 0.05, 0b11110),
+        (30, math.inf, 0b11110),
+        (64, 0.5, 0),
+        (65, 0.5, 0),
+    ]:
+        w = PlacementWeights(1.0, 0.1, slack, 0.5, 1.0, 0.25)
+        for key in (b"\x03" * 16, bytes(range(16))):
+            want = shortlist(tuple(rows), need, w, key, scan)
+            assert Shortlist(*snap.shortlist(need, w, key, scan, 2, 1.0, compiled=True)) == want
+            assert Shortlist(*snap.shortlist(need, w, key, scan, 2, 1.0, compiled=False)) == want
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_node_exactly_at_its_fair_share_is_within_the_bound(compiled: bool) -> None:
+    # a: 1 open (its count + 1) for a fair share of (19 + 1) * 8 / 160 = 1 exactly: not over,
+    # so it wins though busier; b: over
+    rows = [
+        NodeRoom(f"{n}{i:03d}", 8, 8, 0, o, act)
+        for i in range(10)
+        for n, o, act in [("a", 0.0, 4), ("b", 1.9, 0)]
+    ]
+    index = RoomIndex()
+    index.update(rows)
+    w = PlacementWeights(balance_slack=0.0, balance_margin=0.0, affinity_share=0.5)
+    got = index.snapshot().shortlist(2, w, b"\x05" * 16, 0, 2, 1.0, compiled=compiled)
+    assert all(i.startswith("a") for i in got[0]) and got[1:] == (19.0, 160)
+    assert Shortlist(*got) == shortlist(tuple(rows), 2, w, b"\x05" * 16, 0)
+
+
+def test_the_ranking_is_numpy_where_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PAGEDKV_PURE_RANK", "1")
+    rank, info = rank_native._load()
+    assert rank is None and not info.is_available and "PAGEDKV_PURE_RANK" in info.detail
 
 
 def test_an_even_cluster_resolves_ties_by_rendezvous_and_keeps_the_ranks() -> None:
