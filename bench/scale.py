@@ -23,6 +23,9 @@ some of them to other nodes: the hit share is reported). Reported:
 - CPU per open + close: the coordinators' (/proc, user + system) and Redis's (INFO cpu),
   less what the same processes spent over as long a quiet window (heartbeats: also
   reported, per beat), and the coordinators' raw figure;
+- saturated: `--clients` processes (default 2) open and close as fast as they are answered
+  for `--throughput-s` seconds while every node beats (bench/scale_throughput.py): open+close
+  per second, the coordinators' cores (beats included) and opens per second per core;
 - events: coordinator CPU per event at batch 1 and at batch 256 (numbered, as a node's link
   sends them, until the store holds them all), and the apply_event_run script's Redis time
   per run (one per node and flush).
@@ -48,6 +51,7 @@ import numpy as np
 from bench import plots
 from bench.control_redis import script_names, slowlog_entries
 from bench.scale_cluster import SPEC, FakeNodes, ScaleCluster, cpu_s, thread_cpu_s
+from bench.scale_throughput import measure_throughput
 from pagedkv.client.routing import FRAMED_REPLIES
 from pagedkv.coordinator.redis_store import RedisStore
 from pagedkv.protos import pagedkv_pb2 as pb
@@ -317,6 +321,15 @@ def run_point(
             freed = 0 if args.coordinator_frees else 1
             both = measure_opens(cluster, window, names, prompt, num_opens, f"p{tokens}", freed_extents=freed)
             point["prompts"][tokens] = both["framed"]  # the client's default
+            if args.clients:
+                sat = measure_throughput(
+                    cluster, nodes.frame_ports, prompt, args.clients, args.throughput_s, f"t{tokens}"
+                )
+                point["prompts"][tokens]["saturated"] = sat
+                log(
+                    f"  prompt {tokens:>6}, {args.clients} clients: {sat['open_close_per_s']:.0f} open+close/s on "
+                    f"{sat['coord_cores']:.2f} coordinator cores: {sat['opens_per_s_per_core']:.0f} a core"
+                )
             for mode, result in both.items():
                 point.setdefault("prompts_by_mode", {}).setdefault(mode, {})[tokens] = result
                 log(
@@ -356,6 +369,23 @@ def render(r: dict[str, Any]) -> str:
                 f"{o['coord_cpu_per_open_close_ms']:.2f} ({o['coord_cpu_raw_per_open_close_ms']:.2f}) | "
                 f"{o['redis_cpu_per_open_close_ms']:.3f} | {o.get('closes_unavailable', 0)} |"
             )
+    lines += [
+        "",
+        "Saturated: client processes opening and closing back to back; the coordinators' cores over the",
+        "window include the beats; opens/s per core = open+close per second / those cores.",
+        "",
+        "| nodes | coords | prompt | clients | open+close /s | coord cores | opens/s per core | CPU / open+close ms (beats in) | closes retried |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for p in r["points"]:
+        for tokens, o in p["prompts"].items():
+            if "saturated" in o:
+                t = o["saturated"]
+                lines.append(
+                    f"| {p['nodes']} | {p['coordinators']} | {int(tokens):,} | {t['clients']} | "
+                    f"{t['open_close_per_s']:.0f} | {t['coord_cores']:.2f} | **{t['opens_per_s_per_core']:.0f}** | "
+                    f"{t['coord_cpu_per_open_close_ms']:.2f} | {t['retried']} |"
+                )
     lines += [
         "",
         "How Open and Close travel, who sends the node Open and how the prompt goes (rounds alternating):",
@@ -444,6 +474,13 @@ def main() -> None:
         help="every node beats at the start of each interval, back to back (before 2026-12: the "
         "default; now each node beats at its own moment of the interval, as nodes on their own timers)",
     )
+    p.add_argument(
+        "--clients",
+        type=int,
+        default=2,
+        help="client processes for the saturated opens after the sequential ones (0: none)",
+    )
+    p.add_argument("--throughput-s", type=float, default=5.0, help="the saturated opens' window")
     p.add_argument("--prompts", default="", help="prompt lengths in tokens (default 1024,8192,32768)")
     p.add_argument("--indexes", default="", help="index sizes in keys (default 10000,100000)")
     p.add_argument("--replicas", default="", help="coordinator counts (default 1,2)")
@@ -451,7 +488,7 @@ def main() -> None:
     args = p.parse_args()
     if args.quick:
         node_counts, prompts, indexes, replicas = [2, 20], [2048], [10_000], [1]
-        args.opens, args.quiet_s = 20, 0.5
+        args.opens, args.quiet_s, args.throughput_s = 20, 0.5, 1.0
     else:
         node_counts = [int(n) for n in args.nodes.split(",")]
         prompts = [1024, 8192, 32768] + ([131072] if args.big else [])

@@ -1,0 +1,141 @@
+"""Opens at saturation for bench.scale: `clients` processes open and close a prompt as fast as
+the coordinators answer, for a fixed window, while every fake node beats; reported: open+close
+per second, the coordinators' cores over the window (/proc, beats included) and their ratio,
+opens per second per coordinator core.
+
+One client at a time (bench.scale's sequential opens) leaves the coordinator idle between
+calls: each call then pays a thread's wake-up from idle, which on this VM is a large part of a
+small call. A saturated coordinator takes calls back to back; the goal's "opens/s per core" is
+its rate there. Each client is its own process (the bench process runs the fake nodes' beats,
+which must not wait on a load generator's GIL).
+
+    python -m bench.scale_throughput --client ...   # one client process (bench.scale starts them)
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bench.scale_cluster import SPEC, ScaleCluster, cpu_s
+from pagedkv.protos import pagedkv_pb2 as pb
+from pagedkv.protos.errors import PagedKVError, Unavailable
+from pagedkv.protos.framed_client import FramedPort
+from pagedkv.protos.prompt import pack
+
+START_DELAY_S = 3.0  # the clients' imports and first connections, before the window opens
+
+
+def measure_throughput(
+    cluster: ScaleCluster, frame_ports: list[int], prompt: list[int], clients: int, seconds: float, tag: str
+) -> dict[str, Any]:
+    """`clients` processes, each on one coordinator's framed port in turn, for `seconds`."""
+    with tempfile.NamedTemporaryFile(suffix=".npy", delete=False) as f:
+        np.save(f, np.asarray(prompt, dtype=np.int64))
+    start_at = time.time() + START_DELAY_S
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "bench.scale_throughput",
+                "--client",
+                "--port",
+                str(frame_ports[i % len(frame_ports)]),
+            ]
+            + [
+                "--prompt",
+                f.name,
+                "--start-at",
+                repr(start_at),
+                "--seconds",
+                repr(seconds),
+                "--tag",
+                f"{tag}-{i}",
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(clients)
+    ]
+    pids = cluster.coordinator_pids()
+    time.sleep(max(0.0, start_at - time.time()))
+    c0, t0 = sum(cpu_s(p) for p in pids), time.perf_counter()
+    time.sleep(seconds)
+    c1, t1 = sum(cpu_s(p) for p in pids), time.perf_counter()
+    counts = []
+    for proc in procs:
+        out, _ = proc.communicate(timeout=60 + seconds)
+        if proc.returncode != 0:
+            raise RuntimeError(f"a throughput client failed ({proc.returncode}): {out[-500:]}")
+        counts.append([int(x) for x in out.split()])
+    Path(f.name).unlink()
+    done = sum(c[0] for c in counts)
+    rate = done / seconds
+    cores = (c1 - c0) / (t1 - t0)
+    return {
+        "clients": clients,
+        "seconds": seconds,
+        "open_close_per_s": rate,
+        "coord_cores": cores,
+        "opens_per_s_per_core": rate / cores if cores else float("nan"),
+        "coord_cpu_per_open_close_ms": cores / rate * 1e3 if rate else float("nan"),
+        "retried": sum(c[1] for c in counts),
+    }
+
+
+def _client(port: int, prompt_path: str, start_at: float, seconds: float, tag: str) -> None:
+    """Open + close (the client's framed default: prompt packed and carried) until the window
+    ends; prints the pairs completed inside the window and the UNAVAILABLE retries."""
+    prompt = np.load(prompt_path).tolist()
+    framed = FramedPort("127.0.0.1", None, None)
+    framed.learn(port)
+    block = SPEC.block_size
+    done = retried = n = 0
+    time.sleep(max(0.0, start_at - time.time()))
+    end = start_at + seconds
+    while time.time() < end:
+        seq_id = f"{tag}-{n}"
+        tokens = prompt + [2_000_000 + n] * block + [7]  # a unique block after the shared prompt
+        req = pb.CoordOpenRequest(seq_id=seq_id, packed_token_ids=pack(tokens), worker_opens=True)
+        req.carries_prompt = True
+        framed.call("Open", req, pb.CoordOpenResponse, 60)
+        while True:
+            try:
+                framed.call("Close", pb.CoordSeqRequest(seq_id=seq_id, freed_extents=1), pb.Empty, 60)
+                break
+            except Unavailable:  # a suspect node (a late beat on a loaded host): as a worker retries
+                retried += 1
+                time.sleep(0.05)
+        n += 1
+        done += time.time() <= end
+    framed.close()
+    print(done, retried)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(prog="python -m bench.scale_throughput", description=__doc__.split("\n\n")[0])
+    p.add_argument(
+        "--client", action="store_true", required=True, help="run one client (bench.scale starts them)"
+    )
+    p.add_argument("--port", type=int, required=True, help="the coordinator's framed port")
+    p.add_argument("--prompt", required=True, help="the prompt's tokens (.npy)")
+    p.add_argument("--start-at", type=float, required=True, help="when the window opens (time.time())")
+    p.add_argument("--seconds", type=float, required=True)
+    p.add_argument("--tag", required=True, help="sequence id prefix")
+    args = p.parse_args()
+    try:
+        _client(args.port, args.prompt, args.start_at, args.seconds, args.tag)
+    except PagedKVError as exc:
+        sys.exit(f"throughput client: {exc}")
+
+
+if __name__ == "__main__":
+    main()
