@@ -128,7 +128,7 @@ class CandidateRooms(CheckedRooms):
     ) -> tuple[tuple[str, ...], float, int]:
         """shortlist.shortlist over these rows: (ids, sum_opens, sum_total). Pure. Ranked by
         csrc/rank_rooms.c where it loaded (`compiled`), else in numpy: the same choice."""
-        rank = _compiled_rank() if compiled and size <= MAX_WANT else None
+        rank = _RANK if compiled and size <= MAX_WANT else None
         if rank is not None:
             return self._shortlist_compiled(rank, need, weights, tie_key, scan_classes, size, opens_scale)
         (free, total, evictable, active), opens_scaled = self._arrays
@@ -264,14 +264,9 @@ class CandidateRooms(CheckedRooms):
 
 
 _uids = itertools.count(1)
-_rank: list[Any] = []
-
-
-def _compiled_rank() -> Any:
-    """csrc/rank_rooms.c's entry point, or None (rank_native.py says why, once)."""
-    if not _rank:
-        _rank.append(get_rank()[0])
-    return _rank[0]
+# csrc/rank_rooms.c's entry point, or None (rank_native.py logs why): built here, at import,
+# as the key chain is, so that no open waits on the compiler.
+_RANK = get_rank()[0]
 
 
 class RoomIndex:
