@@ -128,12 +128,22 @@ class CandidateRooms(CheckedRooms):
     ) -> tuple[tuple[str, ...], float, int]:
         """shortlist.shortlist over these rows: (ids, sum_opens, sum_total). Pure. Ranked by
         csrc/rank_rooms.c where it loaded (`compiled`), else in numpy: the same choice."""
-        rank = _RANK if compiled and size <= MAX_WANT else None
-        if rank is not None:
-            return self._shortlist_compiled(rank, need, weights, tie_key, scan_classes, size, opens_scale)
+        sum_opens = self._sum_opens / opens_scale
+        scans = scan_classes & ((2 << size_class(need)) - 1)  # a scan is possible: its run fits the need
+        if _RANK is not None and compiled and size <= MAX_WANT:
+            w = weights  # the terms as the numpy ranking below rounds them
+            terms: tuple[Any, ...] = (
+                need,
+                w.overlap_weight * need + w.host_weight * 0,
+                w.load_weight,
+                sum_opens + 1,
+            )
+            terms += (opens_scale, 1.0 + w.balance_slack, w.balance_margin, not w.affinity_share * need > 0)
+            terms += (1.0 + 2 * w.balance_slack, 2 * w.balance_margin, size)
+            ids, sum_total = self._shortlist_compiled(terms, tie_key, bool(scans))
+            return ids, sum_opens, sum_total
         (free, total, evictable, active), opens_scaled = self._arrays
         opens_per = opens_scaled / opens_scale
-        sum_opens = self._sum_opens / opens_scale
         sum_total = int(total.sum())
         ow, lw, hw = weights.overlap_weight, weights.load_weight, weights.host_weight
         slack, margin, aff = weights.balance_slack, weights.balance_margin, weights.affinity_share
@@ -154,54 +164,29 @@ class CandidateRooms(CheckedRooms):
             if not aff * need > 0:
                 over &= opens > (1.0 + 2 * slack) * fair + 2 * margin
         ids = self._best(eligible, (over, cost), size, tie_key)
-        if scan_classes & ((2 << size_class(need)) - 1):  # a scan is possible: its run fits the need
+        if scans:
             scan = self._cols.scan_pos[eligible]
             more = self._best(eligible, (over, scan, cost), size, tie_key)
             ids += tuple(i for i in more if i not in ids)
         return ids, sum_opens, sum_total
 
     def _shortlist_compiled(
-        self,
-        rank: Any,
-        need: int,
-        weights: PlacementWeights,
-        tie_key: bytes,
-        scan_classes: int,
-        size: int,
-        opens_scale: float,
-    ) -> tuple[tuple[str, ...], float, int]:
-        """shortlist() by csrc/rank_rooms.c, its terms as the numpy ranking rounds them: both
-        orders in one pass over the rows."""
-        w, cols, n = weights, self._cols, len(self)
-        sum_opens = self._sum_opens / opens_scale
-        scans = scan_classes & ((2 << size_class(need)) - 1)  # a scan is possible: its run fits the need
+        self, terms: tuple[Any, ...], tie_key: bytes, scans: bool
+    ) -> tuple[tuple[str, ...], int]:
+        """shortlist() by csrc/rank_rooms.c, both orders in one pass over the rows:
+        (ids, sum_total). `terms`: the ranking's arguments after the tie positions."""
+        cols, n, size = self._cols, len(self), terms[-1]
         tie = cols.tie_pos.get(tie_key)  # kept ranks order every row: no ties left to settle
         section = 3 + 2 * size + n
         out = np.empty(2 * section if scans else section, dtype=np.int64)
-        code = rank(
-            n,
-            *self._ptrs,
-            cols.scan_ptr if scans else None,
-            None if tie is None else tie.ctypes.data,
-            need,
-            w.overlap_weight * need + w.host_weight * 0,
-            w.load_weight,
-            sum_opens + 1,
-            opens_scale,
-            1.0 + w.balance_slack,
-            w.balance_margin,
-            not w.affinity_share * need > 0,
-            1.0 + 2 * w.balance_slack,
-            2 * w.balance_margin,
-            size,
-            out.ctypes.data,
-        )
+        scan_ptr, tie_ptr = cols.scan_ptr if scans else None, None if tie is None else tie.ctypes.data
+        code = _RANK(n, *self._ptrs, scan_ptr, tie_ptr, *terms, out.ctypes.data)
         if code != 0:
             raise MemoryError(f"the compiled shortlist ranking failed ({code})")
         ids = self._ranked(out, size, tie_key)
         if scans:
             ids += tuple(i for i in self._ranked(out[section:], size, tie_key) if i not in ids)
-        return ids, sum_opens, int(out[2])
+        return ids, int(out[2])
 
     def _ranked(self, out: np.ndarray, size: int, tie_key: bytes) -> tuple[str, ...]:
         """One order's `size` first rows from its section of the compiled ranking's output:
