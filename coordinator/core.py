@@ -72,7 +72,7 @@ from ..protos.errors import (
     SequenceNotFound,
     Unavailable,
 )
-from ..protos.keys import KEY_BYTES, chain_keys, chain_keys_packed, root_key
+from ..protos.keys import KEY_BYTES, chain_keys, root_key
 from ..protos.serving import name_os_thread
 from ..protos.status import error_from_rpc
 from .auth import ClusterAccess
@@ -80,6 +80,7 @@ from .deferred import DeferredCalls, NodeCall, node_open_request, order_prompt
 from .event_applier import EventApplier, split_net
 from .extents import Extents
 from .failures import Failures
+from .key_cache import ChainKeyCache
 from .liveness import Liveness, LivenessConfig
 from .membership import Membership
 from .misses import REASONS, MissExplanation, NodePolicies, RemovedKeys, explain
@@ -183,6 +184,7 @@ class Coordinator(DeferredCalls, Failures, Membership, NodeRooms, Extents, Missi
         }
         # Recently removed keys (REMOVED events) and their node: tells "evicted" from "never cached".
         self._removed = RemovedKeys()
+        self._chain_keys = ChainKeyCache()  # prompts' keys, reused by opens sharing their prefix
         # Numbered event reports, applied in batches
         self.events = EventApplier(store, self._events_applied, interval_s=self.config.event_flush_s)
         self.liveness = Liveness(self.config.liveness(), self._probe)
@@ -388,7 +390,8 @@ class Coordinator(DeferredCalls, Failures, Membership, NodeRooms, Extents, Missi
         num_tokens = len(token_ids)
         limit = num_tokens - 1 if max_cached_tokens is None else min(max_cached_tokens, num_tokens)
         tokens = np.asarray(token_ids)  # one C-level copy; slicing a protobuf field makes a list
-        keys = chain_keys_packed(root, tokens[: max(limit, 0) // bs * bs], bs)
+        # A prefix shared with a recent prompt is not hashed again (key_cache.py).
+        keys = self._chain_keys.keys(root, tokens[: max(limit, 0) // bs * bs], bs)
         num_blocks = max(1, -(-num_tokens // bs))
         with self._lock:
             opens_scale = self._open_growth  # the rows' counts are scaled by it
