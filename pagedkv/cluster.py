@@ -45,6 +45,12 @@ from .protos.tls import TlsConfig, secure_channel
 from .trust_args import add_trust_args, tls_from_args
 from .usage import UsageError, available_memory_bytes, human_bytes, parse_bytes, positive_int, run
 
+PORT_TRIES = 3  # starts of a process whose port, picked free, was taken before it bound it
+
+
+class PortTaken(RuntimeError):
+    """A process of the cluster exited because a port it was given is in use."""
+
 
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
@@ -161,10 +167,9 @@ class LocalCluster:
         while time.monotonic() < deadline:
             proc = self.procs[name]
             if proc.poll() is not None:
-                raise RuntimeError(
-                    f"{name} exited with {proc.returncode}: {self.last_log_line(name)} "
-                    f"(log: {self.log_dir}/{name}.log)"
-                )
+                line = self.last_log_line(name)
+                error = PortTaken if proc.returncode == 2 and "already in use" in line else RuntimeError
+                raise error(f"{name} exited with {proc.returncode}: {line} (log: {self.log_dir}/{name}.log)")
             if health_check(address, timeout_s=1.0, tls=self.tls) == "SERVING":
                 return
             time.sleep(0.05)
@@ -235,41 +240,65 @@ class LocalCluster:
         raise TimeoutError(f"redis-server at {self.redis_url} did not answer PING")
 
     def start_coordinator(self) -> None:
-        port = int(self.coordinator_address.rsplit(":", 1)[1]) if self.coordinator_address else free_port()
-        self.coordinator_address = f"{self.host}:{port}"
-        args = ["coordinator", f"--listen={self.coordinator_address}", f"--lease-ttl-s={self.lease_ttl_s}"]
-        if self.coordinator_metrics_port == 0:
-            self.coordinator_metrics_port = free_port(self.host)  # kept across restarts
-        if self.coordinator_metrics_port is not None:
-            args.append(f"--metrics-port={self.coordinator_metrics_port}")
-        if self.redis_url:
-            args.append(f"--redis={self.redis_url}")
-        if self.tenants_file:
-            args.append(f"--tenants={self.tenants_file}")
-        self._pagedkv("coordinator", args)
-        self._wait_healthy("coordinator", self.coordinator_address)
+        # Ports picked here may be taken between the pick and the bind (an outgoing connection's
+        # ephemeral port): picked again then. Ports the caller gave, or kept from a first start
+        # for a restart, are not.
+        picked = not self.coordinator_address, self.coordinator_metrics_port == 0
+        for attempt in range(PORT_TRIES):
+            if picked[0]:
+                self.coordinator_address = f"{self.host}:{free_port()}"
+            if picked[1]:
+                self.coordinator_metrics_port = free_port(self.host)  # kept across restarts
+            args = [
+                "coordinator",
+                f"--listen={self.coordinator_address}",
+                f"--lease-ttl-s={self.lease_ttl_s}",
+            ]
+            if self.coordinator_metrics_port is not None:
+                args.append(f"--metrics-port={self.coordinator_metrics_port}")
+            if self.redis_url:
+                args.append(f"--redis={self.redis_url}")
+            if self.tenants_file:
+                args.append(f"--tenants={self.tenants_file}")
+            self._pagedkv("coordinator", args)
+            try:
+                self._wait_healthy("coordinator", self.coordinator_address)
+                return
+            except PortTaken:
+                if not any(picked) or attempt == PORT_TRIES - 1:
+                    raise
 
     def start_node(self, i: int) -> str:
         name = f"node-{i}"
-        if i < len(self.node_addresses):
+        # Picked here (so the cluster knows them; kept across restarts), again if taken meanwhile.
+        picked = i >= len(self.node_addresses), i >= len(self.node_metrics_ports)
+        if picked[0]:
+            self.node_addresses.append("")
+        if picked[1]:
+            self.node_metrics_ports.append(0)
+        for attempt in range(PORT_TRIES):
+            if picked[0]:
+                self.node_addresses[i] = f"{self.host}:{free_port()}"
+            if picked[1]:
+                self.node_metrics_ports[i] = free_port(self.host)
             address = self.node_addresses[i]
-        else:
-            address = f"{self.host}:{free_port()}"
-            self.node_addresses.append(address)
-        if i >= len(self.node_metrics_ports):  # picked here, so the cluster knows it; kept across restarts
-            self.node_metrics_ports.append(free_port(self.host))
-        args = [
-            "node",
-            f"--listen={address}",
-            f"--node-id={name}",
-            f"--advertise={address}",
-            f"--coordinator={self.coordinator_address}",
-            f"--metrics-port={self.node_metrics_ports[i]}",
-        ]
-        args += self.node.args()
-        self._pagedkv(name, args)
-        self._wait_healthy(name, address)
-        return address
+            args = [
+                "node",
+                f"--listen={address}",
+                f"--node-id={name}",
+                f"--advertise={address}",
+                f"--coordinator={self.coordinator_address}",
+                f"--metrics-port={self.node_metrics_ports[i]}",
+            ]
+            args += self.node.args()
+            self._pagedkv(name, args)
+            try:
+                self._wait_healthy(name, address)
+                return address
+            except PortTaken:
+                if not any(picked) or attempt == PORT_TRIES - 1:
+                    raise
+        raise AssertionError("unreachable")  # (the last try returns or raises)
 
     def wait_registered(self, num_nodes: int, timeout_s: float = 30.0) -> None:
         deadline = time.monotonic() + timeout_s
