@@ -28,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -239,15 +240,28 @@ class LocalCluster:
             time.sleep(0.05)
         raise TimeoutError(f"redis-server at {self.redis_url} did not answer PING")
 
-    def start_coordinator(self) -> None:
-        # Ports picked here may be taken between the pick and the bind (an outgoing connection's
-        # ephemeral port): picked again then. Ports the caller gave, or kept from a first start
-        # for a restart, are not.
-        picked = not self.coordinator_address, self.coordinator_metrics_port == 0
+    def _start_on_ports(self, name: str, repicks: bool, launch: Callable[[bool], str]) -> str:
+        """launch(pick) picks the ports it owns when `pick`, spawns `name` and returns the address
+        to health-check. Ports picked here may be taken between the pick and the bind (an outgoing
+        connection's ephemeral port): picked again then, when `repicks`; ports the caller gave, or
+        kept from a first start for a restart, are not."""
         for attempt in range(PORT_TRIES):
-            if picked[0]:
+            address = launch(attempt == 0 or repicks)
+            try:
+                self._wait_healthy(name, address)
+                return address
+            except PortTaken:
+                if not repicks or attempt == PORT_TRIES - 1:
+                    raise
+        raise AssertionError("unreachable")  # (the last try returns or raises)
+
+    def start_coordinator(self) -> None:
+        picked = not self.coordinator_address, self.coordinator_metrics_port == 0
+
+        def launch(pick: bool) -> str:
+            if pick and picked[0]:
                 self.coordinator_address = f"{self.host}:{free_port()}"
-            if picked[1]:
+            if pick and picked[1]:
                 self.coordinator_metrics_port = free_port(self.host)  # kept across restarts
             args = [
                 "coordinator",
@@ -261,44 +275,34 @@ class LocalCluster:
             if self.tenants_file:
                 args.append(f"--tenants={self.tenants_file}")
             self._pagedkv("coordinator", args)
-            try:
-                self._wait_healthy("coordinator", self.coordinator_address)
-                return
-            except PortTaken:
-                if not any(picked) or attempt == PORT_TRIES - 1:
-                    raise
+            return self.coordinator_address
+
+        self._start_on_ports("coordinator", any(picked), launch)
 
     def start_node(self, i: int) -> str:
         name = f"node-{i}"
-        # Picked here (so the cluster knows them; kept across restarts), again if taken meanwhile.
+        # Picked here (so the cluster knows them; kept across restarts).
         picked = i >= len(self.node_addresses), i >= len(self.node_metrics_ports)
         if picked[0]:
             self.node_addresses.append("")
         if picked[1]:
             self.node_metrics_ports.append(0)
-        for attempt in range(PORT_TRIES):
-            if picked[0]:
+
+        def launch(pick: bool) -> str:
+            if pick and picked[0]:
                 self.node_addresses[i] = f"{self.host}:{free_port()}"
-            if picked[1]:
+            if pick and picked[1]:
                 self.node_metrics_ports[i] = free_port(self.host)
             address = self.node_addresses[i]
-            args = [
-                "node",
-                f"--listen={address}",
-                f"--node-id={name}",
-                f"--advertise={address}",
+            args = ["node", f"--listen={address}", f"--node-id={name}", f"--advertise={address}"]
+            args += [
                 f"--coordinator={self.coordinator_address}",
                 f"--metrics-port={self.node_metrics_ports[i]}",
             ]
-            args += self.node.args()
-            self._pagedkv(name, args)
-            try:
-                self._wait_healthy(name, address)
-                return address
-            except PortTaken:
-                if not any(picked) or attempt == PORT_TRIES - 1:
-                    raise
-        raise AssertionError("unreachable")  # (the last try returns or raises)
+            self._pagedkv(name, args + self.node.args())
+            return address
+
+        return self._start_on_ports(name, any(picked), launch)
 
     def wait_registered(self, num_nodes: int, timeout_s: float = 30.0) -> None:
         deadline = time.monotonic() + timeout_s
