@@ -179,7 +179,7 @@ class Membership:
         if ok:
             with self._lock:
                 node = self._nodes.get(node_id)
-                if node is not None:
+                if node is not None and node.load != load:  # (an idle node's beats change nothing)
                     self._nodes[node_id] = node.with_load(dict(load))
                     self._touch((node_id,))
             if node is None:  # its lease had lapsed (e.g. while we were down): live again
