@@ -94,9 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--event-flush-s",
         type=positive_float("--event-flush-s"),
-        default=env("PAGEDKV_EVENT_FLUSH_S", "0.002"),
+        default=env("PAGEDKV_EVENT_FLUSH_S", "0.01"),
         help="under a stream of nodes' event reports, apply them to the store at most this often, "
-        "in one round trip for all [PAGEDKV_EVENT_FLUSH_S] (default 0.002; after a quiet spell a "
+        "in one round trip for all [PAGEDKV_EVENT_FLUSH_S] (default 0.01; after a quiet spell a "
         "report is applied at once)",
     )
     p.add_argument(

@@ -110,7 +110,7 @@ class CoordinatorConfig:
     reconcile_grace_s: float | None = None  # reconcile.py's grace (None: two leases)
     lost_ttl_s: float = 3600.0  # a lost record is garbage-collected this long after the loss
     probe_timeout_s: float = 1.0  # liveness.py's direct probe of a suspect node
-    event_flush_s: float = 0.002  # event_applier.py: a stream of reports is applied this often
+    event_flush_s: float = 0.01  # event_applier.py: a stream of reports is applied this often
 
     def __post_init__(self) -> None:
         if not self.lease_ttl_s > 0:

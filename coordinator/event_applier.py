@@ -8,7 +8,8 @@ a resend is skipped); one past a gap is refused and answered with where to resen
 applier thread nets each node's queued events (each key's last event) into one EventRun and
 applies every dirty node's run in one store call: at once after a quiet spell, at most once
 per `interval_s` under a stream of reports, so a report reaches the index within a round
-trip and a busy coordinator pays one round trip for many reports of many nodes.
+trip (a stream's within `interval_s`) and a busy coordinator pays one round trip for many
+reports of many nodes: the applier's cost is bounded by its flushes, not by the reports.
 
 Nothing acknowledged is lost: a crash here loses only queued events, which their node still
 holds and resends when the next reply (from a restarted coordinator or a replica, which
@@ -62,7 +63,7 @@ class EventApplier:
         store: Store,
         on_applied: Applied | None = None,
         *,
-        interval_s: float = 0.002,
+        interval_s: float = 0.01,
         max_queued: int = 1 << 20,
         background: bool = True,
     ) -> None:
