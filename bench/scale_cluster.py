@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from concurrent import futures
 from pathlib import Path
 from typing import Any
@@ -78,7 +79,9 @@ def thread_cpu_s(pid: int) -> dict[str, float]:
 class ScaleCluster:
     """redis-server + `coordinators` coordinator processes + the stub node; `stop()` ends them all."""
 
-    def __init__(self, workdir: Path, coordinators: int, lease_ttl_s: float) -> None:
+    def __init__(
+        self, workdir: Path, coordinators: int, lease_ttl_s: float, coordinator_args: Sequence[str] = ()
+    ) -> None:
         self.workdir = workdir
         self.lease_ttl_s = lease_ttl_s
         self.procs: list[subprocess.Popen[bytes]] = []
@@ -110,6 +113,7 @@ class ScaleCluster:
         for i in range(coordinators):
             address = f"127.0.0.1:{free_port()}"
             args = ["--listen", address, "--redis", self.redis_url, "--lease-ttl-s", str(lease_ttl_s)]
+            args += coordinator_args
             proc = self._spawn(f"coordinator{i}", [sys.executable, "-m", "pagedkv", "coordinator", *args])
             self.coordinators.append((proc, address))
         self.channels = [grpc.insecure_channel(a) for _, a in self.coordinators]

@@ -4,13 +4,16 @@ the coordinator when reports do not stream back to back.
 
     python -m bench.scale_events_paced                      # 100 nodes, 1,200 reports/s in all
     python -m bench.scale_events_paced --nodes 1 --rate 1000
+    python -m bench.scale_events_paced --flush-s 0.01    # the default flush only
 
 bench.scale sends one node's reports back to back, so one-way reports reach the coordinator
 several to a read and one store flush covers many. Here N registered fake nodes (each its own
 framed connection, as nodes have) send one-event reports in turn at `--rate` reports a second
 in all, so each report arrives alone: one wake-up of its connection's thread, and one script
-per node in each flush (2 ms). Each round sends `--seconds` of reports one-way (NOTIFY), then
-the same as framed calls (each waiting for its reply), then asks every node's position once;
+per node in each flush. Each round sends `--seconds` of reports one-way (NOTIFY), then the same
+as framed calls (each waiting for its reply), then asks every node's position once, against a
+fresh coordinator for each `--flush-s` in turn (its --event-flush-s: how often a stream of
+reports is applied; 1 s leaves the applier nearly idle, so that row is the rpcs' own share);
 reported: coordinator CPU per report (/proc, the flushes included), medians over the rounds.
 
 Writes bench/results/scale_events_paced.{json,md}.
@@ -26,7 +29,6 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 from bench.scale_cluster import FakeNodes, ScaleCluster, cpu_s
 from pagedkv.protos import pagedkv_pb2 as pb
@@ -40,8 +42,10 @@ def log(msg: str) -> None:
     print(f"[events-paced {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def run(num_nodes: int, rate: float, seconds: float, rounds: int) -> dict[str, Any]:
-    cluster = ScaleCluster(Path(tempfile.mkdtemp(prefix="pagedkv-paced-")), 1, 30.0)  # no beats due
+def run(num_nodes: int, rate: float, seconds: float, flush_s: float) -> dict[str, float]:
+    """One round against a fresh coordinator applying streams every `flush_s`: mode -> us a report."""
+    args = ["--event-flush-s", repr(flush_s)]
+    cluster = ScaleCluster(Path(tempfile.mkdtemp(prefix="pagedkv-paced-")), 1, 30.0, args)  # no beats due
     ports: list[FramedPort] = []
     try:
         nodes = FakeNodes(cluster, num_nodes)
@@ -62,27 +66,25 @@ def run(num_nodes: int, rate: float, seconds: float, rounds: int) -> dict[str, A
             return request
 
         count = int(rate * seconds)
-        cpu: dict[str, list[float]] = {m: [] for m in MODES}
-        for r in range(rounds):
-            for mode in MODES if r % 2 == 0 else reversed(MODES):
-                c0, t0 = cpu_s(pid), time.perf_counter()
-                for k in range(count):
-                    i = k % num_nodes
-                    if mode == "one-way":
-                        ports[i].notify("ReportEvents", report(i, 1), 30)
-                    else:
-                        ports[i].call("ReportEvents", report(i, 1), pb.ReportEventsResponse, 30)
-                    due = t0 + (k + 1) / rate
-                    while (left := due - time.perf_counter()) > 0:
-                        time.sleep(left)
-                for i in range(num_nodes):  # every report taken (what a beat would ask)
-                    reply = ports[i].call("ReportEvents", report(i, 0), pb.ReportEventsResponse, 30)
-                    if reply.next_seq != sent[i] + 1:
-                        raise RuntimeError(f"{nodes.ids[i]}: reports not all taken: {reply}")
-                time.sleep(0.2)  # the last flush lands in this mode's window
-                cpu[mode].append((cpu_s(pid) - c0) / count * 1e6)
-                log(f"round {r + 1}: {mode}: {cpu[mode][-1]:.0f} us of coordinator CPU a report")
-        return {m: {"per_report_us": statistics.median(v), "rounds_us": v} for m, v in cpu.items()}
+        cpu: dict[str, float] = {}
+        for mode in MODES:
+            c0, t0 = cpu_s(pid), time.perf_counter()
+            for k in range(count):
+                i = k % num_nodes
+                if mode == "one-way":
+                    ports[i].notify("ReportEvents", report(i, 1), 30)
+                else:
+                    ports[i].call("ReportEvents", report(i, 1), pb.ReportEventsResponse, 30)
+                due = t0 + (k + 1) / rate
+                while (left := due - time.perf_counter()) > 0:
+                    time.sleep(left)
+            for i in range(num_nodes):  # every report taken (what a beat would ask)
+                reply = ports[i].call("ReportEvents", report(i, 0), pb.ReportEventsResponse, 30)
+                if reply.next_seq != sent[i] + 1:
+                    raise RuntimeError(f"{nodes.ids[i]}: reports not all taken: {reply}")
+            time.sleep(max(0.2, 2 * flush_s))  # the last flush lands in this mode's window
+            cpu[mode] = (cpu_s(pid) - c0) / count * 1e6
+        return cpu
     finally:
         for port in ports:
             port.close()
@@ -97,24 +99,40 @@ def main() -> None:
     )
     p.add_argument("--seconds", type=float, default=2.0, help="of reports per mode and round")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument(
+        "--flush-s",
+        default="0.002,0.01,1",
+        help="the coordinator's --event-flush-s values, comma-separated (each round runs them in turn)",
+    )
     p.add_argument("--out", default=str(RESULTS / "scale_events_paced"), help="output path without extension")
     args = p.parse_args()
+    flushes = [float(f) for f in args.flush_s.split(",")]
     load0 = os.getloadavg()[0]
-    result = run(args.nodes, args.rate, args.seconds, args.rounds)
+    rounds: dict[float, dict[str, list[float]]] = {f: {m: [] for m in MODES} for f in flushes}
+    for r in range(args.rounds):
+        for f in flushes if r % 2 == 0 else reversed(flushes):
+            for mode, us in run(args.nodes, args.rate, args.seconds, f).items():
+                rounds[f][mode].append(us)
+                log(f"round {r + 1}, flush {f:g} s: {mode}: {us:.0f} us of coordinator CPU a report")
     load1 = os.getloadavg()[0]
+    result = {
+        f"{f:g}": {m: {"per_report_us": statistics.median(v), "rounds_us": v} for m, v in by_mode.items()}
+        for f, by_mode in rounds.items()
+    }
     meta = {"host": platform.node(), "cpus": os.cpu_count(), "load": [load0, load1]} | vars(args)
     out = Path(args.out)
-    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "modes": result}, indent=2))
+    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "flushes": result}, indent=2))
     lines = [
         f"# bench.scale_events_paced, {os.cpu_count()} CPUs, load {load0:.1f}-{load1:.1f}",
         "",
-        f"{args.nodes} nodes, one-event reports in turn at {args.rate:.0f} a second in all, {args.rounds} rounds of {args.seconds:.0f} s a mode.",
+        f"{args.nodes} nodes, one-event reports in turn at {args.rate:.0f} a second in all, {args.rounds} rounds of {args.seconds:.0f} s a mode and flush interval.",
         "",
-        "| sent as | coordinator CPU per report, median us | rounds |",
-        "|---|---|---|",
+        "| event flush s | sent as | coordinator CPU per report, median us | rounds |",
+        "|---|---|---|---|",
         *(
-            f"| {m} | {r['per_report_us']:.0f} | {' / '.join(f'{x:.0f}' for x in r['rounds_us'])} |"
-            for m, r in result.items()
+            f"| {f} | {m} | {r['per_report_us']:.0f} | {' / '.join(f'{x:.0f}' for x in r['rounds_us'])} |"
+            for f, by_mode in result.items()
+            for m, r in by_mode.items()
         ),
     ]
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
