@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -36,6 +37,9 @@ from .store import Store
 log = logging.getLogger("pagedkv.coordinator")
 MASS_EXPIRY_SHARE = 1 / 3  # Kubernetes' node controller stops evicting at 55% of a zone unready
 MASS_EXPIRY_MIN_NODES = 12  # below this, one death is a large share: always reaped
+# After a beat's store call failed, beats fail at once for this long: one thread serves every
+# node's link (protos/framed_loop.py), and a store that hangs would hold it a timeout per beat.
+BEAT_RETRY_S = 0.25
 
 
 class Membership:
@@ -51,6 +55,7 @@ class Membership:
     _recent_opens: dict[str, float]
     _active_blocks: dict[str, int]
     _holder: str  # this replica's name for the store's leases (unique per process)
+    _beat_failed_at = float("-inf")  # when a beat's store call last failed (monotonic)
     _touch: Callable[[Iterable[str]], None]  # node_rooms.py: these nodes' rows changed
     _sync_rooms: Callable[[], None]
     liveness: Liveness
@@ -171,9 +176,12 @@ class Membership:
     ) -> tuple[bool, list[str]]:
         """Renew the node's lease; with `held` (every sequence id it holds) reconcile it with
         the store. Returns (is it registered, the ids it must free)."""
+        if time.monotonic() - self._beat_failed_at < BEAT_RETRY_S:
+            raise Unavailable(f"the store failed a beat under {BEAT_RETRY_S} s ago: beat again")
         try:
             ok = self.store.heartbeat(node_id, dict(load), self.config.lease_ttl_s)
         except Unavailable:
+            self._beat_failed_at = time.monotonic()
             self.liveness.store_failed()
             raise
         if ok:

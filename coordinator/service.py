@@ -38,6 +38,8 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Coordinator"].full_name
 FRAMED_METHODS = ("Open", "Close", "Heartbeat", "ReportEvents")
 # Those it also takes one-way (no reply): a node's event reports, acknowledged by its beats.
 ONE_WAY_METHODS = ("ReportEvents",)
+# A connection that carried one of these is a node's link: served by the port's one-thread loop.
+NODE_LINK_METHODS = ("Heartbeat", "ReportEvents")
 MAX_LOST_REPORTED = 1 << 16  # lost ids a registration reply names (the .proto's bound)
 T = TypeVar("T")
 _SPEC_FIELDS = ("num_layers", "num_kv_heads", "head_dim", "dtype", "block_size", "model")
@@ -395,7 +397,15 @@ def create_server(
         service = pb.DESCRIPTOR.services_by_name["Coordinator"]
         framed.append(
             FramedServer(
-                servicer, service, pb, FRAMED_METHODS, host, frame_port, tls=tls, one_way=ONE_WAY_METHODS
+                servicer,
+                service,
+                pb,
+                FRAMED_METHODS,
+                host,
+                frame_port,
+                tls=tls,
+                one_way=ONE_WAY_METHODS,
+                loop_methods=NODE_LINK_METHODS,
             )
         )
         servicer.frame_port = framed[0].port

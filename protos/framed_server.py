@@ -34,6 +34,7 @@ from google.protobuf.descriptor import ServiceDescriptor
 from google.protobuf.message import DecodeError
 
 from .errors import InvalidArgument
+from .framed_loop import FramedLoop
 from .serving import name_os_thread
 from .status import ERROR_CLASS_KEY, ERROR_IDS_KEY
 from .tls import TlsConfig
@@ -89,7 +90,8 @@ class FramedServer:
     """`methods` of `servicer` (a gRPC servicer of `service`, whose messages are in
     `messages`) on a TCP port of `host`, bound by the constructor (`port` is known
     before start; 0: any free port); those of them in `one_way` are also taken as
-    NOTIFY frames."""
+    NOTIFY frames. A plain-TCP connection that served one of `loop_methods` moves to one
+    thread serving every such connection (framed_loop.py)."""
 
     def __init__(
         self,
@@ -104,6 +106,7 @@ class FramedServer:
         limits: BulkLimits | None = None,
         max_message_bytes: int = MAX_MESSAGE_BYTES,
         one_way: Iterable[str] = (),
+        loop_methods: Iterable[str] = (),
     ) -> None:
         self.handlers: dict[str, Handler] = {}
         for name in methods:
@@ -117,6 +120,11 @@ class FramedServer:
         self.one_way = frozenset(one_way)
         if not self.one_way <= self.handlers.keys():
             raise ValueError(f"one-way methods {sorted(self.one_way - self.handlers.keys())} are not served")
+        # A plain-TCP connection that has served one of these is handed to the one-thread loop.
+        self.loop_methods = frozenset(loop_methods)
+        if not self.loop_methods <= self.handlers.keys():
+            unknown = sorted(self.loop_methods - self.handlers.keys())
+            raise ValueError(f"loop methods {unknown} are not served")
         self.limits = limits or DEFAULT_LIMITS
         self.max_message_bytes = max_message_bytes
         self._budget = ByteBudget(self.limits.max_inflight_bytes)
@@ -128,6 +136,9 @@ class FramedServer:
         self._peers = PeerCounter()
         self._lock = threading.Lock()
         self._accepter: threading.Thread | None = None
+        self._loop: FramedLoop | None = None
+        if self.loop_methods and self._tls is None:
+            self._loop = FramedLoop(self, self.loop_methods, self.limits, self._release)
         self._is_stopping = False
         self.num_calls = 0  # calls answered (an error reply included)
         self.num_one_way = 0  # one-way calls whose handler ran
@@ -135,6 +146,8 @@ class FramedServer:
         self._logged_at = -LOG_EVERY_S
 
     def start(self) -> FramedServer:
+        if self._loop is not None:
+            self._loop.start()
         self._accepter = threading.Thread(target=self._accept_loop, name="frame-accept", daemon=True)
         self._accepter.start()
         return self
@@ -154,8 +167,16 @@ class FramedServer:
         for c in conns:
             if c.thread is not None:
                 c.thread.join(5)
+        if self._loop is not None:
+            self._loop.stop()
         if self._accepter is not None:
             self._accepter.join(5)
+
+    def _release(self, served: object) -> None:
+        """A connection ended (its thread's, or the loop's): its slot and its peer's."""
+        with self._lock:
+            if self._conns.pop(id(served), None) is not None:
+                self._peers.release(served.peer)  # type: ignore[attr-defined]
 
     def _accept_loop(self) -> None:
         name_os_thread()
@@ -183,6 +204,7 @@ class FramedServer:
     def _serve(self, served: _Conn) -> None:
         name_os_thread()
         sock: Any = served.sock
+        is_adopted = False
         try:
             if self._tls is not None:
                 sock.settimeout(self.limits.handshake_timeout_s)
@@ -205,6 +227,10 @@ class FramedServer:
                     conn.sendall(error_frame(frame.op, frame.request_id, InvalidArgument(msg))[0].pack())
                     return  # its payload's framing is unknown: close
                 conn.disarm()
+                if self._loop is not None and frame.text in self.loop_methods:  # a node's link
+                    self._loop.adopt(served, sock, bytes(reader.take(reader.num_buffered) or b""))
+                    is_adopted = True
+                    return
                 if reader.num_buffered:  # the next request's first bytes are here: its deadline runs
                     conn.arm()
         except Refused as exc:
@@ -216,14 +242,19 @@ class FramedServer:
         except Exception:  # a bug: drop this connection, keep serving the others
             logger.exception("framed connection failed")
         finally:
-            sock.close()
-            with self._lock:
-                self._conns.pop(id(served), None)
-                self._peers.release(served.peer)
+            if not is_adopted:
+                sock.close()
+                self._release(served)
 
-    def _read_payload(self, reader: ReadAhead, f: Frame) -> memoryview:
-        """A request's payload, checked from its header first (Refused: not read); valid
-        until the next read (it may be the read-ahead buffer's own bytes)."""
+    def check_request(self, f: Frame) -> None:
+        """Refused (the client's mistake: answered, the connection closed) when a request's
+        header says it cannot be served: too large, its metadata past its end, a NOTIFY of a
+        method not taken one-way, an op this port does not serve."""
+        if f.op not in (wire_frame.OP_UNARY, wire_frame.OP_NOTIFY, wire_frame.OP_PING) or (
+            f.op == wire_frame.OP_PING and f.payload_len
+        ):
+            msg = f"framed port: op {f.op} is not served here (UNARY, NOTIFY and PING are)"
+            raise Refused(f, f.text, InvalidArgument(msg))
         if f.payload_len > self.max_message_bytes:
             error = InvalidArgument(
                 f"framed {f.text[:64]}: a {f.payload_len}-byte request (at most {self.max_message_bytes})"
@@ -234,6 +265,15 @@ class FramedServer:
                 f"framed {f.text[:64]}: {f.start} bytes of metadata in a {f.payload_len}-byte request"
             )
             raise Refused(f, f.text, error)
+        if f.op == wire_frame.OP_NOTIFY and f.text not in self.one_way:
+            taken = ", ".join(sorted(self.one_way)) or "none"
+            error = InvalidArgument(f"framed port: {f.text[:64]!r} is not taken one-way (these are: {taken})")
+            raise Refused(f, f.text, error)
+
+    def _read_payload(self, reader: ReadAhead, f: Frame) -> memoryview:
+        """A request's payload, checked from its header first (Refused: not read); valid
+        until the next read (it may be the read-ahead buffer's own bytes)."""
+        self.check_request(f)
         buffered = reader.take(f.payload_len)
         if buffered is not None:  # (already in the connection's buffer: nothing to allocate)
             return buffered
@@ -248,7 +288,7 @@ class FramedServer:
             self._budget.give(f.payload_len)
         return memoryview(payload)
 
-    def _parse(self, f: Frame, payload: memoryview) -> tuple[Any, FrameContext]:
+    def _parse(self, f: Frame, payload: memoryview | bytes) -> tuple[Any, FrameContext]:
         """The request message of `payload` and its call's context; InvalidArgument when
         either does not parse."""
         try:
@@ -260,11 +300,10 @@ class FramedServer:
     def _notify(self, reader: ReadAhead, f: Frame) -> None:
         """Read one NOTIFY request, run its handler, send nothing (Refused: the client's
         mistake, answered and the connection closed)."""
-        if f.text not in self.one_way:
-            taken = ", ".join(sorted(self.one_way)) or "none"
-            error = InvalidArgument(f"framed port: {f.text[:64]!r} is not taken one-way (these are: {taken})")
-            raise Refused(f, f.text, error)
-        payload = self._read_payload(reader, f)
+        self.run_one_way(f, self._read_payload(reader, f))
+
+    def run_one_way(self, f: Frame, payload: memoryview | bytes) -> None:
+        """A checked NOTIFY's handler on its payload (Refused when it does not parse)."""
         try:
             request, context = self._parse(f, payload)
         except InvalidArgument as exc:
@@ -287,7 +326,10 @@ class FramedServer:
 
     def _call(self, reader: ReadAhead, f: Frame) -> bytes:
         """Read one UNARY request's payload, run its handler; the reply's bytes."""
-        payload = self._read_payload(reader, f)
+        return self.answer(f, self._read_payload(reader, f))
+
+    def answer(self, f: Frame, payload: memoryview | bytes) -> bytes:
+        """A checked UNARY request's reply (an error reply when it fails)."""
         self.num_calls += 1
         handler = self.handlers.get(f.text)
         if handler is None:

@@ -217,9 +217,25 @@ def read_frame_ahead(sock: socket.socket, buf: bytearray) -> tuple[Frame, int]:
     return _frame(fields, text, texts[fields[-3] :].decode(errors="replace")), ahead
 
 
-def _header_fields(buf: bytearray) -> tuple[int, ...]:
+def frame_at(buf: bytes | bytearray, offset: int = 0) -> tuple[Frame, int] | None:
+    """The frame whose header starts at buf[offset] and the offset just past its texts (where
+    its payload starts), or None while buf does not hold the header and texts yet: a frame
+    parsed from bytes already received (a non-blocking reader). ProtocolError as read_frame."""
+    if len(buf) - offset < FRAME.size:
+        return None
+    fields = _header_fields(buf, offset)
+    at = offset + FRAME.size
+    end = at + fields[-3] + fields[-2]
+    if len(buf) < end:
+        return None
+    text = bytes(buf[at : at + fields[-3]]).decode(errors="replace")
+    extra = bytes(buf[at + fields[-3] : end]).decode(errors="replace")
+    return _frame(fields, text, extra), end
+
+
+def _header_fields(buf: bytes | bytearray, offset: int = 0) -> tuple[int, ...]:
     """FRAME's fields after the magic and version, checked (ProtocolError)."""
-    magic, version, *fields = FRAME.unpack_from(buf, 0)
+    magic, version, *fields = FRAME.unpack_from(buf, offset)
     if magic != MAGIC:
         raise ProtocolError(f"bad magic {bytes(magic)!r} (expected {MAGIC!r}): not a pagedkv bulk peer")
     if version != VERSION:

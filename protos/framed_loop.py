@@ -1,0 +1,265 @@
+"""FramedLoop: the framed port's connections that carry a node's periodic calls, all served
+by one thread.
+
+A node's link beats every lease/4 and sends its block events one-way: 1,000 nodes are
+~1,300 beats a second on 1,000 connections, each call a few microseconds of work. A thread
+per connection held 1,000 threads for that, and beats arriving together woke as many, which
+then handed the interpreter lock to one another. Here one thread waits on every such
+connection (epoll), reads what each ready one sent and answers its requests in order.
+FramedServer hands a plain-TCP connection over once it has served one of its `loop_methods`
+there; a TLS connection keeps its thread; a worker's method on a node's link is refused.
+
+The limits stay those of a connection's thread: a request the server refuses by its header
+is answered and the connection closed; one not all there within its deadline (the frame
+timeout plus its payload at the minimum rate) closes it, so does `idle_timeout_s` without a
+byte, and so does a peer that lets MAX_UNSENT bytes of replies wait unread; a large request
+being received counts against the listener's max_inflight_bytes. A handler runs on this
+thread: what it waits for (a store call) every adopted connection waits for, so the
+coordinator fails beats at once for a moment after the store failed one (membership.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import selectors
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from .errors import InvalidArgument
+from .serving import name_os_thread
+from .wire import Frame, ProtocolError, error_frame
+from .wire import frame as wire_frame
+from .wire.limits import BulkLimits, Refused
+
+logger = logging.getLogger("pagedkv.framed")
+READ_BYTES = 64 << 10  # one receive per ready connection and sweep
+MAX_UNSENT = 1 << 20  # replies a peer leaves unread before it is closed
+SWEEP_S = 0.5  # deadlines and idle connections are checked this often
+
+
+class _Link:
+    __slots__ = ("buf", "deadline", "held", "key", "last_seen", "out", "sock")
+
+    def __init__(self, key: object, sock: socket.socket, buffered: bytes) -> None:
+        self.key = key  # the server's handle, given back when the connection ends
+        self.sock = sock
+        self.buf = bytearray(buffered)
+        self.out = bytearray()
+        self.deadline = 0.0  # the partial request in buf must be whole by then (0: none)
+        self.held = 0  # of buf, the bytes counted against the loop's budget
+        self.last_seen = time.monotonic()
+
+
+class FramedLoop:
+    """Serves adopted connections with `server`'s checks and handlers (FramedServer's
+    check_request, answer, run_one_way), its UNARY calls of `methods` only; `release(key)`
+    when one ends."""
+
+    def __init__(
+        self,
+        server: Any,
+        methods: frozenset[str],
+        limits: BulkLimits,
+        release: Callable[[object], None],
+    ) -> None:
+        self._server = server
+        self.methods = methods
+        self._limits = limits
+        self._release = release
+        self._sel = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._sel.register(self._wake_r, selectors.EVENT_READ, None)
+        self._adopted: list[_Link] = []
+        self._links: dict[int, _Link] = {}
+        self._lock = threading.Lock()
+        self._is_stopping = False
+        self._held = 0  # bytes of large partial requests, all connections (max_inflight_bytes)
+        self._thread = threading.Thread(target=self._run, name="frame-loop", daemon=True)
+        self.num_adopted = 0
+
+    def start(self) -> FramedLoop:
+        self._thread.start()
+        return self
+
+    def adopt(self, key: object, sock: socket.socket, buffered: bytes) -> None:
+        """Serve `sock` from now on (`buffered`: what its thread had received and not read)."""
+        sock.setblocking(False)
+        with self._lock:
+            if self._is_stopping:
+                sock.close()
+                self._release(key)
+                return
+            self._adopted.append(_Link(key, sock, buffered))
+        with contextlib.suppress(BlockingIOError):
+            self._wake_w.send(b"\0")
+
+    def stop(self) -> None:
+        with self._lock:
+            self._is_stopping = True
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"\0")
+        if self._thread.is_alive():
+            self._thread.join(5)
+
+    @property
+    def num_links(self) -> int:
+        return len(self._links)
+
+    def _run(self) -> None:
+        name_os_thread()
+        next_sweep = time.monotonic() + SWEEP_S
+        try:
+            while not self._is_stopping:
+                for key, mask in self._sel.select(SWEEP_S):
+                    link = key.data
+                    if link is None:
+                        self._take_adopted()
+                        continue
+                    if mask & selectors.EVENT_READ:
+                        self._read(link)
+                    if mask & selectors.EVENT_WRITE and link.sock.fileno() >= 0:
+                        self._flush(link)
+                now = time.monotonic()
+                if now >= next_sweep:
+                    next_sweep = now + SWEEP_S
+                    self._sweep(now)
+        except Exception:  # a bug: every adopted connection ends (their clients reconnect)
+            logger.exception("framed loop failed")
+        finally:
+            with self._lock:
+                self._is_stopping = True
+                adopted, self._adopted = self._adopted, []
+            for link in [*self._links.values(), *adopted]:
+                self._close(link)
+            self._sel.close()
+            self._wake_r.close()
+            self._wake_w.close()
+
+    def _take_adopted(self) -> None:
+        with contextlib.suppress(BlockingIOError):
+            self._wake_r.recv(4096)
+        with self._lock:
+            adopted, self._adopted = self._adopted, []
+        for link in adopted:
+            self._links[link.sock.fileno()] = link
+            self._sel.register(link.sock, selectors.EVENT_READ, link)
+            self.num_adopted += 1
+            if link.buf:
+                self._serve(link)
+
+    def _read(self, link: _Link) -> None:
+        try:
+            data = link.sock.recv(READ_BYTES)
+        except BlockingIOError:
+            return
+        except OSError as exc:
+            logger.info("framed connection dropped: %s", exc)
+            self._close(link)
+            return
+        if not data:
+            self._close(link)
+            return
+        link.last_seen = time.monotonic()
+        link.buf += data
+        self._serve(link)
+
+    def _serve(self, link: _Link) -> None:
+        """Answer every whole request in link.buf, in order; keep a partial one's bytes."""
+        buf, pos = link.buf, 0
+        try:
+            while (parsed := wire_frame.frame_at(buf, pos)) is not None:
+                f, at = parsed
+                self._server.check_request(f)
+                if len(buf) - at < f.payload_len:
+                    break
+                payload = bytes(buf[at : at + f.payload_len])
+                pos = at + f.payload_len
+                if f.op == wire_frame.OP_NOTIFY:
+                    self._server.run_one_way(f, payload)
+                elif f.op == wire_frame.OP_UNARY and f.text in self.methods:
+                    link.out += self._server.answer(f, payload)
+                elif f.op == wire_frame.OP_UNARY:  # (this thread serves every node: nothing else)
+                    served = ", ".join(sorted(self.methods))
+                    msg = f"framed port: {f.text[:64]!r} is not served on a node's link (it carries {served})"
+                    link.out += error_frame(f.op, f.request_id, InvalidArgument(msg))[0].pack()
+                else:  # PING
+                    link.out += Frame(f.op, f.request_id).pack()
+        except Refused as exc:
+            assert exc.error is not None
+            link.out += error_frame(exc.frame.op, exc.frame.request_id, exc.error)[0].pack()
+            self._flush(link)
+            self._close(link)
+            return
+        except ProtocolError as exc:
+            logger.info("framed connection dropped: %s", exc)
+            self._close(link)
+            return
+        except Exception:  # a bug: drop this connection, keep serving the others
+            logger.exception("framed connection failed")
+            self._close(link)
+            return
+        del buf[:pos]
+        if len(buf) > READ_BYTES:  # a large request arriving: its bytes count against the budget
+            self._held += len(buf) - link.held
+            link.held = len(buf)
+            if self._held > self._limits.max_inflight_bytes:
+                logger.info("framed connection dropped: %d bytes of requests held", self._held)
+                self._close(link)
+                return
+        elif link.held:
+            self._held -= link.held
+            link.held = 0
+        if not buf:
+            link.deadline = 0.0
+        elif not link.deadline:  # a request's first bytes: its deadline runs from now
+            lim = self._limits
+            head = wire_frame.frame_at(buf)
+            size = head[0].payload_len if head is not None else 0
+            link.deadline = time.monotonic() + lim.frame_timeout_s + size / lim.min_bytes_per_s
+        if link.out:
+            self._flush(link)
+
+    def _flush(self, link: _Link) -> None:
+        try:
+            sent = link.sock.send(link.out)
+        except BlockingIOError:
+            sent = 0
+        except OSError as exc:
+            logger.info("framed connection dropped: %s", exc)
+            self._close(link)
+            return
+        del link.out[:sent]
+        if len(link.out) > MAX_UNSENT:
+            logger.info("framed connection dropped: %d bytes of replies unread", len(link.out))
+            self._close(link)
+            return
+        want = selectors.EVENT_READ | (selectors.EVENT_WRITE if link.out else 0)
+        if link.sock.fileno() >= 0 and self._sel.get_key(link.sock).events != want:
+            self._sel.modify(link.sock, want, link)
+
+    def _sweep(self, now: float) -> None:
+        idle = self._limits.idle_timeout_s
+        for link in list(self._links.values()):
+            if link.deadline and now > link.deadline:
+                logger.info("framed connection dropped: a request not all there within its deadline")
+                self._close(link)
+            elif now - link.last_seen > idle:
+                self._close(link)
+
+    def _close(self, link: _Link) -> None:
+        fd = link.sock.fileno()
+        if fd < 0:
+            return
+        if self._links.pop(fd, None) is not None:
+            with contextlib.suppress(KeyError, ValueError):
+                self._sel.unregister(link.sock)
+        self._held -= link.held
+        link.held = 0
+        link.sock.close()
+        self._release(link.key)

@@ -1,0 +1,259 @@
+"""The framed port's one-thread loop for node links, with real sockets: a connection moves
+there after a beat or a report and is answered as its thread answered it (in order, every
+report taken, calls and pings interleaved); what the server refuses by its header is
+answered and that connection alone closed; a request that stalls, a connection gone idle,
+and one asking for a worker's method are dealt with as the limits say; stop() ends them.
+Real parts: a coordinator on the embedded store, its servicer behind a FramedServer on a
+free port with the coordinator's node-link methods, raw client sockets."""
+
+from __future__ import annotations
+
+import random
+import socket
+import threading
+import time
+
+import pytest
+
+from pagedkv.coordinator.auth import Tenants
+from pagedkv.coordinator.core import Coordinator, CoordinatorConfig
+from pagedkv.coordinator.memory_store import MemoryStore
+from pagedkv.coordinator.metrics import CoordinatorMetrics
+from pagedkv.coordinator.service import (
+    FRAMED_METHODS,
+    NODE_LINK_METHODS,
+    ONE_WAY_METHODS,
+    CoordinatorServicer,
+)
+from pagedkv.protos import pagedkv_pb2 as pb
+from pagedkv.protos import wire
+from pagedkv.protos.framed_server import FramedServer
+from pagedkv.protos.spec import ModelSpec
+from pagedkv.protos.wire.limits import BulkLimits
+from pagedkv.protos.wire.unary import encode_unary
+
+SPEC = ModelSpec(num_layers=1, num_kv_heads=1, head_dim=8, dtype="float32", block_size=4)
+EPOCH = 5
+KEYS = [bytes([i % 256, i // 256]) * 8 for i in range(400)]
+NODES = ("n1", "n2")
+
+
+def serve(limits: BulkLimits):
+    coordinator = Coordinator(MemoryStore(), CoordinatorConfig(lease_ttl_s=30))
+    for n in NODES:
+        coordinator.register(n, "127.0.0.1:1", SPEC.to_dict(), 64, EPOCH)
+    servicer = CoordinatorServicer(coordinator, Tenants(), CoordinatorMetrics(coordinator))
+    service = pb.DESCRIPTOR.services_by_name["Coordinator"]
+    server = FramedServer(
+        servicer,
+        service,
+        pb,
+        FRAMED_METHODS,
+        limits=limits,
+        one_way=ONE_WAY_METHODS,
+        loop_methods=NODE_LINK_METHODS,
+    )
+    return coordinator, server.start()
+
+
+@pytest.fixture
+def served():
+    coordinator, server = serve(BulkLimits(idle_timeout_s=30, frame_timeout_s=0.4, min_bytes_per_s=1 << 20))
+    yield coordinator, server
+    server.stop()
+    coordinator.stop()
+
+
+def connect(server: FramedServer) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
+
+
+def report(node: str, seq: int, key: bytes, request_id: int = 1, op: int = wire.OP_NOTIFY) -> bytes:
+    message = pb.ReportEventsRequest(
+        node_id=node, events=[pb.BlockEvent(kind=pb.BlockEvent.STORED, key=key)], epoch=EPOCH, first_seq=seq
+    )
+    return encode_unary(request_id, "ReportEvents", b"", message.SerializeToString(), op)
+
+
+def beat(node: str, request_id: int, free: int = 60) -> bytes:
+    message = pb.HeartbeatRequest(node_id=node, events_epoch=EPOCH)
+    message.load.free_blocks = free
+    return encode_unary(request_id, "Heartbeat", b"", message.SerializeToString(), wire.OP_UNARY)
+
+
+def reply(sock: socket.socket, message: type) -> tuple[wire.Frame, object]:
+    head = wire.read_reply(sock)
+    body = wire.recv_bytes(sock, head.payload_len, "reply") if head.payload_len else b""
+    return head, (message.FromString(body) if head.status == wire.Status.OK else None)
+
+
+def is_closed(sock: socket.socket) -> bool:
+    try:
+        while data := sock.recv(4096):
+            del data  # (replies sent before the close)
+        return True
+    except ConnectionError:
+        return True
+
+
+def until(predicate, what: str, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
+def frame_threads() -> int:
+    return sum(t.name == "frame-conn" for t in threading.enumerate())
+
+
+def adopted(server: FramedServer) -> int:
+    assert server._loop is not None
+    return server._loop.num_links
+
+
+def test_a_node_link_moves_to_the_loop_and_is_answered_in_order(served) -> None:
+    """Beats, one-way reports and pings of two nodes, sent in streams cut at random points:
+    each connection leaves its thread after its first node call, every report is taken in
+    order, and every reply comes back in its request's order."""
+    coordinator, server = served
+    rng = random.Random(5)
+    socks = [connect(server) for _ in NODES]
+    streams = []
+    for i, node in enumerate(NODES):
+        parts = [beat(node, 1)]
+        for k in range(150):
+            parts.append(report(node, k + 1, KEYS[k + 200 * i]))
+            if k % 50 == 49:
+                parts.append(beat(node, 2 + k // 50, free=60 - k // 50))
+        parts.append(wire.Frame(wire.OP_PING, 99).pack())
+        streams.append(b"".join(parts))
+    at = [0, 0]
+    while any(a < len(s) for a, s in zip(at, streams, strict=True)):
+        for i, sock in enumerate(socks):
+            cut = min(len(streams[i]), at[i] + rng.randint(1, 900))
+            sock.sendall(streams[i][at[i] : cut])
+            at[i] = cut
+    for node, sock in zip(NODES, socks, strict=True):
+        ids = []
+        for _ in range(4):
+            head, answer = reply(sock, pb.HeartbeatResponse)
+            assert head.status == wire.Status.OK, head.text
+            assert answer.is_registered
+            ids.append(head.request_id)
+        assert ids == [1, 2, 3, 4]
+        assert wire.read_reply(sock).request_id == 99
+        assert coordinator.events_acknowledged(node, EPOCH)[1] == 151  # every report taken
+    assert adopted(server) == 2 and frame_threads() == 0
+    assert coordinator.node("n1").load == {"free_blocks": 58}  # the last beat's load
+    for sock in socks:
+        sock.close()
+    until(lambda: adopted(server) == 0 and not server._conns, "links closed by their peers released")
+
+
+def test_a_request_refused_by_its_header_closes_that_link_alone(served) -> None:
+    coordinator, server = served
+    with connect(server) as bad, connect(server) as good:
+        for sock, node in ((bad, "n1"), (good, "n2")):
+            sock.sendall(beat(node, 1))
+            assert reply(sock, pb.HeartbeatResponse)[0].status == wire.Status.OK
+        until(lambda: adopted(server) == 2, "both adopted")
+        bad.sendall(wire.Frame(wire.OP_UNARY, 7, text="Heartbeat", payload_len=1 << 30).pack())
+        head = wire.read_reply(bad)
+        assert (head.request_id, head.status) == (7, wire.Status.INVALID_ARGUMENT)
+        assert "byte request" in head.text
+        assert is_closed(bad)
+        good.sendall(beat("n2", 2))
+        assert reply(good, pb.HeartbeatResponse)[1].is_registered  # the other link is served
+        good.sendall(b"XXXX" + bytes(wire.FRAME.size))  # not a frame: dropped, nothing answered
+        assert is_closed(good)
+    until(lambda: adopted(server) == 0 and not server._conns, "slots released")
+    with connect(server) as fresh:  # the port keeps serving
+        fresh.sendall(beat("n1", 1))
+        assert reply(fresh, pb.HeartbeatResponse)[1].is_registered
+
+
+def test_a_worker_method_on_a_node_link_is_refused_and_the_link_kept(served) -> None:
+    coordinator, server = served
+    with connect(server) as sock:
+        sock.sendall(beat("n1", 1))
+        reply(sock, pb.HeartbeatResponse)
+        until(lambda: adopted(server) == 1, "adopted")
+        open_request = pb.CoordOpenRequest(seq_id="s", token_ids=[1, 2, 3])
+        sock.sendall(encode_unary(2, "Open", b"", open_request.SerializeToString(), wire.OP_UNARY))
+        head = wire.read_reply(sock)
+        assert (head.request_id, head.status) == (2, wire.Status.INVALID_ARGUMENT)
+        assert "not served on a node's link" in head.text
+        assert coordinator.counters["opens"] == 0
+        sock.sendall(beat("n1", 3))
+        assert reply(sock, pb.HeartbeatResponse)[0].request_id == 3
+
+
+def test_a_stalled_request_and_an_idle_link_are_closed() -> None:
+    coordinator, server = serve(BulkLimits(idle_timeout_s=1.0, frame_timeout_s=0.3, min_bytes_per_s=1 << 20))
+    try:
+        with connect(server) as stalled, connect(server) as idle:
+            for sock, node in ((stalled, "n1"), (idle, "n2")):
+                sock.sendall(beat(node, 1))
+                reply(sock, pb.HeartbeatResponse)
+            until(lambda: adopted(server) == 2, "adopted")
+            stalled.sendall(beat("n1", 2)[:-3])  # its last bytes never come
+            start = time.monotonic()
+            assert is_closed(stalled)
+            assert time.monotonic() - start < 1.0 + 0.5  # the frame deadline, within a sweep
+            until(lambda: adopted(server) == 1, "the stalled link released")
+            assert is_closed(idle)  # nothing sent for idle_timeout_s
+            until(lambda: adopted(server) == 0 and not server._conns, "the idle link released")
+    finally:
+        server.stop()
+        coordinator.stop()
+
+
+def test_stop_ends_every_link_and_the_loop() -> None:
+    coordinator, server = serve(BulkLimits(idle_timeout_s=30))
+    socks = [connect(server) for _ in range(5)]
+    for i, sock in enumerate(socks):
+        sock.sendall(beat(NODES[i % 2], 1))
+        reply(sock, pb.HeartbeatResponse)
+    until(lambda: adopted(server) == 5, "adopted")
+    server.stop()
+    coordinator.stop()
+    for sock in socks:
+        assert is_closed(sock)
+        sock.close()
+    assert not any(t.name == "frame-loop" for t in threading.enumerate())
+
+
+def test_a_store_that_fails_a_beat_fails_the_next_at_once() -> None:
+    """One thread serves every link: after a beat's store call failed, beats fail without
+    waiting on the store for BEAT_RETRY_S, then try it again."""
+    from pagedkv.coordinator.membership import BEAT_RETRY_S
+    from pagedkv.protos.errors import Unavailable
+
+    class Failing(MemoryStore):
+        calls = 0
+        is_down = False
+
+        def heartbeat(self, node_id, load, ttl_s):
+            Failing.calls += 1
+            if Failing.is_down:
+                raise Unavailable("store down")
+            return super().heartbeat(node_id, load, ttl_s)
+
+    coordinator = Coordinator(Failing(), CoordinatorConfig(lease_ttl_s=30))
+    coordinator.register("n1", "127.0.0.1:1", SPEC.to_dict(), 64, EPOCH)
+    try:
+        Failing.is_down = True
+        with pytest.raises(Unavailable):
+            coordinator.heartbeat("n1", {"free_blocks": 1})
+        with pytest.raises(Unavailable, match="beat again"):
+            coordinator.heartbeat("n1", {"free_blocks": 1})
+        assert Failing.calls == 1  # the second did not wait on the store
+        Failing.is_down = False
+        time.sleep(BEAT_RETRY_S + 0.05)
+        assert coordinator.heartbeat("n1", {"free_blocks": 1})[0]
+        assert Failing.calls == 2
+    finally:
+        coordinator.stop()
