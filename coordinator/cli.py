@@ -38,6 +38,7 @@ from pagedkv.usage import (
 )
 
 from ..protos.errors import InvalidArgument, PagedKVError
+from ..protos.serving import raise_open_files_limit
 from .auth import DEFAULT_TICKET_TTL_S, ClusterAccess, Tenants
 from .core import Coordinator, CoordinatorConfig
 from .metrics import CoordinatorMetrics
@@ -118,6 +119,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def serve(args: argparse.Namespace) -> None:
+    raise_open_files_limit()  # a connection per node on the framed port
     host, port = split_host_port(args.listen, "--listen")
     check_port_free("gRPC", "--listen", host, port)
     if args.metrics_port:

@@ -12,7 +12,8 @@ there; a TLS connection keeps its thread; a worker's method on a node's link is 
 The limits stay those of a connection's thread: a request the server refuses by its header
 is answered and the connection closed; one not all there within its deadline (the frame
 timeout plus its payload at the minimum rate) closes it, so does `idle_timeout_s` without a
-byte, and so does a peer that lets MAX_UNSENT bytes of replies wait unread; a large request
+byte, and so does a peer that lets MAX_UNSENT bytes of replies wait unread; a link leaves
+the server's max_connections (its threads) for the loop's MAX_LINKS; a large request
 being received counts against the listener's max_inflight_bytes. A handler runs on this
 thread: what it waits for (a store call) every adopted connection waits for, so the
 coordinator fails beats at once for a moment after the store failed one (membership.py).
@@ -39,6 +40,9 @@ logger = logging.getLogger("pagedkv.framed")
 READ_BYTES = 64 << 10  # one receive per ready connection and sweep
 MAX_UNSENT = 1 << 20  # replies a peer leaves unread before it is closed
 SWEEP_S = 0.5  # deadlines and idle connections are checked this often
+# Links one loop serves; unlike the server's threads (max_connections), one costs a socket and
+# a few buffers. 1,000 nodes beating to one coordinator need 1,000 (and as many descriptors).
+MAX_LINKS = 1 << 14
 
 
 class _Link:

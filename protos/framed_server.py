@@ -21,6 +21,7 @@ the client, which reads no reply, would otherwise take that error for its next c
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import socket
 import threading
@@ -34,7 +35,7 @@ from google.protobuf.descriptor import ServiceDescriptor
 from google.protobuf.message import DecodeError
 
 from .errors import InvalidArgument
-from .framed_loop import FramedLoop
+from .framed_loop import MAX_LINKS, FramedLoop
 from .serving import name_os_thread
 from .status import ERROR_CLASS_KEY, ERROR_IDS_KEY
 from .tls import TlsConfig
@@ -47,6 +48,7 @@ from .wire.unary import decode_metadata
 logger = logging.getLogger("pagedkv.framed")
 MAX_MESSAGE_BYTES = 4 << 20  # gRPC-Python's default receive limit: the same requests fit
 DEFAULT_LIMITS = BulkLimits(max_connections=512, max_per_peer=128, max_inflight_bytes=256 << 20)
+ACCEPT_RETRY_S = 0.1  # after accept failed for want of descriptors or memory
 LOG_EVERY_S = 10.0  # a one-way call's failure is logged at most this often (all are counted)
 
 
@@ -76,11 +78,12 @@ class FrameContext:
 
 
 class _Conn:
-    __slots__ = ("peer", "sock", "thread")
+    __slots__ = ("is_adopted", "peer", "sock", "thread")
 
     def __init__(self, sock: socket.socket, peer: object) -> None:
         self.sock, self.peer = sock, peer
         self.thread: threading.Thread | None = None
+        self.is_adopted = False  # served by the loop, not a thread of its own
 
 
 Handler = tuple[Callable[[Any, FrameContext], Any], Callable[[bytes | memoryview], Any]]
@@ -137,6 +140,7 @@ class FramedServer:
         self._lock = threading.Lock()
         self._accepter: threading.Thread | None = None
         self._loop: FramedLoop | None = None
+        self._num_adopted = 0  # connections in _conns served by the loop
         if self.loop_methods and self._tls is None:
             self._loop = FramedLoop(self, self.loop_methods, self.limits, self._release)
         self._is_stopping = False
@@ -174,22 +178,28 @@ class FramedServer:
 
     def _release(self, served: object) -> None:
         """A connection ended (its thread's, or the loop's): its slot and its peer's."""
+        assert isinstance(served, _Conn)
         with self._lock:
             if self._conns.pop(id(served), None) is not None:
-                self._peers.release(served.peer)  # type: ignore[attr-defined]
+                self._peers.release(served.peer)
+                self._num_adopted -= served.is_adopted
 
     def _accept_loop(self) -> None:
         name_os_thread()
         while True:
             try:
                 sock, addr = self._sock.accept()
-            except OSError:
-                return  # closed
+            except OSError as exc:
+                if exc.errno not in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    return  # closed
+                logger.warning("framed port: cannot accept (%s); trying again in %s s", exc, ACCEPT_RETRY_S)
+                time.sleep(ACCEPT_RETRY_S)  # out of descriptors: the connection waits in the backlog
+                continue
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             with self._lock:
                 if (
                     self._is_stopping
-                    or len(self._conns) >= self.limits.max_connections
+                    or len(self._conns) - self._num_adopted >= self.limits.max_connections  # threads
                     or not self._peers.admit(addr[0], self.limits.max_per_peer)
                 ):
                     sock.close()  # the client takes gRPC
@@ -216,10 +226,13 @@ class FramedServer:
             head = bytearray(wire_frame.FRAME.size)
             while (frame := read_frame(reader, eof_ok=True, buf=head)) is not None:  # type: ignore[arg-type]
                 conn.arm(frame.payload_len)
+                served_ok = False  # a node's call that succeeded: its link may move to the loop
                 if frame.op == wire_frame.OP_NOTIFY:
-                    self._notify(reader, frame)
+                    served_ok = self._notify(reader, frame)
                 elif frame.op == wire_frame.OP_UNARY:
-                    conn.sendall(self._call(reader, frame))
+                    reply = self._call(reader, frame)
+                    conn.sendall(reply)
+                    served_ok = wire_frame.FRAME.unpack_from(reply)[4] == Status.OK
                 elif frame.op == wire_frame.OP_PING and not frame.payload_len:
                     conn.sendall(Frame(frame.op, frame.request_id).pack())
                 else:
@@ -227,7 +240,12 @@ class FramedServer:
                     conn.sendall(error_frame(frame.op, frame.request_id, InvalidArgument(msg))[0].pack())
                     return  # its payload's framing is unknown: close
                 conn.disarm()
-                if self._loop is not None and frame.text in self.loop_methods:  # a node's link
+                if (
+                    served_ok
+                    and self._loop is not None
+                    and frame.text in self.loop_methods
+                    and self._adopting(served)
+                ):
                     self._loop.adopt(served, sock, bytes(reader.take(reader.num_buffered) or b""))
                     is_adopted = True
                     return
@@ -245,6 +263,17 @@ class FramedServer:
             if not is_adopted:
                 sock.close()
                 self._release(served)
+
+    def _adopting(self, served: _Conn) -> bool:
+        """Whether a node's link leaves its thread for the loop (which holds at most
+        MAX_LINKS): its slot then no longer counts against max_connections (threads)."""
+        assert self._loop is not None
+        with self._lock:
+            if self._num_adopted >= MAX_LINKS:
+                return False
+            served.is_adopted = True
+            self._num_adopted += 1
+        return True
 
     def check_request(self, f: Frame) -> None:
         """Refused (the client's mistake: answered, the connection closed) when a request's
@@ -297,13 +326,14 @@ class FramedServer:
         except (DecodeError, InvalidArgument) as exc:
             raise InvalidArgument(f"framed {f.text}: the request does not parse: {exc}") from None
 
-    def _notify(self, reader: ReadAhead, f: Frame) -> None:
+    def _notify(self, reader: ReadAhead, f: Frame) -> bool:
         """Read one NOTIFY request, run its handler, send nothing (Refused: the client's
-        mistake, answered and the connection closed)."""
-        self.run_one_way(f, self._read_payload(reader, f))
+        mistake, answered and the connection closed); whether its handler succeeded."""
+        return self.run_one_way(f, self._read_payload(reader, f))
 
-    def run_one_way(self, f: Frame, payload: memoryview | bytes) -> None:
-        """A checked NOTIFY's handler on its payload (Refused when it does not parse)."""
+    def run_one_way(self, f: Frame, payload: memoryview | bytes) -> bool:
+        """A checked NOTIFY's handler on its payload (Refused when it does not parse);
+        whether the handler succeeded (its failure is counted and logged, not answered)."""
         try:
             request, context = self._parse(f, payload)
         except InvalidArgument as exc:
@@ -323,6 +353,8 @@ class FramedServer:
                     exc.code.name,
                     exc,
                 )
+            return False
+        return True
 
     def _call(self, reader: ReadAhead, f: Frame) -> bytes:
         """Read one UNARY request's payload, run its handler; the reply's bytes."""

@@ -36,6 +36,25 @@ def name_os_thread() -> None:
         _libc.prctl(_PR_SET_NAME, threading.current_thread().name.encode()[:15], 0, 0, 0)
 
 
+def raise_open_files_limit() -> int:
+    """Raise the soft limit on this process's open descriptors to its hard limit (capped at
+    2^20) and return it: a coordinator holds a connection per node, and the soft limit is
+    often 1,024. A no-op where it is already there or the platform has none."""
+    try:
+        import resource
+    except ImportError:  # (not POSIX)
+        return -1
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = min(hard, 1 << 20) if hard != resource.RLIM_INFINITY else 1 << 20
+    if soft != resource.RLIM_INFINITY and soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            soft = want
+        except (ValueError, OSError):  # (the kernel's nr_open is lower: keep what we have)
+            pass
+    return int(soft)
+
+
 class Companion(Protocol):
     """A listener that lives and dies with a gRPC server (the coordinator's framed port)."""
 

@@ -14,6 +14,7 @@ import threading
 import time
 
 import pytest
+from test_framed_one_way import until
 
 from pagedkv.coordinator.auth import Tenants
 from pagedkv.coordinator.core import Coordinator, CoordinatorConfig
@@ -96,13 +97,6 @@ def is_closed(sock: socket.socket) -> bool:
         return True
     except ConnectionError:
         return True
-
-
-def until(predicate, what: str, timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.01)
 
 
 def frame_threads() -> int:
@@ -257,3 +251,122 @@ def test_a_store_that_fails_a_beat_fails_the_next_at_once() -> None:
         assert Failing.calls == 2
     finally:
         coordinator.stop()
+
+
+def test_only_a_node_call_that_succeeded_moves_its_link(served) -> None:
+    """A beat the servicer refuses (a load counter below 0) or a report it fails (another
+    registration) leaves the connection on its thread: a failed call earns no link."""
+    coordinator, server = served
+    with connect(server) as sock:
+        bad = pb.HeartbeatRequest(node_id="n1")
+        bad.load.free_blocks = -1
+        sock.sendall(encode_unary(1, "Heartbeat", b"", bad.SerializeToString(), wire.OP_UNARY))
+        assert wire.read_reply(sock).status == wire.Status.INVALID_ARGUMENT
+        stale = pb.ReportEventsRequest(node_id="n1", epoch=EPOCH + 1, first_seq=1)
+        sock.sendall(encode_unary(2, "ReportEvents", b"", stale.SerializeToString(), wire.OP_NOTIFY))
+        sock.sendall(wire.Frame(wire.OP_PING, 3).pack())
+        assert wire.read_reply(sock).request_id == 3
+        assert adopted(server) == 0 and frame_threads() == 1
+        sock.sendall(beat("n1", 4))
+        assert reply(sock, pb.HeartbeatResponse)[1].is_registered
+        until(lambda: adopted(server) == 1 and frame_threads() == 0, "adopted after a beat that worked")
+
+
+def test_links_leave_the_thread_cap() -> None:
+    """max_connections bounds the port's threads, not the links the loop serves."""
+    coordinator, server = serve(BulkLimits(max_connections=2, idle_timeout_s=30))
+    links, plain = [], []
+    try:
+        for i in range(3):
+            sock = connect(server)
+            sock.sendall(beat(NODES[i % 2], 1))
+            assert reply(sock, pb.HeartbeatResponse)[1].is_registered
+            links.append(sock)
+            until(lambda n=i + 1: adopted(server) == n, "adopted")
+        for _ in range(2):  # two threads' worth of workers' connections still come in
+            sock = connect(server)
+            sock.sendall(wire.Frame(wire.OP_PING, 7).pack())
+            assert wire.read_reply(sock).request_id == 7
+            plain.append(sock)
+        over = connect(server)  # a third thread: refused (the client would take gRPC)
+        assert is_closed(over)
+        over.close()
+        links[0].sendall(beat("n1", 2))
+        assert reply(links[0], pb.HeartbeatResponse)[0].request_id == 2
+    finally:
+        for sock in links + plain:
+            sock.close()
+        server.stop()
+        coordinator.stop()
+
+
+def test_a_server_raises_its_open_files_limit_to_the_hard_one() -> None:
+    import resource
+
+    from pagedkv.protos.serving import raise_open_files_limit
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(soft, 256), hard))
+    try:
+        got = raise_open_files_limit()
+        want = min(hard, 1 << 20) if hard != resource.RLIM_INFINITY else 1 << 20
+        assert got == want == resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+SERVER_WITH_FEW_DESCRIPTORS = """
+import os, resource, sys, time
+from pagedkv.coordinator.auth import Tenants
+from pagedkv.coordinator.core import Coordinator, CoordinatorConfig
+from pagedkv.coordinator.memory_store import MemoryStore
+from pagedkv.coordinator.metrics import CoordinatorMetrics
+from pagedkv.coordinator.service import FRAMED_METHODS, NODE_LINK_METHODS, ONE_WAY_METHODS
+from pagedkv.coordinator.service import CoordinatorServicer
+from pagedkv.protos import pagedkv_pb2 as pb
+from pagedkv.protos.framed_server import FramedServer
+coordinator = Coordinator(MemoryStore(), CoordinatorConfig(lease_ttl_s=30))
+servicer = CoordinatorServicer(coordinator, Tenants(), CoordinatorMetrics(coordinator))
+service = pb.DESCRIPTOR.services_by_name["Coordinator"]
+server = FramedServer(servicer, service, pb, FRAMED_METHODS, one_way=ONE_WAY_METHODS,
+                      loop_methods=NODE_LINK_METHODS).start()
+spare = len(os.listdir("/proc/self/fd")) + 2  # two connections fit, a third does not
+resource.setrlimit(resource.RLIMIT_NOFILE, (spare, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+print(server.port, flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_the_port_accepts_again_once_descriptors_are_free() -> None:
+    """Out of descriptors, accept() fails (EMFILE): the port waits and accepts once some are
+    back, instead of its accepting thread ending (every later client falling back to gRPC)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SERVER_WITH_FEW_DESCRIPTORS],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        port = int(proc.stdout.readline())
+        held = []
+        for _ in range(2):
+            sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+            sock.sendall(wire.Frame(wire.OP_PING, 1).pack())
+            assert wire.read_reply(sock).request_id == 1
+            held.append(sock)
+        late = socket.create_connection(("127.0.0.1", port), timeout=5)  # in the backlog
+        late.sendall(wire.Frame(wire.OP_PING, 2).pack())
+        time.sleep(0.5)  # accept fails meanwhile, more than once
+        held.pop().close()  # a descriptor back
+        assert wire.read_reply(late).request_id == 2
+        late.close()
+        for sock in held:
+            sock.close()
+    finally:
+        proc.stdin.close()
+        proc.wait(10)
+    assert "cannot accept" in proc.stderr.read()
