@@ -307,6 +307,7 @@ def run_point(
         nodes.start_beating()
         log(f"{num_nodes} nodes x {coordinators} coordinators: registered in {point['register_s']:.2f} s")
         point["index_fill_s"] = fill_index(cluster.redis_url, nodes.ids, index, args.seed)
+        nodes.first_round.wait(60)  # (the quiet window counts beats, not links connecting)
         window = Window(cluster)
         window.measure_quiet(args.quiet_s)
         point["quiet_coord_cpu_per_s"] = window.quiet_coord_s_per_s

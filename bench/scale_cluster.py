@@ -28,6 +28,7 @@ from pagedkv.protos import pagedkv_pb2 as pb
 from pagedkv.protos import pagedkv_pb2_grpc as pb_grpc
 from pagedkv.protos.errors import NotFound, PagedKVError
 from pagedkv.protos.framed_client import FramedPort, NotCarried
+from pagedkv.protos.serving import raise_open_files_limit
 
 SPEC = pb.ModelSpec(num_layers=2, num_kv_heads=2, head_dim=64, dtype="float16", block_size=16)
 NODE_BLOCKS = 1_000_000  # fake nodes never fill: the bench measures the control plane, not eviction
@@ -167,6 +168,19 @@ def _framed_beat(port: FramedPort, stub: Any, request: pb.HeartbeatRequest) -> A
     return stub.Heartbeat.future(request, timeout=30)
 
 
+def node_links(num_nodes: int, frame_ports: list[int]) -> list[FramedPort]:
+    """A framed connection per node to its coordinator's port, as each node holds its own
+    (CoordinatorLink); node i's from 127.0.0.(2 + i // 100), since the port takes at most 128
+    connections from one address."""
+    raise_open_files_limit()  # (a descriptor per node)
+    ports = []
+    for i in range(num_nodes):
+        port = FramedPort("127.0.0.1", None, None, source_host=f"127.0.0.{2 + i // 100}")
+        port.learn(frame_ports[i % len(frame_ports)])
+        ports.append(port)
+    return ports
+
+
 class FakeNodes:
     """`num_nodes` node ids registered through the coordinators (round robin), beating at
     the interval the coordinator hands out until `stop()`."""
@@ -180,6 +194,7 @@ class FakeNodes:
         self.failed_beats = 0  # beats that failed (UNAVAILABLE, deadline)
         self.lapsed_reports = 0  # ReportEvents refused (lease lapsed): registered again
         self._stop = threading.Event()
+        self.first_round = threading.Event()  # every node beat once (its link connected)
         self._thread: threading.Thread | None = None
         self.frame_ports = [0] * len(cluster.stubs)
         self.epochs = [0] * num_nodes  # each node's registration
@@ -220,13 +235,12 @@ class FakeNodes:
 
     def _beat(self) -> None:
         """Every node's beat each interval: on the coordinators' framed ports as real nodes
-        beat (one connection each, the beats one after another), or over gRPC (all in flight).
+        beat (a connection per node, node_links; the beats one after another), or over gRPC
+        (all in flight).
         Spread over the interval (`beats_spread`), as nodes beating on their own timers do;
         else all at its start (a burst: the coordinator saturated for its length)."""
         load = pb.NodeLoad(free_blocks=NODE_BLOCKS, num_blocks=NODE_BLOCKS)
-        ports = [FramedPort("127.0.0.1", None, None) for _ in self.cluster.stubs]
-        for port, number in zip(ports, self.frame_ports, strict=True):
-            port.learn(number)
+        ports = node_links(len(self.ids), self.frame_ports)
         next_at = time.monotonic()
         while not self._stop.is_set():
             if time.monotonic() - next_at > self.interval_s / 10:
@@ -238,7 +252,7 @@ class FakeNodes:
                     due = next_at + i * self.interval_s / len(requests)
                     self._stop.wait(max(0.0, due - time.monotonic()))
                 if self.beat_framed:
-                    calls.append(_framed_beat(ports[i % len(ports)], self._stub(i), r))
+                    calls.append(_framed_beat(ports[i], self._stub(i), r))
                 else:
                     calls.append(self._stub(i).Heartbeat.future(r, timeout=30))
             for call in calls:
@@ -248,6 +262,7 @@ class FakeNodes:
                         self.unregistered += 1
                 except (grpc.RpcError, PagedKVError):  # UNAVAILABLE (Redis timed out under load): missed
                     self.failed_beats += 1
+            self.first_round.set()
             next_at += self.interval_s
             self._stop.wait(max(0.0, next_at - time.monotonic()))
         for port in ports:

@@ -370,3 +370,28 @@ def test_the_port_accepts_again_once_descriptors_are_free() -> None:
         proc.stdin.close()
         proc.wait(10)
     assert "cannot accept" in proc.stderr.read()
+
+
+def test_links_still_count_against_their_peers_cap() -> None:
+    """max_per_peer holds for links moved to the loop; a client may pick its source address
+    (FramedPort(source_host=...)), as bench.scale's fake nodes do to stand for many hosts."""
+    from pagedkv.protos.framed_client import FramedPort, NotCarried
+
+    coordinator, server = serve(BulkLimits(max_per_peer=2, idle_timeout_s=30))
+    ports = [FramedPort("127.0.0.1", None, None, source_host=f"127.0.0.{2 + i // 2}") for i in range(5)]
+    try:
+        for i, port in enumerate(ports):
+            port.learn(server.port)
+            request = pb.HeartbeatRequest(node_id=NODES[i % 2])
+            assert port.call("Heartbeat", request, pb.HeartbeatResponse, 5).is_registered
+        until(lambda: adopted(server) == 5, "five links from three addresses")
+        crowded = FramedPort("127.0.0.1", None, None, source_host="127.0.0.2")  # its third
+        crowded.learn(server.port)
+        with pytest.raises(NotCarried):
+            crowded.call("Heartbeat", pb.HeartbeatRequest(node_id="n1"), pb.HeartbeatResponse, 5)
+        crowded.close()
+    finally:
+        for port in ports:
+            port.close()
+        server.stop()
+        coordinator.stop()
