@@ -23,6 +23,7 @@ def test_a_small_paced_events_run_measures_both_ways(tmp_path: Path) -> None:
     assert set(flushes) == {"0.005", "0.05"}
     for modes in flushes.values():
         assert set(modes) == {"one-way", "framed call"}
-        assert all(len(m["rounds_us"]) == 1 and m["per_report_us"] > 0 for m in modes.values())
+        # (>= 0: a window this short may fall inside one /proc tick)
+        assert all(len(m["rounds_us"]) == 1 and m["per_report_us"] >= 0 for m in modes.values())
     table = out.with_suffix(".md").read_text()
     assert "| 0.005 | one-way |" in table and "| 0.05 | framed call |" in table
