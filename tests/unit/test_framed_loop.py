@@ -16,7 +16,7 @@ import time
 import pytest
 from test_framed_one_way import until
 
-from pagedkv.coordinator.auth import Tenants
+from pagedkv.coordinator.auth import ClusterAccess, Tenants
 from pagedkv.coordinator.core import Coordinator, CoordinatorConfig
 from pagedkv.coordinator.memory_store import MemoryStore
 from pagedkv.coordinator.metrics import CoordinatorMetrics
@@ -39,8 +39,9 @@ KEYS = [bytes([i % 256, i // 256]) * 8 for i in range(400)]
 NODES = ("n1", "n2")
 
 
-def serve(limits: BulkLimits):
-    coordinator = Coordinator(MemoryStore(), CoordinatorConfig(lease_ttl_s=30))
+def serve(limits: BulkLimits, access: ClusterAccess | None = None):
+    config = CoordinatorConfig(lease_ttl_s=30, access=access or ClusterAccess())
+    coordinator = Coordinator(MemoryStore(), config)
     for n in NODES:
         coordinator.register(n, "127.0.0.1:1", SPEC.to_dict(), 64, EPOCH)
     servicer = CoordinatorServicer(coordinator, Tenants(), CoordinatorMetrics(coordinator))
@@ -393,5 +394,64 @@ def test_links_still_count_against_their_peers_cap() -> None:
     finally:
         for port in ports:
             port.close()
+        server.stop()
+        coordinator.stop()
+
+
+def test_a_link_checks_every_calls_credential() -> None:
+    """With a cluster secret (no TLS: links move to the loop), a link that moved there still
+    checks each call's node ticket: none, a forged one or another node's is refused, changes
+    nothing of the node (its load, its events) and leaves the link usable; a first call
+    refused so earns no link."""
+    from pagedkv.protos.tickets import RIGHT_NODE, TICKET_KEY, ClusterKeys, Minter
+    from pagedkv.protos.wire.unary import encode_metadata
+
+    keys = ClusterKeys([b"the cluster's own secret, long enough ......"])
+    forger = ClusterKeys([b"a secret the attacker made up ................."])
+
+    def ticket(keyring: ClusterKeys, node: str) -> bytes:
+        return encode_metadata([(TICKET_KEY, Minter(keyring, ttl_s=60).get(RIGHT_NODE, node))])
+
+    coordinator, server = serve(BulkLimits(idle_timeout_s=30), ClusterAccess(keys))
+
+    def beat_with(meta: bytes, request_id: int, free: int) -> bytes:
+        message = pb.HeartbeatRequest(node_id="n1")
+        message.load.free_blocks = free
+        return encode_unary(request_id, "Heartbeat", meta, message.SerializeToString(), wire.OP_UNARY)
+
+    try:
+        with connect(server) as stranger:  # refused first: stays on its thread
+            stranger.sendall(beat_with(ticket(forger, "n1"), 1, 1))
+            assert wire.read_reply(stranger).status == wire.Status.UNAUTHENTICATED
+            assert adopted(server) == 0 and frame_threads() == 1
+        with connect(server) as sock:
+            sock.sendall(beat_with(ticket(keys, "n1"), 1, 50))
+            assert reply(sock, pb.HeartbeatResponse)[1].is_registered
+            until(lambda: adopted(server) == 1, "the genuine node's link moved")
+            for i, (meta, status) in enumerate(
+                [
+                    (b"", wire.Status.UNAUTHENTICATED),
+                    (ticket(forger, "n1"), wire.Status.UNAUTHENTICATED),
+                    (ticket(keys, "n2"), wire.Status.PERMISSION_DENIED),
+                ]
+            ):
+                sock.sendall(beat_with(meta, 10 + i, 1))
+                head = wire.read_reply(sock)
+                assert (head.request_id, head.status) == (10 + i, status), head.text
+                forged = pb.ReportEventsRequest(
+                    node_id="n1", epoch=EPOCH, first_seq=1, events=[pb.BlockEvent(kind=1, key=KEYS[i])]
+                )
+                sock.sendall(
+                    encode_unary(20 + i, "ReportEvents", meta, forged.SerializeToString(), wire.OP_NOTIFY)
+                )
+            sock.sendall(wire.Frame(wire.OP_PING, 30).pack())
+            assert wire.read_reply(sock).request_id == 30  # nothing else came back
+            assert server.num_one_way_failed == 3
+            assert coordinator.node("n1").load == {"free_blocks": 50}  # no refused beat changed it
+            assert coordinator.events_acknowledged("n1", EPOCH) == (0, 1)  # no forged report queued
+            sock.sendall(beat_with(ticket(keys, "n1"), 40, 49))
+            assert reply(sock, pb.HeartbeatResponse)[1].is_registered  # the link is still served
+            assert coordinator.node("n1").load == {"free_blocks": 49}
+    finally:
         server.stop()
         coordinator.stop()
