@@ -60,19 +60,12 @@ class _Link:
 
 class FramedLoop:
     """Serves adopted connections with `server`'s checks and handlers (FramedServer's
-    check_request, answer, run_one_way), its UNARY calls of `methods` only; `release(key)`
+    check_request, answer, run_one_way), its UNARY calls of `loop_methods` only; `release(key)`
     when one ends."""
 
-    def __init__(
-        self,
-        server: Any,
-        methods: frozenset[str],
-        limits: BulkLimits,
-        release: Callable[[object], None],
-    ) -> None:
+    def __init__(self, server: Any, release: Callable[[object], None]) -> None:
         self._server = server
-        self.methods = methods
-        self._limits = limits
+        self._limits: BulkLimits = server.limits
         self._release = release
         self._sel = selectors.DefaultSelector()
         self._wake_r, self._wake_w = socket.socketpair()
@@ -85,7 +78,6 @@ class FramedLoop:
         self._is_stopping = False
         self._held = 0  # bytes of large partial requests, all connections (max_inflight_bytes)
         self._thread = threading.Thread(target=self._run, name="frame-loop", daemon=True)
-        self.num_adopted = 0
 
     def start(self) -> FramedLoop:
         self._thread.start()
@@ -153,7 +145,6 @@ class FramedLoop:
         for link in adopted:
             self._links[link.sock.fileno()] = link
             self._sel.register(link.sock, selectors.EVENT_READ, link)
-            self.num_adopted += 1
             if link.buf:
                 self._serve(link)
 
@@ -186,10 +177,10 @@ class FramedLoop:
                 pos = at + f.payload_len
                 if f.op == wire_frame.OP_NOTIFY:
                     self._server.run_one_way(f, payload)
-                elif f.op == wire_frame.OP_UNARY and f.text in self.methods:
+                elif f.op == wire_frame.OP_UNARY and f.text in self._server.loop_methods:
                     link.out += self._server.answer(f, payload)
                 elif f.op == wire_frame.OP_UNARY:  # (this thread serves every node: nothing else)
-                    served = ", ".join(sorted(self.methods))
+                    served = ", ".join(sorted(self._server.loop_methods))
                     msg = f"framed port: {f.text[:64]!r} is not served on a node's link (it carries {served})"
                     link.out += error_frame(f.op, f.request_id, InvalidArgument(msg))[0].pack()
                 else:  # PING

@@ -142,7 +142,7 @@ class FramedServer:
         self._loop: FramedLoop | None = None
         self._num_adopted = 0  # connections in _conns served by the loop
         if self.loop_methods and self._tls is None:
-            self._loop = FramedLoop(self, self.loop_methods, self.limits, self._release)
+            self._loop = FramedLoop(self, self._release)
         self._is_stopping = False
         self.num_calls = 0  # calls answered (an error reply included)
         self.num_one_way = 0  # one-way calls whose handler ran
