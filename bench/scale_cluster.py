@@ -23,6 +23,7 @@ from typing import Any
 import grpc
 import redis
 
+from pagedkv.cache_node.coordinator_link import LINK_WAIT_S
 from pagedkv.cluster import free_port
 from pagedkv.protos import pagedkv_pb2 as pb
 from pagedkv.protos import pagedkv_pb2_grpc as pb_grpc
@@ -32,6 +33,7 @@ from pagedkv.protos.serving import raise_open_files_limit
 
 SPEC = pb.ModelSpec(num_layers=2, num_kv_heads=2, head_dim=64, dtype="float16", block_size=16)
 NODE_BLOCKS = 1_000_000  # fake nodes never fill: the bench measures the control plane, not eviction
+BEAT_THREADS = 32  # fake nodes' beats in flight at once (1,300 a second, each up to LINK_WAIT_S)
 
 
 class StubNode(pb_grpc.CacheNodeServicer):
@@ -89,21 +91,18 @@ class ScaleCluster:
         binary = shutil.which("redis-server")
         if binary is None:
             raise SystemExit("bench.scale needs redis-server on PATH")
-        port = free_port()
-        self.redis_url = f"redis://127.0.0.1:{port}/0"
-        self.redis_proc = self._spawn(
-            "redis", [binary, "--port", str(port), "--save", "", "--appendonly", "no", "--dir", str(workdir)]
-        )
-        self.redis = redis.Redis.from_url(self.redis_url)
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                self.redis.ping()
+        for attempt in range(1, 6):  # a free port can be taken before redis binds it: try another
+            port = free_port()
+            self.redis_url = f"redis://127.0.0.1:{port}/0"
+            self.redis_proc = self._spawn(
+                "redis",
+                [binary, "--port", str(port), "--save", "", "--appendonly", "no", "--dir", str(workdir)],
+            )
+            self.redis = redis.Redis.from_url(self.redis_url)
+            if self._redis_up() or attempt == 5:
                 break
-            except redis.ConnectionError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
+        if self.redis_proc.poll() is not None:
+            raise RuntimeError(f"redis-server did not start: see {workdir / 'redis.log'}")
         self.stub = StubNode()
         self.stub_server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
         pb_grpc.add_CacheNodeServicer_to_server(self.stub, self.stub_server)
@@ -127,6 +126,19 @@ class ScaleCluster:
         proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
         self.procs.append(proc)
         return proc
+
+    def _redis_up(self) -> bool:
+        """Whether the redis-server just spawned answers (False: it exited, its port taken)."""
+        deadline = time.monotonic() + 10
+        while self.redis_proc.poll() is None:
+            try:
+                self.redis.ping()
+                return True
+            except redis.ConnectionError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+        return False
 
     def coordinator_pids(self) -> list[int]:
         return [p.pid for p, _ in self.coordinators]
@@ -154,18 +166,14 @@ class ScaleCluster:
 
 
 def _framed_beat(port: FramedPort, stub: Any, request: pb.HeartbeatRequest) -> Any:
-    """A beat on the framed port as a done future; over gRPC when the port cannot carry it."""
+    """A beat on the framed port, as a node's (it may wait LINK_WAIT_S there); over gRPC when
+    the port cannot carry it."""
     if port.is_usable:
-        done: futures.Future[Any] = futures.Future()
         try:
-            done.set_result(port.call("Heartbeat", request, pb.HeartbeatResponse, 30))
-            return done
+            return port.call("Heartbeat", request, pb.HeartbeatResponse, 30, may_wait_s=LINK_WAIT_S)
         except NotCarried:
             pass
-        except PagedKVError as exc:
-            done.set_exception(exc)
-            return done
-    return stub.Heartbeat.future(request, timeout=30)
+    return stub.Heartbeat(request, timeout=30)
 
 
 def node_links(num_nodes: int, frame_ports: list[int]) -> list[FramedPort]:
@@ -235,12 +243,14 @@ class FakeNodes:
 
     def _beat(self) -> None:
         """Every node's beat each interval: on the coordinators' framed ports as real nodes
-        beat (a connection per node, node_links; the beats one after another), or over gRPC
-        (all in flight).
+        beat (a connection per node, node_links; BEAT_THREADS in flight, since a beat's reply
+        may wait a few ms and real nodes do not wait on each other's), or over gRPC (all in
+        flight).
         Spread over the interval (`beats_spread`), as nodes beating on their own timers do;
         else all at its start (a burst: the coordinator saturated for its length)."""
         load = pb.NodeLoad(free_blocks=NODE_BLOCKS, num_blocks=NODE_BLOCKS)
         ports = node_links(len(self.ids), self.frame_ports)
+        pool = futures.ThreadPoolExecutor(BEAT_THREADS, thread_name_prefix="fake-beat")
         next_at = time.monotonic()
         while not self._stop.is_set():
             if time.monotonic() - next_at > self.interval_s / 10:
@@ -252,7 +262,7 @@ class FakeNodes:
                     due = next_at + i * self.interval_s / len(requests)
                     self._stop.wait(max(0.0, due - time.monotonic()))
                 if self.beat_framed:
-                    calls.append(_framed_beat(ports[i], self._stub(i), r))
+                    calls.append(pool.submit(_framed_beat, ports[i], self._stub(i), r))
                 else:
                     calls.append(self._stub(i).Heartbeat.future(r, timeout=30))
             for call in calls:
@@ -265,6 +275,7 @@ class FakeNodes:
             self.first_round.set()
             next_at += self.interval_s
             self._stop.wait(max(0.0, next_at - time.monotonic()))
+        pool.shutdown()
         for port in ports:
             port.close()
 
@@ -285,7 +296,7 @@ class FakeNodes:
                 node_id=self.ids[node], events=events, epoch=self.epochs[node], first_seq=self.sent[node] + 1
             )
             if one_way and not reply_wanted:
-                port.notify("ReportEvents", request, 60)
+                port.notify("ReportEvents", request, 60, may_wait_s=LINK_WAIT_S)
                 return None
             if framed or one_way:
                 return port.call("ReportEvents", request, pb.ReportEventsResponse, 60)

@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 from bench.scale_cluster import FakeNodes, ScaleCluster, cpu_s
+from pagedkv.cache_node.coordinator_link import LINK_WAIT_S
 from pagedkv.protos import pagedkv_pb2 as pb
 from pagedkv.protos.framed_client import FramedPort
 
@@ -72,7 +73,7 @@ def run(num_nodes: int, rate: float, seconds: float, flush_s: float) -> dict[str
             for k in range(count):
                 i = k % num_nodes
                 if mode == "one-way":
-                    ports[i].notify("ReportEvents", report(i, 1), 30)
+                    ports[i].notify("ReportEvents", report(i, 1), 30, may_wait_s=LINK_WAIT_S)
                 else:
                     ports[i].call("ReportEvents", report(i, 1), pb.ReportEventsResponse, 30)
                 due = t0 + (k + 1) / rate

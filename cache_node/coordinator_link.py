@@ -69,6 +69,9 @@ from .kv_manager import OFFLOADED, STORED
 log = logging.getLogger("pagedkv.node.link")
 RECONCILE_EVERY = 4  # beats: one full report of held sequence ids per lease
 MAX_HELD_REPORT = 1 << 16  # more ids than this are not reported (the coordinator then skips us)
+# A beat or a one-way report may wait this long at the coordinator, which then serves many
+# nodes' together (protos/framed_loop.py: one wake-up of its thread for several).
+LINK_WAIT_S = 0.01
 RECONNECT_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),
@@ -177,13 +180,13 @@ class CoordinatorLink:
             return ()
         return ((TICKET_KEY, self._minter.get(RIGHT_NODE, self.node_id)),)
 
-    def _call(self, method: str, request: Any, timeout_s: float) -> Any:
+    def _call(self, method: str, request: Any, timeout_s: float, may_wait_s: float = 0.0) -> Any:
         """`method` on the coordinator's framed port when it advertised one, else over gRPC
         (and when the port cannot carry it); a failure is a grpc.RpcError either way."""
         if self._framed.is_usable:
             metadata = encode_metadata(self._metadata())
             try:
-                return self._framed.call(method, request, _REPLIES[method], timeout_s, metadata)
+                return self._framed.call(method, request, _REPLIES[method], timeout_s, metadata, may_wait_s)
             except NotCarried:
                 pass
             except PagedKVError as exc:
@@ -262,7 +265,7 @@ class CoordinatorLink:
         if one_way and events:
             try:
                 metadata = encode_metadata(self._metadata())
-                self._framed.notify("ReportEvents", request, self.rpc_timeout_s, metadata)
+                self._framed.notify("ReportEvents", request, self.rpc_timeout_s, metadata, LINK_WAIT_S)
                 box.mark_sent()  # (the next beat's reply says how far it got)
                 return
             except NotCarried:
@@ -306,7 +309,7 @@ class CoordinatorLink:
         # The renewal counts from when it was sent, so a late answer (a loaded coordinator) still
         # renews; one slower than half the lease would leave too little of it: fail and retry.
         timeout = min(self.rpc_timeout_s, max(self.lease_ttl_s / 2, 0.2))
-        reply = self._call("Heartbeat", request, timeout)
+        reply = self._call("Heartbeat", request, timeout, LINK_WAIT_S)
         if reply.frame_port != self._framed.port:
             self._framed.learn(reply.frame_port)
         self._takes_one_way = reply.takes_one_way_reports

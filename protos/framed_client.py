@@ -74,14 +74,21 @@ class FramedPort:
         return bool(self.port) and time.monotonic() >= self._retry_at
 
     def call(
-        self, method: str, request: Any, reply_type: Any, timeout_s: float, metadata: bytes | None = None
+        self,
+        method: str,
+        request: Any,
+        reply_type: Any,
+        timeout_s: float,
+        metadata: bytes | None = None,
+        may_wait_s: float = 0.0,
     ) -> Any:
         """The reply of `method`; its error reply raised as the domain error; Unavailable
         when the deadline passed; NotCarried when gRPC should carry it. `metadata`
-        (encode_metadata's): this call's, instead of the port's own."""
+        (encode_metadata's): this call's, instead of the port's own. `may_wait_s`: how long
+        the server may hold the request to serve it with others (a node's periodic calls)."""
         meta = self._metadata if metadata is None else metadata
         request_id = next(self._ids)
-        payload = encode_unary(request_id, method, meta, request.SerializeToString())
+        payload = encode_unary(request_id, method, meta, request.SerializeToString(), may_wait_s=may_wait_s)
         sock = self._take(timeout_s)
         deadline = time.monotonic() + timeout_s
         try:
@@ -107,11 +114,19 @@ class FramedPort:
             raise wire.error_of(reply.status, reply.text, reply.extra, "coordinator")
         return reply_type.FromString(body)
 
-    def notify(self, method: str, request: Any, timeout_s: float, metadata: bytes | None = None) -> None:
+    def notify(
+        self,
+        method: str,
+        request: Any,
+        timeout_s: float,
+        metadata: bytes | None = None,
+        may_wait_s: float = 0.0,
+    ) -> None:
         """Send `method` one-way: sent is all this knows (not that the server took it).
         NotCarried when it could not be sent whole (the caller sends it another way)."""
         meta = self._metadata if metadata is None else metadata
-        payload = encode_unary(next(self._ids), method, meta, request.SerializeToString(), wire.OP_NOTIFY)
+        message = request.SerializeToString()
+        payload = encode_unary(next(self._ids), method, meta, message, wire.OP_NOTIFY, may_wait_s)
         sock = self._take(timeout_s)
         try:
             sock.sendall(payload)

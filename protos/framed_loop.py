@@ -9,6 +9,12 @@ connection (epoll), reads what each ready one sent and answers its requests in o
 FramedServer hands a plain-TCP connection over once it has served one of its `loop_methods`
 there; a TLS connection keeps its thread; a worker's method on a node's link is refused.
 
+A link whose requests may wait (FRAME's `end` at least PACE_S: a node's beats and one-way
+reports) is paced: a request that comes after a quiet spell is served at once, but while
+such requests stream in they are served together at most every PACE_S, so that one wake-up
+of this thread serves many (a wake-up from idle cost more than serving a lone report). A
+request that may not wait moves its link back to being served as its bytes come.
+
 The limits stay those of a connection's thread: a request the server refuses by its header
 is answered and the connection closed; one not all there within its deadline (the frame
 timeout plus its payload at the minimum rate) closes it, so does `idle_timeout_s` without a
@@ -43,12 +49,19 @@ SWEEP_S = 0.5  # deadlines and idle connections are checked this often
 # Links one loop serves; unlike the server's threads (max_connections), one costs a socket and
 # a few buffers. 1,000 nodes beating to one coordinator need 1,000 (and as many descriptors).
 MAX_LINKS = 1 << 14
+# Paced links are served at most this often while their requests stream in: 1,200 lone
+# reports a second then take ~6 a wake-up, not one. A request marks itself pliable by its
+# FRAME's `end` (the microseconds the server may hold it); a node's calls allow 10 ms.
+PACE_S = 0.005
+PACE_US = round(PACE_S * 1e6)
+_PACED = object()  # the key of the paced links' selector, watched by the main one
+PACED_READS = 8  # receives per paced link and turn while each fills READ_BYTES
 
 
 class _Link:
-    __slots__ = ("buf", "deadline", "held", "key", "last_seen", "out", "sock")
+    __slots__ = ("buf", "deadline", "held", "is_paced", "key", "last_seen", "out", "sock")
 
-    def __init__(self, key: object, sock: socket.socket, buffered: bytes) -> None:
+    def __init__(self, key: object, sock: socket.socket, buffered: bytes, is_paced: bool) -> None:
         self.key = key  # the server's handle, given back when the connection ends
         self.sock = sock
         self.buf = bytearray(buffered)
@@ -56,6 +69,7 @@ class _Link:
         self.deadline = 0.0  # the partial request in buf must be whole by then (0: none)
         self.held = 0  # of buf, the bytes counted against the loop's budget
         self.last_seen = time.monotonic()
+        self.is_paced = is_paced  # watched by the paced selector (its requests may wait)
 
 
 class FramedLoop:
@@ -72,26 +86,29 @@ class FramedLoop:
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
         self._sel.register(self._wake_r, selectors.EVENT_READ, None)
+        self._paced = selectors.DefaultSelector()  # paced links; its fd is watched by _sel, or not
         self._adopted: list[_Link] = []
         self._links: dict[int, _Link] = {}
         self._lock = threading.Lock()
         self._is_stopping = False
         self._held = 0  # bytes of large partial requests, all connections (max_inflight_bytes)
+        self.num_paced_turns = 0  # times the paced links that were ready were served together
         self._thread = threading.Thread(target=self._run, name="frame-loop", daemon=True)
 
     def start(self) -> FramedLoop:
         self._thread.start()
         return self
 
-    def adopt(self, key: object, sock: socket.socket, buffered: bytes) -> None:
-        """Serve `sock` from now on (`buffered`: what its thread had received and not read)."""
+    def adopt(self, key: object, sock: socket.socket, buffered: bytes, is_paced: bool = False) -> None:
+        """Serve `sock` from now on (`buffered`: what its thread had received and not read;
+        `is_paced`: its last request may wait, is_pliable)."""
         sock.setblocking(False)
         with self._lock:
             if self._is_stopping:
                 sock.close()
                 self._release(key)
                 return
-            self._adopted.append(_Link(key, sock, buffered))
+            self._adopted.append(_Link(key, sock, buffered, is_paced))
         with contextlib.suppress(BlockingIOError):
             self._wake_w.send(b"\0")
 
@@ -107,21 +124,43 @@ class FramedLoop:
     def num_links(self) -> int:
         return len(self._links)
 
+    @property
+    def num_paced(self) -> int:
+        """Links served in turns now (their last request may wait)."""
+        links = self._paced.get_map()
+        return 0 if links is None else len(links)  # (None once stopped)
+
     def _run(self) -> None:
         name_os_thread()
-        next_sweep = time.monotonic() + SWEEP_S
+        paced_fd = self._paced.fileno()
+        self._sel.register(paced_fd, selectors.EVENT_READ, _PACED)
+        is_armed = True  # paced_fd watched: a paced request after a quiet spell is served at once
+        paced_at = float("-inf")  # when the paced links were served last
+        due = 0.0  # (not armed) when they are served next
+        now = time.monotonic()
+        next_sweep = now + SWEEP_S
         try:
             while not self._is_stopping:
-                for key, mask in self._sel.select(SWEEP_S):
+                timeout = SWEEP_S if is_armed else max(0.0, due - now)
+                is_paced_ready = False
+                for key, mask in self._sel.select(timeout):
                     link = key.data
                     if link is None:
                         self._take_adopted()
-                        continue
-                    if mask & selectors.EVENT_READ:
-                        self._read(link)
-                    if mask & selectors.EVENT_WRITE and link.sock.fileno() >= 0:
-                        self._flush(link)
+                    elif link is _PACED:
+                        is_paced_ready = True
+                    else:
+                        self._ready(link, mask)
                 now = time.monotonic()
+                if is_paced_ready and now - paced_at < PACE_S:  # a stream: it waits for its turn
+                    self._sel.unregister(paced_fd)
+                    is_armed, due = False, paced_at + PACE_S
+                elif is_paced_ready or (not is_armed and now >= due):
+                    if self._serve_paced() or is_armed:
+                        paced_at, due = now, now + PACE_S
+                    else:  # quiet again: the next one is served as it comes
+                        self._sel.register(paced_fd, selectors.EVENT_READ, _PACED)
+                        is_armed = True
                 if now >= next_sweep:
                     next_sweep = now + SWEEP_S
                     self._sweep(now)
@@ -134,6 +173,7 @@ class FramedLoop:
             for link in [*self._links.values(), *adopted]:
                 self._close(link)
             self._sel.close()
+            self._paced.close()
             self._wake_r.close()
             self._wake_w.close()
 
@@ -144,29 +184,50 @@ class FramedLoop:
             adopted, self._adopted = self._adopted, []
         for link in adopted:
             self._links[link.sock.fileno()] = link
-            self._sel.register(link.sock, selectors.EVENT_READ, link)
+            self._selector(link).register(link.sock, selectors.EVENT_READ, link)
             if link.buf:
                 self._serve(link)
 
-    def _read(self, link: _Link) -> None:
+    def _selector(self, link: _Link) -> selectors.BaseSelector:
+        return self._paced if link.is_paced else self._sel
+
+    def _serve_paced(self) -> int:
+        """Serve the paced links that are ready; how many were."""
+        ready = self._paced.select(0)
+        for key, mask in ready:
+            self._ready(key.data, mask)
+        self.num_paced_turns += bool(ready)
+        return len(ready)
+
+    def _ready(self, link: _Link, mask: int) -> None:
+        if mask & selectors.EVENT_READ:
+            for _ in range(PACED_READS if link.is_paced else 1):  # (a paced link's bytes waited)
+                if self._read(link) < READ_BYTES:
+                    break
+        if mask & selectors.EVENT_WRITE and link.sock.fileno() >= 0:
+            self._flush(link)
+
+    def _read(self, link: _Link) -> int:
+        """One receive, and the requests it completed served; the bytes it took."""
         try:
             data = link.sock.recv(READ_BYTES)
         except BlockingIOError:
-            return
+            return 0
         except OSError as exc:
             logger.info("framed connection dropped: %s", exc)
             self._close(link)
-            return
+            return 0
         if not data:
             self._close(link)
-            return
+            return 0
         link.last_seen = time.monotonic()
         link.buf += data
         self._serve(link)
+        return len(data) if link.sock.fileno() >= 0 else 0
 
     def _serve(self, link: _Link) -> None:
         """Answer every whole request in link.buf, in order; keep a partial one's bytes."""
-        buf, pos = link.buf, 0
+        buf, pos, pliable = link.buf, 0, link.is_paced
         try:
             while (parsed := wire_frame.frame_at(buf, pos)) is not None:
                 f, at = parsed
@@ -175,6 +236,8 @@ class FramedLoop:
                     break
                 payload = bytes(buf[at : at + f.payload_len])
                 pos = at + f.payload_len
+                if f.op != wire_frame.OP_PING:
+                    pliable = is_pliable(f)
                 if f.op == wire_frame.OP_NOTIFY:
                     self._server.run_one_way(f, payload)
                 elif f.op == wire_frame.OP_UNARY and f.text in self._server.loop_methods:
@@ -200,6 +263,8 @@ class FramedLoop:
             self._close(link)
             return
         del buf[:pos]
+        if pliable != link.is_paced:  # its requests may wait now, or may not any more
+            self._move(link)
         if len(buf) > READ_BYTES:  # a large request arriving: its bytes count against the budget
             self._held += len(buf) - link.held
             link.held = len(buf)
@@ -235,8 +300,15 @@ class FramedLoop:
             self._close(link)
             return
         want = selectors.EVENT_READ | (selectors.EVENT_WRITE if link.out else 0)
-        if link.sock.fileno() >= 0 and self._sel.get_key(link.sock).events != want:
-            self._sel.modify(link.sock, want, link)
+        sel = self._selector(link)
+        if link.sock.fileno() >= 0 and sel.get_key(link.sock).events != want:
+            sel.modify(link.sock, want, link)
+
+    def _move(self, link: _Link) -> None:
+        """The link from one selector to the other (paced or served as its bytes come)."""
+        events = self._selector(link).unregister(link.sock).events
+        link.is_paced = not link.is_paced
+        self._selector(link).register(link.sock, events, link)
 
     def _sweep(self, now: float) -> None:
         idle = self._limits.idle_timeout_s
@@ -253,8 +325,13 @@ class FramedLoop:
             return
         if self._links.pop(fd, None) is not None:
             with contextlib.suppress(KeyError, ValueError):
-                self._sel.unregister(link.sock)
+                self._selector(link).unregister(link.sock)
         self._held -= link.held
         link.held = 0
         link.sock.close()
         self._release(link.key)
+
+
+def is_pliable(f: Frame) -> bool:
+    """Whether a request lets a paced link serve it up to PACE_S late (its `end`)."""
+    return f.end >= PACE_US

@@ -35,7 +35,7 @@ from google.protobuf.descriptor import ServiceDescriptor
 from google.protobuf.message import DecodeError
 
 from .errors import InvalidArgument
-from .framed_loop import MAX_LINKS, FramedLoop
+from .framed_loop import MAX_LINKS, FramedLoop, is_pliable
 from .serving import name_os_thread
 from .status import ERROR_CLASS_KEY, ERROR_IDS_KEY
 from .tls import TlsConfig
@@ -246,7 +246,8 @@ class FramedServer:
                     and frame.text in self.loop_methods
                     and self._adopting(served)
                 ):
-                    self._loop.adopt(served, sock, bytes(reader.take(reader.num_buffered) or b""))
+                    buffered = bytes(reader.take(reader.num_buffered) or b"")
+                    self._loop.adopt(served, sock, buffered, is_pliable(frame))
                     is_adopted = True
                     return
                 if reader.num_buffered:  # the next request's first bytes are here: its deadline runs

@@ -4,7 +4,8 @@ its call metadata; the reply is the rpc's response message, or its status as eve
 error reply carries it. Both ends import this module.
 
 Request: FRAME(op UNARY, text = the method's name, start = the metadata's length,
-payload_len = metadata + message) | metadata | message. Metadata: pairs back to
+end = how long the server may hold it, in microseconds, payload_len = metadata +
+message) | metadata | message. Metadata: pairs back to
 back, each `key_len u16 | value_len u16 | key | value` (what gRPC's call metadata
 holds: the bearer token, a node's cluster ticket).
 Reply: FRAME(op UNARY, payload_len) | the response message; an error: the status,
@@ -24,6 +25,7 @@ from .frame import OP_UNARY, Frame
 
 PAIR = struct.Struct("<HH")
 MAX_METADATA_BYTES = 64 << 10
+MAX_WAIT_US = 10**7  # a request's `end`: the server holds none longer than it lets it (0: not at all)
 Metadata = Sequence[tuple[str, str | bytes]]
 
 
@@ -61,8 +63,19 @@ def decode_metadata(raw: bytes | memoryview) -> list[tuple[str, str | bytes]]:
     return pairs
 
 
-def encode_unary(request_id: int, method: str, metadata: bytes, message: bytes, op: int = OP_UNARY) -> bytes:
+def encode_unary(
+    request_id: int, method: str, metadata: bytes, message: bytes, op: int = OP_UNARY, may_wait_s: float = 0.0
+) -> bytes:
     """The request: FRAME, packed metadata (encode_metadata), the serialized message
-    (`op` OP_NOTIFY: the one-way form)."""
-    head = Frame(op, request_id, text=method, start=len(metadata), payload_len=len(metadata) + len(message))
+    (`op` OP_NOTIFY: the one-way form). `may_wait_s`: how long the server may hold it to
+    serve it with others (FRAME's `end`, in microseconds; 0: serve it at once)."""
+    wait_us = min(max(0, round(may_wait_s * 1e6)), MAX_WAIT_US)
+    head = Frame(
+        op,
+        request_id,
+        end=wait_us,
+        text=method,
+        start=len(metadata),
+        payload_len=len(metadata) + len(message),
+    )
     return head.pack() + metadata + message

@@ -28,6 +28,7 @@ from pagedkv.coordinator.service import (
 )
 from pagedkv.protos import pagedkv_pb2 as pb
 from pagedkv.protos import wire
+from pagedkv.protos.framed_loop import PACE_S
 from pagedkv.protos.framed_server import FramedServer
 from pagedkv.protos.spec import ModelSpec
 from pagedkv.protos.wire.limits import BulkLimits
@@ -37,6 +38,7 @@ SPEC = ModelSpec(num_layers=1, num_kv_heads=1, head_dim=8, dtype="float32", bloc
 EPOCH = 5
 KEYS = [bytes([i % 256, i // 256]) * 8 for i in range(400)]
 NODES = ("n1", "n2")
+WAIT_S = 0.01  # what a node's beats and reports allow (CoordinatorLink's LINK_WAIT_S)
 
 
 def serve(limits: BulkLimits, access: ClusterAccess | None = None):
@@ -72,17 +74,19 @@ def connect(server: FramedServer) -> socket.socket:
     return sock
 
 
-def report(node: str, seq: int, key: bytes, request_id: int = 1, op: int = wire.OP_NOTIFY) -> bytes:
+def report(
+    node: str, seq: int, key: bytes, request_id: int = 1, op: int = wire.OP_NOTIFY, wait_s: float = 0.0
+) -> bytes:
     message = pb.ReportEventsRequest(
         node_id=node, events=[pb.BlockEvent(kind=pb.BlockEvent.STORED, key=key)], epoch=EPOCH, first_seq=seq
     )
-    return encode_unary(request_id, "ReportEvents", b"", message.SerializeToString(), op)
+    return encode_unary(request_id, "ReportEvents", b"", message.SerializeToString(), op, wait_s)
 
 
-def beat(node: str, request_id: int, free: int = 60) -> bytes:
+def beat(node: str, request_id: int, free: int = 60, wait_s: float = 0.0) -> bytes:
     message = pb.HeartbeatRequest(node_id=node, events_epoch=EPOCH)
     message.load.free_blocks = free
-    return encode_unary(request_id, "Heartbeat", b"", message.SerializeToString(), wire.OP_UNARY)
+    return encode_unary(request_id, "Heartbeat", b"", message.SerializeToString(), wire.OP_UNARY, wait_s)
 
 
 def reply(sock: socket.socket, message: type) -> tuple[wire.Frame, object]:
@@ -109,20 +113,23 @@ def adopted(server: FramedServer) -> int:
     return server._loop.num_links
 
 
-def test_a_node_link_moves_to_the_loop_and_is_answered_in_order(served) -> None:
+@pytest.mark.parametrize("waits", [(0.0,), (WAIT_S,), (0.0, WAIT_S)], ids=["at-once", "paced", "mixed"])
+def test_a_node_link_moves_to_the_loop_and_is_answered_in_order(served, waits) -> None:
     """Beats, one-way reports and pings of two nodes, sent in streams cut at random points:
     each connection leaves its thread after its first node call, every report is taken in
-    order, and every reply comes back in its request's order."""
+    order, and every reply comes back in its request's order; so too when the requests may
+    wait (the link served in turns), and when each says at random whether it may (the link
+    moved back and forth between the loop's two ways of serving)."""
     coordinator, server = served
     rng = random.Random(5)
     socks = [connect(server) for _ in NODES]
     streams = []
     for i, node in enumerate(NODES):
-        parts = [beat(node, 1)]
+        parts = [beat(node, 1, wait_s=rng.choice(waits))]
         for k in range(150):
-            parts.append(report(node, k + 1, KEYS[k + 200 * i]))
+            parts.append(report(node, k + 1, KEYS[k + 200 * i], wait_s=rng.choice(waits)))
             if k % 50 == 49:
-                parts.append(beat(node, 2 + k // 50, free=60 - k // 50))
+                parts.append(beat(node, 2 + k // 50, free=60 - k // 50, wait_s=rng.choice(waits)))
         parts.append(wire.Frame(wire.OP_PING, 99).pack())
         streams.append(b"".join(parts))
     at = [0, 0]
@@ -325,6 +332,7 @@ from pagedkv.coordinator.metrics import CoordinatorMetrics
 from pagedkv.coordinator.service import FRAMED_METHODS, NODE_LINK_METHODS, ONE_WAY_METHODS
 from pagedkv.coordinator.service import CoordinatorServicer
 from pagedkv.protos import pagedkv_pb2 as pb
+from pagedkv.protos.framed_loop import PACE_S
 from pagedkv.protos.framed_server import FramedServer
 coordinator = Coordinator(MemoryStore(), CoordinatorConfig(lease_ttl_s=30))
 servicer = CoordinatorServicer(coordinator, Tenants(), CoordinatorMetrics(coordinator))
@@ -455,3 +463,40 @@ def test_a_link_checks_every_calls_credential() -> None:
     finally:
         server.stop()
         coordinator.stop()
+
+
+def test_requests_that_may_wait_are_served_in_turns(served) -> None:
+    """Twelve links trickle one-way reports that may wait: the loop serves them in turns, at
+    most one every PACE_S (so a turn takes many), and takes every report; a request that may
+    not wait takes its link out of the turns, and one that may puts it back."""
+    coordinator, server = served
+    loop = server._loop
+    nodes = [f"t{i}" for i in range(12)]  # (the fixture's two beside them: 16 a peer)
+    for n in nodes:
+        coordinator.register(n, "127.0.0.1:1", SPEC.to_dict(), 64, EPOCH)
+    socks = [connect(server) for _ in nodes]
+    for node, sock in zip(nodes, socks, strict=True):
+        sock.sendall(beat(node, 1, wait_s=WAIT_S))
+        assert reply(sock, pb.HeartbeatResponse)[0].status == wire.Status.OK
+    until(lambda: loop.num_paced == len(nodes), "the links served in turns")
+    turns, start = loop.num_paced_turns, time.monotonic()
+    sent = 0
+    for k in range(15):
+        for i, (node, sock) in enumerate(zip(nodes, socks, strict=True)):
+            sock.sendall(report(node, k + 1, KEYS[12 * k + i], wait_s=WAIT_S))
+            sent += 1
+            time.sleep(0.0005)
+    for node, sock in zip(nodes, socks, strict=True):  # (a call: every report before it was served)
+        sock.sendall(beat(node, 2, wait_s=WAIT_S))
+        assert reply(sock, pb.HeartbeatResponse)[0].status == wire.Status.OK
+    taken = loop.num_paced_turns - turns
+    assert 0 < taken <= (time.monotonic() - start) / PACE_S + 2 < sent / 2
+    for node in nodes:
+        assert coordinator.events_acknowledged(node, EPOCH)[1] == 16
+    socks[0].sendall(beat(nodes[0], 3))  # may not wait: served as its bytes come from now on
+    assert reply(socks[0], pb.HeartbeatResponse)[0].status == wire.Status.OK
+    until(lambda: loop.num_paced == len(nodes) - 1, "a link out of the turns")
+    socks[0].sendall(report(nodes[0], 16, KEYS[300], wait_s=WAIT_S))
+    until(lambda: loop.num_paced == len(nodes), "back in them")
+    for sock in socks:
+        sock.close()
