@@ -91,7 +91,7 @@ return out
 """
 
 # nodes' beats and events (unnumbered, and numbered runs), the reaper
-BACKGROUND = {"heartbeat", "list_nodes", "apply_events", "apply_event_run", "applied_seq", "register"}
+BACKGROUND = {"heartbeat", "list_nodes", "apply_events", "apply_event_runs", "applied_seq", "register"}
 
 
 def commandstats(r: redis.Redis) -> dict[str, int]:

@@ -27,8 +27,8 @@ some of them to other nodes: the hit share is reported). Reported:
   for `--throughput-s` seconds while every node beats (bench/scale_throughput.py): open+close
   per second, the coordinators' cores (beats included) and opens per second per core;
 - events: coordinator CPU per event at batch 1 and at batch 256 (numbered, as a node's link
-  sends them, until the store holds them all), and the apply_event_run script's Redis time
-  per run (one per node and flush).
+  sends them, until the store holds them all), and the apply_event_runs script's Redis time
+  per script (a flush's runs, several to a script).
 
 Writes bench/results/scale.{json,md} and scale.png (open Redis time against node count).
 """
@@ -285,7 +285,7 @@ def measure_events(
                 tag = f"batch{batch}{way}"
                 acc[f"{tag}_coord_cpu_per_event_us"].append(coord_s / len(keys) * 1e6)
                 acc[f"{tag}_apply_events_p50_us"].append(
-                    pct(script_us(cluster, names).get("apply_event_run", []), 50)  # numbered reports
+                    pct(script_us(cluster, names).get("apply_event_runs", []), 50)  # numbered reports
                 )
     return {k: float(np.mean(v)) for k, v in acc.items()}
 
@@ -410,7 +410,7 @@ def render(r: dict[str, Any]) -> str:
         "",
         "Events one-way on the framed port (as nodes send them); framed calls' / gRPC's in brackets.",
         "",
-        "| nodes | coords | register s | reaped | held reaps | beats refused | coord CPU / beat us | coord CPU / event, batch 1 us | batch 256 us | apply_event_run p50 us, batch 1 / 256 | Redis MB |",
+        "| nodes | coords | register s | reaped | held reaps | beats refused | coord CPU / beat us | coord CPU / event, batch 1 us | batch 256 us | apply_event_runs p50 us, batch 1 / 256 | Redis MB |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for p in r["points"]:

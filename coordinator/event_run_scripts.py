@@ -60,18 +60,29 @@ local function record(node, at, applied)
 end
 """
 
-# RedisStore. ARGV: P, id, then the part from ARGV[3] (the module docstring).
-# Returns the node's applied seq after it (a decimal string) | -1 (not live under that epoch).
-APPLY_EVENT_RUN = (
+# RedisStore: several parts in one script (event_runs.batch_parts). ARGV: P, then each part as
+# its node's id, the number of its arguments, and the part (the module docstring). Returns,
+# for each part in order, the node's applied seq after it (a decimal string) | -1 (not live
+# under that epoch).
+APPLY_EVENT_RUNS = (
     GUARD
     + lua.APPLY
     + """
-local P, id = ARGV[1], ARGV[2]
-local node = P .. 'node:' .. id
-local refused, applied = refuse(node, P .. 'alive:' .. id, 3)
-if refused then return refused end
-apply(P, id, tonumber(ARGV[9]), tonumber(ARGV[10]), 11)
-return record(node, 3, applied)
+local P, out, at = ARGV[1], {}, 2
+while at < #ARGV do
+  local id, part = ARGV[at], at + 2
+  local after = part + tonumber(ARGV[at + 1])
+  local node = P .. 'node:' .. id
+  local refused, applied = refuse(node, P .. 'alive:' .. id, part)
+  if refused then
+    out[#out + 1] = refused
+  else
+    apply(P, id, tonumber(ARGV[part + 6]), tonumber(ARGV[part + 7]), part + 8, after - 1)
+    out[#out + 1] = record(node, part, applied)
+  end
+  at = after
+end
+return out
 """
 )
 

@@ -58,3 +58,23 @@ def run_parts(runs: Sequence[EventRun], max_keys: int = MAX_KEYS_PER_SCRIPT) -> 
             args: list[str | bytes] = [*head, *flags, *stored, *offloaded, *removed]
             parts.append(RunPart(run, stored, offloaded, removed, is_last, args))
     return parts
+
+
+def batch_parts(parts: Sequence[RunPart], max_keys: int = MAX_KEYS_PER_SCRIPT) -> list[list[str | bytes]]:
+    """The parts' ARGV for RedisStore's APPLY_EVENT_RUNS (after its prefix): as many parts a
+    script, in order, as hold max_keys keys in all (a part counting 2 more: its checks), each
+    as its node id, its number of arguments and its arguments. A flush of 1,000 nodes' one-event
+    runs is then a few scripts, not 1,000 (each a command to pack, run and answer)."""
+    batches: list[list[str | bytes]] = []
+    batch: list[str | bytes] = []
+    cost = 0
+    for part in parts:
+        n = len(part.stored) + len(part.offloaded) + len(part.removed) + 2
+        if batch and cost + n > max_keys:
+            batches.append(batch)
+            batch, cost = [], 0
+        batch += [part.run.node_id, str(len(part.args)), *part.args]
+        cost += n
+    if batch:
+        batches.append(batch)
+    return batches

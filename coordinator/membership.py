@@ -176,33 +176,53 @@ class Membership:
     ) -> tuple[bool, list[str]]:
         """Renew the node's lease; with `held` (every sequence id it holds) reconcile it with
         the store. Returns (is it registered, the ids it must free)."""
+        result = self.heartbeats([(node_id, load, held)])[0]
+        if isinstance(result, PagedKVError):
+            raise result
+        return result
+
+    def heartbeats(
+        self, beats: Sequence[tuple[str, Mapping[str, int], Sequence[str] | None]]
+    ) -> list[tuple[bool, list[str]] | PagedKVError]:
+        """heartbeat for each (node_id, load, held), their renewals in one store round trip
+        (the beats a framed loop's turn took together); each its answer or its error.
+        Unavailable, for all, when the store failed them."""
         if time.monotonic() - self._beat_failed_at < BEAT_RETRY_S:
             raise Unavailable(f"the store failed a beat under {BEAT_RETRY_S} s ago: beat again")
         try:
-            ok = self.store.heartbeat(node_id, dict(load), self.config.lease_ttl_s)
+            renewed = self.store.heartbeats([(b[0], dict(b[1])) for b in beats], self.config.lease_ttl_s)
         except Unavailable:
             self._beat_failed_at = time.monotonic()
             self.liveness.store_failed()
             raise
-        if ok:
-            with self._lock:
-                node = self._nodes.get(node_id)
-                if node is not None and node.load != load:  # (an idle node's beats change nothing)
-                    self._nodes[node_id] = node.with_load(dict(load))
-                    self._touch((node_id,))
-            if node is None:  # its lease had lapsed (e.g. while we were down): live again
-                revived = self.store.live_node(node_id)
-                if revived is not None:
-                    with self._lock:
-                        self._nodes[node_id] = revived
-                        self._touch((node_id,))
-        free: list[str] = []
-        if ok and held is not None:
+        out: list[tuple[bool, list[str]] | PagedKVError] = []
+        for (node_id, load, held), ok in zip(beats, renewed, strict=True):
             try:
-                free = self.reconciler.report(node_id, held)
-            except PagedKVError as exc:  # the renewal stands; reconcile next time
-                log.warning("reconcile of node %s: %s", node_id, exc)
-        return ok, free
+                out.append((ok, self._renewed(node_id, load, held) if ok else []))
+            except PagedKVError as exc:
+                out.append(exc)
+        return out
+
+    def _renewed(self, node_id: str, load: Mapping[str, int], held: Sequence[str] | None) -> list[str]:
+        """The node cache after a renewal; the ids the node must free (reconciled with `held`)."""
+        with self._lock:
+            node = self._nodes.get(node_id)
+            if node is not None and node.load != load:  # (an idle node's beats change nothing)
+                self._nodes[node_id] = node.with_load(dict(load))
+                self._touch((node_id,))
+        if node is None:  # its lease had lapsed (e.g. while we were down): live again
+            revived = self.store.live_node(node_id)
+            if revived is not None:
+                with self._lock:
+                    self._nodes[node_id] = revived
+                    self._touch((node_id,))
+        if held is None:
+            return []
+        try:
+            return self.reconciler.report(node_id, held)
+        except PagedKVError as exc:  # the renewal stands; reconcile next time
+            log.warning("reconcile of node %s: %s", node_id, exc)
+            return []
 
     def live_node(self, node_id: str) -> NodeInfo | None:
         """The node as the store has it now (None when it is not live): one read, O(1)."""

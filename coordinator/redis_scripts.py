@@ -106,7 +106,7 @@ return out
 # offloaded, then removed ones, from ARGV[at] to the end: the node's keys, the index and the
 # in-flight markers of the stored keys.
 APPLY = """
-local function apply(P, id, n, m, at)
+local function apply(P, id, n, m, at, last)  -- the keys in ARGV[at..last] (last: #ARGV when nil)
   local nk, hk = P .. 'nkeys:' .. id, P .. 'hkeys:' .. id
   local has_host = redis.call('EXISTS', hk) == 1
   local done = {}  -- in-flight markers (placement.py) of keys now stored: their wait is over
@@ -124,7 +124,7 @@ local function apply(P, id, n, m, at)
     redis.call('SADD', hk, ARGV[i])
   end
   has_host = has_host or m > 0
-  for i = at + n + m, #ARGV do
+  for i = at + n + m, last or #ARGV do
     if has_host then redis.call('SREM', hk, ARGV[i]) end
     if redis.call('SREM', nk, ARGV[i]) == 1 then redis.call('SREM', P .. 'idx:' .. ARGV[i], id) end
   end

@@ -59,7 +59,7 @@ from pagedkv.protos.errors import (
 
 from . import event_run_scripts as runs_lua
 from . import redis_scripts as lua
-from .event_runs import run_parts
+from .event_runs import batch_parts, run_parts
 from .kept_script import KeptScripts
 from .placement import Placement, no_room
 from .records import (
@@ -188,7 +188,7 @@ class RedisStore(Store):
         self._live_node = reg(lua.LIVE_NODE)
         self._try_lead = reg(lua.TRY_LEAD)
         self._apply_events = reg(lua.APPLY_EVENTS)
-        self._apply_event_run = reg(runs_lua.APPLY_EVENT_RUN)
+        self._apply_event_runs = reg(runs_lua.APPLY_EVENT_RUNS)
         self._applied_seq = reg(runs_lua.APPLIED_SEQ)
         self._match_prefix = reg(lua.MATCH_PREFIX)
         self._open_seq = reg(lua.OPEN_SEQ)
@@ -277,6 +277,15 @@ class RedisStore(Store):
         args = [self._prefix, node_id, load_json, ttl_ms]
         return bool(self._call("heartbeat", self._kept.run, self._heartbeat, args))
 
+    def heartbeats(self, beats: Sequence[tuple[str, Mapping[str, int]]], ttl_s: float) -> list[bool]:
+        ttl_ms = max(1, round(check_ttl(ttl_s) * 1000))
+        calls = []
+        for node_id, load in beats:
+            check_name("node_id", node_id)
+            load_json = json.dumps(check_load(load), sort_keys=True)
+            calls.append((self._heartbeat, [self._prefix, node_id, load_json, ttl_ms]))
+        return [bool(r) for r in self._call("heartbeat", self._kept.run_many, calls)]
+
     def live_nodes(self) -> list[NodeInfo]:
         rows = self._call("live_nodes", self._list_nodes, args=[self._prefix, "1"])
         # A row as it was last listed keeps its NodeInfo: a reaper tick lists every node (lease/4)
@@ -344,9 +353,10 @@ class RedisStore(Store):
 
     def apply_event_runs(self, runs: Sequence[EventRun]) -> list[int]:
         parts = run_parts(check_runs(runs))
-        calls = [(self._apply_event_run, [self._prefix, p.run.node_id, *p.args]) for p in parts]
+        calls = [(self._apply_event_runs, [self._prefix, *args]) for args in batch_parts(parts)]
         replies = self._call("apply_event_runs", self._kept.run_many, calls)
-        return [int(reply) for part, reply in zip(parts, replies, strict=True) if part.ends]
+        answers = [answer for reply in replies for answer in reply]  # (one a part, in order)
+        return [int(answer) for part, answer in zip(parts, answers, strict=True) if part.ends]
 
     def applied_seq(self, node_id: str, epoch: int) -> int:
         check_name("node_id", node_id)

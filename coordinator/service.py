@@ -12,7 +12,7 @@ protos.status, the one translation every role shares.
 from __future__ import annotations
 
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import grpc
@@ -192,22 +192,54 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> Any:
         def run() -> pb.HeartbeatResponse:
             self._node(context, request.node_id, "Heartbeat")
-            load = {f.name: v for f, v in request.load.ListFields()}
-            held = list(request.held_seq_ids) if request.held_complete else None
-            ok, free = self.coordinator.heartbeat(request.node_id, load, held)
-            reply = pb.HeartbeatResponse(
-                is_registered=ok,
-                free_seq_ids=free,
-                frame_port=self.frame_port,
-                takes_one_way_reports=bool(self.frame_port),
-            )
-            if ok and request.events_epoch:  # (after the renewal: a revived node's events are taken)
-                acked = self.coordinator.events_acknowledged(request.node_id, request.events_epoch)
-                if acked is not None:
-                    reply.applied_seq, reply.next_seq = acked
-            return reply
+            return self._beat_reply(request, self.coordinator.heartbeat(*_beat_of(request)))
 
         return self._run("Heartbeat", context, run)
+
+    def Heartbeats(self, calls: Sequence[tuple[pb.HeartbeatRequest, Any]]) -> list[Callable[[], Any]]:
+        """Heartbeat of several calls (those a framed loop's turn took): each call's credential
+        checked, their renewals in one store round trip; returns a function per call that
+        answers it as Heartbeat would (its reply, or its error raised as Heartbeat raises it)."""
+        results: dict[int, tuple[bool, list[str]] | PagedKVError] = {}
+        checked = []
+        for i, (request, context) in enumerate(calls):
+            try:
+                self._node(context, request.node_id, "Heartbeat")
+                checked.append(i)
+            except PagedKVError as exc:
+                results[i] = exc
+        if checked:
+            try:
+                renewed = self.coordinator.heartbeats([_beat_of(calls[i][0]) for i in checked])
+                results.update(zip(checked, renewed, strict=True))
+            except PagedKVError as exc:  # (the store failed them all)
+                results.update(dict.fromkeys(checked, exc))
+
+        def answer(request: pb.HeartbeatRequest, context: Any, result: Any) -> Callable[[], Any]:
+            def run() -> pb.HeartbeatResponse:
+                if isinstance(result, PagedKVError):
+                    raise result
+                return self._beat_reply(request, result)
+
+            return lambda: self._run("Heartbeat", context, run)
+
+        return [answer(request, context, results[i]) for i, (request, context) in enumerate(calls)]
+
+    def _beat_reply(
+        self, request: pb.HeartbeatRequest, result: tuple[bool, list[str]]
+    ) -> pb.HeartbeatResponse:
+        ok, free = result
+        reply = pb.HeartbeatResponse(
+            is_registered=ok,
+            free_seq_ids=free,
+            frame_port=self.frame_port,
+            takes_one_way_reports=bool(self.frame_port),
+        )
+        if ok and request.events_epoch:  # (after the renewal: a revived node's events are taken)
+            acked = self.coordinator.events_acknowledged(request.node_id, request.events_epoch)
+            if acked is not None:
+                reply.applied_seq, reply.next_seq = acked
+        return reply
 
     def ReportEvents(self, request: pb.ReportEventsRequest, context: grpc.ServicerContext) -> Any:
         def run() -> pb.ReportEventsResponse:
@@ -406,7 +438,14 @@ def create_server(
                 tls=tls,
                 one_way=ONE_WAY_METHODS,
                 loop_methods=NODE_LINK_METHODS,
+                batches={"Heartbeat": servicer.Heartbeats},
             )
         )
         servicer.frame_port = framed[0].port
     return GrpcServer(server, health_servicer, [SERVICE_NAME], framed), port
+
+
+def _beat_of(request: pb.HeartbeatRequest) -> tuple[str, dict[str, int], list[str] | None]:
+    """(node_id, load, held) of a beat: held only when the beat lists every sequence."""
+    load = {f.name: v for f, v in request.load.ListFields()}
+    return request.node_id, load, list(request.held_seq_ids) if request.held_complete else None

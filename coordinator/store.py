@@ -92,6 +92,12 @@ class Store(ABC):
         empty). One round trip.
         """
 
+    def heartbeats(self, beats: Sequence[tuple[str, Mapping[str, int]]], ttl_s: float) -> list[bool]:
+        """heartbeat for each (node_id, load), in order: what each would answer. The Redis
+        store sends them in one round trip (one write, the replies read in order); a store
+        that fails fails them all (none may have renewed)."""
+        return [self.heartbeat(node_id, load, ttl_s) for node_id, load in beats]
+
     @abstractmethod
     def live_nodes(self) -> list[NodeInfo]:
         """Registered nodes whose TTL has not lapsed, sorted by node_id. Read-only; one round trip."""

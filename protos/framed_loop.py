@@ -59,7 +59,7 @@ PACED_READS = 8  # receives per paced link and turn while each fills READ_BYTES
 
 
 class _Link:
-    __slots__ = ("buf", "deadline", "held", "is_paced", "key", "last_seen", "out", "sock")
+    __slots__ = ("buf", "deadline", "held", "is_paced", "is_waiting", "key", "last_seen", "out", "sock")
 
     def __init__(self, key: object, sock: socket.socket, buffered: bytes, is_paced: bool) -> None:
         self.key = key  # the server's handle, given back when the connection ends
@@ -70,6 +70,7 @@ class _Link:
         self.held = 0  # of buf, the bytes counted against the loop's budget
         self.last_seen = time.monotonic()
         self.is_paced = is_paced  # watched by the paced selector (its requests may wait)
+        self.is_waiting = False  # a request of it waits in the loop's batch: serve nothing more yet
 
 
 class FramedLoop:
@@ -93,6 +94,10 @@ class FramedLoop:
         self._is_stopping = False
         self._held = 0  # bytes of large partial requests, all connections (max_inflight_bytes)
         self.num_paced_turns = 0  # times the paced links that were ready were served together
+        # Requests of the server's batched methods read this wake-up, answered together after it
+        # (a beat's store write: one round trip for all); their links read nothing more till then.
+        self._batch: list[tuple[_Link, Frame, bytes]] = []
+        self.num_batches = 0  # answer_batch calls
         self._thread = threading.Thread(target=self._run, name="frame-loop", daemon=True)
 
     def start(self) -> FramedLoop:
@@ -161,6 +166,8 @@ class FramedLoop:
                     else:  # quiet again: the next one is served as it comes
                         self._sel.register(paced_fd, selectors.EVENT_READ, _PACED)
                         is_armed = True
+                while self._batch:
+                    self._answer_batch()
                 if now >= next_sweep:
                     next_sweep = now + SWEEP_S
                     self._sweep(now)
@@ -227,6 +234,8 @@ class FramedLoop:
 
     def _serve(self, link: _Link) -> None:
         """Answer every whole request in link.buf, in order; keep a partial one's bytes."""
+        if link.is_waiting:
+            return
         buf, pos, pliable = link.buf, 0, link.is_paced
         try:
             while (parsed := wire_frame.frame_at(buf, pos)) is not None:
@@ -240,6 +249,10 @@ class FramedLoop:
                     pliable = is_pliable(f)
                 if f.op == wire_frame.OP_NOTIFY:
                     self._server.run_one_way(f, payload)
+                elif f.op == wire_frame.OP_UNARY and f.text in self._server.batches:
+                    self._batch.append((link, f, payload))
+                    link.is_waiting = True
+                    break  # (what follows waits for its answer: replies go in request order)
                 elif f.op == wire_frame.OP_UNARY and f.text in self._server.loop_methods:
                     link.out += self._server.answer(f, payload)
                 elif f.op == wire_frame.OP_UNARY:  # (this thread serves every node: nothing else)
@@ -284,6 +297,27 @@ class FramedLoop:
             link.deadline = time.monotonic() + lim.frame_timeout_s + size / lim.min_bytes_per_s
         if link.out:
             self._flush(link)
+
+    def _answer_batch(self) -> None:
+        """Answer the waiting requests of one batched method together, then serve what their
+        links sent after them (which may wait for the next batch)."""
+        method = self._batch[0][1].text
+        calls = [c for c in self._batch if c[1].text == method]
+        self._batch = [c for c in self._batch if c[1].text != method]
+        try:
+            replies = self._server.answer_batch([(f, payload) for _, f, payload in calls])
+        except Exception:  # a bug: drop these connections, keep serving the others
+            logger.exception("framed batch of %s failed", method)
+            for link, _, _ in calls:
+                self._close(link)
+            return
+        self.num_batches += 1
+        for (link, _, _), reply in zip(calls, replies, strict=True):
+            if link.sock.fileno() < 0:
+                continue  # (closed meanwhile)
+            link.out += reply
+            link.is_waiting = False
+            self._serve(link)
 
     def _flush(self, link: _Link) -> None:
         try:

@@ -26,7 +26,7 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from types import ModuleType
 from typing import Any
 
@@ -87,6 +87,8 @@ class _Conn:
 
 
 Handler = tuple[Callable[[Any, FrameContext], Any], Callable[[bytes | memoryview], Any]]
+# Several calls of one method -> a function per call that answers it as its handler would.
+BatchHandler = Callable[[list[tuple[Any, FrameContext]]], list[Callable[[], Any]]]
 
 
 class FramedServer:
@@ -110,6 +112,7 @@ class FramedServer:
         max_message_bytes: int = MAX_MESSAGE_BYTES,
         one_way: Iterable[str] = (),
         loop_methods: Iterable[str] = (),
+        batches: Mapping[str, BatchHandler] | None = None,
     ) -> None:
         self.handlers: dict[str, Handler] = {}
         for name in methods:
@@ -128,6 +131,12 @@ class FramedServer:
         if not self.loop_methods <= self.handlers.keys():
             unknown = sorted(self.loop_methods - self.handlers.keys())
             raise ValueError(f"loop methods {unknown} are not served")
+        # The loop answers a turn's calls of these methods together (answer_batch).
+        self.batches = dict(batches or {})
+        if not self.batches.keys() <= self.loop_methods:
+            raise ValueError(
+                f"batched methods {sorted(self.batches.keys() - self.loop_methods)} are not loop methods"
+            )
         self.limits = limits or DEFAULT_LIMITS
         self.max_message_bytes = max_message_bytes
         self._budget = ByteBudget(self.limits.max_inflight_bytes)
@@ -375,17 +384,39 @@ class FramedServer:
             request, context = self._parse(f, payload)
         except InvalidArgument as exc:
             return error_frame(f.op, f.request_id, exc)[0].pack()
-        try:
-            reply = handler[0](request, context).SerializeToString()
-        except _Aborted as exc:
-            extra = dict(context.trailing)
-            cls, ids = extra.get(ERROR_CLASS_KEY, ""), extra.get(ERROR_IDS_KEY, "")
-            head = Frame(
-                f.op,
-                f.request_id,
-                status=Status[exc.code.name],
-                text=exc.details,
-                extra=f"{cls} {ids}" if ids else cls,
-            )
-            return head.pack()
-        return Frame(f.op, f.request_id, payload_len=len(reply)).pack() + reply
+        return _reply(f, context, lambda: handler[0](request, context))
+
+    def answer_batch(self, calls: list[tuple[Frame, bytes]]) -> list[bytes]:
+        """The replies of checked UNARY requests of one method in `batches`, in order: answered
+        together by its batch handler (a request that does not parse gets its error reply)."""
+        self.num_calls += len(calls)
+        replies = [b""] * len(calls)
+        parsed: list[tuple[int, Any, FrameContext]] = []
+        for i, (f, payload) in enumerate(calls):
+            try:
+                parsed.append((i, *self._parse(f, payload)))
+            except InvalidArgument as exc:
+                replies[i] = error_frame(f.op, f.request_id, exc)[0].pack()
+        if parsed:
+            answers = self.batches[calls[parsed[0][0]][0].text]([(r, c) for _, r, c in parsed])
+            for (i, _, context), answer in zip(parsed, answers, strict=True):
+                replies[i] = _reply(calls[i][0], context, answer)
+        return replies
+
+
+def _reply(f: Frame, context: FrameContext, run: Callable[[], Any]) -> bytes:
+    """The reply frame of request `f` whose handler `run` answers (its abort: an error reply)."""
+    try:
+        reply = run().SerializeToString()
+    except _Aborted as exc:
+        extra = dict(context.trailing)
+        cls, ids = extra.get(ERROR_CLASS_KEY, ""), extra.get(ERROR_IDS_KEY, "")
+        head = Frame(
+            f.op,
+            f.request_id,
+            status=Status[exc.code.name],
+            text=exc.details,
+            extra=f"{cls} {ids}" if ids else cls,
+        )
+        return head.pack()
+    return Frame(f.op, f.request_id, payload_len=len(reply)).pack() + reply

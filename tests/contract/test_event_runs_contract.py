@@ -22,7 +22,7 @@ from test_store_contract import SPEC, TTL_S, key, wait_until
 
 from pagedkv.coordinator.cluster_pipeline import run_scripts
 from pagedkv.coordinator.cluster_store import ClusterStore
-from pagedkv.coordinator.event_runs import MAX_KEYS_PER_SCRIPT, RunPart, run_parts
+from pagedkv.coordinator.event_runs import MAX_KEYS_PER_SCRIPT, RunPart, batch_parts, run_parts
 from pagedkv.coordinator.records import NOT_LIVE, EventRun, NewSequence, NodeRoom, check_runs
 from pagedkv.coordinator.redis_store import RedisStore
 from pagedkv.coordinator.store import Store, open_store
@@ -183,6 +183,52 @@ def test_runs_of_one_node_apply_in_call_order_beside_other_nodes(store: Store) -
     assert_index(store, "n3", {key(1), key(2)}, POOL)
 
 
+def test_a_flush_of_many_nodes_runs_answers_each_as_alone(store: Store) -> None:
+    """Sixty nodes' runs in one call (the Redis store packs them several to a script): each
+    is answered and applied as it would be alone, whatever its neighbours' outcomes."""
+    runs, want, index = [], [], {}
+    for i in range(60):
+        node = f"m{i}"
+        if i % 4 != 2:
+            register(store, node)
+        if i % 4 == 0:  # applies
+            runs.append(net(node, LOG, 1, 5))
+            want.append(5)
+            index[node] = held_after(LOG, 5)
+        elif i % 4 == 1:  # a gap: 1 is missing
+            runs.append(net(node, LOG, 2, 4))
+            want.append(0)
+            index[node] = set()
+        elif i % 4 == 2:  # never registered
+            runs.append(net(node, LOG, 1, 1))
+            want.append(NOT_LIVE)
+        else:  # two in order, then a replay of the first
+            runs += [net(node, LOG, 1, 2), net(node, LOG, 3, 7), net(node, LOG, 1, 2)]
+            want += [2, 7, 7]
+            index[node] = held_after(LOG, 7)
+    assert store.apply_event_runs(runs) == want
+    for node, keys in index.items():
+        assert_index(store, node, keys, POOL)
+        assert store.applied_seq(node, 1) == {0: 5, 1: 0, 3: 7}[int(node[1:]) % 4]
+
+
+def test_parts_are_packed_several_to_a_script_within_the_key_bound() -> None:
+    runs = check_runs([net(f"n{i}", LOG, 1, 1 + i % 7) for i in range(50)])
+    parts = run_parts(runs, max_keys=4)
+    batches = batch_parts(parts, max_keys=12)
+    unpacked: list[list[str | bytes]] = []
+    for batch in batches:  # each: id, len, args... ; within the bound unless one part alone
+        at, cost = 0, 0
+        while at < len(batch):
+            n = int(batch[at + 1])
+            unpacked.append(batch[at + 2 : at + 2 + n])
+            cost += n - 8 + 2  # its keys (args after the 8 of its head and flags) and 2
+            at += 2 + n
+        assert cost <= 12 or at == 2 + int(batch[1])
+    assert unpacked == [p.args for p in parts]  # every part, in order
+    assert len(batches) < len(parts)
+
+
 def test_a_run_storing_a_key_clears_its_in_flight_marker(store: Store) -> None:
     register(store, "n1")
     blob = b"".join(key(i) for i in range(1, 7))
@@ -307,8 +353,8 @@ def test_run_parts_cut_every_4096_keys_and_only_the_last_records() -> None:
 def _send_parts(store: Store, parts: Sequence[RunPart]) -> list[int]:
     """Parts sent as the store sends them, but on their own (for the fence test)."""
     if isinstance(store, RedisStore):
-        calls = [(store._apply_event_run, [store._prefix, p.run.node_id, *p.args]) for p in parts]
-        return [int(r) for r in store._kept.run_many(calls)]
+        calls = [(store._apply_event_runs, [store._prefix, *batch_parts([p])[0]]) for p in parts]
+        return [int(r[0]) for r in store._kept.run_many(calls)]
     assert isinstance(store, ClusterStore)
     calls2 = [(store._apply_run, store._node_keys(p.run.node_id)[:4], p.args) for p in parts]
     return [int(r[0]) for r in run_scripts(store._redis, calls2)]

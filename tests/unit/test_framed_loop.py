@@ -56,6 +56,7 @@ def serve(limits: BulkLimits, access: ClusterAccess | None = None):
         limits=limits,
         one_way=ONE_WAY_METHODS,
         loop_methods=NODE_LINK_METHODS,
+        batches={"Heartbeat": servicer.Heartbeats},  # (as the coordinator's port)
     )
     return coordinator, server.start()
 
@@ -498,5 +499,38 @@ def test_requests_that_may_wait_are_served_in_turns(served) -> None:
     until(lambda: loop.num_paced == len(nodes) - 1, "a link out of the turns")
     socks[0].sendall(report(nodes[0], 16, KEYS[300], wait_s=WAIT_S))
     until(lambda: loop.num_paced == len(nodes), "back in them")
+    for sock in socks:
+        sock.close()
+
+
+@pytest.mark.parametrize("wait_s", [0.0, WAIT_S], ids=["at-once", "paced"])
+def test_beats_read_together_are_renewed_in_one_store_call(served, wait_s) -> None:
+    """Beats of twelve links that arrive while the loop waits on the store are answered
+    together (one Heartbeats batch: one store round trip), each as it would be alone: an
+    unknown node's says so, the others renew and update their node's load."""
+    coordinator, server = served
+    loop = server._loop
+    nodes = [f"b{i}" for i in range(11)]
+    for n in nodes:
+        coordinator.register(n, "127.0.0.1:1", SPEC.to_dict(), 64, EPOCH)
+    nodes.append("ghost")  # never registered
+    socks = [connect(server) for _ in nodes]
+    for i, (node, sock) in enumerate(zip(nodes, socks, strict=True)):
+        sock.sendall(beat(node, 1, free=10 + i, wait_s=wait_s))
+        assert reply(sock, pb.HeartbeatResponse)[1].is_registered == (node != "ghost")
+    until(lambda: adopted(server) == len(nodes), "the links on the loop (an answered beat moves one)")
+    batches = loop.num_batches
+    with coordinator.store._lock:  # the loop's next store call waits: the beats pile up
+        socks[0].sendall(beat(nodes[0], 2, free=1, wait_s=wait_s))
+        time.sleep(0.2)
+        for i, (node, sock) in enumerate(zip(nodes[1:], socks[1:], strict=True), 1):
+            sock.sendall(beat(node, 2, free=i + 1, wait_s=wait_s))
+        time.sleep(0.2)
+    answers = [reply(sock, pb.HeartbeatResponse) for sock in socks]
+    assert [a[1].is_registered for a in answers] == [True] * 11 + [False]
+    assert all(a[0].request_id == 2 for a in answers)
+    assert loop.num_batches - batches == 2  # the first alone, then the eleven read together
+    for i, node in enumerate(nodes[:-1]):
+        assert coordinator.node(node).load == {"free_blocks": i + 1}
     for sock in socks:
         sock.close()
