@@ -38,7 +38,19 @@ def run_parts(runs: Sequence[EventRun], max_keys: int = MAX_KEYS_PER_SCRIPT) -> 
     parts: list[RunPart] = []
     for run in runs:
         lists = (run.stored, run.offloaded, run.removed)
-        total = sum(len(keys) for keys in lists)
+        total = len(run.stored) + len(run.offloaded) + len(run.removed)
+        if total <= max_keys:  # one part (nearly every run): no cuts, no token
+            before = 0 if run.base_seq >= run.first_seq - 1 else run.first_seq - 1
+            whole: list[str | bytes] = [str(run.epoch), str(before), str(run.last_seq), "", "1", "1"]
+            whole += [
+                str(len(run.stored)),
+                str(len(run.offloaded)),
+                *run.stored,
+                *run.offloaded,
+                *run.removed,
+            ]
+            parts.append(RunPart(run, run.stored, run.offloaded, run.removed, True, whole))
+            continue
         starts = range(0, max(total, 1), max_keys)
         # Parts of one run share a token (a fence against other writers between them).
         token = os.urandom(8).hex() if len(starts) > 1 else ""

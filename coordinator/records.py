@@ -356,8 +356,11 @@ def check_keys(keys: Sequence[bytes], what: str = "keys") -> list[bytes]:
     """The keys as a list; an error names `what` (the list's field) when it is not "keys"."""
     if isinstance(keys, bytes | str):
         raise InvalidArgument(f"{what} must be a sequence of block keys, not one bytes/str")
-    label = "a block key" if what == "keys" else f"a block key in {what}"
-    return [check_key(k, label) for k in keys]
+    checked = list(keys)
+    for k in checked:
+        if type(k) is not bytes or len(k) != KEY_BYTES:  # (the label only for the error)
+            check_key(k, "a block key" if what == "keys" else f"a block key in {what}")
+    return checked
 
 
 def check_events(
@@ -366,6 +369,8 @@ def check_events(
     """The lists validated; a key in two of them is refused (the node must send the net effect)."""
     stored_keys = check_keys(stored, "stored")
     removed_keys, offloaded_keys = check_keys(removed, "removed"), check_keys(offloaded, "offloaded")
+    if bool(stored_keys) + bool(removed_keys) + bool(offloaded_keys) < 2:
+        return stored_keys, removed_keys, offloaded_keys  # (one list: no key in two)
     s, r, o = set(stored_keys), set(removed_keys), set(offloaded_keys)
     both = (s & r) | (s & o) | (r & o)
     if both:
