@@ -481,17 +481,17 @@ def test_requests_that_may_wait_are_served_in_turns(served) -> None:
         assert reply(sock, pb.HeartbeatResponse)[0].status == wire.Status.OK
     until(lambda: loop.num_paced == len(nodes), "the links served in turns")
     turns, start = loop.num_paced_turns, time.monotonic()
-    sent = 0
     for k in range(15):
         for i, (node, sock) in enumerate(zip(nodes, socks, strict=True)):
             sock.sendall(report(node, k + 1, KEYS[12 * k + i], wait_s=WAIT_S))
-            sent += 1
             time.sleep(0.0005)
     for node, sock in zip(nodes, socks, strict=True):  # (a call: every report before it was served)
         sock.sendall(beat(node, 2, wait_s=WAIT_S))
         assert reply(sock, pb.HeartbeatResponse)[0].status == wire.Status.OK
     taken = loop.num_paced_turns - turns
-    assert 0 < taken <= (time.monotonic() - start) / PACE_S + 2 < sent / 2
+    # At most a turn every PACE_S, however the reports trickled in (a load slows the sending,
+    # which only loosens this); a turn per report would be 180 in the ~0.1 s they take here.
+    assert 0 < taken <= (time.monotonic() - start) / PACE_S + 2
     for node in nodes:
         assert coordinator.events_acknowledged(node, EPOCH)[1] == 16
     socks[0].sendall(beat(nodes[0], 3))  # may not wait: served as its bytes come from now on
