@@ -240,6 +240,15 @@ class ClusterStore(Store):
         keys = self._node_keys(node_id)[:2]
         return bool(self._call("heartbeat", self._heartbeat, keys=keys, args=[load_json, ttl_ms]))
 
+    def heartbeats(self, beats: Sequence[tuple[str, Mapping[str, int]]], ttl_s: float) -> list[bool]:
+        ttl_ms = max(1, round(check_ttl(ttl_s) * 1000))
+        calls = []
+        for node_id, load in beats:
+            check_name("node_id", node_id)
+            load_json = json.dumps(check_load(load), sort_keys=True)
+            calls.append((self._heartbeat, self._node_keys(node_id)[:2], [load_json, str(ttl_ms)]))
+        return [bool(r) for r in self._call("heartbeat", run_scripts, self._redis, calls)]
+
     def _registered(self) -> list[str]:
         return sorted(_s(m) for m in self._call("live_nodes", self._redis.smembers, self._nodes_set()))
 

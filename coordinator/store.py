@@ -33,7 +33,16 @@ from typing import Any
 
 from ..protos.errors import FailedPrecondition
 from .placement import Placement
-from .records import EventRun, NewSequence, NodeInfo, PurgeResult, SequenceRecord
+from .records import (
+    EventRun,
+    NewSequence,
+    NodeInfo,
+    PurgeResult,
+    SequenceRecord,
+    check_load,
+    check_name,
+    check_ttl,
+)
 
 
 class TailMoved(FailedPrecondition):
@@ -96,6 +105,10 @@ class Store(ABC):
         """heartbeat for each (node_id, load), in order: what each would answer. The Redis
         store sends them in one round trip (one write, the replies read in order); a store
         that fails fails them all (none may have renewed)."""
+        check_ttl(ttl_s)
+        for node_id, load in beats:  # (every beat checked before any renews)
+            check_name("node_id", node_id)
+            check_load(load)
         return [self.heartbeat(node_id, load, ttl_s) for node_id, load in beats]
 
     @abstractmethod

@@ -117,6 +117,23 @@ def test_heartbeat_rejects_bad_load(store: Store) -> None:
         store.heartbeat("n1", {}, 0)
 
 
+def test_heartbeats_answer_each_as_heartbeat_would_and_check_all_first(store: Store) -> None:
+    """Several beats in one call (a framed loop's turn): each renews and records its load as
+    heartbeat does, an unknown node's answers False; one bad load refuses the call before any
+    beat in it changes anything."""
+    register(store, "n1", "n2")
+    beats = [("n1", {"free_blocks": 5}), ("ghost", {"free_blocks": 1}), ("n2", {"free_blocks": 7})]
+    assert store.heartbeats(beats, TTL_S) == [True, False, True]
+    assert [(n.node_id, n.load) for n in store.live_nodes()] == [
+        ("n1", {"free_blocks": 5}),
+        ("n2", {"free_blocks": 7}),
+    ]
+    with pytest.raises(InvalidArgument, match="free_blocks"):
+        store.heartbeats([("n1", {"free_blocks": 9}), ("n2", {"free_blocks": -1})], TTL_S)
+    assert store.live_nodes()[0].load == {"free_blocks": 5}
+    assert store.heartbeats([], TTL_S) == []
+
+
 def test_ttl_lapses_without_heartbeat_and_node_must_reregister(store: Store) -> None:
     register(store, "n1", ttl_s=SHORT_TTL_S)
     register(store, "n2")
