@@ -77,11 +77,11 @@ from .records import (
     PurgeResult,
     SequenceExists,
     SequenceRecord,
+    beat_loads,
     check_count,
     check_events,
     check_key,
     check_keys,
-    check_load,
     check_name,
     check_ordinal,
     check_registration,
@@ -234,19 +234,11 @@ class ClusterStore(Store):
         return PurgeResult(node_id, was, len(keys), tuple(sorted(lost)))
 
     def heartbeat(self, node_id: str, load: Mapping[str, int], ttl_s: float) -> bool:
-        check_name("node_id", node_id)
-        load_json = json.dumps(check_load(load), sort_keys=True)
-        ttl_ms = max(1, round(check_ttl(ttl_s) * 1000))
-        keys = self._node_keys(node_id)[:2]
-        return bool(self._call("heartbeat", self._heartbeat, keys=keys, args=[load_json, ttl_ms]))
+        return self.heartbeats([(node_id, load)], ttl_s)[0]
 
     def heartbeats(self, beats: Sequence[tuple[str, Mapping[str, int]]], ttl_s: float) -> list[bool]:
-        ttl_ms = max(1, round(check_ttl(ttl_s) * 1000))
-        calls = []
-        for node_id, load in beats:
-            check_name("node_id", node_id)
-            load_json = json.dumps(check_load(load), sort_keys=True)
-            calls.append((self._heartbeat, self._node_keys(node_id)[:2], [load_json, str(ttl_ms)]))
+        ttl = str(max(1, round(check_ttl(ttl_s) * 1000)))
+        calls = [(self._heartbeat, self._node_keys(n)[:2], [load, ttl]) for n, load in beat_loads(beats)]
         return [bool(r) for r in self._call("heartbeat", run_scripts, self._redis, calls)]
 
     def _registered(self) -> list[str]:

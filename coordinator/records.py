@@ -442,6 +442,16 @@ def check_registration(
         raise InvalidArgument(f"spec must be a JSON-able mapping: {e}") from e
 
 
+def beat_loads(beats: Sequence[tuple[str, Mapping[str, int]]]) -> list[tuple[str, str]]:
+    """Each beat's node id and its load as the stores keep it (JSON, keys sorted), every beat
+    checked before any is sent."""
+    out = []
+    for node_id, load in beats:
+        check_name("node_id", node_id)
+        out.append((node_id, json.dumps(check_load(load), sort_keys=True)))
+    return out
+
+
 def check_load(load: Mapping[str, int]) -> dict[str, int]:
     if not isinstance(load, Mapping):
         raise InvalidArgument(f"load must be a mapping of counters, got {load!r}")

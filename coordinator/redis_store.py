@@ -71,11 +71,11 @@ from .records import (
     PurgeResult,
     SequenceExists,
     SequenceRecord,
+    beat_loads,
     check_count,
     check_events,
     check_key,
     check_keys,
-    check_load,
     check_name,
     check_ordinal,
     check_registration,
@@ -271,19 +271,11 @@ class RedisStore(Store):
         return _purge_result(node_id, reply)
 
     def heartbeat(self, node_id: str, load: Mapping[str, int], ttl_s: float) -> bool:
-        check_name("node_id", node_id)
-        load_json = json.dumps(check_load(load), sort_keys=True)
-        ttl_ms = max(1, round(check_ttl(ttl_s) * 1000))
-        args = [self._prefix, node_id, load_json, ttl_ms]
-        return bool(self._call("heartbeat", self._kept.run, self._heartbeat, args))
+        return self.heartbeats([(node_id, load)], ttl_s)[0]
 
     def heartbeats(self, beats: Sequence[tuple[str, Mapping[str, int]]], ttl_s: float) -> list[bool]:
         ttl_ms = max(1, round(check_ttl(ttl_s) * 1000))
-        calls = []
-        for node_id, load in beats:
-            check_name("node_id", node_id)
-            load_json = json.dumps(check_load(load), sort_keys=True)
-            calls.append((self._heartbeat, [self._prefix, node_id, load_json, ttl_ms]))
+        calls = [(self._heartbeat, [self._prefix, n, load, ttl_ms]) for n, load in beat_loads(beats)]
         return [bool(r) for r in self._call("heartbeat", self._kept.run_many, calls)]
 
     def live_nodes(self) -> list[NodeInfo]:

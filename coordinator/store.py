@@ -39,8 +39,7 @@ from .records import (
     NodeInfo,
     PurgeResult,
     SequenceRecord,
-    check_load,
-    check_name,
+    beat_loads,
     check_ttl,
 )
 
@@ -104,11 +103,10 @@ class Store(ABC):
     def heartbeats(self, beats: Sequence[tuple[str, Mapping[str, int]]], ttl_s: float) -> list[bool]:
         """heartbeat for each (node_id, load), in order: what each would answer. The Redis
         store sends them in one round trip (one write, the replies read in order); a store
-        that fails fails them all (none may have renewed)."""
+        that fails fails them all (none may have renewed). InvalidArgument, before any
+        renews, for a bad node_id or load."""
         check_ttl(ttl_s)
-        for node_id, load in beats:  # (every beat checked before any renews)
-            check_name("node_id", node_id)
-            check_load(load)
+        beat_loads(beats)  # (every beat checked before any renews)
         return [self.heartbeat(node_id, load, ttl_s) for node_id, load in beats]
 
     @abstractmethod
