@@ -13,7 +13,9 @@ A link whose requests may wait (FRAME's `end` at least PACE_S: a node's beats an
 reports) is paced: a request that comes after a quiet spell is served at once, but while
 such requests stream in they are served together at most every PACE_S, so that one wake-up
 of this thread serves many (a wake-up from idle cost more than serving a lone report). A
-request that may not wait moves its link back to being served as its bytes come.
+request that may not wait moves its link back to being served as its bytes come. The calls
+of the server's `batches` methods read in one wake-up are answered together (a turn's beats:
+their store writes in one round trip), each link's later requests after its answer.
 
 The limits stay those of a connection's thread: a request the server refuses by its header
 is answered and the connection closed; one not all there within its deadline (the frame
@@ -209,7 +211,7 @@ class FramedLoop:
     def _ready(self, link: _Link, mask: int) -> None:
         if mask & selectors.EVENT_READ:
             for _ in range(PACED_READS if link.is_paced else 1):  # (a paced link's bytes waited)
-                if self._read(link) < READ_BYTES:
+                if self._read(link) < READ_BYTES or link.is_waiting:  # (waiting: read no more)
                     break
         if mask & selectors.EVENT_WRITE and link.sock.fileno() >= 0:
             self._flush(link)
@@ -290,7 +292,7 @@ class FramedLoop:
             link.held = 0
         if not buf:
             link.deadline = 0.0
-        elif not link.deadline:  # a request's first bytes: its deadline runs from now
+        elif pos or not link.deadline:  # a request's first bytes (after one served): from now
             lim = self._limits
             head = wire_frame.frame_at(buf)
             size = head[0].payload_len if head is not None else 0

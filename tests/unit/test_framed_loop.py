@@ -28,7 +28,7 @@ from pagedkv.coordinator.service import (
 )
 from pagedkv.protos import pagedkv_pb2 as pb
 from pagedkv.protos import wire
-from pagedkv.protos.framed_loop import PACE_S
+from pagedkv.protos.framed_loop import PACE_S, READ_BYTES
 from pagedkv.protos.framed_server import FramedServer
 from pagedkv.protos.spec import ModelSpec
 from pagedkv.protos.wire.limits import BulkLimits
@@ -333,7 +333,7 @@ from pagedkv.coordinator.metrics import CoordinatorMetrics
 from pagedkv.coordinator.service import FRAMED_METHODS, NODE_LINK_METHODS, ONE_WAY_METHODS
 from pagedkv.coordinator.service import CoordinatorServicer
 from pagedkv.protos import pagedkv_pb2 as pb
-from pagedkv.protos.framed_loop import PACE_S
+from pagedkv.protos.framed_loop import PACE_S, READ_BYTES
 from pagedkv.protos.framed_server import FramedServer
 coordinator = Coordinator(MemoryStore(), CoordinatorConfig(lease_ttl_s=30))
 servicer = CoordinatorServicer(coordinator, Tenants(), CoordinatorMetrics(coordinator))
@@ -534,3 +534,57 @@ def test_beats_read_together_are_renewed_in_one_store_call(served, wait_s) -> No
         assert coordinator.node(node).load == {"free_blocks": i + 1}
     for sock in socks:
         sock.close()
+
+
+def test_a_link_whose_beat_waits_on_the_store_is_not_read_further(served) -> None:
+    """A flood behind a beat that waits for the store: the loop stops reading that link until
+    the beat is answered (its buffer holds at most a receive past the beat, not everything the
+    peer sends), then serves the rest in order: the beat's reply first, every report taken."""
+    coordinator, server = served
+    loop = server._loop
+    sock = connect(server)
+    sock.sendall(beat("n1", 1, wait_s=WAIT_S))
+    assert reply(sock, pb.HeartbeatResponse)[0].status == wire.Status.OK
+    until(lambda: loop.num_paced == 1, "the link served in turns")
+    reports = b"".join(report("n1", k + 1, KEYS[k % 400], wait_s=WAIT_S) for k in range(6000))
+    assert len(reports) > 8 * READ_BYTES
+    with coordinator.store._lock:  # the beat's renewal waits here
+        sender = threading.Thread(target=sock.sendall, args=(beat("n1", 2, wait_s=WAIT_S) + reports,))
+        sender.start()
+        time.sleep(0.5)
+        (link,) = loop._links.values()
+        assert link.is_waiting and len(link.buf) <= 2 * READ_BYTES
+    sender.join(10)
+    head, answer = reply(sock, pb.HeartbeatResponse)
+    assert head.request_id == 2 and answer.is_registered
+    sock.sendall(beat("n1", 3, wait_s=WAIT_S))
+    assert reply(sock, pb.HeartbeatResponse)[0].request_id == 3
+    assert coordinator.events_acknowledged("n1", EPOCH)[1] == 6001  # every report, in order
+    sock.close()
+
+
+@pytest.mark.parametrize("wait_s", [0.0, WAIT_S], ids=["at-once", "paced"])
+def test_a_stream_cut_mid_request_for_longer_than_the_frame_timeout_is_kept(served, wait_s) -> None:
+    """Reports streamed for three frame timeouts, every write ending inside a request: each
+    request is whole well within its deadline, so the link stays (a deadline that ran from the
+    first partial request of the stream, never restarted, closed it)."""
+    coordinator, server = served
+    sock = connect(server)
+    sock.sendall(beat("n2", 1, wait_s=wait_s))
+    assert reply(sock, pb.HeartbeatResponse)[0].status == wire.Status.OK
+    reports = [report("n2", k + 1, KEYS[k % 400], wait_s=wait_s) for k in range(2400)]
+    starts = [0]
+    for r in reports:
+        starts.append(starts[-1] + len(r))
+    stream = b"".join(reports)
+    start, at = time.monotonic(), 0
+    for k in range(8, 2400, 8):  # each write ends 10 bytes into a request
+        sock.sendall(stream[at : starts[k] + 10])
+        at = starts[k] + 10
+        time.sleep(0.004)
+    sock.sendall(stream[at:])
+    assert time.monotonic() - start > 3 * 0.4  # the fixture's frame timeout
+    sock.sendall(beat("n2", 2, wait_s=wait_s))
+    assert reply(sock, pb.HeartbeatResponse)[0].request_id == 2
+    assert coordinator.events_acknowledged("n2", EPOCH)[1] == 2401
+    sock.close()
