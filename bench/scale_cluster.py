@@ -23,17 +23,16 @@ from typing import Any
 import grpc
 import redis
 
+from bench.scale_beats import BeatLinks
 from pagedkv.cache_node.coordinator_link import LINK_WAIT_S
 from pagedkv.cluster import free_port
 from pagedkv.protos import pagedkv_pb2 as pb
 from pagedkv.protos import pagedkv_pb2_grpc as pb_grpc
 from pagedkv.protos.errors import NotFound, PagedKVError
-from pagedkv.protos.framed_client import FramedPort, NotCarried
-from pagedkv.protos.serving import raise_open_files_limit
+from pagedkv.protos.framed_client import FramedPort
 
 SPEC = pb.ModelSpec(num_layers=2, num_kv_heads=2, head_dim=64, dtype="float16", block_size=16)
 NODE_BLOCKS = 1_000_000  # fake nodes never fill: the bench measures the control plane, not eviction
-BEAT_THREADS = 32  # fake nodes' beats in flight at once (1,300 a second, each up to LINK_WAIT_S)
 
 
 class StubNode(pb_grpc.CacheNodeServicer):
@@ -165,30 +164,6 @@ class ScaleCluster:
                 proc.wait()
 
 
-def _framed_beat(port: FramedPort, stub: Any, request: pb.HeartbeatRequest) -> Any:
-    """A beat on the framed port, as a node's (it may wait LINK_WAIT_S there); over gRPC when
-    the port cannot carry it."""
-    if port.is_usable:
-        try:
-            return port.call("Heartbeat", request, pb.HeartbeatResponse, 30, may_wait_s=LINK_WAIT_S)
-        except NotCarried:
-            pass
-    return stub.Heartbeat(request, timeout=30)
-
-
-def node_links(num_nodes: int, frame_ports: list[int]) -> list[FramedPort]:
-    """A framed connection per node to its coordinator's port, as each node holds its own
-    (CoordinatorLink); node i's from 127.0.0.(2 + i // 100), since the port takes at most 128
-    connections from one address."""
-    raise_open_files_limit()  # (a descriptor per node)
-    ports = []
-    for i in range(num_nodes):
-        port = FramedPort("127.0.0.1", None, None, source_host=f"127.0.0.{2 + i // 100}")
-        port.learn(frame_ports[i % len(frame_ports)])
-        ports.append(port)
-    return ports
-
-
 class FakeNodes:
     """`num_nodes` node ids registered through the coordinators (round robin), beating at
     the interval the coordinator hands out until `stop()`."""
@@ -243,14 +218,12 @@ class FakeNodes:
 
     def _beat(self) -> None:
         """Every node's beat each interval: on the coordinators' framed ports as real nodes
-        beat (a connection per node, node_links; BEAT_THREADS in flight, since a beat's reply
-        may wait a few ms and real nodes do not wait on each other's), or over gRPC (all in
-        flight).
+        beat (a connection per node, each waiting for its own reply: BeatLinks, one thread),
+        a node whose link broke over gRPC; with `beat_framed` off, all over gRPC (in flight).
         Spread over the interval (`beats_spread`), as nodes beating on their own timers do;
         else all at its start (a burst: the coordinator saturated for its length)."""
         load = pb.NodeLoad(free_blocks=NODE_BLOCKS, num_blocks=NODE_BLOCKS)
-        ports = node_links(len(self.ids), self.frame_ports)
-        pool = futures.ThreadPoolExecutor(BEAT_THREADS, thread_name_prefix="fake-beat")
+        links = BeatLinks(len(self.ids), self.frame_ports) if self.beat_framed else None
         next_at = time.monotonic()
         while not self._stop.is_set():
             if time.monotonic() - next_at > self.interval_s / 10:
@@ -259,25 +232,37 @@ class FakeNodes:
             calls = []
             for i, r in enumerate(requests):
                 if self.beats_spread:  # node i beats i/N of the interval in
-                    due = next_at + i * self.interval_s / len(requests)
-                    self._stop.wait(max(0.0, due - time.monotonic()))
-                if self.beat_framed:
-                    calls.append(pool.submit(_framed_beat, ports[i], self._stub(i), r))
-                else:
+                    self._wait(links, next_at + i * self.interval_s / len(requests))
+                if links is None or not links.send(i, r):
                     calls.append(self._stub(i).Heartbeat.future(r, timeout=30))
             for call in calls:
                 try:
-                    reply = call.result()
-                    if not reply.is_registered:
-                        self.unregistered += 1
+                    self._answered(call.result())
                 except (grpc.RpcError, PagedKVError):  # UNAVAILABLE (Redis timed out under load): missed
                     self.failed_beats += 1
+            deadline = time.monotonic() + 30
+            while links is not None and links.num_pending and time.monotonic() < deadline:
+                self._wait(links, time.monotonic() + 0.05)
             self.first_round.set()
             next_at += self.interval_s
-            self._stop.wait(max(0.0, next_at - time.monotonic()))
-        pool.shutdown()
-        for port in ports:
-            port.close()
+            self._wait(links, next_at)
+        if links is not None:
+            links.close()
+
+    def _wait(self, links: BeatLinks | None, until: float) -> None:
+        """Until then (or stop), taking the framed beats' replies as they come."""
+        while not self._stop.is_set() and (left := until - time.monotonic()) > 0:
+            if links is None:
+                self._stop.wait(left)
+                continue
+            for _, reply in links.poll(min(left, 0.1)):
+                self._answered(reply)
+
+    def _answered(self, reply: pb.HeartbeatResponse | None) -> None:
+        if reply is None:  # an error reply (UNAVAILABLE), or a link that broke: missed
+            self.failed_beats += 1
+        elif not reply.is_registered:
+            self.unregistered += 1
 
     def report(
         self, node: int, keys: list[bytes], batch: int, framed: bool = False, one_way: bool = False
