@@ -46,11 +46,8 @@ class FramedPort:
     """The framed port of the server whose gRPC address is `address` (the port's host),
     for calls carrying `metadata`."""
 
-    def __init__(
-        self, address: str, metadata: Any, tls: TlsConfig | None, *, source_host: str | None = None
-    ) -> None:
+    def __init__(self, address: str, metadata: Any, tls: TlsConfig | None) -> None:
         self.host = address_host(address)
-        self.source = None if source_host is None else (source_host, 0)  # the local address to connect from
         self.port = 0  # 0: not advertised (yet), or off
         self._metadata = encode_metadata(metadata or ())
         self._tls = tls
@@ -146,9 +143,7 @@ class FramedPort:
                     return sock
                 sock.close()
         try:
-            sock = socket.create_connection(
-                (self.host, self.port), timeout=min(timeout_s, CONNECT_TIMEOUT_S), source_address=self.source
-            )
+            sock = socket.create_connection((self.host, self.port), timeout=min(timeout_s, CONNECT_TIMEOUT_S))
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self._tls is not None:
                 if self._tls_context is None:

@@ -383,26 +383,32 @@ def test_the_port_accepts_again_once_descriptors_are_free() -> None:
 
 
 def test_links_still_count_against_their_peers_cap() -> None:
-    """max_per_peer holds for links moved to the loop; a client may pick its source address
-    (FramedPort(source_host=...)), as bench.scale's fake nodes do to stand for many hosts."""
-    from pagedkv.protos.framed_client import FramedPort, NotCarried
-
+    """max_per_peer holds for links moved to the loop: five links from three addresses (each
+    its first beat answered), then a third connection from an address that holds two is
+    closed unanswered (its client takes gRPC)."""
     coordinator, server = serve(BulkLimits(max_per_peer=2, idle_timeout_s=30))
-    ports = [FramedPort("127.0.0.1", None, None, source_host=f"127.0.0.{2 + i // 2}") for i in range(5)]
+
+    def connect_from(host: str) -> socket.socket:
+        sock = socket.create_connection(("127.0.0.1", server.port), 5, (host, 0))
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return sock
+
+    socks = [connect_from(f"127.0.0.{2 + i // 2}") for i in range(5)]
     try:
-        for i, port in enumerate(ports):
-            port.learn(server.port)
-            request = pb.HeartbeatRequest(node_id=NODES[i % 2])
-            assert port.call("Heartbeat", request, pb.HeartbeatResponse, 5).is_registered
+        for i, sock in enumerate(socks):
+            sock.sendall(beat(NODES[i % 2], 1))
+            assert reply(sock, pb.HeartbeatResponse)[1].is_registered
         until(lambda: adopted(server) == 5, "five links from three addresses")
-        crowded = FramedPort("127.0.0.1", None, None, source_host="127.0.0.2")  # its third
-        crowded.learn(server.port)
-        with pytest.raises(NotCarried):
-            crowded.call("Heartbeat", pb.HeartbeatRequest(node_id="n1"), pb.HeartbeatResponse, 5)
+        crowded = connect_from("127.0.0.2")  # its third
+        try:
+            crowded.sendall(beat("n1", 1))
+        except ConnectionError:
+            pass  # (closed already)
+        assert is_closed(crowded)
         crowded.close()
     finally:
-        for port in ports:
-            port.close()
+        for sock in socks:
+            sock.close()
         server.stop()
         coordinator.stop()
 
