@@ -593,3 +593,20 @@ def test_a_stream_cut_mid_request_for_longer_than_the_frame_timeout_is_kept(serv
     assert reply(sock, pb.HeartbeatResponse)[0].request_id == 2
     assert coordinator.events_acknowledged("n2", EPOCH)[1] == 2401
     sock.close()
+
+
+def test_a_request_that_says_it_may_wait_forever_is_served_in_its_turn(served) -> None:
+    """`end` is the client's word only: the largest (2^64 - 1 us) paces the link, no more; the
+    beat is answered within a turn, and the link stays usable."""
+    coordinator, server = served
+    sock = connect(server)
+    message = pb.HeartbeatRequest(node_id="n1").SerializeToString()
+    forever = wire.Frame(wire.OP_UNARY, 7, end=2**64 - 1, text="Heartbeat", payload_len=len(message))
+    for request_id in (7, 8):  # the first moves the link, the second is served in a turn
+        sock.sendall(forever._replace(request_id=request_id).pack() + message)
+        start = time.monotonic()
+        head, answer = reply(sock, pb.HeartbeatResponse)
+        assert head.request_id == request_id and answer.is_registered
+        assert time.monotonic() - start < 1.0  # (a turn is 5 ms; a second allows a loaded host)
+    until(lambda: server._loop.num_paced == 1, "the link paced")
+    sock.close()
