@@ -72,7 +72,7 @@ from ..protos.errors import (
     SequenceNotFound,
     Unavailable,
 )
-from ..protos.keys import KEY_BYTES, chain_keys, root_key
+from ..protos.keys import chain_keys, root_key
 from ..protos.serving import name_os_thread
 from ..protos.status import error_from_rpc
 from .auth import ClusterAccess
@@ -477,11 +477,9 @@ class Coordinator(DeferredCalls, Failures, Membership, NodeRooms, Extents, Missi
         """Feed the open to the reuse classes (reuse.py): the keys it hit on its node, the first
         key of the run it computes, and that run's size as placement classed it."""
         cached = placement.cached_blocks
-        hit = (keys[i : i + KEY_BYTES] for i in range(0, cached * KEY_BYTES, KEY_BYTES))
-        first = keys[cached * KEY_BYTES : (cached + 1) * KEY_BYTES] or None
         run = placement.cached_blocks + placement.new_blocks - max(cached, placement.cached_elsewhere_blocks)
         with self._lock:
-            self._reuse.observe(hit, first, run)
+            self._reuse.observe(keys, cached, run)
 
     def fork(self, tenant: str, parent_id: str, child_id: str = "") -> OpenResult:
         self._settle(parent_id)

@@ -9,7 +9,9 @@ contexts every later turn extends. So the coordinator learns it from what it see
 - after each open it records the open's first uncached key with the size class of its uncached
   run (placement.size_class: 1, 2-3, 4-7, ... blocks), in a bounded memory of recent opens;
 - when a later open's cached prefix passes a recorded key, the run that key started was
-  continued: its class gets a reuse;
+  continued: its class gets a reuse. A chain key names its block position (it hashes every
+  block before it), so marks are looked up only at the positions that hold one: an open that
+  hits a long prefix costs the marked positions below it, not a lookup per cached block;
 - a class is a scan class when it has seen at least `min_opens` opens (decayed), its runs are
   at least as long as the mean run (only long runs flush a cache: sending short one-shot
   prompts to one node would spend that node's share of the opens on little data), and its
@@ -27,6 +29,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from pagedkv.protos.errors import InvalidArgument
+from pagedkv.protos.keys import KEY_BYTES
 
 from .placement import size_class
 
@@ -66,7 +69,9 @@ class ReuseClasses:
         self._opens = [0.0] * _MAX_CLASSES
         self._reuses = [0.0] * _MAX_CLASSES
         self._run_blocks = 0.0  # decayed sum of uncached run lengths (their mean gates scans)
-        self._marks: OrderedDict[bytes, int] = OrderedDict()  # first uncached key -> its run's class
+        # first uncached key -> (its run's class, its block position); marks at each position
+        self._marks: OrderedDict[bytes, tuple[int, int]] = OrderedDict()
+        self._marked_at: dict[int, int] = {}
         self._mask = 0
         self._num_observed = 0
 
@@ -74,10 +79,11 @@ class ReuseClasses:
         """Bit c set: runs of size class c are scans now. Changes nothing; O(1)."""
         return self._mask
 
-    def observe(self, cached_keys: Iterable[bytes], first_uncached: bytes | None, run_blocks: int) -> None:
-        """One open placed: `cached_keys` are the keys it found cached on its node (a recorded key
-        among them was continued), `first_uncached` the key its uncached run starts with (None
-        when it had none, or a run under one block), `run_blocks` that run's length."""
+    def observe(self, keys: bytes, cached_blocks: int, run_blocks: int) -> None:
+        """One open placed: `keys` are its prompt's chain keys (packed, KEY_BYTES each), of which
+        the first `cached_blocks` were cached on its node (a recorded key among them was
+        continued); the key after them starts its uncached run of `run_blocks` blocks (none
+        when `keys` ends there, or the run is under one block)."""
         marks = self._marks
         self._growth *= self._step
         if self._growth > 1e100:  # rescale before the factor overflows
@@ -86,22 +92,38 @@ class ReuseClasses:
             self._run_blocks /= self._growth
             self._growth = 1.0
         growth = self._growth
-        if marks:
-            for key in cached_keys:
-                cls = marks.pop(key, None)
-                if cls is not None:
-                    self._reuses[cls] += growth
+        if marks and cached_blocks > 0:
+            marked_at = self._marked_at
+            if len(marked_at) < cached_blocks:
+                positions: Iterable[int] = [p for p in marked_at if p < cached_blocks]
+            else:
+                positions = range(cached_blocks)
+            for p in positions:
+                mark = marks.pop(keys[p * KEY_BYTES : (p + 1) * KEY_BYTES], None)
+                if mark is not None:
+                    self._reuses[mark[0]] += growth
+                    self._unmark(mark[1])
         cls = min(size_class(run_blocks), _MAX_CLASSES - 1)
         self._opens[cls] += growth
         self._run_blocks += growth * run_blocks
-        if first_uncached is not None:
-            marks[first_uncached] = cls
+        first_uncached = keys[cached_blocks * KEY_BYTES : (cached_blocks + 1) * KEY_BYTES]
+        if len(first_uncached) == KEY_BYTES:
+            if first_uncached not in marks:
+                self._marked_at[cached_blocks] = self._marked_at.get(cached_blocks, 0) + 1
+            marks[first_uncached] = (cls, cached_blocks)
             marks.move_to_end(first_uncached)
             if len(marks) > self.config.memory:
-                marks.popitem(last=False)
+                self._unmark(marks.popitem(last=False)[1][1])
         self._num_observed += 1
         if self._num_observed % 16 == 0 or self._num_observed <= 16:  # the mask moves slowly
             self._mask = self._compute_mask()
+
+    def _unmark(self, position: int) -> None:
+        left = self._marked_at[position] - 1
+        if left:
+            self._marked_at[position] = left
+        else:
+            del self._marked_at[position]
 
     def _compute_mask(self) -> int:
         opens, reuses = self._opens, self._reuses
