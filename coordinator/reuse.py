@@ -108,7 +108,10 @@ class ReuseClasses:
         self._run_blocks += growth * run_blocks
         first_uncached = keys[cached_blocks * KEY_BYTES : (cached_blocks + 1) * KEY_BYTES]
         if len(first_uncached) == KEY_BYTES:
-            if first_uncached not in marks:
+            old = marks.get(first_uncached)
+            if old is None or old[1] != cached_blocks:  # (a key at another position: not a chain's)
+                if old is not None:
+                    self._unmark(old[1])
                 self._marked_at[cached_blocks] = self._marked_at.get(cached_blocks, 0) + 1
             marks[first_uncached] = (cls, cached_blocks)
             marks.move_to_end(first_uncached)

@@ -128,3 +128,20 @@ def test_bad_config_is_invalid_argument() -> None:
         ReuseConfig(scan_ratio=-1)
     with pytest.raises(InvalidArgument, match="memory"):
         ReuseConfig(memory=0)
+
+
+def test_a_key_seen_again_at_another_position_moves_its_mark() -> None:
+    """Keys that are not a chain's (the same key at two positions): the mark moves with its key,
+    so it is found where it lies now and forgetting it later takes it from there."""
+    classes = ReuseClasses(ReuseConfig(memory=2))
+    classes.observe(chain(7), 0, 100)  # key 7 marked at block 0
+    classes.observe(chain(1, 7), 1, 100)  # key 7 again, at block 1
+    classes.observe(chain(1, 7), 2, 0)  # a hit through block 1 continues key 7's run
+    assert sum(r for _, r in classes.stats().values()) == pytest.approx(1.0, rel=0.01)
+    classes = ReuseClasses(ReuseConfig(memory=1))
+    classes.observe(chain(7), 0, 100)
+    classes.observe(chain(1, 7), 1, 100)  # moved to block 1
+    classes.observe(chain(8), 0, 100)  # memory 1: key 7 forgotten, from block 1
+    classes.observe(chain(8, 9), 1, 5)  # key 8 (block 0) continued; key 9 marked
+    assert sum(r for _, r in classes.stats().values()) == pytest.approx(1.0, rel=0.01)
+    assert classes._marked_at == {1: 1} and list(classes._marks) == [key(9)]  # key 9 at block 1
