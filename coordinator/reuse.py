@@ -82,8 +82,8 @@ class ReuseClasses:
     def observe(self, keys: bytes, cached_blocks: int, run_blocks: int) -> None:
         """One open placed: `keys` are its prompt's chain keys (packed, KEY_BYTES each), of which
         the first `cached_blocks` were cached on its node (a recorded key among them was
-        continued); the key after them starts its uncached run of `run_blocks` blocks (none
-        when `keys` ends there, or the run is under one block)."""
+        continued); the key after them (if `keys` goes on) starts its uncached run of
+        `run_blocks` blocks."""
         marks = self._marks
         self._growth *= self._step
         if self._growth > 1e100:  # rescale before the factor overflows
