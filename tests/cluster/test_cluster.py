@@ -10,12 +10,15 @@ from __future__ import annotations
 import signal
 import time
 
+import grpc
 import pytest
 import torch
 from conftest import TOKENS, make_cluster, run_worker
 from worker import SPEC, expected_kv
 
 from pagedkv.client import CacheClient, FailedPrecondition, SequenceLost, Unavailable
+from pagedkv.protos import pagedkv_pb2 as pb
+from pagedkv.protos import pagedkv_pb2_grpc as pb_grpc
 from pagedkv.protos.errors import PagedKVError, SequenceNotFound, Unauthenticated
 
 SYSTEM = list(range(1000, 1000 + 96))  # six full blocks
@@ -40,6 +43,16 @@ def _reachable(c: CacheClient) -> bool:
         return True
     except Unavailable:
         return False
+
+
+def _leases_live(c: CacheClient) -> bool:
+    """Every node can prove its lease again (its Stats say it is not fenced): a node whose
+    lease ran out while no coordinator answered refuses data calls until a beat lands."""
+    for node in c.cluster_stats().nodes:
+        with grpc.insecure_channel(node.address) as channel:
+            if pb_grpc.CacheNodeStub(channel).Stats(pb.Empty(), timeout=2).is_fenced:
+                return False
+    return True
 
 
 def all_nodes_clean(c: CacheClient) -> None:
@@ -216,7 +229,10 @@ def test_coordinator_restart_keeps_sequences_and_index(tmp_path, redis_url):
         wait_until(lambda: _reachable(c), 5.0, "the client reconnecting")
         # Leases may have lapsed while no coordinator ran: within the restarted one's grace
         # that is Unavailable, not a loss, and the nodes' next beats make them live again.
-        wait_until(lambda: len(c.cluster_stats().nodes) == 2, 10.0, "both nodes beating again")
+        wait_until(lambda: len(c.cluster_stats().nodes) == 2, 10.0, "both nodes listed again")
+        # A node's gRPC channel may still be backing off from the refused connects (up to 1 s):
+        # a restart slower than the lease leaves it fenced until its next beat lands.
+        wait_until(lambda: _leases_live(c), 10.0, "both nodes beating again")
         assert c.sequence("long-lived").route == seq.route
         assert c.lookup(SYSTEM + [3]) == len(SYSTEM)
         hit = c.open("hit", SYSTEM + [4])
