@@ -89,7 +89,7 @@ from .node_calls import NodeCalls
 from .node_rooms import NodeRooms
 from .placement import Placement, PlacementWeights
 from .reconcile import Reconciler
-from .records import NewSequence, NodeInfo, SequenceRecord, spec_text, spec_view
+from .records import EventRun, NewSequence, NodeInfo, SequenceRecord, spec_text, spec_view
 from .reuse import ReuseClasses, ReuseConfig
 from .store import Store
 
@@ -230,17 +230,20 @@ class Coordinator(DeferredCalls, Failures, Membership, NodeRooms, Extents, Missi
         when it is not live under `epoch`."""
         return self.events.acknowledge(node_id, epoch)
 
-    def _events_applied(self, node_id: str, stored: list[bytes], removed: list[bytes]) -> None:
+    def _events_applied(self, runs: list[EventRun]) -> None:
         with self._lock:
-            self._removed.discard(stored)
-            self._removed.add(node_id, removed)
+            for run in runs:
+                self._removed.discard(run.stored)
+                self._removed.add(run.node_id, run.removed)
 
     def report_events(self, node_id: str, events: Sequence[tuple[int, bytes]]) -> int:
         """Apply a node's ordered stored/offloaded/removed events; each key's last event wins
         (an unknown kind counts as removed: the index never claims a block it cannot vouch for)."""
         stored, removed, offloaded = split_net({key: kind for kind, key in events})
         self.store.apply_events(node_id, stored, removed, offloaded)
-        self._events_applied(node_id, stored, removed)
+        with self._lock:
+            self._removed.discard(stored)
+            self._removed.add(node_id, removed)
         return len(events)
 
     def _cached_node(self, node_id: str) -> NodeInfo | None:

@@ -50,13 +50,13 @@ class _NodeLog:
     base: int = 0  # the node forgot its events through here (the store said it held them)
 
 
-Applied = Callable[[str, list[bytes], list[bytes]], None]
+Applied = Callable[[list[EventRun]], None]
 
 
 class EventApplier:
     """Queues numbered reports (`offer`) and applies them on its own thread (without
-    `background`, when the caller flushes); thread-safe. `on_applied(node_id, stored,
-    removed)` runs after each run the store took."""
+    `background`, when the caller flushes); thread-safe. `on_applied(runs)` runs after each
+    flush with the runs the store took whole."""
 
     def __init__(
         self,
@@ -246,23 +246,24 @@ class EventApplier:
             self._requeue(runs)
             return False
         self.num_flushes += 1
+        taken: list[EventRun] = []
         with self._lock:
             for (run, entry, _), applied in zip(runs, results, strict=True):
-                if applied == NOT_LIVE:
+                if applied >= run.last_seq:
+                    if applied > entry.applied:
+                        entry.applied = applied
+                    self.num_applied += run.last_seq - run.first_seq + 1
+                    taken.append(run)
+                elif applied == NOT_LIVE:
                     entry.is_dead = True  # its next report answers NodeNotLive (and reloads)
-                elif applied < run.last_seq:  # the store lacks what came before: resend from there
+                else:  # the store lacks what came before: resend from there
                     entry.applied = entry.queued = applied
                     if entry.first:
                         self._num_queued -= len(entry.net)
                         self._dirty.remove(run.node_id)
                         entry.first, entry.net = 0, {}
-                else:
-                    entry.applied = max(entry.applied, applied)
-                    self.num_applied += run.last_seq - run.first_seq + 1
-        if self.on_applied is not None:
-            for (run, _, _), applied in zip(runs, results, strict=True):
-                if applied >= run.last_seq:
-                    self.on_applied(run.node_id, list(run.stored), list(run.removed))
+        if self.on_applied is not None and taken:
+            self.on_applied(taken)
         return True
 
     def _rewind(self, runs: list[tuple[EventRun, _NodeLog, dict[bytes, int]]]) -> None:
@@ -298,12 +299,25 @@ class EventApplier:
 def split_net(net: dict[bytes, int]) -> tuple[list[bytes], list[bytes], list[bytes]]:
     """(stored, removed, offloaded) of each key's last event kind; an unknown kind counts as
     removed: the index never claims a block it cannot vouch for."""
-    stored = [k for k, kind in net.items() if kind == STORED_KIND]
-    offloaded = [k for k, kind in net.items() if kind == OFFLOADED_KIND]
-    removed = [k for k, kind in net.items() if kind not in (STORED_KIND, OFFLOADED_KIND)]
+    stored: list[bytes] = []
+    removed: list[bytes] = []
+    offloaded: list[bytes] = []
+    for key, kind in net.items():
+        (stored if kind == STORED_KIND else offloaded if kind == OFFLOADED_KIND else removed).append(key)
     return stored, removed, offloaded
 
 
 def _run_of(node_id: str, entry: _NodeLog, net: dict[bytes, int]) -> EventRun:
-    stored, removed, offloaded = split_net(net)
+    if len(net) == 1:  # (a lone event, the common run of a node not streaming: no lists to sort into)
+        [(key, kind)] = net.items()
+        one: tuple[bytes, ...] = (key,)
+        none: tuple[bytes, ...] = ()
+        if kind == STORED_KIND:
+            stored, removed, offloaded = one, none, none
+        elif kind == OFFLOADED_KIND:
+            stored, removed, offloaded = none, none, one
+        else:
+            stored, removed, offloaded = none, one, none
+    else:
+        stored, removed, offloaded = (tuple(keys) for keys in split_net(net))
     return EventRun(node_id, entry.epoch, entry.first, entry.queued, stored, removed, offloaded, entry.base)

@@ -37,29 +37,31 @@ def run_parts(runs: Sequence[EventRun], max_keys: int = MAX_KEYS_PER_SCRIPT) -> 
     """Every part of every run (checked runs, records.check_runs), in order."""
     parts: list[RunPart] = []
     for run in runs:
-        lists = (run.stored, run.offloaded, run.removed)
-        total = len(run.stored) + len(run.offloaded) + len(run.removed)
-        starts = range(0, max(total, 1), max_keys)
-        # Parts of one run share a token (a fence against other writers between them).
-        token = os.urandom(8).hex() if len(starts) > 1 else ""
+        stored, offloaded, removed = lists = (run.stored, run.offloaded, run.removed)
+        total = len(stored) + len(offloaded) + len(removed)
         # (a base at or past first_seq - 1 vouches for what came before: no gap to check)
         before = 0 if run.base_seq >= run.first_seq - 1 else run.first_seq - 1
+        if total <= max_keys:  # the whole run in one script (nearly every one): nothing to cut
+            n_stored, n_offloaded = str(len(stored)), str(len(offloaded))
+            head = [str(run.epoch), str(before), str(run.last_seq), "", "1", "1", n_stored, n_offloaded]
+            args: list[str | bytes] = [*head, *stored, *offloaded, *removed]
+            parts.append(RunPart(run, stored, offloaded, removed, True, args))
+            continue
+        starts = range(0, total, max_keys)
+        token = os.urandom(8).hex()  # parts of one run share it: a fence against other writers between them
         head = [str(run.epoch), str(before), str(run.last_seq), token]
         for start in starts:
             end = start + max_keys
-            if len(starts) == 1:  # the whole run (nearly every one): nothing to cut
-                stored, offloaded, removed = lists
-            else:
-                cut: list[Sequence[bytes]] = []
-                at = 0
-                for keys in lists:  # each list's share of keys [start, end) of the three joined
-                    cut.append(keys[max(0, start - at) : max(0, end - at)])
-                    at += len(keys)
-                stored, offloaded, removed = cut
+            cut: list[Sequence[bytes]] = []
+            at = 0
+            for keys in lists:  # each list's share of keys [start, end) of the three joined
+                cut.append(keys[max(0, start - at) : max(0, end - at)])
+                at += len(keys)
+            stored, offloaded, removed = cut
             is_first, is_last = start == 0, end >= total
             flags = ["1" if is_first else "0", "1" if is_last else "0", str(len(stored)), str(len(offloaded))]
-            args: list[str | bytes] = [*head, *flags, *stored, *offloaded, *removed]
-            parts.append(RunPart(run, stored, offloaded, removed, is_last, args))
+            cut_args: list[str | bytes] = [*head, *flags, *stored, *offloaded, *removed]
+            parts.append(RunPart(run, stored, offloaded, removed, is_last, cut_args))
     return parts
 
 

@@ -390,6 +390,8 @@ def check_ordinal(what: str, value: object) -> int:
 
 def check_run(run: EventRun) -> EventRun:
     """A validated copy of `run` (its lists as tuples); InvalidArgument names the bad field."""
+    if _is_sound(run):  # (an applier's run: already tuples, so it is its own copy)
+        return run
     if not isinstance(run, EventRun):
         raise InvalidArgument(f"expected an EventRun, got {type(run).__name__}")
     check_name("node_id", run.node_id)
@@ -403,6 +405,37 @@ def check_run(run: EventRun) -> EventRun:
     stored, removed, offloaded = check_events(run.stored, run.removed, run.offloaded)
     lists = tuple(stored), tuple(removed), tuple(offloaded)
     return EventRun(run.node_id, run.epoch, first, last, *lists, base)
+
+
+def _is_sound(run: EventRun) -> bool:
+    """Whether `run` passes check_run as it is: its fields well-typed and in range, its key
+    lists tuples of keys, at most one of them non-empty (nothing to cross-check). One pass
+    with no calls, since each flush checks every dirty node's run (the slow path says why not)."""
+    if type(run) is not EventRun:
+        return False
+    node_id, epoch, first, last, base = run.node_id, run.epoch, run.first_seq, run.last_seq, run.base_seq
+    if not (
+        type(node_id) is str
+        and node_id
+        and type(epoch) is int
+        and type(first) is int
+        and type(last) is int
+        and type(base) is int
+        and 1 <= epoch < SEQ_LIMIT
+        and 1 <= first <= last < SEQ_LIMIT
+        and 0 <= base <= last
+    ):
+        return False
+    filled = 0
+    for keys in (run.stored, run.removed, run.offloaded):
+        if type(keys) is not tuple:
+            return False
+        if keys:
+            filled += 1
+            for k in keys:
+                if type(k) is not bytes or len(k) != KEY_BYTES:
+                    return False
+    return filled <= 1
 
 
 def check_runs(runs: Sequence[EventRun]) -> list[EventRun]:

@@ -264,6 +264,12 @@ BAD_RUNS = [
     (EventRun("n1", 1, 1, 1, [], [], [], True), "base_seq"),
     ("not a run", "EventRun"),
 ]
+# The same with tuples, as an applier builds its runs: these meet check_run's one-pass path first.
+BAD_RUNS += [
+    (replace(r, stored=tuple(r.stored), removed=tuple(r.removed), offloaded=tuple(r.offloaded)), field)
+    for r, field in BAD_RUNS
+    if isinstance(r, EventRun)
+]
 
 
 @pytest.mark.parametrize(("bad", "field"), BAD_RUNS, ids=[f for _, f in BAD_RUNS])

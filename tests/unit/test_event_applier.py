@@ -168,6 +168,30 @@ def test_a_gap_is_answered_with_where_to_resend_from() -> None:
     assert store.keys_of("n") == {KEYS[0], KEYS[1]}
 
 
+def test_on_applied_gets_each_flushs_whole_runs_only() -> None:
+    """A flush hands on_applied the runs the store took, netted (a run the store refused, or
+    one past a gap, is not among them): what the coordinator's memory of removals follows."""
+    store = registered()
+    store.register_node("m", "127.0.0.1:2", SPEC, 64, 60.0, EPOCH)
+    seen: list[list] = []
+    applier = EventApplier(store, seen.append, background=False)
+    applier.offer("n", EPOCH, 1, [(STORED_KIND, KEYS[0]), (REMOVED_KIND, KEYS[1]), (REMOVED_KIND, KEYS[0])])
+    applier.offer("m", EPOCH, 1, [(OFFLOADED_KIND, KEYS[2])])
+    applier.flush()
+    [runs] = seen
+    assert [(r.node_id, set(r.stored), set(r.removed), set(r.offloaded)) for r in runs] == [
+        ("n", set(), {KEYS[0], KEYS[1]}, set()),
+        ("m", set(), set(), {KEYS[2]}),
+    ]
+    applier.offer("m", EPOCH, 2, [(STORED_KIND, KEYS[3])])
+    store.register_node("n", "127.0.0.1:1", SPEC, 64, 60.0, EPOCH + 2)  # n's next run is refused
+    applier.offer("n", EPOCH, 4, [(STORED_KIND, KEYS[4])])
+    applier.flush()
+    assert [(r.node_id, r.stored) for r in seen[1]] == [("m", (KEYS[3],))]
+    applier.flush()  # nothing queued: on_applied is not called
+    assert len(seen) == 2
+
+
 def test_a_node_that_forgot_what_the_store_lost_starts_after_it() -> None:
     """A failover lost applied events the node already forgot (base_seq): the next run
     applies past them instead of waiting forever for a resend that cannot come."""
