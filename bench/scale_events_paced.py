@@ -14,7 +14,8 @@ per node in each flush. Each round sends `--seconds` of reports one-way (NOTIFY)
 as framed calls (each waiting for its reply), then asks every node's position once, against a
 fresh coordinator for each `--flush-s` in turn (its --event-flush-s: how often a stream of
 reports is applied; 1 s leaves the applier nearly idle, so that row is the rpcs' own share);
-reported: coordinator CPU per report (/proc, the flushes included), medians over the rounds.
+reported: coordinator CPU per report (/proc, the flushes included), medians over the rounds, in
+all and by thread (frame-loop: receiving and queueing; event-applier: the flushes).
 
 Writes bench/results/scale_events_paced.{json,md}.
 """
@@ -30,7 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.scale_cluster import FakeNodes, ScaleCluster, cpu_s
+from bench.scale_cluster import FakeNodes, ScaleCluster, cpu_s, thread_cpu_s
 from pagedkv.cache_node.coordinator_link import LINK_WAIT_S
 from pagedkv.protos import pagedkv_pb2 as pb
 from pagedkv.protos.framed_client import FramedPort
@@ -43,8 +44,9 @@ def log(msg: str) -> None:
     print(f"[events-paced {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def run(num_nodes: int, rate: float, seconds: float, flush_s: float) -> dict[str, float]:
-    """One round against a fresh coordinator applying streams every `flush_s`: mode -> us a report."""
+def run(num_nodes: int, rate: float, seconds: float, flush_s: float) -> dict[str, dict[str, float]]:
+    """One round against a fresh coordinator applying streams every `flush_s`: mode -> us a
+    report, in all ("all") and by thread (the frame loop's, the applier's, ...)."""
     args = ["--event-flush-s", repr(flush_s)]
     cluster = ScaleCluster(Path(tempfile.mkdtemp(prefix="pagedkv-paced-")), 1, 30.0, args)  # no beats due
     ports: list[FramedPort] = []
@@ -73,9 +75,9 @@ def run(num_nodes: int, rate: float, seconds: float, flush_s: float) -> dict[str
         for i in range(num_nodes):
             ports[i].call("ReportEvents", report(i, 0), pb.ReportEventsResponse, 30)
         count = int(rate * seconds)
-        cpu: dict[str, float] = {}
+        cpu: dict[str, dict[str, float]] = {}
         for mode in MODES:
-            c0, t0 = cpu_s(pid), time.perf_counter()
+            c0, by0, t0 = cpu_s(pid), thread_cpu_s(pid), time.perf_counter()
             for k in range(count):
                 i = k % num_nodes
                 if mode == "one-way":
@@ -90,7 +92,11 @@ def run(num_nodes: int, rate: float, seconds: float, flush_s: float) -> dict[str
                 if reply.next_seq != sent[i] + 1:
                     raise RuntimeError(f"{nodes.ids[i]}: reports not all taken: {reply}")
             time.sleep(max(0.2, 2 * flush_s))  # the last flush lands in this mode's window
-            cpu[mode] = (cpu_s(pid) - c0) / count * 1e6
+            c1, by1 = cpu_s(pid), thread_cpu_s(pid)
+            cpu[mode] = {"all": (c1 - c0) / count * 1e6}
+            for name, used in by1.items():
+                if (us := (used - by0.get(name, 0.0)) / count * 1e6) > 0:
+                    cpu[mode][name] = us
         return cpu
     finally:
         for port in ports:
@@ -115,15 +121,28 @@ def main() -> None:
     args = p.parse_args()
     flushes = [float(f) for f in args.flush_s.split(",")]
     load0 = os.getloadavg()[0]
-    rounds: dict[float, dict[str, list[float]]] = {f: {m: [] for m in MODES} for f in flushes}
+    rounds: dict[float, dict[str, list[dict[str, float]]]] = {f: {m: [] for m in MODES} for f in flushes}
     for r in range(args.rounds):
         for f in flushes if r % 2 == 0 else reversed(flushes):
             for mode, us in run(args.nodes, args.rate, args.seconds, f).items():
                 rounds[f][mode].append(us)
-                log(f"round {r + 1}, flush {f:g} s: {mode}: {us:.0f} us of coordinator CPU a report")
+                threads = ", ".join(f"{k} {v:.0f}" for k, v in sorted(us.items()) if k != "all")
+                log(
+                    f"round {r + 1}, flush {f:g} s: {mode}: {us['all']:.0f} us of coordinator CPU a report ({threads})"
+                )
     load1 = os.getloadavg()[0]
     result = {
-        f"{f:g}": {m: {"per_report_us": statistics.median(v), "rounds_us": v} for m, v in by_mode.items()}
+        f"{f:g}": {
+            m: {
+                "per_report_us": statistics.median(x["all"] for x in v),
+                "rounds_us": [x["all"] for x in v],
+                "by_thread_us": {
+                    name: statistics.median(x.get(name, 0.0) for x in v)
+                    for name in sorted({n for x in v for n in x} - {"all"})
+                },
+            }
+            for m, v in by_mode.items()
+        }
         for f, by_mode in rounds.items()
     }
     meta = {"host": platform.node(), "cpus": os.cpu_count(), "load": [load0, load1]} | vars(args)
@@ -134,10 +153,12 @@ def main() -> None:
         "",
         f"{args.nodes} nodes, one-event reports in turn at {args.rate:.0f} a second in all, {args.rounds} rounds of {args.seconds:.0f} s a mode and flush interval.",
         "",
-        "| event flush s | sent as | coordinator CPU per report, median us | rounds |",
-        "|---|---|---|---|",
+        "| event flush s | sent as | coordinator CPU per report, median us | rounds | by thread (medians, us) |",
+        "|---|---|---|---|---|",
         *(
-            f"| {f} | {m} | {r['per_report_us']:.0f} | {' / '.join(f'{x:.0f}' for x in r['rounds_us'])} |"
+            f"| {f} | {m} | {r['per_report_us']:.0f} | {' / '.join(f'{x:.0f}' for x in r['rounds_us'])} | "
+            + ", ".join(f"{k} {v:.0f}" for k, v in r["by_thread_us"].items() if v >= 0.5)
+            + " |"
             for f, by_mode in result.items()
             for m, r in by_mode.items()
         ),

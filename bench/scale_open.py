@@ -1,7 +1,7 @@
 # ruff: noqa: E501  (report strings and table rows)
 """The open script's Redis time against the node count, side by side in one Redis (issue 24).
 
-    python -m bench.scale_open                    # 2 / 100 / 1,000 nodes; 1k and 8k-token prompts
+    python -m bench.scale_open                    # 2 / 100 / 1,000 nodes; 1k, 8k and 32k-token prompts
     python -m bench.scale_open --quick            # 2 and 40 nodes, one prompt: a smoke run
 
 One redis-server holds one cluster per node count (each under its own prefix, registered
@@ -109,7 +109,7 @@ def main() -> None:
     p.add_argument("--opens", type=int, default=300)
     p.add_argument("--out", default=str(RESULTS / "scale_open"), help="output path without extension")
     args = p.parse_args()
-    counts, prompts = ([2, 40], [1024]) if args.quick else ([2, 100, 1000], [1024, 8192])
+    counts, prompts = ([2, 40], [1024]) if args.quick else ([2, 100, 1000], [1024, 8192, 32768])
     opens = 30 if args.quick else args.opens
     server = None
     url = args.url

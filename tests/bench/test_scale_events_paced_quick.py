@@ -25,5 +25,8 @@ def test_a_small_paced_events_run_measures_both_ways(tmp_path: Path) -> None:
         assert set(modes) == {"one-way", "framed call"}
         # (>= 0: a window this short may fall inside one /proc tick)
         assert all(len(m["rounds_us"]) == 1 and m["per_report_us"] >= 0 for m in modes.values())
+        # by thread: what each of the coordinator's threads spent, none more than the whole
+        for m in modes.values():
+            assert all(0 <= us <= m["per_report_us"] + 1e-9 for us in m["by_thread_us"].values())
     table = out.with_suffix(".md").read_text()
     assert "| 0.005 | one-way |" in table and "| 0.05 | framed call |" in table
