@@ -102,6 +102,10 @@ class EventApplier:
         for i, (_, key) in enumerate(events):  # (checked here: a flush must not meet a bad key)
             if len(key) != KEY_BYTES:
                 raise InvalidArgument(f"event {i}: a {len(key)}-byte key (block keys have {KEY_BYTES})")
+        with self._lock:  # (the node's log here already: one lock, the common case)
+            entry = self._logs.get(node_id)
+            if entry is not None and entry.epoch == epoch and not entry.is_dead:
+                return self._queue(node_id, entry, first_seq, events, base_seq)
         while True:
             with self._lock:
                 entry = self._logs.get(node_id)

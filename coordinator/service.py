@@ -243,21 +243,34 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
     def ReportEvents(self, request: pb.ReportEventsRequest, context: grpc.ServicerContext) -> Any:
         def run() -> pb.ReportEventsResponse:
-            self._node(context, request.node_id, "ReportEvents")
-            events = [(e.kind, e.key) for e in request.events]
-            try:
-                if not request.first_seq:  # an older node's: applied before the reply
-                    return pb.ReportEventsResponse(
-                        num_events=self.coordinator.report_events(request.node_id, events)
-                    )
-                applied, next_seq = self.coordinator.report_numbered(
-                    request.node_id, request.epoch, request.first_seq, events, request.base_seq
-                )
-            except NodeNotLive as exc:  # tells the node to register again
-                raise NotFound(str(exc)) from None
-            return pb.ReportEventsResponse(num_events=len(events), applied_seq=applied, next_seq=next_seq)
+            num_events, applied, next_seq = self._report(request, context)
+            return pb.ReportEventsResponse(num_events=num_events, applied_seq=applied, next_seq=next_seq)
 
         return self._run("ReportEvents", context, run)
+
+    def ReportEventsOneWay(self, request: pb.ReportEventsRequest, context: grpc.ServicerContext) -> None:
+        """ReportEvents sent one-way (a node's link: a framed NOTIFY): the same checks, queueing
+        and metrics, no reply built (the node's next beat says how far its events got). A
+        node's report names no sequence, so its errors need no unscoping (_run)."""
+        observe("ReportEvents", context, lambda: self._report(request, context), self.metrics.observe)
+
+    def one_way_handlers(self) -> dict[str, Callable[[Any, Any], None]]:
+        """The framed port's handlers of ONE_WAY_METHODS sent as NOTIFY (no reply to build)."""
+        return {"ReportEvents": self.ReportEventsOneWay}
+
+    def _report(self, request: pb.ReportEventsRequest, context: grpc.ServicerContext) -> tuple[int, int, int]:
+        """A report's (events taken, applied, next_seq); 0, 0 for an older node's unnumbered one."""
+        self._node(context, request.node_id, "ReportEvents")
+        events = [(e.kind, e.key) for e in request.events]
+        try:
+            if not request.first_seq:  # an older node's: applied before the reply
+                return self.coordinator.report_events(request.node_id, events), 0, 0
+            applied, next_seq = self.coordinator.report_numbered(
+                request.node_id, request.epoch, request.first_seq, events, request.base_seq
+            )
+        except NodeNotLive as exc:  # tells the node to register again
+            raise NotFound(str(exc)) from None
+        return len(events), applied, next_seq
 
     # -- workers ------------------------------------------------------------------
 
@@ -436,7 +449,7 @@ def create_server(
                 host,
                 frame_port,
                 tls=tls,
-                one_way=ONE_WAY_METHODS,
+                one_way=servicer.one_way_handlers(),
                 loop_methods=NODE_LINK_METHODS,
                 batches={"Heartbeat": servicer.Heartbeats},
             )

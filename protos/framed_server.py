@@ -95,7 +95,8 @@ class FramedServer:
     """`methods` of `servicer` (a gRPC servicer of `service`, whose messages are in
     `messages`) on a TCP port of `host`, bound by the constructor (`port` is known
     before start; 0: any free port); those of them in `one_way` are also taken as
-    NOTIFY frames. A plain-TCP connection that served one of `loop_methods` moves to one
+    NOTIFY frames (by their handler, or by the one a `one_way` mapping gives them, which
+    returns nothing). A plain-TCP connection that served one of `loop_methods` moves to one
     thread serving every such connection (framed_loop.py)."""
 
     def __init__(
@@ -110,7 +111,7 @@ class FramedServer:
         tls: TlsConfig | None = None,
         limits: BulkLimits | None = None,
         max_message_bytes: int = MAX_MESSAGE_BYTES,
-        one_way: Iterable[str] = (),
+        one_way: Iterable[str] | Mapping[str, Callable[[Any, FrameContext], None]] = (),
         loop_methods: Iterable[str] = (),
         batches: Mapping[str, BatchHandler] | None = None,
     ) -> None:
@@ -126,6 +127,13 @@ class FramedServer:
         self.one_way = frozenset(one_way)
         if not self.one_way <= self.handlers.keys():
             raise ValueError(f"one-way methods {sorted(self.one_way - self.handlers.keys())} are not served")
+        # A NOTIFY runs its method's handler, or the one `one_way` maps it to: nothing to reply,
+        # so nothing to build (a node's lone event report, where every microsecond is per event).
+        self._one_way_handlers: dict[str, Callable[[Any, FrameContext], Any]] = {
+            name: handler for name, handler in (one_way.items() if isinstance(one_way, Mapping) else ())
+        }
+        for name in self.one_way - self._one_way_handlers.keys():
+            self._one_way_handlers[name] = self.handlers[name][0]
         # A plain-TCP connection that has served one of these is handed to the one-thread loop.
         self.loop_methods = frozenset(loop_methods)
         if not self.loop_methods <= self.handlers.keys():
@@ -350,7 +358,7 @@ class FramedServer:
             raise Refused(f, f.text, exc) from None
         self.num_one_way += 1
         try:
-            self.handlers[f.text][0](request, context)
+            self._one_way_handlers[f.text](request, context)
         except _Aborted as exc:
             self.num_one_way_failed += 1
             now = time.monotonic()

@@ -24,7 +24,6 @@ from pagedkv.coordinator.metrics import CoordinatorMetrics
 from pagedkv.coordinator.service import (
     FRAMED_METHODS,
     NODE_LINK_METHODS,
-    ONE_WAY_METHODS,
     CoordinatorServicer,
 )
 from pagedkv.protos import pagedkv_pb2 as pb
@@ -55,7 +54,7 @@ def serve(limits: BulkLimits, access: ClusterAccess | None = None):
         pb,
         FRAMED_METHODS,
         limits=limits,
-        one_way=ONE_WAY_METHODS,
+        one_way=servicer.one_way_handlers(),
         loop_methods=NODE_LINK_METHODS,
         batches={"Heartbeat": servicer.Heartbeats},  # (as the coordinator's port)
     )
@@ -331,7 +330,7 @@ from pagedkv.coordinator.auth import Tenants
 from pagedkv.coordinator.core import Coordinator, CoordinatorConfig
 from pagedkv.coordinator.memory_store import MemoryStore
 from pagedkv.coordinator.metrics import CoordinatorMetrics
-from pagedkv.coordinator.service import FRAMED_METHODS, NODE_LINK_METHODS, ONE_WAY_METHODS
+from pagedkv.coordinator.service import FRAMED_METHODS, NODE_LINK_METHODS
 from pagedkv.coordinator.service import CoordinatorServicer
 from pagedkv.protos import pagedkv_pb2 as pb
 from pagedkv.protos.framed_loop import PACE_S, READ_BYTES
@@ -339,7 +338,7 @@ from pagedkv.protos.framed_server import FramedServer
 coordinator = Coordinator(MemoryStore(), CoordinatorConfig(lease_ttl_s=30))
 servicer = CoordinatorServicer(coordinator, Tenants(), CoordinatorMetrics(coordinator))
 service = pb.DESCRIPTOR.services_by_name["Coordinator"]
-server = FramedServer(servicer, service, pb, FRAMED_METHODS, one_way=ONE_WAY_METHODS,
+server = FramedServer(servicer, service, pb, FRAMED_METHODS, one_way=servicer.one_way_handlers(),
                       loop_methods=NODE_LINK_METHODS).start()
 spare = len(os.listdir("/proc/self/fd")) + 2  # two connections fit, a third does not
 resource.setrlimit(resource.RLIMIT_NOFILE, (spare, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))

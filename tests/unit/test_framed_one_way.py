@@ -17,7 +17,7 @@ from pagedkv.coordinator.auth import Tenants
 from pagedkv.coordinator.core import Coordinator, CoordinatorConfig
 from pagedkv.coordinator.memory_store import MemoryStore
 from pagedkv.coordinator.metrics import CoordinatorMetrics
-from pagedkv.coordinator.service import FRAMED_METHODS, ONE_WAY_METHODS, CoordinatorServicer
+from pagedkv.coordinator.service import FRAMED_METHODS, CoordinatorServicer
 from pagedkv.protos import pagedkv_pb2 as pb
 from pagedkv.protos import wire
 from pagedkv.protos.framed_server import FramedServer
@@ -37,7 +37,9 @@ def served():
     servicer = CoordinatorServicer(coordinator, Tenants(), CoordinatorMetrics(coordinator))
     limits = BulkLimits(idle_timeout_s=5, frame_timeout_s=0.4, min_bytes_per_s=1 << 20)
     service = pb.DESCRIPTOR.services_by_name["Coordinator"]
-    server = FramedServer(servicer, service, pb, FRAMED_METHODS, limits=limits, one_way=ONE_WAY_METHODS)
+    server = FramedServer(
+        servicer, service, pb, FRAMED_METHODS, limits=limits, one_way=servicer.one_way_handlers()
+    )
     server.start()
     yield coordinator, server
     server.stop()
@@ -97,6 +99,11 @@ def test_a_one_way_reports_error_is_counted_not_answered(served) -> None:
         assert ping(sock).request_id == 99  # nothing else was sent back; still in step
     assert server.num_one_way == 2 and server.num_one_way_failed == 1
     assert coordinator.events.num_refused == refused + 2
+    # the one-way handler keeps the rpc's metrics: both calls timed, the refused one counted
+    registry = server.handlers["ReportEvents"][0].__self__.metrics.registry
+    labels = {"method": "ReportEvents"}
+    assert registry.get_sample_value("pagedkv_coordinator_rpc_latency_seconds_count", labels) == 2
+    assert registry.get_sample_value("pagedkv_coordinator_rpc_errors_total", {**labels, "code": "NOT_FOUND"}) == 1
     assert coordinator.events_acknowledged("n1", EPOCH) == (0, 1)  # the node's next beat: send from 1
 
 
