@@ -103,7 +103,8 @@ def test_a_one_way_reports_error_is_counted_not_answered(served) -> None:
     registry = server.handlers["ReportEvents"][0].__self__.metrics.registry
     labels = {"method": "ReportEvents"}
     assert registry.get_sample_value("pagedkv_coordinator_rpc_latency_seconds_count", labels) == 2
-    assert registry.get_sample_value("pagedkv_coordinator_rpc_errors_total", {**labels, "code": "NOT_FOUND"}) == 1
+    not_found = {**labels, "code": "NOT_FOUND"}
+    assert registry.get_sample_value("pagedkv_coordinator_rpc_errors_total", not_found) == 1
     assert coordinator.events_acknowledged("n1", EPOCH) == (0, 1)  # the node's next beat: send from 1
 
 
