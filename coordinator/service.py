@@ -256,7 +256,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
     def one_way_handlers(self) -> dict[str, Callable[[Any, Any], None]]:
         """The framed port's handlers of ONE_WAY_METHODS sent as NOTIFY (no reply to build)."""
-        return {"ReportEvents": self.ReportEventsOneWay}
+        return {name: getattr(self, name + "OneWay") for name in ONE_WAY_METHODS}
 
     def _report(self, request: pb.ReportEventsRequest, context: grpc.ServicerContext) -> tuple[int, int, int]:
         """A report's (events taken, applied, next_seq); 0, 0 for an older node's unnumbered one."""
