@@ -230,7 +230,7 @@ class Coordinator(DeferredCalls, Failures, Membership, NodeRooms, Extents, Missi
         when it is not live under `epoch`."""
         return self.events.acknowledge(node_id, epoch)
 
-    def _events_applied(self, runs: list[EventRun]) -> None:
+    def _events_applied(self, runs: Sequence[EventRun]) -> None:
         with self._lock:
             for run in runs:
                 self._removed.discard(run.stored)

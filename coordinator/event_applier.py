@@ -102,22 +102,15 @@ class EventApplier:
         for i, (_, key) in enumerate(events):  # (checked here: a flush must not meet a bad key)
             if len(key) != KEY_BYTES:
                 raise InvalidArgument(f"event {i}: a {len(key)}-byte key (block keys have {KEY_BYTES})")
-        with self._lock:  # (the node's log here already: one lock, the common case)
-            entry = self._logs.get(node_id)
-            if entry is not None and entry.epoch == epoch and not entry.is_dead:
-                return self._queue(node_id, entry, first_seq, events, base_seq)
         while True:
-            with self._lock:
+            with self._lock:  # (the node's log here already, the common case: one lock)
                 entry = self._logs.get(node_id)
-            if entry is None or entry.epoch != epoch or entry.is_dead:
-                entry = self._load(node_id, epoch)
-                if entry.is_dead:
-                    self.num_refused += 1
-                    raise NodeNotLive(node_id, "events ignored; register again")
-            with self._lock:
-                if self._logs.get(node_id) is not entry or entry.is_dead:
-                    continue  # replaced or refused meanwhile: look again
-                return self._queue(node_id, entry, first_seq, events, base_seq)
+                if entry is not None and entry.epoch == epoch and not entry.is_dead:
+                    return self._queue(node_id, entry, first_seq, events, base_seq)
+            if self._load(node_id, epoch).is_dead:
+                self.num_refused += 1
+                raise NodeNotLive(node_id, "events ignored; register again")
+            # loaded (or replaced meanwhile): look again under the lock
 
     def acknowledge(self, node_id: str, epoch: int) -> tuple[int, int] | None:
         """(applied, next_seq) of the node's events under `epoch`, as offer answers them,
@@ -312,16 +305,5 @@ def split_net(net: dict[bytes, int]) -> tuple[list[bytes], list[bytes], list[byt
 
 
 def _run_of(node_id: str, entry: _NodeLog, net: dict[bytes, int]) -> EventRun:
-    if len(net) == 1:  # (a lone event, the common run of a node not streaming: no lists to sort into)
-        [(key, kind)] = net.items()
-        one: tuple[bytes, ...] = (key,)
-        none: tuple[bytes, ...] = ()
-        if kind == STORED_KIND:
-            stored, removed, offloaded = one, none, none
-        elif kind == OFFLOADED_KIND:
-            stored, removed, offloaded = none, none, one
-        else:
-            stored, removed, offloaded = none, one, none
-    else:
-        stored, removed, offloaded = (tuple(keys) for keys in split_net(net))
+    stored, removed, offloaded = (tuple(keys) for keys in split_net(net))
     return EventRun(node_id, entry.epoch, entry.first, entry.queued, stored, removed, offloaded, entry.base)
