@@ -203,8 +203,8 @@ def measure_opens(
             a = acc[mode]
             cluster.redis.execute_command("SLOWLOG", "RESET")
             first = cluster.coordinator_pids()[0]
-            threads0 = thread_cpu_s(first)
             start = window.sample()
+            threads0 = thread_cpu_s(first)  # after the whole at the start, before it at the end
             for i in range(per_round):
                 n = a["n"] + i
                 stub = cluster.stubs[n % len(cluster.stubs)]
@@ -231,12 +231,13 @@ def measure_opens(
                 a["open_ms"].append((t1 - t0) * 1e3)
                 a["close_ms"].append((t2 - t1) * 1e3)
                 a["hits"] += reply.num_cached_tokens == len(prompt)
+            threads1 = thread_cpu_s(first)
             raw_s, coord_s, redis_s = window.since(start)
             a["raw_s"] += raw_s
             a["coord_s"] += coord_s
             a["redis_s"] += redis_s
             a["n"] += per_round
-            for k, v in thread_cpu_s(first).items():
+            for k, v in threads1.items():
                 a["threads"][k] = a["threads"].get(k, 0.0) + v - threads0.get(k, 0.0)
             for k, v in script_us(cluster, names).items():
                 a["scripts"].setdefault(k, []).extend(v)

@@ -92,7 +92,8 @@ def run(num_nodes: int, rate: float, seconds: float, flush_s: float) -> dict[str
                 if reply.next_seq != sent[i] + 1:
                     raise RuntimeError(f"{nodes.ids[i]}: reports not all taken: {reply}")
             time.sleep(max(0.2, 2 * flush_s))  # the last flush lands in this mode's window
-            c1, by1 = cpu_s(pid), thread_cpu_s(pid)
+            by1 = thread_cpu_s(pid)  # threads before the whole: no thread outruns it
+            c1 = cpu_s(pid)
             cpu[mode] = {"all": (c1 - c0) / count * 1e6}
             for name, used in by1.items():
                 if (us := (used - by0.get(name, 0.0)) / count * 1e6) > 0:

@@ -5,11 +5,13 @@ table is written."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+SCHEDSTAT = Path(f"/proc/self/task/{os.getpid()}/schedstat").exists()
 
 
 def test_a_small_paced_events_run_measures_both_ways(tmp_path: Path) -> None:
@@ -23,10 +25,13 @@ def test_a_small_paced_events_run_measures_both_ways(tmp_path: Path) -> None:
     assert set(flushes) == {"0.005", "0.05"}
     for modes in flushes.values():
         assert set(modes) == {"one-way", "framed call"}
-        # (>= 0: a window this short may fall inside one /proc tick)
-        assert all(len(m["rounds_us"]) == 1 and m["per_report_us"] >= 0 for m in modes.values())
-        # by thread: what each of the coordinator's threads spent, none more than the whole
+        # the coordinator works for every report, and the clocks read nanoseconds
+        assert all(len(m["rounds_us"]) == 1 and m["per_report_us"] > 0 for m in modes.values())
+        # by thread: what the coordinator's threads spent, together no more than the whole
+        # (one clock tick a report of slack on a kernel without schedstat, which reads ticks)
+        slack = 0.0 if SCHEDSTAT else 1e6 / os.sysconf("SC_CLK_TCK") / 60
         for m in modes.values():
-            assert all(0 <= us <= m["per_report_us"] + 1e-9 for us in m["by_thread_us"].values())
+            assert all(us >= 0 for us in m["by_thread_us"].values())
+            assert sum(m["by_thread_us"].values()) <= m["per_report_us"] * (1 + 1e-9) + slack
     table = out.with_suffix(".md").read_text()
     assert "| 0.005 | one-way |" in table and "| 0.05 | framed call |" in table
