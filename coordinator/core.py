@@ -152,6 +152,10 @@ class Coordinator(DeferredCalls, Failures, Membership, NodeRooms, Extents, Missi
         # Recent opens per node, decayed: node -> opens * growth at their time; value / growth now.
         self._recent_opens: dict[str, float] = {}
         self._open_growth = 1.0
+        # The live nodes' blocks and scaled recent opens, summed for a registration's fair share
+        # without a pass over every node (O(N) a registration made 1,000 of them O(N^2)); None:
+        # to sum again (after a refresh of the node list, a revival, a rescale of the counts).
+        self._fleet_sums: tuple[int, float] | None = None
         # Placement's load: blocks of the sequences this coordinator opened on each node and has
         # not closed (exact at once, where a node's report is up to a heartbeat old).
         self._active_blocks: dict[str, int] = {}

@@ -53,6 +53,7 @@ class Membership:
     _stop: threading.Event
     _nodes: dict[str, NodeInfo]
     _recent_opens: dict[str, float]
+    _fleet_sums: tuple[int, float] | None  # core.py: live blocks, scaled recent opens
     _active_blocks: dict[str, int]
     _holder: str  # this replica's name for the store's leases (unique per process)
     _beat_failed_at = float("-inf")  # when a beat's store call last failed (monotonic)
@@ -133,6 +134,7 @@ class Membership:
             # row work a tick (the comparison is C-speed dict and dataclass equality).
             self._touch([i for i, n in new.items() if old.get(i) != n] + [i for i in old if i not in new])
             self._nodes = new
+            self._fleet_sums = None  # summed again at the next registration (once a tick)
         self._sync_rooms()  # here, on the reaper's thread, not on the next open's
         self.liveness.seen_live(nodes)
         return nodes
@@ -157,14 +159,20 @@ class Membership:
             self._active_blocks.pop(node_id, None)
             # Neither ahead (its count from before it died) nor behind (0: every open would go
             # to an empty cache until it caught up): a node starts at its fair share of opens.
-            others = {n: info.num_blocks for n, info in self._nodes.items() if n != node_id}
-            total = sum(others.values())
-            opens = sum(self._recent_opens.get(n, 0.0) for n in others)
-            self._recent_opens[node_id] = opens * num_blocks / total if total else 0.0
+            total, opens = self._fleet_sums or (
+                sum(n.num_blocks for n in self._nodes.values()),
+                sum(self._recent_opens.get(n, 0.0) for n in self._nodes),
+            )
+            if (before := self._nodes.get(node_id)) is not None:  # the others' sums
+                total -= before.num_blocks
+                opens = max(0.0, opens - self._recent_opens.get(node_id, 0.0))
+            share = opens * num_blocks / total if total > 0 else 0.0
+            self._recent_opens[node_id] = share
             # What the store now holds, without listing every node (O(1) per registration).
             self._nodes[node_id] = info = NodeInfo(
                 node_id, address, dict(spec), num_blocks, {}, policy, epoch
             )
+            self._fleet_sums = (total + num_blocks, opens + share)
             self._touch((node_id,))
         self.liveness.seen_live([info])
         if result.was_registered and (result.lost_seq_ids or result.num_keys_purged):
@@ -215,6 +223,7 @@ class Membership:
             if revived is not None:
                 with self._lock:
                     self._nodes[node_id] = revived
+                    self._fleet_sums = None
                     self._touch((node_id,))
         if held is None:
             return []

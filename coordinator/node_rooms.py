@@ -34,6 +34,7 @@ class NodeRooms:
     _nodes: dict[str, NodeInfo]
     _recent_opens: dict[str, float]  # node -> opens * growth at their time; value / growth now
     _open_growth: float
+    _fleet_sums: tuple[int, float] | None  # core.py: live blocks, scaled recent opens
     _active_blocks: dict[str, int]
 
     def _init_rooms(self) -> None:
@@ -113,8 +114,11 @@ class NodeRooms:
             if self._open_growth > 1e100:
                 self._recent_opens = {n: v / self._open_growth for n, v in self._recent_opens.items()}
                 self._open_growth = 1.0
+                self._fleet_sums = None
                 self._touch(self._recent_opens)
             self._recent_opens[node_id] = self._recent_opens.get(node_id, 0.0) + self._open_growth
+            if self._fleet_sums is not None and node_id in self._nodes:
+                self._fleet_sums = (self._fleet_sums[0], self._fleet_sums[1] + self._open_growth)
             self._touch((node_id,))
 
     def _add_active(self, node_id: str, num_blocks: int) -> None:

@@ -186,6 +186,37 @@ def test_a_node_that_registers_starts_at_its_fair_share_of_recent_opens(cluster)
     assert coordinator._opens_of("n3") == pytest.approx(2 * before["n1"])  # n1 and n2 per block, 128 blocks
 
 
+def test_a_registrations_fair_share_comes_from_running_sums_that_match_a_full_count(cluster):
+    """A registration reads the live nodes' blocks and recent opens from running sums (a pass
+    over every node made 1,000 registrations O(N^2)): after joins, opens, a node coming back
+    and a refresh of the node list, the sums are what a full count gives."""
+    coordinator, _ = cluster
+
+    def counted() -> tuple[int, float]:
+        nodes, opens = coordinator._nodes, coordinator._recent_opens
+        return sum(n.num_blocks for n in nodes.values()), sum(opens.get(n, 0.0) for n in nodes)
+
+    for i in range(20):
+        coordinator.open("t", list(range(1000 * i, 1000 * i + 8)), seq_id=f"s{i}")
+    coordinator.register("n3", "127.0.0.1:1", SPEC.to_dict(), 32)  # joins: no opens yet to it
+    assert coordinator._fleet_sums == pytest.approx(counted())
+    for _ in range(5):
+        coordinator._count_open("n3", 2)
+    coordinator._count_open("gone", 2)  # a node no longer live counts in no sum
+    assert coordinator._fleet_sums == pytest.approx(counted())
+    blocks, opens = counted()
+    others = opens - coordinator._recent_opens["n2"]
+    coordinator.register("n2", "127.0.0.1:2", SPEC.to_dict(), 64)  # comes back: the others' share
+    assert coordinator._recent_opens["n2"] == pytest.approx(others * 64 / (blocks - 64))
+    assert coordinator._fleet_sums == pytest.approx(counted())
+    coordinator.refresh_nodes()
+    assert coordinator._fleet_sums is None  # summed again at the next registration
+    blocks, opens = counted()
+    coordinator.register("n4", "127.0.0.1:3", SPEC.to_dict(), 64)
+    assert coordinator._recent_opens["n4"] == pytest.approx(opens * 64 / blocks)
+    assert coordinator._fleet_sums == pytest.approx(counted())
+
+
 def test_a_close_the_worker_freed_sends_no_free_but_one_after_an_open_in_flight(cluster):
     """freed_extents: the worker freed it on its node (client/closing.py), so the coordinator
     sends no Free of its own; unless its own node Open is still in flight (the worker's Free
