@@ -199,8 +199,10 @@ class FakeNodes:
     def _stub(self, i: int) -> pb_grpc.CoordinatorStub:
         return self.cluster.stubs[i % len(self.cluster.stubs)]
 
-    def register(self) -> float:
-        """Register every node, 64 rpcs in flight at once; returns the seconds it took."""
+    def register(self, beat: bool = False) -> float:
+        """Register every node, 64 rpcs in flight at once; returns the seconds it took. `beat`:
+        each node beats from its own registration on, as a real node does (on a slow host the
+        first nodes' leases would lapse before the last one registered)."""
         start = time.perf_counter()
         pending: list[tuple[int, Any]] = []
         for i, node_id in enumerate(self.ids):
@@ -209,6 +211,8 @@ class FakeNodes:
                 self._registered(*pending.pop(0))
             if i < len(self.frame_ports):  # each coordinator's framed port, from its first reply
                 self.frame_ports[i] = pending[-1][1].result().frame_port
+                if beat and i == len(self.frame_ports) - 1:
+                    self.start_beating()
         for i, f in pending:
             self._registered(i, f)
         return time.perf_counter() - start
@@ -240,10 +244,13 @@ class FakeNodes:
             if time.monotonic() - next_at > self.interval_s / 10:
                 self.late_beats += 1
             requests = [pb.HeartbeatRequest(node_id=n, load=load) for n in self.ids]
+            whole = all(self.epochs)  # every node registered before this round
             calls = []
             for i, r in enumerate(requests):
                 if self.beats_spread:  # node i beats i/N of the interval in
                     self._wait(links, next_at + i * self.interval_s / len(requests))
+                if not self.epochs[i]:  # not registered yet: it beats from its registration on
+                    continue
                 if links is None or not links.send(i, r):
                     calls.append(self._stub(i).Heartbeat.future(r, timeout=30))
             for call in calls:
@@ -254,7 +261,8 @@ class FakeNodes:
             deadline = time.monotonic() + 30
             while links is not None and links.num_pending and time.monotonic() < deadline:
                 self._wait(links, time.monotonic() + 0.05)
-            self.first_round.set()
+            if whole:
+                self.first_round.set()
             next_at += self.interval_s
             self._wait(links, next_at)
         if links is not None:
