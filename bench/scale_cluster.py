@@ -215,6 +215,8 @@ class FakeNodes:
                     self.start_beating()
         for i, f in pending:
             self._registered(i, f)
+        if beat and self._thread is None:  # (fewer nodes than coordinators)
+            self.start_beating()
         return time.perf_counter() - start
 
     def _registered(self, i: int, future: Any) -> None:
