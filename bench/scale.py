@@ -5,6 +5,7 @@ prompt length, index size and coordinator replicas, on a real loopback cluster.
     python -m bench.scale            # 2 / 100 / 1,000 nodes, prompts 1k-32k, index 10^4-10^5 (~5 min)
     python -m bench.scale --big      # + 128k prompts and a 10^6-key index (longer, ~3 GB of Redis)
     python -m bench.scale --quick    # 2 and 20 nodes, one prompt: a smoke run (tests/bench)
+    python -m bench.scale --pin      # the coordinators on CPU 0, the rest on the others
 
 Each point starts a fresh redis-server, 1 or 2 real `pagedkv coordinator` processes and
 N fake nodes (bench/scale_cluster.py: real Register / Heartbeat / ReportEvents rpcs,
@@ -39,6 +40,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import tempfile
 import time
 from collections import defaultdict
@@ -295,7 +297,7 @@ def run_point(
     args: argparse.Namespace, num_nodes: int, coordinators: int, index: int, prompts: list[int]
 ) -> dict[str, Any]:
     workdir = Path(tempfile.mkdtemp(prefix="pagedkv-scale-"))
-    cluster = ScaleCluster(workdir, coordinators, args.lease_ttl_s)
+    cluster = ScaleCluster(workdir, coordinators, args.lease_ttl_s, coordinator_cpus=[0] if args.pin else [])
     nodes = FakeNodes(cluster, num_nodes)
     nodes.beat_framed = not args.grpc_beats
     nodes.beats_spread = not args.burst_beats
@@ -485,8 +487,19 @@ def main() -> None:
     p.add_argument("--prompts", default="", help="prompt lengths in tokens (default 1024,8192,32768)")
     p.add_argument("--indexes", default="", help="index sizes in keys (default 10000,100000)")
     p.add_argument("--replicas", default="", help="coordinator counts (default 1,2)")
+    p.add_argument(
+        "--pin",
+        action="store_true",
+        help="the coordinators on CPU 0 and everything else (Redis, the fake nodes, the clients) on "
+        "the other CPUs, as a deployment gives a coordinator cores of its own (default: shared)",
+    )
     p.add_argument("--out", default=str(RESULTS / "scale"), help="output path without extension")
     args = p.parse_args()
+    if args.pin:
+        others = set(range(1, os.cpu_count() or 1))
+        if not others or not shutil.which("taskset"):
+            p.error("--pin needs at least 2 CPUs and taskset (util-linux)")
+        os.sched_setaffinity(0, others)  # before any thread or child: all of them inherit it
     if args.quick:
         node_counts, prompts, indexes, replicas = [2, 20], [2048], [10_000], [1]
         args.opens, args.quiet_s, args.throughput_s = 20, 0.5, 1.0
@@ -509,7 +522,9 @@ def main() -> None:
     for c in replicas[1:]:
         points.append(run_point(args, node_counts[-1], c, indexes[0], [8192]))
     result = {
-        "mode": "quick" if args.quick else ("big" if args.big else "default"),
+        "mode": ("quick" if args.quick else ("big" if args.big else "default"))
+        + (", pinned" if args.pin else ""),
+        "pinned": args.pin,
         "host": f"{platform.node()} ({os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f})",
         "points": points,
     }

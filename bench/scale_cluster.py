@@ -93,8 +93,15 @@ class ScaleCluster:
     """redis-server + `coordinators` coordinator processes + the stub node; `stop()` ends them all."""
 
     def __init__(
-        self, workdir: Path, coordinators: int, lease_ttl_s: float, coordinator_args: Sequence[str] = ()
+        self,
+        workdir: Path,
+        coordinators: int,
+        lease_ttl_s: float,
+        coordinator_args: Sequence[str] = (),
+        coordinator_cpus: Sequence[int] = (),
     ) -> None:
+        """`coordinator_cpus`: the CPUs the coordinators run on (all of their threads, from
+        exec on: `taskset`); none: wherever the scheduler puts them."""
         self.workdir = workdir
         self.lease_ttl_s = lease_ttl_s
         self.procs: list[subprocess.Popen[bytes]] = []
@@ -124,7 +131,9 @@ class ScaleCluster:
             address = f"127.0.0.1:{free_port()}"
             args = ["--listen", address, "--redis", self.redis_url, "--lease-ttl-s", str(lease_ttl_s)]
             args += coordinator_args
-            proc = self._spawn(f"coordinator{i}", [sys.executable, "-m", "pagedkv", "coordinator", *args])
+            pin = ["taskset", "-c", ",".join(map(str, coordinator_cpus))] if coordinator_cpus else []
+            cmd = [*pin, sys.executable, "-m", "pagedkv", "coordinator", *args]
+            proc = self._spawn(f"coordinator{i}", cmd)
             self.coordinators.append((proc, address))
         self.channels = [grpc.insecure_channel(a) for _, a in self.coordinators]
         self.stubs = [pb_grpc.CoordinatorStub(c) for c in self.channels]

@@ -30,41 +30,37 @@ from pagedkv.protos.errors import PagedKVError, Unavailable
 from pagedkv.protos.framed_client import FramedPort
 from pagedkv.protos.prompt import pack
 
-START_DELAY_S = 3.0  # the clients' imports and first connections, before the window opens
+START_GAP_S = 0.2  # between the last client saying it is ready and the window opening
 
 
 def measure_throughput(
     cluster: ScaleCluster, frame_ports: list[int], prompt: list[int], clients: int, seconds: float, tag: str
 ) -> dict[str, Any]:
-    """`clients` processes, each on one coordinator's framed port in turn, for `seconds`."""
+    """`clients` processes, each on one coordinator's framed port in turn, for `seconds`.
+    The window opens once every client has imported and connected (a fixed delay was too
+    short where the clients share one CPU with the fake nodes: --pin)."""
     with tempfile.NamedTemporaryFile(suffix=".npy", delete=False) as f:
         np.save(f, np.asarray(prompt, dtype=np.int64))
-    start_at = time.time() + START_DELAY_S
     procs = [
         subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "bench.scale_throughput",
-                "--client",
-                "--port",
-                str(frame_ports[i % len(frame_ports)]),
-            ]
-            + [
-                "--prompt",
-                f.name,
-                "--start-at",
-                repr(start_at),
-                "--seconds",
-                repr(seconds),
-                "--tag",
-                f"{tag}-{i}",
-            ],
+            [sys.executable, "-m", "bench.scale_throughput", "--client"]
+            + ["--port", str(frame_ports[i % len(frame_ports)]), "--prompt", f.name]
+            + ["--seconds", repr(seconds), "--tag", f"{tag}-{i}"],
+            stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
         )
         for i in range(clients)
     ]
+    for proc in procs:
+        assert proc.stdout is not None and proc.stdin is not None
+        if proc.stdout.readline().strip() != "ready":
+            raise RuntimeError(f"a throughput client did not start ({proc.wait()})")
+    start_at = time.time() + START_GAP_S
+    for proc in procs:
+        assert proc.stdin is not None
+        proc.stdin.write(f"{start_at!r}\n")
+        proc.stdin.close()
     pids = cluster.coordinator_pids()
     time.sleep(max(0.0, start_at - time.time()))
     c0, t0 = sum(cpu_s(p) for p in pids), time.perf_counter()
@@ -72,8 +68,9 @@ def measure_throughput(
     c1, t1 = sum(cpu_s(p) for p in pids), time.perf_counter()
     counts = []
     for proc in procs:
-        out, _ = proc.communicate(timeout=60 + seconds)
-        if proc.returncode != 0:
+        assert proc.stdout is not None
+        out = proc.stdout.read()  # (its stdin is closed: not communicate())
+        if proc.wait(timeout=60) != 0:
             raise RuntimeError(f"a throughput client failed ({proc.returncode}): {out[-500:]}")
         counts.append([int(x) for x in out.split()])
     Path(f.name).unlink()
@@ -91,12 +88,17 @@ def measure_throughput(
     }
 
 
-def _client(port: int, prompt_path: str, start_at: float, seconds: float, tag: str) -> None:
+def _client(port: int, prompt_path: str, seconds: float, tag: str) -> None:
     """Open + close (the client's framed default: prompt packed and carried) until the window
-    ends; prints the pairs completed inside the window and the UNAVAILABLE retries."""
+    ends; says "ready" once connected, reads when the window opens from stdin, and prints the
+    pairs completed inside the window and the UNAVAILABLE retries."""
     prompt = np.load(prompt_path).tolist()
     framed = FramedPort("127.0.0.1", None, None)
     framed.learn(port)
+    # connected before the window (a close of an id never opened succeeds, changing nothing)
+    framed.call("Close", pb.CoordSeqRequest(seq_id=f"{tag}-connect", freed_extents=1), pb.Empty, 60)
+    print("ready", flush=True)
+    start_at = float(sys.stdin.readline())
     block = SPEC.block_size
     done = retried = n = 0
     time.sleep(max(0.0, start_at - time.time()))
@@ -127,12 +129,11 @@ def main() -> None:
     )
     p.add_argument("--port", type=int, required=True, help="the coordinator's framed port")
     p.add_argument("--prompt", required=True, help="the prompt's tokens (.npy)")
-    p.add_argument("--start-at", type=float, required=True, help="when the window opens (time.time())")
     p.add_argument("--seconds", type=float, required=True)
     p.add_argument("--tag", required=True, help="sequence id prefix")
     args = p.parse_args()
     try:
-        _client(args.port, args.prompt, args.start_at, args.seconds, args.tag)
+        _client(args.port, args.prompt, args.seconds, args.tag)
     except PagedKVError as exc:
         sys.exit(f"throughput client: {exc}")
 
