@@ -129,9 +129,9 @@ class FramedServer:
             raise ValueError(f"one-way methods {sorted(self.one_way - self.handlers.keys())} are not served")
         # A NOTIFY runs its method's handler, or the one `one_way` maps it to: nothing to reply,
         # so nothing to build (a node's lone event report, where every microsecond is per event).
-        self._one_way_handlers: dict[str, Callable[[Any, FrameContext], Any]] = {
-            name: handler for name, handler in (one_way.items() if isinstance(one_way, Mapping) else ())
-        }
+        self._one_way_handlers: dict[str, Callable[[Any, FrameContext], Any]] = (
+            dict(one_way) if isinstance(one_way, Mapping) else {}
+        )
         for name in self.one_way - self._one_way_handlers.keys():
             self._one_way_handlers[name] = self.handlers[name][0]
         # A plain-TCP connection that has served one of these is handed to the one-thread loop.
