@@ -632,6 +632,7 @@ class Coordinator(DeferredCalls, Failures, Membership, NodeRooms, Extents, Missi
     def stats(self) -> tuple[dict[str, int], list[NodeInfo]]:
         nodes = self.refresh_nodes()
         counters = dict(self.counters)
+        counters.update(self.reconciler.counters)  # orphans freed, ghosts lost: what crashes left
         counters["nodes_live"] = len(nodes)
         events = self.events  # numbered reports (event_applier.py)
         counters["events_queued"], counters["events_applied"] = events.num_queued, events.num_applied

@@ -76,7 +76,14 @@ class Membership:
                 else:
                     self.refresh_nodes()
             except PagedKVError as exc:  # the store is down: try again next tick
+                if isinstance(exc, Unavailable):  # (try_lead's failure: reap() never ran)
+                    self._store_failed()
                 log.warning("reaper: %s", exc)
+
+    def _store_failed(self) -> None:
+        """Every lease is extended by the outage, and every reconcile grace restarts."""
+        self.liveness.store_failed()
+        self.reconciler.store_failed()
 
     def reap(self) -> list[str]:
         """Remove nodes whose lease lapsed; refresh the node cache. Returns the removed ids.
@@ -91,7 +98,7 @@ class Membership:
         try:
             expired = self.store.expired_nodes()
         except Unavailable:
-            self.liveness.store_failed()  # every lease is extended by the outage
+            self._store_failed()
             raise
         self.liveness.store_answered()
         with self._lock:  # the cache may still list lapsed nodes: count each once
@@ -201,7 +208,7 @@ class Membership:
             renewed = self.store.heartbeats([(b[0], dict(b[1])) for b in beats], self.config.lease_ttl_s)
         except Unavailable:
             self._beat_failed_at = time.monotonic()
-            self.liveness.store_failed()
+            self._store_failed()
             raise
         out: list[tuple[bool, list[str]] | PagedKVError] = []
         for (node_id, load, held), ok in zip(beats, renewed, strict=True):

@@ -96,6 +96,15 @@ class CoordinatorCollector(Collector):
         )
         reaped.add_metric([], c["nodes_reaped"])
         yield reaped
+        reconciled = CounterMetricFamily(
+            "pagedkv_coordinator_reconciled",
+            "What reconciliation settled after a crash (coordinator/reconcile.py): orphans_freed, "
+            "held by a node unknown to the store; ghosts_lost, in the store and held by no node.",
+            labels=["action"],
+        )
+        for action in ("orphans_freed", "ghosts_lost"):
+            reconciled.add_metric([action], self.coordinator.reconciler.counters[action])
+        yield reconciled
         if self.info:
             info = InfoMetricFamily("pagedkv_coordinator", "What this coordinator runs (version, store).")
             info.add_metric([], self.info)

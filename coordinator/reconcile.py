@@ -14,7 +14,10 @@ store keeps for that node (one read), two kinds of disagreement come out:
   worker then gets SequenceLost from close, and from data calls when its ticket is old.
 
 The grace covers the legitimate windows (an Open or Free in flight, a fork between its
-node call and its page table): 2 leases by default, well above the node rpc timeout.
+node call and its page table): 2 leases by default, well above the node rpc timeout. It
+counts time the store answered: a store outage restarts it (a worker whose node Free went
+through before the outage could not drop the page table during it; its close after it
+answers OK, not SequenceLost).
 Work per report: one store read and O(sequences on the node); a node that holds more than
 the report's cap sends none and is skipped.
 
@@ -115,6 +118,13 @@ class Reconciler:
                 self._release(record)
             except PagedKVError as exc:
                 log.warning("could not release what lost sequence %s held: %s", record.seq_id, exc)
+
+    def store_failed(self) -> None:
+        """A store call failed: no worker could close, nor coordinator open, while it was
+        down, so every grace restarts from the next report (it counts time the store answered)."""
+        with self._lock:
+            self._orphans.clear()
+            self._ghosts.clear()
 
     def forget(self, node_id: str) -> None:
         """The node died or re-registered: what was tracked for it is moot."""

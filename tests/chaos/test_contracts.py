@@ -18,6 +18,7 @@ from pagedkv.cache_node.gate import NodeTrust
 from pagedkv.cache_node.server import create_server
 from pagedkv.coordinator.core import Coordinator, CoordinatorConfig
 from pagedkv.coordinator.liveness import Liveness, LivenessConfig, ProbeAnswer
+from pagedkv.coordinator.reconcile import Reconciler
 from pagedkv.coordinator.records import Extent, NodeInfo, SequenceRecord
 from pagedkv.coordinator.store import open_store
 from pagedkv.protos import pagedkv_pb2 as pb
@@ -210,6 +211,25 @@ def test_liveness_waits_out_store_outages_and_grace_and_believes_probes() -> Non
     clock.now += 2.0
     assert live.dead(["a"]) == ["a"]
     assert live.config.detection_bound_s == pytest.approx(4.0 * 1.25 + 2.0 + 1.0)
+
+
+def test_reconcile_grace_counts_only_time_the_store_answered(redis_url) -> None:
+    """A worker that freed its sequence on the node just before a store outage cannot drop the
+    page table until the store is back: the outage restarts the grace of that ghost (and of an
+    orphan), so the first report after it declares nothing, and the grace after it does."""
+    clock, store = FakeClock(), open_store(redis_url)
+    reconciler = Reconciler(store, 6.0, 30.0, release=lambda _record: None, clock=clock)
+    store.register_node("n1", "n1:1", SPEC.to_dict(), 64, 30.0)
+    store.create_sequence(SequenceRecord("freed", "t", (Extent("n1", 0, 1),)))
+    assert reconciler.report("n1", ["orphan"]) == []  # both tracked from now
+    reconciler.store_failed()
+    clock.now += 10.0  # an outage longer than the grace
+    assert reconciler.report("n1", ["orphan"]) == []  # tracked again from now, not from before it
+    assert store.get_sequence("freed").state == "active"
+    clock.now += 6.0
+    assert reconciler.report("n1", ["orphan"]) == ["orphan"]
+    assert store.get_sequence("freed").state == "lost"
+    assert (reconciler.counters["ghosts_lost"], reconciler.counters["orphans_freed"]) == (1, 1)
 
 
 def test_nothing_in_redis_grows_with_losses(redis_url):

@@ -74,3 +74,29 @@ def test_redis_outage_longer_than_the_lease(tmp_path, aof):
             cc.converged(client, timeout_s=CONVERGE_S)
         assert tally.counts["completed"] > 0, tally.counts
         print(f"redis outage (aof={aof}): {dict(tally.counts)}")
+
+
+def test_a_close_cut_in_two_by_a_store_outage_is_no_loss(tmp_path):
+    """A close freed its sequence on the node, then Redis died before the page table was
+    dropped, for longer than reconciliation's grace (2 leases) since a report found the record
+    not held: the close retried after the outage answers OK. The grace counts time the store
+    answered; counted from before the outage, the first report after it declared the record
+    lost and the close answered SequenceLost for a sequence nobody lost."""
+    with ChaosCluster(tmp_path, aof=True) as cc:
+        work = Workload(cc.coordinator)
+        (seq,) = hold_on(work, None, 1)
+        seq.node.control.free(seq.seq_id)  # the close's first half: the node frees it
+        time.sleep(1.5 * LEASE_S)  # a full report (one a lease) finds the record not held
+        cc.redis.kill()
+        time.sleep(2.5 * LEASE_S)
+        cc.redis.start()
+        restarted = time.monotonic()
+        wait_for(lambda: cc.live_nodes() == {"node-0", "node-1"}, 3 * LEASE_S, "both nodes live")
+        # Past a report after the restart, well within a grace counted from it.
+        time.sleep(max(0.0, 1.2 * LEASE_S - (time.monotonic() - restarted)))
+        work.close(seq)
+        assert dict(work.tally.counts) == {"closed": 1}, (work.tally.counts, work.tally.wrong)
+        counters = cc.cluster.stats().counters
+        assert (counters["ghosts_lost"], counters["nodes_reaped"]) == (0, 0), dict(counters)
+        with work.client() as client:
+            cc.converged(client, timeout_s=CONVERGE_S)

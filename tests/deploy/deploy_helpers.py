@@ -43,6 +43,8 @@ METRICS = {
     "pagedkv_coordinator_tenant_quota_blocks",
     "pagedkv_coordinator_redis_latency_seconds",
     "pagedkv_coordinator_redis_errors_total",
+    "pagedkv_coordinator_nodes_reaped_total",
+    "pagedkv_coordinator_reconciled_total",
 }
 HISTOGRAMS = {"pagedkv_rpc_latency_seconds", "pagedkv_coordinator_redis_latency_seconds"}
 # A histogram is queried through its series; a bare histogram name is not a series.

@@ -147,6 +147,8 @@ def test_coordinator_tenants_redis_suspects_and_info(tmp_path: Path, redis_url: 
     assert sample(text, "pagedkv_coordinator_tenant_quota_blocks", tenant="alpha") == 100
     assert sample(text, "pagedkv_coordinator_redis_latency_seconds_count", op="open_sequence") >= 2
     assert sample(text, "pagedkv_coordinator_nodes_suspect") == 0
+    assert sample(text, "pagedkv_coordinator_nodes_reaped_total") == 0
+    assert sample(text, "pagedkv_coordinator_reconciled_total", action="ghosts_lost") == 0
     assert sample(text, "pagedkv_coordinator_info", version=__version__, store="redis") == 1
     promtool_check(text)
 
@@ -183,6 +185,8 @@ def test_coordinator_counts_redis_errors_and_leaves_store_gauges_out_when_down(r
         "pagedkv_coordinator_redis_errors_total",
         "pagedkv_coordinator_nodes_suspect",
         "pagedkv_coordinator_info",
+        "pagedkv_coordinator_nodes_reaped_total",
+        "pagedkv_coordinator_reconciled_total",
     ],
 )
 def test_every_new_metric_has_a_grafana_panel(name: str) -> None:
