@@ -232,6 +232,34 @@ def test_reconcile_grace_counts_only_time_the_store_answered(redis_url) -> None:
     assert (reconciler.counters["ghosts_lost"], reconciler.counters["orphans_freed"]) == (1, 1)
 
 
+def test_a_reaper_tick_in_a_store_outage_restarts_the_reconcile_grace(redis_server, redis_url) -> None:
+    """No beat reaches a coordinator while Redis hangs (SIGSTOP): its reaper's failed tick alone
+    must restart the grace, or the first report after the outage declares a ghost seen just
+    before it, a grace earlier by the clock but not by time the store answered."""
+    config = CoordinatorConfig(lease_ttl_s=3.0, reconcile_grace_s=1.0)
+    coordinator = Coordinator(open_store(redis_url), config)
+    try:
+        coordinator.register("n1", "n1.local:1", SPEC.to_dict(), 64, epoch=1)
+        coordinator.store.create_sequence(SequenceRecord("freed", "t", (Extent("n1", 0, 1),)))
+        coordinator.start(interval_s=0.1)  # ticks once a lease has passed (its grace after a start)
+        time.sleep(1.6)
+        coordinator.heartbeat("n1", {"free_blocks": 64})
+        time.sleep(1.6)
+        coordinator.heartbeat("n1", {"free_blocks": 64}, held=[])  # the ghost, tracked from now
+        redis_server.pause()
+        try:
+            time.sleep(1.5)  # a tick times out (1 s) in the outage
+        finally:
+            redis_server.resume()
+        coordinator.heartbeat("n1", {"free_blocks": 64}, held=[])
+        assert coordinator.store.get_sequence("freed").state == "active"
+        time.sleep(1.1)
+        coordinator.heartbeat("n1", {"free_blocks": 64}, held=[])
+        assert coordinator.store.get_sequence("freed").state == "lost"
+    finally:
+        coordinator.stop()
+
+
 def test_nothing_in_redis_grows_with_losses(redis_url):
     """Rounds of page tables whose open never reached the node (ghosts: reconciliation marks
     them lost), of a node's re-registration (its sequences lost) and of closes: once the lost
