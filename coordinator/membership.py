@@ -76,7 +76,7 @@ class Membership:
                 else:
                     self.refresh_nodes()
             except PagedKVError as exc:  # the store is down: try again next tick
-                if isinstance(exc, Unavailable):  # (try_lead's failure: reap() never ran)
+                if isinstance(exc, Unavailable):  # (try_lead or a follower's refresh: not seen by reap())
                     self._store_failed()
                 log.warning("reaper: %s", exc)
 
