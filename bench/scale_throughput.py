@@ -55,6 +55,8 @@ def measure_throughput(
     for proc in procs:
         assert proc.stdout is not None and proc.stdin is not None
         if proc.stdout.readline().strip() != "ready":
+            for other in procs:  # the others wait on stdin for a start that never comes
+                other.kill()
             raise RuntimeError(f"a throughput client did not start ({proc.wait()})")
     start_at = time.time() + START_GAP_S
     for proc in procs:
