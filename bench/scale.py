@@ -24,7 +24,7 @@ some of them to other nodes: the hit share is reported). Reported:
 - CPU per open + close: the coordinators' (/proc, user + system) and Redis's (INFO cpu),
   less what the same processes spent over as long a quiet window (heartbeats: also
   reported, per beat), and the coordinators' raw figure;
-- saturated: `--clients` processes (default 2) open and close as fast as they are answered
+- saturated: `--clients` processes (default 2, then 8: a window each) open and close as fast as they are answered
   for `--throughput-s` seconds while every node beats (bench/scale_throughput.py): open+close
   per second, the coordinators' cores (beats included) and opens per second per core;
 - events: coordinator CPU per event at batch 1 and at batch 256 (numbered, as a node's link
@@ -324,13 +324,13 @@ def run_point(
             freed = 0 if args.coordinator_frees else 1
             both = measure_opens(cluster, window, names, prompt, num_opens, f"p{tokens}", freed_extents=freed)
             point["prompts"][tokens] = both["framed"]  # the client's default
-            if args.clients:
+            for clients in args.clients:
                 sat = measure_throughput(
-                    cluster, nodes.frame_ports, prompt, args.clients, args.throughput_s, f"t{tokens}"
+                    cluster, nodes.frame_ports, prompt, clients, args.throughput_s, f"t{tokens}-{clients}"
                 )
-                point["prompts"][tokens]["saturated"] = sat
+                point["prompts"][tokens].setdefault("saturated_by_clients", []).append(sat)
                 log(
-                    f"  prompt {tokens:>6}, {args.clients} clients: {sat['open_close_per_s']:.0f} open+close/s on "
+                    f"  prompt {tokens:>6}, {clients} clients: {sat['open_close_per_s']:.0f} open+close/s on "
                     f"{sat['coord_cores']:.2f} coordinator cores: {sat['opens_per_s_per_core']:.0f} a core"
                 )
             for mode, result in both.items():
@@ -382,8 +382,7 @@ def render(r: dict[str, Any]) -> str:
     ]
     for p in r["points"]:
         for tokens, o in p["prompts"].items():
-            if "saturated" in o:
-                t = o["saturated"]
+            for t in o.get("saturated_by_clients", []):
                 lines.append(
                     f"| {p['nodes']} | {p['coordinators']} | {int(tokens):,} | {t['clients']} | "
                     f"{t['open_close_per_s']:.0f} | {t['coord_cores']:.2f} | **{t['opens_per_s_per_core']:.0f}** | "
@@ -479,9 +478,10 @@ def main() -> None:
     )
     p.add_argument(
         "--clients",
-        type=int,
-        default=2,
-        help="client processes for the saturated opens after the sequential ones (0: none)",
+        type=lambda v: [int(x) for x in v.split(",") if x and x != "0"],
+        default=[2, 8],
+        help="client processes for the saturated opens after the sequential ones, one window per "
+        "count (comma-separated; 0: none)",
     )
     p.add_argument("--throughput-s", type=float, default=5.0, help="the saturated opens' window")
     p.add_argument("--prompts", default="", help="prompt lengths in tokens (default 1024,8192,32768)")
@@ -503,6 +503,7 @@ def main() -> None:
     if args.quick:
         node_counts, prompts, indexes, replicas = [2, 20], [2048], [10_000], [1]
         args.opens, args.quiet_s, args.throughput_s = 20, 0.5, 1.0
+        args.clients = args.clients[:1]
     else:
         node_counts = [int(n) for n in args.nodes.split(",")]
         prompts = [1024, 8192, 32768] + ([131072] if args.big else [])

@@ -54,7 +54,7 @@ import uuid
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import grpc
 import numpy as np
@@ -89,7 +89,7 @@ from .node_calls import NodeCalls
 from .node_rooms import NodeRooms
 from .placement import Placement, PlacementWeights
 from .reconcile import Reconciler
-from .records import EventRun, NewSequence, NodeInfo, SequenceRecord, spec_text, spec_view
+from .records import EventRun, Extent, NewSequence, NodeInfo, SequenceRecord, spec_text, spec_view
 from .reuse import ReuseClasses, ReuseConfig
 from .store import Store
 
@@ -141,6 +141,41 @@ class OpenResult:
     record: SequenceRecord | None = None  # fork, swap_in: the page table (every extent)
     node_open: pb.SignedOpen | None = None  # open with worker_opens: the node Open the worker sends
     num_pending_tokens: int = 0  # open: of the rest, tokens an open in flight is computing on that node
+
+
+class OpenArgs(NamedTuple):
+    """One open of Coordinator.open_many: Coordinator.open's arguments (wait aside)."""
+
+    tenant: str
+    token_ids: Sequence[int]
+    seq_id: str
+    max_cached_tokens: int | None = None
+    spec: Mapping[str, Any] | None = None
+    attention: Sequence[pb.LayerAttention] = ()
+    request_id: str = ""
+    worker_opens: bool = False
+    carried_prompt: bool = False
+
+
+class CloseArgs(NamedTuple):
+    """One close of Coordinator.close_many: Coordinator.close's arguments."""
+
+    tenant: str
+    seq_id: str
+    keep_prefix: int | None = None
+    freed_extents: int = 0
+
+
+class _Opening(NamedTuple):
+    """An open between its two halves (Coordinator._begin_open, _end_open)."""
+
+    args: OpenArgs
+    new: NewSequence
+    call: NodeCall
+    keys: bytes
+    salt: bytes
+    block_size: int
+    quota: int | None
 
 
 class Coordinator(DeferredCalls, Failures, Membership, NodeRooms, Extents, MissingChecks):
@@ -378,6 +413,43 @@ class Coordinator(DeferredCalls, Failures, Membership, NodeRooms, Extents, Missi
         the order names it by its cached prefix's last key instead of holding it."""
         seq_id = seq_id or uuid.uuid4().hex
         self._settle(seq_id, raise_error=False)  # a reopen of this id waits for its last node call
+        o = OpenArgs(tenant, token_ids, seq_id, max_cached_tokens, spec, attention, request_id, worker_opens)
+        opening = self._begin_open(o._replace(carried_prompt=carried_prompt))
+        try:
+            placement: Placement | PagedKVError = self.store.open_sequence(opening.new)
+        except PagedKVError as exc:
+            placement = exc
+        return self._end_open(opening, placement, wait)
+
+    def open_many(self, opens: Sequence[OpenArgs]) -> list[OpenResult | PagedKVError]:
+        """Several opens (a framed loop's turn took them together) with their store writes in
+        one round trip (Store.open_sequences): each its open's answer or error. The caller
+        makes sure no node call of their ids is in flight and no id comes twice (nothing here
+        waits); placement sees the nodes' rooms as they were before the first of them."""
+        out: list[OpenResult | PagedKVError | None] = [None] * len(opens)
+        begun: list[tuple[int, _Opening]] = []
+        for i, o in enumerate(opens):
+            try:
+                begun.append((i, self._begin_open(o)))
+            except PagedKVError as exc:
+                out[i] = exc
+        if begun:
+            placed: Sequence[Placement | PagedKVError]
+            try:
+                placed = self.store.open_sequences([opening.new for _, opening in begun])
+            except PagedKVError as exc:  # (the store failed them all)
+                placed = [exc] * len(begun)
+            for (i, opening), placement in zip(begun, placed, strict=True):
+                try:
+                    out[i] = self._end_open(opening, placement, False)
+                except PagedKVError as exc:
+                    out[i] = exc
+        return out  # type: ignore[return-value]  # (every slot set)
+
+    def _begin_open(self, o: OpenArgs) -> _Opening:
+        """An open up to its store call: checked, hashed, its NewSequence built, and in
+        `_inflight` (a close that finds its page table finds the call)."""
+        tenant, token_ids, seq_id, max_cached_tokens, spec, attention, request_id, _, _ = o
         if not self.num_live_nodes():
             self.refresh_nodes()
         candidates = self._candidates(spec)  # kept between opens (node_rooms.py)
@@ -422,9 +494,15 @@ class Coordinator(DeferredCalls, Failures, Membership, NodeRooms, Extents, Missi
         call = NodeCall(seq_id)
         with self._lock:
             self._inflight[seq_id] = call
-        try:
-            placement = self.store.open_sequence(new)
-        except PagedKVError as exc:
+        return _Opening(o, new, call, keys, salt, bs, quota)
+
+    def _end_open(self, opening: _Opening, placement: Placement | PagedKVError, wait: bool) -> OpenResult:
+        """An open after its store call (`placement`, or the error it raised): its answer."""
+        o, new, call, keys, salt, bs, quota = opening
+        tenant, token_ids, seq_id, _, _, attention, request_id, worker_opens, carried_prompt = o
+        num_tokens, num_blocks = new.num_tokens, new.num_blocks
+        if isinstance(placement, PagedKVError):
+            exc = placement
             call.finish(None)  # nothing was sent: what waits on it (a close's Free) goes ahead
             self._settled(call)
             if isinstance(exc, SequenceExists) and request_id:
@@ -440,7 +518,7 @@ class Coordinator(DeferredCalls, Failures, Membership, NodeRooms, Extents, Missi
                     if node is not None:
                         first = replace(first, node_open=self.config.access.sign_open(request, node))
                 return first
-            raise
+            raise exc
         num_cached = placement.cached_tokens
         node = self._cached_node(placement.node_id) or self.live_node(placement.node_id)
         if node is None:  # it left since its row was read: as a node Open that failed
@@ -547,28 +625,71 @@ class Coordinator(DeferredCalls, Failures, Membership, NodeRooms, Extents, Missi
         either way: the record stays until then, and a lost one expires (lost_ttl_s).
 
         keep_prefix: the node drops the cached blocks past that many tokens (KVCacheManager.free)."""
-        if keep_prefix is not None and keep_prefix < 0:  # checked here: the node's Free runs later
-            raise InvalidArgument(f"keep_prefix must be >= 0 tokens, got {keep_prefix}")
-        with self._lock:
-            call = self._inflight.get(seq_id)
+        c = CloseArgs(tenant, seq_id, keep_prefix, freed_extents)
+        call = self._begin_close(c)
         try:
             # A suspect node keeps the record (NodeNotLive): the close answers its verdict.
-            record = self.store.delete_sequence(seq_id, tenant=tenant, require_live=not freed_extents)
-        except SequenceNotFound:
+            record: SequenceRecord | PagedKVError = self.store.delete_sequence(
+                seq_id, tenant=tenant, require_live=not freed_extents
+            )
+        except PagedKVError as exc:
+            record = exc
+        self._end_close(c, call, record, True)
+
+    def close_many(self, closes: Sequence[CloseArgs]) -> list[PagedKVError | None]:
+        """Several closes (a framed loop's turn took them together) with their deletes in one
+        store round trip (Store.delete_sequences): each None (closed) or its error. Nothing
+        here waits: later extents are freed from a background thread (close's may_wait=False)."""
+        out: list[PagedKVError | None] = [None] * len(closes)
+        begun: list[tuple[int, CloseArgs, NodeCall | None]] = []
+        for i, c in enumerate(closes):
+            try:
+                begun.append((i, c, self._begin_close(c)))
+            except PagedKVError as exc:
+                out[i] = exc
+        if begun:
+            deletes = [(c.seq_id, c.tenant, not c.freed_extents) for _, c, _ in begun]
+            records: Sequence[SequenceRecord | PagedKVError]
+            try:
+                records = self.store.delete_sequences(deletes)
+            except PagedKVError as exc:  # (the store failed them all)
+                records = [exc] * len(begun)
+            for (i, c, call), record in zip(begun, records, strict=True):
+                try:
+                    self._end_close(c, call, record, False)
+                except PagedKVError as exc:
+                    out[i] = exc
+        return out
+
+    def _begin_close(self, c: CloseArgs) -> NodeCall | None:
+        """A close up to its store call: checked; the node call of its id in flight, if any."""
+        if c.keep_prefix is not None and c.keep_prefix < 0:  # checked here: the node's Free runs later
+            raise InvalidArgument(f"keep_prefix must be >= 0 tokens, got {c.keep_prefix}")
+        with self._lock:
+            return self._inflight.get(c.seq_id)
+
+    def _end_close(
+        self, c: CloseArgs, call: NodeCall | None, record: SequenceRecord | PagedKVError, may_wait: bool
+    ) -> None:
+        """A close after its delete (`record`, or the error it raised). may_wait=False: later
+        extents are freed from a background thread, after the answer (nothing waits on a node)."""
+        tenant, seq_id, keep_prefix, freed_extents = c
+        if isinstance(record, SequenceNotFound):
             if call is not None and call.is_finished and call.error is not None:
                 raise call.error from None
             return
-        except NodeNotLive as exc:
-            raise self._suspect(seq_id, exc.node_id) from None
+        if isinstance(record, NodeNotLive):
+            raise self._suspect(seq_id, record.node_id) from None
+        if isinstance(record, PagedKVError):
+            raise record
         if record.state == "lost":  # its quota was released when it was lost
-            for ext in record.extents[freed_extents:] if len(record.extents) > 1 else ():
-                self._free_extent(ext.node_id, seq_id)  # what the live nodes still hold of it
+            later = record.extents[freed_extents:] if len(record.extents) > 1 else ()
+            self._free_extents(later, seq_id, may_wait)  # what the live nodes still hold of it
             node_id = self.lost_node_of(record)
             raise SequenceLost(seq_id, record.lost_reason or f"node {node_id} died", node_id)
         if tenant in self.config.quotas:
             self.store.release_blocks(tenant, record.num_blocks)
-        for ext in record.extents[max(1, freed_extents) :]:  # opened synchronously (Extend)
-            self._free_extent(ext.node_id, seq_id)
+        self._free_extents(record.extents[max(1, freed_extents) :], seq_id, may_wait)  # (Extend's)
         node_id = record.extents[0].node_id
         node = self._cached_node(node_id) or self.live_node(node_id)
         if node is None:  # it lapsed since the delete: reconcile.py frees the orphan if it comes back
@@ -579,6 +700,20 @@ class Coordinator(DeferredCalls, Failures, Membership, NodeRooms, Extents, Missi
         self._account(node.node_id, -record.num_blocks)
         if record.state == "active":  # a swapped one left the device's load at swap_out
             self._release_active(node.node_id, record.num_blocks)
+
+    def _free_extents(self, extents: Sequence[Extent], seq_id: str, may_wait: bool) -> None:
+        """Free these extents of a closed sequence on their nodes: now, or from a background thread."""
+        for ext in extents:
+            if may_wait:
+                self._free_extent(ext.node_id, seq_id)
+            else:
+                self._background.submit(self._free_extent, ext.node_id, seq_id)
+
+    def is_in_flight(self, seq_id: str) -> bool:
+        """Whether a node call of `seq_id` sent by this process has not settled (an open of
+        the id would wait for it)."""
+        with self._lock:
+            return seq_id in self._inflight
 
     def swap_out(self, tenant: str, seq_id: str) -> int:
         self._settle(seq_id)

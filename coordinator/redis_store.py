@@ -45,12 +45,14 @@ from typing import Any
 
 import redis
 from redis.backoff import ExponentialBackoff
+from redis.commands.core import Script
 from redis.retry import Retry
 
 from pagedkv.protos.errors import (
     FailedPrecondition,
     IntegrityError,
     InvalidArgument,
+    PagedKVError,
     PermissionDenied,
     QuotaExceeded,
     SequenceNotFound,
@@ -136,6 +138,48 @@ def _node_info(
     node_id: str, addr: bytes, spec: bytes, nb: bytes, load: bytes, policy: bytes, epoch: bytes
 ) -> NodeInfo:
     return NodeInfo(node_id, _s(addr), json.loads(spec), int(nb), json.loads(load), _s(policy), int(epoch))
+
+
+def _placement(new: NewSequence, reply: Sequence[Any]) -> Placement:
+    """The open script's reply as a Placement, or the error it names."""
+    code = reply[0]
+    if code == 1:
+        flat = reply[3]
+        cached = int(reply[2])
+        return Placement(
+            node_id=_s(reply[1]),
+            cached_blocks=cached,
+            cached_tokens=cached * new.block_size,
+            new_blocks=new.num_blocks - cached,
+            scores={_s(flat[i]): float(flat[i + 1]) for i in range(0, len(flat), 2)},
+            rejected=tuple(sorted(_s(n) for n in reply[4])),
+            pending_blocks=int(reply[5]),
+            cached_elsewhere_blocks=int(reply[6]),
+            host_blocks=int(reply[7]),
+            is_scan=bool(reply[8]),
+            cached_elsewhere_node_id=_s(reply[9]),
+        )
+    if code == 0:
+        raise Unavailable("no live cache node to place a sequence on")
+    if code == -4:  # gone again right after it was sent whole: Redis is restarting
+        raise Unavailable("redis lost the open's room table twice; retry")
+    if code == -1:
+        raise no_room(new.num_blocks, int(reply[1]), int(reply[2]))
+    if code == -2:
+        quota = new.quota or 0  # -2 only comes with a quota
+        raise QuotaExceeded(new.tenant, requested=new.num_blocks, quota=quota, used=int(reply[1]))
+    raise SequenceExists(new.seq_id)
+
+
+def _deleted(seq_id: str, flat: Sequence[Any]) -> SequenceRecord:
+    """The delete script's reply as the record it removed, or the error it names."""
+    if not flat:
+        raise SequenceNotFound(seq_id)
+    if len(flat) == 1:
+        raise PermissionDenied(f"sequence {seq_id!r} belongs to another tenant")
+    if flat[0] == b"!live":
+        raise NodeNotLive(_s(flat[1]), f"sequence {seq_id!r} is kept until its node's verdict")
+    return _record(seq_id, flat)
 
 
 def _purge_result(node_id: str, reply: Sequence[Any]) -> PurgeResult:
@@ -391,10 +435,63 @@ class RedisStore(Store):
             raise NodeNotLive(_s(reply[1]), f"cannot place sequence {record.seq_id!r} there")
 
     def open_sequence(self, new: NewSequence) -> Placement:
+        head = self._open_head(new)
+        for _ in range(2):  # a second time, whole, when the room table was gone
+            call, uses_table = self._open_call(new, head)
+            try:
+                reply = self._call("open_sequence", self._kept.run, self._open_seq, call)
+            except Unavailable:
+                if uses_table:
+                    self._rooms.forget(new.candidates)  # it may not have been written
+                raise
+            if reply[0] != -4:
+                break
+            self._rooms.forget(new.candidates)
+        return _placement(new, reply)
+
+    def open_sequences(self, news: Sequence[NewSequence]) -> list[Placement | PagedKVError]:
+        """Every open script sent in one write, the replies read in order (one round trip);
+        one that found its room table gone is sent again alone, whole."""
+        if len(news) < 2:
+            return super().open_sequences(news)
+        out: list[Placement | PagedKVError | None] = [None] * len(news)
+        sent: list[int] = []
+        calls: list[tuple[Script, list[Any]]] = []
+        for i, new in enumerate(news):
+            try:
+                call, _ = self._open_call(new, self._open_head(new))
+            except PagedKVError as exc:
+                out[i] = exc
+                continue
+            sent.append(i)
+            calls.append((self._open_seq, list(call)))
+        try:
+            replies = self._call("open_sequence", self._kept.run_many, calls)
+        except PagedKVError as exc:
+            for i in sent:
+                self._rooms.forget(news[i].candidates)  # they may not have been written
+                out[i] = exc
+            return out  # type: ignore[return-value]  # (every slot set)
+        for i, reply in zip(sent, replies, strict=True):
+            try:
+                if reply[0] == -4:
+                    self._rooms.forget(news[i].candidates)
+                    out[i] = self.open_sequence(news[i])
+                else:
+                    out[i] = _placement(news[i], reply)
+            except PagedKVError as exc:
+                out[i] = exc
+        return out  # type: ignore[return-value]
+
+    def _open_head(self, new: NewSequence) -> list[str | int | bytes]:
+        """The open script's arguments every open sends (checked: InvalidArgument)."""
         if not isinstance(new, NewSequence):
             raise InvalidArgument(f"expected a NewSequence, got {type(new).__name__}")
+        # A tab or line feed in a node id would shift the columns of the rows.
+        if ids_have_separators(new.candidates):
+            raise InvalidArgument("candidate node ids must not contain tabs or line feeds")
         w = new.weights
-        args: list[str | int | bytes] = [
+        return [
             self._prefix,
             new.seq_id,
             new.tenant,
@@ -411,66 +508,24 @@ class RedisStore(Store):
             repr(float(w.host_weight)),
             new.scan_classes,
         ]
-        # A tab or line feed in a node id would shift the columns of the rows.
-        if ids_have_separators(new.candidates):
-            raise InvalidArgument("candidate node ids must not contain tabs or line feeds")
+
+    def _open_call(self, new: NewSequence, head: list[str | int | bytes]) -> tuple[tuple[Any, ...], bool]:
+        """The open script's whole arguments; whether they took rows from the room table."""
         if len(new.candidates) <= WEIGH_ALL:  # every row travels and is weighed
             rows = "".join(
                 f"\n{c[0]}\t{c[1]}\t{c[2]}\t{c[3]}\t{c[4]!r}\t{-1 if c[5] is None else c[5]}"
                 for c in new.candidates
             )
-            args += (rows, new.request_id, repr(float(new.opens_scale)))
-            reply = self._call("open_sequence", self._kept.run, self._open_seq, args)
-        else:  # the holders and a shortlist are weighed, from the room table (room_table.py)
-            short = shortlist(
-                new.candidates,
-                new.num_blocks,
-                w,
-                new.keys[:16],
-                new.scan_classes,
-                opens_scale=new.opens_scale,
-            )
-            tail = ("\t".join(short.ids), repr(short.sum_opens), short.sum_total)
-            reply = [-4]
-            for _ in range(2):  # a second time, whole, when the table was gone
-                table = self._rooms.args(new.candidates)
-                call = (*args, table.rows, new.request_id, repr(float(new.opens_scale)), table.key)
-                call += ("1" if table.full else "0", *tail)
-                try:
-                    reply = self._call("open_sequence", self._kept.run, self._open_seq, call)
-                except Unavailable:
-                    self._rooms.forget(new.candidates)  # it may not have been written
-                    raise
-                if reply[0] != -4:
-                    break
-                self._rooms.forget(new.candidates)
-        code = reply[0]
-        if code == 1:
-            flat = reply[3]
-            cached = int(reply[2])
-            return Placement(
-                node_id=_s(reply[1]),
-                cached_blocks=cached,
-                cached_tokens=cached * new.block_size,
-                new_blocks=new.num_blocks - cached,
-                scores={_s(flat[i]): float(flat[i + 1]) for i in range(0, len(flat), 2)},
-                rejected=tuple(sorted(_s(n) for n in reply[4])),
-                pending_blocks=int(reply[5]),
-                cached_elsewhere_blocks=int(reply[6]),
-                host_blocks=int(reply[7]),
-                is_scan=bool(reply[8]),
-                cached_elsewhere_node_id=_s(reply[9]),
-            )
-        if code == 0:
-            raise Unavailable("no live cache node to place a sequence on")
-        if code == -4:  # gone again right after it was sent whole: Redis is restarting
-            raise Unavailable("redis lost the open's room table twice; retry")
-        if code == -1:
-            raise no_room(new.num_blocks, int(reply[1]), int(reply[2]))
-        if code == -2:
-            quota = new.quota or 0  # -2 only comes with a quota
-            raise QuotaExceeded(new.tenant, requested=new.num_blocks, quota=quota, used=int(reply[1]))
-        raise SequenceExists(new.seq_id)
+            return (*head, rows, new.request_id, repr(float(new.opens_scale))), False
+        # the holders and a shortlist are weighed, from the room table (room_table.py)
+        w = new.weights
+        short = shortlist(
+            new.candidates, new.num_blocks, w, new.keys[:16], new.scan_classes, opens_scale=new.opens_scale
+        )
+        table = self._rooms.args(new.candidates)
+        call = (*head, table.rows, new.request_id, repr(float(new.opens_scale)), table.key)
+        call += ("1" if table.full else "0", "\t".join(short.ids), repr(short.sum_opens), short.sum_total)
+        return call, True
 
     def get_sequence(self, seq_id: str) -> SequenceRecord:
         check_name("seq_id", seq_id)
@@ -504,14 +559,38 @@ class RedisStore(Store):
         if tenant is not None:
             check_name("tenant", tenant)
         args = [self._prefix, seq_id, tenant or ""] + (["1"] if require_live else [])
-        flat = self._call("delete_sequence", self._kept.run, self._delete_seq, args)
-        if not flat:
-            raise SequenceNotFound(seq_id)
-        if len(flat) == 1:
-            raise PermissionDenied(f"sequence {seq_id!r} belongs to another tenant")
-        if flat[0] == b"!live":
-            raise NodeNotLive(_s(flat[1]), f"sequence {seq_id!r} is kept until its node's verdict")
-        return _record(seq_id, flat)
+        return _deleted(seq_id, self._call("delete_sequence", self._kept.run, self._delete_seq, args))
+
+    def delete_sequences(
+        self, deletes: Sequence[tuple[str, str | None, bool]]
+    ) -> list[SequenceRecord | PagedKVError]:
+        """Every delete script sent in one write, the replies read in order (one round trip)."""
+        if len(deletes) < 2:
+            return super().delete_sequences(deletes)
+        out: list[SequenceRecord | PagedKVError | None] = [None] * len(deletes)
+        sent: list[int] = []
+        calls: list[tuple[Script, list[Any]]] = []
+        for i, (seq_id, tenant, require_live) in enumerate(deletes):
+            try:
+                check_name("seq_id", seq_id)
+                if tenant is not None:
+                    check_name("tenant", tenant)
+            except PagedKVError as exc:
+                out[i] = exc
+                continue
+            sent.append(i)
+            args = [self._prefix, seq_id, tenant or ""] + (["1"] if require_live else [])
+            calls.append((self._delete_seq, args))
+        try:
+            replies = self._call("delete_sequence", self._kept.run_many, calls)
+        except PagedKVError as exc:
+            replies = [exc] * len(sent)
+        for i, reply in zip(sent, replies, strict=True):
+            try:
+                out[i] = reply if isinstance(reply, PagedKVError) else _deleted(deletes[i][0], reply)
+            except PagedKVError as exc:
+                out[i] = exc
+        return out  # type: ignore[return-value]  # (every slot set)
 
     def mark_lost(self, seq_id: str, reason: str, ttl_s: float) -> SequenceRecord | None:
         check_name("seq_id", seq_id)

@@ -31,7 +31,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ..protos.errors import FailedPrecondition
+from ..protos.errors import FailedPrecondition, PagedKVError, Unavailable
 from .placement import Placement
 from .records import (
     EventRun,
@@ -255,6 +255,21 @@ class Store(ABC):
         is O(H x K + shortlist), flat in C (bench/README "Control plane at scale").
         """
 
+    def open_sequences(self, news: Sequence[NewSequence]) -> list[Placement | PagedKVError]:
+        """open_sequence of each, in order, as if one after the other: each its Placement or
+        its error. A store that fails (Unavailable) fails every one not yet written. Here,
+        one at a time; a backend may send them together (RedisStore: one round trip)."""
+        out: list[Placement | PagedKVError] = []
+        for new in news:
+            try:
+                out.append(self.open_sequence(new))
+            except Unavailable as exc:
+                out += [exc] * (len(news) - len(out))
+                break
+            except PagedKVError as exc:
+                out.append(exc)
+        return out
+
     @abstractmethod
     def get_sequence(self, seq_id: str) -> SequenceRecord:
         """The entry, or SequenceNotFound. Read-only; one round trip."""
@@ -285,6 +300,23 @@ class Store(ABC):
         no reaper removed it) raises NodeNotLive naming that node and stays: a close must
         not answer before the node's verdict (back: freed; declared dead: lost). One round
         trip. (Quota is not released here: the caller releases what it reserved.)"""
+
+    def delete_sequences(
+        self, deletes: Sequence[tuple[str, str | None, bool]]
+    ) -> list[SequenceRecord | PagedKVError]:
+        """delete_sequence of each (seq_id, tenant, require_live), in order: each the record
+        it removed or its error; Unavailable for every one not yet done when the store
+        fails. Here, one at a time; a backend may send them together."""
+        out: list[SequenceRecord | PagedKVError] = []
+        for seq_id, tenant, require_live in deletes:
+            try:
+                out.append(self.delete_sequence(seq_id, tenant=tenant, require_live=require_live))
+            except Unavailable as exc:
+                out += [exc] * (len(deletes) - len(out))
+                break
+            except PagedKVError as exc:
+                out.append(exc)
+        return out
 
     @abstractmethod
     def mark_lost(self, seq_id: str, reason: str, ttl_s: float) -> SequenceRecord | None:

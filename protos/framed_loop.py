@@ -1,21 +1,24 @@
-"""FramedLoop: the framed port's connections that carry a node's periodic calls, all served
-by one thread.
+"""FramedLoop: the framed port's plain-TCP connections, all served by one thread.
 
 A node's link beats every lease/4 and sends its block events one-way: 1,000 nodes are
 ~1,300 beats a second on 1,000 connections, each call a few microseconds of work. A thread
 per connection held 1,000 threads for that, and beats arriving together woke as many, which
-then handed the interpreter lock to one another. Here one thread waits on every such
-connection (epoll), reads what each ready one sent and answers its requests in order.
-FramedServer hands a plain-TCP connection over once it has served one of its `loop_methods`
-there; a TLS connection keeps its thread; a worker's method on a node's link is refused.
+then handed the interpreter lock to one another; a worker's Open and Close did the same
+around each of their store calls. Here one thread waits on every such connection (epoll),
+reads what each ready one sent and answers its requests in order. FramedServer hands a
+plain-TCP connection over once it has served one of its `loop_methods` there; a TLS
+connection keeps its thread; a method the loop does not serve is refused.
 
 A link whose requests may wait (FRAME's `end` at least PACE_S: a node's beats and one-way
 reports) is paced: a request that comes after a quiet spell is served at once, but while
 such requests stream in they are served together at most every PACE_S, so that one wake-up
 of this thread serves many (a wake-up from idle cost more than serving a lone report). A
 request that may not wait moves its link back to being served as its bytes come. The calls
-of the server's `batches` methods read in one wake-up are answered together (a turn's beats:
-their store writes in one round trip), each link's later requests after its answer.
+of the server's `batches` methods read in one wake-up are answered together (a turn's beats,
+opens or closes: their store writes in one round trip), each link's later requests after
+its answer. A batched call that would wait here on another thread is handed back (its
+answer raises Offload, answer_batch gives None): the loop answers it with the method's own
+handler on a pool thread (OFFLOAD_THREADS), and its link reads nothing more until then.
 
 The limits stay those of a connection's thread: a request the server refuses by its header
 is answered and the connection closed; one not all there within its deadline (the frame
@@ -36,6 +39,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from .errors import InvalidArgument
@@ -58,6 +62,9 @@ PACE_S = 0.005
 PACE_US = round(PACE_S * 1e6)
 _PACED = object()  # the key of the paced links' selector, watched by the main one
 PACED_READS = 8  # receives per paced link and turn while each fills READ_BYTES
+# Threads for the requests a handler hands back (Offload: it would wait on another thread);
+# each link has one such request at most, served before anything it sent after.
+OFFLOAD_THREADS = 8
 
 
 class _Link:
@@ -100,6 +107,10 @@ class FramedLoop:
         # (a beat's store write: one round trip for all); their links read nothing more till then.
         self._batch: list[tuple[_Link, Frame, bytes]] = []
         self.num_batches = 0  # answer_batch calls
+        # Requests answered off this thread (Offload), their replies handed back with a wake-up
+        self._offloads: ThreadPoolExecutor | None = None
+        self._answered: list[tuple[_Link, bytes | None]] = []
+        self.num_offloaded = 0
         self._thread = threading.Thread(target=self._run, name="frame-loop", daemon=True)
 
     def start(self) -> FramedLoop:
@@ -126,6 +137,8 @@ class FramedLoop:
             self._wake_w.send(b"\0")
         if self._thread.is_alive():
             self._thread.join(5)
+        if self._offloads is not None:
+            self._offloads.shutdown(wait=False, cancel_futures=True)
 
     @property
     def num_links(self) -> int:
@@ -191,11 +204,42 @@ class FramedLoop:
             self._wake_r.recv(4096)
         with self._lock:
             adopted, self._adopted = self._adopted, []
+            answered, self._answered = self._answered, []
         for link in adopted:
             self._links[link.sock.fileno()] = link
             self._selector(link).register(link.sock, selectors.EVENT_READ, link)
             if link.buf:
                 self._serve(link)
+        for link, reply in answered:
+            if link.sock.fileno() < 0:
+                continue  # (closed meanwhile)
+            if reply is None:  # its handler failed (a bug, logged): as a failed request here
+                self._close(link)
+                continue
+            link.out += reply
+            link.is_waiting = False
+            self._serve(link)
+
+    def _offload(self, link: _Link, f: Frame, payload: bytes) -> None:
+        """Answer `f` on a pool thread; the link reads nothing more until its reply is back."""
+        link.is_waiting = True
+        self.num_offloaded += 1
+        if self._offloads is None:
+            self._offloads = ThreadPoolExecutor(OFFLOAD_THREADS, "frame-offload", name_os_thread)
+
+        def run() -> None:
+            reply: bytes | None = None
+            try:
+                reply = self._server.answer(f, payload)
+            except BaseException:  # a bug: this link ends
+                logger.exception("framed call of %s failed off the loop", f.text[:64])
+            with self._lock:
+                self._answered.append((link, reply))
+            with contextlib.suppress(OSError):
+                self._wake_w.send(b"\0")
+
+        with contextlib.suppress(RuntimeError):  # stopping: every link closes with the loop
+            self._offloads.submit(run)
 
     def _selector(self, link: _Link) -> selectors.BaseSelector:
         return self._paced if link.is_paced else self._sel
@@ -314,9 +358,12 @@ class FramedLoop:
                 self._close(link)
             return
         self.num_batches += 1
-        for (link, _, _), reply in zip(calls, replies, strict=True):
+        for (link, f, payload), reply in zip(calls, replies, strict=True):
             if link.sock.fileno() < 0:
                 continue  # (closed meanwhile)
+            if reply is None:  # it would wait here: from a thread (the link waits for it)
+                self._offload(link, f, payload)
+                continue
             link.out += reply
             link.is_waiting = False
             self._serve(link)

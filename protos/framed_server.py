@@ -36,7 +36,7 @@ from google.protobuf.message import DecodeError
 
 from .errors import InvalidArgument
 from .framed_loop import MAX_LINKS, FramedLoop, is_pliable
-from .serving import name_os_thread
+from .serving import Offload, name_os_thread
 from .status import ERROR_CLASS_KEY, ERROR_IDS_KEY
 from .tls import TlsConfig
 from .wire import Frame, ProtocolError, Status, error_frame, read_frame, recv_exact
@@ -394,11 +394,12 @@ class FramedServer:
             return error_frame(f.op, f.request_id, exc)[0].pack()
         return _reply(f, context, lambda: handler[0](request, context))
 
-    def answer_batch(self, calls: list[tuple[Frame, bytes]]) -> list[bytes]:
+    def answer_batch(self, calls: list[tuple[Frame, bytes]]) -> list[bytes | None]:
         """The replies of checked UNARY requests of one method in `batches`, in order: answered
-        together by its batch handler (a request that does not parse gets its error reply)."""
+        together by its batch handler (a request that does not parse gets its error reply);
+        None for one its handler hands back (Offload: to be answered from another thread)."""
         self.num_calls += len(calls)
-        replies = [b""] * len(calls)
+        replies: list[bytes | None] = [b""] * len(calls)
         parsed: list[tuple[int, Any, FrameContext]] = []
         for i, (f, payload) in enumerate(calls):
             try:
@@ -408,7 +409,10 @@ class FramedServer:
         if parsed:
             answers = self.batches[calls[parsed[0][0]][0].text]([(r, c) for _, r, c in parsed])
             for (i, _, context), answer in zip(parsed, answers, strict=True):
-                replies[i] = _reply(calls[i][0], context, answer)
+                try:
+                    replies[i] = _reply(calls[i][0], context, answer)
+                except Offload:
+                    replies[i] = None
         return replies
 
 

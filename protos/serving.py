@@ -28,6 +28,13 @@ _PR_SET_NAME = 15
 _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True) if sys.platform == "linux" else None
 
 
+class Offload(BaseException):  # noqa: N818 (not an error: a request changing threads)
+    """Raised by a batch handler's answer on a framed loop's thread, when its call would wait
+    there on another thread (the handler changed nothing for it): the loop answers that
+    request from a thread of its own (framed_loop.py). A BaseException, so that handlers'
+    error mapping lets it through."""
+
+
 def name_os_thread() -> None:
     """Give the calling thread's Python name to the OS (`top -H`, /proc/*/task/*/comm
     show it; first 15 bytes), so a process's CPU can be split by role. A pool's
@@ -157,18 +164,23 @@ def observe(
     context: grpc.ServicerContext,
     fn: Callable[[], T],
     on_done: Callable[[str, float, str], None] | None = None,
+    start: float | None = None,
 ) -> T | None:
     """Run a handler body: on a raised error, abort the call with its mapped
-    status (the server keeps serving); report (method, seconds, code name)."""
-    start = time.perf_counter()
+    status (the server keeps serving); report (method, seconds, code name), the
+    seconds from `start` (perf_counter) when given: a batch's calls began together."""
+    start = time.perf_counter() if start is None else start
     code = "OK"
     try:
         return fn()
+    except Offload:  # answered again from another thread: reported there
+        code = ""
+        raise
     except Exception as exc:  # every failure becomes a status
         status, details = abort_details(context, method, exc)
         code = status.name
         context.abort(status, details)
         return None  # unreachable: abort raises
     finally:
-        if on_done is not None:
+        if on_done is not None and code:
             on_done(method, time.perf_counter() - start, code)

@@ -32,7 +32,7 @@ def test_the_quick_scale_run_measures_every_point_and_reaps_nobody(tmp_path: Pat
         assert opens["opens"] == 20 and 0.0 <= opens["hit_share"] <= 1.0
         assert opens["open_script_p50_us"] > 0 and opens["delete_script_p50_us"] > 0
         assert opens["open_p99_ms"] >= opens["open_p50_ms"] > 0
-        sat = opens["saturated"]  # two client processes back to back for a second
+        (sat,) = opens["saturated_by_clients"]  # two client processes back to back for a second
         assert sat["clients"] == 2 and sat["open_close_per_s"] > 20 and sat["coord_cores"] > 0
         assert sat["opens_per_s_per_core"] == sat["open_close_per_s"] / sat["coord_cores"]
         assert p["events"]["batch256_apply_events_p50_us"] > 0

@@ -17,9 +17,15 @@ from dataclasses import replace
 import pytest
 
 from pagedkv.coordinator.placement import PlacementWeights, tie_rank
-from pagedkv.coordinator.records import Extent, NewSequence, NodeRoom, SequenceExists
+from pagedkv.coordinator.records import Extent, NewSequence, NodeRoom, SequenceExists, SequenceRecord
 from pagedkv.coordinator.store import Store, open_store
-from pagedkv.protos.errors import CapacityExceeded, InvalidArgument, QuotaExceeded, Unavailable
+from pagedkv.protos.errors import (
+    CapacityExceeded,
+    InvalidArgument,
+    QuotaExceeded,
+    SequenceNotFound,
+    Unavailable,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -383,3 +389,62 @@ def test_scaled_recent_opens_place_as_their_counts(store: Store) -> None:
     assert first.scores == second.scores
     with pytest.raises(InvalidArgument, match="opens_scale"):
         new("s3", opens_scale=0.0)
+
+
+def test_opens_sent_together_answer_each_as_alone(store: Store) -> None:
+    """open_sequences (a coordinator's turn of opens, pipelined on Redis): each its own answer,
+    in order, as open_sequence one after the other; an error changes nothing of the others."""
+    register(store, "n1", "n2")
+    store.apply_events("n1", [key(1), key(2), key(3)], [])
+    store.open_sequence(new("taken", num_keys=0))
+    batch = [
+        new("a", rooms=(NodeRoom("n1", 90, 100), NodeRoom("n2", 90, 100))),  # n1 holds 3 of its keys
+        new("taken"),  # SequenceExists
+        new("big", num_blocks=200),  # no node has room: CapacityExceeded
+        new("q", quota=3),  # over its quota
+        new("b", num_keys=0, tenant="other"),
+        new("a"),  # the first of the batch took the id
+    ]
+    out = store.open_sequences(batch)
+    assert [type(o).__name__ for o in out] == [
+        "Placement",
+        "SequenceExists",
+        "CapacityExceeded",
+        "QuotaExceeded",
+        "Placement",
+        "SequenceExists",
+    ]
+    a, b = out[0], out[4]
+    assert not isinstance(a, Exception) and (a.node_id, a.cached_blocks) == ("n1", 3)
+    assert not isinstance(b, Exception) and b.cached_blocks == 0
+    assert store.get_sequence("a").extents == (Extent("n1", 0, 8),)
+    assert store.get_sequence("b").tenant == "other"
+    with pytest.raises(SequenceNotFound):
+        store.get_sequence("big")
+    assert store.tenant_usage("acme") == 0  # the refused quota reserved nothing
+    assert store.open_sequences([]) == []
+
+
+def test_deletes_sent_together_answer_each_as_alone(store: Store) -> None:
+    register(store, "n1", "n2")
+    for seq_id, tenant in (("a", "acme"), ("b", "acme"), ("c", "other")):
+        store.open_sequence(new(seq_id, num_keys=0, tenant=tenant))
+    out = store.delete_sequences(
+        [
+            ("a", "acme", False),
+            ("absent", "acme", False),
+            ("c", "acme", False),
+            ("b", None, True),
+            ("a", None, False),
+        ]
+    )
+    assert [type(o).__name__ for o in out] == [
+        "SequenceRecord",
+        "SequenceNotFound",
+        "PermissionDenied",
+        "SequenceRecord",
+        "SequenceNotFound",  # the first of the batch deleted it
+    ]
+    assert [o.seq_id for o in out if isinstance(o, SequenceRecord)] == ["a", "b"]
+    assert store.get_sequence("c").tenant == "other"  # another tenant's close changed nothing
+    assert store.sequences_of_node("n1") + store.sequences_of_node("n2") == [store.get_sequence("c")]

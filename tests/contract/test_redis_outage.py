@@ -105,3 +105,34 @@ def test_a_frozen_redis_times_out_as_unavailable_within_the_socket_timeout(
         redis_server.resume()
     assert store.heartbeat("n1", {}, 30.0) is True
     store.close()
+
+
+def test_a_turns_opens_and_closes_in_an_outage_fail_alone_and_leave_nothing_in_flight(
+    redis_server, redis_url: str
+) -> None:
+    """Coordinator.open_many / close_many (a framed loop's turn, one pipelined round trip):
+    with Redis down every call answers Unavailable, none stays in flight (a reopen would
+    wait on it), no quota is held; once Redis is back the same calls succeed."""
+    from pagedkv.coordinator.core import CloseArgs, Coordinator, CoordinatorConfig, OpenArgs
+
+    coordinator = Coordinator(RedisStore(redis_url), CoordinatorConfig(lease_ttl_s=30, quotas={"t": 100}))
+    coordinator.register("n1", "127.0.0.1:1", dict(SPEC, dtype="float32", block_size=4), 1000, 1)
+    opens = [OpenArgs("t", list(range(1, 30)), f"s{i}", worker_opens=True) for i in range(4)]
+    coordinator.open_many(opens[:1])  # warm: salt, scripts
+    coordinator.close_many([CloseArgs("t", "s0", freed_extents=1)])
+    try:
+        redis_server.stop()
+        started = time.monotonic()
+        answers = coordinator.open_many(opens) + coordinator.close_many([CloseArgs("t", "s1")] * 2)
+        assert time.monotonic() - started < 4.0
+        assert [type(a).__name__ for a in answers] == ["Unavailable"] * 6
+        assert not any(coordinator.is_in_flight(f"s{i}") for i in range(4))
+    finally:
+        redis_server.start()
+    coordinator.register("n1", "127.0.0.1:1", dict(SPEC, dtype="float32", block_size=4), 1000, 2)  # (no AOF)
+    opened = coordinator.open_many(opens)
+    assert [o.seq_id for o in opened] == ["s0", "s1", "s2", "s3"]  # type: ignore[union-attr]
+    assert coordinator.store.tenant_usage("t") == 4 * 8
+    assert coordinator.close_many([CloseArgs("t", f"s{i}", freed_extents=1) for i in range(4)]) == [None] * 4
+    assert coordinator.store.tenant_usage("t") == 0 and coordinator.store.sequences_of_node("n1") == []
+    coordinator.stop()

@@ -128,3 +128,21 @@ def test_apply_event_runs_is_one_round_trip_even_split(
     assert answers == [3, 1, 9]
     assert count_round_trips(monkeypatch, lambda: store.applied_seq("n1", 7)) == 1
     assert store.applied_seq("n1", 7) == 9 and len(store.keys_of("n1")) == 9_999
+
+
+def test_a_turns_opens_and_closes_are_one_round_trip_each(
+    store: RedisStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """open_sequences and delete_sequences pipeline their scripts (KeptScripts.run_many)."""
+    store.register_node("n1", "a:1", SPEC, 1000, 30.0)
+    rooms = (NodeRoom("n1", 900, 1000),)
+    news = [NewSequence(f"s{i}", "t", 32, 2, 16, bytes(16) * 2, rooms) for i in range(8)]
+    store.open_sequences(news[:2])  # loads the script
+    placed: list[object] = []
+    assert count_round_trips(monkeypatch, lambda: placed.extend(store.open_sequences(news[2:]))) == 1
+    assert [p.node_id for p in placed] == ["n1"] * 6  # type: ignore[attr-defined]
+    deleted: list[object] = []
+    deletes = [(f"s{i}", "t", True) for i in range(8)]
+    assert count_round_trips(monkeypatch, lambda: deleted.extend(store.delete_sequences(deletes))) == 1
+    assert [r.seq_id for r in deleted] == [f"s{i}" for i in range(8)]  # type: ignore[attr-defined]
+    assert store.sequences_of_node("n1") == []

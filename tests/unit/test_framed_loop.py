@@ -13,7 +13,9 @@ import random
 import socket
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
+import grpc
 import pytest
 from test_framed_one_way import until
 
@@ -23,10 +25,12 @@ from pagedkv.coordinator.memory_store import MemoryStore
 from pagedkv.coordinator.metrics import CoordinatorMetrics
 from pagedkv.coordinator.service import (
     FRAMED_METHODS,
+    LOOP_METHODS,
     NODE_LINK_METHODS,
     CoordinatorServicer,
 )
 from pagedkv.protos import pagedkv_pb2 as pb
+from pagedkv.protos import pagedkv_pb2_grpc as pb_grpc
 from pagedkv.protos import wire
 from pagedkv.protos.framed_loop import PACE_S, READ_BYTES
 from pagedkv.protos.framed_server import FramedServer
@@ -41,11 +45,16 @@ NODES = ("n1", "n2")
 WAIT_S = 0.01  # what a node's beats and reports allow (CoordinatorLink's LINK_WAIT_S)
 
 
-def serve(limits: BulkLimits, access: ClusterAccess | None = None):
+def serve(
+    limits: BulkLimits,
+    access: ClusterAccess | None = None,
+    loop_methods=LOOP_METHODS,
+    nodes: dict[str, str] | None = None,
+):
     config = CoordinatorConfig(lease_ttl_s=30, access=access or ClusterAccess())
     coordinator = Coordinator(MemoryStore(), config)
-    for n in NODES:
-        coordinator.register(n, "127.0.0.1:1", SPEC.to_dict(), 64, EPOCH)
+    for n, address in (nodes or dict.fromkeys(NODES, "127.0.0.1:1")).items():
+        coordinator.register(n, address, SPEC.to_dict(), 64, EPOCH)
     servicer = CoordinatorServicer(coordinator, Tenants(), CoordinatorMetrics(coordinator))
     service = pb.DESCRIPTOR.services_by_name["Coordinator"]
     server = FramedServer(
@@ -55,8 +64,8 @@ def serve(limits: BulkLimits, access: ClusterAccess | None = None):
         FRAMED_METHODS,
         limits=limits,
         one_way=servicer.one_way_handlers(),
-        loop_methods=NODE_LINK_METHODS,
-        batches={"Heartbeat": servicer.Heartbeats},  # (as the coordinator's port)
+        loop_methods=loop_methods,
+        batches={k: v for k, v in servicer.batches().items() if k in loop_methods},  # (as the coordinator's)
     )
     return coordinator, server.start()
 
@@ -178,8 +187,9 @@ def test_a_request_refused_by_its_header_closes_that_link_alone(served) -> None:
         assert reply(fresh, pb.HeartbeatResponse)[1].is_registered
 
 
-def test_a_worker_method_on_a_node_link_is_refused_and_the_link_kept(served) -> None:
-    coordinator, server = served
+def test_a_method_the_loop_does_not_serve_is_refused_and_the_link_kept() -> None:
+    """A port whose loop serves only node links (the coordinator's serves every framed method)."""
+    coordinator, server = serve(BulkLimits(idle_timeout_s=30), loop_methods=NODE_LINK_METHODS)
     with connect(server) as sock:
         sock.sendall(beat("n1", 1))
         reply(sock, pb.HeartbeatResponse)
@@ -192,6 +202,8 @@ def test_a_worker_method_on_a_node_link_is_refused_and_the_link_kept(served) -> 
         assert coordinator.counters["opens"] == 0
         sock.sendall(beat("n1", 3))
         assert reply(sock, pb.HeartbeatResponse)[0].request_id == 3
+    server.stop()
+    coordinator.stop()
 
 
 def test_a_stalled_request_and_an_idle_link_are_closed() -> None:
@@ -609,3 +621,114 @@ def test_a_request_that_says_it_may_wait_forever_is_served_in_its_turn(served) -
         assert time.monotonic() - start < 1.0  # (a turn is 5 ms; a second allows a loaded host)
     until(lambda: server._loop.num_paced == 1, "the link paced")
     sock.close()
+
+
+def open_request(request_id: int, seq_id: str, tokens: list[int], worker_opens: bool = True) -> bytes:
+    message = pb.CoordOpenRequest(seq_id=seq_id, token_ids=tokens, worker_opens=worker_opens)
+    return encode_unary(request_id, "Open", b"", message.SerializeToString(), wire.OP_UNARY)
+
+
+def close_request(request_id: int, seq_id: str, freed_extents: int = 1) -> bytes:
+    message = pb.CoordSeqRequest(seq_id=seq_id, freed_extents=freed_extents)
+    return encode_unary(request_id, "Close", b"", message.SerializeToString(), wire.OP_UNARY)
+
+
+def test_workers_opens_and_closes_are_served_by_the_loop_in_order(served) -> None:
+    """Four workers' connections, each sending its open and close back to back (one of them a
+    bad open first, one an open of an id that is taken): each leaves its thread after its
+    first call, every reply comes back in its request's order with its own answer, the bad
+    and the taken ones refused alone, and every sequence is closed at the end."""
+    coordinator, server = served
+    prompt = list(range(1, 30))
+    socks = [connect(server) for _ in range(4)]
+    for sock in socks:  # each link adopted first, so that the rest meet on the loop
+        sock.sendall(close_request(1, "never-opened"))
+        assert reply(sock, pb.Empty)[0].status == wire.Status.OK
+    until(lambda: adopted(server) == 4 and frame_threads() == 0, "worker links on the loop")
+    socks[0].sendall(open_request(1, "taken", prompt))
+    assert reply(socks[0], pb.CoordOpenResponse)[0].status == wire.Status.OK
+    batches = server._loop.num_batches
+    streams = [open_request(2, f"s{i}", prompt) + close_request(3, f"s{i}") for i in range(4)]
+    bad = pb.CoordOpenRequest(seq_id="s1", token_ids=[1], packed_token_ids=b"\0\0\0\1")
+    streams[1] = encode_unary(2, "Open", b"", bad.SerializeToString(), wire.OP_UNARY) + streams[1]
+    streams[2] = open_request(4, "taken", prompt) + streams[2]
+    for sock, stream in zip(socks, streams, strict=True):
+        sock.sendall(stream)
+    answers = []
+    for i, sock in enumerate(socks):
+        n = 3 if i in (1, 2) else 2
+        got = [reply(sock, pb.CoordOpenResponse if k < n - 1 else pb.Empty) for k in range(n)]
+        answers.append([(head.request_id, wire.Status(head.status).name) for head, _ in got])
+        opened = got[n - 2][1]
+        assert opened.extents[0].node_id in NODES and opened.node_open.order  # the worker's node Open
+    assert answers[0] == [(2, "OK"), (3, "OK")]
+    assert answers[1] == [(2, "INVALID_ARGUMENT"), (2, "OK"), (3, "OK")]
+    assert answers[2] == [(4, "FAILED_PRECONDITION"), (2, "OK"), (3, "OK")]  # SequenceExists
+    assert answers[3] == [(2, "OK"), (3, "OK")]
+    assert server._loop.num_batches > batches and frame_threads() == 0
+    assert coordinator.counters["opens"] == 5
+    socks[0].sendall(close_request(9, "taken"))
+    assert reply(socks[0], pb.Empty)[0].status == wire.Status.OK
+    for sock in socks:
+        sock.close()
+    assert coordinator.store.sequences_of_node("n1") + coordinator.store.sequences_of_node("n2") == []
+
+
+class HeldFree(pb_grpc.CacheNodeServicer):
+    """A node whose Free answers once `release` is set."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.num_frees = 0
+
+    def Free(self, request: pb.SeqRequest, context: grpc.ServicerContext) -> pb.Empty:
+        self.release.wait(10)
+        self.num_frees += 1
+        return pb.Empty()
+
+
+def test_a_reopen_that_must_wait_is_answered_from_a_thread_while_the_loop_serves_beats() -> None:
+    """An older client's close has the coordinator send the node Free; a reopen of the id waits
+    for it. On the loop that wait would hold every link: the reopen is handed to a thread
+    (Offload), its link answered after it, while a node's beats are answered at once."""
+    node = HeldFree()
+    node_server = grpc.server(ThreadPoolExecutor(4))
+    pb_grpc.add_CacheNodeServicer_to_server(node, node_server)
+    address = f"127.0.0.1:{node_server.add_insecure_port('127.0.0.1:0')}"
+    node_server.start()
+    coordinator, server = serve(BulkLimits(idle_timeout_s=30), nodes={"n1": address})
+    try:
+        prompt = list(range(1, 30))
+        with connect(server) as worker, connect(server) as link:
+            worker.sendall(open_request(1, "s", prompt))
+            assert reply(worker, pb.CoordOpenResponse)[0].status == wire.Status.OK
+            worker.sendall(close_request(2, "s", freed_extents=0))  # as an older client: the Free is ours
+            assert reply(worker, pb.Empty)[0].status == wire.Status.OK
+            assert coordinator.is_in_flight("s")  # its Free held by the node
+            worker.sendall(open_request(3, "s", prompt) + close_request(4, "s"))
+            for k in range(5):  # the loop meanwhile: beats answered at once
+                start = time.monotonic()
+                link.sendall(beat("n1", 10 + k))
+                head, answer = reply(link, pb.HeartbeatResponse)
+                assert head.request_id == 10 + k and answer.is_registered
+                assert time.monotonic() - start < 0.5
+            assert server._loop.num_offloaded == 1 and coordinator.is_in_flight("s")
+            worker.settimeout(0.2)
+            with pytest.raises(TimeoutError):  # the reopen still waits for the Free
+                wire.read_reply(worker)
+            worker.settimeout(5)
+            node.release.set()
+            head, opened = reply(worker, pb.CoordOpenResponse)  # after the Free, in order
+            assert (head.request_id, head.status) == (3, wire.Status.OK) and opened.node_seq_id == "s"
+            assert reply(worker, pb.Empty)[0].request_id == 4
+        assert node.num_frees == 1 and coordinator.store.sequences_of_node("n1") == []
+        servicer = server.handlers["Open"][0].__self__
+        counted = servicer.metrics.registry.get_sample_value(
+            "pagedkv_coordinator_rpc_latency_seconds_count", {"method": "Open"}
+        )
+        assert counted == 2  # the handed-back call counted once, where it was answered
+    finally:
+        node.release.set()
+        server.stop()
+        coordinator.stop()
+        node_server.stop(0)
