@@ -28,8 +28,9 @@ been applied, so callers retry only idempotent calls blindly.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from functools import partial
+from typing import Any, TypeVar
 
 from ..protos.errors import FailedPrecondition, PagedKVError, Unavailable
 from .placement import Placement
@@ -42,6 +43,23 @@ from .records import (
     beat_loads,
     check_ttl,
 )
+
+T = TypeVar("T")
+
+
+def one_by_one(calls: Sequence[Callable[[], T]]) -> list[T | PagedKVError]:
+    """Each call's answer or its error, in order; once one raised Unavailable (the store
+    failed) the rest get that error untried."""
+    out: list[T | PagedKVError] = []
+    for call in calls:
+        try:
+            out.append(call())
+        except Unavailable as exc:
+            out += [exc] * (len(calls) - len(out))
+            break
+        except PagedKVError as exc:
+            out.append(exc)
+    return out
 
 
 class TailMoved(FailedPrecondition):
@@ -259,16 +277,7 @@ class Store(ABC):
         """open_sequence of each, in order, as if one after the other: each its Placement or
         its error. A store that fails (Unavailable) fails every one not yet written. Here,
         one at a time; a backend may send them together (RedisStore: one round trip)."""
-        out: list[Placement | PagedKVError] = []
-        for new in news:
-            try:
-                out.append(self.open_sequence(new))
-            except Unavailable as exc:
-                out += [exc] * (len(news) - len(out))
-                break
-            except PagedKVError as exc:
-                out.append(exc)
-        return out
+        return one_by_one([partial(self.open_sequence, new) for new in news])
 
     @abstractmethod
     def get_sequence(self, seq_id: str) -> SequenceRecord:
@@ -307,16 +316,9 @@ class Store(ABC):
         """delete_sequence of each (seq_id, tenant, require_live), in order: each the record
         it removed or its error; Unavailable for every one not yet done when the store
         fails. Here, one at a time; a backend may send them together."""
-        out: list[SequenceRecord | PagedKVError] = []
-        for seq_id, tenant, require_live in deletes:
-            try:
-                out.append(self.delete_sequence(seq_id, tenant=tenant, require_live=require_live))
-            except Unavailable as exc:
-                out += [exc] * (len(deletes) - len(out))
-                break
-            except PagedKVError as exc:
-                out.append(exc)
-        return out
+        return one_by_one(
+            [partial(self.delete_sequence, s, tenant=t, require_live=live) for s, t, live in deletes]
+        )
 
     @abstractmethod
     def mark_lost(self, seq_id: str, reason: str, ttl_s: float) -> SequenceRecord | None:
