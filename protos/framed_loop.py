@@ -280,7 +280,8 @@ class FramedLoop:
 
     def _serve(self, link: _Link) -> None:
         """Answer every whole request in link.buf, in order; keep a partial one's bytes."""
-        if link.is_waiting:
+        if link.is_waiting:  # what it sends meanwhile waits in buf, within the budget
+            self._hold(link)
             return
         buf, pos, pliable = link.buf, 0, link.is_paced
         try:
@@ -324,16 +325,8 @@ class FramedLoop:
         del buf[:pos]
         if pliable != link.is_paced:  # its requests may wait now, or may not any more
             self._move(link)
-        if len(buf) > READ_BYTES:  # a large request arriving: its bytes count against the budget
-            self._held += len(buf) - link.held
-            link.held = len(buf)
-            if self._held > self._limits.max_inflight_bytes:
-                logger.info("framed connection dropped: %d bytes of requests held", self._held)
-                self._close(link)
-                return
-        elif link.held:
-            self._held -= link.held
-            link.held = 0
+        if not self._hold(link):
+            return
         if not buf:
             link.deadline = 0.0
         elif pos or not link.deadline:  # a request's first bytes (after one served): from now
@@ -343,6 +336,22 @@ class FramedLoop:
             link.deadline = time.monotonic() + lim.frame_timeout_s + size / lim.min_bytes_per_s
         if link.out:
             self._flush(link)
+
+    def _hold(self, link: _Link) -> bool:
+        """Count a link's buffered bytes past one receive against the listener's budget (a
+        large request arriving, or requests sent while an earlier one waits); False when that
+        closed it."""
+        if len(link.buf) > READ_BYTES:
+            self._held += len(link.buf) - link.held
+            link.held = len(link.buf)
+            if self._held > self._limits.max_inflight_bytes:
+                logger.info("framed connection dropped: %d bytes of requests held", self._held)
+                self._close(link)
+                return False
+        elif link.held:
+            self._held -= link.held
+            link.held = 0
+        return True
 
     def _answer_batch(self) -> None:
         """Answer the waiting requests of one batched method together, then serve what their

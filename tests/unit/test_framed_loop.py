@@ -687,48 +687,80 @@ class HeldFree(pb_grpc.CacheNodeServicer):
         return pb.Empty()
 
 
-def test_a_reopen_that_must_wait_is_answered_from_a_thread_while_the_loop_serves_beats() -> None:
-    """An older client's close has the coordinator send the node Free; a reopen of the id waits
-    for it. On the loop that wait would hold every link: the reopen is handed to a thread
-    (Offload), its link answered after it, while a node's beats are answered at once."""
+@pytest.fixture
+def held_free():
+    """A coordinator on a framed port whose one node ("n1") holds its Frees until released."""
     node = HeldFree()
     node_server = grpc.server(ThreadPoolExecutor(4))
     pb_grpc.add_CacheNodeServicer_to_server(node, node_server)
     address = f"127.0.0.1:{node_server.add_insecure_port('127.0.0.1:0')}"
     node_server.start()
-    coordinator, server = serve(BulkLimits(idle_timeout_s=30), nodes={"n1": address})
-    try:
-        prompt = list(range(1, 30))
-        with connect(server) as worker, connect(server) as link:
-            worker.sendall(open_request(1, "s", prompt))
-            assert reply(worker, pb.CoordOpenResponse)[0].status == wire.Status.OK
-            worker.sendall(close_request(2, "s", freed_extents=0))  # as an older client: the Free is ours
-            assert reply(worker, pb.Empty)[0].status == wire.Status.OK
-            assert coordinator.is_in_flight("s")  # its Free held by the node
-            worker.sendall(open_request(3, "s", prompt) + close_request(4, "s"))
-            for k in range(5):  # the loop meanwhile: beats answered at once
-                start = time.monotonic()
-                link.sendall(beat("n1", 10 + k))
-                head, answer = reply(link, pb.HeartbeatResponse)
-                assert head.request_id == 10 + k and answer.is_registered
-                assert time.monotonic() - start < 0.5
-            assert server._loop.num_offloaded == 1 and coordinator.is_in_flight("s")
-            worker.settimeout(0.2)
-            with pytest.raises(TimeoutError):  # the reopen still waits for the Free
-                wire.read_reply(worker)
-            worker.settimeout(5)
-            node.release.set()
-            head, opened = reply(worker, pb.CoordOpenResponse)  # after the Free, in order
-            assert (head.request_id, head.status) == (3, wire.Status.OK) and opened.node_seq_id == "s"
-            assert reply(worker, pb.Empty)[0].request_id == 4
-        assert node.num_frees == 1 and coordinator.store.sequences_of_node("n1") == []
-        servicer = server.handlers["Open"][0].__self__
-        counted = servicer.metrics.registry.get_sample_value(
-            "pagedkv_coordinator_rpc_latency_seconds_count", {"method": "Open"}
-        )
-        assert counted == 2  # the handed-back call counted once, where it was answered
-    finally:
+    limits = BulkLimits(idle_timeout_s=30, max_inflight_bytes=1 << 20)
+    coordinator, server = serve(limits, nodes={"n1": address})
+    yield node, coordinator, server
+    node.release.set()
+    server.stop()
+    coordinator.stop()
+    node_server.stop(0)
+
+
+def reopen_waiting(worker: socket.socket, coordinator: Coordinator, prompt: list[int]) -> None:
+    """Open "s", close it as an older client (the coordinator sends the Free, which the node
+    holds), and send its reopen: that one waits for the Free."""
+    worker.sendall(open_request(1, "s", prompt))
+    assert reply(worker, pb.CoordOpenResponse)[0].status == wire.Status.OK
+    worker.sendall(close_request(2, "s", freed_extents=0))
+    assert reply(worker, pb.Empty)[0].status == wire.Status.OK
+    assert coordinator.is_in_flight("s")  # its Free held by the node
+    worker.sendall(open_request(3, "s", prompt))
+
+
+def test_a_reopen_that_must_wait_is_answered_from_a_thread_while_the_loop_serves_beats(held_free) -> None:
+    """An older client's close has the coordinator send the node Free; a reopen of the id waits
+    for it. On the loop that wait would hold every link: the reopen is handed to a thread
+    (Offload), its link answered after it, while a node's beats are answered at once."""
+    node, coordinator, server = held_free
+    prompt = list(range(1, 30))
+    with connect(server) as worker, connect(server) as link:
+        reopen_waiting(worker, coordinator, prompt)
+        worker.sendall(close_request(4, "s"))
+        for k in range(5):  # the loop meanwhile: beats answered at once
+            start = time.monotonic()
+            link.sendall(beat("n1", 10 + k))
+            head, answer = reply(link, pb.HeartbeatResponse)
+            assert head.request_id == 10 + k and answer.is_registered
+            assert time.monotonic() - start < 0.5
+        assert server._loop.num_offloaded == 1 and coordinator.is_in_flight("s")
+        worker.settimeout(0.2)
+        with pytest.raises(TimeoutError):  # the reopen still waits for the Free
+            wire.read_reply(worker)
+        worker.settimeout(5)
         node.release.set()
-        server.stop()
-        coordinator.stop()
-        node_server.stop(0)
+        head, opened = reply(worker, pb.CoordOpenResponse)  # after the Free, in order
+        assert (head.request_id, head.status) == (3, wire.Status.OK) and opened.node_seq_id == "s"
+        assert reply(worker, pb.Empty)[0].request_id == 4
+    assert node.num_frees == 1 and coordinator.store.sequences_of_node("n1") == []
+    servicer = server.handlers["Open"][0].__self__
+    counted = servicer.metrics.registry.get_sample_value(
+        "pagedkv_coordinator_rpc_latency_seconds_count", {"method": "Open"}
+    )
+    assert counted == 2  # the handed-back call counted once, where it was answered
+
+
+def test_a_link_that_floods_while_its_call_waits_is_closed_alone(held_free) -> None:
+    """What a link sends while its handed-back call waits stays in its buffer, counted against
+    the port's budget for requests held: past it the link is closed, the others served."""
+    node, coordinator, server = held_free
+    with connect(server) as worker, connect(server) as link:
+        reopen_waiting(worker, coordinator, list(range(1, 30)))
+        until(lambda: server._loop.num_offloaded == 1, "the reopen handed to a thread")
+        junk = bytes(64 << 10)
+        with contextlib.suppress(OSError):  # (the port closes it on the way)
+            for _ in range(64):  # 4 MiB against a 1 MiB budget
+                worker.sendall(junk)
+        assert is_closed(worker)
+        link.sendall(beat("n1", 1))
+        assert reply(link, pb.HeartbeatResponse)[1].is_registered
+        node.release.set()
+        until(lambda: not coordinator.is_in_flight("s"), "the Free and the reopen settled")
+        until(lambda: server._loop._held == 0, "no bytes held for the closed link")
