@@ -414,7 +414,10 @@ class Coordinator(DeferredCalls, Failures, Membership, NodeRooms, Extents, Missi
         seq_id = seq_id or uuid.uuid4().hex
         self._settle(seq_id, raise_error=False)  # a reopen of this id waits for its last node call
         o = OpenArgs(tenant, token_ids, seq_id, max_cached_tokens, spec, attention, request_id, worker_opens)
-        opening = self._begin_open(o._replace(carried_prompt=carried_prompt))
+        return self._open_alone(o._replace(carried_prompt=carried_prompt), wait)
+
+    def _open_alone(self, o: OpenArgs, wait: bool = False) -> OpenResult:
+        opening = self._begin_open(o)
         try:
             placement: Placement | PagedKVError = self.store.open_sequence(opening.new)
         except PagedKVError as exc:
@@ -423,10 +426,18 @@ class Coordinator(DeferredCalls, Failures, Membership, NodeRooms, Extents, Missi
 
     def open_many(self, opens: Sequence[OpenArgs]) -> list[OpenResult | PagedKVError]:
         """Several opens (a framed loop's turn took them together) with their store writes in
-        one round trip (Store.open_sequences): each its open's answer or error. The caller
-        makes sure no node call of their ids is in flight and no id comes twice (nothing here
-        waits); placement sees the nodes' rooms as they were before the first of them."""
+        one round trip where the store weighs a batch's earlier placements (Store.open_sequences,
+        `weighs_batches`), else one after the other: each its open's answer or error, placed
+        where it would be alone after the earlier ones. The caller makes sure no node call of
+        their ids is in flight and no id comes twice (nothing here waits)."""
         out: list[OpenResult | PagedKVError | None] = [None] * len(opens)
+        if not self.store.weighs_batches:  # each placed after the last one's accounting
+            for i, o in enumerate(opens):
+                try:
+                    out[i] = self._open_alone(o)
+                except PagedKVError as exc:
+                    out[i] = exc
+            return out  # type: ignore[return-value]  # (every slot set)
         begun: list[tuple[int, _Opening]] = []
         for i, o in enumerate(opens):
             try:

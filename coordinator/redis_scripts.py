@@ -226,7 +226,11 @@ return out
 #       in shortlist mode (over shortlist.WEIGH_ALL candidates) also: rooms (the
 #       caller's room table: a hash id -> "stamp TAB the row's fields"), full ('1': ARGV[16] is
 #       every row, stamped; else the rows changed since the caller's last open), the shortlist
-#       (ids joined by TAB), the sums of recent_opens and of total_blocks over every candidate.
+#       (ids joined by TAB), the sums of recent_opens and of total_blocks over every candidate;
+#       then, for an open sent in a batch (RedisStore.open_sequences; ARGV[19..23] '' when
+#       every row travels), the batch's hash: what its earlier opens placed, per node (room
+#       taken, active blocks, opens), weighed as the coordinator weighs an open it placed, so
+#       that the opens of a batch spread as they would one after the other.
 # Cost, K prompt keys, H nodes holding keys[1], S the shortlist, D the rows changed since the
 # caller's last open (the room table stays in Redis, per caller and candidate set: a 1,000-row
 # argument cost ~100 us an open): in shortlist mode the script weighs only the H holders, the
@@ -241,6 +245,9 @@ return out
 # Scores travel as %.17g strings (Redis truncates Lua numbers to integers), which parse back
 # to the same doubles (the arithmetic is place()'s, in its order); ties go to the smallest
 # sha1hex(first key .. node id), as place()'s tie_rank; scans first by sha1hex(SCAN_KEY .. id).
+# ARGV: a key. Drops it (a batch's hash, once its opens ran).
+DROP_KEY = "return redis.call('DEL', ARGV[1])"
+
 OPEN_SEQ = (
     MATCH
     + """
@@ -270,6 +277,19 @@ local col = '([^\\t]+)\\t'
 local row_pat = '\\n([^\\t]+)\\t' .. string.rep(col, 4) .. '([^\\n]+)'
 local opens_scale = tonumber(ARGV[18])  -- recent_opens arrive scaled by it (records.NewSequence)
 local rooms = ARGV[19]  -- the caller's room table (shortlist mode), or nil: every row in ARGV[16]
+if rooms == '' then rooms = nil end
+local batch = ARGV[24]  -- the batch's hash (see above), or nil
+if batch == '' then batch = nil end
+local taken, batch_opens = {}, 0  -- node -> {room taken, active, opens} by the batch's earlier opens
+if batch then
+  local flat = redis.call('HGETALL', batch)
+  for i = 1, #flat, 2 do
+    local id, what = string.match(flat[i], '^(.*)\t(%a)$')
+    taken[id] = taken[id] or {r = 0, a = 0, o = 0}
+    taken[id][what] = tonumber(flat[i + 1])
+    if what == 'o' then batch_opens = batch_opens + tonumber(flat[i + 1]) end
+  end
+end
 if rooms then
   -- Rows changed since the caller last sent them, stamped: a row older than the one stored (a
   -- slower concurrent open) is not written. A table that is gone (a Redis restart, its expiry)
@@ -358,7 +378,9 @@ local function gather(rows, holders, shortlisted)
       local cached = math.min(held, need)
       host = math.max(0, host - (held - cached))
       if active < 0 then active = total - free - evictable end
-      nodes[#nodes + 1] = {id, free + evictable, total, cached, pending, opens, host, active}
+      local room, t = free + evictable, taken[id]
+      if t then room, active, opens = math.max(0, room - t.r), active + t.a, opens + t.o end
+      nodes[#nodes + 1] = {id, room, total, cached, pending, opens, host, active}
       if cached > most_cached then most_cached = cached end
       sum_opens = sum_opens + opens
       sum_total = sum_total + total
@@ -367,7 +389,7 @@ local function gather(rows, holders, shortlisted)
     end
   end
   if shortlisted then
-    sum_opens = math.max(0, tonumber(ARGV[22]) - dead_opens)
+    sum_opens = math.max(0, tonumber(ARGV[22]) - dead_opens) + batch_opens
     sum_total = math.max(0, tonumber(ARGV[23]) - dead_total)
   end
   return nodes, sum_opens, sum_total, most_cached
@@ -442,6 +464,12 @@ redis.call('SADD', P .. 'nseqs:' .. best, s)
 if ARGV[8] ~= '' and need > 0 then redis.call('INCRBY', uk, need) end
 if ttl > 0 and best_cached < #keys then
   redis.call('SET', P .. 'pend:' .. keys[best_cached + 1], #keys .. ':' .. best, 'PX', ttl)
+end
+if batch then  -- (as Coordinator._end_open accounts it: _account, _count_open)
+  redis.call('HINCRBY', batch, best .. '\tr', need - best_cached + best_host)
+  redis.call('HINCRBY', batch, best .. '\ta', need)
+  redis.call('HINCRBY', batch, best .. '\to', 1)
+  redis.call('PEXPIRE', batch, 10000)
 end
 return {1, best, best_cached, scores, rejected, best_pending, elsewhere, best_host, scan and 1 or 0,
         elsewhere_id}

@@ -39,6 +39,7 @@ import json
 import math
 import os
 import time
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -89,6 +90,7 @@ from .records import (
 from .room_table import RoomTables
 from .sentinel import SCHEME as SENTINEL_SCHEME
 from .sentinel import primary_client
+from .shortlist import SIZE as SHORTLIST
 from .shortlist import WEIGH_ALL, shortlist
 from .store import Store, TailMoved
 
@@ -236,6 +238,7 @@ class RedisStore(Store):
         self._applied_seq = reg(runs_lua.APPLIED_SEQ)
         self._match_prefix = reg(lua.MATCH_PREFIX)
         self._open_seq = reg(lua.OPEN_SEQ)
+        self._drop_key = reg(lua.DROP_KEY)
         self._create_seq = reg(lua.CREATE_SEQ)
         self._update_seq = reg(lua.UPDATE_SEQ)
         self._delete_seq = reg(lua.DELETE_SEQ)
@@ -449,24 +452,30 @@ class RedisStore(Store):
             self._rooms.forget(new.candidates)
         return _placement(new, reply)
 
+    weighs_batches = True
+
     def open_sequences(self, news: Sequence[NewSequence]) -> list[Placement | PagedKVError]:
         """Every open script sent in one write, the replies read in order (one round trip);
-        one that found its room table gone is sent again alone, whole."""
+        one that found its room table gone is sent again alone, whole. The scripts share a
+        hash of what the batch's earlier opens placed (the open script weighs it), and the
+        i-th weighs a shortlist i longer: the batch spreads as opens one after the other."""
         if len(news) < 2:
             return super().open_sequences(news)
         out: list[Placement | PagedKVError | None] = [None] * len(news)
         sent: list[int] = []
         calls: list[tuple[Script, list[Any]]] = []
+        batch = self._key("batch:", uuid.uuid4().hex)
         for i, new in enumerate(news):
             try:
-                call, _ = self._open_call(new, self._open_head(new))
+                call, _ = self._open_call(new, self._open_head(new), batch, SHORTLIST + len(sent))
             except PagedKVError as exc:
                 out[i] = exc
                 continue
             sent.append(i)
             calls.append((self._open_seq, list(call)))
         try:
-            replies = self._call("open_sequence", self._kept.run_many, calls)
+            calls.append((self._drop_key, [batch]))  # (its reply dropped)
+            replies = self._call("open_sequence", self._kept.run_many, calls)[:-1]
         except PagedKVError as exc:
             for i in sent:
                 self._rooms.forget(news[i].candidates)  # they may not have been written
@@ -509,23 +518,28 @@ class RedisStore(Store):
             new.scan_classes,
         ]
 
-    def _open_call(self, new: NewSequence, head: list[str | int | bytes]) -> tuple[tuple[Any, ...], bool]:
-        """The open script's whole arguments; whether they took rows from the room table."""
+    def _open_call(
+        self, new: NewSequence, head: list[str | int | bytes], batch: bytes = b"", size: int = SHORTLIST
+    ) -> tuple[tuple[Any, ...], bool]:
+        """The open script's whole arguments (`batch`: its batch's hash, `size`: the shortlist's
+        length); whether they took rows from the room table."""
+        tail: tuple[Any, ...] = (batch,) if batch else ()
         if len(new.candidates) <= WEIGH_ALL:  # every row travels and is weighed
             rows = "".join(
                 f"\n{c[0]}\t{c[1]}\t{c[2]}\t{c[3]}\t{c[4]!r}\t{-1 if c[5] is None else c[5]}"
                 for c in new.candidates
             )
-            return (*head, rows, new.request_id, repr(float(new.opens_scale))), False
+            tail = ("",) * 5 + tail if tail else ()
+            return (*head, rows, new.request_id, repr(float(new.opens_scale)), *tail), False
         # the holders and a shortlist are weighed, from the room table (room_table.py)
         w = new.weights
         short = shortlist(
-            new.candidates, new.num_blocks, w, new.keys[:16], new.scan_classes, opens_scale=new.opens_scale
+            new.candidates, new.num_blocks, w, new.keys[:16], new.scan_classes, size, new.opens_scale
         )
         table = self._rooms.args(new.candidates)
         call = (*head, table.rows, new.request_id, repr(float(new.opens_scale)), table.key)
         call += ("1" if table.full else "0", "\t".join(short.ids), repr(short.sum_opens), short.sum_total)
-        return call, True
+        return (*call, *tail), True
 
     def get_sequence(self, seq_id: str) -> SequenceRecord:
         check_name("seq_id", seq_id)

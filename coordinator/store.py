@@ -78,6 +78,10 @@ class TailMoved(FailedPrecondition):
 class Store(ABC):
     """Coordinator state. Thread-safe: one Store object may serve many threads."""
 
+    # Whether open_sequences sends its opens together, each weighing what the earlier ones
+    # placed (RedisStore); else Coordinator.open_many opens them one after the other itself.
+    weighs_batches = False
+
     # ---- membership ---------------------------------------------------------------------------
 
     @abstractmethod
@@ -276,7 +280,9 @@ class Store(ABC):
     def open_sequences(self, news: Sequence[NewSequence]) -> list[Placement | PagedKVError]:
         """open_sequence of each, in order, as if one after the other: each its Placement or
         its error. A store that fails (Unavailable) fails every one not yet written. Here,
-        one at a time; a backend may send them together (RedisStore: one round trip)."""
+        one at a time, each placed by the rooms its NewSequence carries; a store that
+        `weighs_batches` sends them together (RedisStore: one round trip) and each weighs,
+        besides those rooms, what the batch's earlier opens placed."""
         return one_by_one([partial(self.open_sequence, new) for new in news])
 
     @abstractmethod

@@ -141,6 +141,7 @@ def test_a_turns_opens_and_closes_are_one_round_trip_each(
     placed: list[object] = []
     assert count_round_trips(monkeypatch, lambda: placed.extend(store.open_sequences(news[2:]))) == 1
     assert [p.node_id for p in placed] == ["n1"] * 6  # type: ignore[attr-defined]
+    assert not list(store._redis.scan_iter(match="*batch:*"))  # the batch's hash went with it
     deleted: list[object] = []
     deletes = [(f"s{i}", "t", True) for i in range(8)]
     assert count_round_trips(monkeypatch, lambda: deleted.extend(store.delete_sequences(deletes))) == 1
