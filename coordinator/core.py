@@ -17,7 +17,9 @@ An open, in round trips to the store (Redis):
                                    page table is written, and never waited for
 
 So an open answers after one client RPC and one Redis round trip; the client
-gets the placement and M, the cached-token count from the exact prefix index.
+gets the placement and M, the cached-token count from the exact prefix index. The opens
+a framed loop's turn takes together (open_many) share that round trip: their scripts go
+in one pipelined write, each weighing what the batch's earlier opens placed.
 The node Open carries M as an exact expectation (expect_cached_tokens): the node
 takes exactly M cached tokens or fails (PrefixEvicted, when it evicted some since
 the index was read). A failed node open is never lost: the node keeps a tombstone
@@ -650,7 +652,7 @@ class Coordinator(DeferredCalls, Failures, Membership, NodeRooms, Extents, Missi
     def close_many(self, closes: Sequence[CloseArgs]) -> list[PagedKVError | None]:
         """Several closes (a framed loop's turn took them together) with their deletes in one
         store round trip (Store.delete_sequences): each None (closed) or its error. Nothing
-        here waits: later extents are freed from a background thread (close's may_wait=False)."""
+        here waits: later extents are freed from a background thread (_end_close, may_wait=False)."""
         out: list[PagedKVError | None] = [None] * len(closes)
         begun: list[tuple[int, CloseArgs, NodeCall | None]] = []
         for i, c in enumerate(closes):
