@@ -70,6 +70,7 @@ from .cluster_pipeline import run_scripts
 from .event_runs import run_parts
 from .placement import NodeCandidate, Placement, place
 from .records import (
+    BeatLoads,
     EventRun,
     NewSequence,
     NodeInfo,
@@ -77,7 +78,6 @@ from .records import (
     PurgeResult,
     SequenceExists,
     SequenceRecord,
-    beat_loads,
     check_count,
     check_events,
     check_key,
@@ -112,6 +112,7 @@ class ClusterStore(Store):
     def __init__(self, url: str, config: RedisStoreConfig | None = None, **options: Any) -> None:
         """url: redis+cluster://host:port[,host:port...]. options: RedisStoreConfig fields."""
         self.config = config or RedisStoreConfig(**options)
+        self._beat_loads = BeatLoads()  # (an idle node's beat encodes nothing again)
         if "{" in self.config.prefix or "}" in self.config.prefix:
             raise InvalidArgument(
                 f"a cluster prefix must not hold braces (hash tags), got {self.config.prefix!r}"
@@ -238,7 +239,9 @@ class ClusterStore(Store):
 
     def heartbeats(self, beats: Sequence[tuple[str, Mapping[str, int]]], ttl_s: float) -> list[bool]:
         ttl = str(max(1, round(check_ttl(ttl_s) * 1000)))
-        calls = [(self._heartbeat, self._node_keys(n)[:2], [load, ttl]) for n, load in beat_loads(beats)]
+        calls = [
+            (self._heartbeat, self._node_keys(n)[:2], [load, ttl]) for n, load in self._beat_loads(beats)
+        ]
         return [bool(r) for r in self._call("heartbeat", run_scripts, self._redis, calls)]
 
     def _registered(self) -> list[str]:

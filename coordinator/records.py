@@ -475,14 +475,34 @@ def check_registration(
         raise InvalidArgument(f"spec must be a JSON-able mapping: {e}") from e
 
 
-def beat_loads(beats: Sequence[tuple[str, Mapping[str, int]]]) -> list[tuple[str, str]]:
+class BeatLoads:
     """Each beat's node id and its load as the stores keep it (JSON, keys sorted), every beat
-    checked before any is sent."""
-    out = []
-    for node_id, load in beats:
-        check_name("node_id", node_id)
-        out.append((node_id, json.dumps(check_load(load), sort_keys=True)))
-    return out
+    checked before any is sent. A node's load as it last beat is kept with its JSON: an idle
+    node's beat (the same load as its last) is neither checked nor encoded again (those were
+    ~10 us of a ~100 us beat at 1,000 nodes). At most MAX_KEPT nodes' are kept."""
+
+    MAX_KEPT = 1 << 16
+
+    def __init__(self) -> None:
+        self._last: dict[str, tuple[dict[str, int], str]] = {}
+
+    def __call__(self, beats: Sequence[tuple[str, Mapping[str, int]]]) -> list[tuple[str, str]]:
+        out = []
+        last = self._last
+        for node_id, load in beats:
+            kept = last.get(node_id) if type(node_id) is str and type(load) is dict else None
+            # equal to a checked load, and ints (True == 1, but a bool is refused): as valid
+            if kept is not None and kept[0] == load and all(type(v) is int for v in load.values()):
+                out.append((node_id, kept[1]))
+                continue
+            check_name("node_id", node_id)
+            checked = check_load(load)
+            encoded = json.dumps(checked, sort_keys=True)
+            if len(last) >= self.MAX_KEPT:
+                last.clear()
+            last[node_id] = (checked, encoded)
+            out.append((node_id, encoded))
+        return out
 
 
 def check_load(load: Mapping[str, int]) -> dict[str, int]:

@@ -66,6 +66,7 @@ from .event_runs import batch_parts, run_parts
 from .kept_script import KeptScripts
 from .placement import Placement, no_room
 from .records import (
+    BeatLoads,
     EventRun,
     Extent,
     NewSequence,
@@ -74,7 +75,6 @@ from .records import (
     PurgeResult,
     SequenceExists,
     SequenceRecord,
-    beat_loads,
     check_count,
     check_events,
     check_key,
@@ -206,6 +206,7 @@ class RedisStore(Store):
         options: RedisStoreConfig fields (prefix=..., ...)."""
         self.config = config or RedisStoreConfig(**options)
         self._url = url
+        self._beat_loads = BeatLoads()  # (an idle node's beat encodes nothing again)
         self._prefix = self.config.prefix
         # The one place transient failures are retried (see the module docstring).
         retry = Retry(
@@ -322,7 +323,7 @@ class RedisStore(Store):
 
     def heartbeats(self, beats: Sequence[tuple[str, Mapping[str, int]]], ttl_s: float) -> list[bool]:
         ttl_ms = max(1, round(check_ttl(ttl_s) * 1000))
-        calls = [(self._heartbeat, [self._prefix, n, load, ttl_ms]) for n, load in beat_loads(beats)]
+        calls = [(self._heartbeat, [self._prefix, n, load, ttl_ms]) for n, load in self._beat_loads(beats)]
         return [bool(r) for r in self._call("heartbeat", self._kept.run_many, calls)]
 
     def live_nodes(self) -> list[NodeInfo]:

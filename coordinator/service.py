@@ -87,6 +87,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self.tenants = tenants
         self.metrics = metrics
         self.frame_port = 0  # the framed port its replies advertise (create_server sets it)
+        self._beat_ok: pb.HeartbeatResponse | None = None  # a renewed beat's reply (not changed)
 
     def _run(
         self, method: str, context: grpc.ServicerContext, fn: Callable[[], T], start: float | None = None
@@ -240,6 +241,15 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self, request: pb.HeartbeatRequest, result: tuple[bool, list[str]]
     ) -> pb.HeartbeatResponse:
         ok, free = result
+        if ok and not free and not request.events_epoch:  # (most beats: one reply, kept)
+            kept = self._beat_ok
+            if kept is None or kept.frame_port != self.frame_port:
+                kept = self._beat_ok = pb.HeartbeatResponse(
+                    is_registered=True,
+                    frame_port=self.frame_port,
+                    takes_one_way_reports=bool(self.frame_port),
+                )
+            return kept
         reply = pb.HeartbeatResponse(
             is_registered=ok,
             free_seq_ids=free,

@@ -35,12 +35,12 @@ from typing import Any, TypeVar
 from ..protos.errors import FailedPrecondition, PagedKVError, Unavailable
 from .placement import Placement
 from .records import (
+    BeatLoads,
     EventRun,
     NewSequence,
     NodeInfo,
     PurgeResult,
     SequenceRecord,
-    beat_loads,
     check_ttl,
 )
 
@@ -128,7 +128,7 @@ class Store(ABC):
         that fails fails them all (none may have renewed). InvalidArgument, before any
         renews, for a bad node_id or load."""
         check_ttl(ttl_s)
-        beat_loads(beats)  # (every beat checked before any renews)
+        BeatLoads()(beats)  # (every beat checked before any renews)
         return [self.heartbeat(node_id, load, ttl_s) for node_id, load in beats]
 
     @abstractmethod

@@ -68,7 +68,18 @@ OFFLOAD_THREADS = 8
 
 
 class _Link:
-    __slots__ = ("buf", "deadline", "held", "is_paced", "is_waiting", "key", "last_seen", "out", "sock")
+    __slots__ = (
+        "buf",
+        "deadline",
+        "events",
+        "held",
+        "is_paced",
+        "is_waiting",
+        "key",
+        "last_seen",
+        "out",
+        "sock",
+    )
 
     def __init__(self, key: object, sock: socket.socket, buffered: bytes, is_paced: bool) -> None:
         self.key = key  # the server's handle, given back when the connection ends
@@ -80,6 +91,7 @@ class _Link:
         self.last_seen = time.monotonic()
         self.is_paced = is_paced  # watched by the paced selector (its requests may wait)
         self.is_waiting = False  # a request of it waits in the loop's batch: serve nothing more yet
+        self.events = selectors.EVENT_READ  # what its selector watches (WRITE too while out waits)
 
 
 class FramedLoop:
@@ -207,7 +219,7 @@ class FramedLoop:
             answered, self._answered = self._answered, []
         for link in adopted:
             self._links[link.sock.fileno()] = link
-            self._selector(link).register(link.sock, selectors.EVENT_READ, link)
+            self._selector(link).register(link.sock, link.events, link)
             if link.buf:
                 self._serve(link)
         for link, reply in answered:
@@ -392,15 +404,15 @@ class FramedLoop:
             self._close(link)
             return
         want = selectors.EVENT_READ | (selectors.EVENT_WRITE if link.out else 0)
-        sel = self._selector(link)
-        if link.sock.fileno() >= 0 and sel.get_key(link.sock).events != want:
-            sel.modify(link.sock, want, link)
+        if want != link.events and link.sock.fileno() >= 0:
+            self._selector(link).modify(link.sock, want, link)
+            link.events = want
 
     def _move(self, link: _Link) -> None:
         """The link from one selector to the other (paced or served as its bytes come)."""
-        events = self._selector(link).unregister(link.sock).events
+        self._selector(link).unregister(link.sock)
         link.is_paced = not link.is_paced
-        self._selector(link).register(link.sock, events, link)
+        self._selector(link).register(link.sock, link.events, link)
 
     def _sweep(self, now: float) -> None:
         idle = self._limits.idle_timeout_s

@@ -134,6 +134,24 @@ def test_heartbeats_answer_each_as_heartbeat_would_and_check_all_first(store: St
     assert store.heartbeats([], TTL_S) == []
 
 
+def test_a_beat_that_repeats_its_load_is_checked_and_kept_as_the_first(store: Store) -> None:
+    """The stores keep a node's last load with its encoding (an idle node's beats repeat it):
+    a repeat renews and keeps it; a changed load is recorded; a load equal to a kept one but
+    not valid (a bool for a count, a negative count) is refused as it always was."""
+    register(store, "n1", "n2")
+    load = {"free_blocks": 5, "used_blocks": 1}
+    for _ in range(3):
+        assert store.heartbeats([("n1", dict(load)), ("n2", load)], TTL_S) == [True, True]
+    assert [n.load for n in store.live_nodes()] == [load, load]
+    for bad in ({"free_blocks": 5, "used_blocks": True}, {"free_blocks": 5, "used_blocks": -1}):
+        with pytest.raises(InvalidArgument, match="used_blocks"):
+            store.heartbeats([("n1", bad)], TTL_S)
+    assert store.heartbeat("n1", {"free_blocks": 4, "used_blocks": 2}, TTL_S) is True
+    assert store.heartbeat("n1", load, TTL_S) is True  # back to a load seen before
+    assert [n.load for n in store.live_nodes()] == [load, load]
+    assert store.heartbeat("ghost", load, TTL_S) is False
+
+
 def test_ttl_lapses_without_heartbeat_and_node_must_reregister(store: Store) -> None:
     register(store, "n1", ttl_s=SHORT_TTL_S)
     register(store, "n2")
