@@ -312,7 +312,11 @@ class Gate:
         """An open order a worker carries (OpenSigned): signed with the cluster secret for
         this node's current registration, not expired. Without a secret the order is
         taken as an Open (open mode) or needs the node's token (token mode); an order
-        for another registration is refused in every mode once this node registered."""
+        for another registration is refused in every mode once this node registered.
+        A fenced node refuses it as a data call (Unavailable: it serves no worker's call
+        until it renews; the worker's next call of the id raises it, and it opens again)."""
+        if self._lease_deadline is not None:
+            self.check_lease()
         if self.mode == TOKEN:
             self.require_admin(creds, "OpenSigned")
         if self.mode == CLUSTER and self.epoch is None:
