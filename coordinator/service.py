@@ -46,6 +46,7 @@ NODE_LINK_METHODS = ("Heartbeat", "ReportEvents")
 # another around each store call; what would wait on another thread moves to one: Offload).
 LOOP_METHODS = FRAMED_METHODS
 MAX_LOST_REPORTED = 1 << 16  # lost ids a registration reply names (the .proto's bound)
+MAX_SEQ_ID_CHARS = 512  # a worker's sequence id (a uuid is 36; a vLLM request id ~50)
 T = TypeVar("T")
 _SPEC_FIELDS = ("num_layers", "num_kv_heads", "head_dim", "dtype", "block_size", "model")
 
@@ -78,6 +79,8 @@ def unscope(exc: PagedKVError, prefix: str) -> PagedKVError:
 def _seq_id(seq_id: str, what: str = "seq_id") -> str:
     if not seq_id:
         raise InvalidArgument(f"a {what} is required (the client picks one, e.g. a uuid)")
+    if len(seq_id) > MAX_SEQ_ID_CHARS:  # (a key in Redis, in every ticket and event: bounded)
+        raise InvalidArgument(f"a {what} of {len(seq_id)} characters (at most {MAX_SEQ_ID_CHARS})")
     return seq_id
 
 

@@ -14,11 +14,12 @@ from hostile import Q_HEADS, QUOTA_BLOCKS, SPEC, TOKENS, Secured, kv, reply, sen
 
 from pagedkv.protos import pagedkv_pb2 as pb
 from pagedkv.protos import tensors, wire
-from pagedkv.protos.errors import QuotaExceeded, SequenceNotFound
+from pagedkv.protos.errors import InvalidArgument, QuotaExceeded, SequenceNotFound
 from pagedkv.protos.tickets import RIGHT_NODE, TICKET_KEY, Minter
 
 NO_TICKET = "data calls need the ticket its coordinator issued for each sequence (none presented)"
 NOT_COORDINATOR = "serves a cluster; only its coordinator may call it"
+PROMPT = [1, 2, 3, 4, 5]
 
 
 def _q(n: int = 1) -> pb.Tensor:
@@ -236,6 +237,26 @@ def test_sequence_ids_are_scoped_by_tenant(cluster: Secured) -> None:
     own = beta.open("victim", [9, 9, 9])  # beta's own "victim": another sequence altogether
     assert own.route.node_seq_id == "beta/victim"
     own.close()
+
+
+def test_an_overlong_sequence_id_is_refused_naming_the_limit(cluster: Secured) -> None:
+    """A 5,000-character id (one Redis key, and in every ticket and event) is refused before
+    anything is placed: open, fork and close alike; the tenant's quota untouched."""
+    alpha = cluster.clients["alpha"]
+    long_id = "x" * 5000
+    with pytest.raises(InvalidArgument, match="a seq_id of 5000 characters \\(at most 512\\)"):
+        alpha.open(long_id, PROMPT)
+    parent = alpha.open("parent", PROMPT)
+    with pytest.raises(InvalidArgument, match="a child_id of 5000 characters"):
+        alpha.routing.fork("parent", long_id)
+    with pytest.raises(InvalidArgument, match="a seq_id of 5000 characters"):
+        alpha.routing.close(long_id)
+    ok = alpha.open("y" * 512, PROMPT)  # the limit itself is taken
+    assert ok.route.node_seq_id == "alpha/" + "y" * 512
+    ok.close()
+    parent.close()
+    with pytest.raises(SequenceNotFound):
+        alpha.sequence(long_id[:512])
 
 
 def test_quota_charges_the_blocks_a_sequence_holds(cluster: Secured) -> None:
