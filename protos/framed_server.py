@@ -413,6 +413,7 @@ class FramedServer:
                     replies[i] = _reply(calls[i][0], context, answer)
                 except Offload:
                     replies[i] = None
+                    self.num_calls -= 1  # (counted by answer() on the thread that answers it)
         return replies
 
 

@@ -745,6 +745,7 @@ def test_a_reopen_that_must_wait_is_answered_from_a_thread_while_the_loop_serves
         "pagedkv_coordinator_rpc_latency_seconds_count", {"method": "Open"}
     )
     assert counted == 2  # the handed-back call counted once, where it was answered
+    assert server.num_calls == 9  # 2 opens, 2 closes, 5 beats: the handed-back one once
 
 
 def test_a_link_that_floods_while_its_call_waits_is_closed_alone(held_free) -> None:
