@@ -313,10 +313,9 @@ class Gate:
         this node's current registration, not expired. Without a secret the order is
         taken as an Open (open mode) or needs the node's token (token mode); an order
         for another registration is refused in every mode once this node registered.
-        A fenced node refuses it as a data call (Unavailable: it serves no worker's call
-        until it renews; the worker's next call of the id raises it, and it opens again)."""
-        if self._lease_deadline is not None:
-            self.check_lease()
+        Not fenced: the order is the coordinator's decision, as its own Open, and a worker
+        sends it once (a refusal drops the page table: a stall shorter than the lease would
+        lose the sequence); the data calls that follow it are fenced."""
         if self.mode == TOKEN:
             self.require_admin(creds, "OpenSigned")
         if self.mode == CLUSTER and self.epoch is None:
