@@ -16,8 +16,12 @@ of this thread serves many (a wake-up from idle cost more than serving a lone re
 request that may not wait moves its link back to being served as its bytes come. The calls
 of the server's `batches` methods read in one wake-up are answered together (a turn's beats,
 opens or closes: their store writes in one round trip), each link's later requests after
-its answer. A batched call that would wait here on another thread is handed back (its
-answer raises Offload, answer_batch gives None): the loop answers it with the method's own
+its answer. A batched call that allows more than two pacing periods (a node's beat allows 50
+ms) is held for what its `end` leaves after them, or until its link sends more: at
+a few hundred beats a second, answered as they came each turn took one or two, and a turn's
+wake-ups and store round trip cost more than its beats (bench/README "Control plane at
+scale"). A batched call that would wait here on another thread is handed back (its answer
+raises Offload, answer_batch gives None): the loop answers it with the method's own
 handler on a pool thread (OFFLOAD_THREADS), and its link reads nothing more until then.
 
 The limits stay those of a connection's thread: a request the server refuses by its header
@@ -57,14 +61,26 @@ SWEEP_S = 0.5  # deadlines and idle connections are checked this often
 MAX_LINKS = 1 << 14
 # Paced links are served at most this often while their requests stream in: 1,200 lone
 # reports a second then take ~6 a wake-up, not one. A request marks itself pliable by its
-# FRAME's `end` (the microseconds the server may hold it); a node's calls allow 10 ms.
+# FRAME's `end` (the microseconds the server may hold it); a node's reports allow 10 ms.
 PACE_S = 0.005
 PACE_US = round(PACE_S * 1e6)
 _PACED = object()  # the key of the paced links' selector, watched by the main one
 PACED_READS = 8  # receives per paced link and turn while each fills READ_BYTES
+MAX_HOLD_S = 0.1  # a batched call is held no longer than this, whatever its `end` allows
 # Threads for the requests a handler hands back (Offload: it would wait on another thread);
 # each link has one such request at most, served before anything it sent after.
 OFFLOAD_THREADS = 8
+
+
+class _Call:
+    """A batched method's request read and not answered yet: answered together with the others
+    of its method once one of them is due (`due`, monotonic: at once unless its `end` allows a
+    hold)."""
+
+    __slots__ = ("due", "frame", "link", "payload")
+
+    def __init__(self, link: _Link, frame: Frame, payload: bytes, due: float) -> None:
+        self.link, self.frame, self.payload, self.due = link, frame, payload, due
 
 
 class _Link:
@@ -117,7 +133,7 @@ class FramedLoop:
         self.num_paced_turns = 0  # times the paced links that were ready were served together
         # Requests of the server's batched methods read this wake-up, answered together after it
         # (a beat's store write: one round trip for all); their links read nothing more till then.
-        self._batch: list[tuple[_Link, Frame, bytes]] = []
+        self._batch: list[_Call] = []
         self.num_batches = 0  # answer_batch calls
         # Requests answered off this thread (Offload), their replies handed back with a wake-up
         self._offloads: ThreadPoolExecutor | None = None
@@ -174,6 +190,8 @@ class FramedLoop:
         try:
             while not self._is_stopping:
                 timeout = SWEEP_S if is_armed else max(0.0, due - now)
+                if self._batch:  # (held calls: wake when the first is due)
+                    timeout = min(timeout, max(0.0, min(c.due for c in self._batch) - now))
                 is_paced_ready = False
                 for key, mask in self._sel.select(timeout):
                     link = key.data
@@ -193,8 +211,8 @@ class FramedLoop:
                     else:  # quiet again: the next one is served as it comes
                         self._sel.register(paced_fd, selectors.EVENT_READ, _PACED)
                         is_armed = True
-                while self._batch:
-                    self._answer_batch()
+                while (method := self._due_method(now)) is not None:
+                    self._answer_batch(method)
                 if now >= next_sweep:
                     next_sweep = now + SWEEP_S
                     self._sweep(now)
@@ -293,6 +311,9 @@ class FramedLoop:
     def _serve(self, link: _Link) -> None:
         """Answer every whole request in link.buf, in order; keep a partial one's bytes."""
         if link.is_waiting:  # what it sends meanwhile waits in buf, within the budget
+            for call in self._batch:  # a held call of it is answered now: its link has more to say
+                if call.link is link:
+                    call.due = 0.0
             self._hold(link)
             return
         buf, pos, pliable = link.buf, 0, link.is_paced
@@ -309,7 +330,11 @@ class FramedLoop:
                 if f.op == wire_frame.OP_NOTIFY:
                     self._server.run_one_way(f, payload)
                 elif f.op == wire_frame.OP_UNARY and f.text in self._server.batches:
-                    self._batch.append((link, f, payload))
+                    # (it may have waited a pacing period unread; `end` is the client's word: capped)
+                    hold_s = min(f.end / 1e6, MAX_HOLD_S) - 2 * PACE_S
+                    self._batch.append(
+                        _Call(link, f, payload, link.last_seen + hold_s if hold_s > 0 else 0.0)
+                    )
                     link.is_waiting = True
                     break  # (what follows waits for its answer: replies go in request order)
                 elif f.op == wire_frame.OP_UNARY and f.text in self._server.loop_methods:
@@ -365,21 +390,28 @@ class FramedLoop:
             link.held = 0
         return True
 
-    def _answer_batch(self) -> None:
-        """Answer the waiting requests of one batched method together, then serve what their
-        links sent after them (which may wait for the next batch)."""
-        method = self._batch[0][1].text
-        calls = [c for c in self._batch if c[1].text == method]
-        self._batch = [c for c in self._batch if c[1].text != method]
+    def _due_method(self, now: float) -> str | None:
+        """The method of the first batched call due by `now` (None: none is)."""
+        for call in self._batch:
+            if call.due <= now:
+                return call.frame.text
+        return None
+
+    def _answer_batch(self, method: str) -> None:
+        """Answer the waiting requests of one batched method together (held ones too), then
+        serve what their links sent after them (which may wait for the next batch)."""
+        calls = [c for c in self._batch if c.frame.text == method]
+        self._batch = [c for c in self._batch if c.frame.text != method]
         try:
-            replies = self._server.answer_batch([(f, payload) for _, f, payload in calls])
+            replies = self._server.answer_batch([(c.frame, c.payload) for c in calls])
         except Exception:  # a bug: drop these connections, keep serving the others
             logger.exception("framed batch of %s failed", method)
-            for link, _, _ in calls:
-                self._close(link)
+            for c in calls:
+                self._close(c.link)
             return
         self.num_batches += 1
-        for (link, f, payload), reply in zip(calls, replies, strict=True):
+        for c, reply in zip(calls, replies, strict=True):
+            link, f, payload = c.link, c.frame, c.payload
             if link.sock.fileno() < 0:
                 continue  # (closed meanwhile)
             if reply is None:  # it would wait here: from a thread (the link waits for it)

@@ -765,3 +765,47 @@ def test_a_link_that_floods_while_its_call_waits_is_closed_alone(held_free) -> N
         node.release.set()
         until(lambda: not coordinator.is_in_flight("s"), "the Free and the reopen settled")
         until(lambda: server._loop._held == 0, "no bytes held for the closed link")
+
+
+def test_beats_that_allow_a_wait_are_held_and_renewed_together(served) -> None:
+    """Beats saying they may wait 50 ms (an idle node's) are held, so that beats of several
+    links arriving apart are answered in one batch (one store round trip), each well within
+    what its sender allowed; a beat allowing 10 ms is answered in its turn."""
+    coordinator, server = served
+    socks = [connect(server), connect(server)]
+    for i, sock in enumerate(socks):  # each link adopted and paced first
+        sock.sendall(beat(NODES[i], 1, wait_s=WAIT_S))
+        assert reply(sock, pb.HeartbeatResponse)[1].is_registered
+    until(lambda: server._loop.num_paced == 2, "both links paced")
+    loop = server._loop
+    before = loop.num_batches
+    start = time.monotonic()
+    socks[0].sendall(beat(NODES[0], 2, wait_s=0.05))
+    time.sleep(0.01)  # (the second comes a turn or two later)
+    socks[1].sendall(beat(NODES[1], 2, wait_s=0.05))
+    for sock in socks:
+        head, answer = reply(sock, pb.HeartbeatResponse)
+        assert head.request_id == 2 and answer.is_registered
+    assert loop.num_batches == before + 1  # (answered as they came: two batches)
+    assert time.monotonic() - start < 1.0  # (held ~40 ms; a second allows a loaded host)
+
+
+def test_a_held_beat_is_answered_once_its_link_sends_more(served, monkeypatch) -> None:
+    """A held call keeps its link's later requests waiting, so it is answered as soon as the link
+    sends one: with holds of up to 30 s, a beat followed by a ping comes back at once."""
+    import pagedkv.protos.framed_loop as framed_loop
+
+    monkeypatch.setattr(framed_loop, "MAX_HOLD_S", 30.0)
+    coordinator, server = served
+    sock = connect(server)
+    sock.sendall(beat(NODES[0], 1, wait_s=WAIT_S))
+    assert reply(sock, pb.HeartbeatResponse)[1].is_registered
+    until(lambda: server._loop.num_paced == 1, "the link paced")
+    start = time.monotonic()
+    sock.sendall(beat(NODES[0], 2, wait_s=10.0))
+    time.sleep(0.05)  # (read and held by now)
+    sock.sendall(wire.Frame(wire.OP_PING, 3).pack())
+    head, answer = reply(sock, pb.HeartbeatResponse)
+    assert head.request_id == 2 and answer.is_registered
+    assert wire.read_reply(sock).request_id == 3
+    assert time.monotonic() - start < 5.0  # (held 10 s without the ping)
