@@ -306,7 +306,10 @@ def run_point(
     args: argparse.Namespace, num_nodes: int, coordinators: int, index: int, prompts: list[int]
 ) -> dict[str, Any]:
     workdir = Path(tempfile.mkdtemp(prefix="pagedkv-scale-"))
-    cluster = ScaleCluster(workdir, coordinators, args.lease_ttl_s, coordinator_cpus=[0] if args.pin else [])
+    extra = ["--max-beats-per-s", args.max_beats_per_s] if args.max_beats_per_s else []
+    cluster = ScaleCluster(
+        workdir, coordinators, args.lease_ttl_s, extra, coordinator_cpus=[0] if args.pin else []
+    )
     nodes = FakeNodes(cluster, num_nodes)
     nodes.beat_framed = not args.grpc_beats
     nodes.beats_spread = not args.burst_beats
@@ -323,6 +326,11 @@ def run_point(
         window.measure_quiet(args.quiet_s)
         point["quiet_coord_cpu_per_s"] = window.quiet_coord_s_per_s
         point["coord_cpu_per_beat_us"] = window.quiet_coord_s_per_s / (num_nodes / nodes.interval_s) * 1e6
+        point["lease_s"] = max(nodes.leases)  # as handed out once every node beat on it
+        point["beats_per_s"] = num_nodes / nodes.interval_s
+        log(
+            f"  lease {point['lease_s']:g} s: {point['beats_per_s']:.0f} beats/s, {point['coord_cpu_per_beat_us']:.0f} us each"
+        )
         salt = RedisStore(cluster.redis_url).tenant_salt("default")  # the coordinator's, SET NX
         rng = np.random.default_rng(args.seed)
         point["prompts"] = {}
@@ -435,14 +443,15 @@ def render(r: dict[str, Any]) -> str:
         "",
         "Events one-way on the framed port (as nodes send them); framed calls' / gRPC's in brackets.",
         "",
-        "| nodes | coords | register s | reaped | held reaps | beats refused | coord CPU / beat us | coord CPU / event, batch 1 us | batch 256 us | apply_event_runs p50 us, batch 1 / 256 | Redis MB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| nodes | coords | register s | reaped | held reaps | beats refused | lease s (beats/s) | coord cores, quiet | coord CPU / beat us | coord CPU / event, batch 1 us | batch 256 us | apply_event_runs p50 us, batch 1 / 256 | Redis MB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for p in r["points"]:
         e = p["events"]
         lines.append(
             f"| {p['nodes']} | {p['coordinators']} | {p['register_s']:.2f} | {p['nodes_reaped']} | "
-            f"{p['reaps_held']} | {p['beats_unregistered']} | {p['coord_cpu_per_beat_us']:.0f} | "
+            f"{p['reaps_held']} | {p['beats_unregistered']} | {p.get('lease_s', 0):g} ({p.get('beats_per_s', 0):.0f}) | {p['quiet_coord_cpu_per_s']:.3f} | "
+            f"{p['coord_cpu_per_beat_us']:.0f} | "
             f"{e['batch1_coord_cpu_per_event_us']:.0f} ({e.get('batch1_twoway_coord_cpu_per_event_us', 0):.0f} / "
             f"{e.get('batch1_grpc_coord_cpu_per_event_us', 0):.0f}) | "
             f"{e['batch256_coord_cpu_per_event_us']:.1f} ({e.get('batch256_twoway_coord_cpu_per_event_us', 0):.1f} / "
@@ -481,7 +490,13 @@ def main() -> None:
     p.add_argument("--big", action="store_true", help="add 128k-token prompts and a 10^6-key index")
     p.add_argument("--nodes", default="2,100,1000", help="node counts (comma-separated)")
     p.add_argument("--opens", type=int, default=200, help="opens per point at 8k tokens (fewer for longer)")
-    p.add_argument("--lease-ttl-s", type=float, default=3.0)
+    p.add_argument("--lease-ttl-s", type=float, default=3.0, help="the coordinators' configured lease")
+    p.add_argument(
+        "--max-beats-per-s",
+        default="",
+        help="the coordinators' --max-beats-per-s (default: theirs, 500: the lease doubles while the "
+        "fleet's beats would pass it; 0: a fixed lease, beats every quarter of --lease-ttl-s)",
+    )
     p.add_argument("--quiet-s", type=float, default=2.0, help="the quiet window (heartbeats only)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(

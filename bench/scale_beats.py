@@ -1,7 +1,7 @@
 """Fake nodes' beats on the coordinators' framed ports, every link on one thread (bench.scale).
 
 A node holds a connection of its own and waits for its own beat's reply, which the
-coordinator may hold a few ms (a node's beats may wait, LINK_WAIT_S). A thread pool making
+coordinator may hold a few ms (a node's beats may wait, BEAT_WAIT_S). A thread pool making
 those calls cost this host 0.27 of a core for 1,333 beats a second, more than the coordinator
 spent on them, on the 2 cores the coordinator, Redis and the clients share. Here every link is
 a non-blocking socket on one selector: a beat is sent when due and its reply read when it
@@ -14,7 +14,7 @@ import itertools
 import selectors
 import socket
 
-from pagedkv.cache_node.coordinator_link import LINK_WAIT_S
+from pagedkv.cache_node.coordinator_link import BEAT_WAIT_S
 from pagedkv.protos import pagedkv_pb2 as pb
 from pagedkv.protos.serving import raise_open_files_limit
 from pagedkv.protos.wire import Status
@@ -62,7 +62,7 @@ class BeatLinks:
             self._is_broken[node] = True
             return False
         message = request.SerializeToString()
-        data = encode_unary(next(self._ids), "Heartbeat", b"", message, may_wait_s=LINK_WAIT_S)
+        data = encode_unary(next(self._ids), "Heartbeat", b"", message, may_wait_s=BEAT_WAIT_S)
         try:
             if sock.send(data) == len(data):  # (a beat is ~100 bytes: it goes whole or not at all)
                 self._pending[node] += 1

@@ -186,18 +186,20 @@ class ScaleCluster:
 
 class FakeNodes:
     """`num_nodes` node ids registered through the coordinators (round robin), beating at
-    the interval the coordinator hands out until `stop()`."""
+    the interval the coordinator hands out until `stop()`: each node's lease is the one its last
+    reply handed out (the coordinator lengthens it as the fleet grows) and a round's interval is
+    the shortest of theirs, a quarter of it."""
 
     def __init__(self, cluster: ScaleCluster, num_nodes: int) -> None:
         self.cluster = cluster
         self.ids = [f"node{i:05}" for i in range(num_nodes)]
-        self.interval_s = cluster.lease_ttl_s / 4  # until a registration hands out the interval
+        self.leases = [0.0] * num_nodes  # each node's lease, from its last reply (0: not registered)
         self.late_beats = 0  # beats sent more than a tenth of the interval late
         self.unregistered = 0  # beats answered is_registered=False (the node was reaped)
         self.failed_beats = 0  # beats that failed (UNAVAILABLE, deadline)
         self.lapsed_reports = 0  # ReportEvents refused (lease lapsed): registered again
         self._stop = threading.Event()
-        self.first_round = threading.Event()  # every node beat once (its link connected)
+        self.first_round = threading.Event()  # every node beat on one lease (its link connected)
         self._thread: threading.Thread | None = None
         self.frame_ports = [0] * len(cluster.stubs)
         self.epochs = [0] * num_nodes  # each node's registration
@@ -231,11 +233,21 @@ class FakeNodes:
     def _registered(self, i: int, future: Any) -> None:
         reply = future.result()
         self.epochs[i], self.sent[i] = reply.epoch, 0  # a registration numbers its events from 1
-        self.interval_s = reply.heartbeat_interval_s or self.interval_s  # what a CoordinatorLink beats at
+        self.leases[i] = reply.lease_ttl_s  # what a CoordinatorLink beats at (a quarter of it)
+
+    @property
+    def interval_s(self) -> float:
+        """The beat interval now: a quarter of the shortest lease a registered node holds."""
+        held = [lease for lease in self.leases if lease > 0]
+        return min(held) / 4 if held else self.cluster.lease_ttl_s / 4
 
     def _register_request(self, node_id: str) -> pb.RegisterRequest:
         return pb.RegisterRequest(
-            node_id=node_id, address=self.cluster.stub_address, spec=SPEC, num_blocks=NODE_BLOCKS
+            node_id=node_id,
+            address=self.cluster.stub_address,
+            spec=SPEC,
+            num_blocks=NODE_BLOCKS,
+            adapts_lease=True,
         )
 
     def start_beating(self) -> None:
@@ -254,8 +266,11 @@ class FakeNodes:
         while not self._stop.is_set():
             if time.monotonic() - next_at > self.interval_s / 10:
                 self.late_beats += 1
-            requests = [pb.HeartbeatRequest(node_id=n, load=load) for n in self.ids]
-            whole = all(self.epochs)  # every node registered before this round
+            requests = [
+                pb.HeartbeatRequest(node_id=n, load=load, lease_ttl_s=lease)
+                for n, lease in zip(self.ids, self.leases, strict=True)
+            ]
+            whole = all(self.epochs) and len(set(self.leases)) == 1  # every node registered, on one lease
             calls = []
             for i, r in enumerate(requests):
                 if self.beats_spread:  # node i beats i/N of the interval in
@@ -263,10 +278,10 @@ class FakeNodes:
                 if not self.epochs[i]:  # not registered yet: it beats from its registration on
                     continue
                 if links is None or not links.send(i, r):
-                    calls.append(self._stub(i).Heartbeat.future(r, timeout=30))
-            for call in calls:
+                    calls.append((i, self._stub(i).Heartbeat.future(r, timeout=30)))
+            for i, call in calls:
                 try:
-                    self._answered(call.result())
+                    self._answered(i, call.result())
                 except (grpc.RpcError, PagedKVError):  # UNAVAILABLE (Redis timed out under load): missed
                     self.failed_beats += 1
             deadline = time.monotonic() + 30
@@ -285,14 +300,16 @@ class FakeNodes:
             if links is None:
                 self._stop.wait(left)
                 continue
-            for _, reply in links.poll(min(left, 0.1)):
-                self._answered(reply)
+            for node, reply in links.poll(min(left, 0.1)):
+                self._answered(node, reply)
 
-    def _answered(self, reply: pb.HeartbeatResponse | None) -> None:
+    def _answered(self, node: int, reply: pb.HeartbeatResponse | None) -> None:
         if reply is None:  # an error reply (UNAVAILABLE), or a link that broke: missed
             self.failed_beats += 1
         elif not reply.is_registered:
             self.unregistered += 1
+        elif reply.lease_ttl_s > 0:  # the lease this renewal granted, and from now on
+            self.leases[node] = reply.lease_ttl_s
 
     def report(
         self, node: int, keys: list[bytes], batch: int, framed: bool = False, one_way: bool = False

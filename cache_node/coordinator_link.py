@@ -13,8 +13,10 @@ A background thread registers the node, then loops:
   soon as there is something, but at most once per `event_interval_s`: a burst
   after a quiet spell reaches the index within a few ms (the next open of the
   same prompt hits it), a busy node's events are coalesced;
-- every `heartbeat_interval_s` (half the lease TTL the coordinator hands out,
-  tooz-style), renews the lease.
+- every `heartbeat_interval_s` (a quarter of the lease the coordinator hands out),
+  renews the lease. Each reply hands out the lease and interval from then on: the
+  coordinator lengthens the lease as the fleet grows (coordinator/lease_scale.py), and
+  each beat says the lease it holds, so a renewal never runs shorter than it.
 A lapsed lease only makes the node a suspect (NOT_FOUND on a report): the next
 heartbeat revives it. When the heartbeat says is_registered=false, the node was
 declared dead -- its sequences marked lost, its keys purged -- so it fences itself,
@@ -69,9 +71,12 @@ from .kv_manager import OFFLOADED, STORED
 log = logging.getLogger("pagedkv.node.link")
 RECONCILE_EVERY = 4  # beats: one full report of held sequence ids per lease
 MAX_HELD_REPORT = 1 << 16  # more ids than this are not reported (the coordinator then skips us)
-# A beat or a one-way report may wait this long at the coordinator, which then serves many
-# nodes' together (protos/framed_loop.py: one wake-up of its thread for several).
+# A one-way report or a beat may wait this long at the coordinator, which then serves many
+# nodes' together (protos/framed_loop.py: one wake-up of its thread for several); an idle
+# node's beat (no events pending: its link thread has nothing else to send) this long, which
+# the coordinator spends holding it to renew more beats in one store round trip.
 LINK_WAIT_S = 0.01
+BEAT_WAIT_S = 0.05
 RECONNECT_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),
@@ -206,6 +211,7 @@ class CoordinatorLink:
                 metrics_address=self.metrics_address,
                 policy=self.engine.config.policy,
                 epoch=self.epoch,
+                adapts_lease=True,
             ),
             timeout=self.rpc_timeout_s,
             metadata=self._metadata(),
@@ -296,7 +302,9 @@ class CoordinatorLink:
         return []
 
     def _heartbeat(self) -> None:
-        request = pb.HeartbeatRequest(node_id=self.node_id, load=node_load(self.engine))
+        request = pb.HeartbeatRequest(
+            node_id=self.node_id, load=node_load(self.engine), lease_ttl_s=self.lease_ttl_s
+        )
         if self.outbox.pending and self.outbox.is_acked_by_beats:  # how far did our events get?
             request.events_epoch = self.epoch
         self.num_beats += 1
@@ -309,13 +317,19 @@ class CoordinatorLink:
         # The renewal counts from when it was sent, so a late answer (a loaded coordinator) still
         # renews; one slower than half the lease would leave too little of it: fail and retry.
         timeout = min(self.rpc_timeout_s, max(self.lease_ttl_s / 2, 0.2))
-        reply = self._call("Heartbeat", request, timeout, LINK_WAIT_S)
+        # An idle node's beat may wait longer (nothing else waits on it here)
+        idle = not self.outbox.pending and not self.engine.num_pending_events()
+        reply = self._call("Heartbeat", request, timeout, BEAT_WAIT_S if idle else LINK_WAIT_S)
         if reply.frame_port != self._framed.port:
             self._framed.learn(reply.frame_port)
         self._takes_one_way = reply.takes_one_way_reports
         if not reply.is_registered:
             self._rejoin()
             return
+        if reply.lease_ttl_s > 0 and reply.heartbeat_interval_s > 0:  # (0: an older coordinator)
+            # The lease this renewal grants (the store holds it at least as long as the one
+            # believed until now), and the interval that keeps the fleet's beats in budget.
+            self.lease_ttl_s, self.heartbeat_interval_s = reply.lease_ttl_s, reply.heartbeat_interval_s
         self._renewed(sent_at)
         if request.events_epoch and reply.next_seq:  # (0: an older coordinator, or not live)
             self.outbox.settle(reply.applied_seq, reply.next_seq)

@@ -29,6 +29,7 @@ from pagedkv.trust_args import add_trust_args, keys_from_args, tls_from_args
 from pagedkv.usage import (
     Parser,
     UsageError,
+    budget_float,
     check_port_free,
     port_in_use,
     port_or_off,
@@ -93,6 +94,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="a node is dead after this long without a heartbeat [PAGEDKV_LEASE_TTL_S] (default 3)",
     )
     p.add_argument(
+        "--max-beats-per-s",
+        type=budget_float("--max-beats-per-s"),
+        default=env("PAGEDKV_MAX_BEATS_PER_S", "500"),
+        help="the fleet's heartbeats a second the lease is sized for: it doubles (up to 16x "
+        "--lease-ttl-s) while the nodes' beats, one each quarter lease, would pass this, so a large "
+        "fleet beats less often and is declared dead later [PAGEDKV_MAX_BEATS_PER_S] (default 500; "
+        "0: the lease stays --lease-ttl-s)",
+    )
+    p.add_argument(
         "--event-flush-s",
         type=positive_float("--event-flush-s"),
         default=env("PAGEDKV_EVENT_FLUSH_S", "0.01"),
@@ -147,7 +157,11 @@ def serve(args: argparse.Namespace) -> None:
     except PagedKVError as exc:
         log.warning("Redis at %s does not answer (%s); serving UNAVAILABLE until it does", args.redis, exc)
     config = CoordinatorConfig(
-        lease_ttl_s=args.lease_ttl_s, quotas=tenants.quotas, access=access, event_flush_s=args.event_flush_s
+        lease_ttl_s=args.lease_ttl_s,
+        quotas=tenants.quotas,
+        access=access,
+        event_flush_s=args.event_flush_s,
+        max_beats_per_s=args.max_beats_per_s,
     )
     coordinator = Coordinator(store, config)
     metrics = CoordinatorMetrics(

@@ -51,6 +51,7 @@ table's placement).
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import uuid
 from collections.abc import Mapping, Sequence
@@ -113,10 +114,20 @@ class CoordinatorConfig:
     lost_ttl_s: float = 3600.0  # a lost record is garbage-collected this long after the loss
     probe_timeout_s: float = 1.0  # liveness.py's direct probe of a suspect node
     event_flush_s: float = 0.01  # event_applier.py: a stream of reports is applied this often
+    # lease_scale.py: the lease doubles while the fleet's beats would pass this (0: fixed lease),
+    # up to max_lease_s (None: 16 leases)
+    max_beats_per_s: float = 500.0
+    max_lease_s: float | None = None
 
     def __post_init__(self) -> None:
         if not self.lease_ttl_s > 0:
             raise InvalidArgument(f"lease_ttl_s must be > 0, got {self.lease_ttl_s}")
+        if not (self.max_beats_per_s >= 0 and math.isfinite(self.max_beats_per_s)):
+            raise InvalidArgument(f"max_beats_per_s must be a finite number >= 0, got {self.max_beats_per_s}")
+        if self.max_lease_s is not None and not (self.lease_ttl_s <= self.max_lease_s < math.inf):
+            raise InvalidArgument(
+                f"max_lease_s must be finite and >= lease_ttl_s ({self.lease_ttl_s}), got {self.max_lease_s}"
+            )
         if not self.balance_half_life_opens > 0:
             raise InvalidArgument(f"balance_half_life_opens must be > 0, got {self.balance_half_life_opens}")
 
@@ -125,6 +136,11 @@ class CoordinatorConfig:
         """A quarter lease: the lease survives three lost beats, and the node's fence
         (a lease minus one beat after its last renewal) comes before any reaper's verdict."""
         return self.lease_ttl_s / 4
+
+    @property
+    def lease_cap_s(self) -> float:
+        """The longest lease handed out (lease_scale.py)."""
+        return 16 * self.lease_ttl_s if self.max_lease_s is None else self.max_lease_s
 
     def liveness(self) -> LivenessConfig:
         return LivenessConfig(self.lease_ttl_s, probe_timeout_s=self.probe_timeout_s)
@@ -229,6 +245,7 @@ class Coordinator(DeferredCalls, Failures, Membership, NodeRooms, Extents, Missi
         # Numbered event reports, applied in batches
         self.events = EventApplier(store, self._events_applied, interval_s=self.config.event_flush_s)
         self.liveness = Liveness(self.config.liveness(), self._probe)
+        self._lease_s = self.config.lease_ttl_s  # handed out now (membership.py: lease_s)
         grace = self.config.reconcile_grace_s
         self.reconciler = Reconciler(
             store,
@@ -240,8 +257,11 @@ class Coordinator(DeferredCalls, Failures, Membership, NodeRooms, Extents, Missi
     # -- lifecycle ----------------------------------------------------------------
 
     def start(self, interval_s: float | None = None) -> Coordinator:
-        interval = interval_s if interval_s is not None else self.config.lease_ttl_s / 4
-        self._reaper = threading.Thread(target=self._reap_loop, args=(interval,), name="reaper", daemon=True)
+        """Start the reaper: a tick every `interval_s`, by default a quarter of the lease handed
+        out at the time (lease_scale.py)."""
+        self._reaper = threading.Thread(
+            target=self._reap_loop, args=(interval_s,), name="reaper", daemon=True
+        )
         self._reaper.start()
         return self
 

@@ -1,8 +1,8 @@
 """Liveness: when a node whose lease lapsed is declared dead (the reaper asks here).
 
-A node beats every lease/4 (CoordinatorConfig.heartbeat_interval_s); its lease key in
-the store lapses lease_ttl_s after the last beat applied. A lapse makes the node a
-suspect, never a corpse by itself. It is declared dead only when all of these hold:
+A node beats every lease/4; its lease key in the store lapses a lease after the last beat
+applied (the lease the coordinator hands out, longer for a large fleet: lease_scale.py). A
+lapse makes the node a suspect, never a corpse by itself. It is declared dead only when all of these hold:
 
 1. the store has answered this coordinator for a whole lease without a failure: an
    outage of the store (or of this coordinator) is nobody's death, so after one every
@@ -23,7 +23,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 from ..protos.errors import InvalidArgument
@@ -83,6 +83,12 @@ class Liveness:
         self._suspect_since: dict[str, float] = {}
         self._lock = threading.Lock()
         self.counters = {"probes": 0, "probes_alive": 0, "outage_extensions": 0}
+
+    def set_lease(self, lease_ttl_s: float) -> None:
+        """The lease handed out now (lease_scale.py): the grace and the store's clean spell
+        are counted in it from the next verdict on."""
+        with self._lock:
+            self.config = replace(self.config, lease_ttl_s=lease_ttl_s)
 
     def store_failed(self) -> None:
         """A store call failed: every lease is extended until it has answered for a lease."""

@@ -1,9 +1,10 @@
 """Membership: nodes register, beat and expire; the coordinator's cache of live nodes.
 
 A node registers (coming back empty if it restarted), then beats at a quarter of its
-lease; a node whose lease lapsed is a suspect, invisible to placement, until a reaper
-removes it (remove_node(require_expired=True): idempotent, refuses revived nodes) once
-liveness.py declares it dead (a grace, a failed probe, never for a store outage). A
+lease (the lease handed out now: longer for a large fleet, lease_scale.py); a node whose
+lease lapsed is a suspect, invisible to placement, until a reaper removes it
+(remove_node(require_expired=True): idempotent, refuses revived nodes) once liveness.py
+declares it dead (a grace, a failed probe, never for a store outage). A
 heartbeat that lists the node's held sequences is reconciled (reconcile.py).
 The reaper starts one lease after the coordinator does, so nodes that could not
 beat while it was down get to beat first.
@@ -21,14 +22,16 @@ this mixin owns that cache and the store calls that change it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..protos.errors import FailedPrecondition, PagedKVError, Unavailable
 from ..protos.serving import name_os_thread
+from .lease_scale import granted_lease, scaled_lease
 from .liveness import Liveness
 from .reconcile import Reconciler
 from .records import NodeInfo, PurgeResult, SequenceRecord
@@ -40,6 +43,15 @@ MASS_EXPIRY_MIN_NODES = 12  # below this, one death is a large share: always rea
 # After a beat's store call failed, beats fail at once for this long: one thread serves every
 # node's link (protos/framed_loop.py), and a store that hangs would hold it a timeout per beat.
 BEAT_RETRY_S = 0.25
+
+
+class Beat(NamedTuple):
+    """A renewal's answer: is the node registered, the sequence ids it must free, and the lease
+    granted (from when the beat was sent; the store holds it at least that long)."""
+
+    is_registered: bool
+    free: list[str]
+    lease_s: float
 
 
 class Membership:
@@ -57,19 +69,24 @@ class Membership:
     _active_blocks: dict[str, int]
     _holder: str  # this replica's name for the store's leases (unique per process)
     _beat_failed_at = float("-inf")  # when a beat's store call last failed (monotonic)
+    _lease_s: float  # the lease handed out now (lease_scale.py)
     _touch: Callable[[Iterable[str]], None]  # node_rooms.py: these nodes' rows changed
     _sync_rooms: Callable[[], None]
     liveness: Liveness
     reconciler: Reconciler
     _node_gone: Callable[[str, Sequence[SequenceRecord], Sequence[str]], None]  # failures.py
 
-    def _reap_loop(self, interval_s: float) -> None:
+    def _reap_loop(self, interval_s: float | None) -> None:
+        """A tick every `interval_s` (None: a quarter of the lease handed out then)."""
         name_os_thread()
-        # Grace: after a (re)start every node gets one lease to beat before any
-        # is declared dead (a lapse during our own downtime is not a death).
-        if self._stop.wait(self.config.lease_ttl_s):
+        # Grace: after a (re)start every node gets one lease to beat before any is declared
+        # dead (a lapse during our own downtime is not a death): the lease the fleet's size
+        # hands out, so the nodes are listed first.
+        with contextlib.suppress(PagedKVError):
+            self.refresh_nodes()
+        if self._stop.wait(self.lease_s):
             return
-        while not self._stop.wait(interval_s):
+        while not self._stop.wait(self.lease_s / 4 if interval_s is None else interval_s):
             try:
                 if self.store.try_lead("reaper", self._holder, self.config.lease_ttl_s):
                     self.reap()
@@ -133,6 +150,21 @@ class Membership:
         with self._lock:
             return len(self._nodes)
 
+    @property
+    def lease_s(self) -> float:
+        """The lease handed out now: the configured one, lengthened as the fleet grows
+        (lease_scale.py)."""
+        return self._lease_s
+
+    def _rescale_lease(self, num_nodes: int) -> None:
+        """The lease for `num_nodes` live nodes, and the reaper's verdicts on its scale."""
+        cfg = self.config
+        lease = scaled_lease(cfg.lease_ttl_s, cfg.max_beats_per_s, cfg.lease_cap_s, num_nodes, self._lease_s)
+        if lease != self._lease_s:
+            log.info("lease %.3g s -> %.3g s (%d live nodes)", self._lease_s, lease, num_nodes)
+            self._lease_s = lease
+            self.liveness.set_lease(lease)
+
     def refresh_nodes(self) -> list[NodeInfo]:
         nodes = self.store.live_nodes()
         with self._lock:
@@ -142,6 +174,7 @@ class Membership:
             self._touch([i for i, n in new.items() if old.get(i) != n] + [i for i in old if i not in new])
             self._nodes = new
             self._fleet_sums = None  # summed again at the next registration (once a tick)
+            self._rescale_lease(len(new))
         self._sync_rooms()  # here, on the reaper's thread, not on the next open's
         self.liveness.seen_live(nodes)
         return nodes
@@ -154,11 +187,14 @@ class Membership:
         num_blocks: int,
         epoch: int = 0,
         policy: str = "",
+        lease_s: float | None = None,
     ) -> PurgeResult:
         """A node joins, or comes back empty (its sequences lost, its keys purged): placement's
         load there starts from nothing and its recent opens at its fair share (placement.py).
-        Returns what its earlier registration lost (the node answers SequenceLost for those)."""
-        ttl = self.config.lease_ttl_s
+        Its lease runs `lease_s` (None: the configured lease, for a node that does not take the
+        lease its beats hand out). Returns what its earlier registration lost (the node answers
+        SequenceLost for those)."""
+        ttl = self.config.lease_ttl_s if lease_s is None else lease_s
         records = self.store.sequences_of_node(node_id)
         result = self.store.register_node(node_id, address, dict(spec), num_blocks, ttl, epoch, policy=policy)
         self._node_gone(node_id, records, result.lost_seq_ids)
@@ -181,39 +217,49 @@ class Membership:
             )
             self._fleet_sums = (total + num_blocks, opens + share)
             self._touch((node_id,))
+            self._rescale_lease(len(self._nodes))
         self.liveness.seen_live([info])
         if result.was_registered and (result.lost_seq_ids or result.num_keys_purged):
             log.warning("node %s re-registered empty: %d sequences lost", node_id, len(result.lost_seq_ids))
         return result
 
     def heartbeat(
-        self, node_id: str, load: Mapping[str, int], held: Sequence[str] | None = None
-    ) -> tuple[bool, list[str]]:
-        """Renew the node's lease; with `held` (every sequence id it holds) reconcile it with
-        the store. Returns (is it registered, the ids it must free)."""
-        result = self.heartbeats([(node_id, load, held)])[0]
+        self,
+        node_id: str,
+        load: Mapping[str, int],
+        held: Sequence[str] | None = None,
+        held_lease_s: float = 0.0,
+    ) -> Beat:
+        """Renew the node's lease (for at least `held_lease_s`, the lease it believes it holds);
+        with `held` (every sequence id it holds) reconcile it with the store. Returns (is it
+        registered, the ids it must free, the lease granted)."""
+        result = self.heartbeats([(node_id, load, held)], held_lease_s)[0]
         if isinstance(result, PagedKVError):
             raise result
         return result
 
     def heartbeats(
-        self, beats: Sequence[tuple[str, Mapping[str, int], Sequence[str] | None]]
-    ) -> list[tuple[bool, list[str]] | PagedKVError]:
+        self, beats: Sequence[tuple[str, Mapping[str, int], Sequence[str] | None]], held_lease_s: float = 0.0
+    ) -> list[Beat | PagedKVError]:
         """heartbeat for each (node_id, load, held), their renewals in one store round trip
-        (the beats a framed loop's turn took together); each its answer or its error.
-        Unavailable, for all, when the store failed them."""
+        (the beats a framed loop's turn took together); each its answer or its error. The
+        renewals run for the lease handed out now, or `held_lease_s` when that is longer (the
+        longest any of these nodes believes it holds: lease_scale.granted_lease); each answer
+        grants the lease handed out now. Unavailable, for all, when the store failed them."""
         if time.monotonic() - self._beat_failed_at < BEAT_RETRY_S:
             raise Unavailable(f"the store failed a beat under {BEAT_RETRY_S} s ago: beat again")
+        lease = self.lease_s  # (once: a rescale meanwhile must not grant more than the store holds)
+        ttl = granted_lease(lease, held_lease_s, self.config.lease_cap_s)
         try:
-            renewed = self.store.heartbeats([(b[0], dict(b[1])) for b in beats], self.config.lease_ttl_s)
+            renewed = self.store.heartbeats([(b[0], dict(b[1])) for b in beats], ttl)
         except Unavailable:
             self._beat_failed_at = time.monotonic()
             self._store_failed()
             raise
-        out: list[tuple[bool, list[str]] | PagedKVError] = []
+        out: list[Beat | PagedKVError] = []
         for (node_id, load, held), ok in zip(beats, renewed, strict=True):
             try:
-                out.append((ok, self._renewed(node_id, load, held) if ok else []))
+                out.append(Beat(ok, self._renewed(node_id, load, held) if ok else [], lease))
             except PagedKVError as exc:
                 out.append(exc)
         return out

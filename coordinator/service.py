@@ -11,6 +11,7 @@ protos.status, the one translation every role shares.
 
 from __future__ import annotations
 
+import math
 import secrets
 import time
 from collections.abc import Callable, Sequence
@@ -29,6 +30,7 @@ from ..protos.tls import TlsConfig
 from ..protos.wire.frame import address_host
 from .auth import Tenants
 from .core import CloseArgs, Coordinator, OpenArgs, OpenResult
+from .membership import Beat
 from .metrics import CoordinatorMetrics
 from .misses import miss_message
 from .quota import reserve
@@ -181,17 +183,18 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             if live is not None and live.epoch != request.epoch and not self.coordinator.is_replaced(live):
                 raise FailedPrecondition(
                     f"node id {request.node_id!r} is live (at {live.address}); a new registration cannot "
-                    f"take it over: wait for its lease to lapse ({self.coordinator.config.lease_ttl_s} s) "
+                    f"take it over: wait for its lease to lapse (up to {self.coordinator.lease_s:g} s) "
                     "or give this node another id"
                 )
             epoch = secrets.randbits(63) | 1
+            # An older node keeps the lease it is handed here: the configured one
+            lease = self.coordinator.lease_s if request.adapts_lease else self.coordinator.config.lease_ttl_s
             result = self.coordinator.register(
-                request.node_id, request.address, spec, request.num_blocks, epoch, request.policy
+                request.node_id, request.address, spec, request.num_blocks, epoch, request.policy, lease
             )
-            cfg = self.coordinator.config
             return pb.RegisterResponse(
-                lease_ttl_s=cfg.lease_ttl_s,
-                heartbeat_interval_s=cfg.heartbeat_interval_s,
+                lease_ttl_s=lease,
+                heartbeat_interval_s=lease / 4,
                 epoch=epoch,
                 lost_seq_ids=result.lost_seq_ids[:MAX_LOST_REPORTED],
                 frame_port=self.frame_port,
@@ -203,7 +206,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> Any:
         def run() -> pb.HeartbeatResponse:
             self._node(context, request.node_id, "Heartbeat")
-            return self._beat_reply(request, self.coordinator.heartbeat(*_beat_of(request)))
+            beat = self.coordinator.heartbeat(*_beat_of(request), held_lease_s=_held_lease(request))
+            return self._beat_reply(request, beat)
 
         return self._run("Heartbeat", context, run)
 
@@ -215,7 +219,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         """Heartbeat of several calls (those a framed loop's turn took): each call's credential
         checked, their renewals in one store round trip; returns a function per call that
         answers it as Heartbeat would (its reply, or its error raised as Heartbeat raises it)."""
-        results: dict[int, tuple[bool, list[str]] | PagedKVError] = {}
+        results: dict[int, Beat | PagedKVError] = {}
         checked = []
         for i, (request, context) in enumerate(calls):
             try:
@@ -225,7 +229,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 results[i] = exc
         if checked:
             try:
-                renewed = self.coordinator.heartbeats([_beat_of(calls[i][0]) for i in checked])
+                held = max((_held_lease(calls[i][0]) for i in checked), default=0.0)
+                renewed = self.coordinator.heartbeats([_beat_of(calls[i][0]) for i in checked], held)
                 results.update(zip(checked, renewed, strict=True))
             except PagedKVError as exc:  # (the store failed them all)
                 results.update(dict.fromkeys(checked, exc))
@@ -240,17 +245,17 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
         return [answer(request, context, results[i]) for i, (request, context) in enumerate(calls)]
 
-    def _beat_reply(
-        self, request: pb.HeartbeatRequest, result: tuple[bool, list[str]]
-    ) -> pb.HeartbeatResponse:
-        ok, free = result
+    def _beat_reply(self, request: pb.HeartbeatRequest, result: Beat) -> pb.HeartbeatResponse:
+        ok, free, lease = result
         if ok and not free and not request.events_epoch:  # (most beats: one reply, kept)
             kept = self._beat_ok
-            if kept is None or kept.frame_port != self.frame_port:
+            if kept is None or kept.frame_port != self.frame_port or kept.lease_ttl_s != lease:
                 kept = self._beat_ok = pb.HeartbeatResponse(
                     is_registered=True,
                     frame_port=self.frame_port,
                     takes_one_way_reports=bool(self.frame_port),
+                    lease_ttl_s=lease,
+                    heartbeat_interval_s=lease / 4,
                 )
             return kept
         reply = pb.HeartbeatResponse(
@@ -259,6 +264,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             frame_port=self.frame_port,
             takes_one_way_reports=bool(self.frame_port),
         )
+        if ok:
+            reply.lease_ttl_s, reply.heartbeat_interval_s = lease, lease / 4
         if ok and request.events_epoch:  # (after the renewal: a revived node's events are taken)
             acked = self.coordinator.events_acknowledged(request.node_id, request.events_epoch)
             if acked is not None:
@@ -570,6 +577,12 @@ def create_server(
         )
         servicer.frame_port = framed[0].port
     return GrpcServer(server, health_servicer, [SERVICE_NAME], framed), port
+
+
+def _held_lease(request: pb.HeartbeatRequest) -> float:
+    """The lease a beat's node believes it holds; 0 for none (an older node) or nonsense."""
+    held = request.lease_ttl_s
+    return held if 0 < held < math.inf else 0.0
 
 
 def _beat_of(request: pb.HeartbeatRequest) -> tuple[str, dict[str, int], list[str] | None]:

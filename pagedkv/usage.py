@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import math
 import os
 import re
 import socket
@@ -73,6 +74,21 @@ def positive_float(flag: str) -> Callable[[str], float]:
             raise argparse.ArgumentTypeError(f"{flag} {text!r} is not a number") from None
         if not value > 0:
             raise argparse.ArgumentTypeError(f"{flag} {text} must be greater than 0")
+        return value
+
+    return parse
+
+
+def budget_float(flag: str) -> Callable[[str], float]:
+    """A finite number >= 0 (0: off)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} {text!r} is not a number") from None
+        if not 0 <= value < math.inf:
+            raise argparse.ArgumentTypeError(f"{flag} {text} must be a finite number >= 0 (0: off)")
         return value
 
     return parse

@@ -371,7 +371,7 @@ class NodeLoad(_message.Message):
     def __init__(self, free_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., host_free_blocks: _Optional[int] = ..., num_sequences: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("node_id", "address", "spec", "num_blocks", "num_host_blocks", "metrics_address", "policy", "epoch")
+    __slots__ = ("node_id", "address", "spec", "num_blocks", "num_host_blocks", "metrics_address", "policy", "epoch", "adapts_lease")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
@@ -380,6 +380,7 @@ class RegisterRequest(_message.Message):
     METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    ADAPTS_LEASE_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     address: str
     spec: ModelSpec
@@ -388,7 +389,8 @@ class RegisterRequest(_message.Message):
     metrics_address: str
     policy: str
     epoch: int
-    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., spec: _Optional[_Union[ModelSpec, _Mapping]] = ..., num_blocks: _Optional[int] = ..., num_host_blocks: _Optional[int] = ..., metrics_address: _Optional[str] = ..., policy: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
+    adapts_lease: bool
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., spec: _Optional[_Union[ModelSpec, _Mapping]] = ..., num_blocks: _Optional[int] = ..., num_host_blocks: _Optional[int] = ..., metrics_address: _Optional[str] = ..., policy: _Optional[str] = ..., epoch: _Optional[int] = ..., adapts_lease: _Optional[bool] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("lease_ttl_s", "heartbeat_interval_s", "epoch", "lost_seq_ids", "frame_port", "takes_one_way_reports")
@@ -407,34 +409,40 @@ class RegisterResponse(_message.Message):
     def __init__(self, lease_ttl_s: _Optional[float] = ..., heartbeat_interval_s: _Optional[float] = ..., epoch: _Optional[int] = ..., lost_seq_ids: _Optional[_Iterable[str]] = ..., frame_port: _Optional[int] = ..., takes_one_way_reports: _Optional[bool] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("node_id", "load", "held_seq_ids", "held_complete", "events_epoch")
+    __slots__ = ("node_id", "load", "held_seq_ids", "held_complete", "events_epoch", "lease_ttl_s")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
     HELD_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     HELD_COMPLETE_FIELD_NUMBER: _ClassVar[int]
     EVENTS_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     load: NodeLoad
     held_seq_ids: _containers.RepeatedScalarFieldContainer[str]
     held_complete: bool
     events_epoch: int
-    def __init__(self, node_id: _Optional[str] = ..., load: _Optional[_Union[NodeLoad, _Mapping]] = ..., held_seq_ids: _Optional[_Iterable[str]] = ..., held_complete: _Optional[bool] = ..., events_epoch: _Optional[int] = ...) -> None: ...
+    lease_ttl_s: float
+    def __init__(self, node_id: _Optional[str] = ..., load: _Optional[_Union[NodeLoad, _Mapping]] = ..., held_seq_ids: _Optional[_Iterable[str]] = ..., held_complete: _Optional[bool] = ..., events_epoch: _Optional[int] = ..., lease_ttl_s: _Optional[float] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("is_registered", "frame_port", "takes_one_way_reports", "applied_seq", "next_seq", "free_seq_ids")
+    __slots__ = ("is_registered", "frame_port", "takes_one_way_reports", "applied_seq", "next_seq", "lease_ttl_s", "heartbeat_interval_s", "free_seq_ids")
     IS_REGISTERED_FIELD_NUMBER: _ClassVar[int]
     FRAME_PORT_FIELD_NUMBER: _ClassVar[int]
     TAKES_ONE_WAY_REPORTS_FIELD_NUMBER: _ClassVar[int]
     APPLIED_SEQ_FIELD_NUMBER: _ClassVar[int]
     NEXT_SEQ_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
     FREE_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     is_registered: bool
     frame_port: int
     takes_one_way_reports: bool
     applied_seq: int
     next_seq: int
+    lease_ttl_s: float
+    heartbeat_interval_s: float
     free_seq_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, is_registered: _Optional[bool] = ..., frame_port: _Optional[int] = ..., takes_one_way_reports: _Optional[bool] = ..., applied_seq: _Optional[int] = ..., next_seq: _Optional[int] = ..., free_seq_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    def __init__(self, is_registered: _Optional[bool] = ..., frame_port: _Optional[int] = ..., takes_one_way_reports: _Optional[bool] = ..., applied_seq: _Optional[int] = ..., next_seq: _Optional[int] = ..., lease_ttl_s: _Optional[float] = ..., heartbeat_interval_s: _Optional[float] = ..., free_seq_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class BlockEvent(_message.Message):
     __slots__ = ("kind", "key")
