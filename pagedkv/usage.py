@@ -66,12 +66,16 @@ def port_or_off(flag: str) -> Callable[[str], int | None]:
     return parse
 
 
+def _number(flag: str, text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{flag} {text!r} is not a number") from None
+
+
 def positive_float(flag: str) -> Callable[[str], float]:
     def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{flag} {text!r} is not a number") from None
+        value = _number(flag, text)
         if not value > 0:
             raise argparse.ArgumentTypeError(f"{flag} {text} must be greater than 0")
         return value
@@ -83,10 +87,7 @@ def budget_float(flag: str) -> Callable[[str], float]:
     """A finite number >= 0 (0: off)."""
 
     def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{flag} {text!r} is not a number") from None
+        value = _number(flag, text)
         if not 0 <= value < math.inf:
             raise argparse.ArgumentTypeError(f"{flag} {text} must be a finite number >= 0 (0: off)")
         return value

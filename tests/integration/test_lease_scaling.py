@@ -8,11 +8,11 @@ the cap. Leases are read from Redis (PTTL of the node's alive key)."""
 from __future__ import annotations
 
 import math
-import time
 
 import grpc
 import redis
 from kvref import SPEC
+from test_node_link_paced import until
 
 from pagedkv.cache_node.coordinator_link import CoordinatorLink
 from pagedkv.cache_node.engine import CacheEngine, EngineConfig
@@ -26,14 +26,6 @@ from pagedkv.protos import pagedkv_pb2_grpc as pb_grpc
 
 # A 1 s lease sized for 8 beats a second: 2 nodes stay on it (8), a third doubles it.
 CONFIG = CoordinatorConfig(lease_ttl_s=1.0, max_beats_per_s=8)
-
-
-def until(check, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout_s}s: {what}")
-        time.sleep(0.01)
 
 
 def pttl_ms(redis_url: str, store: RedisStore, node_id: str) -> int:
