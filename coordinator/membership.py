@@ -233,25 +233,36 @@ class Membership:
         """Renew the node's lease (for at least `held_lease_s`, the lease it believes it holds);
         with `held` (every sequence id it holds) reconcile it with the store. Returns (is it
         registered, the ids it must free, the lease granted)."""
-        result = self.heartbeats([(node_id, load, held)], held_lease_s)[0]
+        result = self.heartbeats([(node_id, load, held)], [held_lease_s])[0]
         if isinstance(result, PagedKVError):
             raise result
         return result
 
     def heartbeats(
-        self, beats: Sequence[tuple[str, Mapping[str, int], Sequence[str] | None]], held_lease_s: float = 0.0
+        self,
+        beats: Sequence[tuple[str, Mapping[str, int], Sequence[str] | None]],
+        held_leases: Sequence[float] = (),
     ) -> list[Beat | PagedKVError]:
         """heartbeat for each (node_id, load, held), their renewals in one store round trip
-        (the beats a framed loop's turn took together); each its answer or its error. The
-        renewals run for the lease handed out now, or `held_lease_s` when that is longer (the
-        longest any of these nodes believes it holds: lease_scale.granted_lease); each answer
-        grants the lease handed out now. Unavailable, for all, when the store failed them."""
+        (the beats a framed loop's turn took together); each its answer or its error. Each
+        renewal runs for the lease handed out now, or for the one its node believes it holds
+        when that is longer (`held_leases`, one per beat or none: lease_scale.granted_lease;
+        such renewals go in a round trip of their own, so one node's claim stretches no other's);
+        each answer grants the lease handed out now. Unavailable, for all, when the store failed
+        them."""
         if time.monotonic() - self._beat_failed_at < BEAT_RETRY_S:
             raise Unavailable(f"the store failed a beat under {BEAT_RETRY_S} s ago: beat again")
         lease = self.lease_s  # (once: a rescale meanwhile must not grant more than the store holds)
-        ttl = granted_lease(lease, held_lease_s, self.config.lease_cap_s)
+        by_ttl: dict[float, list[int]] = {}
+        for i in range(len(beats)):
+            held_s = held_leases[i] if held_leases else 0.0
+            by_ttl.setdefault(granted_lease(lease, held_s, self.config.lease_cap_s), []).append(i)
+        renewed = [False] * len(beats)
         try:
-            renewed = self.store.heartbeats([(b[0], dict(b[1])) for b in beats], ttl)
+            for ttl, which in by_ttl.items():  # (one round trip but after a lease shortened)
+                oks = self.store.heartbeats([(beats[i][0], dict(beats[i][1])) for i in which], ttl)
+                for i, ok in zip(which, oks, strict=True):
+                    renewed[i] = ok
         except Unavailable:
             self._beat_failed_at = time.monotonic()
             self._store_failed()

@@ -229,7 +229,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 results[i] = exc
         if checked:
             try:
-                held = max((_held_lease(calls[i][0]) for i in checked), default=0.0)
+                held = [_held_lease(calls[i][0]) for i in checked]
                 renewed = self.coordinator.heartbeats([_beat_of(calls[i][0]) for i in checked], held)
                 results.update(zip(checked, renewed, strict=True))
             except PagedKVError as exc:  # (the store failed them all)

@@ -77,6 +77,12 @@ def test_a_renewal_runs_as_long_as_the_lease_its_node_holds(redis_url: str) -> N
         assert 3000 < pttl_ms(redis_url, store, "n1") <= 4000
         coordinator.heartbeat("n1", {"free_blocks": 32}, held_lease_s=1.0)
         assert pttl_ms(redis_url, store, "n1") <= 1000
+        # In one batch, one node's claim (a lapsed belief, or a lie) stretches no other's renewal
+        coordinator.register("n2", "127.0.0.1:2", SPEC.to_dict(), 32, lease_s=1.0)
+        beats = coordinator.heartbeats([("n1", {}, None), ("n2", {}, None)], [1e9, 1.0])
+        assert all(b.is_registered and b.lease_s == 1.0 for b in beats)  # type: ignore[union-attr]
+        assert 15_000 < pttl_ms(redis_url, store, "n1") <= 16_000  # the cap: 16 leases
+        assert pttl_ms(redis_url, store, "n2") <= 1000
     finally:
         coordinator.stop()
         store.close()
