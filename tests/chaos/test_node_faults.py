@@ -83,6 +83,34 @@ def test_node_sigstop_beyond_the_lease_is_fenced_declared_dead_and_comes_back(tm
         finish(cc, work)
 
 
+def test_a_node_stopped_past_a_lengthened_lease_lapses_later_and_is_still_declared_dead(tmp_path):
+    """A coordinator sized for 2 beats a second doubles the 3 s lease for two nodes (2.7 beats a
+    second on 3 s, 1.3 on 6): a node SIGSTOPped then lapses only after the longer lease (more
+    than 4 s after the stop; on the configured lease at most 3.75 with the reaper's tick) and is
+    still declared dead within that lease's bound, fenced before, and comes back empty with every
+    held handle told of its loss."""
+    chaos = ChaosCluster(tmp_path)
+    chaos.cluster.env["PAGEDKV_MAX_BEATS_PER_S"] = "2"
+    lease_s = 2 * LEASE_S
+    with chaos as cc:
+        work = Workload(cc.coordinator).start()
+        held = hold_on(work, "node-0", 3)
+        time.sleep(LEASE_S)  # (both nodes beat on the longer lease by now)
+        cc.signal("node-0", signal.SIGSTOP)
+        stopped = time.monotonic()
+        try:
+            bound = lease_s * 1.75 + 1.0 + 2.0
+            detected = wait_for(lambda: "node-0" not in cc.live_nodes(), bound + 2, "node-0 dead")
+        finally:
+            time.sleep(max(0.0, 2.5 * lease_s - (time.monotonic() - stopped)))
+            cc.signal("node-0", signal.SIGCONT)
+        assert 4.0 < detected <= bound, detected
+        wait_for(lambda: "node-0" in cc.live_nodes(), 3 * lease_s, "node-0 back")
+        assert_lost_everywhere(held, "node-0")
+        time.sleep(2.0)
+        finish(cc, work)
+
+
 def test_stalls_shorter_than_the_lease_lose_nothing(tmp_path):
     """A slow node: stopped for 60% of the lease, three times, a lease apart."""
     with ChaosCluster(tmp_path) as cc:
