@@ -48,6 +48,7 @@ beat. No empty reports ask meanwhile (at 1,000 nodes: thousands of calls a secon
 from __future__ import annotations
 
 import logging
+import math
 import random
 import threading
 import time
@@ -326,10 +327,11 @@ class CoordinatorLink:
         if not reply.is_registered:
             self._rejoin()
             return
-        if reply.lease_ttl_s > 0 and reply.heartbeat_interval_s > 0:  # (0: an older coordinator)
+        lease, interval = reply.lease_ttl_s, reply.heartbeat_interval_s  # (0: an older coordinator)
+        if 0 < interval < lease < math.inf:  # (else nonsense: the fence must stay finite and ahead)
             # The lease this renewal grants (the store holds it at least as long as the one
             # believed until now), and the interval that keeps the fleet's beats in budget.
-            self.lease_ttl_s, self.heartbeat_interval_s = reply.lease_ttl_s, reply.heartbeat_interval_s
+            self.lease_ttl_s, self.heartbeat_interval_s = lease, interval
         self._renewed(sent_at)
         if request.events_epoch and reply.next_seq:  # (0: an older coordinator, or not live)
             self.outbox.settle(reply.applied_seq, reply.next_seq)

@@ -129,3 +129,38 @@ def test_no_beat_buys_a_lease_past_the_cap_and_an_older_node_keeps_the_configure
         server.stop(0)
         coordinator.stop()
         store.close()
+
+
+def test_a_node_keeps_its_lease_when_a_reply_hands_out_nonsense(redis_url: str, monkeypatch) -> None:
+    """A buggy coordinator's beat replies (an infinite lease, an interval no shorter than the
+    lease) are not taken: the node keeps a finite lease and its fence stays ahead of it."""
+    from pagedkv.coordinator.service import CoordinatorServicer
+
+    honest = CoordinatorServicer._beat_reply
+    nonsense = iter([(math.inf, 0.25), (1.0, 1.0), (0.5, 2.0), (-1.0, 0.25)] * 1000)
+
+    def buggy(self, request, result):  # type: ignore[no-untyped-def]
+        reply = pb.HeartbeatResponse()
+        reply.CopyFrom(honest(self, request, result))
+        reply.lease_ttl_s, reply.heartbeat_interval_s = next(nonsense)
+        return reply
+
+    monkeypatch.setattr(CoordinatorServicer, "_beat_reply", buggy)
+    store = RedisStore(redis_url)
+    coordinator = Coordinator(store, CONFIG)
+    server, port = create_coordinator_server(coordinator, "127.0.0.1:0", tenants=Tenants(), frame_port=0)
+    server.start()
+    engine = CacheEngine(EngineConfig(SPEC, 32, device="cpu"))
+    node_server, node_port = create_node_server(engine, "127.0.0.1:0")
+    node_server.start()
+    link = CoordinatorLink(engine, f"127.0.0.1:{port}", "n1", f"127.0.0.1:{node_port}").start()
+    try:
+        assert link.is_registered.wait(10)
+        until(lambda: link.num_beats >= 6, 10, "six beats answered with nonsense")
+        assert (link.lease_ttl_s, link.heartbeat_interval_s) == (1.0, 0.25)
+    finally:
+        link.stop()
+        node_server.stop(0)
+        server.stop(0)
+        coordinator.stop()
+        store.close()
