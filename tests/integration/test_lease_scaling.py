@@ -7,7 +7,9 @@ the cap. Leases are read from Redis (PTTL of the node's alive key)."""
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 
 import grpc
 import redis
@@ -32,7 +34,10 @@ def pttl_ms(redis_url: str, store: RedisStore, node_id: str) -> int:
     return int(redis.Redis.from_url(redis_url).pttl(f"{store.config.prefix}alive:{node_id}"))
 
 
-def test_a_growing_fleet_gets_a_longer_lease_that_its_node_takes_up(redis_url: str) -> None:
+@contextlib.contextmanager
+def node_beating(redis_url: str) -> Iterator[tuple[RedisStore, Coordinator, CoordinatorLink]]:
+    """A coordinator served in-process on a real Redis (CONFIG) and a real node "n1" whose
+    CoordinatorLink registers and beats there."""
     store = RedisStore(redis_url)
     coordinator = Coordinator(store, CONFIG)
     server, port = create_coordinator_server(coordinator, "127.0.0.1:0", tenants=Tenants(), frame_port=0)
@@ -42,6 +47,17 @@ def test_a_growing_fleet_gets_a_longer_lease_that_its_node_takes_up(redis_url: s
     node_server.start()
     link = CoordinatorLink(engine, f"127.0.0.1:{port}", "n1", f"127.0.0.1:{node_port}").start()
     try:
+        yield store, coordinator, link
+    finally:
+        link.stop()
+        node_server.stop(0)
+        server.stop(0)
+        coordinator.stop()
+        store.close()
+
+
+def test_a_growing_fleet_gets_a_longer_lease_that_its_node_takes_up(redis_url: str) -> None:
+    with node_beating(redis_url) as (store, coordinator, link):
         assert link.is_registered.wait(10)
         assert (link.lease_ttl_s, link.heartbeat_interval_s) == (1.0, 0.25)
         for i in range(2):  # 12 beats a second on the 1 s lease: over the budget
@@ -57,12 +73,6 @@ def test_a_growing_fleet_gets_a_longer_lease_that_its_node_takes_up(redis_url: s
         until(lambda: held() == (1.0, 0.25), 10, "the shorter lease taken")
         until(lambda: pttl_ms(redis_url, store, "n1") <= 1000, 10, "renewals for the shorter lease")
         assert link.is_registered.is_set() and coordinator.node("n1") is not None
-    finally:
-        link.stop()
-        node_server.stop(0)
-        server.stop(0)
-        coordinator.stop()
-        store.close()
 
 
 def test_a_renewal_runs_as_long_as_the_lease_its_node_holds(redis_url: str) -> None:
@@ -146,21 +156,7 @@ def test_a_node_keeps_its_lease_when_a_reply_hands_out_nonsense(redis_url: str, 
         return reply
 
     monkeypatch.setattr(CoordinatorServicer, "_beat_reply", buggy)
-    store = RedisStore(redis_url)
-    coordinator = Coordinator(store, CONFIG)
-    server, port = create_coordinator_server(coordinator, "127.0.0.1:0", tenants=Tenants(), frame_port=0)
-    server.start()
-    engine = CacheEngine(EngineConfig(SPEC, 32, device="cpu"))
-    node_server, node_port = create_node_server(engine, "127.0.0.1:0")
-    node_server.start()
-    link = CoordinatorLink(engine, f"127.0.0.1:{port}", "n1", f"127.0.0.1:{node_port}").start()
-    try:
+    with node_beating(redis_url) as (store, coordinator, link):
         assert link.is_registered.wait(10)
         until(lambda: link.num_beats >= 6, 10, "six beats answered with nonsense")
         assert (link.lease_ttl_s, link.heartbeat_interval_s) == (1.0, 0.25)
-    finally:
-        link.stop()
-        node_server.stop(0)
-        server.stop(0)
-        coordinator.stop()
-        store.close()
