@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 from collections.abc import Iterator
 
 import grpc
@@ -160,3 +161,27 @@ def test_a_node_keeps_its_lease_when_a_reply_hands_out_nonsense(redis_url: str, 
         assert link.is_registered.wait(10)
         until(lambda: link.num_beats >= 6, 10, "six beats answered with nonsense")
         assert (link.lease_ttl_s, link.heartbeat_interval_s) == (1.0, 0.25)
+
+
+def test_a_restarted_coordinator_hands_out_the_fleets_lease_again(redis_url: str) -> None:
+    """A coordinator that dies with three nodes on a lengthened lease and starts again lists
+    the fleet before its reaper's first tick, so it hands out the longer lease again rather
+    than the configured one, and reaps none of the nodes that keep beating (here by hand)."""
+    store = RedisStore(redis_url)
+    first = Coordinator(store, CONFIG)
+    for i in range(3):
+        first.register(f"n{i}", f"127.0.0.1:{i + 1}", SPEC.to_dict(), 32, lease_s=first.lease_s)
+    assert first.lease_s == 2.0
+    first.stop()  # (its process gone: nothing of it is read again)
+    again = Coordinator(RedisStore(redis_url), CONFIG).start(interval_s=0.05)
+    try:
+        until(lambda: again.lease_s == 2.0, 0.8, "the fleet's lease before the first tick (1 s in)")
+        deadline = time.monotonic() + 3.0  # past a 2 s lease and its grace
+        while time.monotonic() < deadline:
+            for i in range(3):
+                assert again.heartbeat(f"n{i}", {"free_blocks": 32}, held_lease_s=2.0).lease_s == 2.0
+            time.sleep(0.2)
+        assert again.num_live_nodes() == 3 and again.counters["nodes_reaped"] == 0
+    finally:
+        again.stop()
+        store.close()
