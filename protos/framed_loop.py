@@ -54,6 +54,7 @@ from .wire.limits import BulkLimits, Refused
 
 logger = logging.getLogger("pagedkv.framed")
 READ_BYTES = 64 << 10  # one receive per ready connection and sweep
+MAX_READ_BYTES = 1 << 20  # one receive of a large request's rest (what a receive allocates)
 MAX_UNSENT = 1 << 20  # replies a peer leaves unread before it is closed
 SWEEP_S = 0.5  # deadlines and idle connections are checked this often
 # Links one loop serves; unlike the server's threads (max_connections), one costs a socket and
@@ -93,6 +94,7 @@ class _Link:
         "is_waiting",
         "key",
         "last_seen",
+        "need",
         "out",
         "sock",
     )
@@ -104,6 +106,7 @@ class _Link:
         self.out = bytearray()
         self.deadline = 0.0  # the partial request in buf must be whole by then (0: none)
         self.held = 0  # of buf, the bytes counted against the loop's budget
+        self.need = 0  # the bytes buf must hold for its partial request to be whole (0: unknown)
         self.last_seen = time.monotonic()
         self.is_paced = is_paced  # watched by the paced selector (its requests may wait)
         self.is_waiting = False  # a request of it waits in the loop's batch: serve nothing more yet
@@ -292,8 +295,8 @@ class FramedLoop:
 
     def _read(self, link: _Link) -> int:
         """One receive, and the requests it completed served; the bytes it took."""
-        try:
-            data = link.sock.recv(READ_BYTES)
+        try:  # a large request's rest in one receive (each READ_BYTES one grew buf, a copy each)
+            data = link.sock.recv(min(max(READ_BYTES, link.need - len(link.buf)), MAX_READ_BYTES))
         except BlockingIOError:
             return 0
         except OSError as exc:
@@ -323,7 +326,8 @@ class FramedLoop:
                 self._server.check_request(f)
                 if len(buf) - at < f.payload_len:
                     break
-                payload = bytes(buf[at : at + f.payload_len])
+                with memoryview(buf) as view:  # (a bytearray's slice copies once more)
+                    payload = bytes(view[at : at + f.payload_len])
                 pos = at + f.payload_len
                 if f.op != wire_frame.OP_PING:
                     pliable = is_pliable(f)
@@ -365,11 +369,12 @@ class FramedLoop:
         if not self._hold(link):
             return
         if not buf:
-            link.deadline = 0.0
+            link.deadline, link.need = 0.0, 0
         elif pos or not link.deadline:  # a request's first bytes (after one served): from now
             lim = self._limits
             head = wire_frame.frame_at(buf)
             size = head[0].payload_len if head is not None else 0
+            link.need = head[1] + size if head is not None else 0
             link.deadline = time.monotonic() + lim.frame_timeout_s + size / lim.min_bytes_per_s
         if link.out:
             self._flush(link)

@@ -32,8 +32,9 @@ from pagedkv.coordinator.service import (
 from pagedkv.protos import pagedkv_pb2 as pb
 from pagedkv.protos import pagedkv_pb2_grpc as pb_grpc
 from pagedkv.protos import wire
-from pagedkv.protos.framed_loop import PACE_S, READ_BYTES
+from pagedkv.protos.framed_loop import MAX_READ_BYTES, PACE_S, READ_BYTES
 from pagedkv.protos.framed_server import FramedServer
+from pagedkv.protos.prompt import pack
 from pagedkv.protos.spec import ModelSpec
 from pagedkv.protos.wire.limits import BulkLimits
 from pagedkv.protos.wire.unary import encode_unary
@@ -672,6 +673,32 @@ def test_workers_opens_and_closes_are_served_by_the_loop_in_order(served) -> Non
     for sock in socks:
         sock.close()
     assert coordinator.store.sequences_of_node("n1") + coordinator.store.sequences_of_node("n2") == []
+
+
+def test_a_large_open_sent_in_pieces_is_received_to_its_size_and_answered(served) -> None:
+    """A worker's Open of a 100k-token packed prompt (~400 KB, 6 x READ_BYTES) whose first
+    bytes come alone: the loop learns the request's size from its header (the receives that
+    follow take the rest at once, up to MAX_READ_BYTES) and answers it whole (25,000 blocks:
+    more than the 64-block nodes hold), and the link's next open is read as usual."""
+    coordinator, server = served
+    sock = connect(server)
+    sock.sendall(close_request(1, "never-opened"))  # adopted by the loop
+    assert reply(sock, pb.Empty)[0].status == wire.Status.OK
+    until(lambda: adopted(server) == 1 and frame_threads() == 0, "the link on the loop")
+    (link,) = server._loop._links.values()
+    tokens = list(range(1, 100_001))
+    message = pb.CoordOpenRequest(seq_id="big", packed_token_ids=pack(tokens), worker_opens=True)
+    stream = encode_unary(2, "Open", b"", message.SerializeToString(), wire.OP_UNARY)
+    assert 6 * READ_BYTES < len(stream) < MAX_READ_BYTES
+    sock.sendall(stream[:200])
+    until(lambda: link.need == len(stream), "the request's size known from its first bytes")
+    sock.sendall(stream[200:])
+    head, _ = reply(sock, pb.CoordOpenResponse)
+    assert head.status == wire.Status.RESOURCE_EXHAUSTED and "a 25000-block sequence" in head.text
+    assert link.need == 0 and not link.buf
+    sock.sendall(open_request(3, "small", list(range(1, 30))))
+    assert reply(sock, pb.CoordOpenResponse)[0].status == wire.Status.OK
+    sock.close()
 
 
 class HeldFree(pb_grpc.CacheNodeServicer):
