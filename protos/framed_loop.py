@@ -349,6 +349,10 @@ class FramedLoop:
                     link.out += error_frame(f.op, f.request_id, InvalidArgument(msg))[0].pack()
                 else:  # PING
                     link.out += Frame(f.op, f.request_id).pack()
+            # The next request's header, if whole, refused here too: after a batched call the
+            # loop stops before it, and its bytes may be anything.
+            if (head := wire_frame.frame_at(buf, pos)) is not None:
+                self._server.check_request(head[0])
         except Refused as exc:
             assert exc.error is not None
             link.out += error_frame(exc.frame.op, exc.frame.request_id, exc.error)[0].pack()
@@ -372,9 +376,8 @@ class FramedLoop:
             link.deadline, link.need = 0.0, 0
         elif pos or not link.deadline:  # a request's first bytes (after one served): from now
             lim = self._limits
-            head = wire_frame.frame_at(buf)
             size = head[0].payload_len if head is not None else 0
-            link.need = head[1] + size if head is not None else 0
+            link.need = head[1] - pos + size if head is not None else 0
             link.deadline = time.monotonic() + lim.frame_timeout_s + size / lim.min_bytes_per_s
         if link.out:
             self._flush(link)

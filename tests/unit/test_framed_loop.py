@@ -701,6 +701,28 @@ def test_a_large_open_sent_in_pieces_is_received_to_its_size_and_answered(served
     sock.close()
 
 
+@pytest.mark.parametrize("tail", [b"X" * 200, None], ids=["bad-magic", "too-large"])
+def test_bytes_after_a_batched_call_that_are_no_request_close_that_link_alone(served, tail) -> None:
+    """A beat (a batched call, answered with its batch) followed in the same write by bytes that
+    are no request, or by a request larger than the port takes: that link is closed, and the
+    loop goes on serving the others (it failed, and every link with it, parsing that header
+    outside its per-link error handling)."""
+    coordinator, server = served
+    good, bad = connect(server), connect(server)
+    for node, sock in (("n1", good), ("n2", bad)):
+        sock.sendall(beat(node, 1))
+        assert reply(sock, pb.HeartbeatResponse)[0].status == wire.Status.OK
+    until(lambda: adopted(server) == 2, "both links on the loop")
+    if tail is None:
+        big = wire.Frame(wire.OP_UNARY, 3, text="Open", payload_len=server.max_message_bytes + 1)
+        tail = big.pack() + b"\0" * 100
+    bad.sendall(beat("n2", 2) + tail)
+    until(lambda: is_closed(bad), "the link that sent them closed")
+    good.sendall(beat("n1", 2))
+    assert reply(good, pb.HeartbeatResponse)[0].status == wire.Status.OK
+    assert server._loop._held == 0
+
+
 class HeldFree(pb_grpc.CacheNodeServicer):
     """A node whose Free answers once `release` is set."""
 
