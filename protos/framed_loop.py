@@ -29,8 +29,10 @@ is answered and the connection closed; one not all there within its deadline (th
 timeout plus its payload at the minimum rate) closes it, so does `idle_timeout_s` without a
 byte, and so does a peer that lets MAX_UNSENT bytes of replies wait unread; a link leaves
 the server's max_connections (its threads) for the loop's MAX_LINKS; a large request
-being received counts against the listener's max_inflight_bytes. A handler runs on this
-thread: what it waits for (a store call) every adopted connection waits for, so the
+being received counts against the listener's max_inflight_bytes (one over READ_BYTES at its
+whole size from its header on, as a connection thread reserves it: it is received into a
+buffer of that size and its payload handed on from there, not copied). A handler runs on
+this thread: what it waits for (a store call) every adopted connection waits for, so the
 coordinator fails beats at once for a moment after the store failed one (membership.py).
 """
 
@@ -54,7 +56,6 @@ from .wire.limits import BulkLimits, Refused
 
 logger = logging.getLogger("pagedkv.framed")
 READ_BYTES = 64 << 10  # one receive per ready connection and sweep
-MAX_READ_BYTES = 1 << 20  # one receive of a large request's rest (what a receive allocates)
 MAX_UNSENT = 1 << 20  # replies a peer leaves unread before it is closed
 SWEEP_S = 0.5  # deadlines and idle connections are checked this often
 # Links one loop serves; unlike the server's threads (max_connections), one costs a socket and
@@ -80,7 +81,7 @@ class _Call:
 
     __slots__ = ("due", "frame", "link", "payload")
 
-    def __init__(self, link: _Link, frame: Frame, payload: bytes, due: float) -> None:
+    def __init__(self, link: _Link, frame: Frame, payload: bytes | memoryview, due: float) -> None:
         self.link, self.frame, self.payload, self.due = link, frame, payload, due
 
 
@@ -88,13 +89,14 @@ class _Link:
     __slots__ = (
         "buf",
         "deadline",
+        "big",
+        "big_at",
         "events",
         "held",
         "is_paced",
         "is_waiting",
         "key",
         "last_seen",
-        "need",
         "out",
         "sock",
     )
@@ -105,8 +107,11 @@ class _Link:
         self.buf = bytearray(buffered)
         self.out = bytearray()
         self.deadline = 0.0  # the partial request in buf must be whole by then (0: none)
-        self.held = 0  # of buf, the bytes counted against the loop's budget
-        self.need = 0  # the bytes buf must hold for its partial request to be whole (0: unknown)
+        self.held = 0  # of buf (or big), the bytes counted against the loop's budget
+        # A request larger than READ_BYTES is received into a buffer of its own size (receives
+        # into buf grew it by a copy each, and its payload was copied out once more).
+        self.big: bytearray | None = None
+        self.big_at = 0  # of big, the bytes received
         self.last_seen = time.monotonic()
         self.is_paced = is_paced  # watched by the paced selector (its requests may wait)
         self.is_waiting = False  # a request of it waits in the loop's batch: serve nothing more yet
@@ -253,7 +258,7 @@ class FramedLoop:
             link.is_waiting = False
             self._serve(link)
 
-    def _offload(self, link: _Link, f: Frame, payload: bytes) -> None:
+    def _offload(self, link: _Link, f: Frame, payload: bytes | memoryview) -> None:
         """Answer `f` on a pool thread; the link reads nothing more until its reply is back."""
         link.is_waiting = True
         self.num_offloaded += 1
@@ -295,8 +300,10 @@ class FramedLoop:
 
     def _read(self, link: _Link) -> int:
         """One receive, and the requests it completed served; the bytes it took."""
-        try:  # a large request's rest in one receive (each READ_BYTES one grew buf, a copy each)
-            data = link.sock.recv(min(max(READ_BYTES, link.need - len(link.buf)), MAX_READ_BYTES))
+        if link.big is not None:
+            return self._read_big(link, link.big)
+        try:
+            data = link.sock.recv(READ_BYTES)
         except BlockingIOError:
             return 0
         except OSError as exc:
@@ -311,8 +318,49 @@ class FramedLoop:
         self._serve(link)
         return len(data) if link.sock.fileno() >= 0 else 0
 
-    def _serve(self, link: _Link) -> None:
-        """Answer every whole request in link.buf, in order; keep a partial one's bytes."""
+    def _read_big(self, link: _Link, big: bytearray) -> int:
+        """One receive into the large request being received (no further: what follows it
+        stays in the socket for buf); served once whole."""
+        try:
+            with memoryview(big) as view:
+                n = link.sock.recv_into(view[link.big_at :])
+        except BlockingIOError:
+            return 0
+        except OSError as exc:
+            logger.info("framed connection dropped: %s", exc)
+            self._close(link)
+            return 0
+        if not n:
+            self._close(link)
+            return 0
+        link.last_seen = time.monotonic()
+        link.big_at += n
+        if link.big_at == len(big):
+            link.big, link.big_at = None, 0
+            self._held -= link.held  # (its call owns it now, as a connection thread's payload)
+            link.held = 0
+            self._serve(link, big)
+        return n if link.sock.fileno() >= 0 else 0
+
+    def _receive_whole(self, link: _Link, size: int) -> bool:
+        """Receive the partial request in buf (`size` bytes in all) into a buffer of its own,
+        counted against the budget from now; False when that closed the link."""
+        buf = link.buf
+        big = bytearray(size)
+        big[: len(buf)] = buf
+        link.big, link.big_at = big, len(buf)
+        buf.clear()
+        self._held += size - link.held
+        link.held = size
+        if self._held > self._limits.max_inflight_bytes:
+            logger.info("framed connection dropped: %d bytes of requests held", self._held)
+            self._close(link)
+            return False
+        return True
+
+    def _serve(self, link: _Link, whole: bytearray | None = None) -> None:
+        """Answer every whole request in link.buf (after `whole`, a large one received into its
+        own buffer), in order; keep a partial one's bytes."""
         if link.is_waiting:  # what it sends meanwhile waits in buf, within the budget
             for call in self._batch:  # a held call of it is answered now: its link has more to say
                 if call.link is link:
@@ -321,14 +369,22 @@ class FramedLoop:
             return
         buf, pos, pliable = link.buf, 0, link.is_paced
         try:
-            while (parsed := wire_frame.frame_at(buf, pos)) is not None:
-                f, at = parsed
-                self._server.check_request(f)
-                if len(buf) - at < f.payload_len:
-                    break
-                with memoryview(buf) as view:  # (a bytearray's slice copies once more)
-                    payload = bytes(view[at : at + f.payload_len])
-                pos = at + f.payload_len
+            while True:
+                if whole is not None:  # (its header was checked as its first bytes came)
+                    parsed = wire_frame.frame_at(whole)
+                    assert parsed is not None
+                    f, at = parsed
+                    payload: bytes | memoryview = memoryview(whole)[at:]
+                    whole = None
+                else:
+                    if (parsed := wire_frame.frame_at(buf, pos)) is None:
+                        break
+                    f, at = parsed
+                    self._server.check_request(f)
+                    if len(buf) - at < f.payload_len:
+                        break
+                    payload = bytes(buf[at : at + f.payload_len])
+                    pos = at + f.payload_len
                 if f.op != wire_frame.OP_PING:
                     pliable = is_pliable(f)
                 if f.op == wire_frame.OP_NOTIFY:
@@ -350,7 +406,7 @@ class FramedLoop:
                 else:  # PING
                     link.out += Frame(f.op, f.request_id).pack()
             # The next request's header, if whole, refused here too: after a batched call the
-            # loop stops before it, and its bytes may be anything.
+            # loop stops before it, and its bytes may be anything (a large one is sized by it).
             if (head := wire_frame.frame_at(buf, pos)) is not None:
                 self._server.check_request(head[0])
         except Refused as exc:
@@ -373,12 +429,15 @@ class FramedLoop:
         if not self._hold(link):
             return
         if not buf:
-            link.deadline, link.need = 0.0, 0
-        elif pos or not link.deadline:  # a request's first bytes (after one served): from now
-            lim = self._limits
+            link.deadline = 0.0
+        else:
             size = head[0].payload_len if head is not None else 0
-            link.need = head[1] - pos + size if head is not None else 0
-            link.deadline = time.monotonic() + lim.frame_timeout_s + size / lim.min_bytes_per_s
+            if pos or not link.deadline:  # a request's first bytes (after one served): from now
+                lim = self._limits
+                link.deadline = time.monotonic() + lim.frame_timeout_s + size / lim.min_bytes_per_s
+            whole_size = head[1] - pos + size if head is not None else 0  # (size 0 without a head)
+            if size > READ_BYTES and not link.is_waiting and not self._receive_whole(link, whole_size):
+                return
         if link.out:
             self._flush(link)
 

@@ -394,7 +394,7 @@ class FramedServer:
             return error_frame(f.op, f.request_id, exc)[0].pack()
         return _reply(f, context, lambda: handler[0](request, context))
 
-    def answer_batch(self, calls: list[tuple[Frame, bytes]]) -> list[bytes | None]:
+    def answer_batch(self, calls: list[tuple[Frame, bytes | memoryview]]) -> list[bytes | None]:
         """The replies of checked UNARY requests of one method in `batches`, in order: answered
         together by its batch handler (a request that does not parse gets its error reply);
         None for one its handler hands back (Offload: to be answered from another thread)."""

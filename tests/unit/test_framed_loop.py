@@ -32,7 +32,7 @@ from pagedkv.coordinator.service import (
 from pagedkv.protos import pagedkv_pb2 as pb
 from pagedkv.protos import pagedkv_pb2_grpc as pb_grpc
 from pagedkv.protos import wire
-from pagedkv.protos.framed_loop import MAX_READ_BYTES, PACE_S, READ_BYTES
+from pagedkv.protos.framed_loop import PACE_S, READ_BYTES
 from pagedkv.protos.framed_server import FramedServer
 from pagedkv.protos.prompt import pack
 from pagedkv.protos.spec import ModelSpec
@@ -675,30 +675,54 @@ def test_workers_opens_and_closes_are_served_by_the_loop_in_order(served) -> Non
     assert coordinator.store.sequences_of_node("n1") + coordinator.store.sequences_of_node("n2") == []
 
 
-def test_a_large_open_sent_in_pieces_is_received_to_its_size_and_answered(served) -> None:
+def test_a_large_open_sent_in_pieces_is_received_into_its_own_buffer(served) -> None:
     """A worker's Open of a 100k-token packed prompt (~400 KB, 6 x READ_BYTES) whose first
-    bytes come alone: the loop learns the request's size from its header (the receives that
-    follow take the rest at once, up to MAX_READ_BYTES) and answers it whole (25,000 blocks:
-    more than the 64-block nodes hold), and the link's next open is read as usual."""
+    bytes come alone: the loop sizes a buffer for the whole request from its header, counted
+    against the budget, receives the rest into it and answers it (25,000 blocks: more than the
+    64-block nodes hold); the budget is given back and the link's next open is read as usual."""
     coordinator, server = served
+    loop = server._loop
     sock = connect(server)
     sock.sendall(close_request(1, "never-opened"))  # adopted by the loop
     assert reply(sock, pb.Empty)[0].status == wire.Status.OK
     until(lambda: adopted(server) == 1 and frame_threads() == 0, "the link on the loop")
-    (link,) = server._loop._links.values()
+    (link,) = loop._links.values()
     tokens = list(range(1, 100_001))
     message = pb.CoordOpenRequest(seq_id="big", packed_token_ids=pack(tokens), worker_opens=True)
     stream = encode_unary(2, "Open", b"", message.SerializeToString(), wire.OP_UNARY)
-    assert 6 * READ_BYTES < len(stream) < MAX_READ_BYTES
+    assert len(stream) > 6 * READ_BYTES
     sock.sendall(stream[:200])
-    until(lambda: link.need == len(stream), "the request's size known from its first bytes")
+    until(lambda: link.big is not None and len(link.big) == len(stream), "a buffer of the request's size")
+    assert loop._held == len(stream) and link.big_at == 200 and not link.buf
     sock.sendall(stream[200:])
     head, _ = reply(sock, pb.CoordOpenResponse)
     assert head.status == wire.Status.RESOURCE_EXHAUSTED and "a 25000-block sequence" in head.text
-    assert link.need == 0 and not link.buf
+    assert link.big is None and loop._held == 0 and link.deadline == 0.0
     sock.sendall(open_request(3, "small", list(range(1, 30))))
     assert reply(sock, pb.CoordOpenResponse)[0].status == wire.Status.OK
     sock.close()
+
+
+def test_a_large_request_past_the_budget_closes_its_link_alone() -> None:
+    """A request whose header says more bytes than the loop's budget holds closes its link as
+    soon as it is seen (before its buffer is filled); another link is served."""
+    coordinator, server = serve(BulkLimits(idle_timeout_s=30, max_inflight_bytes=4 * READ_BYTES))
+    try:
+        good, bad = connect(server), connect(server)
+        for sock in (good, bad):
+            sock.sendall(close_request(1, "never-opened"))
+            assert reply(sock, pb.Empty)[0].status == wire.Status.OK
+        until(lambda: adopted(server) == 2, "both links on the loop")
+        message = pb.CoordOpenRequest(seq_id="big", packed_token_ids=bytes(8 * READ_BYTES), worker_opens=True)
+        stream = encode_unary(2, "Open", b"", message.SerializeToString(), wire.OP_UNARY)
+        bad.sendall(stream[: 2 * READ_BYTES])
+        until(lambda: is_closed(bad), "the link past the budget closed")
+        assert server._loop._held == 0
+        good.sendall(open_request(2, "small", list(range(1, 30))))
+        assert reply(good, pb.CoordOpenResponse)[0].status == wire.Status.OK
+    finally:
+        server.stop()
+        coordinator.stop()
 
 
 @pytest.mark.parametrize("tail", [b"X" * 200, None], ids=["bad-magic", "too-large"])
