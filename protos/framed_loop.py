@@ -299,31 +299,15 @@ class FramedLoop:
             self._flush(link)
 
     def _read(self, link: _Link) -> int:
-        """One receive, and the requests it completed served; the bytes it took."""
-        if link.big is not None:
-            return self._read_big(link, link.big)
+        """One receive, and the requests it completed served; the bytes it took. A large
+        request being received takes its own bytes only (what follows stays in the socket)."""
+        big, data = link.big, b""
         try:
-            data = link.sock.recv(READ_BYTES)
-        except BlockingIOError:
-            return 0
-        except OSError as exc:
-            logger.info("framed connection dropped: %s", exc)
-            self._close(link)
-            return 0
-        if not data:
-            self._close(link)
-            return 0
-        link.last_seen = time.monotonic()
-        link.buf += data
-        self._serve(link)
-        return len(data) if link.sock.fileno() >= 0 else 0
-
-    def _read_big(self, link: _Link, big: bytearray) -> int:
-        """One receive into the large request being received (no further: what follows it
-        stays in the socket for buf); served once whole."""
-        try:
-            with memoryview(big) as view:
-                n = link.sock.recv_into(view[link.big_at :])
+            if big is None:
+                n = len(data := link.sock.recv(READ_BYTES))
+            else:
+                with memoryview(big) as view:
+                    n = link.sock.recv_into(view[link.big_at :])
         except BlockingIOError:
             return 0
         except OSError as exc:
@@ -334,12 +318,16 @@ class FramedLoop:
             self._close(link)
             return 0
         link.last_seen = time.monotonic()
-        link.big_at += n
-        if link.big_at == len(big):
-            link.big, link.big_at = None, 0
-            self._held -= link.held  # (its call owns it now, as a connection thread's payload)
-            link.held = 0
-            self._serve(link, big)
+        if big is None:
+            link.buf += data
+            self._serve(link)
+        else:
+            link.big_at += n
+            if link.big_at == len(big):  # whole: its call owns it now, as a connection thread's payload
+                link.big, link.big_at = None, 0
+                self._held -= link.held
+                link.held = 0
+                self._serve(link, big)
         return n if link.sock.fileno() >= 0 else 0
 
     def _receive_whole(self, link: _Link, size: int) -> bool:
