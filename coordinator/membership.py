@@ -29,12 +29,12 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
-from ..protos.errors import FailedPrecondition, PagedKVError, Unavailable
+from ..protos.errors import FailedPrecondition, InvalidArgument, PagedKVError, Unavailable
 from ..protos.serving import name_os_thread
 from .lease_scale import granted_lease, scaled_lease
 from .liveness import Liveness
 from .reconcile import Reconciler
-from .records import NodeInfo, PurgeResult, SequenceRecord
+from .records import NodeInfo, PurgeResult, SequenceRecord, check_load, check_name
 from .store import Store
 
 log = logging.getLogger("pagedkv.coordinator")
@@ -257,22 +257,48 @@ class Membership:
         for i in range(len(beats)):
             held_s = held_leases[i] if held_leases else 0.0
             by_ttl.setdefault(granted_lease(lease, held_s, self.config.lease_cap_s), []).append(i)
-        renewed = [False] * len(beats)
+        renewed: dict[int, bool | PagedKVError] = {}
         try:
             for ttl, which in by_ttl.items():  # (one round trip but after a lease shortened)
-                oks = self.store.heartbeats([(beats[i][0], dict(beats[i][1])) for i in which], ttl)
-                for i, ok in zip(which, oks, strict=True):
-                    renewed[i] = ok
+                renewed.update(self._renew(beats, which, ttl))
         except Unavailable:
             self._beat_failed_at = time.monotonic()
             self._store_failed()
             raise
         out: list[Beat | PagedKVError] = []
-        for (node_id, load, held), ok in zip(beats, renewed, strict=True):
+        for i, (node_id, load, held) in enumerate(beats):
+            ok = renewed[i]
             try:
+                if isinstance(ok, PagedKVError):
+                    raise ok
                 out.append(Beat(ok, self._renewed(node_id, load, held) if ok else [], lease))
             except PagedKVError as exc:
                 out.append(exc)
+        return out
+
+    def _renew(
+        self, beats: Sequence[tuple[str, Mapping[str, int], Any]], which: list[int], ttl: float
+    ) -> dict[int, bool | PagedKVError]:
+        """The store's renewals of beats[i] for i in `which`, in one round trip. A bad beat fails
+        the store's whole call before any renews (InvalidArgument): then each beat is checked
+        alone, and the good ones renewed without it (one node's bad beat fails no other's)."""
+        calls = [(beats[i][0], dict(beats[i][1])) for i in which]
+        try:
+            return dict(zip(which, self.store.heartbeats(calls, ttl), strict=True))
+        except InvalidArgument:
+            pass
+        out: dict[int, bool | PagedKVError] = {}
+        good: list[tuple[int, tuple[str, dict[str, int]]]] = []
+        for i, call in zip(which, calls, strict=True):
+            try:
+                check_name("node_id", call[0])
+                check_load(call[1])
+                good.append((i, call))
+            except InvalidArgument as exc:
+                out[i] = exc
+        if good:
+            oks = self.store.heartbeats([call for _, call in good], ttl)
+            out.update(zip((i for i, _ in good), oks, strict=True))
         return out
 
     def _renewed(self, node_id: str, load: Mapping[str, int], held: Sequence[str] | None) -> list[str]:

@@ -48,7 +48,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from .errors import InvalidArgument
+from .errors import CapacityExceeded, InvalidArgument
 from .serving import name_os_thread
 from .wire import Frame, ProtocolError, error_frame
 from .wire import frame as wire_frame
@@ -89,6 +89,7 @@ class _Link:
     __slots__ = (
         "buf",
         "deadline",
+        "partial_at",
         "big",
         "big_at",
         "events",
@@ -107,7 +108,8 @@ class _Link:
         self.buf = bytearray(buffered)
         self.out = bytearray()
         self.deadline = 0.0  # the partial request in buf must be whole by then (0: none)
-        self.held = 0  # of buf (or big), the bytes counted against the loop's budget
+        self.partial_at = 0.0  # when that request's first bytes came
+        self.held = 0  # of buf (or big), the bytes counted against the listener's budget
         # A request larger than READ_BYTES is received into a buffer of its own size (receives
         # into buf grew it by a copy each, and its payload was copied out once more).
         self.big: bytearray | None = None
@@ -137,7 +139,7 @@ class FramedLoop:
         self._links: dict[int, _Link] = {}
         self._lock = threading.Lock()
         self._is_stopping = False
-        self._held = 0  # bytes of large partial requests, all connections (max_inflight_bytes)
+        self._held = 0  # of the listener's budget (max_inflight_bytes), the bytes its links hold
         self.num_paced_turns = 0  # times the paced links that were ready were served together
         # Requests of the server's batched methods read this wake-up, answered together after it
         # (a beat's store write: one round trip for all); their links read nothing more till then.
@@ -325,25 +327,20 @@ class FramedLoop:
             link.big_at += n
             if link.big_at == len(big):  # whole: its call owns it now, as a connection thread's payload
                 link.big, link.big_at = None, 0
-                self._held -= link.held
-                link.held = 0
+                self._count(link, 0)
                 self._serve(link, big)
         return n if link.sock.fileno() >= 0 else 0
 
     def _receive_whole(self, link: _Link, size: int) -> bool:
         """Receive the partial request in buf (`size` bytes in all) into a buffer of its own,
         counted against the budget from now; False when that closed the link."""
+        if not self._count(link, size):
+            return False
         buf = link.buf
         big = bytearray(size)
         big[: len(buf)] = buf
         link.big, link.big_at = big, len(buf)
         buf.clear()
-        self._held += size - link.held
-        link.held = size
-        if self._held > self._limits.max_inflight_bytes:
-            logger.info("framed connection dropped: %d bytes of requests held", self._held)
-            self._close(link)
-            return False
         return True
 
     def _serve(self, link: _Link, whole: bytearray | None = None) -> None:
@@ -356,6 +353,7 @@ class FramedLoop:
             self._hold(link)
             return
         buf, pos, pliable = link.buf, 0, link.is_paced
+        head: tuple[Frame, int] | None = None
         try:
             while True:
                 if whole is not None:  # (its header was checked as its first bytes came)
@@ -393,9 +391,9 @@ class FramedLoop:
                     link.out += error_frame(f.op, f.request_id, InvalidArgument(msg))[0].pack()
                 else:  # PING
                     link.out += Frame(f.op, f.request_id).pack()
-            # The next request's header, if whole, refused here too: after a batched call the
-            # loop stops before it, and its bytes may be anything (a large one is sized by it).
-            if (head := wire_frame.frame_at(buf, pos)) is not None:
+            # The next request's header, if whole, checked here too (a large one is sized by it);
+            # after a batched call it is read once that call is answered (replies in order).
+            if not link.is_waiting and (head := wire_frame.frame_at(buf, pos)) is not None:
                 self._server.check_request(head[0])
         except Refused as exc:
             assert exc.error is not None
@@ -405,6 +403,7 @@ class FramedLoop:
             return
         except ProtocolError as exc:
             logger.info("framed connection dropped: %s", exc)
+            self._flush(link)  # what it was answered before them, as its thread sends it
             self._close(link)
             return
         except Exception:  # a bug: drop this connection, keep serving the others
@@ -416,13 +415,14 @@ class FramedLoop:
             self._move(link)
         if not self._hold(link):
             return
-        if not buf:
-            link.deadline = 0.0
+        if not buf or link.is_waiting:  # (none while a call waits: a thread reads on after its answer)
+            link.deadline = link.partial_at = 0.0
         else:
             size = head[0].payload_len if head is not None else 0
-            if pos or not link.deadline:  # a request's first bytes (after one served): from now
-                lim = self._limits
-                link.deadline = time.monotonic() + lim.frame_timeout_s + size / lim.min_bytes_per_s
+            if pos or not link.partial_at:  # a request's first bytes (after one served): from now
+                link.partial_at = time.monotonic()
+            lim = self._limits  # (its size counts once its header is whole)
+            link.deadline = link.partial_at + lim.frame_timeout_s + size / lim.min_bytes_per_s
             whole_size = head[1] - pos + size if head is not None else 0  # (size 0 without a head)
             if size > READ_BYTES and not link.is_waiting and not self._receive_whole(link, whole_size):
                 return
@@ -433,16 +433,23 @@ class FramedLoop:
         """Count a link's buffered bytes past one receive against the listener's budget (a
         large request arriving, or requests sent while an earlier one waits); False when that
         closed it."""
-        if len(link.buf) > READ_BYTES:
-            self._held += len(link.buf) - link.held
-            link.held = len(link.buf)
-            if self._held > self._limits.max_inflight_bytes:
-                logger.info("framed connection dropped: %d bytes of requests held", self._held)
+        return self._count(link, len(link.buf) if len(link.buf) > READ_BYTES else 0)
+
+    def _count(self, link: _Link, size: int) -> bool:
+        """The link holds `size` bytes of the listener's budget now (shared with its connection
+        threads); False when there is not that much room, and the link closed."""
+        more = size - link.held
+        if more > 0:
+            try:
+                self._server.budget.take(more, "request")
+            except CapacityExceeded as exc:
+                logger.info("framed connection dropped: %s", exc)
                 self._close(link)
                 return False
-        elif link.held:
-            self._held -= link.held
-            link.held = 0
+        elif more < 0:
+            self._server.budget.give(-more)
+        self._held += more
+        link.held = size
         return True
 
     def _due_method(self, now: float) -> str | None:
@@ -517,6 +524,7 @@ class FramedLoop:
         if self._links.pop(fd, None) is not None:
             with contextlib.suppress(KeyError, ValueError):
                 self._selector(link).unregister(link.sock)
+        self._server.budget.give(link.held)
         self._held -= link.held
         link.held = 0
         link.sock.close()

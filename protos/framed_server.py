@@ -147,7 +147,7 @@ class FramedServer:
             )
         self.limits = limits or DEFAULT_LIMITS
         self.max_message_bytes = max_message_bytes
-        self._budget = ByteBudget(self.limits.max_inflight_bytes)
+        self.budget = ByteBudget(self.limits.max_inflight_bytes)  # its threads' and its loop's
         self._tls = None if tls is None else tls.server_context()
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._sock = socket.create_server((host, port), family=family, backlog=self.limits.max_connections)
@@ -325,14 +325,14 @@ class FramedServer:
         if buffered is not None:  # (already in the connection's buffer: nothing to allocate)
             return buffered
         try:
-            self._budget.take(f.payload_len, "call")
+            self.budget.take(f.payload_len, "call")
         except Exception as exc:
             raise Refused(f, f.text, exc) from None
         try:
             payload = bytearray(f.payload_len)
             recv_exact(reader, memoryview(payload), "a unary request")  # type: ignore[arg-type]
         finally:
-            self._budget.give(f.payload_len)
+            self.budget.give(f.payload_len)
         return memoryview(payload)
 
     def _parse(self, f: Frame, payload: memoryview | bytes) -> tuple[Any, FrameContext]:

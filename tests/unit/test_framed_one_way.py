@@ -44,7 +44,7 @@ def served():
     yield coordinator, server
     server.stop()
     coordinator.stop()
-    assert server._budget.used == 0  # every receive buffer given back
+    assert server.budget.used == 0  # every receive buffer given back
 
 
 def connect(server: FramedServer) -> socket.socket:
