@@ -424,7 +424,7 @@ class FramedLoop:
             lim = self._limits  # (its size counts once its header is whole)
             link.deadline = link.partial_at + lim.frame_timeout_s + size / lim.min_bytes_per_s
             whole_size = head[1] - pos + size if head is not None else 0  # (size 0 without a head)
-            if size > READ_BYTES and not link.is_waiting and not self._receive_whole(link, whole_size):
+            if size > READ_BYTES and not self._receive_whole(link, whole_size):
                 return
         if link.out:
             self._flush(link)
