@@ -14,9 +14,12 @@ A background thread registers the node, then loops:
   after a quiet spell reaches the index within a few ms (the next open of the
   same prompt hits it), a busy node's events are coalesced;
 - every `heartbeat_interval_s` (a quarter of the lease the coordinator hands out),
-  renews the lease. Each reply hands out the lease and interval from then on: the
-  coordinator lengthens the lease as the fleet grows (coordinator/lease_scale.py), and
-  each beat says the lease it holds, so a renewal never runs shorter than it.
+  renews the lease: a beat is due an interval after the last one was sent, goes before
+  any report, and a report waits on its answer at most a beat, so a slow coordinator
+  delays the renewals by no more than its answers take. Each reply hands out the lease
+  and interval from then on: the coordinator lengthens the lease as the fleet grows
+  (coordinator/lease_scale.py), and each beat says the lease it holds, so a renewal
+  never runs shorter than it.
 A lapsed lease only makes the node a suspect (NOT_FOUND on a report): the next
 heartbeat revives it. When the heartbeat says is_registered=false, the node was
 declared dead -- its sequences marked lost, its keys purged -- so it fences itself,
@@ -199,7 +202,8 @@ class CoordinatorLink:
                 raise FramedRpcError(exc) from None
         return getattr(self._stub, method)(request, timeout=timeout_s, metadata=self._metadata())
 
-    def _register(self) -> None:
+    def _register(self) -> float:
+        """Register (again); when it was sent (time.monotonic: the lease runs from then)."""
         spec = self.engine.spec
         sent_at = time.monotonic()
         reply = self._stub.Register(
@@ -232,9 +236,11 @@ class CoordinatorLink:
         self.num_registrations += 1
         self.is_registered.set()
         log.info("node %s registered (lease %.1fs)", self.node_id, reply.lease_ttl_s)
+        return sent_at
 
-    def _rejoin(self) -> None:
-        """The coordinator declared this node dead: come back empty."""
+    def _rejoin(self) -> float:
+        """The coordinator declared this node dead: come back empty (when the new
+        registration was sent)."""
         self.is_registered.clear()
         held = self._held_ids()
         log.warning(
@@ -251,7 +257,7 @@ class CoordinatorLink:
             self.gate.reset()
         self.engine.take_events()
         self.epoch = 0  # that registration is gone: a fresh one
-        self._register()
+        return self._register()
 
     def _report(self) -> None:
         box = self.outbox
@@ -269,16 +275,18 @@ class CoordinatorLink:
             first_seq=first_seq,
             base_seq=base_seq,
         )
+        # At most a beat: a report held that long would hold the lease's next renewal too
+        timeout = min(self.rpc_timeout_s, max(self.heartbeat_interval_s, 0.2))
         if one_way and events:
             try:
                 metadata = encode_metadata(self._metadata())
-                self._framed.notify("ReportEvents", request, self.rpc_timeout_s, metadata, LINK_WAIT_S)
+                self._framed.notify("ReportEvents", request, timeout, metadata, LINK_WAIT_S)
                 box.mark_sent()  # (the next beat's reply says how far it got)
                 return
             except NotCarried:
                 pass  # not sent whole: as a call, over gRPC when the port cannot take it
         try:
-            reply = self._call("ReportEvents", request, self.rpc_timeout_s)
+            reply = self._call("ReportEvents", request, timeout)
         except grpc.RpcError as err:
             if err.code() != grpc.StatusCode.NOT_FOUND:
                 raise
@@ -302,7 +310,9 @@ class CoordinatorLink:
                 continue
         return []
 
-    def _heartbeat(self) -> None:
+    def _heartbeat(self) -> float:
+        """Renew the lease (or rejoin when declared dead); when the beat (or the
+        registration) was sent."""
         request = pb.HeartbeatRequest(
             node_id=self.node_id, load=node_load(self.engine), lease_ttl_s=self.lease_ttl_s
         )
@@ -325,8 +335,7 @@ class CoordinatorLink:
             self._framed.learn(reply.frame_port)
         self._takes_one_way = reply.takes_one_way_reports
         if not reply.is_registered:
-            self._rejoin()
-            return
+            return self._rejoin()
         lease, interval = reply.lease_ttl_s, reply.heartbeat_interval_s  # (0: an older coordinator)
         if 0 < interval < lease < math.inf:  # (else nonsense: the fence must stay finite and ahead)
             # The lease this renewal grants (the store holds it at least as long as the one
@@ -344,6 +353,7 @@ class CoordinatorLink:
                 self.gate.drop(seq_id)
             self.num_orphans_freed += 1
             log.warning("node %s freed sequence %s: the store does not know it", self.node_id, seq_id)
+        return sent_at
 
     def _wait_for_events(self, until: float) -> None:
         """Sleep until the engine has events to report (polled), `until`, or stop."""
@@ -359,12 +369,12 @@ class CoordinatorLink:
         while not self._stop.is_set():
             try:
                 if not self.is_registered.is_set():
-                    self._register()
-                    next_beat = time.monotonic() + self.heartbeat_interval_s
-                self._report()
+                    next_beat = self._register() + self.heartbeat_interval_s
+                # The lease first, on a schedule from each beat's send (not its answer): a slow
+                # answer or report then delays the next renewal by nothing, not by itself.
                 if time.monotonic() >= next_beat:
-                    self._heartbeat()
-                    next_beat = time.monotonic() + self.heartbeat_interval_s
+                    next_beat = self._heartbeat() + self.heartbeat_interval_s
+                self._report()
                 backoff = 0.1
                 self._stop.wait(self.event_interval_s)  # the coalescing gap between two reports
                 self._wait_for_events(next_beat)
