@@ -110,13 +110,20 @@ def test_no_client_chooses_a_salt_on_a_cluster_node(cluster: Secured) -> None:
 
 
 def _own_seq(cluster: Secured, address: str, name: str = "own") -> Any:
-    """A sequence of beta's own on the node at `address` (its ticket is beta's to use)."""
+    """A sequence of beta's own on the node at `address` (its ticket is beta's to use). The
+    ones placed elsewhere stay open until one lands there: each adds to its node's load, so
+    placement turns to `address` whatever the opens of earlier tests left behind."""
     beta = cluster.clients["beta"]
-    for i in range(20):
-        seq = beta.open(f"{name}-{i}", [7_000 + i, 1, 2])
-        if seq.route.address == address:
-            return seq
-        seq.close()
+    elsewhere = []
+    try:
+        for i in range(40):
+            seq = beta.open(f"{name}-{i}", [7_000 + i, 1, 2])
+            if seq.route.address == address:
+                return seq
+            elsewhere.append(seq)
+    finally:
+        for seq in elsewhere:
+            seq.close()
     raise AssertionError(f"no beta sequence landed on {address}")
 
 
