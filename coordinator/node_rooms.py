@@ -2,10 +2,10 @@
 candidate rows kept ranked between opens (room_index.py), mixed into Coordinator.
 
 Every change to what a node's row is made of (a beat's load, an open or a close counted
-there, a registration, a node gone) marks the node dirty; an open rebuilds the dirty rows
-only (usually the one node the last open went to) and takes a snapshot of its candidate
-set, so its cost does not grow with the node count. The reaper's periodic refresh of the
-node list rebuilds every row on its own thread, not on an open's.
+there, a registration, a node gone) marks the node dirty in every candidate set; an open
+rebuilds the dirty rows of its own set only (usually the one node the last open went to)
+and takes a snapshot of it, so its cost does not grow with the node count. The reaper's
+periodic refresh of the node list rebuilds every row on its own thread, not on an open's.
 """
 
 from __future__ import annotations
@@ -38,13 +38,18 @@ class NodeRooms:
     _active_blocks: dict[str, int]
 
     def _init_rooms(self) -> None:
-        self._dirty: set[str] = set()
         self._room_sets: dict[SpecKey, RoomIndex] = {None: RoomIndex()}  # None: every node
+        # Per candidate set, the nodes whose rows changed since it was last synced: an open
+        # syncs only its own set (the one of every node is synced when asked for, or by the
+        # reaper's refresh), so each open pays for the rows it reads.
+        self._dirty: dict[SpecKey, set[str]] = {None: set()}
         self._block_sizes: frozenset[int] | None = None  # of every live node; None: to count again
 
     def _touch(self, node_ids: Iterable[str]) -> None:
         """These nodes' rows changed (the caller holds self._lock)."""
-        self._dirty.update(node_ids)
+        ids = tuple(node_ids)
+        for dirty in self._dirty.values():
+            dirty.update(ids)
 
     def _room_row(self, node_id: str) -> NodeRoom | None:
         """The node's row now (caller holds self._lock); None when it is not live."""
@@ -61,22 +66,25 @@ class NodeRooms:
     def _sync_rooms(self) -> None:
         """Rebuild the dirty rows in every candidate set."""
         with self._lock:
-            if not self._dirty:
-                return
-            dirty, self._dirty = self._dirty, set()
-            rows = {n: self._room_row(n) for n in dirty}
-            everyone = self._room_sets[None]
-            if any((rows[n] is None) == (n in everyone) for n in rows):
-                self._block_sizes = None  # a node joined or left
-            for key, index in self._room_sets.items():
-                spec = None if key is None else dict(key)
-                keep = {
-                    n: r
-                    for n, r in rows.items()
-                    if r is not None and (spec is None or self._nodes[n].spec == spec)
-                }
-                index.update(keep.values())
-                index.remove(n for n in rows if n not in keep)
+            for key in self._room_sets:
+                self._sync_set(key)
+
+    def _sync_set(self, key: SpecKey) -> None:
+        """Rebuild the dirty rows of one candidate set (the caller holds self._lock)."""
+        dirty = self._dirty[key]
+        if not dirty:
+            return
+        self._dirty[key] = set()
+        rows = {n: self._room_row(n) for n in dirty}
+        index = self._room_sets[key]
+        if key is None and any((rows[n] is None) == (n in index) for n in rows):
+            self._block_sizes = None  # a node joined or left
+        spec = None if key is None else dict(key)
+        keep = {
+            n: r for n, r in rows.items() if r is not None and (spec is None or self._nodes[n].spec == spec)
+        }
+        index.update(keep.values())
+        index.remove(n for n in rows if n not in keep)
 
     def _candidates(self, spec: Mapping[str, Any] | None) -> CandidateRooms:
         """The live nodes serving `spec` (every live node for None) as placement's rows."""
@@ -84,16 +92,17 @@ class NodeRooms:
         with self._lock:
             if key not in self._room_sets:  # a new candidate set: every node is its row once
                 self._room_sets[key] = RoomIndex()
-                self._touch(self._nodes)
-        self._sync_rooms()
-        return self._room_sets[key].snapshot()
+                self._dirty[key] = set(self._nodes)
+            self._sync_set(key)
+            index = self._room_sets[key]
+        return index.snapshot()
 
     def _block_size(self, spec: Mapping[str, Any] | None) -> int:
         """The block size of `spec`, or the one every live node serves (16 when none is live)."""
         if spec:
             return int(spec["block_size"])
-        self._sync_rooms()  # counts the sizes again when a node joined or left
         with self._lock:
+            self._sync_set(None)  # counts the sizes again when a node joined or left
             sizes = self._block_sizes
             if sizes is None:
                 sizes = self._block_sizes = frozenset(int(n.spec["block_size"]) for n in self._nodes.values())

@@ -5,6 +5,8 @@ rows built from scratch, so a change that forgot to mark its node would be caugh
 
 from __future__ import annotations
 
+import pytest
+
 from pagedkv.coordinator.core import Coordinator, CoordinatorConfig
 from pagedkv.coordinator.liveness import Liveness, LivenessConfig
 from pagedkv.coordinator.memory_store import MemoryStore
@@ -66,3 +68,21 @@ def test_the_kept_rows_follow_every_change() -> None:
     else:
         raise AssertionError("two block sizes live, yet no spec was asked for")
     c.stop()
+
+
+def test_an_open_syncs_its_own_set_and_the_others_catch_up_when_read() -> None:
+    c = Coordinator(MemoryStore(), CoordinatorConfig(lease_ttl_s=30))
+    for i in range(4):
+        c.register(f"n{i}", f"10.0.0.1:{i}", SPEC, 64)
+    check(c)
+    c._count_open("n1", 5)
+    c.heartbeat("n2", {"free_blocks": 10, "used_blocks": 54})
+    assert list(c._candidates(SPEC)) == from_scratch(c, SPEC)
+    assert c._dirty[None] == {"n1", "n2"}  # the set of every node: not rebuilt for this open
+    assert list(c._candidates(None)) == from_scratch(c)
+    assert c._block_size(None) == SPEC["block_size"]
+    c.register("n9", "10.0.0.1:9", OTHER, 64)  # another block size joins
+    assert list(c._candidates(SPEC)) == from_scratch(c, SPEC)  # (not in this set)
+    with pytest.raises(InvalidArgument, match="several block sizes"):
+        c._block_size(None)  # the set of every node sees it when read: the sizes are counted again
+    check(c)
