@@ -371,7 +371,7 @@ class CoordinatorLink:
                 if not self.is_registered.is_set():
                     next_beat = self._register() + self.heartbeat_interval_s
                 # The lease first, on a schedule from each beat's send (not its answer): a slow
-                # answer or report then delays the next renewal by nothing, not by itself.
+                # answer does not push the next beat back (a report before it waits a beat at most).
                 if time.monotonic() >= next_beat:
                     next_beat = self._heartbeat() + self.heartbeat_interval_s
                 self._report()
