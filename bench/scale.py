@@ -55,6 +55,7 @@ from bench.control_redis import script_names, slowlog_entries
 from bench.scale_cluster import SPEC, FakeNodes, ScaleCluster, cpu_s, thread_cpu_s
 from bench.scale_throughput import measure_throughput
 from pagedkv.client.routing import FRAMED_REPLIES
+from pagedkv.client.sent_prompts import SentPrompts
 from pagedkv.coordinator.redis_store import RedisStore
 from pagedkv.protos import pagedkv_pb2 as pb
 from pagedkv.protos.errors import Unavailable
@@ -180,13 +181,15 @@ def close_retrying(stub: Any, seq_id: str, freed_extents: int = 0, framed: Frame
 # Who sends the node Open (CoordOpenRequest.worker_opens), how Open and Close travel and how
 # the prompt does: the coordinator (gRPC), the worker (gRPC), the worker over the coordinator's
 # framed port with the prompt as varints in the signed order, and as the client sends it now:
-# packed, the order naming it and the worker carrying its cached prefix (carries_prompt).
-MODES = ("coordinator", "worker", "framed_varints", "framed")
+# packed, the order naming it and the worker carrying its cached prefix (carries_prompt), and
+# the same with the start it shares with the last prompt named by that open's ref (prefix_ref).
+MODES = ("coordinator", "worker", "framed_varints", "framed", "framed_ref")
 MODE_NAMES = {
     "coordinator": "gRPC, node Open by the coordinator",
     "worker": "gRPC, node Open by the worker",
     "framed_varints": "framed port, node Open by the worker, prompt in the order",
     "framed": "framed port, node Open by the worker, prompt packed and carried",
+    "framed_ref": "as above, its start named by the last prompt's ref",
 }
 
 
@@ -203,12 +206,21 @@ def measure_opens(
     """Opens and closes of the prompt in each mode, the modes alternating in `rounds`
     rounds so that load drifts hit both alike; each mode's figures over all its rounds."""
     acc: dict[str, dict[str, Any]] = {
-        m: {"open_ms": [], "close_ms": [], "hits": 0, "unavailable": 0, "raw_s": 0.0, "coord_s": 0.0}
+        m: {
+            "open_ms": [],
+            "close_ms": [],
+            "hits": 0,
+            "named": 0,
+            "unavailable": 0,
+            "raw_s": 0.0,
+            "coord_s": 0.0,
+        }
         | {"redis_s": 0.0, "threads": {}, "scripts": {}, "n": 0, "first_n": 0}
         for m in MODES
     }
     per_round = max(1, num_opens // rounds)
     framed_ports = [FramedPort("127.0.0.1", None, None) for _ in cluster.stubs]
+    sent = [SentPrompts() for _ in cluster.stubs]  # what framed_ref names, per coordinator
     for _ in range(rounds):
         for mode in MODES:
             a = acc[mode]
@@ -224,14 +236,22 @@ def measure_opens(
                 seq_id = f"{tag}-{mode}-{n}"
                 t0 = time.perf_counter()
                 worker = mode != "coordinator"
-                carried = pack(tokens) if mode == "framed" else None  # as the client packs, in the loop
+                carried = pack(tokens) if mode in ("framed", "framed_ref") else None  # as the client packs
                 if carried is not None:
                     req = pb.CoordOpenRequest(seq_id=seq_id, packed_token_ids=carried, worker_opens=True)
                     req.carries_prompt = True
+                    if mode == "framed_ref":  # as the client names a start it sent (client/sent_prompts.py)
+                        ref, named = sent[n % len(cluster.stubs)].name(carried)
+                        if named:
+                            a["named"] += 1
+                            req.prefix_ref, req.prefix_tokens = ref, named
+                            req.packed_token_ids = carried[PACKED_TOKEN_BYTES * named :]
                 else:
                     req = pb.CoordOpenRequest(seq_id=seq_id, token_ids=tokens, worker_opens=worker)
                 framed = framed_ports[n % len(cluster.stubs)] if mode.startswith("framed") else None
                 reply = coordinator_call(stub, framed, "Open", req)
+                if mode == "framed_ref":
+                    sent[n % len(cluster.stubs)].learn(carried, reply)
                 if carried is not None:  # the cached prefix rides beside the order
                     reply.node_open.packed_token_ids = carried[: PACKED_TOKEN_BYTES * reply.num_cached_tokens]
                 if worker:  # as CacheClient does: the node Open, then open() returns
@@ -258,6 +278,7 @@ def measure_opens(
         out[mode] = {
             "opens": n,
             "hit_share": a["hits"] / n,
+            "named_share": a["named"] / n,  # opens whose start went as a ref
             "open_p50_ms": pct(a["open_ms"], 50),
             "open_p99_ms": pct(a["open_ms"], 99),
             "close_p50_ms": pct(a["close_ms"], 50),
@@ -340,7 +361,7 @@ def run_point(
             num_opens = max(10, min(args.opens, args.opens * 8192 // tokens))
             freed = 0 if args.coordinator_frees else 1
             both = measure_opens(cluster, window, names, prompt, num_opens, f"p{tokens}", freed_extents=freed)
-            point["prompts"][tokens] = both["framed"]  # the client's default
+            point["prompts"][tokens] = both["framed_ref"]  # the client's default
             for clients in args.clients:
                 sat = measure_throughput(
                     cluster,
@@ -350,6 +371,7 @@ def run_point(
                     args.throughput_s,
                     f"t{tokens}-{clients}",
                     args.client_lists,
+                    args.whole_prompts,
                 )
                 point["prompts"][tokens].setdefault("saturated_by_clients", []).append(sat)
                 log(
@@ -528,6 +550,12 @@ def main() -> None:
         action="store_true",
         help="the saturated clients send each prompt as a Python list (before 2026-12-07; now an "
         "int64 array, whose packing costs a 32k open ~0.2 ms of client CPU instead of ~1.5)",
+    )
+    p.add_argument(
+        "--whole-prompts",
+        action="store_true",
+        help="the saturated clients send every prompt whole (before 2026-12-08; now as the client "
+        "does: the start it shares with the last prompt named by that prompt's ref)",
     )
     p.add_argument("--prompts", default="", help="prompt lengths in tokens (default 1024,8192,32768)")
     p.add_argument("--indexes", default="", help="index sizes in keys (default 10000,100000)")

@@ -25,10 +25,11 @@ from typing import Any
 import numpy as np
 
 from bench.scale_cluster import SPEC, ScaleCluster, cpu_s
+from pagedkv.client.sent_prompts import SentPrompts
 from pagedkv.protos import pagedkv_pb2 as pb
 from pagedkv.protos.errors import PagedKVError, Unavailable
 from pagedkv.protos.framed_client import FramedPort
-from pagedkv.protos.prompt import pack
+from pagedkv.protos.prompt import PACKED_TOKEN_BYTES, pack
 
 START_GAP_S = 0.2  # between the last client saying it is ready and the window opening
 
@@ -41,9 +42,11 @@ def measure_throughput(
     seconds: float,
     tag: str,
     lists: bool = False,
+    whole: bool = False,
 ) -> dict[str, Any]:
     """`clients` processes, each on one coordinator's framed port in turn, for `seconds`
-    (`lists`: each prompt a Python list, not an array).
+    (`lists`: each prompt a Python list, not an array; `whole`: every prompt sent whole, no
+    start named by a ref).
     The window opens once every client has imported and connected (a fixed delay was too
     short where the clients share one CPU with the fake nodes: --pin)."""
     with tempfile.NamedTemporaryFile(suffix=".npy", delete=False) as f:
@@ -53,7 +56,8 @@ def measure_throughput(
             [sys.executable, "-m", "bench.scale_throughput", "--client"]
             + ["--port", str(frame_ports[i % len(frame_ports)]), "--prompt", f.name]
             + ["--seconds", repr(seconds), "--tag", f"{tag}-{i}"]
-            + (["--lists"] if lists else []),
+            + (["--lists"] if lists else [])
+            + (["--whole"] if whole else []),
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -98,13 +102,18 @@ def measure_throughput(
     }
 
 
-def _client(port: int, prompt_path: str, seconds: float, tag: str, lists: bool = False) -> None:
+def _client(
+    port: int, prompt_path: str, seconds: float, tag: str, lists: bool = False, whole: bool = False
+) -> None:
     """Open + close (the client's framed default: prompt packed and carried) until the window
     ends; says "ready" once connected, reads when the window opens from stdin, and prints the
     pairs completed inside the window and the UNAVAILABLE retries. Each prompt is an int64
     array (`lists`: a Python list, whose packing took this client ~1.5 ms of a 32k open: on 2
-    cores shared with the coordinator and Redis the clients then held the rate, not it)."""
+    cores shared with the coordinator and Redis the clients then held the rate, not it). As the
+    client library does, the start a prompt shares with the last one goes as that one's ref
+    (client/sent_prompts.py), unless `whole`."""
     prompt = np.load(prompt_path)
+    sent = SentPrompts()
     framed = FramedPort("127.0.0.1", None, None)
     framed.learn(port)
     # connected before the window (a close of an id never opened succeeds, changing nothing)
@@ -119,9 +128,16 @@ def _client(port: int, prompt_path: str, seconds: float, tag: str, lists: bool =
         seq_id = f"{tag}-{n}"
         tail = [2_000_000 + n] * block + [7]  # a unique block after the shared prompt
         tokens = prompt.tolist() + tail if lists else np.concatenate((prompt, np.asarray(tail, np.int64)))
-        req = pb.CoordOpenRequest(seq_id=seq_id, packed_token_ids=pack(tokens), worker_opens=True)
+        packed = pack(tokens) or b""
+        req = pb.CoordOpenRequest(seq_id=seq_id, packed_token_ids=packed, worker_opens=True)
         req.carries_prompt = True
-        framed.call("Open", req, pb.CoordOpenResponse, 60)
+        ref, named = (b"", 0) if whole else sent.name(packed)
+        if named:
+            req.prefix_ref, req.prefix_tokens = ref, named
+            req.packed_token_ids = packed[PACKED_TOKEN_BYTES * named :]
+        reply = framed.call("Open", req, pb.CoordOpenResponse, 60)
+        if not whole:
+            sent.learn(packed, reply)
         while True:
             try:
                 framed.call("Close", pb.CoordSeqRequest(seq_id=seq_id, freed_extents=1), pb.Empty, 60)
@@ -145,9 +161,10 @@ def main() -> None:
     p.add_argument("--seconds", type=float, required=True)
     p.add_argument("--tag", required=True, help="sequence id prefix")
     p.add_argument("--lists", action="store_true", help="send each prompt as a Python list")
+    p.add_argument("--whole", action="store_true", help="send each prompt whole (no ref)")
     args = p.parse_args()
     try:
-        _client(args.port, args.prompt, args.seconds, args.tag, args.lists)
+        _client(args.port, args.prompt, args.seconds, args.tag, args.lists, args.whole)
     except PagedKVError as exc:
         sys.exit(f"throughput client: {exc}")
 

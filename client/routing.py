@@ -22,7 +22,14 @@ from typing import Any
 
 from ..protos import pagedkv_pb2 as pb
 from ..protos import pagedkv_pb2_grpc as pb_grpc
-from ..protos.errors import InvalidArgument, PagedKVError, SequenceLost, SequenceNotFound, Unavailable
+from ..protos.errors import (
+    InvalidArgument,
+    PagedKVError,
+    PrefixUnknown,
+    SequenceLost,
+    SequenceNotFound,
+    Unavailable,
+)
 from ..protos.framed_client import FramedPort, NotCarried
 from ..protos.prompt import PACKED_TOKEN_BYTES
 from ..protos.spec import ModelSpec
@@ -31,6 +38,7 @@ from .config import ClientConfig
 from .control import NodeControl, call
 from .data import NodeData
 from .node_opens import NodeOpens, Send
+from .sent_prompts import SentPrompts
 from .types import ClusterStats, ExtentRoute, MissExplanation, NodeEntry, OpenResult, Route
 
 _EMPTY = pb.Empty()
@@ -156,6 +164,7 @@ class CoordinatorRouting:
         self._spec_cache: tuple[ModelSpec | None, pb.ModelSpec | None] = (spec, _spec(spec))
         # Prompts go packed once a reply says the coordinator reads them (the first open: varints)
         self.packs_prompts = False
+        self.sent_prompts = SentPrompts()  # what an open may name instead of sending (sent_prompts.py)
 
     def _spec_msg(self) -> pb.ModelSpec | None:
         """The spec as a message, built once per spec (not once per open);
@@ -213,21 +222,46 @@ class CoordinatorRouting:
         explain_miss: bool = False,
     ) -> tuple[OpenResult, Route]:
         request = self._open_request(seq_id, token_ids, max_cached_tokens, attention, explain_miss)
+        packed = request.packed_token_ids  # all of it (an open may send only its end)
         if self.node_opens is not None:
             self.node_opens.wait(seq_id)  # a reopen after a failed node Open: its page table is gone
             request.worker_opens = request.carries_prompt = True
-        resp = self._call("Open", request, timeout_s)
+        resp = self._open(request, packed, timeout_s)
         if resp.num_pending_tokens and self.node_opens is not None and self.config.await_in_flight_s:
-            resp = self._await_in_flight(request, resp, token_ids, timeout_s)
+            resp = self._await_in_flight(request, packed, resp, token_ids, timeout_s)
         self.packs_prompts = resp.takes_packed_prompts  # an older coordinator reads packed as empty
         if self.node_opens is not None and resp.HasField("node_open"):
-            _carry_prompt(resp.node_open, request, resp.num_cached_tokens)
+            _carry_prompt(resp.node_open, request, packed, resp.num_cached_tokens)
             self.node_opens.send(seq_id, resp.extents[0].address, resp.node_open)
         return OpenResult(resp.num_cached_tokens, resp.num_host_hit_tokens, _miss(resp)), _route(resp)
+
+    def _open(
+        self, request: pb.CoordOpenRequest, packed: bytes, timeout_s: float | None
+    ) -> pb.CoordOpenResponse:
+        """Open; on the framed port (one coordinator process: its refs stay valid) the start
+        the prompt shares with one sent lately goes as a ref (sent_prompts.py), and the open
+        goes whole again if the coordinator no longer holds it."""
+        _whole(request, packed)  # (a second open of this request names afresh)
+        if packed and request.carries_prompt and self.framed is not None and self.framed.is_usable:
+            ref, named = self.sent_prompts.name(packed)
+            if named:
+                request.prefix_ref, request.prefix_tokens = ref, named
+                request.packed_token_ids = packed[named * PACKED_TOKEN_BYTES :]
+        try:
+            resp = self._call("Open", request, timeout_s)
+        except PrefixUnknown:
+            if not _whole(request, packed):
+                raise
+            self.sent_prompts.forget()
+            resp = self._call("Open", request, timeout_s)
+        if packed and request.carries_prompt:
+            self.sent_prompts.learn(packed, resp)
+        return resp
 
     def _await_in_flight(
         self,
         request: pb.CoordOpenRequest,
+        packed: bytes,
         resp: pb.CoordOpenResponse,
         token_ids: codec.TokenIds,
         timeout_s: float | None,
@@ -253,7 +287,7 @@ class CoordinatorRouting:
             except PagedKVError:  # (a store outage): keep this open
                 return resp
         request.request_id = uuid.uuid4().hex  # a new open (a retry of it gets its answer)
-        return self._call("Open", request, timeout_s)  # (fails as any open would)
+        return self._open(request, packed, timeout_s)  # (fails as any open would)
 
     def _drop_failed_open(self, seq_id: str) -> None:
         """The node refused (or never got) the Open this worker carried: drop the page
@@ -379,12 +413,23 @@ class CoordinatorRouting:
         return cluster_stats(self._call("Stats", _EMPTY, timeout_s))
 
 
-def _carry_prompt(order: pb.SignedOpen, request: pb.CoordOpenRequest, num_cached: int) -> None:
+def _carry_prompt(order: pb.SignedOpen, request: pb.CoordOpenRequest, packed: bytes, num_cached: int) -> None:
     """Attach the prompt's cached prefix (all the node reads of it) to the node Open: the
-    order names the prompt instead of holding it (OpenRequest.prompt_key)."""
+    order names the prompt instead of holding it (OpenRequest.prompt_key). `packed`: the
+    whole prompt packed (the request may hold only its end), or b"" when it went as varints."""
     if num_cached <= 0:
         return
-    if request.packed_token_ids:
-        order.packed_token_ids = request.packed_token_ids[: PACKED_TOKEN_BYTES * num_cached]
+    if packed:
+        order.packed_token_ids = packed[: PACKED_TOKEN_BYTES * num_cached]
     else:
         order.token_ids.extend(request.token_ids[:num_cached])
+
+
+def _whole(request: pb.CoordOpenRequest, packed: bytes) -> bool:
+    """Make an open that named its prompt's start send it whole again; False if it named none."""
+    if not request.prefix_ref:
+        return False
+    request.ClearField("prefix_ref")
+    request.ClearField("prefix_tokens")
+    request.packed_token_ids = packed
+    return True

@@ -70,12 +70,13 @@ from ..protos.errors import (
     NodeNotLive,
     PagedKVError,
     PermissionDenied,
+    PrefixUnknown,
     SequenceExists,
     SequenceLost,
     SequenceNotFound,
     Unavailable,
 )
-from ..protos.keys import chain_keys, root_key
+from ..protos.keys import KEY_BYTES, chain_keys, root_key
 from ..protos.serving import name_os_thread
 from ..protos.status import error_from_rpc
 from .auth import ClusterAccess
@@ -91,6 +92,7 @@ from .missing import MissingChecks
 from .node_calls import NodeCalls
 from .node_rooms import NodeRooms
 from .placement import Placement, PlacementWeights
+from .prompt_refs import PromptRefs
 from .reconcile import Reconciler
 from .records import EventRun, Extent, NewSequence, NodeInfo, SequenceRecord, spec_text, spec_view
 from .reuse import ReuseClasses, ReuseConfig
@@ -159,6 +161,9 @@ class OpenResult:
     record: SequenceRecord | None = None  # fork, swap_in: the page table (every extent)
     node_open: pb.SignedOpen | None = None  # open with worker_opens: the node Open the worker sends
     num_pending_tokens: int = 0  # open: of the rest, tokens an open in flight is computing on that node
+    prompt_ref: bytes = b""  # open with a carried prompt: names its first prompt_ref_tokens (prompt_refs.py)
+    prompt_ref_tokens: int = 0
+    block_size: int = 0  # open: the block size of its node's model
 
 
 class OpenArgs(NamedTuple):
@@ -173,6 +178,10 @@ class OpenArgs(NamedTuple):
     request_id: str = ""
     worker_opens: bool = False
     carried_prompt: bool = False
+    # With carried_prompt: the prompt's first prefix_tokens tokens are those the ref names
+    # (prompt_refs.py) and token_ids holds the rest.
+    prefix_ref: bytes = b""
+    prefix_tokens: int = 0
 
 
 class CloseArgs(NamedTuple):
@@ -238,10 +247,14 @@ class Coordinator(DeferredCalls, Failures, Membership, NodeRooms, Extents, Missi
             "scan_opens": 0,  # opens placed as scans (placement.py)
             "host_hit_tokens": 0,  # of cached_tokens, those on the chosen node's host tier
             "spills": 0,  # extents added to sequences on another node (extents.py)
+            "ref_opens": 0,  # opens that named their prompt's start by a ref (prompt_refs.py)
+            "ref_tokens": 0,  # the prompt tokens those refs named instead of sending them
+            "ref_unknown": 0,  # refs not held (a restart, or a worker switching replicas): sent again
         }
         # Recently removed keys (REMOVED events) and their node: tells "evicted" from "never cached".
         self._removed = RemovedKeys()
         self._chain_keys = ChainKeyCache()  # prompts' keys, reused by opens sharing their prefix
+        self._prompt_refs = PromptRefs()  # prompts a worker may name instead of sending (prompt_refs.py)
         # Numbered event reports, applied in batches
         self.events = EventApplier(store, self._events_applied, interval_s=self.config.event_flush_s)
         self.liveness = Liveness(self.config.liveness(), self._probe)
@@ -420,6 +433,8 @@ class Coordinator(DeferredCalls, Failures, Membership, NodeRooms, Extents, Missi
         request_id: str = "",
         worker_opens: bool = False,
         carried_prompt: bool = False,
+        prefix_ref: bytes = b"",
+        prefix_tokens: int = 0,
     ) -> OpenResult:
         """Place the sequence and write its page table (one store call), then send the
         node Open without waiting for it (see the module docstring); num_cached_tokens
@@ -432,11 +447,14 @@ class Coordinator(DeferredCalls, Failures, Membership, NodeRooms, Extents, Missi
         node (`node_open`), for the worker to send (CacheNode.OpenSigned). A worker that
         dies first leaves a page table its node does not hold: reconcile.py marks it lost.
         `carried_prompt` (with worker_opens): the worker attaches the prompt to that Open, so
-        the order names it by its cached prefix's last key instead of holding it."""
+        the order names it by its cached prefix's last key instead of holding it; the answer
+        then carries a ref to the prompt (`prompt_ref`), which a later open of the tenant may
+        pass as `prefix_ref` with `prefix_tokens` of it, and only the rest as `token_ids`."""
         seq_id = seq_id or uuid.uuid4().hex
         self._settle(seq_id, raise_error=False)  # a reopen of this id waits for its last node call
         o = OpenArgs(tenant, token_ids, seq_id, max_cached_tokens, spec, attention, request_id, worker_opens)
-        return self._open_alone(o._replace(carried_prompt=carried_prompt), wait)
+        o = o._replace(carried_prompt=carried_prompt, prefix_ref=prefix_ref, prefix_tokens=prefix_tokens)
+        return self._open_alone(o, wait)
 
     def _open_alone(self, o: OpenArgs, wait: bool = False) -> OpenResult:
         opening = self._begin_open(o)
@@ -482,7 +500,7 @@ class Coordinator(DeferredCalls, Failures, Membership, NodeRooms, Extents, Missi
     def _begin_open(self, o: OpenArgs) -> _Opening:
         """An open up to its store call: checked, hashed, its NewSequence built, and in
         `_inflight` (a close that finds its page table finds the call)."""
-        tenant, token_ids, seq_id, max_cached_tokens, spec, attention, request_id, _, _ = o
+        tenant, token_ids, seq_id, max_cached_tokens, spec, attention, request_id = o[:7]
         if not self.num_live_nodes():
             self.refresh_nodes()
         candidates = self._candidates(spec)  # kept between opens (node_rooms.py)
@@ -499,11 +517,25 @@ class Coordinator(DeferredCalls, Failures, Membership, NodeRooms, Extents, Missi
                 raise InvalidArgument(f"nodes serve models of {sorted(depths)} layers: name the model spec")
             from_messages(attention, depths.pop())
         salt, root = self._salt(tenant)
-        num_tokens = len(token_ids)
+        num_tokens = o.prefix_tokens + len(token_ids)
         limit = num_tokens - 1 if max_cached_tokens is None else min(max_cached_tokens, num_tokens)
         tokens = np.asarray(token_ids)  # one C-level copy; slicing a protobuf field makes a list
-        # A prefix shared with a recent prompt is not hashed again (key_cache.py).
-        keys = self._chain_keys.keys(root, tokens[: max(limit, 0) // bs * bs], bs)
+        if o.prefix_ref:  # the prompt's start named by a ref (prompt_refs.py)
+            if not (o.worker_opens and o.carried_prompt):
+                raise InvalidArgument("prefix_ref needs worker_opens and carries_prompt")
+            try:
+                keys = self._prompt_refs.keys(
+                    seq_id, root, bs, o.prefix_ref, o.prefix_tokens, tokens, max(limit, 0) // bs
+                )
+            except PrefixUnknown:
+                self.counters["ref_unknown"] += 1
+                raise
+            self.counters["ref_opens"] += 1
+            self.counters["ref_tokens"] += o.prefix_tokens
+        elif o.prefix_tokens:
+            raise InvalidArgument("prefix_tokens without a prefix_ref")
+        else:  # a prefix shared with a recent prompt is not hashed again (key_cache.py)
+            keys = self._chain_keys.keys(root, tokens[: max(limit, 0) // bs * bs], bs)
         num_blocks = max(1, -(-num_tokens // bs))
         with self._lock:
             opens_scale = self._open_growth  # the rows' counts are scaled by it
@@ -532,7 +564,7 @@ class Coordinator(DeferredCalls, Failures, Membership, NodeRooms, Extents, Missi
     def _end_open(self, opening: _Opening, placement: Placement | PagedKVError, wait: bool) -> OpenResult:
         """An open after its store call (`placement`, or the error it raised): its answer."""
         o, new, call, keys, salt, bs, quota = opening
-        tenant, token_ids, seq_id, _, _, attention, request_id, worker_opens, carried_prompt = o
+        tenant, token_ids, seq_id, _, _, attention, request_id, worker_opens, carried_prompt = o[:9]
         num_tokens, num_blocks = new.num_tokens, new.num_blocks
         if isinstance(placement, PagedKVError):
             exc = placement
@@ -541,7 +573,8 @@ class Coordinator(DeferredCalls, Failures, Membership, NodeRooms, Extents, Missi
             if isinstance(exc, SequenceExists) and request_id:
                 first = self._first_answer(tenant, seq_id, request_id, exc)
                 if worker_opens:  # its first answer never reached the worker: sign the Open again
-                    prompt = order_prompt(token_ids, keys, first.num_cached_tokens, bs, carried_prompt)
+                    cached = first.num_cached_tokens
+                    prompt = order_prompt(token_ids, num_tokens, keys, cached, bs, carried_prompt)
                     request = node_open_request(
                         seq_id, prompt, salt, first.num_cached_tokens, attention, request_id
                     )
@@ -560,7 +593,8 @@ class Coordinator(DeferredCalls, Failures, Membership, NodeRooms, Extents, Missi
             self._background.submit(self._drop_failed_open, call, tenant if quota is not None else None)
             raise call.error  # type: ignore[misc]
         call.mark_recorded()
-        prompt = order_prompt(token_ids, keys, num_cached, bs, worker_opens and carried_prompt)
+        carried = worker_opens and carried_prompt
+        prompt = order_prompt(token_ids, num_tokens, keys, num_cached, bs, carried)
         request = node_open_request(seq_id, prompt, salt, num_cached, attention, request_id)
         if quota is not None:  # the sequence may hold what was reserved; more through Reserve
             request.max_blocks = num_blocks
@@ -589,7 +623,16 @@ class Coordinator(DeferredCalls, Failures, Membership, NodeRooms, Extents, Missi
             num_host_hit = call.host_hit_tokens
         where = (seq_id, node.node_id, node.address, num_cached, placement, num_host_hit)
         pending = min(placement.pending_blocks * bs, num_tokens - num_cached)
-        return OpenResult(*where, miss=miss, node_open=node_open, num_pending_tokens=pending)
+        ref = self._prompt_refs.keep(self._salt(tenant)[1], bs, keys) if carried else b""
+        return OpenResult(
+            *where,
+            miss=miss,
+            node_open=node_open,
+            num_pending_tokens=pending,
+            prompt_ref=ref,
+            prompt_ref_tokens=len(keys) // KEY_BYTES * bs if ref else 0,
+            block_size=bs,
+        )
 
     def _learn(self, placement: Placement, keys: bytes) -> None:
         """Feed the open to the reuse classes (reuse.py): the keys it hit on its node, the first

@@ -79,13 +79,16 @@ class NamedPrompt:
     last_cached_key: bytes
 
 
-def order_prompt(token_ids: Any, keys: bytes, num_cached: int, block_size: int, named: bool) -> Any:
+def order_prompt(
+    token_ids: Any, num_tokens: int, keys: bytes, num_cached: int, block_size: int, named: bool
+) -> Any:
     """What a node Open holds of the prompt: the tokens, or with `named` a NamedPrompt
-    (`keys`: the prompt's packed chain keys, covering at least the cached blocks)."""
+    (`keys`: the prompt's packed chain keys, covering at least the cached blocks;
+    `num_tokens`: its length, which `token_ids` need not hold: prompt_refs.py)."""
     if not named:
         return token_ids
     last = num_cached // block_size
-    return NamedPrompt(len(token_ids), keys[(last - 1) * KEY_BYTES : last * KEY_BYTES] if last else b"")
+    return NamedPrompt(num_tokens, keys[(last - 1) * KEY_BYTES : last * KEY_BYTES] if last else b"")
 
 
 def node_open_request(

@@ -65,6 +65,20 @@ class CoordinatorCollector(Collector):
         )
         scans.add_metric([], c["scan_opens"])
         yield scans
+        refs = CounterMetricFamily(
+            "pagedkv_coordinator_ref_opens",
+            "Opens that named their prompt's start by an earlier prompt's ref instead of sending it "
+            '(coordinator/prompt_refs.py); outcome="unknown": refs not held, the open sent whole again.',
+            labels=["outcome"],
+        )
+        refs.add_metric(["named"], c["ref_opens"])
+        refs.add_metric(["unknown"], c["ref_unknown"])
+        yield refs
+        ref_tokens = CounterMetricFamily(
+            "pagedkv_coordinator_ref_tokens", "Prompt tokens named by a ref instead of sent."
+        )
+        ref_tokens.add_metric([], c["ref_tokens"])
+        yield ref_tokens
         misses = CounterMetricFamily(
             "pagedkv_coordinator_open_misses",
             "Opens whose prompt the chosen node's device did not serve whole, by why its first such "

@@ -142,6 +142,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             node_seq_id=seq_id,
             frame_port=self.frame_port,
             takes_packed_prompts=True,
+            prompt_ref=result.prompt_ref,
+            prompt_ref_tokens=result.prompt_ref_tokens,
+            block_size=result.block_size,
         )
         if explain_miss and result.miss is not None:
             resp.miss.CopyFrom(miss_message(result.miss))
@@ -318,6 +321,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 request_id=o.request_id,
                 worker_opens=o.worker_opens,
                 carried_prompt=o.carried_prompt,
+                prefix_ref=o.prefix_ref,
+                prefix_tokens=o.prefix_tokens,
             )
             return self._opened(o, result, request)
 
@@ -336,10 +341,12 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             request.request_id,
             request.worker_opens,
             request.worker_opens and request.carries_prompt,
+            request.prefix_ref,
+            request.prefix_tokens,
         )
 
     def _opened(self, o: OpenArgs, result: OpenResult, request: pb.CoordOpenRequest) -> pb.CoordOpenResponse:
-        self.metrics.observe_open(o.tenant, len(o.token_ids), result.num_cached_tokens)
+        self.metrics.observe_open(o.tenant, o.prefix_tokens + len(o.token_ids), result.num_cached_tokens)
         return self._placed(o.tenant, o.seq_id, result, request.explain_miss)
 
     def Opens(self, calls: Sequence[tuple[pb.CoordOpenRequest, Any]]) -> list[Callable[[], Any]]:

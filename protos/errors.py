@@ -103,6 +103,18 @@ class SequenceExists(FailedPrecondition):
         super().__init__(f"sequence {seq_id!r} already exists")
 
 
+class PrefixUnknown(FailedPrecondition):
+    """An open named its prompt's start by a ref (CoordOpenRequest.prefix_ref) that this
+    coordinator does not hold (it restarted, dropped it for newer ones, or never gave it to
+    this tenant): nothing was changed. Send the prompt whole."""
+
+    def __init__(self, seq_id: str) -> None:
+        self.seq_id = seq_id
+        super().__init__(
+            f"open of sequence {seq_id!r} names a prompt this coordinator does not hold: send it whole"
+        )
+
+
 class NodeNotLive(FailedPrecondition):
     """The call needs a live node (registered, heartbeat not lapsed) and this one is not."""
 

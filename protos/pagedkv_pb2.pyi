@@ -501,7 +501,7 @@ class Placement(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., first_token: _Optional[int] = ..., ticket: _Optional[bytes] = ...) -> None: ...
 
 class CoordOpenRequest(_message.Message):
-    __slots__ = ("seq_id", "token_ids", "packed_token_ids", "max_cached_tokens", "spec", "attention", "explain_miss", "request_id", "worker_opens", "carries_prompt")
+    __slots__ = ("seq_id", "token_ids", "packed_token_ids", "max_cached_tokens", "spec", "attention", "explain_miss", "request_id", "worker_opens", "carries_prompt", "prefix_ref", "prefix_tokens")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PACKED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -512,6 +512,8 @@ class CoordOpenRequest(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_OPENS_FIELD_NUMBER: _ClassVar[int]
     CARRIES_PROMPT_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_REF_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     packed_token_ids: bytes
@@ -522,10 +524,12 @@ class CoordOpenRequest(_message.Message):
     request_id: str
     worker_opens: bool
     carries_prompt: bool
-    def __init__(self, seq_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., packed_token_ids: _Optional[bytes] = ..., max_cached_tokens: _Optional[int] = ..., spec: _Optional[_Union[ModelSpec, _Mapping]] = ..., attention: _Optional[_Iterable[_Union[LayerAttention, _Mapping]]] = ..., explain_miss: _Optional[bool] = ..., request_id: _Optional[str] = ..., worker_opens: _Optional[bool] = ..., carries_prompt: _Optional[bool] = ...) -> None: ...
+    prefix_ref: bytes
+    prefix_tokens: int
+    def __init__(self, seq_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., packed_token_ids: _Optional[bytes] = ..., max_cached_tokens: _Optional[int] = ..., spec: _Optional[_Union[ModelSpec, _Mapping]] = ..., attention: _Optional[_Iterable[_Union[LayerAttention, _Mapping]]] = ..., explain_miss: _Optional[bool] = ..., request_id: _Optional[str] = ..., worker_opens: _Optional[bool] = ..., carries_prompt: _Optional[bool] = ..., prefix_ref: _Optional[bytes] = ..., prefix_tokens: _Optional[int] = ...) -> None: ...
 
 class CoordOpenResponse(_message.Message):
-    __slots__ = ("extents", "num_cached_tokens", "num_host_hit_tokens", "num_blocks", "miss", "node_seq_id", "node_open", "frame_port", "takes_packed_prompts", "num_pending_tokens")
+    __slots__ = ("extents", "num_cached_tokens", "num_host_hit_tokens", "num_blocks", "miss", "node_seq_id", "node_open", "frame_port", "takes_packed_prompts", "num_pending_tokens", "prompt_ref", "prompt_ref_tokens", "block_size")
     EXTENTS_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_HOST_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -536,6 +540,9 @@ class CoordOpenResponse(_message.Message):
     FRAME_PORT_FIELD_NUMBER: _ClassVar[int]
     TAKES_PACKED_PROMPTS_FIELD_NUMBER: _ClassVar[int]
     NUM_PENDING_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_REF_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_REF_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     extents: _containers.RepeatedCompositeFieldContainer[Placement]
     num_cached_tokens: int
     num_host_hit_tokens: int
@@ -546,7 +553,10 @@ class CoordOpenResponse(_message.Message):
     frame_port: int
     takes_packed_prompts: bool
     num_pending_tokens: int
-    def __init__(self, extents: _Optional[_Iterable[_Union[Placement, _Mapping]]] = ..., num_cached_tokens: _Optional[int] = ..., num_host_hit_tokens: _Optional[int] = ..., num_blocks: _Optional[int] = ..., miss: _Optional[_Union[MissExplanation, _Mapping]] = ..., node_seq_id: _Optional[str] = ..., node_open: _Optional[_Union[SignedOpen, _Mapping]] = ..., frame_port: _Optional[int] = ..., takes_packed_prompts: _Optional[bool] = ..., num_pending_tokens: _Optional[int] = ...) -> None: ...
+    prompt_ref: bytes
+    prompt_ref_tokens: int
+    block_size: int
+    def __init__(self, extents: _Optional[_Iterable[_Union[Placement, _Mapping]]] = ..., num_cached_tokens: _Optional[int] = ..., num_host_hit_tokens: _Optional[int] = ..., num_blocks: _Optional[int] = ..., miss: _Optional[_Union[MissExplanation, _Mapping]] = ..., node_seq_id: _Optional[str] = ..., node_open: _Optional[_Union[SignedOpen, _Mapping]] = ..., frame_port: _Optional[int] = ..., takes_packed_prompts: _Optional[bool] = ..., num_pending_tokens: _Optional[int] = ..., prompt_ref: _Optional[bytes] = ..., prompt_ref_tokens: _Optional[int] = ..., block_size: _Optional[int] = ...) -> None: ...
 
 class CoordLookupRequest(_message.Message):
     __slots__ = ("token_ids", "spec")

@@ -36,9 +36,10 @@ def test_the_quick_scale_run_measures_every_point_and_reaps_nobody(tmp_path: Pat
         assert sat["clients"] == 2 and sat["open_close_per_s"] > 20 and sat["coord_cores"] > 0
         assert sat["opens_per_s_per_core"] == sat["open_close_per_s"] / sat["coord_cores"]
         assert p["events"]["batch256_apply_events_p50_us"] > 0
-        by_mode = p["prompts_by_mode"]  # the same opens each way: framed (above), gRPC, the old way
-        assert by_mode["framed"]["2048"] == opens
-        for mode in ("worker", "coordinator", "framed_varints"):
+        by_mode = p["prompts_by_mode"]  # the same opens each way: framed with refs (above), gRPC, ...
+        assert by_mode["framed_ref"]["2048"] == opens
+        assert opens["named_share"] >= 0.5 and by_mode["framed"]["2048"]["named_share"] == 0
+        for mode in ("worker", "coordinator", "framed_varints", "framed"):
             other = by_mode[mode]["2048"]
             assert other["opens"] == 20 and other["coord_cpu_per_open_close_ms"] >= 0
             assert other["open_p50_ms"] > 0

@@ -11,6 +11,7 @@ import signal
 import time
 
 import grpc
+import numpy as np
 import pytest
 import torch
 from conftest import TOKENS, make_cluster, run_worker
@@ -219,6 +220,8 @@ def test_coordinator_restart_keeps_sequences_and_index(tmp_path, redis_url):
         framed = c.routing.framed
         old_port = framed.port
         assert old_port  # the open's reply named the coordinator's framed port
+        c.open("seeded", SYSTEM + [6]).close()  # framed and packed: the client holds its ref
+        assert c.routing.sent_prompts.name(np.asarray(SYSTEM + [7], "<i4").tobytes())[1] == len(SYSTEM)
         cluster.kill("coordinator", signal.SIGTERM)
         with pytest.raises(Unavailable):
             c.lookup(SYSTEM)
@@ -235,14 +238,19 @@ def test_coordinator_restart_keeps_sequences_and_index(tmp_path, redis_url):
         wait_until(lambda: _leases_live(c), 10.0, "both nodes beating again")
         assert c.sequence("long-lived").route == seq.route
         assert c.lookup(SYSTEM + [3]) == len(SYSTEM)
+        # The ref the client holds names a prompt of the coordinator before: answered
+        # PrefixUnknown, the open goes whole and succeeds.
         hit = c.open("hit", SYSTEM + [4])
         assert hit.num_cached_tokens == len(SYSTEM) and hit.route == seq.route
         hit.close()
+        counters = c.cluster_stats().counters
+        assert counters["ref_unknown"] == 1 and counters["ref_opens"] == 0
         # The restarted coordinator's framed port (another free port) is learned and used again.
         assert framed.port and framed.port != old_port
         calls = framed.num_calls
         c.open("framed-again", SYSTEM + [5]).close()
         assert framed.num_calls == calls + 2
+        assert c.cluster_stats().counters["ref_opens"] == 1  # named by the ref "hit" got
         seq.close()
         all_nodes_clean(c)
 

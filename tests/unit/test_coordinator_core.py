@@ -8,15 +8,19 @@ import time
 
 import pytest
 import torch
+from prometheus_client import CollectorRegistry, generate_latest
 
 from pagedkv.cache_node.engine import CacheEngine, EngineConfig
 from pagedkv.cache_node.server import create_server
-from pagedkv.coordinator.core import Coordinator, CoordinatorConfig
+from pagedkv.coordinator.core import Coordinator, CoordinatorConfig, OpenArgs
 from pagedkv.coordinator.memory_store import MemoryStore
+from pagedkv.coordinator.metrics import CoordinatorCollector
+from pagedkv.protos import pagedkv_pb2 as pb
 from pagedkv.protos.errors import (
     CapacityExceeded,
     NodeLost,
     PermissionDenied,
+    PrefixUnknown,
     SequenceNotFound,
     Unavailable,
 )
@@ -238,3 +242,38 @@ def test_a_close_the_worker_freed_sends_no_free_but_one_after_an_open_in_flight(
         assert e.stats()["num_sequences"] == 0 and e.stats()["used_blocks"] == 0, raced.node_id
     with pytest.raises(SequenceNotFound):
         coordinator.store.get_sequence("raced")
+
+
+def test_a_batch_names_prompts_by_ref_and_one_unknown_ref_fails_alone(cluster):
+    """Refs through open_many (the framed loop's path): the named open is placed and ordered
+    as the whole prompt would be, an unknown ref fails only its own open, and the counters
+    (and their metrics) say so."""
+    coordinator, _ = cluster
+    prompt = list(range(500, 541))  # 10 whole blocks and one token
+    first = coordinator.open("t", prompt, seq_id="src", worker_opens=True, carried_prompt=True)
+    assert first.prompt_ref and first.prompt_ref_tokens == 40 and first.block_size == 4
+    coordinator.close("t", "src", freed_extents=1)  # (the worker would have freed it)
+    tail = prompt[36:] + list(range(900, 912)) + [9]  # 13 whole blocks keyed: 9 named, 4 hashed
+    named, unknown, whole = coordinator.open_many(
+        [
+            OpenArgs("t", tail, "named", worker_opens=True, carried_prompt=True, prefix_ref=first.prompt_ref,
+                     prefix_tokens=36),
+            OpenArgs("t", tail, "lost", worker_opens=True, carried_prompt=True, prefix_ref=b"\1" * 16,
+                     prefix_tokens=36),
+            OpenArgs("t", prompt[:36] + tail, "whole", worker_opens=True, carried_prompt=True),
+        ]
+    )  # fmt: skip
+    assert isinstance(unknown, PrefixUnknown) and unknown.seq_id == "lost"
+    assert named.prompt_ref == whole.prompt_ref != first.prompt_ref and named.prompt_ref_tokens == 52
+    order, whole_order = (pb.OpenRequest.FromString(r.node_open.order) for r in (named, whole))
+    assert (order.prompt_tokens, order.prompt_key) == (whole_order.prompt_tokens, whole_order.prompt_key)
+    assert coordinator.counters["ref_opens"] == 1 and coordinator.counters["ref_tokens"] == 36
+    assert coordinator.counters["ref_unknown"] == 1
+    registry = CollectorRegistry()
+    registry.register(CoordinatorCollector(coordinator))
+    text = generate_latest(registry).decode()
+    assert 'pagedkv_coordinator_ref_opens_total{outcome="named"} 1.0' in text
+    assert 'pagedkv_coordinator_ref_opens_total{outcome="unknown"} 1.0' in text
+    assert "pagedkv_coordinator_ref_tokens_total 36.0" in text
+    for seq_id in ("named", "whole"):
+        coordinator.close("t", seq_id, freed_extents=1)
