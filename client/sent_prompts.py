@@ -45,8 +45,11 @@ class SentPrompts:
         tokens = np.frombuffer(packed, _INT32)
         best: tuple[bytes, int] = (b"", 0)
         for sent in held:
-            n = min(len(sent.tokens), len(tokens))
-            if n - n % sent.block_size <= best[1]:
+            n, bs = min(len(sent.tokens), len(tokens)), sent.block_size
+            if n - n % bs <= best[1]:
+                continue
+            step = best[1] - best[1] % bs  # it beats the best only if the block past it is shared too
+            if best[1] and not np.array_equal(sent.tokens[step : step + bs], tokens[step : step + bs]):
                 continue
             differ = np.flatnonzero(sent.tokens[:n] != tokens[:n])
             shared = int(differ[0]) if len(differ) else n

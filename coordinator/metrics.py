@@ -189,6 +189,7 @@ class CoordinatorMetrics:
         # the children of the two per-call histograms, by label (both label sets are bounded)
         self._rpc_children: dict[str, Any] = {}
         self._redis_children: dict[str, Any] = {}
+        self._tenant_children: dict[str, tuple[Any, Any, Any]] = {}  # (tenants are configured: bounded)
         self.redis_latency = Histogram(
             "pagedkv_coordinator_redis_latency_seconds",
             "Coordinator Redis call latency by operation.",
@@ -239,6 +240,14 @@ class CoordinatorMetrics:
             self.redis_errors.labels(op).inc()
 
     def observe_open(self, tenant: str, num_prompt_tokens: int, num_cached_tokens: int) -> None:
-        self.tenant_opens.labels(tenant).inc()
-        self.tenant_prompt_tokens.labels(tenant).inc(num_prompt_tokens)
-        self.tenant_cached_tokens.labels(tenant).inc(num_cached_tokens)
+        children = self._tenant_children.get(tenant)
+        if children is None:  # three labels() an open otherwise
+            children = self._tenant_children[tenant] = (
+                self.tenant_opens.labels(tenant),
+                self.tenant_prompt_tokens.labels(tenant),
+                self.tenant_cached_tokens.labels(tenant),
+            )
+        opens, prompt, cached = children
+        opens.inc()
+        prompt.inc(num_prompt_tokens)
+        cached.inc(num_cached_tokens)

@@ -117,3 +117,30 @@ def test_the_worker_holds_its_latest_prompts_and_ignores_replies_that_do_not_fit
         fresh = SentPrompts()
         fresh.learn(_packed([3] * (8 * BS)), bad)
         assert fresh.name(_packed([3] * (8 * BS))) == (b"", 0), bad
+
+
+def test_the_named_start_is_the_longest_any_held_prompt_shares() -> None:
+    """Against a brute force over random prompts sharing random starts (block sizes mixed)."""
+    rnd = random.Random(3)
+    for trial in range(200):
+        base = [rnd.randrange(9) for _ in range(400)]
+        sent, held = SentPrompts(), []
+        for i in range(rnd.randrange(1, KEPT + 1)):
+            bs = rnd.choice((4, 16))
+            cut = rnd.randrange(0, 400)
+            prompt = base[:cut] + [rnd.randrange(9) for _ in range(rnd.randrange(0, 200))]
+            ref_tokens = len(prompt) // bs * bs
+            if ref_tokens:
+                sent.learn(_packed(prompt), _reply(b"r%d" % i, ref_tokens, bs))
+                held.append((b"r%d" % i, prompt[:ref_tokens], bs))
+        new = base[: rnd.randrange(0, 400)] + [rnd.randrange(9) for _ in range(50)]
+        best = 0
+        for _, tokens, bs in held:
+            shared = next((j for j, (a, b) in enumerate(zip(tokens, new, strict=False)) if a != b), None)
+            shared = min(len(tokens), len(new)) if shared is None else shared
+            best = max(best, shared - shared % bs)
+        ref, named = sent.name(_packed(new))
+        assert named == (best if best >= MIN_REF_TOKENS else 0), trial
+        if named:
+            tokens, bs = next((t, b) for r, t, b in held if r == ref)
+            assert tokens[:named] == new[:named] and named % bs == 0
