@@ -12,7 +12,9 @@ so a tenant names nothing but keys this coordinator hashed from tokens that tena
 other ref answers PrefixUnknown as one never given. The worker still carries the prompt to
 the node, which hashes the cached prefix it receives and refuses one that does not end at
 the order's key (OpenRequest.prompt_key): a worker that names one prefix and carries another
-opens nothing. Bounded by the key bytes held (least recently used out). Thread-safe.
+opens nothing. Bounded by the key bytes held: over it, the tenant holding the most gives up
+its least recently used (a tenant flooding long prompts evicts its own refs, not another's).
+Thread-safe.
 """
 
 from __future__ import annotations
@@ -30,10 +32,23 @@ MAX_KEY_BYTES = 32 << 20  # ~1,000 prompts of 32k tokens at 16-token blocks
 MIN_REF_BLOCKS = 4  # a shorter prompt is sent for less than its ref costs to hold
 
 
+class _Tenant:
+    """One root's refs, least recently used first, and the key bytes they hold."""
+
+    __slots__ = ("held", "num_bytes")
+
+    def __init__(self) -> None:
+        self.held: OrderedDict[bytes, tuple[int, bytes]] = OrderedDict()  # ref -> block size, keys
+        self.num_bytes = 0
+
+
 class PromptRefs:
+    """Refs per tenant root. Over the bound, the tenant holding the most gives up its oldest:
+    a tenant that opens many long prompts pushes out its own refs before another's."""
+
     def __init__(self, max_key_bytes: int = MAX_KEY_BYTES) -> None:
         self.max_key_bytes = max_key_bytes
-        self._held: OrderedDict[bytes, tuple[bytes, int, bytes]] = OrderedDict()  # ref -> root, bs, keys
+        self._tenants: dict[bytes, _Tenant] = {}
         self._num_bytes = 0
         self._lock = threading.Lock()
 
@@ -43,14 +58,23 @@ class PromptRefs:
             return b""
         ref = keys[-KEY_BYTES:]
         with self._lock:
-            if ref in self._held:  # the same prompt again (its keys are the same)
-                self._held.move_to_end(ref)
+            tenant = self._tenants.get(root)
+            if tenant is None:
+                tenant = self._tenants[root] = _Tenant()
+            if ref in tenant.held:  # the same prompt again (its keys are the same)
+                tenant.held.move_to_end(ref)
                 return ref
-            self._held[ref] = (root, block_size, keys)
+            tenant.held[ref] = (block_size, keys)
+            tenant.num_bytes += len(keys)
             self._num_bytes += len(keys)
-            while self._num_bytes > self.max_key_bytes and self._held:
-                _, (_, _, gone) = self._held.popitem(last=False)
+            while self._num_bytes > self.max_key_bytes:
+                largest = max(self._tenants.values(), key=lambda t: t.num_bytes)
+                _, (_, gone) = largest.held.popitem(last=False)
+                largest.num_bytes -= len(gone)
                 self._num_bytes -= len(gone)
+            if not tenant.held:  # (its one prompt was larger than the bound)
+                del self._tenants[root]
+                return b""
         return ref
 
     def keys(
@@ -74,12 +98,13 @@ class PromptRefs:
                 f"got {prefix_tokens}"
             )
         with self._lock:
-            held = self._held.get(ref)
+            tenant = self._tenants.get(root)
+            held = None if tenant is None else tenant.held.get(ref)
             if held is not None:
-                self._held.move_to_end(ref)
-        if held is None or held[0] != root or held[1] != block_size:
+                tenant.held.move_to_end(ref)  # type: ignore[union-attr]  # (held implies tenant)
+        if held is None or held[0] != block_size:
             raise PrefixUnknown(seq_id)
-        keys = held[2]
+        keys = held[1]
         prefix_blocks = prefix_tokens // block_size
         if prefix_blocks * KEY_BYTES > len(keys):
             raise InvalidArgument(

@@ -82,6 +82,18 @@ def test_short_prompts_get_no_ref_and_the_held_bytes_are_bounded() -> None:
     assert again == made[-1] and refs.num_bytes <= refs.max_key_bytes  # the same prompt: held once
 
 
+def test_a_tenant_flooding_long_prompts_pushes_out_its_own_refs_first() -> None:
+    refs = PromptRefs(max_key_bytes=20 * 8 * KEY_BYTES)
+    victims = [refs.keep(OTHER, BS, _keys(OTHER, np.arange(i, i + 8 * BS, dtype=np.int32))) for i in range(5)]
+    for i in range(200):  # the flood: 200 prompts of 8 blocks where 20 fit in all
+        refs.keep(ROOT, BS, _keys(ROOT, np.arange(10_000 + i, 10_000 + i + 8 * BS, dtype=np.int32)))
+    assert refs.num_bytes <= refs.max_key_bytes
+    tail = np.zeros(0, np.int32)
+    for ref in victims:  # the victim holds its 5: under its fair share, never the largest
+        assert refs.keys("s", OTHER, BS, ref, BS, tail, 1)
+    assert refs.keep(ROOT, BS, bytes(21 * 8 * KEY_BYTES)) == b""  # larger than the whole bound
+
+
 def _reply(ref: bytes, tokens: int, bs: int = BS) -> pb.CoordOpenResponse:
     return pb.CoordOpenResponse(prompt_ref=ref, prompt_ref_tokens=tokens, block_size=bs)
 
