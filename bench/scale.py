@@ -241,11 +241,7 @@ def measure_opens(
                     req = pb.CoordOpenRequest(seq_id=seq_id, packed_token_ids=carried, worker_opens=True)
                     req.carries_prompt = True
                     if mode == "framed_ref":  # as the client names a start it sent (client/sent_prompts.py)
-                        ref, named = sent[n % len(cluster.stubs)].name(carried)
-                        if named:
-                            a["named"] += 1
-                            req.prefix_ref, req.prefix_tokens = ref, named
-                            req.packed_token_ids = carried[PACKED_TOKEN_BYTES * named :]
+                        a["named"] += sent[n % len(cluster.stubs)].fill(req, carried) > 0
                 else:
                     req = pb.CoordOpenRequest(seq_id=seq_id, token_ids=tokens, worker_opens=worker)
                 framed = framed_ports[n % len(cluster.stubs)] if mode.startswith("framed") else None

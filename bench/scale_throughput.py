@@ -29,7 +29,7 @@ from pagedkv.client.sent_prompts import SentPrompts
 from pagedkv.protos import pagedkv_pb2 as pb
 from pagedkv.protos.errors import PagedKVError, Unavailable
 from pagedkv.protos.framed_client import FramedPort
-from pagedkv.protos.prompt import PACKED_TOKEN_BYTES, pack
+from pagedkv.protos.prompt import pack
 
 START_GAP_S = 0.2  # between the last client saying it is ready and the window opening
 
@@ -131,10 +131,8 @@ def _client(
         packed = pack(tokens) or b""
         req = pb.CoordOpenRequest(seq_id=seq_id, packed_token_ids=packed, worker_opens=True)
         req.carries_prompt = True
-        ref, named = (b"", 0) if whole else sent.name(packed)
-        if named:
-            req.prefix_ref, req.prefix_tokens = ref, named
-            req.packed_token_ids = packed[PACKED_TOKEN_BYTES * named :]
+        if not whole:
+            sent.fill(req, packed)
         reply = framed.call("Open", req, pb.CoordOpenResponse, 60)
         if not whole:
             sent.learn(packed, reply)

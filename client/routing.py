@@ -243,10 +243,7 @@ class CoordinatorRouting:
         goes whole again if the coordinator no longer holds it."""
         _whole(request, packed)  # (a second open of this request names afresh)
         if packed and request.carries_prompt and self.framed is not None and self.framed.is_usable:
-            ref, named = self.sent_prompts.name(packed)
-            if named:
-                request.prefix_ref, request.prefix_tokens = ref, named
-                request.packed_token_ids = packed[named * PACKED_TOKEN_BYTES :]
+            self.sent_prompts.fill(request, packed)
         try:
             resp = self._call("Open", request, timeout_s)
         except PrefixUnknown:

@@ -58,6 +58,16 @@ class SentPrompts:
                 best = (sent.ref, shared)
         return best if best[1] >= MIN_REF_TOKENS else (b"", 0)
 
+    def fill(self, request: Any, packed: bytes) -> int:
+        """Name the start of `packed` (the whole prompt) in an open request (a CoordOpenRequest
+        that carries its prompt): prefix_ref, prefix_tokens and the rest as packed_token_ids.
+        The tokens named; 0 leaves the request as it is."""
+        ref, named = self.name(packed)
+        if named:
+            request.prefix_ref, request.prefix_tokens = ref, named
+            request.packed_token_ids = packed[named * PACKED_TOKEN_BYTES :]
+        return named
+
     def learn(self, packed: bytes, reply: Any) -> None:
         """Hold the prompt an open sent whole or in part (`packed`: all of it) under the ref
         its reply (a CoordOpenResponse) gave, if any; a reply that does not fit is ignored."""

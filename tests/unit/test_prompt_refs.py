@@ -113,8 +113,16 @@ def test_the_worker_names_the_longest_whole_block_start_it_shares() -> None:
     assert sent.name(_packed(system[: 7 * BS + 3] + [4] * 40)) == (b"r1", 7 * BS)
     assert sent.name(_packed(system[: MIN_REF_TOKENS - 1] + [0] * 100)) == (b"", 0)  # under the minimum
     assert sent.name(_packed([5] + system)) == (b"", 0)  # the first token differs
+    whole = _packed(system + [9])
+    request = pb.CoordOpenRequest(packed_token_ids=whole, carries_prompt=True)
+    assert sent.fill(request, whole) == 10 * BS  # the request names r1 and sends the rest
+    assert (request.prefix_ref, request.prefix_tokens) == (b"r1", 10 * BS)
+    assert request.packed_token_ids == whole[4 * 10 * BS :]
     sent.forget()
     assert sent.name(_packed(system)) == (b"", 0)
+    untouched = pb.CoordOpenRequest(packed_token_ids=whole)
+    assert sent.fill(untouched, whole) == 0
+    assert untouched.packed_token_ids == whole and not untouched.prefix_ref
 
 
 def test_the_worker_holds_its_latest_prompts_and_ignores_replies_that_do_not_fit() -> None:
